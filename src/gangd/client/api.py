@@ -1,0 +1,169 @@
+"""A Python API to the gangd daemons (what the ``gang`` command is built on).
+
+::
+
+    import trio
+    from gangd.client.api import connect
+
+    async def main():
+        async with connect() as gang:
+            record = await gang.submit(["python", "app.py"], nranks=8)
+            async with gang.wait(record["id"]) as updates:
+                async for record in updates:
+                    print(record["state"])
+
+    trio.run(main)
+
+The client talks to one daemon on this machine over its Unix socket; which
+socket is found by :func:`locate`.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import trio
+
+from ..daemon.config import DEFAULT_SOCKET
+from ..protocol import ProtocolError
+from ..rpc import Channel, RemoteError, dial_unix, running
+
+CLUSTER_FILE = "cluster.toml"
+
+
+class ClusterNotFound(Exception):
+    """No daemon could be reached; the message says where we looked."""
+
+
+def default_cluster_dir() -> Path:
+    return Path.home() / ".gangd" / "cluster"
+
+
+def cluster_dir(explicit: str | os.PathLike | None = None) -> Path:
+    """The local cluster directory a command refers to (``--cluster``, then
+    ``$GANGD_CLUSTER``, then ``~/.gangd/cluster``)."""
+    if explicit:
+        return Path(explicit)
+    if os.environ.get("GANGD_CLUSTER"):
+        return Path(os.environ["GANGD_CLUSTER"])
+    return default_cluster_dir()
+
+
+def read_cluster_file(directory: Path) -> dict:
+    with open(directory / CLUSTER_FILE, "rb") as fh:
+        return tomllib.load(fh)
+
+
+def locate(cluster: str | os.PathLike | None = None) -> list[str]:
+    """Sockets to try, in order.
+
+    ``cluster`` (or ``$GANGD_CLUSTER``) names a local cluster directory; else
+    ``$GANGD_SOCKET`` (set inside jobs) names a daemon socket; else the default
+    local cluster if one was brought up; else the system daemon's socket.
+    """
+    explicit = cluster or os.environ.get("GANGD_CLUSTER")
+    if explicit:
+        directory = Path(explicit)
+        try:
+            info = read_cluster_file(directory)
+        except FileNotFoundError:
+            raise ClusterNotFound(f"no cluster in {directory} (no {CLUSTER_FILE}); start one with `gang cluster up --dir {directory}`") from None
+        return [node["socket"] for node in info.get("nodes", [])]
+    if os.environ.get("GANGD_SOCKET"):
+        return [os.environ["GANGD_SOCKET"]]
+    default = default_cluster_dir()
+    if (default / CLUSTER_FILE).exists():
+        return [node["socket"] for node in read_cluster_file(default).get("nodes", [])]
+    return [DEFAULT_SOCKET]
+
+
+class Client:
+    def __init__(self, channel: Channel):
+        self.channel = channel
+
+    @property
+    def node(self) -> str:
+        return self.channel.remote_node
+
+    async def request(self, op: str, **args):
+        return await self.channel.request(op, **args)
+
+    async def info(self) -> dict:
+        return await self.request("info")
+
+    async def submit(
+        self,
+        argv: list[str],
+        nranks: int,
+        *,
+        name: str | None = None,
+        per_node: int | None = None,
+        nodes: int | None = None,
+        nodelist: list[str] | None = None,
+        cwd: str | None = None,
+        env: dict | None = None,
+        kill_on_bad_exit: bool = True,
+    ) -> dict:
+        spec = {
+            "argv": list(argv),
+            "nranks": nranks,
+            "name": name,
+            "per_node": per_node,
+            "nodes": nodes,
+            "nodelist": nodelist,
+            "cwd": cwd if cwd is not None else os.getcwd(),
+            "env": dict(os.environ) if env is None else env,
+            "kill_on_bad_exit": kill_on_bad_exit,
+        }
+        return await self.request("submit", spec=spec)
+
+    async def jobs(self, all: bool = False) -> list[dict]:
+        return await self.request("jobs", all=all)
+
+    async def job(self, job_id: int) -> dict:
+        return await self.request("job", job=job_id)
+
+    async def nodes(self) -> list[dict]:
+        return await self.request("nodes")
+
+    async def kill(self, job_id: int) -> dict:
+        return await self.request("kill", job=job_id)
+
+    def wait(self, job_id: int, *, kill_on_disconnect: bool = False):
+        """``async with gang.wait(id) as updates``: the record at every change, until it ends."""
+        return self.channel.stream("wait", job=job_id, kill_on_disconnect=kill_on_disconnect)
+
+    async def wait_done(self, job_id: int) -> dict:
+        record = None
+        async with self.wait(job_id) as updates:
+            async for record in updates:
+                pass
+        return record
+
+    def output(self, job_id: int, *, follow: bool = True, ranks: list[int] | None = None):
+        """``async with gang.output(id) as chunks``: ``{"rank", "stream", "data"}`` items."""
+        return self.channel.stream("output", job=job_id, follow=follow, ranks=ranks)
+
+
+@asynccontextmanager
+async def connect(cluster: str | os.PathLike | None = None, sockets: list[str] | None = None):
+    """Connect to the first reachable daemon of the cluster."""
+    candidates = sockets or locate(cluster)
+    errors = []
+    for path in candidates:
+        try:
+            channel = await dial_unix(path)
+        except (OSError, ProtocolError, trio.TooSlowError) as exc:
+            errors.append(f"{path}: {getattr(exc, 'strerror', None) or exc}")
+            continue
+        async with running(channel):
+            yield Client(channel)
+        return
+    where = "; ".join(errors) or "no sockets configured"
+    raise ClusterNotFound(f"cannot reach a gangd daemon ({where}). Is the cluster up? Try `gang cluster up`.")
+
+
+__all__ = ["Client", "ClusterNotFound", "RemoteError", "connect", "locate", "cluster_dir"]

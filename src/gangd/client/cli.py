@@ -1,0 +1,531 @@
+"""``gang``: submit and watch parallel jobs on a gangd cluster.
+
+Exit codes (for every command):
+  0  success
+  1  error (the message says what), or a job that failed for a reason other
+     than a rank's exit code (a node went down, the launch failed)
+  2  bad command line or request (bad option, unknown node, job too large)
+  3  no gangd daemon reachable
+  4  permission denied (the job belongs to someone else)
+  5  no such job
+`gang run` and `gang wait` return the job's own code instead: the worst
+rank's exit code, 128+N if a rank died of signal N, 137 if the job was
+killed, 130 if `gang run` was interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import click
+import trio
+
+from .. import jobs
+from ..rpc import RemoteError, leaf_error
+from .api import ClusterNotFound, cluster_dir, connect
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
+EXIT_PERMISSION = 4
+EXIT_NOT_FOUND = 5
+EXIT_INTERRUPTED = 130
+
+_ERROR_EXITS = {
+    "permission_denied": EXIT_PERMISSION,
+    "no_such_job": EXIT_NOT_FOUND,
+    "bad_request": EXIT_USAGE,
+    "too_large": EXIT_USAGE,
+    "unknown_op": EXIT_USAGE,
+}
+
+
+class Fail(Exception):
+    def __init__(self, message: str, code: int = EXIT_ERROR):
+        super().__init__(message)
+        self.code = code
+
+
+def run_async(fn, *args):
+    """Run a coroutine for a command, turning errors into messages and exit codes."""
+    try:
+        try:
+            return trio.run(fn, *args)
+        except BaseExceptionGroup as group:
+            raise leaf_error(group) from None
+    except ClusterNotFound as exc:
+        click.echo(f"gang: {exc}", err=True)
+        sys.exit(EXIT_UNREACHABLE)
+    except RemoteError as exc:
+        click.echo(f"gang: {exc.message}", err=True)
+        sys.exit(_ERROR_EXITS.get(exc.code, EXIT_ERROR))
+    except Fail as exc:
+        click.echo(f"gang: {exc}", err=True)
+        sys.exit(exc.code)
+
+
+def emit_json(obj) -> None:
+    click.echo(json.dumps(obj, indent=2, default=_json_default))
+
+
+def _json_default(obj):
+    if isinstance(obj, bytes):
+        return obj.decode(errors="replace")
+    raise TypeError(type(obj).__name__)
+
+
+def table(rows: list[list[str]], headers: list[str]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+    lines = ["  ".join(str(h).ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    for row in rows:
+        lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the group
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=__doc__.split("\n", 2)[2])
+@click.option("--cluster", "cluster", metavar="DIR", envvar="GANGD_CLUSTER", help="Local cluster directory (default: $GANGD_CLUSTER, else ~/.gangd/cluster, else /run/gangd/gangd.sock).")
+@click.version_option(package_name="gangd")
+@click.pass_context
+def main(ctx, cluster):
+    """Run and watch parallel jobs on a gangd cluster.
+
+    \b
+    Quick start:
+      gang cluster up --nodes 4
+      gang run -n 8 -- python examples/hello.py
+      gang cluster down
+    """
+    ctx.obj = {"cluster": cluster}
+
+
+def _cluster(ctx) -> str | None:
+    return ctx.obj.get("cluster")
+
+
+# ---------------------------------------------------------------- job options
+
+def job_options(fn):
+    fn = click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)(fn)
+    fn = click.option("--no-kill-on-bad-exit", is_flag=True, help="Keep the other ranks running when one fails.")(fn)
+    fn = click.option("-w", "--nodelist", metavar="N1,N2", help="Run only on these nodes.")(fn)
+    fn = click.option("-N", "--nodes", type=click.IntRange(min=1), help="Spread the ranks over exactly this many nodes.")(fn)
+    fn = click.option("--per-node", type=click.IntRange(min=1), help="At most this many ranks on each node.")(fn)
+    fn = click.option("--name", "-J", help="Job name (default: the command's name).")(fn)
+    fn = click.option("-n", "--ranks", "nranks", type=click.IntRange(min=1), required=True, help="Number of ranks.")(fn)
+    return fn
+
+
+def _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command) -> dict:
+    return {
+        "argv": list(command),
+        "nranks": nranks,
+        "name": name,
+        "per_node": per_node,
+        "nodes": nodes,
+        "nodelist": [n.strip() for n in nodelist.split(",") if n.strip()] if nodelist else None,
+        "kill_on_bad_exit": not no_kill_on_bad_exit,
+    }
+
+
+async def _submit(gang, spec: dict) -> dict:
+    return await gang.submit(
+        spec["argv"],
+        spec["nranks"],
+        name=spec["name"],
+        per_node=spec["per_node"],
+        nodes=spec["nodes"],
+        nodelist=spec["nodelist"],
+        kill_on_bad_exit=spec["kill_on_bad_exit"],
+    )
+
+
+# ---------------------------------------------------------------- output printing
+
+
+class OutputPrinter:
+    """Writes rank output line by line, prefixed with the rank (like `srun --label`)."""
+
+    def __init__(self, nranks: int, label: bool = True):
+        self.label = label
+        self.width = len(str(max(0, nranks - 1)))
+        self.partial: dict[tuple, bytes] = {}
+
+    def feed(self, item: dict) -> None:
+        rank, stream, data = item.get("rank"), item.get("stream", 1), item.get("data", b"")
+        key = (rank, stream)
+        buffer = self.partial.pop(key, b"") + data
+        *lines, rest = buffer.split(b"\n")
+        for line in lines:
+            self._write(rank, stream, line + b"\n")
+        if rest:
+            self.partial[key] = rest
+
+    def flush(self) -> None:
+        for (rank, stream), rest in self.partial.items():
+            self._write(rank, stream, rest + b"\n")
+        self.partial.clear()
+
+    def _write(self, rank, stream, line: bytes) -> None:
+        out = sys.stderr.buffer if stream == 2 else sys.stdout.buffer
+        if self.label and rank is not None:
+            out.write(f"{rank:>{self.width}}: ".encode())
+        out.write(line)
+        out.flush()
+
+
+def summarise_failure(record: dict) -> str:
+    lines = [f"gang: job {record['id']} ({record['name']}) {record['state']}" + (f": {record['reason']}" if record["reason"] else "")]
+    shown = 0
+    for rank, status in enumerate(record["ranks"]):
+        if status is None or (status.get("code", 0) == 0 and not status.get("signal") and not status.get("lost")):
+            continue
+        if status.get("killed") and not record["kill_requested"]:
+            continue  # collateral: gangd killed it because another rank failed
+        if shown == 8:
+            lines.append("gang:   ...")
+            break
+        lines.append(f"gang:   rank {rank} on {status.get('node', '?')}: {jobs.describe_status(status)}")
+        shown += 1
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- run / submit
+
+
+RUN_EPILOG = """\b
+Examples:
+  gang run -n 8 -- python examples/hello.py
+  gang run -n 16 --per-node 4 -- ./solver --steps 100
+  gang run -n 4 -w n1,n2 --no-label -- hostname
+
+Output of every rank is streamed live, each line prefixed with its rank.
+Ctrl-C (or closing the terminal) kills the job on every node. The exit code
+is the worst rank's: its exit code, or 128+N if it died of signal N.
+"""
+
+
+@main.command(epilog=RUN_EPILOG)
+@job_options
+@click.option("--label/--no-label", default=True, help="Prefix each output line with its rank (default: on).")
+@click.option("-v", "--verbose", is_flag=True, help="Say when the job is queued, started and finished.")
+@click.pass_context
+def run(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, label, verbose):
+    """Run a parallel job in the foreground."""
+    spec = _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command)
+    code = run_async(_run, _cluster(ctx), spec, label, verbose)
+    sys.exit(code)
+
+
+async def _run(cluster, spec, label, verbose) -> int:
+    printer = OutputPrinter(spec["nranks"], label)
+    final: dict = {}
+    interrupted = False
+    async with connect(cluster) as gang:
+        record = await _submit(gang, spec)
+        job_id = record["id"]
+        if verbose:
+            click.echo(f"gang: job {job_id} submitted ({spec['nranks']} ranks)", err=True)
+
+        async def watch_state(cancel_scope):
+            said_queued = False
+            async with gang.wait(job_id, kill_on_disconnect=True) as updates:
+                async for current in updates:
+                    final["record"] = current
+                    if current["state"] == jobs.QUEUED and not said_queued and verbose:
+                        click.echo(f"gang: job {job_id} queued: waiting for free cores", err=True)
+                        said_queued = True
+                    if current["state"] == jobs.RUNNING and verbose:
+                        click.echo(f"gang: job {job_id} running on {jobs.compress_nodes(jobs.nodes_of(current))}", err=True)
+
+        async def stream_output():
+            async with gang.output(job_id, follow=True) as chunks:
+                async for item in chunks:
+                    printer.feed(item)
+
+        async def on_signals(scope):
+            nonlocal interrupted
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
+                async for signum in signals:
+                    if interrupted:  # a second Ctrl-C: stop waiting
+                        scope.cancel()
+                        return
+                    interrupted = True
+                    click.echo(f"\ngang: {signal.Signals(signum).name}: killing job {job_id}", err=True)
+                    await gang.kill(job_id)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(on_signals, nursery.cancel_scope)
+            async with trio.open_nursery() as work:
+                work.start_soon(watch_state, work.cancel_scope)
+                work.start_soon(stream_output)
+            nursery.cancel_scope.cancel()
+    printer.flush()
+    record = final.get("record")
+    if record is None:
+        raise Fail(f"lost track of job {job_id}")
+    if interrupted:
+        return EXIT_INTERRUPTED
+    if record["state"] != jobs.DONE:
+        click.echo(summarise_failure(record), err=True)
+    elif verbose:
+        click.echo(f"gang: job {job_id} DONE in {jobs.format_duration(jobs.elapsed(record))}", err=True)
+    return jobs.exit_code(record)
+
+
+SUBMIT_EPILOG = """\b
+Examples:
+  gang submit -n 8 --name sweep -- python app.py
+  JOB=$(gang submit -n 4 -- ./solver) && gang wait $JOB
+
+Prints the job id (or the job record with --json) and returns at once.
+"""
+
+
+@main.command(epilog=SUBMIT_EPILOG)
+@job_options
+@click.option("--json", "as_json", is_flag=True, help="Print the job record as JSON.")
+@click.pass_context
+def submit(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, as_json):
+    """Submit a parallel job and return at once (prints the job id)."""
+    spec = _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command)
+
+    async def go():
+        async with connect(_cluster(ctx)) as gang:
+            return await _submit(gang, spec)
+
+    record = run_async(go)
+    if as_json:
+        emit_json(record)
+    else:
+        click.echo(record["id"])
+
+
+# ---------------------------------------------------------------- ps / nodes
+
+
+@main.command(epilog="""\b
+Examples:
+  gang ps
+  gang ps --all --json | jq '.[] | select(.state=="FAILED")'
+""")
+@click.option("-a", "--all", "show_all", is_flag=True, help="Include jobs that ended more than an hour ago.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.pass_context
+def ps(ctx, show_all, as_json):
+    """List jobs: id, name, owner, ranks, nodes, state, elapsed time."""
+
+    async def go():
+        async with connect(_cluster(ctx)) as gang:
+            return await gang.jobs(all=show_all)
+
+    records = run_async(go)
+    if as_json:
+        emit_json(records)
+        return
+    now = time.time()
+    rows = []
+    for r in records:
+        rows.append(
+            [
+                r["id"],
+                r["name"],
+                r["owner"],
+                r["nranks"],
+                jobs.compress_nodes(r["nodes"]) or "-",
+                r["state"],
+                jobs.format_duration(jobs.elapsed(r, now)),
+                r["reason"] or "",
+            ]
+        )
+    click.echo(table(rows, ["JOBID", "NAME", "USER", "RANKS", "NODES", "STATE", "ELAPSED", "REASON"]))
+
+
+@main.command(epilog="""\b
+Examples:
+  gang nodes
+  gang nodes --json
+""")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.pass_context
+def nodes(ctx, as_json):
+    """List the cluster's nodes: state, cores, running ranks, last heartbeat."""
+
+    async def go():
+        async with connect(_cluster(ctx)) as gang:
+            return await gang.nodes()
+
+    rows = run_async(go)
+    if as_json:
+        emit_json(rows)
+        return
+    out = []
+    for r in rows:
+        beat = "-" if r["heartbeat"] is None else ("self" if r["heartbeat"] == 0 else f"{r['heartbeat']:.1f}s ago")
+        out.append([r["name"] + ("*" if r["coordinator"] else ""), r["address"], r["state"], r["cores"], r["running"], beat, r["why"]])
+    click.echo(table(out, ["NODE", "ADDRESS", "STATE", "CORES", "RANKS", "HEARTBEAT", "WHY"]))
+    click.echo("(* coordinator)")
+
+
+# ---------------------------------------------------------------- logs / kill / wait
+
+
+@main.command(epilog="""\b
+Examples:
+  gang logs 12
+  gang logs -f 12
+  gang logs --rank 3 --no-label 12 > rank3.txt
+""")
+@click.argument("job", type=int)
+@click.option("-f", "--follow", is_flag=True, help="Keep printing output as it arrives until the job ends.")
+@click.option("-r", "--rank", "ranks", type=int, multiple=True, help="Only this rank (repeatable).")
+@click.option("--label/--no-label", default=True, help="Prefix each line with its rank.")
+@click.pass_context
+def logs(ctx, job, follow, ranks, label):
+    """Print the output of a job's ranks (kept on each node's local disk)."""
+
+    async def go():
+        async with connect(_cluster(ctx)) as gang:
+            record = await gang.job(job)
+            printer = OutputPrinter(record["nranks"], label)
+            async with gang.output(job, follow=follow, ranks=list(ranks) or None) as chunks:
+                async for item in chunks:
+                    printer.feed(item)
+            printer.flush()
+
+    run_async(go)
+
+
+@main.command(epilog="""\b
+Examples:
+  gang kill 12
+  gang kill 12 13 14
+""")
+@click.argument("job_ids", metavar="JOB...", type=int, nargs=-1, required=True)
+@click.pass_context
+def kill(ctx, job_ids):
+    """Kill jobs on every node (owner or root only)."""
+
+    async def go():
+        async with connect(_cluster(ctx)) as gang:
+            for job_id in job_ids:
+                record = await gang.kill(job_id)
+                click.echo(f"job {job_id}: {record['state']}")
+
+    run_async(go)
+
+
+@main.command(epilog="""\b
+Examples:
+  gang wait 12 && echo "job 12 succeeded"
+""")
+@click.argument("job", type=int)
+@click.option("--json", "as_json", is_flag=True, help="Print the final job record as JSON.")
+@click.pass_context
+def wait(ctx, job, as_json):
+    """Wait for a job to end; exit with its code (like `gang run`)."""
+
+    async def go():
+        async with connect(_cluster(ctx)) as gang:
+            return await gang.wait_done(job)
+
+    record = run_async(go)
+    if as_json:
+        emit_json(record)
+    elif record["state"] != jobs.DONE:
+        click.echo(summarise_failure(record), err=True)
+    sys.exit(jobs.exit_code(record))
+
+
+# ---------------------------------------------------------------- cluster
+
+
+@main.group()
+def cluster():
+    """Start and stop a local multi-node cluster (N daemons on 127.0.0.x)."""
+
+
+@cluster.command("up", epilog="""\b
+Examples:
+  gang cluster up --nodes 4
+  gang cluster up --nodes 8 --cores 8 --dir /tmp/c8
+  GANGD_CLUSTER=/tmp/c8 gang nodes
+""")
+@click.option("--nodes", "-N", "count", type=click.IntRange(1, 250), default=4, show_default=True, help="Number of node daemons.")
+@click.option("--cores", type=click.IntRange(min=1), default=8, show_default=True, help="Cores each node offers.")
+@click.option("--dir", "directory", type=click.Path(file_okay=False), help="Cluster directory (default: --cluster, $GANGD_CLUSTER, ~/.gangd/cluster).")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning"]), default="info", show_default=True)
+@click.pass_context
+def cluster_up(ctx, count, cores, directory, log_level):
+    """Start N gangd daemons on 127.0.0.1..N, each with its own state dir."""
+    from . import cluster as local
+
+    where = cluster_dir(directory or _cluster(ctx))
+    try:
+        local.up(where, count, cores=cores, log_level=log_level, progress=lambda m: click.echo(m, err=True))
+    except local.ClusterError as exc:
+        click.echo(f"gang: {exc}", err=True)
+        sys.exit(EXIT_ERROR)
+    click.echo(f"cluster of {count} nodes up in {where}")
+    if where != cluster_dir(None):
+        click.echo(f"use it with: export GANGD_CLUSTER={where}")
+
+
+@cluster.command("down", epilog="""\b
+Examples:
+  gang cluster down
+  gang cluster down --dir /tmp/c8
+""")
+@click.option("--dir", "directory", type=click.Path(file_okay=False), help="Cluster directory.")
+@click.pass_context
+def cluster_down(ctx, directory):
+    """Stop every daemon of a local cluster (their ranks are killed; state dirs are kept)."""
+    from . import cluster as local
+
+    where = cluster_dir(directory or _cluster(ctx))
+    stopped = local.down(where)
+    if stopped:
+        click.echo(f"stopped {', '.join(stopped)}")
+    else:
+        click.echo(f"no daemons running in {where}")
+
+
+@cluster.command("status")
+@click.option("--dir", "directory", type=click.Path(file_okay=False), help="Cluster directory.")
+@click.pass_context
+def cluster_status(ctx, directory):
+    """Show which daemons of a local cluster are running."""
+    from . import cluster as local
+
+    where = cluster_dir(directory or _cluster(ctx))
+    rows = local.status(where)
+    if not rows:
+        click.echo(f"no cluster in {where}")
+        sys.exit(EXIT_ERROR)
+    click.echo(table([[name, pid or "-", "running" if pid else "stopped"] for name, pid in rows], ["NODE", "PID", "DAEMON"]))
+
+
+# ---------------------------------------------------------------- demo
+
+
+@main.command(epilog="""\b
+Example:
+  gang demo
+""")
+@click.option("--nodes", type=click.IntRange(1, 32), default=4, show_default=True)
+@click.option("--keep", is_flag=True, help="Leave the demo cluster running afterwards.")
+def demo(nodes, keep):
+    """Bring up a local cluster, run a parallel job across it, show the result."""
+    from .demo import run_demo
+
+    sys.exit(run_demo(nodes=nodes, keep=keep))
+
+
+if __name__ == "__main__":
+    main()

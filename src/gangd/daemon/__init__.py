@@ -1,0 +1,1 @@
+"""The gangd node daemon."""

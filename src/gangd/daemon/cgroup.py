@@ -1,0 +1,129 @@
+"""Per-rank cgroups (v2), so every process a rank forks is tracked and killed with it.
+
+A process group alone is not enough: a rank can call ``setsid`` and escape it.
+A cgroup cannot be escaped by an unprivileged process, ``cgroup.procs`` lists
+every member, and ``cgroup.kill`` (Linux 5.14+) kills them all at once.
+Where cgroup v2 is not mounted or not writable (not root, no delegation) the
+daemon falls back to process groups plus a psutil sweep of descendants.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+from pathlib import Path
+
+log = logging.getLogger("gangd.cgroup")
+
+
+def find_cgroup2_root() -> Path | None:
+    """Our own cgroup directory in the v2 hierarchy, or None."""
+    mount = None
+    try:
+        with open("/proc/self/mounts") as fh:
+            for line in fh:
+                fields = line.split()
+                if len(fields) >= 3 and fields[2] == "cgroup2":
+                    mount = Path(fields[1])
+                    break
+        if mount is None:
+            return None
+        with open("/proc/self/cgroup") as fh:
+            for line in fh:
+                if line.startswith("0::"):
+                    return mount / line[3:].strip().lstrip("/")
+    except OSError:
+        return None
+    return None
+
+
+class CgroupTree:
+    """``<our cgroup>/<name>/job-<id>/rank-<r>``; ``name`` keeps several local daemons apart."""
+
+    def __init__(self, name: str):
+        self.base: Path | None = None
+        root = find_cgroup2_root()
+        if root is None:
+            log.info("no cgroup v2 hierarchy: tracking ranks by process group only")
+            return
+        base = root / name
+        try:
+            base.mkdir(exist_ok=True)
+            (base / "cgroup.procs").stat()
+        except OSError as exc:
+            log.info("cannot create cgroups under %s (%s): tracking ranks by process group only", root, exc)
+            return
+        self.base = base
+
+    @property
+    def enabled(self) -> bool:
+        return self.base is not None
+
+    def create(self, job_id: int, rank: int) -> Path | None:
+        if self.base is None:
+            return None
+        path = self.base / f"job-{job_id}" / f"rank-{rank}"
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            log.warning("cannot create cgroup %s: %s", path, exc)
+            return None
+        return path
+
+    def pids(self, path: Path) -> list[int]:
+        try:
+            return [int(line) for line in (path / "cgroup.procs").read_text().split()]
+        except OSError:
+            return []
+
+    def kill(self, path: Path) -> None:
+        """Kill every process in the cgroup (cgroup.kill, else SIGKILL each)."""
+        try:
+            (path / "cgroup.kill").write_text("1")
+            return
+        except OSError:
+            pass
+        for pid in self.pids(path):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def remove_job(self, job_id: int) -> None:
+        if self.base is None:
+            return
+        job = self.base / f"job-{job_id}"
+        for rank_dir in job.glob("rank-*"):
+            _rmdir(rank_dir)
+        _rmdir(job)
+
+    def sweep(self) -> list[int]:
+        """Kill leftovers of a previous life of this daemon; returns the job ids found."""
+        if self.base is None:
+            return []
+        found = []
+        for job in self.base.glob("job-*"):
+            for rank_dir in job.glob("rank-*"):
+                self.kill(rank_dir)
+            found.append(int(job.name.split("-", 1)[1]))
+        return found
+
+
+def _rmdir(path: Path) -> None:
+    # A cgroup can only be removed once its last process is gone; the kernel
+    # reaps asynchronously after SIGKILL, so retry briefly.
+    for _ in range(50):
+        try:
+            path.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            if exc.errno != errno.EBUSY:
+                log.debug("cannot remove cgroup %s: %s", path, exc)
+                return
+            import time
+
+            time.sleep(0.01)

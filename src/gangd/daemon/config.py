@@ -1,0 +1,176 @@
+"""Daemon configuration: one TOML file per node, every setting overridable by flag.
+
+Example (``/etc/gangd/gangd.toml``)::
+
+    [node]
+    name = "n1"                      # this node, one of [[nodes]] below
+    state_dir = "/var/lib/gangd"     # node-local disk: job records, rank output, checkpoints
+    socket = "/run/gangd/gangd.sock" # local clients (the gang command)
+    log_level = "info"
+
+    [cluster]
+    secret_file = "/etc/gangd/secret"  # same bytes on every node, mode 0600
+    master = "n1"                    # coordinator; default: the lowest-named live node
+    heartbeat_interval = 1.0
+    heartbeat_timeout = 5.0
+
+    [[nodes]]
+    name = "n1"
+    address = "10.0.0.1"
+    port = 7450
+    cores = 16
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+DEFAULT_PORT = 7450
+DEFAULT_SOCKET = "/run/gangd/gangd.sock"
+DEFAULT_STATE_DIR = "/var/lib/gangd"
+
+
+class ConfigError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    name: str
+    address: str
+    port: int = DEFAULT_PORT
+    cores: int = field(default_factory=lambda: os.cpu_count() or 1)
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.address}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Config:
+    node_name: str
+    nodes: tuple[NodeSpec, ...]
+    state_dir: Path
+    socket: Path
+    secret_file: Path
+    master: str | None = None
+    log_level: str = "info"
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 5.0
+    nice: int = -10  # applied when root: a busy rank must not starve the daemon
+
+    @property
+    def node(self) -> NodeSpec:
+        for spec in self.nodes:
+            if spec.name == self.node_name:
+                return spec
+        raise ConfigError(f"node {self.node_name!r} is not among the configured nodes")
+
+    def spec(self, name: str) -> NodeSpec:
+        for spec in self.nodes:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+    @property
+    def peers(self) -> tuple[NodeSpec, ...]:
+        return tuple(spec for spec in self.nodes if spec.name != self.node_name)
+
+    def read_secret(self) -> bytes:
+        try:
+            secret = self.secret_file.read_bytes().strip()
+        except FileNotFoundError:
+            raise ConfigError(f"cluster secret file {self.secret_file} does not exist") from None
+        except PermissionError:
+            raise ConfigError(f"cannot read cluster secret file {self.secret_file}: permission denied") from None
+        if len(secret) < 16:
+            raise ConfigError(f"cluster secret in {self.secret_file} is too short (need at least 16 bytes)")
+        return secret
+
+
+def load(path: str | os.PathLike | None, **overrides) -> Config:
+    """Read a config file (if any) and apply non-None ``overrides``."""
+    data: dict = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    node = data.get("node", {})
+    cluster = data.get("cluster", {})
+    nodes = []
+    for i, entry in enumerate(data.get("nodes", [])):
+        try:
+            nodes.append(
+                NodeSpec(
+                    name=str(entry["name"]),
+                    address=str(entry["address"]),
+                    port=int(entry.get("port", DEFAULT_PORT)),
+                    cores=int(entry.get("cores", os.cpu_count() or 1)),
+                )
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"[[nodes]] entry {i + 1} in {path}: missing or bad field {exc}") from None
+    settings = {
+        "node_name": node.get("name"),
+        "nodes": tuple(nodes),
+        "state_dir": Path(node.get("state_dir", DEFAULT_STATE_DIR)),
+        "socket": Path(node.get("socket", DEFAULT_SOCKET)),
+        "secret_file": Path(cluster.get("secret_file", "/etc/gangd/secret")),
+        "master": cluster.get("master"),
+        "log_level": node.get("log_level", "info"),
+        "heartbeat_interval": float(cluster.get("heartbeat_interval", 1.0)),
+        "heartbeat_timeout": float(cluster.get("heartbeat_timeout", 5.0)),
+        "nice": int(node.get("nice", -10)),
+    }
+    for key, value in overrides.items():
+        if value is not None:
+            settings[key] = Path(value) if key in ("state_dir", "socket", "secret_file") else value
+    if not settings["node_name"]:
+        raise ConfigError("this node has no name: set [node] name in the config or pass --name")
+    config = Config(**settings)
+    if not config.nodes:
+        raise ConfigError("no [[nodes]] configured: the cluster needs at least this node")
+    names = [spec.name for spec in config.nodes]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"duplicate node names in [[nodes]]: {names}")
+    config.node  # raises if this node is not listed
+    if config.master is not None and config.master not in names:
+        raise ConfigError(f"master {config.master!r} is not among the configured nodes {names}")
+    if config.heartbeat_timeout <= config.heartbeat_interval:
+        raise ConfigError("heartbeat_timeout must be larger than heartbeat_interval")
+    return config
+
+
+def with_overrides(config: Config, **changes) -> Config:
+    return replace(config, **changes)
+
+
+def render(config: Config) -> str:
+    """The TOML text for ``config`` (used by ``gang cluster up``)."""
+    lines = [
+        "[node]",
+        f'name = "{config.node_name}"',
+        f'state_dir = "{config.state_dir}"',
+        f'socket = "{config.socket}"',
+        f'log_level = "{config.log_level}"',
+        f"nice = {config.nice}",
+        "",
+        "[cluster]",
+        f'secret_file = "{config.secret_file}"',
+    ]
+    if config.master:
+        lines.append(f'master = "{config.master}"')
+    lines += [
+        f"heartbeat_interval = {config.heartbeat_interval}",
+        f"heartbeat_timeout = {config.heartbeat_timeout}",
+    ]
+    for spec in config.nodes:
+        lines += ["", "[[nodes]]", f'name = "{spec.name}"', f'address = "{spec.address}"', f"port = {spec.port}", f"cores = {spec.cores}"]
+    return "\n".join(lines) + "\n"

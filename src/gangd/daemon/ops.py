@@ -1,0 +1,333 @@
+"""What each request does.
+
+Two audiences, two sets of operations:
+
+* **client ops** come from local users over the Unix socket. The caller's
+  uid is the kernel's word (SO_PEERCRED). Writes (submit, kill) are forwarded
+  to the coordinator with those credentials; reads (ps, nodes, wait, output)
+  are served from this node's replica of the job table.
+* **peer ops** come from other daemons over authenticated TCP and are
+  trusted: a peer forwarding a user request carries that user's credentials.
+
+Every handler raises :class:`~gangd.rpc.RemoteError` with a specific code
+for anything the caller got wrong; nothing a caller sends can stop the daemon.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import trio
+
+from .. import jobs
+from ..protocol import Note, Request
+from ..rpc import Channel, RemoteError, Stream
+from .coordinator import permission_check
+from .peers import natural_key
+
+log = logging.getLogger("gangd.ops")
+
+RECORD_WAIT = 10.0  # how long a read waits for a just-submitted job to reach this replica
+
+
+def _int(args: dict, key: str) -> int:
+    value = args.get(key)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise RemoteError("bad_request", f"{key!r} must be an integer, not {value!r}")
+    return value
+
+
+class Ops:
+    def __init__(self, daemon):
+        self.daemon = daemon
+        self.client_ops = {
+            "info": self.info,
+            "submit": self.submit,
+            "kill": self.kill,
+            "jobs": self.list_jobs,
+            "job": self.job,
+            "nodes": self.nodes,
+            "wait": self.wait,
+            "output": self.output,
+        }
+        self.peer_ops = {
+            "ping": self.ping,
+            "table_since": self.table_since,
+            "launch": self.launch,
+            "kill_ranks": self.kill_ranks,
+            "rank_exit": self.rank_exit,
+            "coord_submit": self.coord_submit,
+            "coord_kill": self.coord_kill,
+            "output_local": self.output_local,
+        }
+
+    # ------------------------------------------------------------ dispatch
+
+    async def handle(self, channel: Channel, message):
+        if isinstance(message, Note):
+            if channel.context.get("peer") and message.op == "table":
+                await self._apply_table(message.args.get("records"))
+            return None
+        request: Request = message
+        if channel.context.get("peer"):
+            return await self.dispatch_peer(request.op, request.args, from_node=channel.context.get("node"), channel=channel)
+        handler = self.client_ops.get(request.op)
+        if handler is None:
+            if request.op in self.peer_ops:
+                raise RemoteError("permission_denied", f"{request.op!r} is a daemon-to-daemon operation")
+            raise RemoteError("unknown_op", f"unknown operation {request.op!r}")
+        return await handler(channel.context["cred"], request.args, channel)
+
+    async def dispatch_peer(self, op: str, args: dict, *, from_node: str | None, channel: Channel | None = None):
+        handler = self.peer_ops.get(op)
+        if handler is None:
+            raise RemoteError("unknown_op", f"unknown peer operation {op!r}")
+        return await handler(args, from_node, channel)
+
+    async def _apply_table(self, records) -> None:
+        if not isinstance(records, list):
+            return
+        for record in records:
+            if isinstance(record, dict) and isinstance(record.get("id"), int):
+                await self.daemon.table.apply(record)
+
+    async def _to_coordinator(self, op: str, **args):
+        """Run ``op`` on the coordinator, riding out a coordinator change."""
+        daemon = self.daemon
+        deadline = trio.current_time() + 2 * daemon.config.heartbeat_timeout
+        while True:
+            with trio.move_on_after(daemon.config.heartbeat_timeout):
+                await daemon.peers.settled.wait()
+            try:
+                return await daemon.call(daemon.peers.coordinator(), op, **args)
+            except RemoteError as exc:
+                if exc.code not in ("not_coordinator", "node_down", "disconnected") or trio.current_time() > deadline:
+                    raise
+            await trio.sleep(0.1)
+
+    async def _record(self, args: dict, cred: dict, action: str, wait: bool = True) -> dict:
+        job_id = _int(args, "job")
+        table = self.daemon.table
+        record = table.get(job_id)
+        if record is None and wait:
+            # Submitted a moment ago through another node: the replica is on its way.
+            with trio.move_on_after(RECORD_WAIT):
+                while (record := table.get(job_id)) is None:
+                    await table.wait_changed()
+        if record is None:
+            raise RemoteError("no_such_job", f"no job {job_id}")
+        permission_check(record, cred, action)
+        return record
+
+    # ------------------------------------------------------------ client ops
+
+    async def info(self, cred, args, channel):
+        daemon = self.daemon
+        return {
+            "node": daemon.node,
+            "coordinator": daemon.peers.coordinator(),
+            "nodes": [n.name for n in daemon.config.nodes],
+            "uid": cred["uid"],
+            "user": cred["user"],
+        }
+
+    async def submit(self, cred, args, channel):
+        spec = args.get("spec")
+        if not isinstance(spec, dict):
+            raise RemoteError("bad_request", "submit needs a job spec")
+        return await self._to_coordinator("coord_submit", spec=spec, cred=cred)
+
+    async def kill(self, cred, args, channel):
+        job_id = _int(args, "job")
+        return await self._to_coordinator("coord_kill", job=job_id, cred=cred)
+
+    async def list_jobs(self, cred, args, channel):
+        records = sorted(self.daemon.table.records.values(), key=lambda r: r["id"])
+        if not args.get("all"):
+            cutoff = time.time() - 3600
+            records = [r for r in records if not jobs.is_terminal(r) or (r.get("ended") or 0) > cutoff]
+        return [_summary(r) for r in records]
+
+    async def job(self, cred, args, channel):
+        return await self._record(args, cred, "inspect")
+
+    async def nodes(self, cred, args, channel):
+        daemon = self.daemon
+        peers = daemon.peers
+        now = time.time()
+        coordinator = peers.coordinator()
+        rows = []
+        for spec in sorted(daemon.config.nodes, key=lambda n: natural_key(n.name)):
+            if spec.name == daemon.node:
+                running, heartbeat, why = daemon.ranks.running(), 0.0, ""
+            else:
+                link = peers.links[spec.name]
+                running = link.info.get("running", 0) if link.up else 0
+                heartbeat = now - link.last_ok_wall if link.last_ok_wall else None
+                why = "" if link.up else link.why_down
+            rows.append(
+                {
+                    "name": spec.name,
+                    "address": spec.endpoint,
+                    "state": "up" if peers.is_up(spec.name) else "down",
+                    "cores": spec.cores,
+                    "running": running,
+                    "heartbeat": heartbeat,
+                    "coordinator": spec.name == coordinator,
+                    "why": why,
+                }
+            )
+        return rows
+
+    async def wait(self, cred, args, channel):
+        """Stream the job's record on every change until it ends.
+
+        With ``kill_on_disconnect`` (what ``gang run`` asks for) a client that
+        vanishes — terminal closed, process killed — takes its job with it.
+        """
+        record = await self._record(args, cred, "wait for")
+        job_id = record["id"]
+        kill_on_disconnect = bool(args.get("kill_on_disconnect"))
+        table = self.daemon.table
+
+        async def produce(emit):
+            try:
+                last_seq = -1
+                while True:
+                    current = table.get(job_id)
+                    if current["seq"] != last_seq:
+                        last_seq = current["seq"]
+                        await emit(current)
+                    if jobs.is_terminal(current):
+                        return
+                    await table.wait_changed()
+            finally:
+                current = table.get(job_id)
+                if kill_on_disconnect and channel.closed and not jobs.is_terminal(current):
+                    log.info("client of job %d went away; killing the job", job_id)
+                    self.daemon.spawn(self._kill_quietly, job_id, cred)
+
+        return Stream(produce)
+
+    async def _kill_quietly(self, job_id: int, cred: dict) -> None:
+        try:
+            await self._to_coordinator("coord_kill", job=job_id, cred=cred)
+        except RemoteError as exc:
+            log.warning("could not kill job %d: %s", job_id, exc)
+
+    async def output(self, cred, args, channel):
+        """Stream ``{"rank", "stream", "data"}`` items of the job's output from
+        every node that runs its ranks, each rank in order."""
+        record = await self._record(args, cred, "read the output of")
+        job_id = record["id"]
+        follow = bool(args.get("follow", True))
+        wanted = args.get("ranks")
+        table = self.daemon.table
+
+        async def produce(emit):
+            # Wait until the job is placed (or ended without ever running).
+            current = table.get(job_id)
+            while not current["placement"] and not jobs.is_terminal(current) and follow:
+                await table.wait_changed()
+                current = table.get(job_id)
+
+            async def relay(node: str, ranks: list[int]) -> None:
+                if node == self.daemon.node:
+                    await self._local_output(job_id, ranks, follow, emit)
+                    return
+                try:
+                    channel_to = self.daemon.peers.channel(node)
+                    async with channel_to.stream("output_local", job=job_id, ranks=ranks, follow=follow) as items:
+                        async for item in items:
+                            await emit(item)
+                except RemoteError as exc:
+                    await emit({"rank": None, "stream": 2, "data": f"gangd: output of {node} unavailable: {exc}\n".encode()})
+
+            async with trio.open_nursery() as nursery:
+                for node in jobs.nodes_of(current):
+                    ranks = [r for r in jobs.ranks_on(current, node) if wanted is None or r in wanted]
+                    if ranks:
+                        nursery.start_soon(relay, node, ranks)
+
+        return Stream(produce)
+
+    async def _local_output(self, job_id: int, ranks: list[int], follow: bool, emit) -> None:
+        daemon = self.daemon
+
+        async def one(rank: int) -> None:
+            key = (job_id, rank)
+            # The launch may still be on its way to this node.
+            while key not in daemon.ranks.logs:
+                record = daemon.table.get(job_id)
+                if not follow or record is None or jobs.is_terminal(record) or record["ranks"][rank] is not None:
+                    break
+                await daemon.table.wait_changed()
+            log_ = daemon.ranks.logs.get(key)
+            if log_ is not None:
+                source = log_.follow(follow)
+            else:  # after a daemon restart: only the file is left
+                from .outputlog import read_records
+
+                source = read_records(daemon.table.job_dir(job_id) / f"rank-{rank}.log")
+            async for stream, data in source:
+                await emit({"rank": rank, "stream": stream, "data": data})
+
+        async with trio.open_nursery() as nursery:
+            for rank in ranks:
+                nursery.start_soon(one, rank)
+
+    # ------------------------------------------------------------ peer ops
+
+    async def ping(self, args, from_node, channel):
+        return self.daemon.heartbeat_info()
+
+    async def table_since(self, args, from_node, channel):
+        return self.daemon.table.since(_int(args, "seq"))
+
+    async def launch(self, args, from_node, channel):
+        record = args.get("record")
+        if not isinstance(record, dict):
+            raise RemoteError("bad_request", "launch needs a job record")
+        daemon = self.daemon
+        await daemon.table.apply(record)
+        try:
+            pids = await daemon.ranks.launch(daemon.nursery, record, daemon.table.job_dir(record["id"]))
+        except Exception as exc:
+            log.exception("launching job %d failed", record["id"])
+            raise RemoteError("launch_failed", f"{type(exc).__name__}: {exc}") from None
+        daemon.table.notify_changed()
+        return {str(rank): pid for rank, pid in pids.items()}
+
+    async def kill_ranks(self, args, from_node, channel):
+        await self.daemon.ranks.kill_job(_int(args, "job"))
+        return True
+
+    def _coordinator(self):
+        if not self.daemon.coordinator.active:
+            raise RemoteError("not_coordinator", f"{self.daemon.node} is not the coordinator")
+        return self.daemon.coordinator
+
+    async def rank_exit(self, args, from_node, channel):
+        await self._coordinator().rank_exited(_int(args, "job"), _int(args, "rank"), args.get("status") or {})
+        return True
+
+    async def coord_submit(self, args, from_node, channel):
+        return await self._coordinator().submit(args["spec"], args["cred"])
+
+    async def coord_kill(self, args, from_node, channel):
+        return await self._coordinator().kill(_int(args, "job"), args["cred"])
+
+    async def output_local(self, args, from_node, channel):
+        job_id = _int(args, "job")
+        ranks = [r for r in args.get("ranks") or [] if isinstance(r, int)]
+        follow = bool(args.get("follow", True))
+        return Stream(lambda emit: self._local_output(job_id, ranks, follow, emit))
+
+
+def _summary(record: dict) -> dict:
+    keys = ("id", "name", "owner", "owner_uid", "nranks", "placement", "state", "reason", "submitted", "started", "ended", "ranks", "kill_requested")
+    summary = {k: record.get(k) for k in keys}
+    summary["nodes"] = jobs.nodes_of(record)
+    summary["exit_code"] = jobs.exit_code(record) if jobs.is_terminal(record) else None
+    return summary

@@ -1,0 +1,216 @@
+"""Links to the other daemons: connection, authentication, heartbeats, membership.
+
+Each daemon dials every other daemon (so each pair has two TCP connections,
+one per direction) and sends its requests on the link it dialed; requests
+from a peer arrive on the connection that peer dialed. A peer is *up* while
+its link is connected and answered a heartbeat within ``heartbeat_timeout``.
+Membership changes are reported to the daemon, whose coordinator fails jobs
+on nodes that went down.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+from dataclasses import dataclass, field
+
+import trio
+
+from ..protocol import ProtocolError
+from ..rpc import Channel, Disconnected, RemoteError, dial_tcp
+from .config import NodeSpec
+
+log = logging.getLogger("gangd.peers")
+
+
+def natural_key(name: str):
+    """n2 sorts before n10 (used to pick the lowest-named live node)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+class NodeDown(RemoteError):
+    def __init__(self, node: str, why: str):
+        super().__init__("node_down", f"node {node} is down: {why}")
+
+
+@dataclass
+class PeerLink:
+    spec: NodeSpec
+    channel: Channel | None = None
+    up: bool = False
+    last_ok: float | None = None  # monotonic time of the last answered heartbeat
+    last_ok_wall: float | None = None
+    info: dict = field(default_factory=dict)  # what the peer said about itself
+    why_down: str = "not contacted yet"
+    outbox: tuple = ()
+
+
+class Peers:
+    def __init__(self, daemon):
+        self.daemon = daemon
+        self.config = daemon.config
+        self.links: dict[str, PeerLink] = {spec.name: PeerLink(spec) for spec in self.config.peers}
+        for link in self.links.values():
+            link.outbox = trio.open_memory_channel(math.inf)
+        self.settled = trio.Event()  # first round of contacts done (or timed out)
+
+    # ------------------------------------------------------------ queries
+
+    def is_up(self, name: str) -> bool:
+        return name == self.config.node_name or (name in self.links and self.links[name].up)
+
+    def up_nodes(self) -> list[str]:
+        names = [self.config.node_name] + [n for n, link in self.links.items() if link.up]
+        return sorted(names, key=natural_key)
+
+    def coordinator(self) -> str:
+        master = self.config.master
+        if master and self.is_up(master):
+            return master
+        return self.up_nodes()[0]
+
+    # ------------------------------------------------------------ calls
+
+    async def call(self, node: str, op: str, **args):
+        link = self.links.get(node)
+        if link is None:
+            raise RemoteError("no_such_node", f"no node named {node!r} in this cluster")
+        if link.channel is None or link.channel.closed:
+            raise NodeDown(node, link.why_down)
+        return await link.channel.request(op, **args)
+
+    def channel(self, node: str) -> Channel:
+        link = self.links[node]
+        if link.channel is None or link.channel.closed:
+            raise NodeDown(node, link.why_down)
+        return link.channel
+
+    def broadcast(self, op: str, **args) -> None:
+        """Queue a one-way note to every peer that is up (lost if it goes down)."""
+        for link in self.links.values():
+            if link.up:
+                link.outbox[0].send_nowait((op, args))
+
+    def send_note(self, node: str, op: str, **args) -> None:
+        link = self.links.get(node)
+        if link is not None and link.up:
+            link.outbox[0].send_nowait((op, args))
+
+    # ------------------------------------------------------------ the links
+
+    async def run(self, handler) -> None:
+        async with trio.open_nursery() as nursery:
+            for link in self.links.values():
+                nursery.start_soon(self._maintain, link, handler)
+            nursery.start_soon(self._settle)
+
+    async def _settle(self) -> None:
+        # A daemon that just started must not crown itself coordinator before
+        # it had a chance to hear from the others.
+        with trio.move_on_after(self.config.heartbeat_timeout):
+            while not all(link.up for link in self.links.values()):
+                await trio.sleep(0.05)
+        self.settled.set()
+        self.daemon.membership_changed()
+
+    async def _maintain(self, link: PeerLink, handler) -> None:
+        delay = 0.05
+        spec = link.spec
+        while True:
+            try:
+                channel = await dial_tcp(
+                    spec.address,
+                    spec.port,
+                    node=self.config.node_name,
+                    secret=self.daemon.secret,
+                    label=f"node {spec.name} ({spec.endpoint})",
+                    timeout=self.config.heartbeat_timeout,
+                )
+            except ProtocolError as exc:
+                link.why_down = str(exc)
+                log.error("node %s (%s) refused us: %s", spec.name, spec.endpoint, exc.message)
+                self._mark_down(link, exc.message)
+                await trio.sleep(max(delay, 1.0))
+                continue
+            except (OSError, trio.TooSlowError) as exc:
+                self._mark_down(link, f"cannot connect to {spec.endpoint}: {getattr(exc, 'strerror', None) or exc}")
+                await trio.sleep(delay)
+                delay = min(delay * 2, self.config.heartbeat_interval)
+                continue
+            delay = 0.05
+            if channel.remote_node != spec.name:
+                log.error("%s answered as node %r, expected %r; check [[nodes]]", spec.endpoint, channel.remote_node, spec.name)
+                await channel.aclose()
+                self._mark_down(link, f"{spec.endpoint} is node {channel.remote_node!r}, not {spec.name!r}")
+                await trio.sleep(1.0)
+                continue
+            link.channel = channel
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._run_channel, channel, handler, nursery.cancel_scope)
+                nursery.start_soon(self._heartbeat, link, nursery.cancel_scope)
+                nursery.start_soon(self._drain_outbox, link, channel)
+            link.channel = None
+            self._mark_down(link, f"connection lost ({channel.close_reason or 'closed'})", grace=True)
+
+    async def _run_channel(self, channel: Channel, handler, scope: trio.CancelScope) -> None:
+        await channel.run(handler)
+        scope.cancel()
+
+    async def _drain_outbox(self, link: PeerLink, channel: Channel) -> None:
+        receive = link.outbox[1]
+        async for op, args in receive:
+            try:
+                await channel.note(op, **args)
+            except RemoteError:
+                return
+
+    async def _heartbeat(self, link: PeerLink, scope: trio.CancelScope) -> None:
+        interval = self.config.heartbeat_interval
+        timeout = self.config.heartbeat_timeout
+        while True:
+            sent = trio.current_time()
+            try:
+                with trio.fail_after(timeout):
+                    info = await link.channel.request("ping", **self.daemon.heartbeat_info())
+            except (RemoteError, trio.TooSlowError) as exc:
+                why = "no heartbeat answer for %.1f s" % timeout if isinstance(exc, trio.TooSlowError) else str(exc)
+                self._mark_down(link, why)
+                scope.cancel()  # drop the connection and dial again
+                return
+            link.last_ok = time.monotonic()
+            link.last_ok_wall = time.time()
+            link.info = info if isinstance(info, dict) else {}
+            if not link.up:
+                link.up = True
+                link.why_down = ""
+                log.info("node %s (%s) is up", link.spec.name, link.spec.endpoint)
+                self.daemon.membership_changed()
+            self.daemon.on_heartbeat(link.spec.name, link.info)
+            await trio.sleep_until(sent + interval)
+
+    def _mark_down(self, link: PeerLink, why: str, grace: bool = False) -> None:
+        """A dropped connection alone gets ``grace``: the peer is only declared
+        down once it has also missed heartbeats for ``heartbeat_timeout``."""
+        link.why_down = why
+        if not link.up:
+            return
+        if grace and link.last_ok is not None and time.monotonic() - link.last_ok < self.config.heartbeat_timeout:
+            # Keep it up for now; the re-dial loop either restores the link
+            # in time or the next check declares the node down.
+            self.daemon.spawn(self._expire, link)
+            return
+        link.up = False
+        log.warning("node %s (%s) is down: %s", link.spec.name, link.spec.endpoint, why)
+        self.daemon.membership_changed()
+
+    async def _expire(self, link: PeerLink) -> None:
+        deadline = (link.last_ok or 0) + self.config.heartbeat_timeout
+        await trio.sleep(max(0.0, deadline - time.monotonic()))
+        if link.up and (link.channel is None or link.channel.closed or time.monotonic() - (link.last_ok or 0) >= self.config.heartbeat_timeout):
+            link.up = False
+            why = f"no heartbeat for {self.config.heartbeat_timeout:.1f} s ({link.why_down})"
+            link.why_down = why
+            log.warning("node %s (%s) is down: %s", link.spec.name, link.spec.endpoint, why)
+            self.daemon.membership_changed()

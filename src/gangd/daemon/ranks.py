@@ -1,0 +1,291 @@
+"""Starting, watching and killing this node's ranks.
+
+Each rank runs in its own session (so its process group is its own), in its
+own cgroup where cgroup v2 is available, as the job's owner when the daemon
+is root, and with PR_SET_PDEATHSIG so it dies with the daemon. Its stdout and
+stderr are pumped into an :class:`~gangd.daemon.outputlog.OutputLog`. When a
+rank's main process exits, whatever it left behind in its cgroup is killed
+(as Slurm does when a step's task ends), so a stray background child can
+neither outlive the job nor keep the output pipes open.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import pwd
+import signal
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import trio
+
+from .. import jobs
+from .cgroup import CgroupTree
+from .notify import scrub_environ
+from .outputlog import STDERR, STDOUT, OutputLog
+
+log = logging.getLogger("gangd.ranks")
+
+_PR_SET_PDEATHSIG = 1
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux/glibc
+    _prctl = None
+
+KILL_GRACE = 2.0  # seconds to drain output after the last process of a rank is gone
+
+
+@dataclass
+class Rank:
+    job_id: int
+    rank: int
+    proc: trio.Process | None
+    log: OutputLog
+    cgroup: Path | None
+    killed: bool = False  # gangd killed it (job killed / another rank failed / node shutdown)
+    status: dict | None = None
+    done: trio.Event = field(default_factory=trio.Event)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+
+class LaunchError(Exception):
+    pass
+
+
+def _identity(uid: int, gid: int) -> tuple[dict, list[int]]:
+    """Environment overrides and supplementary groups for running as ``uid``."""
+    try:
+        entry = pwd.getpwuid(uid)
+    except KeyError:
+        return {}, []
+    try:
+        groups = os.getgrouplist(entry.pw_name, gid)
+    except OSError:
+        groups = [gid]
+    return {"HOME": entry.pw_dir, "USER": entry.pw_name, "LOGNAME": entry.pw_name}, groups
+
+
+def _make_preexec(cgroup: Path | None, drop: tuple[int, int, list[int]] | None):
+    # Runs in the child between fork and exec. Only raw syscalls here: a
+    # Python-level lock held by another thread at fork time would deadlock.
+    procs = str(cgroup / "cgroup.procs") if cgroup else None
+
+    def preexec() -> None:
+        if procs:
+            fd = os.open(procs, os.O_WRONLY)
+            try:
+                os.write(fd, b"0")  # "0" moves the writing process itself
+            finally:
+                os.close(fd)
+        if drop:
+            uid, gid, groups = drop
+            os.setgroups(groups)
+            os.setgid(gid)
+            os.setuid(uid)
+        if _prctl is not None:
+            # After setuid: a credential change clears the parent-death signal.
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+    return preexec
+
+
+class LocalRanks:
+    def __init__(self, *, node: str, socket_path: Path, cgroups: CgroupTree, on_exit: Callable[[Rank], None]):
+        self.node = node
+        self.socket_path = socket_path
+        self.cgroups = cgroups
+        self.on_exit = on_exit
+        self.ranks: dict[tuple[int, int], Rank] = {}
+        self.logs: dict[tuple[int, int], OutputLog] = {}
+        self._running_as_root = os.geteuid() == 0
+
+    # ------------------------------------------------------------ queries
+
+    def running(self) -> int:
+        return sum(1 for r in self.ranks.values() if r.status is None)
+
+    def of_job(self, job_id: int) -> list[Rank]:
+        return [r for (j, _), r in self.ranks.items() if j == job_id]
+
+    def processes(self, job_id: int) -> list[int]:
+        """Every live pid of the job on this node, forks included."""
+        pids: set[int] = set()
+        for rank in self.of_job(job_id):
+            if rank.status is not None:
+                continue
+            if rank.cgroup is not None:
+                pids.update(self.cgroups.pids(rank.cgroup))
+            if rank.pid:
+                pids.add(rank.pid)
+                try:
+                    pids.update(p.pid for p in psutil.Process(rank.pid).children(recursive=True))
+                except psutil.Error:
+                    pass
+        return sorted(pids)
+
+    # ------------------------------------------------------------ launch
+
+    async def launch(self, nursery: trio.Nursery, record: dict, job_dir: Path) -> dict[int, int]:
+        """Start this node's ranks of ``record``; returns {rank: pid}."""
+        my_ranks = jobs.ranks_on(record, self.node)
+        uid, gid = record["owner_uid"], record["owner_gid"]
+        if self._running_as_root:
+            drop = None if uid == 0 else (uid, gid)
+        elif uid != os.geteuid():
+            raise LaunchError(f"gangd on {self.node} runs as uid {os.geteuid()} and cannot start ranks for uid {uid}")
+        else:
+            drop = None
+        extra_env, groups = _identity(uid, gid) if drop else ({}, [])
+        await trio.to_thread.run_sync(lambda: job_dir.mkdir(parents=True, exist_ok=True))
+        base_env = scrub_environ(record["env"])
+        base_env.update(extra_env)
+        base_env.update(
+            GANGD_JOB=str(record["id"]),
+            GANGD_SIZE=str(record["nranks"]),
+            GANGD_NODE=self.node,
+            GANGD_SOCKET=str(self.socket_path),
+            GANGD_JOB_NAME=record["name"],
+        )
+        pids = {}
+        for rank in my_ranks:
+            key = (record["id"], rank)
+            if key in self.ranks:  # a repeated launch request (coordinator retry)
+                pids[rank] = self.ranks[key].pid
+                continue
+            output = OutputLog(job_dir / f"rank-{rank}.log", owner=(uid, gid) if drop else None)
+            self.logs[key] = output
+            cgroup = self.cgroups.create(record["id"], rank)
+            env = dict(base_env, GANGD_RANK=str(rank))
+            try:
+                proc = await trio.lowlevel.open_process(
+                    record["argv"],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    cwd=record["cwd"],
+                    env=env,
+                    start_new_session=True,
+                    preexec_fn=_make_preexec(cgroup, (uid, gid, groups) if drop else None),
+                )
+            except OSError as exc:
+                # Same convention as a shell: 127 not found, 126 not executable.
+                code = 127 if isinstance(exc, FileNotFoundError) else 126
+                what = exc.strerror or str(exc)
+                output.append(STDERR, f"gangd: cannot start rank {rank} on {self.node}: {record['argv'][0]}: {what}\n".encode())
+                output.close()
+                entry = Rank(record["id"], rank, None, output, cgroup, status={"code": code, "node": self.node, "why": what})
+                self.ranks[key] = entry
+                entry.done.set()
+                self.on_exit(entry)
+                continue
+            entry = Rank(record["id"], rank, proc, output, cgroup)
+            self.ranks[key] = entry
+            pids[rank] = proc.pid
+            nursery.start_soon(self._watch, entry)
+        return pids
+
+    async def _watch(self, entry: Rank) -> None:
+        proc = entry.proc
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._drain, proc, entry.log)
+            code = await proc.wait()
+            # The main process is gone: nothing it left behind may live on, and
+            # the pipes get a bounded time to drain what was already written.
+            self._kill_leftovers(entry)
+            nursery.cancel_scope.deadline = trio.current_time() + KILL_GRACE
+        entry.log.close()
+        status = {"code": code, "node": self.node} if code >= 0 else {"signal": -code, "node": self.node}
+        if entry.killed:
+            status["killed"] = True
+        entry.status = status
+        entry.done.set()
+        if entry.cgroup is not None:
+            await trio.to_thread.run_sync(_rmdir_quiet, entry.cgroup)
+        self.on_exit(entry)
+
+    async def _drain(self, proc: trio.Process, output: OutputLog) -> None:
+        async with trio.open_nursery() as pumps:
+            pumps.start_soon(self._pump, proc.stdout, output, STDOUT)
+            pumps.start_soon(self._pump, proc.stderr, output, STDERR)
+
+    async def _pump(self, stream, output: OutputLog, which: int) -> None:
+        try:
+            async for chunk in stream:
+                output.append(which, chunk)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass
+
+    def _kill_leftovers(self, entry: Rank) -> None:
+        if entry.cgroup is not None:
+            if self.cgroups.pids(entry.cgroup):
+                self.cgroups.kill(entry.cgroup)
+        if entry.proc is not None:
+            try:
+                os.killpg(entry.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    # ------------------------------------------------------------ kill
+
+    def signal_job(self, job_id: int, signum: int) -> int:
+        """Send ``signum`` to every process of the job on this node; returns how many."""
+        count = 0
+        for pid in self.processes(job_id):
+            try:
+                os.kill(pid, signum)
+                count += 1
+            except ProcessLookupError:
+                pass
+        return count
+
+    async def kill_job(self, job_id: int) -> None:
+        """SIGKILL every process of the job here and wait until its ranks are reaped."""
+        victims = [r for r in self.of_job(job_id) if r.status is None]
+        for entry in victims:
+            entry.killed = True
+            descendants = []
+            if entry.pid:
+                try:
+                    descendants = psutil.Process(entry.pid).children(recursive=True)
+                except psutil.Error:
+                    pass
+            if entry.cgroup is not None:
+                self.cgroups.kill(entry.cgroup)
+            self._kill_leftovers(entry)
+            for child in descendants:  # the fallback for machines without cgroups
+                try:
+                    child.kill()
+                except psutil.Error:
+                    pass
+        for entry in victims:
+            await entry.done.wait()
+
+    async def kill_all(self) -> None:
+        for job_id in {j for (j, _) in self.ranks}:
+            await self.kill_job(job_id)
+
+    def forget(self, job_id: int) -> None:
+        for key in [k for k in self.ranks if k[0] == job_id]:
+            del self.ranks[key]
+            self.logs.pop(key, None)
+
+
+def _rmdir_quiet(path: Path) -> None:
+    import time
+
+    for _ in range(100):
+        try:
+            path.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.01)

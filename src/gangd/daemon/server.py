@@ -1,0 +1,304 @@
+"""The node daemon: owns this node's ranks, talks to its peers and its users.
+
+One trio task tree per process. The root nursery holds the listeners, the
+peer links, the coordinator loop, the exit reporter and the rank watchers;
+nothing runs outside it. Requests from local users arrive on a Unix socket
+(their uid comes from SO_PEERCRED, never from the wire); requests from peers
+arrive on TCP after the HMAC handshake. See :mod:`gangd.daemon.ops` for what
+each request does.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import math
+import os
+import pwd
+import signal
+import socket
+import time
+
+import trio
+
+from .. import jobs
+from ..protocol import Connection, ProtocolError, Role
+from ..rpc import Channel, RemoteError, peer_credentials
+from .cgroup import CgroupTree
+from .config import Config
+from .coordinator import Coordinator
+from .notify import SystemdNotifier, watchdog_loop
+from .ops import Ops
+from .peers import Peers
+from .ranks import LocalRanks, Rank
+from .table import JobTable
+
+log = logging.getLogger("gangd.daemon")
+
+
+class StartupError(Exception):
+    pass
+
+
+class Daemon:
+    def __init__(self, config: Config):
+        self.config = config
+        self.node = config.node_name
+        self.secret = config.read_secret()
+        self.table = JobTable(config.state_dir)
+        self.peers = Peers(self)
+        self.coordinator = Coordinator(self)
+        tag = hashlib.sha1(str(config.state_dir.resolve()).encode()).hexdigest()[:8]
+        self.cgroups = CgroupTree(f"gangd-{self.node}-{tag}")
+        self.ranks = LocalRanks(node=self.node, socket_path=config.socket, cgroups=self.cgroups, on_exit=self._rank_exited)
+        self.ops = Ops(self)
+        self.started = time.time()
+        self.nursery: trio.Nursery | None = None
+        self._reports_send, self._reports_receive = trio.open_memory_channel(math.inf)
+        self._membership = trio.Event()
+        self.shutting_down = False
+
+    # ------------------------------------------------------------ helpers for the parts
+
+    def spawn(self, fn, *args) -> None:
+        """Start a task owned by the daemon's root nursery."""
+        self.nursery.start_soon(fn, *args)
+
+    async def call(self, node: str, op: str, **args):
+        """Run a peer operation on ``node``; on this node it is a direct call."""
+        if node == self.node:
+            return await self.ops.dispatch_peer(op, args, from_node=self.node)
+        return await self.peers.call(node, op, **args)
+
+    def heartbeat_info(self) -> dict:
+        return {
+            "node": self.node,
+            "cores": self.config.node.cores,
+            "running": self.ranks.running(),
+            "seq": self.table.seq,
+            "coordinator": self.peers.coordinator(),
+            "started": self.started,
+        }
+
+    def on_heartbeat(self, node: str, info: dict) -> None:
+        # The coordinator pushes what a node missed while it was away.
+        if self.coordinator.active and isinstance(info.get("seq"), int) and info["seq"] < self.table.seq:
+            missing = self.table.since(info["seq"])
+            if missing:
+                self.peers.send_note(node, "table", records=missing)
+
+    def membership_changed(self) -> None:
+        self._membership.set()
+
+    def is_coordinator(self) -> bool:
+        return self.peers.settled.is_set() and self.peers.coordinator() == self.node
+
+    # ------------------------------------------------------------ main
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        config = self.config
+        self._prepare_state_dir()
+        self._raise_priority()
+        self.table.load()
+        leftovers = self.cgroups.sweep()
+        if leftovers:
+            log.warning("killed processes left over from a previous run in jobs %s", leftovers)
+        notifier = SystemdNotifier.from_environ()
+        unix_listener = self._open_unix_listener()
+        tcp_listeners = await self._open_tcp_listeners()
+        log.info(
+            "gangd %s listening on %s and %s (%d nodes, state in %s)",
+            self.node, config.node.endpoint, config.socket, len(config.nodes), config.state_dir,
+        )
+        try:
+            async with trio.open_nursery() as nursery:
+                self.nursery = nursery
+                nursery.start_soon(self._serve_listeners, unix_listener, Role.CLIENT)
+                for listener in tcp_listeners:
+                    nursery.start_soon(self._serve_listeners, listener, Role.PEER)
+                nursery.start_soon(self.peers.run, self.ops.handle)
+                nursery.start_soon(self.coordinator.run)
+                nursery.start_soon(self._watch_membership)
+                nursery.start_soon(self._report_exits)
+                nursery.start_soon(self._handle_signals, nursery.cancel_scope, notifier)
+                await self._lost_ranks_from_previous_life()
+                if notifier:
+                    nursery.start_soon(watchdog_loop, notifier)
+                    notifier.ready(f"serving {len(config.nodes)}-node cluster as {self.node}")
+                task_status.started(self)
+        finally:
+            try:
+                os.unlink(config.socket)
+            except OSError:
+                pass
+            log.info("gangd %s stopped", self.node)
+
+    def _prepare_state_dir(self) -> None:
+        state = self.config.state_dir
+        try:
+            state.mkdir(parents=True, exist_ok=True, mode=0o700)
+            probe = state / ".write-test"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise StartupError(f"state directory {state} is not usable: {exc.strerror or exc}") from None
+
+    def _raise_priority(self) -> None:
+        # A node full of busy ranks must not starve the daemon: heartbeats
+        # and gang switches are latency-critical.
+        if self.config.nice >= 0:
+            return
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, self.config.nice)
+            log.info("running at nice %d", self.config.nice)
+        except OSError as exc:
+            log.info("could not raise scheduling priority (nice %d): %s", self.config.nice, exc.strerror)
+
+    def _open_unix_listener(self) -> trio.SocketListener:
+        path = self.config.socket
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(str(path))
+            except OSError:
+                path.unlink()  # stale socket of a daemon that died
+            else:
+                raise StartupError(f"another gangd is already serving {path}")
+            finally:
+                probe.close()
+        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # Sync bind on a fresh socket: trio's async bind resolves names we do not have.
+        sock._sock.bind(str(path))
+        # Anybody may connect; who they are comes from SO_PEERCRED.
+        os.chmod(path, 0o666)
+        sock.listen(128)
+        return trio.SocketListener(sock)
+
+    async def _open_tcp_listeners(self):
+        spec = self.config.node
+        try:
+            return await trio.open_tcp_listeners(spec.port, host=spec.address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise StartupError(f"{spec.endpoint} is already in use (another gangd?)") from None
+            raise StartupError(f"cannot listen on {spec.endpoint}: {exc.strerror or exc}") from None
+
+    async def _serve_listeners(self, listener: trio.SocketListener, role: Role) -> None:
+        async with listener:
+            while True:
+                try:
+                    stream = await listener.accept()
+                except OSError as exc:  # EMFILE and friends: back off, keep serving
+                    log.error("accept failed: %s", exc)
+                    await trio.sleep(0.1)
+                    continue
+                self.spawn(self._serve_connection, stream, role)
+
+    async def _serve_connection(self, stream, role: Role) -> None:
+        if role is Role.PEER:
+            stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            host, port = stream.socket.getpeername()[:2]
+            label = f"peer connection from {host}:{port}"
+            conn = Connection(dialer=False, node=self.node, secret=self.secret, accept=frozenset({Role.PEER}))
+            context = {"peer": True}
+        else:
+            pid, uid, gid = peer_credentials(stream)
+            label = f"client pid {pid} uid {uid}"
+            conn = Connection(dialer=False, node=self.node, accept=frozenset({Role.CLIENT}))
+            context = {"peer": False, "cred": _credentials(uid, gid), "pid": pid}
+        channel = Channel(stream, conn, label=label)
+        channel.context = context
+        try:
+            ready = await channel.handshake()
+        except (ProtocolError, trio.TooSlowError) as exc:
+            log.warning("refused %s: %s", label, exc)
+            with trio.CancelScope(shield=True), trio.move_on_after(0.5):
+                try:
+                    await stream.send_all(conn.data_to_send())
+                except Exception:
+                    pass
+                await stream.aclose()
+            return
+        if role is Role.PEER:
+            channel.label = f"node {ready.node}"
+            context["node"] = ready.node
+            if ready.node not in {n.name for n in self.config.nodes}:
+                log.warning("refused %s: node %r is not in this cluster's [[nodes]]", label, ready.node)
+                await channel.aclose()
+                return
+        await channel.run(self.ops.handle)
+
+    async def _watch_membership(self) -> None:
+        was = False
+        while True:
+            await self._membership.wait()
+            self._membership = trio.Event()
+            now = self.is_coordinator()
+            if now and not was:
+                await self.coordinator.take_over()
+            elif not now and was:
+                log.info("node %s is now the coordinator", self.peers.coordinator())
+                self.coordinator.active = False
+            elif now:
+                await self.coordinator.check_nodes()
+                self.coordinator.kick()
+            was = now
+
+    # ------------------------------------------------------------ rank exits
+
+    def _rank_exited(self, entry: Rank) -> None:
+        self._reports_send.send_nowait((entry.job_id, entry.rank, entry.status))
+        self.table.notify_changed()
+
+    async def _report_exits(self) -> None:
+        """Deliver every rank exit to whoever is coordinator, retrying until it lands."""
+        async for job_id, rank, status in self._reports_receive:
+            while True:
+                record = self.table.get(job_id)
+                if record is not None and (jobs.is_terminal(record) or record["ranks"][rank] is not None):
+                    break
+                try:
+                    await self.call(self.peers.coordinator(), "rank_exit", job=job_id, rank=rank, status=status)
+                    break
+                except RemoteError as exc:
+                    log.debug("reporting exit of job %d rank %d failed (%s); retrying", job_id, rank, exc)
+                    await trio.sleep(0.2)
+
+    async def _lost_ranks_from_previous_life(self) -> None:
+        """Ranks this node ran before a restart are gone (they die with the
+        daemon): report them so their jobs end instead of waiting forever."""
+        for record in self.table.active():
+            if not record["started"]:
+                continue
+            for rank in jobs.ranks_on(record, self.node):
+                if record["ranks"][rank] is None:
+                    status = {"lost": True, "node": self.node, "why": f"gangd on {self.node} restarted"}
+                    self._reports_send.send_nowait((record["id"], rank, status))
+
+    # ------------------------------------------------------------ signals
+
+    async def _handle_signals(self, scope: trio.CancelScope, notifier) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log.info("received %s: stopping (killing this node's ranks)", signal.Signals(signum).name)
+                self.shutting_down = True
+                if notifier:
+                    notifier.stopping("killing ranks")
+                with trio.move_on_after(10):
+                    await self.ranks.kill_all()
+                    # Give the exit reports a moment to reach the coordinator.
+                    with trio.move_on_after(1):
+                        while self._reports_receive.statistics().current_buffer_used:
+                            await trio.sleep(0.02)
+                scope.cancel()
+                return
+
+
+def _credentials(uid: int, gid: int) -> dict:
+    try:
+        user = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        user = str(uid)
+    return {"uid": uid, "gid": gid, "user": user}

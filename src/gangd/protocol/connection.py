@@ -1,0 +1,380 @@
+"""The gangd connection state machine, sans-I/O (in the manner of h11).
+
+Bytes go in with :meth:`Connection.receive_data`, events come out of
+:meth:`Connection.next_event`, and every ``send_*`` method returns the bytes
+to write. Bytes the machine must send on its own (handshake replies) are
+collected in :meth:`Connection.data_to_send`. No sockets anywhere.
+
+Handshake
+---------
+The side that dials sends ``hello`` with the protocol version, its role
+(``client`` for a local user on the Unix socket, ``peer`` for another
+daemon), its node name and a random nonce. The listener answers with its own
+``hello``. For peers both sides prove knowledge of the cluster secret
+(HMAC-SHA256 over both nonces, with a different label per direction so a
+proof cannot be reflected back), in the way munge vouches for Slurm
+daemons::
+
+    dialer   -> hello{v, role, node, nonce_d}
+    listener -> hello{v, node, nonce_l, proof_l = H(secret, "listener"|nonce_d|nonce_l)}
+    dialer   -> auth{proof_d = H(secret, "dialer"|nonce_d|nonce_l)}
+
+Local clients do not authenticate on the wire: the daemon learns their uid
+from the Unix socket's peer credentials. After the handshake both sides may
+send requests, replies, stream items, cancels and one-way notes.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import os
+import reprlib
+from dataclasses import dataclass, field
+
+from .frames import DEFAULT_MAX_FRAME, FrameDecoder, ProtocolError, encode_frame
+
+PROTOCOL_VERSION = 1
+NONCE_SIZE = 16
+
+
+class Role(str, enum.Enum):
+    CLIENT = "client"
+    PEER = "peer"
+
+
+class State(enum.Enum):
+    HELLO = "hello"  # waiting for the other side's hello
+    AUTH = "auth"  # listener waiting for the dialer's proof
+    READY = "ready"
+    CLOSED = "closed"
+
+
+# ---------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Handshake done; ``node`` names the other side (a peer's node name, or
+    the daemon's node name as seen by a client)."""
+
+    role: Role
+    node: str
+
+
+@dataclass(frozen=True)
+class Request:
+    id: int
+    op: str
+    args: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """Final answer to request ``id``. ``error`` is ``{"code", "message"}`` when not ok."""
+
+    id: int
+    ok: bool
+    result: object = None
+    error: dict | None = None
+
+
+@dataclass(frozen=True)
+class Item:
+    """One element of a streamed reply to request ``id`` (zero or more precede the Reply)."""
+
+    id: int
+    data: object
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """The requester of ``id`` lost interest; stop streaming and reply."""
+
+    id: int
+
+
+@dataclass(frozen=True)
+class Note:
+    """A one-way message; no reply is expected."""
+
+    op: str
+    args: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RemoteClosed:
+    """The other side sent ``bye`` or an error during the handshake."""
+
+    code: str
+    message: str
+
+
+Event = Ready | Request | Reply | Item | Cancel | Note | RemoteClosed
+
+
+def _proof(secret: bytes, label: bytes, nonce_dialer: bytes, nonce_listener: bytes) -> bytes:
+    return hmac.new(secret, label + b"|" + nonce_dialer + b"|" + nonce_listener, hashlib.sha256).digest()
+
+
+#: Bounded repr for values that came off the wire: error messages quote them,
+#: and a plain repr of a deeply nested or huge value could raise RecursionError
+#: or make the ``bye`` frame that carries the message exceed ``max_frame``.
+_wire_repr = reprlib.Repr()
+_wire_repr.maxlevel = 3
+_wire_repr.maxstring = 60
+_wire_repr.maxother = 60
+_wire_repr.maxlist = _wire_repr.maxtuple = _wire_repr.maxdict = 4
+
+#: Longest reason text put into a ``bye`` frame.
+_MAX_BYE_MESSAGE = 512
+
+
+def _show(value: object) -> str:
+    return _wire_repr.repr(value)
+
+
+def _require(message: dict, key: str, kind: type | tuple, what: str):
+    value = message.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+        raise ProtocolError("malformed", f"{what}: field {key!r} missing or not {getattr(kind, '__name__', kind)}")
+    return value
+
+
+class Connection:
+    """One end of a gangd connection.
+
+    ``dialer`` is True on the side that opened the connection. ``role`` is
+    what the dialer is (a listener accepts either role unless ``accept`` says
+    otherwise). ``secret`` is required for peer connections.
+    """
+
+    def __init__(
+        self,
+        *,
+        dialer: bool,
+        node: str,
+        role: Role = Role.CLIENT,
+        secret: bytes | None = None,
+        accept: frozenset[Role] = frozenset(Role),
+        max_frame: int = DEFAULT_MAX_FRAME,
+    ):
+        self.dialer = dialer
+        self.node = node
+        self.role = role
+        self.secret = secret
+        self.accept = accept
+        self.max_frame = max_frame
+        self.state = State.HELLO
+        self.peer_node: str | None = None
+        self._decoder = FrameDecoder(max_frame)
+        self._outbox = bytearray()
+        self._next_id = 1
+        self._nonce = os.urandom(NONCE_SIZE)
+        self._peer_nonce = b""
+        if dialer:
+            if role is Role.PEER and not secret:
+                raise ValueError("a peer connection needs the cluster secret")
+            self._emit({"t": "hello", "v": PROTOCOL_VERSION, "role": role.value, "node": node, "nonce": self._nonce})
+
+    # ------------------------------------------------------------ I/O side
+
+    def receive_data(self, data: bytes) -> None:
+        if self.state is State.CLOSED:
+            return
+        self._decoder.feed(data)
+
+    def receive_eof(self) -> None:
+        """The transport closed. Raises ProtocolError if a frame was cut short."""
+        self.state = State.CLOSED
+        self._decoder.check_eof()
+
+    def data_to_send(self) -> bytes:
+        data = bytes(self._outbox)
+        self._outbox.clear()
+        return data
+
+    def next_event(self) -> Event | None:
+        """Return the next event, or None when more bytes are needed.
+
+        Raises ProtocolError when the other side broke the protocol; the
+        caller should write :meth:`data_to_send` (it may hold an error
+        message for the other side) and close.
+        """
+        while self.state is not State.CLOSED:
+            try:
+                message = self._decoder.next_message()
+                if message is None:
+                    return None
+                event = self._handle(message)
+            except ProtocolError as exc:
+                self._fail(exc)
+                raise
+            if event is not None:
+                return event
+        return None
+
+    # ------------------------------------------------------------ send side
+
+    def send_request(self, op: str, args: dict | None = None) -> tuple[int, bytes]:
+        self._check_ready()
+        rid = self._next_id
+        self._next_id += 1
+        return rid, encode_frame({"t": "req", "id": rid, "op": op, "args": args or {}}, self.max_frame)
+
+    def send_reply(self, rid: int, result: object = None) -> bytes:
+        self._check_ready()
+        return encode_frame({"t": "rep", "id": rid, "ok": True, "result": result}, self.max_frame)
+
+    def send_error(self, rid: int, code: str, message: str) -> bytes:
+        self._check_ready()
+        return encode_frame(
+            {"t": "rep", "id": rid, "ok": False, "error": {"code": code, "message": message}}, self.max_frame
+        )
+
+    def send_item(self, rid: int, data: object) -> bytes:
+        self._check_ready()
+        return encode_frame({"t": "item", "id": rid, "data": data}, self.max_frame)
+
+    def send_cancel(self, rid: int) -> bytes:
+        self._check_ready()
+        return encode_frame({"t": "cancel", "id": rid}, self.max_frame)
+
+    def send_note(self, op: str, args: dict | None = None) -> bytes:
+        self._check_ready()
+        return encode_frame({"t": "note", "op": op, "args": args or {}}, self.max_frame)
+
+    def send_bye(self, code: str = "bye", message: str = "closing") -> bytes:
+        self.state = State.CLOSED
+        return encode_frame({"t": "bye", "code": code, "message": message}, self.max_frame)
+
+    # ------------------------------------------------------------ internals
+
+    def _emit(self, message: dict) -> None:
+        self._outbox += encode_frame(message, self.max_frame)
+
+    def _fail(self, exc: ProtocolError) -> None:
+        # Stop, then tell the other side why where that is useful. The bye is
+        # best effort: with a tiny max_frame even a short reason may not fit.
+        self.state = State.CLOSED
+        if exc.code in ("auth_failed", "version_mismatch", "role_refused", "malformed", "oversized"):
+            try:
+                self._outbox += encode_frame(
+                    {"t": "bye", "code": exc.code, "message": exc.message[:_MAX_BYE_MESSAGE]}, self.max_frame
+                )
+            except ProtocolError:
+                pass
+
+    def _check_ready(self) -> None:
+        if self.state is not State.READY:
+            raise ProtocolError("not_ready", f"cannot send in state {self.state.value}")
+
+    def _handle(self, message: dict) -> Event | None:
+        kind = message.get("t")
+        if kind == "bye":
+            self.state = State.CLOSED
+            code = message.get("code", "bye")
+            text = message.get("message", "")
+            return RemoteClosed(
+                code if isinstance(code, str) else _show(code), text if isinstance(text, str) else _show(text)
+            )
+        if self.state is State.HELLO:
+            if kind != "hello":
+                raise ProtocolError("malformed", f"expected hello, got {_show(kind)}")
+            return self._on_hello(message)
+        if self.state is State.AUTH:
+            if kind != "auth":
+                raise ProtocolError("malformed", f"expected auth, got {_show(kind)}")
+            proof = _require(message, "proof", bytes, "auth")
+            expected = _proof(self.secret or b"", b"dialer", self._peer_nonce, self._nonce)
+            if not hmac.compare_digest(proof, expected):
+                raise ProtocolError(
+                    "auth_failed", f"peer {_show(self.peer_node)} failed authentication: wrong cluster secret"
+                )
+            self.state = State.READY
+            return Ready(Role.PEER, self.peer_node or "?")
+        return self._on_ready_message(kind, message)
+
+    def _on_hello(self, message: dict) -> Event | None:
+        version = message.get("v")
+        node = _require(message, "node", str, "hello")
+        # type() check: True == 1 and 1.0 == 1 must not pass for version 1.
+        if type(version) is not int or version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                "version_mismatch",
+                f"{_show(node)} speaks gangd protocol version {_show(version)}, this daemon speaks {PROTOCOL_VERSION}",
+            )
+        self.peer_node = node
+        if self.dialer:
+            if self.role is Role.PEER:
+                self._peer_nonce = _require(message, "nonce", bytes, "hello")
+                proof = _require(message, "proof", bytes, "hello")
+                expected = _proof(self.secret, b"listener", self._nonce, self._peer_nonce)
+                if not hmac.compare_digest(proof, expected):
+                    raise ProtocolError(
+                        "auth_failed", f"node {_show(node)} failed authentication: wrong cluster secret"
+                    )
+                self._emit({"t": "auth", "proof": _proof(self.secret, b"dialer", self._nonce, self._peer_nonce)})
+            self.state = State.READY
+            return Ready(self.role, node)
+        # listener side
+        try:
+            role = Role(message.get("role"))
+        except ValueError:
+            raise ProtocolError(
+                "malformed", f"hello from {_show(node)} names unknown role {_show(message.get('role'))}"
+            ) from None
+        if role not in self.accept:
+            raise ProtocolError("role_refused", f"{role.value} connections are not accepted on this socket")
+        self.role = role
+        if role is Role.PEER:
+            if not self.secret:
+                raise ProtocolError("role_refused", "this daemon has no cluster secret; peers cannot join")
+            self._peer_nonce = _require(message, "nonce", bytes, "hello")
+            if len(self._peer_nonce) != NONCE_SIZE:
+                raise ProtocolError("malformed", "hello nonce has the wrong size")
+            self._emit(
+                {
+                    "t": "hello",
+                    "v": PROTOCOL_VERSION,
+                    "node": self.node,
+                    "nonce": self._nonce,
+                    "proof": _proof(self.secret, b"listener", self._peer_nonce, self._nonce),
+                }
+            )
+            self.state = State.AUTH
+            return None
+        self._emit({"t": "hello", "v": PROTOCOL_VERSION, "node": self.node})
+        self.state = State.READY
+        return Ready(Role.CLIENT, node)
+
+    def _on_ready_message(self, kind, message: dict) -> Event:
+        if kind == "req":
+            rid = _require(message, "id", int, "request")
+            op = _require(message, "op", str, "request")
+            args = message.get("args", {})
+            if not isinstance(args, dict):
+                raise ProtocolError("malformed", "request: args is not a map")
+            return Request(rid, op, args)
+        if kind == "rep":
+            rid = _require(message, "id", int, "reply")
+            ok = message.get("ok")
+            if not isinstance(ok, bool):
+                raise ProtocolError("malformed", "reply: field 'ok' missing or not bool")
+            if ok:
+                return Reply(rid, True, message.get("result"))
+            error = message.get("error")
+            if not (isinstance(error, dict) and isinstance(error.get("code"), str) and isinstance(error.get("message"), str)):
+                raise ProtocolError("malformed", "error reply without a code and message")
+            return Reply(rid, False, None, error)
+        if kind == "item":
+            return Item(_require(message, "id", int, "item"), message.get("data"))
+        if kind == "cancel":
+            return Cancel(_require(message, "id", int, "cancel"))
+        if kind == "note":
+            args = message.get("args", {})
+            if not isinstance(args, dict):
+                raise ProtocolError("malformed", "note: args is not a map")
+            return Note(_require(message, "op", str, "note"), args)
+        raise ProtocolError("malformed", f"unknown message type {_show(kind)}")

@@ -1,0 +1,367 @@
+"""Binds the sans-I/O protocol to trio streams: requests, streamed replies, notes.
+
+A :class:`Channel` is symmetric once the handshake is done: either side may
+send requests and serve the other side's requests. The owner runs
+:meth:`Channel.run` inside a nursery; that task reads frames and owns every
+handler task it spawns, so closing the channel cancels all of them.
+
+Handlers are ``async def handler(channel, request) -> result``. To stream,
+return ``Stream(produce)`` where ``produce(emit)`` is an async function that
+calls ``await emit(item)`` for each item; the final reply follows when it
+returns (or when the requester cancels). A callback rather than an async
+generator, so a producer may open nurseries freely: yielding from inside a
+nursery in an async generator is not cancellation-safe in trio.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import trio
+
+from .protocol import (
+    Cancel,
+    Connection,
+    Item,
+    Note,
+    ProtocolError,
+    Ready,
+    RemoteClosed,
+    Reply,
+    Request,
+    Role,
+)
+
+log = logging.getLogger("gangd.rpc")
+
+HANDSHAKE_TIMEOUT = 5.0
+READ_SIZE = 256 * 1024
+
+
+class RemoteError(Exception):
+    """A request failed; ``code`` is machine-readable, ``message`` is for people."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class Disconnected(RemoteError):
+    def __init__(self, message: str = "connection lost"):
+        super().__init__("disconnected", message)
+
+
+Emit = Callable[[object], Awaitable[None]]
+
+
+@dataclass
+class Stream:
+    """Returned by a handler to stream items instead of one result."""
+
+    produce: Callable[[Emit], Awaitable[None]]
+
+
+Handler = Callable[["Channel", Request], Awaitable[object]]
+
+
+def leaf_error(exc: BaseException) -> BaseException:
+    """The first real error inside (possibly nested) exception groups.
+
+    trio wraps whatever a nursery's children raise in groups; callers want
+    the RemoteError that one of them raised, not the group around it.
+    """
+    while isinstance(exc, BaseExceptionGroup):
+        inner = [e for e in exc.exceptions if not isinstance(e, trio.Cancelled)] or list(exc.exceptions)
+        remote = [e for e in inner if isinstance(e, (RemoteError, BaseExceptionGroup))]
+        exc = (remote or inner)[0]
+    return exc
+
+
+def peer_credentials(stream: trio.SocketStream) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket."""
+    raw = stream.socket.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", raw)
+
+
+class Channel:
+    def __init__(self, stream: trio.abc.Stream, conn: Connection, *, label: str = "?"):
+        self.transport = stream
+        self.conn = conn
+        self.label = label
+        self.remote_node: str | None = None
+        self.closed = False
+        self.close_reason = ""
+        self.context: dict = {}  # what the server knows of the other side (uid, node...)
+        self._send_lock = trio.Lock()
+        self._pending: dict[int, trio.MemorySendChannel] = {}
+        self._serving: dict[int, trio.CancelScope] = {}
+
+    # ------------------------------------------------------------ handshake
+
+    async def handshake(self) -> Ready:
+        with trio.fail_after(HANDSHAKE_TIMEOUT):
+            await self._flush()
+            while True:
+                event = await self._next_event()
+                if isinstance(event, Ready):
+                    self.remote_node = event.node
+                    await self._flush()
+                    return event
+                if isinstance(event, RemoteClosed):
+                    raise ProtocolError(event.code, f"refused by {self.label}: {event.message}")
+                if event is None:
+                    raise ProtocolError("truncated", f"{self.label} closed the connection during the handshake")
+                raise ProtocolError("malformed", f"unexpected {type(event).__name__} during the handshake")
+
+    # ------------------------------------------------------------ sending
+
+    async def _send(self, data: bytes) -> None:
+        if self.closed:
+            raise Disconnected(f"connection to {self.label} is closed: {self.close_reason}")
+        async with self._send_lock:
+            try:
+                await self.transport.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                self._mark_closed(f"send failed: {exc}")
+                raise Disconnected(f"connection to {self.label} lost: {exc}") from None
+
+    async def _flush(self) -> None:
+        data = self.conn.data_to_send()
+        if data:
+            await self._send(data)
+
+    async def request(self, op: str, **args) -> object:
+        """Send a request and wait for its final reply (items are not expected)."""
+        async with self._open_request(op, args) as (rid, receive):
+            async for event in receive:
+                if isinstance(event, Reply):
+                    return _result(event)
+        raise Disconnected(f"connection to {self.label} closed before {op!r} was answered")
+
+    @asynccontextmanager
+    async def stream(self, op: str, **args) -> AsyncIterator[AsyncIterator]:
+        """``async with ch.stream(op) as items: async for x in items`` — leaving
+        the block early cancels the stream on the server."""
+        async with self._open_request(op, args) as (rid, receive):
+            done = False
+
+            async def items():
+                nonlocal done
+                async for event in receive:
+                    if isinstance(event, Item):
+                        yield event.data
+                    elif isinstance(event, Reply):
+                        done = True
+                        _result(event)
+                        return
+                raise Disconnected(f"connection to {self.label} closed during {op!r}")
+
+            try:
+                yield items()
+            finally:
+                if not done and not self.closed:
+                    with trio.CancelScope(shield=True), trio.move_on_after(1):
+                        try:
+                            await self._send(self.conn.send_cancel(rid))
+                        except RemoteError:
+                            pass
+
+    @asynccontextmanager
+    async def _open_request(self, op: str, args: dict):
+        if self.closed:
+            raise Disconnected(f"connection to {self.label} is closed: {self.close_reason}")
+        rid, frame = self.conn.send_request(op, args)
+        send, receive = trio.open_memory_channel(math.inf)
+        self._pending[rid] = send
+        try:
+            await self._send(frame)
+            yield rid, receive
+        finally:
+            self._pending.pop(rid, None)
+
+    async def note(self, op: str, **args) -> None:
+        await self._send(self.conn.send_note(op, args))
+
+    # ------------------------------------------------------------ receiving
+
+    async def _next_event(self):
+        while True:
+            event = self.conn.next_event()  # raises ProtocolError
+            if event is not None:
+                return event
+            # The state machine may have queued a reply of its own (handshake).
+            await self._flush()
+            try:
+                data = await self.transport.receive_some(READ_SIZE)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                data = b""
+                self.close_reason = str(exc)
+            if not data:
+                self.conn.receive_eof()  # raises if a frame was cut short
+                return None
+            self.conn.receive_data(data)
+
+    async def run(self, handler: Handler | None = None) -> None:
+        """Read and dispatch until the connection closes. Never raises for
+        anything the other side does; protocol violations close this
+        connection only and are logged."""
+        try:
+            async with trio.open_nursery() as nursery:
+                try:
+                    await self._read_loop(nursery, handler)
+                finally:
+                    nursery.cancel_scope.cancel()
+        except ProtocolError as exc:
+            log.warning("closing connection from %s: %s", self.label, exc)
+            self.close_reason = str(exc)
+            with trio.move_on_after(0.5) as scope:
+                scope.shield = True
+                try:
+                    await self._flush()  # tell the other side why, if the machine queued a bye
+                except RemoteError:
+                    pass
+        finally:
+            self._mark_closed(self.close_reason or "closed")
+            with trio.CancelScope(shield=True):
+                await self.transport.aclose()
+
+    async def _read_loop(self, nursery: trio.Nursery, handler: Handler | None) -> None:
+        while True:
+            event = await self._next_event()
+            if event is None:
+                return
+            if isinstance(event, (Reply, Item)):
+                target = self._pending.get(event.id)
+                if target is not None:
+                    target.send_nowait(event)
+            elif isinstance(event, Request):
+                if handler is None:
+                    await self._send(self.conn.send_error(event.id, "unsupported", "this side serves no requests"))
+                    continue
+                scope = trio.CancelScope()
+                self._serving[event.id] = scope
+                nursery.start_soon(self._serve_one, handler, event, scope)
+            elif isinstance(event, Cancel):
+                scope = self._serving.get(event.id)
+                if scope is not None:
+                    scope.cancel()
+            elif isinstance(event, Note):
+                if handler is not None:
+                    nursery.start_soon(self._serve_note, handler, event)
+            elif isinstance(event, RemoteClosed):
+                self.close_reason = f"{event.code}: {event.message}"
+                if event.code not in ("bye",):
+                    log.warning("%s closed the connection: %s", self.label, event.message)
+                return
+
+    async def _serve_note(self, handler: Handler, note: Note) -> None:
+        try:
+            await handler(self, note)
+        except Exception:
+            log.exception("note %r from %s failed", note.op, self.label)
+
+    async def _serve_one(self, handler: Handler, request: Request, scope: trio.CancelScope) -> None:
+        try:
+            with scope:
+                try:
+                    result = await handler(self, request)
+                    if isinstance(result, Stream):
+
+                        async def emit(item, rid=request.id):
+                            await self._send(self.conn.send_item(rid, item))
+
+                        await result.produce(emit)
+                        result = None
+                    frame = self.conn.send_reply(request.id, result)
+                except (RemoteError, BaseExceptionGroup) as caught:
+                    exc = leaf_error(caught)
+                    if isinstance(exc, trio.Cancelled):
+                        raise
+                    if not isinstance(exc, RemoteError):
+                        log.error("request %r from %s failed", request.op, self.label, exc_info=exc)
+                        exc = RemoteError("internal", f"{type(exc).__name__}: {exc}")
+                    if isinstance(exc, Disconnected) and self.closed:
+                        return
+                    frame = self.conn.send_error(request.id, exc.code, exc.message)
+                except ProtocolError as exc:  # e.g. a result too large for one frame
+                    frame = self.conn.send_error(request.id, exc.code, exc.message)
+                except Exception as exc:
+                    log.exception("request %r from %s failed", request.op, self.label)
+                    frame = self.conn.send_error(request.id, "internal", f"{type(exc).__name__}: {exc}")
+                await self._send(frame)
+            if scope.cancelled_caught and not self.closed:
+                # The requester cancelled: close the stream politely.
+                await self._send(self.conn.send_reply(request.id, None))
+        except RemoteError:
+            pass  # connection went away; nothing to tell anybody
+        finally:
+            self._serving.pop(request.id, None)
+
+    def _mark_closed(self, reason: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.close_reason = reason
+        for send in self._pending.values():
+            send.close()
+        self._pending.clear()
+
+    async def aclose(self) -> None:
+        self._mark_closed("closed locally")
+        with trio.CancelScope(shield=True):
+            await self.transport.aclose()
+
+
+def _result(reply: Reply) -> object:
+    if reply.ok:
+        return reply.result
+    raise RemoteError(reply.error["code"], reply.error["message"])
+
+
+# ---------------------------------------------------------------- dialing
+
+
+async def dial_unix(path: str, *, node: str = "client", timeout: float = HANDSHAKE_TIMEOUT) -> Channel:
+    with trio.fail_after(timeout):
+        stream = await trio.open_unix_socket(path)
+    channel = Channel(stream, Connection(dialer=True, node=node, role=Role.CLIENT), label=f"gangd at {path}")
+    try:
+        await channel.handshake()
+    except BaseException:
+        await stream.aclose()
+        raise
+    return channel
+
+
+async def dial_tcp(host: str, port: int, *, node: str, secret: bytes, label: str, timeout: float = HANDSHAKE_TIMEOUT) -> Channel:
+    with trio.fail_after(timeout):
+        stream = await trio.open_tcp_stream(host, port)
+    stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    channel = Channel(stream, Connection(dialer=True, node=node, role=Role.PEER, secret=secret), label=label)
+    try:
+        await channel.handshake()
+    except BaseException:
+        await stream.aclose()
+        raise
+    return channel
+
+
+@asynccontextmanager
+async def running(channel: Channel, handler: Handler | None = None):
+    """Run ``channel`` in a background task for the duration of the block."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(channel.run, handler)
+        try:
+            yield channel
+        finally:
+            nursery.cancel_scope.cancel()

@@ -220,6 +220,9 @@ class Channel:
                 try:
                     await self._read_loop(nursery, handler)
                 finally:
+                    # Closed before the handlers are cancelled, so a handler's
+                    # cleanup can tell "the other side went away" from "asked to stop".
+                    self._mark_closed(self.close_reason or "closed by the other side")
                     nursery.cancel_scope.cancel()
         except ProtocolError as exc:
             log.warning("closing connection from %s: %s", self.label, exc)

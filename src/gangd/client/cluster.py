@@ -29,7 +29,7 @@ from pathlib import Path
 
 import trio
 
-from ..daemon.config import Config, NodeSpec, render
+from ..daemon.config import Config, NodeSpec, render, toml_str
 from .api import CLUSTER_FILE, connect, read_cluster_file
 
 
@@ -143,7 +143,7 @@ def up(
     port = pick_port(addresses)
     specs = tuple(NodeSpec(f"n{i}", address, port, cores) for i, address in enumerate(addresses, 1))
     files = [NodeFiles(spec.name, directory / spec.name) for spec in specs]
-    lines = [f'# written by gang cluster up; `gang --cluster {directory}` reads it', f'secret_file = "{secret}"', ""]
+    lines = [f'# written by gang cluster up; `gang --cluster {directory}` reads it', f"secret_file = {toml_str(secret)}", ""]
     for spec, nf in zip(specs, files):
         nf.dir.mkdir(exist_ok=True)
         os.chmod(nf.dir, 0o755)
@@ -158,7 +158,7 @@ def up(
             heartbeat_timeout=heartbeat_timeout,
         )
         nf.config.write_text(render(config))
-        lines += ["[[nodes]]", f'name = "{spec.name}"', f'address = "{spec.endpoint}"', f'socket = "{nf.socket}"', f'dir = "{nf.dir}"', ""]
+        lines += ["[[nodes]]", f"name = {toml_str(spec.name)}", f"address = {toml_str(spec.endpoint)}", f"socket = {toml_str(nf.socket)}", f"dir = {toml_str(nf.dir)}", ""]
     (directory / CLUSTER_FILE).write_text("\n".join(lines))
     for nf in files:
         with open(nf.log, "ab") as log:

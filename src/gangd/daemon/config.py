@@ -23,6 +23,7 @@ Example (``/etc/gangd/gangd.toml``)::
 
 from __future__ import annotations
 
+import json
 import os
 import tomllib
 from dataclasses import dataclass, field, replace
@@ -152,25 +153,30 @@ def with_overrides(config: Config, **changes) -> Config:
     return replace(config, **changes)
 
 
+def toml_str(value) -> str:
+    # JSON string escapes are valid TOML basic-string escapes.
+    return json.dumps(str(value))
+
+
 def render(config: Config) -> str:
     """The TOML text for ``config`` (used by ``gang cluster up``)."""
     lines = [
         "[node]",
-        f'name = "{config.node_name}"',
-        f'state_dir = "{config.state_dir}"',
-        f'socket = "{config.socket}"',
-        f'log_level = "{config.log_level}"',
+        f"name = {toml_str(config.node_name)}",
+        f"state_dir = {toml_str(config.state_dir)}",
+        f"socket = {toml_str(config.socket)}",
+        f"log_level = {toml_str(config.log_level)}",
         f"nice = {config.nice}",
         "",
         "[cluster]",
-        f'secret_file = "{config.secret_file}"',
+        f"secret_file = {toml_str(config.secret_file)}",
     ]
     if config.master:
-        lines.append(f'master = "{config.master}"')
+        lines.append(f"master = {toml_str(config.master)}")
     lines += [
         f"heartbeat_interval = {config.heartbeat_interval}",
         f"heartbeat_timeout = {config.heartbeat_timeout}",
     ]
     for spec in config.nodes:
-        lines += ["", "[[nodes]]", f'name = "{spec.name}"', f'address = "{spec.address}"', f"port = {spec.port}", f"cores = {spec.cores}"]
+        lines += ["", "[[nodes]]", f"name = {toml_str(spec.name)}", f"address = {toml_str(spec.address)}", f"port = {spec.port}", f"cores = {spec.cores}"]
     return "\n".join(lines) + "\n"

@@ -25,6 +25,8 @@ from .peers import natural_key
 
 log = logging.getLogger("gangd.coordinator")
 
+KILL_REPORT_WAIT = 10.0
+
 
 def permission_check(record: dict, cred: dict, action: str) -> None:
     if cred["uid"] in (0, record["owner_uid"]):
@@ -33,6 +35,44 @@ def permission_check(record: dict, cred: dict, action: str) -> None:
         "permission_denied",
         f"job {record['id']} belongs to {record['owner']}; only its owner or root may {action} it",
     )
+
+
+def place(record: dict, free: dict[str, int]) -> list[str] | None:
+    """Ranks of ``record`` on nodes with ``free`` cores, or None if they do not fit now.
+
+    Block placement (ranks 0..k-1 on the first node, and so on). With
+    ``per_node`` each node takes that many ranks in turn (Slurm's
+    --ntasks-per-node). Without it the ranks are spread as evenly as the free
+    cores allow — what a user submitting "8 ranks on a 4-node cluster"
+    expects. ``nodes`` picks that many nodes, those with the most room.
+    """
+    n = record["nranks"]
+    per_node = record.get("per_node")
+    candidates = sorted((name for name in free if free[name] > 0), key=natural_key)
+    if record.get("nodelist"):
+        candidates = [c for c in candidates if c in record["nodelist"]]
+    room = {c: min(free[c], per_node) if per_node else free[c] for c in candidates}
+    if record.get("nodes_wanted"):
+        wanted = record["nodes_wanted"]
+        if len(candidates) < wanted:
+            return None
+        chosen = set(sorted(candidates, key=lambda c: -room[c])[:wanted])  # stable: ties keep name order
+        candidates = [c for c in candidates if c in chosen]
+    if sum(room[c] for c in candidates) < n:
+        return None
+    counts = dict.fromkeys(candidates, 0)
+    remaining = n
+    if per_node:
+        for c in candidates:
+            counts[c] = min(room[c], remaining)
+            remaining -= counts[c]
+    else:
+        while remaining:  # water-filling: one more rank per node with room, in turn
+            for c in candidates:
+                if remaining and counts[c] < room[c]:
+                    counts[c] += 1
+                    remaining -= 1
+    return [c for c in candidates for _ in range(counts[c])]
 
 
 class Coordinator:
@@ -159,46 +199,12 @@ class Coordinator:
                     free[node] -= 1
         return free
 
-    def place(self, record: dict, free: dict[str, int]) -> list[str] | None:
-        """Block placement: ranks 0..k-1 on the first node, and so on.
-
-        By default ranks are spread evenly over every live node (ceil(n/N)
-        per node) — what a user submitting "8 ranks on a 4-node cluster"
-        expects; ``per_node`` and ``nodes`` override the share.
-        """
-        n = record["nranks"]
-        candidates = sorted((name for name in free if free[name] > 0), key=natural_key)
-        if record.get("nodelist"):
-            candidates = [c for c in candidates if c in record["nodelist"]]
-        if record.get("nodes_wanted"):
-            wanted = record["nodes_wanted"]
-            share = record.get("per_node") or math.ceil(n / wanted)
-            candidates = [c for c in candidates if free[c] >= min(share, n)]
-            if len(candidates) < wanted:
-                return None
-            candidates = candidates[:wanted]
-        if not candidates:
-            return None
-        share = record.get("per_node") or math.ceil(n / len(candidates))
-        placement: list[str] = []
-        for strict in (True, False):
-            for name in candidates:
-                take = min(free[name] - placement.count(name), n - len(placement))
-                if strict or record.get("per_node"):
-                    take = min(take, share - placement.count(name))
-                placement.extend([name] * max(0, take))
-            if len(placement) == n or record.get("per_node"):
-                break
-        if len(placement) < n:
-            return None
-        return sorted(placement, key=lambda name: candidates.index(name))
-
     async def _schedule(self) -> None:
         free = self._free_cores()
         for record in sorted(self.table.active(), key=lambda r: r["id"]):
             if record["state"] != jobs.QUEUED or record["placement"]:
                 continue
-            placement = self.place(record, free)
+            placement = place(record, free)
             if placement is None:
                 break  # first come, first served: nobody overtakes the head of the queue
             for node in placement:
@@ -286,10 +292,15 @@ class Coordinator:
                 r["ranks"] = [s or {"killed": True, "signal": signal.SIGKILL, "never_started": True} for s in r["ranks"]]
             self._finish_if_done(r)
 
-        record = await self.update(job_id, change)
+        await self.update(job_id, change)
         await self._kill_everywhere(job_id)
         self.kick()
-        return self.table.get(job_id)
+        # Every rank is reaped by now; answer once their exit reports are in,
+        # so `gang kill` returns when the job really is over.
+        with trio.move_on_after(KILL_REPORT_WAIT):
+            while not jobs.is_terminal(record := self.table.get(job_id)):
+                await self.table.wait_changed()
+        return record
 
     async def _kill_everywhere(self, job_id: int) -> None:
         record = self.table.get(job_id)

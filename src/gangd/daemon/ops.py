@@ -28,7 +28,6 @@ from .peers import natural_key
 
 log = logging.getLogger("gangd.ops")
 
-RECORD_WAIT = 10.0  # how long a read waits for a just-submitted job to reach this replica
 
 
 def _int(args: dict, key: str) -> int:
@@ -60,6 +59,7 @@ class Ops:
             "coord_submit": self.coord_submit,
             "coord_kill": self.coord_kill,
             "output_local": self.output_local,
+            "job_record": self.job_record,
         }
 
     # ------------------------------------------------------------ dispatch
@@ -106,15 +106,16 @@ class Ops:
                     raise
             await trio.sleep(0.1)
 
-    async def _record(self, args: dict, cred: dict, action: str, wait: bool = True) -> dict:
+    async def _record(self, args: dict, cred: dict, action: str) -> dict:
         job_id = _int(args, "job")
         table = self.daemon.table
         record = table.get(job_id)
-        if record is None and wait:
-            # Submitted a moment ago through another node: the replica is on its way.
-            with trio.move_on_after(RECORD_WAIT):
-                while (record := table.get(job_id)) is None:
-                    await table.wait_changed()
+        if record is None:
+            # Maybe submitted a moment ago through another node, its replica
+            # still on the way: the coordinator has the final word.
+            record = await self._to_coordinator("job_record", job=job_id)
+            if record is not None:
+                await table.apply(record)
         if record is None:
             raise RemoteError("no_such_job", f"no job {job_id}")
         permission_check(record, cred, action)
@@ -311,6 +312,10 @@ class Ops:
     async def rank_exit(self, args, from_node, channel):
         await self._coordinator().rank_exited(_int(args, "job"), _int(args, "rank"), args.get("status") or {})
         return True
+
+    async def job_record(self, args, from_node, channel):
+        self._coordinator()
+        return self.daemon.table.get(_int(args, "job"))
 
     async def coord_submit(self, args, from_node, channel):
         return await self._coordinator().submit(args["spec"], args["cred"])

@@ -40,11 +40,61 @@ except (OSError, AttributeError):  # not Linux/glibc
 KILL_GRACE = 2.0  # seconds to drain output after the last process of a rank is gone
 
 
+class RankProcess:
+    """A rank's main process, spawned from the daemon's main thread.
+
+    Not ``trio.lowlevel.open_process``: trio forks from a worker thread, and
+    PR_SET_PDEATHSIG fires when the *thread* that forked exits — trio retires
+    idle workers after seconds, which would SIGKILL healthy ranks. Forking
+    here takes a few milliseconds; exit is awaited on a pidfd and the pipes
+    are trio FdStreams, so nothing blocks afterwards.
+    """
+
+    def __init__(self, popen: subprocess.Popen):
+        self.popen = popen
+        self.pid = popen.pid
+        self.stdout = trio.lowlevel.FdStream(_take_fd(popen.stdout))
+        self.stderr = trio.lowlevel.FdStream(_take_fd(popen.stderr))
+        self._pidfd = os.pidfd_open(popen.pid)
+
+    @classmethod
+    def spawn(cls, argv, *, cwd, env, preexec_fn) -> "RankProcess":
+        popen = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            bufsize=0,
+            cwd=cwd,
+            env=env,
+            start_new_session=True,
+            preexec_fn=preexec_fn,
+        )
+        return cls(popen)
+
+    async def wait(self) -> int:
+        await trio.lowlevel.wait_readable(self._pidfd)
+        code = self.popen.wait()
+        os.close(self._pidfd)
+        self._pidfd = -1
+        return code
+
+    async def aclose(self) -> None:
+        await self.stdout.aclose()
+        await self.stderr.aclose()
+
+
+def _take_fd(fileobj) -> int:
+    fd = os.dup(fileobj.fileno())
+    fileobj.close()
+    return fd
+
+
 @dataclass
 class Rank:
     job_id: int
     rank: int
-    proc: trio.Process | None
+    proc: RankProcess | None
     log: OutputLog
     cgroup: Path | None
     killed: bool = False  # gangd killed it (job killed / another rank failed / node shutdown)
@@ -165,14 +215,10 @@ class LocalRanks:
             cgroup = self.cgroups.create(record["id"], rank)
             env = dict(base_env, GANGD_RANK=str(rank))
             try:
-                proc = await trio.lowlevel.open_process(
+                proc = RankProcess.spawn(
                     record["argv"],
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
                     cwd=record["cwd"],
                     env=env,
-                    start_new_session=True,
                     preexec_fn=_make_preexec(cgroup, (uid, gid, groups) if drop else None),
                 )
             except OSError as exc:
@@ -201,6 +247,8 @@ class LocalRanks:
             # the pipes get a bounded time to drain what was already written.
             self._kill_leftovers(entry)
             nursery.cancel_scope.deadline = trio.current_time() + KILL_GRACE
+        with trio.CancelScope(shield=True):
+            await proc.aclose()
         entry.log.close()
         status = {"code": code, "node": self.node} if code >= 0 else {"signal": -code, "node": self.node}
         if entry.killed:
@@ -211,7 +259,7 @@ class LocalRanks:
             await trio.to_thread.run_sync(_rmdir_quiet, entry.cgroup)
         self.on_exit(entry)
 
-    async def _drain(self, proc: trio.Process, output: OutputLog) -> None:
+    async def _drain(self, proc: RankProcess, output: OutputLog) -> None:
         async with trio.open_nursery() as pumps:
             pumps.start_soon(self._pump, proc.stdout, output, STDOUT)
             pumps.start_soon(self._pump, proc.stderr, output, STDERR)

@@ -39,11 +39,14 @@ class JobTable:
         for path in self.dir.glob("*/job.msgpack"):
             try:
                 record = read_msgpack(path)
+                job_id, seq = record["id"], record.get("seq", 0)
+                if not isinstance(job_id, int) or not isinstance(seq, int):
+                    raise ValueError("id or seq is not an integer")
             except Exception as exc:
                 log.error("ignoring unreadable job record %s: %s", path, exc)
                 continue
-            self.records[record["id"]] = record
-            self.seq = max(self.seq, record.get("seq", 0))
+            self.records[job_id] = record
+            self.seq = max(self.seq, seq)
 
     def get(self, job_id: int) -> dict | None:
         return self.records.get(job_id)

@@ -1,0 +1,135 @@
+"""Fixtures that start real gangd clusters (real daemons on 127.0.0.x) for tests.
+
+Every cluster lives in its own world-traversable temporary directory so that
+tests can talk to it as a second, unprivileged uid. On teardown the cluster
+is stopped and the test fails if any rank process of it is still alive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from gangd.client import cluster as local
+
+
+class LocalCluster:
+    def __init__(self, directory: Path, nodes: int):
+        self.dir = directory
+        self.nodes = nodes
+        self.files = {nf.name: nf for nf in local.node_files(directory)}
+
+    # ------------------------------------------------------------ the CLI
+
+    def gang(self, *args, timeout: float = 60, check: bool = False, **kwargs) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "gangd.client.cli", "--cluster", str(self.dir), *map(str, args)]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
+        if check and result.returncode != 0:
+            raise AssertionError(f"gang {' '.join(map(str, args))} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
+        return result
+
+    def gang_json(self, *args, **kwargs):
+        return json.loads(self.gang(*args, "--json", check=True, **kwargs).stdout)
+
+    def popen_gang(self, *args, **kwargs) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "gangd.client.cli", "--cluster", str(self.dir), *map(str, args)]
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+    def job(self, job_id: int) -> dict:
+        for record in self.gang_json("ps", "--all"):
+            if record["id"] == job_id:
+                return record
+        raise KeyError(job_id)
+
+    def wait_state(self, job_id: int, states, timeout: float = 20) -> dict:
+        states = {states} if isinstance(states, str) else set(states)
+        deadline = time.monotonic() + timeout
+        while True:
+            record = self.job(job_id)
+            if record["state"] in states:
+                return record
+            if time.monotonic() > deadline:
+                raise AssertionError(f"job {job_id} is {record['state']}, not {states}, after {timeout} s: {record}")
+            time.sleep(0.1)
+
+    # ------------------------------------------------------------ processes
+
+    def daemon_pid(self, node: str) -> int:
+        pid = self.files[node].pid()
+        assert pid, f"gangd {node} is not running"
+        return pid
+
+    def log(self, node: str) -> str:
+        return self.files[node].log.read_text(errors="replace")
+
+    def rank_processes(self, job_id: int | None = None) -> list[psutil.Process]:
+        """Live processes started for this cluster's jobs (forks included: they inherit the env)."""
+        found = []
+        prefix = str(self.dir)
+        for proc in psutil.process_iter():
+            try:
+                env = proc.environ()
+                if proc.status() == psutil.STATUS_ZOMBIE:
+                    continue
+            except (psutil.Error, OSError):
+                continue
+            if env.get("GANGD_SOCKET", "").startswith(prefix) and (job_id is None or env.get("GANGD_JOB") == str(job_id)):
+                found.append(proc)
+        return found
+
+    def wait_no_rank_processes(self, job_id: int | None = None, timeout: float = 10) -> None:
+        deadline = time.monotonic() + timeout
+        while (left := self.rank_processes(job_id)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not left, f"processes left behind: {[(p.pid, p.cmdline()) for p in left]}"
+
+
+def _world_traversable_tmpdir() -> Path:
+    path = Path(tempfile.mkdtemp(prefix="gangd-test-"))
+    os.chmod(path, 0o755)
+    return path
+
+
+@pytest.fixture
+def make_cluster():
+    """Factory: ``make_cluster(nodes=4)`` starts a fresh cluster for this test."""
+    started: list[LocalCluster] = []
+
+    def make(nodes: int = 4, **options) -> LocalCluster:
+        directory = _world_traversable_tmpdir() / "cluster"
+        local.up(directory, nodes, **options)
+        cluster = LocalCluster(directory, nodes)
+        started.append(cluster)
+        return cluster
+
+    yield make
+    for cluster in started:
+        local.down(cluster.dir)
+    for cluster in started:
+        try:
+            cluster.wait_no_rank_processes(timeout=5)
+        finally:
+            shutil.rmtree(cluster.dir.parent, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster4():
+    """A 4-node cluster shared by the tests of one module (they must not break it)."""
+    directory = _world_traversable_tmpdir() / "cluster"
+    local.up(directory, 4)
+    cluster = LocalCluster(directory, 4)
+    yield cluster
+    local.down(directory)
+    try:
+        cluster.wait_no_rank_processes(timeout=5)
+    finally:
+        shutil.rmtree(directory.parent, ignore_errors=True)

@@ -215,24 +215,30 @@ class Channel:
         """Read and dispatch until the connection closes. Never raises for
         anything the other side does; protocol violations close this
         connection only and are logged."""
+        violation: ProtocolError | None = None
         try:
             async with trio.open_nursery() as nursery:
                 try:
                     await self._read_loop(nursery, handler)
+                except ProtocolError as exc:
+                    # Caught here, inside the nursery: once it left, trio
+                    # would wrap it in an exception group.
+                    violation = exc
                 finally:
                     # Closed before the handlers are cancelled, so a handler's
                     # cleanup can tell "the other side went away" from "asked to stop".
-                    self._mark_closed(self.close_reason or "closed by the other side")
+                    self._mark_closed(str(violation) if violation else self.close_reason or "closed by the other side")
                     nursery.cancel_scope.cancel()
-        except ProtocolError as exc:
-            log.warning("closing connection from %s: %s", self.label, exc)
-            self.close_reason = str(exc)
-            with trio.move_on_after(0.5) as scope:
-                scope.shield = True
-                try:
-                    await self._flush()  # tell the other side why, if the machine queued a bye
-                except RemoteError:
-                    pass
+            if violation is not None:
+                log.warning("closing connection from %s: %s", self.label, violation)
+                with trio.move_on_after(0.5) as scope:
+                    scope.shield = True
+                    data = self.conn.data_to_send()  # the bye the machine queued, telling them why
+                    if data:
+                        try:
+                            await self.transport.send_all(data)
+                        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                            pass
         finally:
             self._mark_closed(self.close_reason or "closed")
             with trio.CancelScope(shield=True):

@@ -156,7 +156,7 @@ async def connect(cluster: str | os.PathLike | None = None, sockets: list[str] |
     for path in candidates:
         try:
             channel = await dial_unix(path)
-        except (OSError, ProtocolError, trio.TooSlowError) as exc:
+        except (OSError, ProtocolError, RemoteError, trio.TooSlowError) as exc:
             errors.append(f"{path}: {getattr(exc, 'strerror', None) or exc}")
             continue
         async with running(channel):

@@ -107,7 +107,10 @@ class Coordinator:
             await self._kick.wait()
             self._kick = trio.Event()
             if self.active:
-                await self._schedule()
+                try:
+                    await self._schedule()
+                except Exception:  # e.g. the state disk is full: log, retry on the next kick
+                    log.exception("scheduling pass failed")
 
     # ------------------------------------------------------------ takeover
 

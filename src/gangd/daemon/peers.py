@@ -116,6 +116,18 @@ class Peers:
         self.daemon.membership_changed()
 
     async def _maintain(self, link: PeerLink, handler) -> None:
+        # This loop must outlive anything a peer does to us: a bug here would
+        # otherwise cut this node off from the cluster for good.
+        while True:
+            try:
+                await self._maintain_once(link, handler)
+            except Exception:
+                log.exception("link to %s failed unexpectedly; re-dialling", link.spec.name)
+                link.channel = None
+                self._mark_down(link, "internal error on the link (see log)", grace=True)
+                await trio.sleep(self.config.heartbeat_interval)
+
+    async def _maintain_once(self, link: PeerLink, handler) -> None:
         delay = 0.05
         spec = link.spec
         while True:
@@ -134,7 +146,8 @@ class Peers:
                 self._mark_down(link, exc.message)
                 await trio.sleep(max(delay, 1.0))
                 continue
-            except (OSError, trio.TooSlowError) as exc:
+            except (OSError, trio.TooSlowError, RemoteError) as exc:
+                # RemoteError: the connection broke mid-handshake (peer restarting).
                 self._mark_down(link, f"cannot connect to {spec.endpoint}: {getattr(exc, 'strerror', None) or exc}")
                 await trio.sleep(delay)
                 delay = min(delay * 2, self.config.heartbeat_interval)

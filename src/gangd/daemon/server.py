@@ -62,8 +62,25 @@ class Daemon:
     # ------------------------------------------------------------ helpers for the parts
 
     def spawn(self, fn, *args) -> None:
-        """Start a task owned by the daemon's root nursery."""
-        self.nursery.start_soon(fn, *args)
+        """Start a task owned by the daemon's root nursery.
+
+        A bug in one task (or anything a peer or client provoked) is logged
+        and contained: it must never take the daemon, and every other job
+        and connection, down with it.
+        """
+        self.nursery.start_soon(self._contained, fn, args, name=getattr(fn, "__qualname__", repr(fn)))
+
+    @staticmethod
+    async def _contained(fn, args) -> None:
+        try:
+            await fn(*args)
+        except Exception:
+            log.exception("task %s failed", getattr(fn, "__qualname__", fn))
+        except BaseExceptionGroup as group:
+            rest = group.subgroup(lambda e: not isinstance(e, Exception))
+            log.error("task %s failed", getattr(fn, "__qualname__", fn), exc_info=group)
+            if rest is not None:
+                raise rest
 
     async def call(self, node: str, op: str, **args):
         """Run a peer operation on ``node``; on this node it is a direct call."""
@@ -236,15 +253,23 @@ class Daemon:
             await self._membership.wait()
             self._membership = trio.Event()
             now = self.is_coordinator()
-            if now and not was:
-                await self.coordinator.take_over()
-            elif not now and was:
-                log.info("node %s is now the coordinator", self.peers.coordinator())
-                self.coordinator.active = False
-            elif now:
-                await self.coordinator.check_nodes()
-                self.coordinator.kick()
-            was = now
+            try:
+                if now and not was:
+                    await self.coordinator.take_over()
+                elif not now and was:
+                    log.info("node %s is now the coordinator", self.peers.coordinator())
+                    self.coordinator.active = False
+                elif now:
+                    await self.coordinator.check_nodes()
+                    self.coordinator.kick()
+                was = now
+            except Exception:  # `was` stays, so the retry redoes the whole transition
+                log.exception("handling a membership change failed; retrying")
+                self.spawn(self._retry_membership)
+
+    async def _retry_membership(self) -> None:
+        await trio.sleep(self.config.heartbeat_interval)
+        self.membership_changed()
 
     # ------------------------------------------------------------ rank exits
 
@@ -262,7 +287,7 @@ class Daemon:
                 try:
                     await self.call(self.peers.coordinator(), "rank_exit", job=job_id, rank=rank, status=status)
                     break
-                except RemoteError as exc:
+                except Exception as exc:  # RemoteError, or the coordinator's disk failing
                     log.debug("reporting exit of job %d rank %d failed (%s); retrying", job_id, rank, exc)
                     await trio.sleep(0.2)
 

@@ -169,7 +169,7 @@ def _wait_for_running_job(cluster, name: str) -> int:
 
 
 def test_help_has_examples_for_every_command(cluster4):
-    for cmd in (["run"], ["submit"], ["ps"], ["nodes"], ["logs"], ["kill"], ["wait"], ["cluster", "up"], ["cluster", "down"], ["demo"]):
+    for cmd in (["run"], ["submit"], ["ps"], ["nodes"], ["logs"], ["kill"], ["wait"], ["cluster", "up"], ["cluster", "down"], ["cluster", "status"], ["demo"]):
         text = cluster4.gang(*cmd, "--help", check=True).stdout
         assert "Example" in text, cmd
     top = cluster4.gang("--help", check=True).stdout

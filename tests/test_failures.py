@@ -336,3 +336,47 @@ def test_garbage_from_an_authenticated_peer_closes_only_that_link(cluster4):
     rows = cluster4.gang_json("nodes")
     assert all(r["state"] == "up" for r in rows)
     assert cluster4.gang("run", "-n", 2, "-w", "n4", "--", "true").returncode == 0
+
+
+def test_daemon_speaks_sd_notify_to_a_real_socket(tmp_path):
+    """The daemon as systemd runs it: READY=1 once it serves, watchdog pings, STOPPING=1 on SIGTERM."""
+    import subprocess
+    import sys
+
+    from gangd.daemon.config import Config, NodeSpec, render
+
+    notify_path = tmp_path / "notify.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(notify_path))
+    listener.settimeout(10)
+    secret = tmp_path / "secret"
+    secret.write_text(os.urandom(16).hex())
+    port = local.pick_port(["127.0.0.1"])
+    config = Config(
+        node_name="solo",
+        nodes=(NodeSpec("solo", "127.0.0.1", port, 2),),
+        state_dir=tmp_path / "state",
+        socket=tmp_path / "gangd.sock",
+        secret_file=secret,
+    )
+    (tmp_path / "gangd.toml").write_text(render(config))
+    env = {**os.environ, "NOTIFY_SOCKET": str(notify_path), "WATCHDOG_USEC": "200000"}
+    daemon = subprocess.Popen([sys.executable, "-m", "gangd.daemon.main", "--config", str(tmp_path / "gangd.toml")], env=env, stderr=subprocess.PIPE)
+    try:
+        messages = []
+        while not any(b"READY=1" in m for m in messages):
+            messages.append(listener.recv(4096))
+        ready = next(m for m in messages if b"READY=1" in m).decode()
+        assert f"MAINPID={daemon.pid}" in ready and "STATUS=" in ready
+        assert tmp_path.joinpath("gangd.sock").exists()  # READY only once it serves
+        watchdogs = 0
+        while watchdogs < 3:
+            watchdogs += listener.recv(4096).count(b"WATCHDOG=1")
+        daemon.send_signal(signal.SIGTERM)
+        while b"STOPPING=1" not in listener.recv(4096):
+            pass
+        assert daemon.wait(timeout=10) == 0
+    finally:
+        daemon.kill()
+        daemon.wait()
+        listener.close()

@@ -89,7 +89,7 @@ def table(rows: list[list[str]], headers: list[str]) -> str:
 # ---------------------------------------------------------------- the group
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=__doc__.split("\n", 2)[2])
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog="\b\n" + __doc__.split("\n", 2)[2])
 @click.option("--cluster", "cluster", metavar="DIR", envvar="GANGD_CLUSTER", help="Local cluster directory (default: $GANGD_CLUSTER, else ~/.gangd/cluster, else /run/gangd/gangd.sock).")
 @click.version_option(package_name="gangd")
 @click.pass_context
@@ -116,7 +116,7 @@ def job_options(fn):
     fn = click.option("--no-kill-on-bad-exit", is_flag=True, help="Keep the other ranks running when one fails.")(fn)
     fn = click.option("-w", "--nodelist", metavar="N1,N2", help="Run only on these nodes.")(fn)
     fn = click.option("-N", "--nodes", type=click.IntRange(min=1), help="Spread the ranks over exactly this many nodes.")(fn)
-    fn = click.option("--per-node", type=click.IntRange(min=1), help="At most this many ranks on each node.")(fn)
+    fn = click.option("--per-node", type=click.IntRange(min=1), help="Put this many ranks on each node in turn (Slurm's --ntasks-per-node).")(fn)
     fn = click.option("--name", "-J", help="Job name (default: the command's name).")(fn)
     fn = click.option("-n", "--ranks", "nranks", type=click.IntRange(min=1), required=True, help="Number of ranks.")(fn)
     return fn
@@ -496,18 +496,26 @@ def cluster_down(ctx, directory):
         click.echo(f"no daemons running in {where}")
 
 
-@cluster.command("status")
+@cluster.command("status", epilog="""\b
+Examples:
+  gang cluster status
+  gang cluster status --dir /tmp/c8 --json
+""")
 @click.option("--dir", "directory", type=click.Path(file_okay=False), help="Cluster directory.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @click.pass_context
-def cluster_status(ctx, directory):
+def cluster_status(ctx, directory, as_json):
     """Show which daemons of a local cluster are running."""
     from . import cluster as local
 
     where = cluster_dir(directory or _cluster(ctx))
     rows = local.status(where)
     if not rows:
-        click.echo(f"no cluster in {where}")
+        click.echo(f"gang: no cluster in {where}", err=True)
         sys.exit(EXIT_ERROR)
+    if as_json:
+        emit_json([{"name": name, "pid": pid, "running": bool(pid)} for name, pid in rows])
+        return
     click.echo(table([[name, pid or "-", "running" if pid else "stopped"] for name, pid in rows], ["NODE", "PID", "DAEMON"]))
 
 

@@ -245,21 +245,31 @@ class Coordinator:
 
     # ------------------------------------------------------------ exits and kills
 
-    async def rank_exited(self, job_id: int, rank: int, status: dict) -> None:
+    async def ranks_exited(self, job_id: int, exits: list[tuple[int, dict]]) -> None:
+        """Record the exit of some of a job's ranks (one node's batch) in one update."""
         record = self.table.get(job_id)
-        if record is None or record["ranks"][rank] is not None:
+        if record is None:
             return
-        bad = status.get("signal") or status.get("code", 0) != 0
-        fail_job = bad and not status.get("killed") and record["kill_on_bad_exit"] and not record["reason"]
+        exits = [(rank, status) for rank, status in exits if 0 <= rank < record["nranks"] and record["ranks"][rank] is None]
+        if not exits:
+            return
+        culprit = None
+        if record["kill_on_bad_exit"] and not record["reason"]:
+            for rank, status in exits:
+                if (status.get("signal") or status.get("code", 0) != 0) and not status.get("killed"):
+                    culprit = (rank, status)
+                    break
 
         def change(r):
-            r["ranks"][rank] = status
-            if fail_job:
+            for rank, status in exits:
+                r["ranks"][rank] = status
+            if culprit and not r["reason"]:
+                rank, status = culprit
                 r["reason"] = f"rank {rank} on {status.get('node', '?')} {jobs.describe_status(status)}"
             self._finish_if_done(r)
 
         record = await self.update(job_id, change)
-        if fail_job and not jobs.is_terminal(record):
+        if culprit and not jobs.is_terminal(record):
             log.info("job %d: %s; killing the other ranks", job_id, record["reason"])
             self.daemon.spawn(self._kill_everywhere, job_id)
         if jobs.is_terminal(record):

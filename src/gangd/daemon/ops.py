@@ -55,7 +55,7 @@ class Ops:
             "table_since": self.table_since,
             "launch": self.launch,
             "kill_ranks": self.kill_ranks,
-            "rank_exit": self.rank_exit,
+            "ranks_exited": self.ranks_exited,
             "coord_submit": self.coord_submit,
             "coord_kill": self.coord_kill,
             "output_local": self.output_local,
@@ -309,8 +309,9 @@ class Ops:
             raise RemoteError("not_coordinator", f"{self.daemon.node} is not the coordinator")
         return self.daemon.coordinator
 
-    async def rank_exit(self, args, from_node, channel):
-        await self._coordinator().rank_exited(_int(args, "job"), _int(args, "rank"), args.get("status") or {})
+    async def ranks_exited(self, args, from_node, channel):
+        exits = [(rank, status) for rank, status in args.get("exits") or [] if isinstance(rank, int) and isinstance(status, dict)]
+        await self._coordinator().ranks_exited(_int(args, "job"), exits)
         return True
 
     async def job_record(self, args, from_node, channel):

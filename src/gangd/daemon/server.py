@@ -278,18 +278,38 @@ class Daemon:
         self.table.notify_changed()
 
     async def _report_exits(self) -> None:
-        """Deliver every rank exit to whoever is coordinator, retrying until it lands."""
-        async for job_id, rank, status in self._reports_receive:
+        """Deliver rank exits to whoever is coordinator, retrying until they land.
+
+        Exits that pile up while a report is in flight go together in the
+        next one, one request per job: a job of many ranks ending at once
+        costs the coordinator a few updates, not one per rank.
+        """
+        async for first in self._reports_receive:
+            batch = [first]
             while True:
-                record = self.table.get(job_id)
-                if record is not None and (jobs.is_terminal(record) or record["ranks"][rank] is not None):
-                    break
                 try:
-                    await self.call(self.peers.coordinator(), "rank_exit", job=job_id, rank=rank, status=status)
+                    batch.append(self._reports_receive.receive_nowait())
+                except trio.WouldBlock:
                     break
-                except Exception as exc:  # RemoteError, or the coordinator's disk failing
-                    log.debug("reporting exit of job %d rank %d failed (%s); retrying", job_id, rank, exc)
-                    await trio.sleep(0.2)
+            by_job: dict[int, list] = {}
+            for job_id, rank, status in batch:
+                by_job.setdefault(job_id, []).append([rank, status])
+            for job_id, exits in by_job.items():
+                await self._deliver_exits(job_id, exits)
+
+    async def _deliver_exits(self, job_id: int, exits: list) -> None:
+        while True:
+            record = self.table.get(job_id)
+            if record is not None:
+                exits = [e for e in exits if record["ranks"][e[0]] is None]
+                if jobs.is_terminal(record) or not exits:
+                    return
+            try:
+                await self.call(self.peers.coordinator(), "ranks_exited", job=job_id, exits=exits)
+                return
+            except Exception as exc:  # RemoteError, or the coordinator's disk failing
+                log.debug("reporting exits of job %d failed (%s); retrying", job_id, exc)
+                await trio.sleep(0.2)
 
     async def _lost_ranks_from_previous_life(self) -> None:
         """Ranks this node ran before a restart are gone (they die with the

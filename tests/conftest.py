@@ -7,6 +7,7 @@ is stopped and the test fails if any rank process of it is still alive.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import psutil
 import pytest
 
 from gangd.client import cluster as local
+from gangd.daemon.cgroup import CgroupTree
 
 
 class LocalCluster:
@@ -93,6 +95,14 @@ class LocalCluster:
         assert not left, f"processes left behind: {[(p.pid, p.cmdline()) for p in left]}"
 
 
+def _remove_cgroups(cluster: LocalCluster) -> None:
+    """Daemons killed with SIGKILL in a test never remove their cgroups (a
+    restarted daemon would sweep them); do it for them."""
+    for nf in cluster.files.values():
+        tag = hashlib.sha1(str(nf.state.resolve()).encode()).hexdigest()[:8]
+        CgroupTree(f"gangd-{nf.name}-{tag}").close()
+
+
 def _world_traversable_tmpdir() -> Path:
     path = Path(tempfile.mkdtemp(prefix="gangd-test-"))
     os.chmod(path, 0o755)
@@ -118,6 +128,7 @@ def make_cluster():
         try:
             cluster.wait_no_rank_processes(timeout=5)
         finally:
+            _remove_cgroups(cluster)
             shutil.rmtree(cluster.dir.parent, ignore_errors=True)
 
 
@@ -132,4 +143,5 @@ def cluster4():
     try:
         cluster.wait_no_rank_processes(timeout=5)
     finally:
+        _remove_cgroups(cluster)
         shutil.rmtree(directory.parent, ignore_errors=True)

@@ -343,24 +343,22 @@ def _result(reply: Reply) -> object:
 async def dial_unix(path: str, *, node: str = "client", timeout: float = HANDSHAKE_TIMEOUT) -> Channel:
     with trio.fail_after(timeout):
         stream = await trio.open_unix_socket(path)
-    channel = Channel(stream, Connection(dialer=True, node=node, role=Role.CLIENT), label=f"gangd at {path}")
-    try:
-        await channel.handshake()
-    except BaseException:
-        await stream.aclose()
-        raise
-    return channel
+    return await _handshake(Channel(stream, Connection(dialer=True, node=node, role=Role.CLIENT), label=f"gangd at {path}"))
 
 
 async def dial_tcp(host: str, port: int, *, node: str, secret: bytes, label: str, timeout: float = HANDSHAKE_TIMEOUT) -> Channel:
     with trio.fail_after(timeout):
         stream = await trio.open_tcp_stream(host, port)
     stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    channel = Channel(stream, Connection(dialer=True, node=node, role=Role.PEER, secret=secret), label=label)
+    return await _handshake(Channel(stream, Connection(dialer=True, node=node, role=Role.PEER, secret=secret), label=label))
+
+
+async def _handshake(channel: Channel) -> Channel:
     try:
         await channel.handshake()
     except BaseException:
-        await stream.aclose()
+        with trio.CancelScope(shield=True):
+            await channel.transport.aclose()
         raise
     return channel
 

@@ -13,6 +13,7 @@ import errno
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 
 log = logging.getLogger("gangd.cgroup")
@@ -91,13 +92,24 @@ class CgroupTree:
             except ProcessLookupError:
                 pass
 
-    def remove_job(self, job_id: int) -> None:
+    def remove(self, path: Path) -> None:
+        """Remove a rank's cgroup, and its job's once that is empty. Blocking:
+        call through ``trio.to_thread``."""
+        _rmdir(path)
+        try:
+            path.parent.rmdir()
+        except OSError:
+            pass  # other ranks of the job still run here
+
+    def close(self) -> None:
+        """On a clean stop: remove what is left of our (by now empty) subtree."""
         if self.base is None:
             return
-        job = self.base / f"job-{job_id}"
-        for rank_dir in job.glob("rank-*"):
-            _rmdir(rank_dir)
-        _rmdir(job)
+        for job in self.base.glob("job-*"):
+            for rank_dir in job.glob("rank-*"):
+                _rmdir(rank_dir)
+            _rmdir(job)
+        _rmdir(self.base)
 
     def sweep(self) -> list[int]:
         """Kill leftovers of a previous life of this daemon; returns the job ids found."""
@@ -106,9 +118,11 @@ class CgroupTree:
         found = []
         for job in self.base.glob("job-*"):
             for rank_dir in job.glob("rank-*"):
-                self.kill(rank_dir)
-            found.append(int(job.name.split("-", 1)[1]))
-        return found
+                if self.pids(rank_dir):
+                    self.kill(rank_dir)
+                    found.append(int(job.name.split("-", 1)[1]))
+                self.remove(rank_dir)
+        return sorted(set(found))
 
 
 def _rmdir(path: Path) -> None:
@@ -124,6 +138,4 @@ def _rmdir(path: Path) -> None:
             if exc.errno != errno.EBUSY:
                 log.debug("cannot remove cgroup %s: %s", path, exc)
                 return
-            import time
-
             time.sleep(0.01)

@@ -256,7 +256,7 @@ class LocalRanks:
         entry.status = status
         entry.done.set()
         if entry.cgroup is not None:
-            await trio.to_thread.run_sync(_rmdir_quiet, entry.cgroup)
+            await trio.to_thread.run_sync(self.cgroups.remove, entry.cgroup)
         self.on_exit(entry)
 
     async def _drain(self, proc: RankProcess, output: OutputLog) -> None:
@@ -324,16 +324,3 @@ class LocalRanks:
         for key in [k for k in self.ranks if k[0] == job_id]:
             del self.ranks[key]
             self.logs.pop(key, None)
-
-
-def _rmdir_quiet(path: Path) -> None:
-    import time
-
-    for _ in range(100):
-        try:
-            path.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            time.sleep(0.01)

@@ -149,6 +149,7 @@ class Daemon:
                 os.unlink(config.socket)
             except OSError:
                 pass
+            self.cgroups.close()
             log.info("gangd %s stopped", self.node)
 
     def _prepare_state_dir(self) -> None:

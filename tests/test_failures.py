@@ -380,3 +380,44 @@ def test_daemon_speaks_sd_notify_to_a_real_socket(tmp_path):
         daemon.kill()
         daemon.wait()
         listener.close()
+
+
+def test_malformed_job_specs_are_refused_and_the_queue_keeps_moving(cluster4):
+    async def main():
+        async with connect(cluster4.dir) as gang:
+            bad_specs = [
+                {"argv": ["true"], "nranks": 1, "per_node": 0.5},
+                {"argv": ["true"], "nranks": 1, "nodes": True},
+                {"argv": ["true"], "nranks": 1, "env": {"X": 1}},
+                {"argv": ["true"], "nranks": 1, "name": 42},
+                {"argv": ["true"], "nranks": 1, "nodelist": "n1"},
+                {"argv": [], "nranks": 1},
+                {"argv": ["true"], "nranks": True},
+            ]
+            for spec in bad_specs:
+                with pytest.raises(RemoteError) as info:
+                    await gang.request("submit", spec=spec)
+                assert info.value.code == "bad_request", spec
+            # a NUL byte reaches exec: the rank fails to start, cleanly
+            record = await gang.submit(["/bin/echo", "a\0b"], 1)
+            final = await gang.wait_done(record["id"])
+            assert final["state"] == "FAILED" and final["ranks"][0]["code"] == 126
+            # and the cluster still schedules
+            record = await gang.submit(["/bin/true"], 4)
+            assert (await gang.wait_done(record["id"]))["state"] == "DONE"
+
+    trio.run(main)
+
+
+def test_kill_right_after_submit_leaves_nothing_running(cluster4):
+    """The kill may overtake the launch on its way to the nodes."""
+
+    async def main():
+        async with connect(cluster4.dir) as gang:
+            for _ in range(5):
+                record = await gang.submit(["/bin/sleep", "300"], 8)
+                killed = await gang.kill(record["id"])
+                assert killed["state"] == "KILLED"
+
+    trio.run(main)
+    cluster4.wait_no_rank_processes()

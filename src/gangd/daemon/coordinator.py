@@ -88,6 +88,8 @@ class Coordinator:
     async def update(self, job_id: int, change) -> dict:
         """Apply ``change(record)`` to a copy of the record and commit it everywhere."""
         async with self._lock:
+            if not self.active:
+                raise RemoteError("not_coordinator", f"{self.daemon.node} is no longer the coordinator")
             current = self.table.get(job_id)
             if current is None:
                 raise RemoteError("no_such_job", f"no job {job_id}")
@@ -131,6 +133,11 @@ class Coordinator:
         self.active = True
         log.info("this node is now the coordinator (%d jobs known, seq %d)", len(self.table.records), self.table.seq)
         await self.check_nodes()
+        for record in self.table.active():
+            if record["state"] == jobs.QUEUED and record["placement"]:
+                # The previous coordinator died while launching it; launch is idempotent per rank.
+                log.info("job %d was being launched by the previous coordinator; launching again", record["id"])
+                self.daemon.spawn(self._start, record["id"])
         # Bring every node up to date with the merged table.
         self.daemon.peers.broadcast("table", records=self.table.since(0))
         self.kick()
@@ -154,8 +161,21 @@ class Coordinator:
         argv = spec.get("argv")
         if not argv or not all(isinstance(a, str) for a in argv):
             raise RemoteError("bad_request", "a job needs a command to run")
+        for key, kind in (("name", str), ("cwd", str), ("env", dict)):
+            if spec.get(key) is not None and not isinstance(spec[key], kind):
+                raise RemoteError("bad_request", f"{key!r} must be a {kind.__name__}")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in (spec.get("env") or {}).items()):
+            raise RemoteError("bad_request", "the environment must map strings to strings")
+        for key in ("per_node", "nodes"):
+            value = spec.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise RemoteError("bad_request", f"{key!r} must be a positive integer, not {value!r}")
+        if spec.get("nodelist") is not None and not (
+            isinstance(spec["nodelist"], list) and all(isinstance(n, str) for n in spec["nodelist"])
+        ):
+            raise RemoteError("bad_request", "'nodelist' must be a list of node names")
         nranks = spec.get("nranks")
-        if not isinstance(nranks, int) or nranks < 1:
+        if not isinstance(nranks, int) or isinstance(nranks, bool) or nranks < 1:
             raise RemoteError("bad_request", f"the number of ranks must be a positive integer, not {nranks!r}")
         names = [n.name for n in self.daemon.config.nodes]
         for name in spec.get("nodelist") or []:
@@ -207,7 +227,12 @@ class Coordinator:
         for record in sorted(self.table.active(), key=lambda r: r["id"]):
             if record["state"] != jobs.QUEUED or record["placement"]:
                 continue
-            placement = place(record, free)
+            try:
+                placement = place(record, free)
+            except Exception as exc:  # a bug or a record from an older version: fail it, keep the queue moving
+                log.exception("placing job %d failed", record["id"])
+                await self._fail(record["id"], f"cannot place the job: {exc}")
+                continue
             if placement is None:
                 break  # first come, first served: nobody overtakes the head of the queue
             for node in placement:
@@ -225,6 +250,9 @@ class Coordinator:
                 await self.daemon.call(node, "launch", record=record)
             except RemoteError as exc:
                 failures.append(f"{node}: {exc.message}")
+            except Exception as exc:  # e.g. this node's own disk failing
+                log.exception("job %d: launch on %s failed", job_id, node)
+                failures.append(f"{node}: {type(exc).__name__}: {exc}")
 
         async with trio.open_nursery() as nursery:
             for node in nodes:
@@ -241,7 +269,10 @@ class Coordinator:
             r["state"] = jobs.RUNNING
             r["started"] = time.time()
 
-        await self.update(job_id, running)
+        record = await self.update(job_id, running)
+        if record["state"] != jobs.RUNNING:
+            # Killed or failed while launching: whatever did start must go.
+            await self._kill_everywhere(job_id)
 
     # ------------------------------------------------------------ exits and kills
 
@@ -261,8 +292,11 @@ class Coordinator:
                     break
 
         def change(r):
+            if jobs.is_terminal(r):
+                return False
             for rank, status in exits:
-                r["ranks"][rank] = status
+                if r["ranks"][rank] is None:
+                    r["ranks"][rank] = status
             if culprit and not r["reason"]:
                 rank, status = culprit
                 r["reason"] = f"rank {rank} on {status.get('node', '?')} {jobs.describe_status(status)}"

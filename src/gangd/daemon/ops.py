@@ -261,7 +261,8 @@ class Ops:
             # The launch may still be on its way to this node.
             while key not in daemon.ranks.logs:
                 record = daemon.table.get(job_id)
-                if not follow or record is None or jobs.is_terminal(record) or record["ranks"][rank] is not None:
+                # (record None while following: its replica has not reached this node yet)
+                if not follow or record is not None and (jobs.is_terminal(record) or record["ranks"][rank] is not None):
                     break
                 await daemon.table.wait_changed()
             log_ = daemon.ranks.logs.get(key)
@@ -291,9 +292,15 @@ class Ops:
         if not isinstance(record, dict):
             raise RemoteError("bad_request", "launch needs a job record")
         daemon = self.daemon
-        await daemon.table.apply(record)
         try:
-            pids = await daemon.ranks.launch(daemon.nursery, record, daemon.table.job_dir(record["id"]))
+            await daemon.table.apply(record)
+            current = daemon.table.get(record["id"])
+            if jobs.is_terminal(current) or current.get("kill_requested"):
+                # A kill overtook this launch: starting ranks now would orphan them.
+                raise RemoteError("job_ended", f"job {record['id']} is {current['state']}; not starting its ranks")
+            pids = await daemon.ranks.launch(daemon.spawn, record, daemon.table.job_dir(record["id"]))
+        except RemoteError:
+            raise
         except Exception as exc:
             log.exception("launching job %d failed", record["id"])
             raise RemoteError("launch_failed", f"{type(exc).__name__}: {exc}") from None

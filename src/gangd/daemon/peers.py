@@ -178,6 +178,8 @@ class Peers:
                 await channel.note(op, **args)
             except RemoteError:
                 return
+            except ProtocolError as exc:  # larger than a frame: drop it, the catch-up resends by seq
+                log.error("could not send %r to %s: %s", op, link.spec.name, exc)
 
     async def _heartbeat(self, link: PeerLink, scope: trio.CancelScope) -> None:
         interval = self.config.heartbeat_interval

@@ -183,7 +183,7 @@ class LocalRanks:
 
     # ------------------------------------------------------------ launch
 
-    async def launch(self, nursery: trio.Nursery, record: dict, job_dir: Path) -> dict[int, int]:
+    async def launch(self, spawn, record: dict, job_dir: Path) -> dict[int, int]:
         """Start this node's ranks of ``record``; returns {rank: pid}."""
         my_ranks = jobs.ranks_on(record, self.node)
         uid, gid = record["owner_uid"], record["owner_gid"]
@@ -221,10 +221,12 @@ class LocalRanks:
                     env=env,
                     preexec_fn=_make_preexec(cgroup, (uid, gid, groups) if drop else None),
                 )
-            except OSError as exc:
-                # Same convention as a shell: 127 not found, 126 not executable.
+            except Exception as exc:  # OSError from exec, or a NUL byte / bad type in argv or env
+                # Same convention as a shell: 127 not found, 126 cannot execute.
                 code = 127 if isinstance(exc, FileNotFoundError) else 126
-                what = exc.strerror or str(exc)
+                what = getattr(exc, "strerror", None) or str(exc)
+                if cgroup is not None:
+                    await trio.to_thread.run_sync(self.cgroups.remove, cgroup)
                 output.append(STDERR, f"gangd: cannot start rank {rank} on {self.node}: {record['argv'][0]}: {what}\n".encode())
                 output.close()
                 entry = Rank(record["id"], rank, None, output, cgroup, status={"code": code, "node": self.node, "why": what})
@@ -235,7 +237,7 @@ class LocalRanks:
             entry = Rank(record["id"], rank, proc, output, cgroup)
             self.ranks[key] = entry
             pids[rank] = proc.pid
-            nursery.start_soon(self._watch, entry)
+            spawn(self._watch, entry)
         return pids
 
     async def _watch(self, entry: Rank) -> None:
@@ -265,9 +267,15 @@ class LocalRanks:
             pumps.start_soon(self._pump, proc.stderr, output, STDERR)
 
     async def _pump(self, stream, output: OutputLog, which: int) -> None:
+        failed = False
         try:
             async for chunk in stream:
-                output.append(which, chunk)
+                try:
+                    output.append(which, chunk)
+                except OSError as exc:  # disk full, quota: keep draining so the rank is not blocked
+                    if not failed:
+                        log.warning("output of %s lost: %s", output.path, exc)
+                        failed = True
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass
 

@@ -138,8 +138,14 @@ class Coordinator:
                 # The previous coordinator died while launching it; launch is idempotent per rank.
                 log.info("job %d was being launched by the previous coordinator; launching again", record["id"])
                 self.daemon.spawn(self._start, record["id"])
-        # Bring every node up to date with the merged table.
+        # Bring every node up to date with the merged table, and collect the
+        # exits the previous coordinator may have taken to its grave.
         self.daemon.peers.broadcast("table", records=self.table.since(0))
+        for node in self.daemon.peers.up_nodes():
+            try:
+                await self.daemon.call(node, "resend_exits")
+            except RemoteError as exc:
+                log.warning("could not ask %s to resend rank exits: %s", node, exc)
         self.kick()
 
     # ------------------------------------------------------------ submit

@@ -60,6 +60,7 @@ class Ops:
             "coord_kill": self.coord_kill,
             "output_local": self.output_local,
             "job_record": self.job_record,
+            "resend_exits": self.resend_exits,
         }
 
     # ------------------------------------------------------------ dispatch
@@ -320,6 +321,9 @@ class Ops:
         exits = [(rank, status) for rank, status in args.get("exits") or [] if isinstance(rank, int) and isinstance(status, dict)]
         await self._coordinator().ranks_exited(_int(args, "job"), exits)
         return True
+
+    async def resend_exits(self, args, from_node, channel):
+        return self.daemon.resend_exits()
 
     async def job_record(self, args, from_node, channel):
         self._coordinator()

@@ -312,6 +312,17 @@ class Daemon:
                 log.debug("reporting exits of job %d failed (%s); retrying", job_id, exc)
                 await trio.sleep(0.2)
 
+    def resend_exits(self) -> int:
+        """Queue again every local rank exit the table does not show yet (a
+        coordinator may have acknowledged one and died before replicating it)."""
+        count = 0
+        for (job_id, rank), entry in self.ranks.ranks.items():
+            record = self.table.get(job_id)
+            if entry.status is not None and record is not None and not jobs.is_terminal(record) and record["ranks"][rank] is None:
+                self._reports_send.send_nowait((job_id, rank, entry.status))
+                count += 1
+        return count
+
     async def _lost_ranks_from_previous_life(self) -> None:
         """Ranks this node ran before a restart are gone (they die with the
         daemon): report them so their jobs end instead of waiting forever."""

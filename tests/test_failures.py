@@ -91,8 +91,6 @@ def test_restarted_cluster_remembers_job_history(make_cluster):
 
 
 def _endpoint(cluster, node: str) -> tuple[str, int]:
-    for line in cluster.files[node].config.read_text().splitlines():
-        pass
     rows = {r["name"]: r for r in cluster.gang_json("nodes")}
     host, port = rows[node]["address"].split(":")
     return host, int(port)

@@ -16,7 +16,6 @@ killed, 130 if `gang run` was interrupted.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 import time

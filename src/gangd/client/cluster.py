@@ -219,7 +219,7 @@ def down(directory: Path, timeout: float = 15.0) -> list[str]:
     """Stop every daemon of the cluster (SIGTERM, then SIGKILL); returns the nodes stopped."""
     files = node_files(Path(directory))
     pids = {nf.name: nf.pid() for nf in files}
-    for name, pid in pids.items():
+    for pid in pids.values():
         if pid:
             try:
                 os.kill(pid, signal.SIGTERM)
@@ -228,7 +228,7 @@ def down(directory: Path, timeout: float = 15.0) -> list[str]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and any(pid and _alive(pid) for pid in pids.values()):
         time.sleep(0.05)
-    for name, pid in pids.items():
+    for pid in pids.values():
         if pid and _alive(pid):
             os.kill(pid, signal.SIGKILL)
     for nf in files:

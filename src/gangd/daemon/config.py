@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 import tomllib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_PORT = 7450
@@ -141,16 +141,13 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
     names = [spec.name for spec in config.nodes]
     if len(set(names)) != len(names):
         raise ConfigError(f"duplicate node names in [[nodes]]: {names}")
-    config.node  # raises if this node is not listed
+    _ = config.node  # raises ConfigError if this node is not listed
     if config.master is not None and config.master not in names:
         raise ConfigError(f"master {config.master!r} is not among the configured nodes {names}")
     if config.heartbeat_timeout <= config.heartbeat_interval:
         raise ConfigError("heartbeat_timeout must be larger than heartbeat_interval")
     return config
 
-
-def with_overrides(config: Config, **changes) -> Config:
-    return replace(config, **changes)
 
 
 def toml_str(value) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import os
 import signal
 import time
@@ -243,7 +242,7 @@ class Coordinator:
                 break  # first come, first served: nobody overtakes the head of the queue
             for node in placement:
                 free[node] -= 1
-            await self.update(record["id"], lambda r: r.update(placement=placement))
+            await self.update(record["id"], lambda r, placement=placement: r.update(placement=placement))
             self.daemon.spawn(self._start, record["id"])
 
     async def _start(self, job_id: int) -> None:

@@ -79,12 +79,15 @@ async def read_records(path: Path, start: int = 0, end: int | None = None):
             break
         offset += len(chunk)
         pending += chunk
-        while len(pending) >= _HEADER.size:
-            stream, length = _HEADER.unpack_from(pending)
-            if len(pending) < _HEADER.size + length:
+        pos = 0  # parse in place; one slice per chunk, not one per record
+        while len(pending) - pos >= _HEADER.size:
+            stream, length = _HEADER.unpack_from(pending, pos)
+            start = pos + _HEADER.size
+            if len(pending) < start + length:
                 break
-            yield stream, pending[_HEADER.size:_HEADER.size + length]
-            pending = pending[_HEADER.size + length:]
+            yield stream, pending[start:start + length]
+            pos = start + length
+        pending = pending[pos:]
 
 
 def _pread(path: Path, offset: int, size: int) -> bytes:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import trio
 
 from ..protocol import ProtocolError
-from ..rpc import Channel, Disconnected, RemoteError, dial_tcp
+from ..rpc import Channel, RemoteError, dial_tcp
 from .config import NodeSpec
 
 log = logging.getLogger("gangd.peers")
@@ -74,15 +74,12 @@ class Peers:
     # ------------------------------------------------------------ calls
 
     async def call(self, node: str, op: str, **args):
+        return await self.channel(node).request(op, **args)
+
+    def channel(self, node: str) -> Channel:
         link = self.links.get(node)
         if link is None:
             raise RemoteError("no_such_node", f"no node named {node!r} in this cluster")
-        if link.channel is None or link.channel.closed:
-            raise NodeDown(node, link.why_down)
-        return await link.channel.request(op, **args)
-
-    def channel(self, node: str) -> Channel:
-        link = self.links[node]
         if link.channel is None or link.channel.closed:
             raise NodeDown(node, link.why_down)
         return link.channel

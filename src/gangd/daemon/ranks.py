@@ -291,17 +291,6 @@ class LocalRanks:
 
     # ------------------------------------------------------------ kill
 
-    def signal_job(self, job_id: int, signum: int) -> int:
-        """Send ``signum`` to every process of the job on this node; returns how many."""
-        count = 0
-        for pid in self.processes(job_id):
-            try:
-                os.kill(pid, signum)
-                count += 1
-            except ProcessLookupError:
-                pass
-        return count
-
     async def kill_job(self, job_id: int) -> None:
         """SIGKILL every process of the job here and wait until its ranks are reaped."""
         victims = [r for r in self.of_job(job_id) if r.status is None]
@@ -327,8 +316,3 @@ class LocalRanks:
     async def kill_all(self) -> None:
         for job_id in {j for (j, _) in self.ranks}:
             await self.kill_job(job_id)
-
-    def forget(self, job_id: int) -> None:
-        for key in [k for k in self.ranks if k[0] == job_id]:
-            del self.ranks[key]
-            self.logs.pop(key, None)

@@ -24,7 +24,7 @@ import trio
 
 from .. import jobs
 from ..protocol import Connection, ProtocolError, Role
-from ..rpc import Channel, RemoteError, peer_credentials
+from ..rpc import Channel, peer_credentials
 from .cgroup import CgroupTree
 from .config import Config
 from .coordinator import Coordinator

@@ -16,7 +16,7 @@ PY = sys.executable
 
 
 def test_cluster_comes_up_with_every_node(cluster4):
-    rows = cluster4.gang_json("nodes")
+    rows = cluster4.gang_json("nodes")["nodes"]
     assert [r["name"] for r in rows] == ["n1", "n2", "n3", "n4"]
     assert all(r["state"] == "up" for r in rows)
     assert [r["address"].split(":")[0] for r in rows] == ["127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4"]

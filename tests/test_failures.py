@@ -26,7 +26,7 @@ from gangd.rpc import RemoteError, dial_tcp
 def _wait_node_state(cluster, node: str, state: str, timeout: float = 15) -> dict:
     deadline = time.monotonic() + timeout
     while True:
-        rows = {r["name"]: r for r in cluster.gang_json("nodes")}
+        rows = {r["name"]: r for r in cluster.gang_json("nodes")["nodes"]}
         if rows[node]["state"] == state:
             return rows[node]
         assert time.monotonic() < deadline, f"{node} still {rows[node]['state']}"
@@ -63,7 +63,7 @@ def test_coordinator_loss_hands_over_to_the_next_node(make_cluster):
     os.kill(cluster.daemon_pid("n1"), signal.SIGKILL)
     record = cluster.wait_state(victim, "FAILED", timeout=20)
     assert "node n1" in record["reason"]
-    rows = {r["name"]: r for r in cluster.gang_json("nodes")}
+    rows = {r["name"]: r for r in cluster.gang_json("nodes")["nodes"]}
     assert rows["n2"]["coordinator"] and rows["n1"]["state"] == "down"
     # history and the untouched job survive the takeover
     assert cluster.job(done)["state"] == "DONE"
@@ -91,7 +91,7 @@ def test_restarted_cluster_remembers_job_history(make_cluster):
 
 
 def _endpoint(cluster, node: str) -> tuple[str, int]:
-    rows = {r["name"]: r for r in cluster.gang_json("nodes")}
+    rows = {r["name"]: r for r in cluster.gang_json("nodes")["nodes"]}
     host, port = rows[node]["address"].split(":")
     return host, int(port)
 
@@ -121,7 +121,7 @@ def test_wrong_secret_is_refused_on_both_sides(cluster4):
         assert bye == {"t": "bye", "code": "auth_failed", "message": bye["message"]}
         assert sock.recv(1) == b""  # and it hung up
     _eventually(lambda: "failed authentication: wrong cluster secret" in cluster4.log("n2"))
-    assert all(r["state"] == "up" for r in cluster4.gang_json("nodes"))
+    assert all(r["state"] == "up" for r in cluster4.gang_json("nodes")["nodes"])
 
 
 def test_old_protocol_version_is_refused(cluster4):
@@ -158,7 +158,7 @@ def test_garbage_on_both_sockets_is_refused_without_harm(cluster4, garbage):
         sock.shutdown(socket.SHUT_WR)
         _drain_until_closed(sock)
     # n2 still serves clients and peers, and nobody noticed anything
-    rows = cluster4.gang_json("nodes")
+    rows = cluster4.gang_json("nodes")["nodes"]
     assert all(r["state"] == "up" for r in rows)
     result = cluster4.gang("run", "-n", 4, "-w", "n2", "--", "echo", "ok")
     assert result.returncode == 0 and result.stdout.count("ok") == 4
@@ -331,7 +331,7 @@ def test_garbage_from_an_authenticated_peer_closes_only_that_link(cluster4):
         assert bye["t"] == "bye" and bye["code"] == "malformed"
         _drain_until_closed(sock)
     # the real n1 <-> n4 link never noticed
-    rows = cluster4.gang_json("nodes")
+    rows = cluster4.gang_json("nodes")["nodes"]
     assert all(r["state"] == "up" for r in rows)
     assert cluster4.gang("run", "-n", 2, "-w", "n4", "--", "true").returncode == 0
 

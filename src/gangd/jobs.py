@@ -7,6 +7,7 @@ is. The coordinator is its only writer; every node keeps a replica (see
 
 from __future__ import annotations
 
+import secrets
 import signal
 import time
 
@@ -41,6 +42,10 @@ def new_record(*, job_id: int, spec: dict, owner_uid: int, owner_name: str, owne
         "nodes_wanted": spec.get("nodes"),
         "nodelist": spec.get("nodelist"),
         "kill_on_bad_exit": bool(spec.get("kill_on_bad_exit", True)),
+        "priority": int(spec.get("priority") or 0),  # higher goes first in the queue
+        "slice": spec.get("slice"),  # seconds per gang time slice, None: the cluster's
+        "held": None,  # who suspended it (gang suspend), while suspended
+        "token": secrets.token_hex(16),  # ranks present it to each other: no stranger joins the job's network
         "placement": [],  # node name of each rank
         "state": QUEUED,
         "reason": "",

@@ -142,11 +142,27 @@ class Channel:
 
     async def request(self, op: str, **args) -> object:
         """Send a request and wait for its final reply (items are not expected)."""
-        async with self._open_request(op, args) as (rid, receive):
-            async for event in receive:
-                if isinstance(event, Reply):
-                    return _result(event)
-        raise Disconnected(f"connection to {self.label} closed before {op!r} was answered")
+        async with self.pending(op, **args) as reply:
+            return await reply()
+
+    @asynccontextmanager
+    async def pending(self, op: str, **args):
+        """Send a request now, collect its reply later — to put requests to
+        many peers on the wire before waiting for any::
+
+            async with ch.pending("switch", ...) as reply:
+                ...  # other work
+                result = await reply()
+        """
+        async with self._open_request(op, args) as (_rid, receive):
+
+            async def reply() -> object:
+                async for event in receive:
+                    if isinstance(event, Reply):
+                        return _result(event)
+                raise Disconnected(f"connection to {self.label} closed before {op!r} was answered")
+
+            yield reply
 
     @asynccontextmanager
     async def stream(self, op: str, **args) -> AsyncIterator[AsyncIterator]:

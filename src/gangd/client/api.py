@@ -106,6 +106,8 @@ class Client:
         cwd: str | None = None,
         env: dict | None = None,
         kill_on_bad_exit: bool = True,
+        priority: int | None = None,
+        time_slice: float | None = None,
     ) -> dict:
         spec = {
             "argv": list(argv),
@@ -117,6 +119,8 @@ class Client:
             "cwd": cwd if cwd is not None else os.getcwd(),
             "env": dict(os.environ) if env is None else env,
             "kill_on_bad_exit": kill_on_bad_exit,
+            "priority": priority,
+            "slice": time_slice,
         }
         return await self.request("submit", spec=spec)
 
@@ -131,6 +135,23 @@ class Client:
 
     async def kill(self, job_id: int) -> dict:
         return await self.request("kill", job=job_id)
+
+    async def suspend(self, job_id: int) -> dict:
+        return await self.request("suspend", job=job_id)
+
+    async def resume(self, job_id: int) -> dict:
+        return await self.request("resume", job=job_id)
+
+    async def schedule(self, switches: bool = False) -> dict:
+        """The gang matrix; with ``switches`` the measured recent switches too."""
+        return await self.request("schedule", switches=switches)
+
+    async def net(self, job_id: int) -> dict:
+        return await self.request("net", job=job_id)
+
+    async def capture_network(self, job_id: int, reopen: bool = True) -> dict:
+        """Close the job's gates, return {rank: network context bytes}, open them again."""
+        return await self.request("net_capture", job=job_id, reopen=reopen)
 
     def wait(self, job_id: int, *, kill_on_disconnect: bool = False):
         """``async with gang.wait(id) as updates``: the record at every change, until it ends."""

@@ -113,6 +113,8 @@ def _cluster(ctx) -> str | None:
 def job_options(fn):
     fn = click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)(fn)
     fn = click.option("--no-kill-on-bad-exit", is_flag=True, help="Keep the other ranks running when one fails.")(fn)
+    fn = click.option("--priority", type=int, help="Queue priority: higher starts first (only root may go above 0).")(fn)
+    fn = click.option("--slice", "time_slice", type=click.FloatRange(0.001, 3600), metavar="SECONDS", help="Gang time slice for this job (default: the cluster's).")(fn)
     fn = click.option("-w", "--nodelist", metavar="N1,N2", help="Run only on these nodes.")(fn)
     fn = click.option("-N", "--nodes", type=click.IntRange(min=1), help="Spread the ranks over exactly this many nodes.")(fn)
     fn = click.option("--per-node", type=click.IntRange(min=1), help="Put this many ranks on each node in turn (Slurm's --ntasks-per-node).")(fn)
@@ -121,8 +123,10 @@ def job_options(fn):
     return fn
 
 
-def _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command) -> dict:
+def _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice=None, priority=None) -> dict:
     return {
+        "slice": time_slice,
+        "priority": priority,
         "argv": list(command),
         "nranks": nranks,
         "name": name,
@@ -215,9 +219,9 @@ is the worst rank's: its exit code, or 128+N if it died of signal N.
 @click.option("--label/--no-label", default=True, help="Prefix each output line with its rank (default: on).")
 @click.option("-v", "--verbose", is_flag=True, help="Say when the job is queued, started and finished.")
 @click.pass_context
-def run(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, label, verbose):
+def run(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, time_slice, priority, command, label, verbose):
     """Run a parallel job in the foreground."""
-    spec = _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command)
+    spec = _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice, priority)
     code = run_async(_run, _cluster(ctx), spec, label, verbose)
     sys.exit(code)
 
@@ -291,9 +295,9 @@ Prints the job id (or the job record with --json) and returns at once.
 @job_options
 @click.option("--json", "as_json", is_flag=True, help="Print the job record as JSON.")
 @click.pass_context
-def submit(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, as_json):
+def submit(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, time_slice, priority, command, as_json):
     """Submit a parallel job and return at once (prints the job id)."""
-    spec = _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command)
+    spec = _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice, priority)
 
     async def go():
         async with connect(_cluster(ctx)) as gang:
@@ -318,7 +322,15 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @click.pass_context
 def ps(ctx, show_all, as_json):
-    """List jobs: id, name, owner, ranks, nodes, state, elapsed time."""
+    """List jobs: id, name, owner, ranks, nodes, state right now, and times.
+
+    \b
+    STATE is what the gang scheduler is doing right now: RUNNING jobs are in
+    the active time slot, SUSPENDED ones are stopped (their slot is waiting
+    for its turn, or `gang suspend` holds them). ELAPSED is wall time since
+    the job started, RUN and SUSP split it into time running and time
+    stopped, CPU is the CPU time all its processes used on every node.
+    """
 
     async def go():
         async with connect(_cluster(ctx)) as gang:
@@ -338,12 +350,19 @@ def ps(ctx, show_all, as_json):
                 r["owner"],
                 r["nranks"],
                 jobs.compress_nodes(r["nodes"]) or "-",
-                r["state"],
+                r["state"] + (" (held)" if r.get("held") else ""),
                 jobs.format_duration(jobs.elapsed(r, now)),
+                _seconds(r.get("run_seconds")),
+                _seconds(r.get("suspended_seconds")),
+                _seconds(r.get("cpu_seconds")),
                 r["reason"] or "",
             ]
         )
-    click.echo(table(rows, ["JOBID", "NAME", "USER", "RANKS", "NODES", "STATE", "ELAPSED", "REASON"]))
+    click.echo(table(rows, ["JOBID", "NAME", "USER", "RANKS", "NODES", "STATE", "ELAPSED", "RUN", "SUSP", "CPU", "REASON"]))
+
+
+def _seconds(value) -> str:
+    return "-" if value is None else jobs.format_duration(value)
 
 
 @main.command(epilog="""\b
@@ -354,15 +373,26 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @click.pass_context
 def nodes(ctx, as_json):
-    """List the cluster's nodes: state, cores, running ranks, last heartbeat."""
+    """List the cluster's nodes and the gang scheduler's slot table.
+
+    \b
+    The slot table is the Ousterhout matrix: one row per time slot, one
+    column per node, each cell the jobs whose ranks use that node in that
+    slot. The slot marked > runs now; the others wait for their turn.
+    """
 
     async def go():
         async with connect(_cluster(ctx)) as gang:
-            return await gang.nodes()
+            rows = await gang.nodes()
+            try:
+                schedule = await gang.schedule()
+            except RemoteError:
+                schedule = None
+            return rows, schedule
 
-    rows = run_async(go)
+    rows, schedule = run_async(go)
     if as_json:
-        emit_json(rows)
+        emit_json({"nodes": rows, "schedule": schedule})
         return
     out = []
     for r in rows:
@@ -370,6 +400,83 @@ def nodes(ctx, as_json):
         out.append([r["name"] + ("*" if r["coordinator"] else ""), r["address"], r["state"], r["cores"], r["running"], beat, r["why"]])
     click.echo(table(out, ["NODE", "ADDRESS", "STATE", "CORES", "RANKS", "HEARTBEAT", "WHY"]))
     click.echo("(* coordinator)")
+    if schedule and schedule["slots"]:
+        names = [r["name"] for r in rows]
+        slots = []
+        for index, row in enumerate(schedule["slots"]):
+            mark = ">" if index == schedule["active_slot"] else " "
+            slots.append([f"{mark}{index}", *(",".join(map(str, row.get(n, []))) or "." for n in names)])
+        click.echo("")
+        click.echo(table(slots, ["SLOT", *names]))
+        click.echo(f"(> running now; {len(schedule['slots'])} of {schedule['max_slots']} slots used, time slice {schedule['time_slice']:g} s)")
+
+
+# ---------------------------------------------------------------- suspend / resume / net
+
+
+@main.command(epilog="""\b
+Examples:
+  gang suspend 12
+  gang resume 12
+""")
+@click.argument("job_ids", metavar="JOB...", type=int, nargs=-1, required=True)
+@click.pass_context
+def suspend(ctx, job_ids):
+    """Stop a running job on every node until `gang resume` (owner or root only).
+
+    Every process of every rank is stopped (SIGSTOP) and the job's send
+    gates are closed; its cores stay allocated, other jobs keep running.
+    """
+    _suspend_or_resume(ctx, job_ids, hold=True)
+
+
+@main.command(epilog="""\b
+Examples:
+  gang resume 12
+""")
+@click.argument("job_ids", metavar="JOB...", type=int, nargs=-1, required=True)
+@click.pass_context
+def resume(ctx, job_ids):
+    """Let a suspended job run again (at its slot's next turn)."""
+    _suspend_or_resume(ctx, job_ids, hold=False)
+
+
+def _suspend_or_resume(ctx, job_ids, hold: bool) -> None:
+    async def go():
+        async with connect(_cluster(ctx)) as gang:
+            for job_id in job_ids:
+                record = await (gang.suspend(job_id) if hold else gang.resume(job_id))
+                click.echo(f"job {job_id}: {record['state']}")
+
+    run_async(go)
+
+
+@main.command(epilog="""\b
+Examples:
+  gang net 12
+  gang net 12 --json
+""")
+@click.argument("job", type=int)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.pass_context
+def net(ctx, job, as_json):
+    """Show a job's message channels: sent, received, delivered, in flight.
+
+    Counted by each rank as it sends and receives (gangd.comm), read by the
+    daemons — also while the job is suspended.
+    """
+
+    async def go():
+        async with connect(_cluster(ctx)) as gang:
+            return await gang.net(job)
+
+    info = run_async(go)
+    if as_json:
+        emit_json(info)
+        return
+    rows = [[f"{c['src']} -> {c['dst']}", c["sent"], c["received"], c["delivered"], c["in_flight"]] for c in info["channels"]]
+    click.echo(table(rows, ["CHANNEL", "SENT", "RECEIVED", "DELIVERED", "IN FLIGHT"]))
+    click.echo(f"({len(info['attached'])} ranks attached)")
 
 
 # ---------------------------------------------------------------- logs / kill / wait
@@ -459,15 +566,17 @@ Examples:
 @click.option("--nodes", "-N", "count", type=click.IntRange(1, 250), default=4, show_default=True, help="Number of node daemons.")
 @click.option("--cores", type=click.IntRange(min=1), default=8, show_default=True, help="Cores each node offers.")
 @click.option("--dir", "directory", type=click.Path(file_okay=False), help="Cluster directory (default: --cluster, $GANGD_CLUSTER, ~/.gangd/cluster).")
+@click.option("--time-slice", type=click.FloatRange(0.001, 3600), default=0.3, show_default=True, metavar="SECONDS", help="Gang scheduling time slice.")
+@click.option("--max-slots", type=click.IntRange(min=1), default=4, show_default=True, help="Gang scheduling: most jobs sharing a core by time slicing.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning"]), default="info", show_default=True)
 @click.pass_context
-def cluster_up(ctx, count, cores, directory, log_level):
+def cluster_up(ctx, count, cores, directory, time_slice, max_slots, log_level):
     """Start N gangd daemons on 127.0.0.1..N, each with its own state dir."""
     from . import cluster as local
 
     where = cluster_dir(directory or _cluster(ctx))
     try:
-        local.up(where, count, cores=cores, log_level=log_level, progress=lambda m: click.echo(m, err=True))
+        local.up(where, count, cores=cores, time_slice=time_slice, max_slots=max_slots, log_level=log_level, progress=lambda m: click.echo(m, err=True))
     except local.ClusterError as exc:
         click.echo(f"gang: {exc}", err=True)
         sys.exit(EXIT_ERROR)

@@ -120,6 +120,8 @@ def up(
     cores: int = 8,
     heartbeat_interval: float = 0.3,
     heartbeat_timeout: float = 3.0,
+    time_slice: float = 0.3,
+    max_slots: int = 4,
     log_level: str = "info",
     timeout: float = 30.0,
     progress=None,
@@ -156,6 +158,8 @@ def up(
             log_level=log_level,
             heartbeat_interval=heartbeat_interval,
             heartbeat_timeout=heartbeat_timeout,
+            time_slice=time_slice,
+            max_slots=max_slots,
         )
         nf.config.write_text(render(config))
         lines += ["[[nodes]]", f"name = {toml_str(spec.name)}", f"address = {toml_str(spec.endpoint)}", f"socket = {toml_str(nf.socket)}", f"dir = {toml_str(nf.dir)}", ""]

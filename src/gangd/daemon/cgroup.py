@@ -74,10 +74,31 @@ class CgroupTree:
         return path
 
     def pids(self, path: Path) -> list[int]:
+        # Raw os.open/read: this runs inside gang switches, where pathlib's
+        # text layer costs more than the syscalls.
         try:
-            return [int(line) for line in (path / "cgroup.procs").read_text().split()]
+            fd = os.open(f"{path}/cgroup.procs", os.O_RDONLY)
         except OSError:
             return []
+        try:
+            chunks = []
+            while chunk := os.read(fd, 65536):
+                chunks.append(chunk)
+        except OSError:
+            return []
+        finally:
+            os.close(fd)
+        return [int(x) for x in b"".join(chunks).split()]
+
+    def cpu_seconds(self, path: Path) -> float | None:
+        """CPU time used by every process that ever ran in the cgroup (forks and dead children included)."""
+        try:
+            for line in (path / "cpu.stat").read_text().splitlines():
+                if line.startswith("usage_usec "):
+                    return int(line.split()[1]) / 1e6
+        except (OSError, ValueError):
+            pass
+        return None
 
     def kill(self, path: Path) -> None:
         """Kill every process in the cgroup (cgroup.kill, else SIGKILL each)."""

@@ -7,12 +7,16 @@ Example (``/etc/gangd/gangd.toml``)::
     state_dir = "/var/lib/gangd"     # node-local disk: job records, rank output, checkpoints
     socket = "/run/gangd/gangd.sock" # local clients (the gang command)
     log_level = "info"
+    nice = -10                       # the daemon's priority over busy ranks...
+    realtime_priority = 10           # ...or SCHED_RR (root only; 0 = off): fast gang switches
 
     [cluster]
     secret_file = "/etc/gangd/secret"  # same bytes on every node, mode 0600
     master = "n1"                    # coordinator; default: the lowest-named live node
     heartbeat_interval = 1.0
     heartbeat_timeout = 5.0
+    time_slice = 0.3                 # seconds each gang slot runs before the next
+    max_slots = 4                    # multiprogramming degree: jobs beyond it wait
 
     [[nodes]]
     name = "n1"
@@ -62,6 +66,9 @@ class Config:
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0
     nice: int = -10  # applied when root: a busy rank must not starve the daemon
+    realtime_priority: int = 10  # SCHED_RR priority of the daemon when root (0: plain nice)
+    time_slice: float = 0.3  # gang scheduling: seconds per slot (a job may ask for less)
+    max_slots: int = 4  # gang scheduling: slots in the matrix (multiprogramming degree)
 
     @property
     def node(self) -> NodeSpec:
@@ -129,6 +136,9 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         "heartbeat_interval": float(cluster.get("heartbeat_interval", 1.0)),
         "heartbeat_timeout": float(cluster.get("heartbeat_timeout", 5.0)),
         "nice": int(node.get("nice", -10)),
+        "realtime_priority": int(node.get("realtime_priority", 10)),
+        "time_slice": float(cluster.get("time_slice", 0.3)),
+        "max_slots": int(cluster.get("max_slots", 4)),
     }
     for key, value in overrides.items():
         if value is not None:
@@ -144,6 +154,12 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
     _ = config.node  # raises ConfigError if this node is not listed
     if config.master is not None and config.master not in names:
         raise ConfigError(f"master {config.master!r} is not among the configured nodes {names}")
+    if not 0.001 <= config.time_slice <= 3600:
+        raise ConfigError(f"time_slice must be between 0.001 and 3600 seconds, not {config.time_slice}")
+    if not 0 <= config.realtime_priority <= 99:
+        raise ConfigError(f"realtime_priority must be between 0 (off) and 99, not {config.realtime_priority}")
+    if config.max_slots < 1:
+        raise ConfigError(f"max_slots must be at least 1, not {config.max_slots}")
     if config.heartbeat_timeout <= config.heartbeat_interval:
         raise ConfigError("heartbeat_timeout must be larger than heartbeat_interval")
     return config
@@ -164,6 +180,7 @@ def render(config: Config) -> str:
         f"socket = {toml_str(config.socket)}",
         f"log_level = {toml_str(config.log_level)}",
         f"nice = {config.nice}",
+        f"realtime_priority = {config.realtime_priority}",
         "",
         "[cluster]",
         f"secret_file = {toml_str(config.secret_file)}",
@@ -173,6 +190,8 @@ def render(config: Config) -> str:
     lines += [
         f"heartbeat_interval = {config.heartbeat_interval}",
         f"heartbeat_timeout = {config.heartbeat_timeout}",
+        f"time_slice = {config.time_slice}",
+        f"max_slots = {config.max_slots}",
     ]
     for spec in config.nodes:
         lines += ["", "[[nodes]]", f"name = {toml_str(spec.name)}", f"address = {toml_str(spec.address)}", f"port = {spec.port}", f"cores = {spec.cores}"]

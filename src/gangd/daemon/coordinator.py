@@ -10,16 +10,20 @@ takeover loses nothing that any live node saw.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import math
 import os
 import signal
 import time
+from collections import deque
 
 import trio
 
 from .. import jobs
 from ..rpc import RemoteError
+from .gang import Matrix
 from .peers import natural_key
 
 log = logging.getLogger("gangd.coordinator")
@@ -81,6 +85,14 @@ class Coordinator:
         self.active = False
         self._lock = trio.Lock()
         self._kick = trio.Event()
+        # Gang scheduling (soft state, rebuilt from the table on takeover).
+        config = daemon.config
+        self.matrix = Matrix({n.name: n.cores for n in config.nodes}, config.max_slots)
+        self.running: set[int] | None = set()  # jobs resumed right now; None = unknown (after a takeover)
+        self.acct: dict[int, dict] = {}  # job id -> run/suspended seconds so far
+        self.switches: deque[dict] = deque(maxlen=4096)  # measurements of recent switches
+        self._gang_changed = trio.Event()
+        self._switch_lock = trio.Lock()
 
     # ------------------------------------------------------------ plumbing
 
@@ -97,10 +109,13 @@ class Coordinator:
                 return current
             await self.table.commit(record)
         self.daemon.peers.broadcast("table", records=[record])
+        if jobs.is_terminal(record) and record["id"] in self.matrix.usage:
+            self._leave_matrix(record["id"])
         return record
 
     def kick(self) -> None:
         self._kick.set()
+        self._gang_changed.set()
 
     async def run(self) -> None:
         """The scheduling loop: start queued jobs whenever something changed."""
@@ -128,6 +143,7 @@ class Coordinator:
                 continue
             for record in records:
                 await self.table.apply(record)
+        self._rebuild_matrix()
         # Continue numbering after everything anybody has seen.
         self.active = True
         log.info("this node is now the coordinator (%d jobs known, seq %d)", len(self.table.records), self.table.seq)
@@ -179,6 +195,15 @@ class Coordinator:
             isinstance(spec["nodelist"], list) and all(isinstance(n, str) for n in spec["nodelist"])
         ):
             raise RemoteError("bad_request", "'nodelist' must be a list of node names")
+        priority = spec.get("priority")
+        if priority is not None:
+            if not isinstance(priority, int) or isinstance(priority, bool):
+                raise RemoteError("bad_request", f"'priority' must be an integer, not {priority!r}")
+            if priority > 0 and cred["uid"] != 0:
+                raise RemoteError("permission_denied", "only root may raise a job's priority above 0 (use a negative one to go last)")
+        slice_ = spec.get("slice")
+        if slice_ is not None and (not isinstance(slice_, (int, float)) or isinstance(slice_, bool) or not 0.001 <= slice_ <= 3600):
+            raise RemoteError("bad_request", f"the time slice must be between 0.001 and 3600 seconds, not {slice_!r}")
         nranks = spec.get("nranks")
         if not isinstance(nranks, int) or isinstance(nranks, bool) or nranks < 1:
             raise RemoteError("bad_request", f"the number of ranks must be a positive integer, not {nranks!r}")
@@ -217,31 +242,21 @@ class Coordinator:
 
     # ------------------------------------------------------------ placement
 
-    def _free_cores(self) -> dict[str, int]:
-        config = self.daemon.config
-        peers = self.daemon.peers
-        free = {n.name: n.cores for n in config.nodes if peers.is_up(n.name)}
-        for record in self.table.active():
-            for node in record["placement"]:
-                if node in free:
-                    free[node] -= 1
-        return free
-
     async def _schedule(self) -> None:
-        free = self._free_cores()
-        for record in sorted(self.table.active(), key=lambda r: r["id"]):
-            if record["state"] != jobs.QUEUED or record["placement"]:
-                continue
+        """Admit queued jobs into the matrix, highest priority first, then first come first served."""
+        up = {name for name in self.matrix.cores if self.daemon.peers.is_up(name)}
+        waiting = [r for r in self.table.active() if r["state"] == jobs.QUEUED and not r["placement"]]
+        for record in sorted(waiting, key=lambda r: (-r.get("priority", 0), r["id"])):
             try:
-                placement = place(record, free)
+                admitted = self.matrix.admit(record, place, up)
             except Exception as exc:  # a bug or a record from an older version: fail it, keep the queue moving
                 log.exception("placing job %d failed", record["id"])
                 await self._fail(record["id"], f"cannot place the job: {exc}")
                 continue
-            if placement is None:
-                break  # first come, first served: nobody overtakes the head of the queue
-            for node in placement:
-                free[node] -= 1
+            if admitted is None:
+                break  # nobody overtakes the head of the queue
+            slot, placement = admitted
+            log.info("job %d admitted to slot %d on %s", record["id"], slot, jobs.compress_nodes(jobs.nodes_of({"placement": placement})))
             await self.update(record["id"], lambda r, placement=placement: r.update(placement=placement))
             self.daemon.spawn(self._start, record["id"])
 
@@ -278,6 +293,14 @@ class Coordinator:
         if record["state"] != jobs.RUNNING:
             # Killed or failed while launching: whatever did start must go.
             await self._kill_everywhere(job_id)
+            return
+        # Its ranks run from the start; the gang loop stops them at once if
+        # their slot is not the one running now.
+        now = time.time()
+        self.acct[job_id] = {"run": 0.0, "suspended": 0.0, "since": now, "on": True}
+        if self.running is not None:
+            self.running.add(job_id)
+        self._gang_changed.set()
 
     # ------------------------------------------------------------ exits and kills
 
@@ -324,6 +347,11 @@ class Coordinator:
         else:
             record["state"] = jobs.DONE
         record["ended"] = time.time()
+        acct = self.acct.pop(record["id"], None)
+        if acct is not None:
+            self._account(acct, record["ended"], acct["on"])
+            record["run_seconds"] = round(acct["run"], 3)
+            record["suspended_seconds"] = round(acct["suspended"], 3)
         log.info("job %d %s%s", record["id"], record["state"], f": {record['reason']}" if record["reason"] else "")
 
     async def kill(self, job_id: int, cred: dict) -> dict:
@@ -393,3 +421,199 @@ class Coordinator:
             why = "; ".join(f"node {n} ({self.daemon.config.spec(n).endpoint}) went down: {peers.links[n].why_down}" for n in down)
             log.warning("job %d fails: %s", record["id"], why)
             await self._fail(record["id"], why, frozenset(down))
+
+    # ------------------------------------------------------------ gang scheduling
+
+    def _rebuild_matrix(self) -> None:
+        """After a takeover: the matrix from the placed jobs in the table; who
+        runs right now is unknown until the first switch says so everywhere."""
+        self.matrix = Matrix(self.matrix.cores, self.matrix.max_slots)
+        for record in sorted(self.table.active(), key=lambda r: r["id"]):
+            if not record["placement"]:
+                continue
+            self.matrix.add(record["id"], len(self.matrix.slots), record["placement"])
+            self.matrix.compact()
+            if record["state"] in (jobs.RUNNING, jobs.SUSPENDED):
+                self.acct.setdefault(record["id"], {"run": 0.0, "suspended": 0.0, "since": time.time(), "on": False})
+        self.running = None
+        self._gang_changed.set()
+
+    def _leave_matrix(self, job_id: int) -> None:
+        """A job ended: free its cells at once and compact the matrix."""
+        moved = self.matrix.remove(job_id)
+        if self.running is not None:
+            self.running.discard(job_id)
+        if moved:
+            log.info("matrix compacted: %s", ", ".join(f"job {j} -> slot {s}" for j, s in sorted(moved.items())))
+        self.kick()
+
+    def _launched(self, job_id: int) -> bool:
+        record = self.table.get(job_id)
+        return record is not None and record["state"] in (jobs.RUNNING, jobs.SUSPENDED)
+
+    def _runnable(self, job_id: int) -> bool:
+        record = self.table.get(job_id)
+        return record is not None and record["state"] == jobs.RUNNING and not record.get("held")
+
+    def _runnable_slots(self) -> list[int]:
+        return [i for i, members in enumerate(self.matrix.slots) if any(self._runnable(j) for j in members)]
+
+    def _slice(self, slot: int) -> float:
+        """A slot runs for the shortest time slice any of its jobs asked for."""
+        asked = [self.table.get(j).get("slice") for j in self.matrix.slots[slot] if self.table.get(j)]
+        asked = [a for a in asked if a]
+        return min(asked) if asked else self.daemon.config.time_slice
+
+    async def run_gang(self) -> None:
+        """Rotate through the matrix's slots, one time slice each.
+
+        Also the single place where the processes running on the cluster
+        are brought in line with the matrix: after a launch, an end, a
+        compaction, a suspend or a resume, the loop wakes up and switches
+        whatever differs.
+        """
+        deadline = math.inf
+        while True:
+            with trio.move_on_at(deadline):
+                await self._gang_changed.wait()
+            self._gang_changed = trio.Event()
+            if not self.active:
+                deadline = math.inf
+                continue
+            try:
+                runnable = self._runnable_slots()
+                now = trio.current_time()
+                switched = False
+                if runnable and (self.matrix.active not in runnable or (len(runnable) > 1 and now >= deadline)):
+                    after = [s for s in runnable if s > self.matrix.active]
+                    self.matrix.active = (after or runnable)[0]
+                    switched = True
+                await self.reconcile()
+                if len(runnable) <= 1:
+                    deadline = math.inf
+                elif switched or deadline == math.inf:
+                    deadline = now + self._slice(self.matrix.active)
+            except Exception:
+                log.exception("gang scheduling pass failed")
+                await trio.sleep(self.daemon.config.time_slice)
+                self._gang_changed.set()
+
+    async def reconcile(self) -> None:
+        """Stop what runs but should not, resume what should run but does not."""
+        async with self._switch_lock:
+            active = self.matrix.slots[self.matrix.active] if self.matrix.active < len(self.matrix.slots) else []
+            desired = {j for j in active if self._runnable(j)}
+            launched = {j for j in self.matrix.usage if self._launched(j)}
+            current = launched if self.running is None else self.running & launched
+            stop = current - desired
+            cont = desired - current if self.running is not None else desired
+            if stop or cont:
+                await self._switch(sorted(stop), sorted(cont))
+
+    async def _switch(self, stop: list[int], cont: list[int]) -> None:
+        """One cluster-wide switch: every node stops ``stop`` and resumes ``cont`` at once."""
+        per_node: dict[str, dict[str, list[int]]] = {}
+        for key, group in (("stop", stop), ("cont", cont)):
+            for job_id in group:
+                for node in jobs.nodes_of(self.table.get(job_id)):
+                    per_node.setdefault(node, {"stop": [], "cont": []})[key].append(job_id)
+        results: dict[str, dict] = {}
+        me = self.daemon.node
+        t0 = time.time()
+        # Every remote node's request goes on the wire before this node does
+        # its own part, so the nodes switch at (nearly) the same moment.
+        async with contextlib.AsyncExitStack() as stack:
+            replies = {}
+            for node, lists in per_node.items():
+                if node == me:
+                    continue
+                try:
+                    replies[node] = await stack.enter_async_context(self.daemon.peers.channel(node).pending("switch", **lists))
+                except RemoteError as exc:  # node down: check_nodes fails its jobs
+                    log.warning("switch on %s failed: %s", node, exc)
+            if me in per_node:
+                results[me] = await self.daemon.ops.switch(per_node[me], me, None)
+            for node, reply in replies.items():
+                try:
+                    results[node] = await reply()
+                except RemoteError as exc:
+                    log.warning("switch on %s failed: %s", node, exc)
+        t_end = time.time()
+        if self.running is None:
+            self.running = set()
+        self.running -= set(stop)
+        self.running |= set(cont)
+        for job_id in stop:
+            if job_id in self.acct:
+                self._account(self.acct[job_id], t0, False)
+        for job_id in cont:
+            if job_id in self.acct:
+                self._account(self.acct[job_id], t0, True)
+        if results:
+            done = [r["done"] for r in results.values()]
+            self.switches.append(
+                {
+                    "at": t0,
+                    "nodes": len(results),
+                    "stop": stop,
+                    "cont": cont,
+                    "latency": max(done) - t0,  # decision -> last node resumed
+                    "skew": max(done) - min(done),  # first node done -> last node done
+                    "round_trip": t_end - t0,
+                    "per_node": {n: [r["received"] - t0, r["done"] - t0, r.get("cpu", 0)] for n, r in results.items()},
+                }
+            )
+
+    @staticmethod
+    def _account(acct: dict, at: float, on: bool) -> None:
+        spent = max(0.0, at - acct["since"])
+        acct["run" if acct["on"] else "suspended"] += spent
+        acct["since"], acct["on"] = at, on
+
+    def live_times(self, job_id: int) -> dict | None:
+        acct = self.acct.get(job_id)
+        if acct is None:
+            return None
+        now = time.time()
+        spent = max(0.0, now - acct["since"])
+        return {
+            "run_seconds": acct["run"] + (spent if acct["on"] else 0.0),
+            "suspended_seconds": acct["suspended"] + (0.0 if acct["on"] else spent),
+            "running_now": acct["on"],
+        }
+
+    def schedule(self) -> dict:
+        """The matrix as `gang nodes` and `gang ps` show it."""
+        return {
+            "active_slot": self.matrix.active,
+            "max_slots": self.matrix.max_slots,
+            "time_slice": self.daemon.config.time_slice,
+            "slots": self.matrix.table(),
+            "jobs": {str(j): self.live_times(j) for j in self.matrix.usage if j in self.acct},
+            "switches": len(self.switches),
+        }
+
+    async def suspend(self, job_id: int, cred: dict, hold: bool) -> dict:
+        """`gang suspend` / `gang resume`: the owner takes the job out of (or back into) the rotation."""
+        record = self.table.get(job_id)
+        if record is None:
+            raise RemoteError("no_such_job", f"no job {job_id}")
+        permission_check(record, cred, "suspend" if hold else "resume")
+        if jobs.is_terminal(record):
+            raise RemoteError("job_ended", f"job {job_id} is {record['state']}")
+        if hold and record["state"] != jobs.RUNNING:
+            raise RemoteError("bad_state", f"job {job_id} is {record['state']}; only a running job can be suspended")
+        if not hold and record["state"] != jobs.SUSPENDED:
+            raise RemoteError("bad_state", f"job {job_id} is {record['state']}, not suspended")
+
+        def change(r):
+            if r["state"] != (jobs.RUNNING if hold else jobs.SUSPENDED):
+                return False
+            r["state"] = jobs.SUSPENDED if hold else jobs.RUNNING
+            r["held"] = cred["user"] if hold else None
+
+        record = await self.update(job_id, change)
+        # Answer once the processes really are stopped (or resumed, if its slot is the active one).
+        await self.reconcile()
+        self._gang_changed.set()
+        return record

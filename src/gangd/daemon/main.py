@@ -31,7 +31,9 @@ start-up error (the message says which), 2 bad command line.
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), help="Logging verbosity.")
 @click.option("--heartbeat-interval", type=float, help="Seconds between heartbeats to each peer.")
 @click.option("--heartbeat-timeout", type=float, help="Seconds without a heartbeat before a node is down.")
-def main(config_path, name, state_dir, socket, secret_file, master, log_level, heartbeat_interval, heartbeat_timeout):
+@click.option("--time-slice", type=float, help="Gang scheduling: seconds each slot runs (default 0.3).")
+@click.option("--max-slots", type=int, help="Gang scheduling: multiprogramming degree (default 4).")
+def main(config_path, name, state_dir, socket, secret_file, master, log_level, heartbeat_interval, heartbeat_timeout, time_slice, max_slots):
     """Run the gangd node daemon: one per node, started by systemd (see systemd/gangd.service)."""
     from .server import Daemon, StartupError
 
@@ -46,6 +48,8 @@ def main(config_path, name, state_dir, socket, secret_file, master, log_level, h
             log_level=log_level,
             heartbeat_interval=heartbeat_interval,
             heartbeat_timeout=heartbeat_timeout,
+            time_slice=time_slice,
+            max_slots=max_slots,
         )
         logging.basicConfig(
             level=config.log_level.upper(),

@@ -16,6 +16,8 @@ for anything the caller got wrong; nothing a caller sends can stop the daemon.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 
 import trio
@@ -49,6 +51,12 @@ class Ops:
             "nodes": self.nodes,
             "wait": self.wait,
             "output": self.output,
+            "suspend": self.suspend,
+            "resume": self.resume,
+            "schedule": self.schedule,
+            "comm_attach": self.comm_attach,
+            "net": self.net,
+            "net_capture": self.net_capture,
         }
         self.peer_ops = {
             "ping": self.ping,
@@ -61,6 +69,15 @@ class Ops:
             "output_local": self.output_local,
             "job_record": self.job_record,
             "resend_exits": self.resend_exits,
+            "coord_suspend": self.coord_suspend,
+            "coord_schedule": self.coord_schedule,
+            "switch": self.switch,
+            "job_usage": self.job_usage,
+            "comm_gather": self.comm_gather,
+            "net_gate": self.net_gate,
+            "net_counters": self.net_counters,
+            "net_capture_local": self.net_capture_local,
+            "net_restore": self.net_restore,
         }
 
     # ------------------------------------------------------------ dispatch
@@ -69,6 +86,8 @@ class Ops:
         if isinstance(message, Note):
             if channel.context.get("peer") and message.op == "table":
                 await self._apply_table(message.args.get("records"))
+            elif not channel.context.get("peer"):
+                self.daemon.jobnet.on_client_note(channel, message.op, message.args)
             return None
         request: Request = message
         if channel.context.get("peer"):
@@ -149,7 +168,105 @@ class Ops:
         if not args.get("all"):
             cutoff = time.time() - 3600
             records = [r for r in records if not jobs.is_terminal(r) or (r.get("ended") or 0) > cutoff]
-        return [_summary(r) for r in records]
+        summaries = [_summary(r) for r in records]
+        live = [s for s in summaries if s["state"] in (jobs.RUNNING, jobs.SUSPENDED)]
+        if live:
+            await self._overlay_live(live)
+        return summaries
+
+    async def _overlay_live(self, summaries: list[dict]) -> None:
+        """What the gang scheduler is doing right now, and CPU used so far, for launched jobs."""
+        try:
+            with trio.fail_after(2):
+                schedule = await self._to_coordinator("coord_schedule")
+        except (RemoteError, trio.TooSlowError):
+            schedule = None
+        by_node: dict[str, list[int]] = {}
+        for summary in summaries:
+            for node in summary["nodes"]:
+                by_node.setdefault(node, []).append(summary["id"])
+            times = (schedule or {}).get("jobs", {}).get(str(summary["id"]))
+            if times:
+                summary.update(run_seconds=times["run_seconds"], suspended_seconds=times["suspended_seconds"])
+                if summary["state"] == jobs.RUNNING and not times["running_now"]:
+                    summary["state"] = jobs.SUSPENDED  # gang-scheduled out for now
+            summary["cpu_seconds"] = 0.0
+        cpu: dict[int, float] = {}
+
+        async def ask(node: str, ids: list[int]) -> None:
+            if not self.daemon.peers.is_up(node):
+                return
+            try:
+                for job_id, used in (await self.daemon.call(node, "job_usage", jobs=ids)).items():
+                    cpu[int(job_id)] = cpu.get(int(job_id), 0.0) + used
+            except RemoteError:
+                pass
+
+        async with trio.open_nursery() as nursery:
+            for node, ids in by_node.items():
+                nursery.start_soon(ask, node, ids)
+        for summary in summaries:
+            summary["cpu_seconds"] = round(cpu.get(summary["id"], 0.0), 3)
+
+    async def suspend(self, cred, args, channel):
+        return _summary(await self._to_coordinator("coord_suspend", job=_int(args, "job"), cred=cred, hold=True))
+
+    async def resume(self, cred, args, channel):
+        return _summary(await self._to_coordinator("coord_suspend", job=_int(args, "job"), cred=cred, hold=False))
+
+    async def schedule(self, cred, args, channel):
+        return await self._to_coordinator("coord_schedule", switches=bool(args.get("switches")))
+
+    # ------------------------------------------------------------ job messaging
+
+    async def comm_attach(self, cred, args, channel):
+        return await self.daemon.jobnet.attach(cred, channel.context.get("pid"), args, channel)
+
+    async def net(self, cred, args, channel):
+        """Per channel (sender -> receiver): messages sent, received, delivered, in flight."""
+        record = await self._record(args, cred, "inspect")
+        counters = await self._on_job_nodes(record, "net_counters", job=record["id"])
+        n = record["nranks"]
+        rows = {}
+        for per_node in counters.values():
+            for rank, (sent, received, delivered) in per_node.items():
+                rows[int(rank)] = (sent, received, delivered)
+        channels = []
+        for src in range(n):
+            for dst in range(n):
+                if src not in rows or dst not in rows:
+                    continue
+                sent, received, delivered = rows[src][0][dst], rows[dst][1][src], rows[dst][2][src]
+                if sent or received:
+                    channels.append({"src": src, "dst": dst, "sent": sent, "received": received, "delivered": delivered, "in_flight": sent - delivered})
+        return {"job": record["id"], "attached": sorted(rows), "channels": channels}
+
+    async def net_capture(self, cred, args, channel):
+        """Close the job's gates everywhere, capture its network context, open them again.
+        Returns {rank: context bytes}: what a checkpoint writes to disk."""
+        record = await self._record(args, cred, "capture the network of")
+        job_id = record["id"]
+        await self._on_job_nodes(record, "net_gate", job=job_id, open=False, wait=True)
+        try:
+            counters = await self._on_job_nodes(record, "net_counters", job=job_id)
+            sent = {int(r): c[0] for per_node in counters.values() for r, c in per_node.items()}
+            expect = {str(dst): [sent.get(src, [0] * record["nranks"])[dst] for src in range(record["nranks"])] for dst in range(record["nranks"])}
+            contexts = await self._on_job_nodes(record, "net_capture_local", job=job_id, expect=expect)
+        finally:
+            if args.get("reopen", True):
+                await self._on_job_nodes(record, "net_gate", job=job_id, open=True, wait=False)
+        return {rank: blob for per_node in contexts.values() for rank, blob in per_node.items()}
+
+    async def _on_job_nodes(self, record: dict, op: str, **args) -> dict:
+        results: dict[str, object] = {}
+
+        async def one(node: str) -> None:
+            results[node] = await self.daemon.call(node, op, **args)
+
+        async with trio.open_nursery() as nursery:
+            for node in jobs.nodes_of(record):
+                nursery.start_soon(one, node)
+        return results
 
     async def job(self, cred, args, channel):
         return await self._record(args, cred, "inspect")
@@ -299,7 +416,9 @@ class Ops:
             if jobs.is_terminal(current) or current.get("kill_requested"):
                 # A kill overtook this launch: starting ranks now would orphan them.
                 raise RemoteError("job_ended", f"job {record['id']} is {current['state']}; not starting its ranks")
-            pids = await daemon.ranks.launch(daemon.spawn, record, daemon.table.job_dir(record["id"]))
+            drop = os.geteuid() == 0 and record["owner_uid"] != 0
+            extra = daemon.jobnet.prepare(record, drop)
+            pids = await daemon.ranks.launch(daemon.spawn, record, daemon.table.job_dir(record["id"]), extra)
         except RemoteError:
             raise
         except Exception as exc:
@@ -335,6 +454,70 @@ class Ops:
     async def coord_kill(self, args, from_node, channel):
         return await self._coordinator().kill(_int(args, "job"), args["cred"])
 
+    async def coord_suspend(self, args, from_node, channel):
+        return await self._coordinator().suspend(_int(args, "job"), args["cred"], bool(args.get("hold")))
+
+    async def coord_schedule(self, args, from_node, channel):
+        coordinator = self._coordinator()
+        result = coordinator.schedule()
+        if args.get("switches"):
+            result["switch_log"] = list(coordinator.switches)
+        return result
+
+    async def switch(self, args, from_node, channel):
+        """This node's part of a gang switch: the outgoing jobs' gates close and
+        their processes stop; the incoming jobs' processes resume and their gates open.
+        Their network context stays where it is, frozen with the processes."""
+        received = time.time()
+        cpu0 = time.thread_time()
+        daemon = self.daemon
+        stopped = []
+        for job_id in args.get("stop") or []:
+            await daemon.jobnet.set_gate(job_id, False)
+            daemon.ranks.signal_job(job_id, signal.SIGSTOP)
+            daemon.jobnet.state(job_id).stopped = True
+            stopped.append(job_id)
+        for job_id in args.get("cont") or []:
+            daemon.ranks.signal_job(job_id, signal.SIGCONT)
+            daemon.jobnet.state(job_id).stopped = False
+            await daemon.jobnet.set_gate(job_id, True)
+        done = time.time()
+        if stopped:
+            daemon.spawn(self._stop_stragglers, stopped)
+        return {"received": received, "done": done, "cpu": time.thread_time() - cpu0}
+
+    async def _stop_stragglers(self, stopped: list[int]) -> None:
+        """Processes forked since the job's last switch escaped the first
+        pass, which only knew the older ones; stop them now, off the
+        switch's critical path."""
+        await trio.sleep(0)
+        for job_id in stopped:
+            if self.daemon.jobnet.state(job_id).stopped:
+                self.daemon.ranks.signal_job(job_id, signal.SIGSTOP, refresh=True)
+
+    async def job_usage(self, args, from_node, channel):
+        return {str(j): self.daemon.ranks.cpu_seconds(j) for j in args.get("jobs") or [] if isinstance(j, int)}
+
+    async def comm_gather(self, args, from_node, channel):
+        return await self.daemon.jobnet.gather(_int(args, "job"), str(args.get("node")), args.get("addrs") or {})
+
+    async def net_gate(self, args, from_node, channel):
+        job_id = _int(args, "job")
+        epoch = await self.daemon.jobnet.set_gate(job_id, bool(args.get("open")))
+        if not args.get("open") and args.get("wait"):
+            await self.daemon.jobnet.wait_gate_closed(job_id)
+        return epoch
+
+    async def net_counters(self, args, from_node, channel):
+        return self.daemon.jobnet.counters(_int(args, "job"))
+
+    async def net_capture_local(self, args, from_node, channel):
+        return await self.daemon.jobnet.capture(_int(args, "job"), args.get("expect") or {})
+
+    async def net_restore(self, args, from_node, channel):
+        self.daemon.jobnet.set_context(_int(args, "job"), args.get("contexts") or {})
+        return True
+
     async def output_local(self, args, from_node, channel):
         job_id = _int(args, "job")
         ranks = [r for r in args.get("ranks") or [] if isinstance(r, int)]
@@ -343,8 +526,13 @@ class Ops:
 
 
 def _summary(record: dict) -> dict:
-    keys = ("id", "name", "owner", "owner_uid", "nranks", "placement", "state", "reason", "submitted", "started", "ended", "ranks", "kill_requested")
+    keys = (
+        "id", "name", "owner", "owner_uid", "nranks", "placement", "state", "reason", "submitted", "started", "ended",
+        "ranks", "kill_requested", "priority", "slice", "held", "run_seconds", "suspended_seconds",
+    )
     summary = {k: record.get(k) for k in keys}
     summary["nodes"] = jobs.nodes_of(record)
     summary["exit_code"] = jobs.exit_code(record) if jobs.is_terminal(record) else None
+    if jobs.is_terminal(record):
+        summary["cpu_seconds"] = round(sum((s or {}).get("cpu", 0.0) for s in record["ranks"]), 3)
     return summary

@@ -84,6 +84,19 @@ class RankProcess:
         await self.stderr.aclose()
 
 
+def _tree_cpu(pid: int | None) -> float:
+    """user+system seconds of a live process and its live descendants (no cgroup)."""
+    total = 0.0
+    try:
+        root = psutil.Process(pid)
+        for proc in [root, *root.children(recursive=True)]:
+            times = proc.cpu_times()
+            total += times.user + times.system
+    except (psutil.Error, TypeError):
+        pass
+    return total
+
+
 def _take_fd(fileobj) -> int:
     fd = os.dup(fileobj.fileno())
     fileobj.close()
@@ -100,10 +113,19 @@ class Rank:
     killed: bool = False  # gangd killed it (job killed / another rank failed / node shutdown)
     status: dict | None = None
     done: trio.Event = field(default_factory=trio.Event)
+    # pid -> pidfd of every process of the rank seen so far: gang switches
+    # signal through these (no /proc or cgroup reads, and a pidfd can never
+    # hit an unrelated process that reused a pid).
+    pidfds: dict[int, int] = field(default_factory=dict)
 
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
+
+    def close_pidfds(self) -> None:
+        for fd in self.pidfds.values():
+            os.close(fd)
+        self.pidfds.clear()
 
 
 class LaunchError(Exception):
@@ -129,6 +151,12 @@ def _make_preexec(cgroup: Path | None, drop: tuple[int, int, list[int]] | None):
     procs = str(cgroup / "cgroup.procs") if cgroup else None
 
     def preexec() -> None:
+        # Ranks are ordinary tasks even though the daemon may run at a raised
+        # priority (reset-on-fork covers most of it; this covers the nice value).
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
+        except OSError:
+            pass
         if procs:
             fd = os.open(procs, os.O_WRONLY)
             try:
@@ -181,9 +209,70 @@ class LocalRanks:
                     pass
         return sorted(pids)
 
+    def rank_processes(self, job_id: int, rank: int) -> set[int]:
+        """Live pids of one rank: its main process and everything it forked."""
+        entry = self.ranks.get((job_id, rank))
+        if entry is None or entry.status is not None or entry.pid is None:
+            return set()
+        pids = {entry.pid}
+        if entry.cgroup is not None:
+            pids.update(self.cgroups.pids(entry.cgroup))
+        else:
+            try:
+                pids.update(p.pid for p in psutil.Process(entry.pid).children(recursive=True))
+            except psutil.Error:
+                pass
+        return pids
+
+    def signal_job(self, job_id: int, signum: int, *, refresh: bool = False) -> int:
+        """Send ``signum`` to every process of the job here; returns how many.
+
+        This is the inner loop of a gang switch, so it signals the processes
+        it already knows through their pidfds. With ``refresh`` it first
+        looks for processes forked since (``cgroup.procs``, else /proc):
+        a switch stops the known ones at once and refreshes right after,
+        off the critical path (see ``Ops.switch``). Resuming needs no
+        refresh: a stopped process cannot fork.
+        """
+        count = 0
+        for entry in self.of_job(job_id):
+            if entry.status is not None:
+                continue
+            if refresh or not entry.pidfds:
+                self._refresh_pidfds(entry)
+            for pid, fd in list(entry.pidfds.items()):
+                try:
+                    signal.pidfd_send_signal(fd, signum)
+                    count += 1
+                except ProcessLookupError:  # exited
+                    os.close(entry.pidfds.pop(pid))
+                except PermissionError:
+                    pass
+        return count
+
+    def _refresh_pidfds(self, entry: Rank) -> None:
+        for pid in self.rank_processes(entry.job_id, entry.rank) - entry.pidfds.keys():
+            try:
+                entry.pidfds[pid] = os.pidfd_open(pid)
+            except OSError:  # gone meanwhile
+                pass
+
+    def cpu_seconds(self, job_id: int) -> float:
+        """CPU time the job's ranks on this node used so far (ended ranks included)."""
+        total = 0.0
+        for entry in self.of_job(job_id):
+            if entry.status is not None:
+                total += entry.status.get("cpu", 0.0)
+                continue
+            used = self.cgroups.cpu_seconds(entry.cgroup) if entry.cgroup is not None else None
+            if used is None:
+                used = _tree_cpu(entry.pid)
+            total += used
+        return total
+
     # ------------------------------------------------------------ launch
 
-    async def launch(self, spawn, record: dict, job_dir: Path) -> dict[int, int]:
+    async def launch(self, spawn, record: dict, job_dir: Path, extra: dict[str, str] | None = None) -> dict[int, int]:
         """Start this node's ranks of ``record``; returns {rank: pid}."""
         my_ranks = jobs.ranks_on(record, self.node)
         uid, gid = record["owner_uid"], record["owner_gid"]
@@ -204,6 +293,7 @@ class LocalRanks:
             GANGD_SOCKET=str(self.socket_path),
             GANGD_JOB_NAME=record["name"],
         )
+        base_env.update(extra or {})
         pids = {}
         for rank in my_ranks:
             key = (record["id"], rank)
@@ -255,7 +345,11 @@ class LocalRanks:
         status = {"code": code, "node": self.node} if code >= 0 else {"signal": -code, "node": self.node}
         if entry.killed:
             status["killed"] = True
+        used = self.cgroups.cpu_seconds(entry.cgroup) if entry.cgroup is not None else None
+        if used is not None:
+            status["cpu"] = round(used, 3)
         entry.status = status
+        entry.close_pidfds()
         entry.done.set()
         if entry.cgroup is not None:
             await trio.to_thread.run_sync(self.cgroups.remove, entry.cgroup)

@@ -29,6 +29,7 @@ class JobTable:
         self.seq = 0
         self._changed = trio.Event()
         self._save_lock = trio.Lock()
+        self.listeners: list = []  # called with each record that changed
 
     def job_dir(self, job_id: int) -> Path:
         return self.dir / str(job_id)
@@ -68,6 +69,11 @@ class JobTable:
         self.records[record["id"]] = record
         self.seq = max(self.seq, record.get("seq", 0))
         self.notify_changed()
+        for listener in self.listeners:
+            try:
+                listener(record)
+            except Exception:
+                log.exception("table listener failed for job %d", record["id"])
         job_dir = self.job_dir(record["id"])
         async with self._save_lock:
             await trio.to_thread.run_sync(lambda: job_dir.mkdir(parents=True, exist_ok=True))

@@ -1,0 +1,279 @@
+"""The daemon's side of job messaging: rendezvous, send gates, network context.
+
+Ranks exchange messages over direct sockets (:mod:`gangd.comm`), but the
+node daemon owns the network the way SCore-D's did:
+
+* **Rendezvous.** Each rank attaches to its node daemon (``comm_attach``)
+  with the addresses it listens on. The daemon checks — from the socket's
+  peer credentials — that the caller really is a process of that rank, waits
+  until every local rank attached, sends the node's addresses to the job's
+  leader (the node of rank 0), and answers every rank with the whole table
+  and the job's connection token once all nodes reported.
+* **The send gate.** The attach connection stays open; through it the
+  daemon closes and opens the job's gate (``gate`` notes, numbered by an
+  epoch). A rank answers a close with ``gate_closed`` once the send it had
+  under way, if any, completed; later sends wait for the gate to open.
+* **Counters.** Each rank keeps per-peer counts of messages sent, received
+  from the network and delivered to the program, in a small file the daemon
+  maps, so the daemon knows each channel's messages in flight even while the
+  job is stopped.
+* **Network context.** With the gate closed on every rank of the job, the
+  daemons read the sent counters, ask each rank to drain its connections up
+  to them (``capture``) and collect each rank's undelivered messages and
+  channel state as bytes: the job's network context, which a restarted job
+  gets back in its attach reply before any rank may send.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import trio
+
+from .. import jobs
+from ..rpc import Channel, RemoteError
+
+log = logging.getLogger("gangd.jobnet")
+
+GATE_ACK_TIMEOUT = 10.0
+CAPTURE_TIMEOUT = 30.0
+
+
+@dataclass
+class RankLink:
+    rank: int
+    channel: Channel
+    addrs: dict
+    counters: np.ndarray | None = None  # (3, size) uint64: sent, received, delivered
+    acked: int = 0  # last gate epoch this rank confirmed closed
+
+
+@dataclass
+class JobNetState:
+    job_id: int
+    gate_open: bool = True
+    epoch: int = 0
+    links: dict[int, RankLink] = field(default_factory=dict)
+    peers: list | None = None  # the full address table once every node reported
+    ready: trio.Event = field(default_factory=trio.Event)
+    changed: trio.Event = field(default_factory=trio.Event)
+    exited: dict[int, str] = field(default_factory=dict)  # rank -> why, as told to the ranks
+    context: dict[int, bytes] = field(default_factory=dict)  # to restore at attach (restart)
+    stopped: bool = False  # gang-scheduled out: SIGSTOPped right now
+
+    def poke(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+
+class JobNet:
+    def __init__(self, daemon, runtime_dir: Path):
+        self.daemon = daemon
+        self.runtime_dir = runtime_dir
+        self.states: dict[int, JobNetState] = {}
+        self._gathers: dict[int, dict] = {}  # leader side: job -> {node: addrs}
+        self._gathered: dict[int, trio.Event] = {}
+
+    def state(self, job_id: int) -> JobNetState:
+        if job_id not in self.states:
+            self.states[job_id] = JobNetState(job_id)
+        return self.states[job_id]
+
+    # ------------------------------------------------------------ launch and cleanup
+
+    def comm_dir(self, job_id: int) -> Path:
+        return self.runtime_dir / f"job-{job_id}"
+
+    def prepare(self, record: dict, drop: bool) -> dict[str, str]:
+        """Create the job's directory for sockets and counters; the env ranks need."""
+        path = self.comm_dir(record["id"])
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if drop:
+            os.chown(path, record["owner_uid"], record["owner_gid"])
+        self.state(record["id"])
+        return {"GANGD_COMM_DIR": str(path), "GANGD_ADDRESS": self.daemon.config.node.address}
+
+    def forget(self, job_id: int) -> None:
+        state = self.states.pop(job_id, None)
+        if state is not None:
+            for link in state.links.values():
+                link.counters = None
+        self._gathers.pop(job_id, None)
+        self._gathered.pop(job_id, None)
+        shutil.rmtree(self.comm_dir(job_id), ignore_errors=True)
+
+    def on_record(self, record: dict) -> None:
+        """A job record changed: tell attached ranks about peers that exited; clean up ended jobs."""
+        state = self.states.get(record["id"])
+        if state is None:
+            return
+        for rank, status in enumerate(record["ranks"]):
+            if status is not None and rank not in state.exited:
+                self.rank_exited(record["id"], rank, f"rank {rank} on {status.get('node', '?')} {jobs.describe_status(status)}")
+        if jobs.is_terminal(record) and not any(r.status is None for r in self.daemon.ranks.of_job(record["id"])):
+            self.forget(record["id"])
+
+    def rank_exited(self, job_id: int, rank: int, why: str) -> None:
+        state = self.states.get(job_id)
+        if state is None or rank in state.exited:
+            return
+        state.exited[rank] = why
+        state.links.pop(rank, None)
+        state.poke()
+        for link in list(state.links.values()):
+            self.daemon.spawn(self._note, link, "peer_exited", {"rank": rank, "why": why})
+
+    async def _note(self, link: RankLink, op: str, args: dict) -> None:
+        try:
+            await link.channel.note(op, **args)
+        except RemoteError:
+            pass  # the rank is gone; its exit is reported elsewhere
+
+    # ------------------------------------------------------------ rendezvous
+
+    async def attach(self, cred: dict, pid: int, args: dict, channel: Channel) -> dict:
+        job_id, rank = args.get("job"), args.get("rank")
+        if not isinstance(job_id, int) or not isinstance(rank, int):
+            raise RemoteError("bad_request", "comm_attach needs integer 'job' and 'rank'")
+        record = self.daemon.table.get(job_id)
+        if record is None or job_id not in self.states:
+            raise RemoteError("no_such_job", f"job {job_id} has no ranks on {self.daemon.node}")
+        if not (0 <= rank < record["nranks"]) or record["placement"][rank] != self.daemon.node:
+            raise RemoteError("bad_request", f"rank {rank} of job {job_id} does not run on {self.daemon.node}")
+        if cred["uid"] not in (0, record["owner_uid"]) or pid not in self.daemon.ranks.rank_processes(job_id, rank):
+            raise RemoteError("permission_denied", f"process {pid} is not rank {rank} of job {job_id}")
+        state = self.states[job_id]
+        counters = None
+        if isinstance(args.get("counters"), str):
+            try:
+                counters = np.memmap(args["counters"], dtype=np.uint64, mode="r", shape=(3, record["nranks"]))
+            except (OSError, ValueError) as exc:
+                raise RemoteError("bad_request", f"cannot map the counters file {args['counters']}: {exc}") from None
+        addrs = {"node": self.daemon.node, "unix": args.get("unix"), "tcp": args.get("tcp")}
+        state.links[rank] = RankLink(rank, channel, addrs, counters, acked=state.epoch)
+        channel.context["rank_of"] = (job_id, rank)
+        state.poke()
+        local = jobs.ranks_on(record, self.daemon.node)
+        if all(r in state.links or r in state.exited for r in local) and state.peers is None:
+            self.daemon.spawn(self._report_to_leader, record, state)
+        await state.ready.wait()
+        # An exit that happened before this rank attached.
+        for gone, why in state.exited.items():
+            self.daemon.spawn(self._note, state.links[rank], "peer_exited", {"rank": gone, "why": why})
+        return {
+            "peers": state.peers,
+            "token": record["token"],
+            "gate": {"open": state.gate_open, "epoch": state.epoch},
+            "context": state.context.pop(rank, None),
+        }
+
+    async def _report_to_leader(self, record: dict, state: JobNetState) -> None:
+        leader = record["placement"][0]
+        mine = {str(r): link.addrs for r, link in state.links.items()}
+        try:
+            peers = await self.daemon.call(leader, "comm_gather", job=record["id"], node=self.daemon.node, addrs=mine)
+        except RemoteError as exc:
+            log.warning("job %d: rendezvous through %s failed: %s", record["id"], leader, exc)
+            for link in state.links.values():
+                await link.channel.aclose()
+            return
+        state.peers = peers
+        state.ready.set()
+
+    async def gather(self, job_id: int, node: str, addrs: dict) -> list:
+        """Leader side of the rendezvous: wait for every node of the job, return the table."""
+        record = self.daemon.table.get(job_id)
+        if record is None:
+            raise RemoteError("no_such_job", f"no job {job_id}")
+        table = self._gathers.setdefault(job_id, {})
+        done = self._gathered.setdefault(job_id, trio.Event())
+        table[node] = addrs
+        if set(table) >= set(jobs.nodes_of(record)):
+            done.set()
+        await done.wait()
+        peers = [None] * record["nranks"]
+        for per_node in table.values():
+            for rank, entry in per_node.items():
+                peers[int(rank)] = entry
+        return peers
+
+    def on_client_note(self, channel: Channel, op: str, args: dict) -> None:
+        if op != "gate_closed" or "rank_of" not in channel.context:
+            return
+        job_id, rank = channel.context["rank_of"]
+        state = self.states.get(job_id)
+        link = state.links.get(rank) if state else None
+        if link is not None and isinstance(args.get("epoch"), int):
+            link.acked = max(link.acked, args["epoch"])
+            state.poke()
+
+    def detached(self, channel: Channel) -> None:
+        """The rank's connection closed (it exited): stop waiting for it."""
+        if "rank_of" not in channel.context:
+            return
+        job_id, rank = channel.context["rank_of"]
+        state = self.states.get(job_id)
+        if state and rank in state.links and state.links[rank].channel is channel:
+            del state.links[rank]
+            state.poke()
+
+    # ------------------------------------------------------------ the gate
+
+    async def set_gate(self, job_id: int, open_: bool) -> int:
+        """Open or close the job's gate on this node; returns the epoch."""
+        state = self.state(job_id)
+        state.gate_open = open_
+        state.epoch += 1
+        for link in list(state.links.values()) if state.links else ():
+            try:
+                await link.channel.note("gate", open=open_, epoch=state.epoch)
+            except RemoteError:
+                pass
+        return state.epoch
+
+    async def wait_gate_closed(self, job_id: int, timeout: float = GATE_ACK_TIMEOUT) -> None:
+        """Until every attached rank confirmed the current close (its send under way completed)."""
+        state = self.state(job_id)
+        with trio.move_on_after(timeout):
+            while True:
+                if state.gate_open:
+                    raise RemoteError("gate_open", f"the gate of job {job_id} was opened again")
+                if all(link.acked >= state.epoch for link in state.links.values()):
+                    return
+                await state.changed.wait()
+        late = sorted(r for r, link in state.links.items() if link.acked < state.epoch)
+        raise RemoteError("timeout", f"ranks {late} of job {job_id} did not confirm the closed gate within {timeout:.0f} s")
+
+    # ------------------------------------------------------------ counters and context
+
+    def counters(self, job_id: int) -> dict[str, list]:
+        """{rank: [sent[], received[], delivered[]]} for this node's attached ranks."""
+        state = self.state(job_id)
+        return {str(r): link.counters.tolist() for r, link in state.links.items() if link.counters is not None}
+
+    async def capture(self, job_id: int, expect: dict) -> dict[str, bytes]:
+        state = self.state(job_id)
+        if state.gate_open:
+            raise RemoteError("gate_open", f"close the gate of job {job_id} before capturing its network context")
+        if state.stopped:
+            raise RemoteError("job_suspended", f"job {job_id} is stopped on {self.daemon.node}; its ranks cannot answer")
+        result: dict[str, bytes] = {}
+
+        async def one(rank: int, link: RankLink) -> None:
+            reply = await link.channel.request("capture", expect=expect.get(str(rank)) or [])
+            result[str(rank)] = reply["context"]
+
+        with trio.fail_after(CAPTURE_TIMEOUT):
+            async with trio.open_nursery() as nursery:
+                for rank, link in list(state.links.items()):
+                    nursery.start_soon(one, rank, link)
+        return result
+
+    def set_context(self, job_id: int, contexts: dict) -> None:
+        """Network context each rank gets back when it attaches (restart)."""
+        self.state(job_id).context = {int(r): bytes(b) for r, b in contexts.items()}

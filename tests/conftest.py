@@ -7,6 +7,7 @@ is stopped and the test fails if any rank process of it is still alive.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -95,6 +96,29 @@ class LocalCluster:
         assert not left, f"processes left behind: {[(p.pid, p.cmdline()) for p in left]}"
 
 
+def as_uid(uid: int, fn):
+    """Run ``fn()`` in a forked child that has dropped to ``uid``; return its JSON result."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(read_fd)
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            result = fn()
+        except BaseException as exc:  # report, never fall back into pytest
+            result = {"exception": f"{type(exc).__name__}: {exc}"}
+        with os.fdopen(write_fd, "w") as out:
+            json.dump(result, out)
+        os._exit(0)
+    os.close(write_fd)
+    with os.fdopen(read_fd) as inp:
+        data = inp.read()
+    os.waitpid(pid, 0)
+    return json.loads(data)
+
+
 def _remove_cgroups(cluster: LocalCluster) -> None:
     """Daemons killed with SIGKILL in a test never remove their cgroups (a
     restarted daemon would sweep them); do it for them."""
@@ -132,16 +156,26 @@ def make_cluster():
             shutil.rmtree(cluster.dir.parent, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def shared_cluster(nodes: int = 4, **options):
+    """A cluster for several tests (a module-scoped fixture's body); checks
+    on the way out that no rank process is left behind."""
+    directory = _world_traversable_tmpdir() / "cluster"
+    local.up(directory, nodes, **options)
+    cluster = LocalCluster(directory, nodes)
+    try:
+        yield cluster
+    finally:
+        local.down(directory)
+        try:
+            cluster.wait_no_rank_processes(timeout=5)
+        finally:
+            _remove_cgroups(cluster)
+            shutil.rmtree(directory.parent, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def cluster4():
     """A 4-node cluster shared by the tests of one module (they must not break it)."""
-    directory = _world_traversable_tmpdir() / "cluster"
-    local.up(directory, 4)
-    cluster = LocalCluster(directory, 4)
-    yield cluster
-    local.down(directory)
-    try:
-        cluster.wait_no_rank_processes(timeout=5)
-    finally:
-        _remove_cgroups(cluster)
-        shutil.rmtree(directory.parent, ignore_errors=True)
+    with shared_cluster(4) as cluster:
+        yield cluster

@@ -16,6 +16,7 @@ import time
 import msgpack
 import pytest
 import trio
+from conftest import as_uid
 
 from gangd.client import cluster as local
 from gangd.client.api import connect
@@ -202,29 +203,6 @@ def test_client_cannot_call_daemon_operations(cluster4):
 NOBODY = 65534
 
 
-def _as_uid(uid: int, fn):
-    """Run ``fn()`` in a forked child that has dropped to ``uid``; return its JSON result."""
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        os.close(read_fd)
-        try:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            result = fn()
-        except BaseException as exc:  # report, never fall back into pytest
-            result = {"exception": f"{type(exc).__name__}: {exc}"}
-        with os.fdopen(write_fd, "w") as out:
-            json.dump(result, out)
-        os._exit(0)
-    os.close(write_fd)
-    with os.fdopen(read_fd) as inp:
-        data = inp.read()
-    os.waitpid(pid, 0)
-    return json.loads(data)
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to a second uid")
 def test_another_user_cannot_touch_your_job_and_runs_as_themselves(cluster4):
     job = int(cluster4.gang("submit", "-n", 2, "--name", "roots-job", "--", "sleep", "300", check=True).stdout)
@@ -269,7 +247,7 @@ def test_another_user_cannot_touch_your_job_and_runs_as_themselves(cluster4):
 
         return trio.run(main)
 
-    outcome = _as_uid(NOBODY, meddle)
+    outcome = as_uid(NOBODY, meddle)
     assert "exception" not in outcome, outcome
     assert outcome["uid"] == NOBODY
     for action in ("kill", "job", "wait", "output"):

@@ -108,7 +108,11 @@ class Client:
         kill_on_bad_exit: bool = True,
         priority: int | None = None,
         time_slice: float | None = None,
+        network_context: dict[int, bytes] | None = None,
     ) -> dict:
+        """Submit a job. ``network_context`` ({rank: bytes}, as returned by
+        :meth:`capture_network`) is handed to the ranks when they attach, so
+        they receive the captured in-flight messages before anything else."""
         spec = {
             "argv": list(argv),
             "nranks": nranks,
@@ -122,6 +126,8 @@ class Client:
             "priority": priority,
             "slice": time_slice,
         }
+        if network_context:
+            spec["net_context"] = {str(rank): bytes(blob) for rank, blob in network_context.items()}
         return await self.request("submit", spec=spec)
 
     async def jobs(self, all: bool = False) -> list[dict]:

@@ -93,6 +93,7 @@ class Coordinator:
         self.switches: deque[dict] = deque(maxlen=4096)  # measurements of recent switches
         self._gang_changed = trio.Event()
         self._switch_lock = trio.Lock()
+        self._contexts: dict[int, dict[str, bytes]] = {}  # network contexts to restore at launch
 
     # ------------------------------------------------------------ plumbing
 
@@ -204,6 +205,11 @@ class Coordinator:
         slice_ = spec.get("slice")
         if slice_ is not None and (not isinstance(slice_, (int, float)) or isinstance(slice_, bool) or not 0.001 <= slice_ <= 3600):
             raise RemoteError("bad_request", f"the time slice must be between 0.001 and 3600 seconds, not {slice_!r}")
+        contexts = spec.get("net_context")
+        if contexts is not None and not (
+            isinstance(contexts, dict) and all(isinstance(k, str) and k.isdigit() and isinstance(v, bytes) for k, v in contexts.items())
+        ):
+            raise RemoteError("bad_request", "'net_context' must map rank numbers (as strings) to the bytes of their network context")
         nranks = spec.get("nranks")
         if not isinstance(nranks, int) or isinstance(nranks, bool) or nranks < 1:
             raise RemoteError("bad_request", f"the number of ranks must be a positive integer, not {nranks!r}")
@@ -235,6 +241,9 @@ class Coordinator:
                 job_id=job_id, spec=spec, owner_uid=cred["uid"], owner_name=cred["user"], owner_gid=cred["gid"]
             )
             await self.table.commit(record)
+        if contexts:
+            # Handed to the nodes with the launch, not kept in the (replicated) record.
+            self._contexts[job_id] = contexts
         self.daemon.peers.broadcast("table", records=[record])
         log.info("job %d (%s) submitted by %s: %d ranks", job_id, record["name"], cred["user"], nranks)
         self.kick()
@@ -264,10 +273,12 @@ class Coordinator:
         record = self.table.get(job_id)
         nodes = jobs.nodes_of(record)
         failures: list[str] = []
+        contexts = self._contexts.pop(job_id, {})
 
         async def launch_on(node: str) -> None:
             try:
-                await self.daemon.call(node, "launch", record=record)
+                mine = {str(r): contexts[str(r)] for r in jobs.ranks_on(record, node) if str(r) in contexts}
+                await self.daemon.call(node, "launch", record=record, contexts=mine)
             except RemoteError as exc:
                 failures.append(f"{node}: {exc.message}")
             except Exception as exc:  # e.g. this node's own disk failing

@@ -176,8 +176,8 @@ class JobNet:
         leader = record["placement"][0]
         mine = {str(r): link.addrs for r, link in state.links.items()}
         try:
-            peers = await self.daemon.call(leader, "comm_gather", job=record["id"], node=self.daemon.node, addrs=mine)
-        except RemoteError as exc:
+            peers = await self.daemon.call(leader, "comm_gather", job=record["id"], reporter=self.daemon.node, addrs=mine)
+        except Exception as exc:  # the ranks get an error instead of waiting forever
             log.warning("job %d: rendezvous through %s failed: %s", record["id"], leader, exc)
             for link in state.links.values():
                 await link.channel.aclose()

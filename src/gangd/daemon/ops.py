@@ -418,6 +418,8 @@ class Ops:
                 raise RemoteError("job_ended", f"job {record['id']} is {current['state']}; not starting its ranks")
             drop = os.geteuid() == 0 and record["owner_uid"] != 0
             extra = daemon.jobnet.prepare(record, drop)
+            if args.get("contexts"):
+                daemon.jobnet.set_context(record["id"], args["contexts"])
             pids = await daemon.ranks.launch(daemon.spawn, record, daemon.table.job_dir(record["id"]), extra)
         except RemoteError:
             raise
@@ -499,7 +501,7 @@ class Ops:
         return {str(j): self.daemon.ranks.cpu_seconds(j) for j in args.get("jobs") or [] if isinstance(j, int)}
 
     async def comm_gather(self, args, from_node, channel):
-        return await self.daemon.jobnet.gather(_int(args, "job"), str(args.get("node")), args.get("addrs") or {})
+        return await self.daemon.jobnet.gather(_int(args, "job"), str(args.get("reporter")), args.get("addrs") or {})
 
     async def net_gate(self, args, from_node, channel):
         job_id = _int(args, "job")

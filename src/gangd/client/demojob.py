@@ -1,27 +1,61 @@
-"""The job `gang demo` runs: each rank integrates its slice of 4/(1+x^2) over [0,1].
+"""The jobs `gang demo` runs; both talk through gangd.comm.
 
-The integral is pi. Every rank prints its partial sum; the demo adds them up.
+    python -m gangd.client.demojob pi [STEPS]     each rank integrates its share of
+        4/(1+x^2) over [0,1] (which is pi); allreduce adds the shares up
+    python -m gangd.client.demojob ring [ROUNDS]  an array travels around the ring
+        of ranks ROUNDS times, every rank adding its rank number; rank 0 checks
+        the sum against the closed form
 """
 
 import os
 import sys
 import time
 
-from gangd.client.runtime import job_info
+import numpy as np
+
+from gangd import comm
 
 
-def main(steps: int = 4_000_000) -> None:
-    info = job_info()
+def pi(steps: int) -> None:
+    w = comm.world()
     h = 1.0 / steps
     start = time.perf_counter()
     total = 0.0
-    for i in range(info.rank, steps, info.size):
+    for i in range(w.rank, steps, w.size):
         x = (i + 0.5) * h
         total += 4.0 / (1.0 + x * x)
-    partial = total * h
-    took = time.perf_counter() - start
-    print(f"rank {info.rank:2d} on {info.node}: partial={partial!r} ({took:.2f} s, pid {os.getpid()})", flush=True)
+    mine = total * h
+    everything = w.allreduce(mine, op="sum")
+    print(f"rank {w.rank:2d} on {os.environ.get('GANGD_NODE')}: partial={mine!r} ({time.perf_counter() - start:.2f} s)", flush=True)
+    if w.rank == 0:
+        print(f"pi={everything!r}", flush=True)
+
+
+def ring(rounds: int) -> None:
+    w = comm.world()
+    right, left = (w.rank + 1) % w.size, (w.rank - 1) % w.size
+    data = np.zeros(1 << 16, dtype=np.int64)  # 512 KiB travels around the ring
+    for _ in range(rounds):
+        if w.rank == 0:
+            w.send(data + w.rank, right)
+            data = w.recv(source=left)
+        else:
+            data = w.recv(source=left)
+            w.send(data + w.rank, right)
+        # A little computation per hop, so the job lives through some gang switches.
+        np.sqrt(np.arange(2_000_000, dtype=np.float64)).sum()
+    if w.rank == 0:
+        want = rounds * w.size * (w.size - 1) // 2
+        ok = bool(np.all(data == want))
+        print(f"ring {'OK' if ok else 'WRONG'}: {rounds} rounds of 512 KiB around {w.size} ranks, every element {int(data[0])} (want {want})", flush=True)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 4_000_000)
+    mode = sys.argv[1] if len(sys.argv) > 1 else "pi"
+    arg = int(sys.argv[2]) if len(sys.argv) > 2 else None
+    if mode == "pi":
+        pi(arg or 4_000_000)
+    elif mode == "ring":
+        ring(arg or 60)
+    else:
+        raise SystemExit(f"unknown demo job {mode!r} (pi or ring)")

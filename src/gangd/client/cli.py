@@ -146,6 +146,8 @@ async def _submit(gang, spec: dict) -> dict:
         nodes=spec["nodes"],
         nodelist=spec["nodelist"],
         kill_on_bad_exit=spec["kill_on_bad_exit"],
+        priority=spec["priority"],
+        time_slice=spec["slice"],
     )
 
 

@@ -93,6 +93,7 @@ class Matrix:
         """Pull jobs into earlier slots where they now fit, then drop empty
         slots — fewer slots means each job gets a larger share of time."""
         moved: dict[int, int] = {}
+        running = set(self.slots[self.active]) if self.active < len(self.slots) else set()
         for source in range(1, len(self.slots)):
             for job_id in list(self.slots[source]):
                 for target in range(source):
@@ -101,10 +102,10 @@ class Matrix:
                         self.slots[target].append(job_id)
                         moved[job_id] = target
                         break
-        active_jobs = self.slots[self.active] if self.active < len(self.slots) else []
         kept = [members for members in self.slots if members]
-        # Keep pointing at the same jobs if their slot survived; renumbering shifts indices.
-        self.active = next((i for i, members in enumerate(kept) if members is active_jobs), 0)
+        # Keep the active slot on the jobs that were running (wherever they
+        # moved), so a compaction does not cut their time slice short.
+        self.active = next((i for i, members in enumerate(kept) if running & set(members)), 0)
         renumber = {id(members): i for i, members in enumerate(kept)}
         for old, members in enumerate(self.slots):
             if members and renumber[id(members)] != old:

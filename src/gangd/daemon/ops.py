@@ -75,6 +75,7 @@ class Ops:
             "job_usage": self.job_usage,
             "comm_gather": self.comm_gather,
             "net_gate": self.net_gate,
+            "net_wait_closed": self.net_wait_closed,
             "net_counters": self.net_counters,
             "net_capture_local": self.net_capture_local,
             "net_restore": self.net_restore,
@@ -246,8 +247,12 @@ class Ops:
         Returns {rank: context bytes}: what a checkpoint writes to disk."""
         record = await self._record(args, cred, "capture the network of")
         job_id = record["id"]
-        await self._on_job_nodes(record, "net_gate", job=job_id, open=False, wait=True)
+        # Closed everywhere first, then confirmed everywhere: a rank behind a
+        # closed gate keeps draining its connections, so a send under way to
+        # it completes — but only once its own node has closed too.
+        await self._on_job_nodes(record, "net_gate", job=job_id, open=False, wait=False)
         try:
+            await self._on_job_nodes(record, "net_wait_closed", job=job_id)
             counters = await self._on_job_nodes(record, "net_counters", job=job_id)
             sent = {int(r): c[0] for per_node in counters.values() for r, c in per_node.items()}
             expect = {str(dst): [sent.get(src, [0] * record["nranks"])[dst] for src in range(record["nranks"])] for dst in range(record["nranks"])}
@@ -509,6 +514,10 @@ class Ops:
         if not args.get("open") and args.get("wait"):
             await self.daemon.jobnet.wait_gate_closed(job_id)
         return epoch
+
+    async def net_wait_closed(self, args, from_node, channel):
+        await self.daemon.jobnet.wait_gate_closed(_int(args, "job"))
+        return True
 
     async def net_counters(self, args, from_node, channel):
         return self.daemon.jobnet.counters(_int(args, "job"))

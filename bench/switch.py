@@ -70,7 +70,12 @@ async def measure(directory: Path, nodes: int, per_node: int, seconds: float, ti
     async with connect(directory) as gang:
         a = await gang.submit(BUSY, n, per_node=per_node, name="busy-a", time_slice=time_slice)
         b = await gang.submit(BUSY, n, per_node=per_node, name="busy-b", time_slice=time_slice)
-        while any(r["state"] not in ("RUNNING", "SUSPENDED") for r in await gang.jobs() if r["id"] in (a["id"], b["id"])):
+        while True:
+            states = {r["id"]: r for r in await gang.jobs() if r["id"] in (a["id"], b["id"])}
+            if any(r["state"] in ("DONE", "FAILED", "KILLED") for r in states.values()):
+                raise SystemExit(f"a busy job ended: {[(r['id'], r['state'], r['reason']) for r in states.values()]}")
+            if all(r["state"] in ("RUNNING", "SUSPENDED") for r in states.values()):
+                break
             await trio.sleep(0.2)
         await trio.sleep(1.0)  # both launched and rotating
         before = len((await gang.schedule(switches=True))["switch_log"])

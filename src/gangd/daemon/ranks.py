@@ -151,12 +151,6 @@ def _make_preexec(cgroup: Path | None, drop: tuple[int, int, list[int]] | None):
     procs = str(cgroup / "cgroup.procs") if cgroup else None
 
     def preexec() -> None:
-        # Ranks are ordinary tasks even though the daemon may run at a raised
-        # priority (reset-on-fork covers most of it; this covers the nice value).
-        try:
-            os.setpriority(os.PRIO_PROCESS, 0, 0)
-        except OSError:
-            pass
         if procs:
             fd = os.open(procs, os.O_WRONLY)
             try:
@@ -171,6 +165,15 @@ def _make_preexec(cgroup: Path | None, drop: tuple[int, int, list[int]] | None):
         if _prctl is not None:
             # After setuid: a credential change clears the parent-death signal.
             _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        # Last, right before exec: the rank becomes an ordinary task. The
+        # daemon may run SCHED_RR (or at a raised nice value), and the fork
+        # inherits it; demoting earlier would leave the daemon waiting for
+        # this child's exec behind every busy rank of the node.
+        try:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
+        except OSError:
+            pass
 
     return preexec
 

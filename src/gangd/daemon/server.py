@@ -180,12 +180,14 @@ class Daemon:
         # enough for switches — CFS still lets each busy rank finish its
         # slice first (milliseconds) — so where allowed the daemon runs
         # SCHED_RR: it preempts ranks the moment it has work, and is idle
-        # otherwise (the kernel's RT throttling still bounds it).
-        # RESET_ON_FORK: ranks and helper threads start as ordinary tasks.
+        # otherwise (the kernel's RT throttling still bounds it). Ranks are
+        # demoted to ordinary tasks just before their exec (ranks.py);
+        # helper threads (disk writes) keep the priority, so a node full of
+        # busy ranks cannot starve the job table's fsyncs either.
         config = self.config
         if config.realtime_priority > 0:
             try:
-                os.sched_setscheduler(0, os.SCHED_RR | os.SCHED_RESET_ON_FORK, os.sched_param(config.realtime_priority))
+                os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(config.realtime_priority))
                 log.info("running SCHED_RR priority %d", config.realtime_priority)
                 return
             except OSError as exc:
@@ -193,7 +195,6 @@ class Daemon:
         if config.nice < 0:
             try:
                 os.setpriority(os.PRIO_PROCESS, 0, config.nice)
-                os.sched_setscheduler(0, os.SCHED_OTHER | os.SCHED_RESET_ON_FORK, os.sched_param(0))
                 log.info("running at nice %d", config.nice)
             except OSError as exc:
                 log.info("could not raise scheduling priority (nice %d): %s", config.nice, exc.strerror)

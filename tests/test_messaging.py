@@ -208,3 +208,31 @@ def test_a_stranger_cannot_inject_messages_into_a_job(sliced, tmp_path):
         assert record["state"] == "DONE" and "received OK" in output(sliced, job_id)
     finally:
         sliced.gang("kill", job_id)
+
+
+def test_a_rank_that_truncates_its_counters_file_cannot_hurt_its_daemon(sliced):
+    """The daemon reads each rank's counters from a file the job's owner
+    controls: a truncated file must give a short answer, not a crashed
+    daemon (a live mmap would die of SIGBUS)."""
+    script = (
+        "import os, time\n"
+        "from gangd import comm\n"
+        "w = comm.world()\n"
+        "if w.rank == 1:\n"
+        "    os.truncate(os.path.join(os.environ['GANGD_COMM_DIR'], 'rank-1.counters'), 0)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    job_id = submit(sliced, 2, [PY, "-c", script], "--per-node", "1")
+    try:
+        deadline = time.monotonic() + 60
+        while output(sliced, job_id).count("ready") < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        pids = {n: sliced.daemon_pid(n) for n in ("n1", "n2")}
+        net = sliced.gang_json("net", job_id)
+        assert net["attached"] == [0]  # rank 1's counters are unreadable, and left out
+        assert {n: sliced.daemon_pid(n) for n in ("n1", "n2")} == pids
+        assert all(r["state"] == "up" for r in sliced.gang_json("nodes")["nodes"])
+    finally:
+        sliced.gang("kill", job_id)

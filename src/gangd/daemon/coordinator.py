@@ -29,6 +29,7 @@ from .peers import natural_key
 log = logging.getLogger("gangd.coordinator")
 
 KILL_REPORT_WAIT = 10.0
+SWITCH_TIMEOUT = 5.0  # a node that does not confirm a switch by then is re-sent it
 
 
 def permission_check(record: dict, cred: dict, action: str) -> None:
@@ -110,8 +111,10 @@ class Coordinator:
                 return current
             await self.table.commit(record)
         self.daemon.peers.broadcast("table", records=[record])
-        if jobs.is_terminal(record) and record["id"] in self.matrix.usage:
-            self._leave_matrix(record["id"])
+        if jobs.is_terminal(record):
+            self._contexts.pop(record["id"], None)
+            if record["id"] in self.matrix.usage:
+                self._leave_matrix(record["id"])
         return record
 
     def kick(self) -> None:
@@ -439,6 +442,7 @@ class Coordinator:
         """After a takeover: the matrix from the placed jobs in the table; who
         runs right now is unknown until the first switch says so everywhere."""
         self.matrix = Matrix(self.matrix.cores, self.matrix.max_slots)
+        self.acct = {}  # whatever an earlier term as coordinator left is stale
         for record in sorted(self.table.active(), key=lambda r: r["id"]):
             if not record["placement"]:
                 continue
@@ -545,15 +549,23 @@ class Coordinator:
             if me in per_node:
                 results[me] = await self.daemon.ops.switch(per_node[me], me, None)
             for node, reply in replies.items():
-                try:
-                    results[node] = await reply()
-                except RemoteError as exc:
-                    log.warning("switch on %s failed: %s", node, exc)
+                with trio.move_on_after(SWITCH_TIMEOUT) as scope:
+                    try:
+                        results[node] = await reply()
+                    except RemoteError as exc:
+                        log.warning("switch on %s failed: %s", node, exc)
+                if scope.cancelled_caught:
+                    log.warning("switch on %s got no answer within %.0f s", node, SWITCH_TIMEOUT)
         t_end = time.time()
         if self.running is None:
             self.running = set()
         self.running -= set(stop)
         self.running |= set(cont)
+        if set(results) != set(per_node):
+            # Some node may not have switched: forget what runs where, so the
+            # next pass sends every job's stop or cont to every node again.
+            self.running = None
+            self.daemon.spawn(self._retry_gang)
         for job_id in stop:
             if job_id in self.acct:
                 self._account(self.acct[job_id], t0, False)
@@ -574,6 +586,10 @@ class Coordinator:
                     "per_node": {n: [r["received"] - t0, r["done"] - t0, r.get("cpu", 0)] for n, r in results.items()},
                 }
             )
+
+    async def _retry_gang(self) -> None:
+        await trio.sleep(self.daemon.config.heartbeat_interval)
+        self._gang_changed.set()
 
     @staticmethod
     def _account(acct: dict, at: float, on: bool) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from ..rpc import Channel, RemoteError
 log = logging.getLogger("gangd.jobnet")
 
 GATE_ACK_TIMEOUT = 10.0
+GATE_NOTE_TIMEOUT = 0.1
 CAPTURE_TIMEOUT = 30.0
 
 
@@ -49,8 +51,26 @@ class RankLink:
     rank: int
     channel: Channel
     addrs: dict
-    counters: np.ndarray | None = None  # (3, size) uint64: sent, received, delivered
+    counters_fd: int | None = None  # the rank's counters file: (3, size) uint64 sent, received, delivered
     acked: int = 0  # last gate epoch this rank confirmed closed
+
+    def read_counters(self, size: int) -> list | None:
+        # A copy per read (pread), never a live mapping: the file belongs to
+        # the job's owner, who could truncate it under us (SIGBUS in the daemon).
+        if self.counters_fd is None:
+            return None
+        try:
+            data = os.pread(self.counters_fd, 24 * size, 0)
+        except OSError:
+            return None
+        if len(data) < 24 * size:
+            return None
+        return np.frombuffer(data, dtype=np.uint64).reshape(3, size).tolist()
+
+    def close(self) -> None:
+        if self.counters_fd is not None:
+            os.close(self.counters_fd)
+            self.counters_fd = None
 
 
 @dataclass
@@ -65,6 +85,7 @@ class JobNetState:
     exited: dict[int, str] = field(default_factory=dict)  # rank -> why, as told to the ranks
     context: dict[int, bytes] = field(default_factory=dict)  # to restore at attach (restart)
     stopped: bool = False  # gang-scheduled out: SIGSTOPped right now
+    reported: bool = False  # this node's addresses went to the leader
 
     def poke(self) -> None:
         self.changed.set()
@@ -102,9 +123,12 @@ class JobNet:
         state = self.states.pop(job_id, None)
         if state is not None:
             for link in state.links.values():
-                link.counters = None
+                link.close()
+            state.ready.set()  # attaches still waiting get an answer, not a hang
         self._gathers.pop(job_id, None)
-        self._gathered.pop(job_id, None)
+        done = self._gathered.pop(job_id, None)
+        if done is not None:
+            done.set()
         shutil.rmtree(self.comm_dir(job_id), ignore_errors=True)
 
     def on_record(self, record: dict) -> None:
@@ -123,8 +147,13 @@ class JobNet:
         if state is None or rank in state.exited:
             return
         state.exited[rank] = why
-        state.links.pop(rank, None)
+        link = state.links.pop(rank, None)
+        if link is not None:
+            link.close()
         state.poke()
+        record = self.daemon.table.get(job_id)
+        if record is not None and record["placement"]:
+            self._maybe_report(record, state)
         for link in list(state.links.values()):
             self.daemon.spawn(self._note, link, "peer_exited", {"rank": rank, "why": why})
 
@@ -148,20 +177,18 @@ class JobNet:
         if cred["uid"] not in (0, record["owner_uid"]) or pid not in self.daemon.ranks.rank_processes(job_id, rank):
             raise RemoteError("permission_denied", f"process {pid} is not rank {rank} of job {job_id}")
         state = self.states[job_id]
-        counters = None
-        if isinstance(args.get("counters"), str):
-            try:
-                counters = np.memmap(args["counters"], dtype=np.uint64, mode="r", shape=(3, record["nranks"]))
-            except (OSError, ValueError) as exc:
-                raise RemoteError("bad_request", f"cannot map the counters file {args['counters']}: {exc}") from None
+        counters_fd = self._open_counters(record, rank)
         addrs = {"node": self.daemon.node, "unix": args.get("unix"), "tcp": args.get("tcp")}
-        state.links[rank] = RankLink(rank, channel, addrs, counters, acked=state.epoch)
+        old = state.links.get(rank)
+        if old is not None:
+            old.close()
+        state.links[rank] = RankLink(rank, channel, addrs, counters_fd, acked=state.epoch)
         channel.context["rank_of"] = (job_id, rank)
         state.poke()
-        local = jobs.ranks_on(record, self.daemon.node)
-        if all(r in state.links or r in state.exited for r in local) and state.peers is None:
-            self.daemon.spawn(self._report_to_leader, record, state)
+        self._maybe_report(record, state)
         await state.ready.wait()
+        if state.peers is None or rank not in state.links:
+            raise RemoteError("job_ended", f"job {job_id} ended (or its rendezvous failed) before every rank attached")
         # An exit that happened before this rank attached.
         for gone, why in state.exited.items():
             self.daemon.spawn(self._note, state.links[rank], "peer_exited", {"rank": gone, "why": why})
@@ -171,6 +198,29 @@ class JobNet:
             "gate": {"open": state.gate_open, "epoch": state.epoch},
             "context": state.context.pop(rank, None),
         }
+
+    def _open_counters(self, record: dict, rank: int) -> int | None:
+        """The rank's counters file — only the one in the job's directory, a
+        regular file of the job's owner, large enough; never a path the
+        client names (the daemon may be root)."""
+        path = self.comm_dir(record["id"]) / f"rank-{rank}.counters"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as exc:
+            raise RemoteError("bad_request", f"cannot open the counters file {path}: {exc.strerror}") from None
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid not in (record["owner_uid"], os.geteuid()) or info.st_size < 24 * record["nranks"]:
+            os.close(fd)
+            raise RemoteError("bad_request", f"{path} is not a counters file of job {record['id']} (a regular file of its owner, {24 * record['nranks']} bytes)")
+        return fd
+
+    def _maybe_report(self, record: dict, state: JobNetState) -> None:
+        """Once every local rank attached (or exited), report the node's addresses to the leader."""
+        if state.peers is not None or state.reported:
+            return
+        if all(r in state.links or r in state.exited for r in jobs.ranks_on(record, self.daemon.node)):
+            state.reported = True
+            self.daemon.spawn(self._report_to_leader, record, state)
 
     async def _report_to_leader(self, record: dict, state: JobNetState) -> None:
         leader = record["placement"][0]
@@ -219,26 +269,45 @@ class JobNet:
         job_id, rank = channel.context["rank_of"]
         state = self.states.get(job_id)
         if state and rank in state.links and state.links[rank].channel is channel:
-            del state.links[rank]
+            state.links.pop(rank).close()
             state.poke()
 
     # ------------------------------------------------------------ the gate
 
     async def set_gate(self, job_id: int, open_: bool) -> int:
-        """Open or close the job's gate on this node; returns the epoch."""
-        state = self.state(job_id)
+        """Open or close the job's gate on this node; returns the epoch (0: no ranks here)."""
+        state = self.states.get(job_id)
+        if state is None:  # ended, or never launched here
+            return 0
         state.gate_open = open_
         state.epoch += 1
         for link in list(state.links.values()) if state.links else ():
-            try:
-                await link.channel.note("gate", open=open_, epoch=state.epoch)
-            except RemoteError:
-                pass
+            # Bounded: a rank that stopped reading its connection must not
+            # hold up a gang switch of the whole cluster; it loses its link.
+            with trio.move_on_after(GATE_NOTE_TIMEOUT) as scope:
+                try:
+                    await link.channel.note("gate", open=open_, epoch=state.epoch)
+                except RemoteError:
+                    pass
+            if scope.cancelled_caught:
+                log.warning("job %d rank %d does not read its daemon connection; dropping it", job_id, link.rank)
+                self.daemon.spawn(link.channel.aclose)
         return state.epoch
+
+    def set_stopped(self, job_id: int, stopped: bool) -> None:
+        state = self.states.get(job_id)
+        if state is not None:
+            state.stopped = stopped
+
+    def is_stopped(self, job_id: int) -> bool:
+        state = self.states.get(job_id)
+        return state is not None and state.stopped
 
     async def wait_gate_closed(self, job_id: int, timeout: float = GATE_ACK_TIMEOUT) -> None:
         """Until every attached rank confirmed the current close (its send under way completed)."""
-        state = self.state(job_id)
+        state = self.states.get(job_id)
+        if state is None:
+            raise RemoteError("no_such_job", f"job {job_id} has no ranks on {self.daemon.node}")
         with trio.move_on_after(timeout):
             while True:
                 if state.gate_open:
@@ -253,11 +322,17 @@ class JobNet:
 
     def counters(self, job_id: int) -> dict[str, list]:
         """{rank: [sent[], received[], delivered[]]} for this node's attached ranks."""
-        state = self.state(job_id)
-        return {str(r): link.counters.tolist() for r, link in state.links.items() if link.counters is not None}
+        state = self.states.get(job_id)
+        record = self.daemon.table.get(job_id)
+        if state is None or record is None:
+            return {}
+        rows = {str(r): link.read_counters(record["nranks"]) for r, link in state.links.items()}
+        return {r: c for r, c in rows.items() if c is not None}
 
     async def capture(self, job_id: int, expect: dict) -> dict[str, bytes]:
-        state = self.state(job_id)
+        state = self.states.get(job_id)
+        if state is None:
+            raise RemoteError("no_such_job", f"job {job_id} has no ranks on {self.daemon.node}")
         if state.gate_open:
             raise RemoteError("gate_open", f"close the gate of job {job_id} before capturing its network context")
         if state.stopped:

@@ -482,11 +482,11 @@ class Ops:
         for job_id in args.get("stop") or []:
             await daemon.jobnet.set_gate(job_id, False)
             daemon.ranks.signal_job(job_id, signal.SIGSTOP)
-            daemon.jobnet.state(job_id).stopped = True
+            daemon.jobnet.set_stopped(job_id, True)
             stopped.append(job_id)
         for job_id in args.get("cont") or []:
             daemon.ranks.signal_job(job_id, signal.SIGCONT)
-            daemon.jobnet.state(job_id).stopped = False
+            daemon.jobnet.set_stopped(job_id, False)
             await daemon.jobnet.set_gate(job_id, True)
         done = time.time()
         if stopped:
@@ -499,7 +499,7 @@ class Ops:
         switch's critical path."""
         await trio.sleep(0)
         for job_id in stopped:
-            if self.daemon.jobnet.state(job_id).stopped:
+            if self.daemon.jobnet.is_stopped(job_id):
                 self.daemon.ranks.signal_job(job_id, signal.SIGSTOP, refresh=True)
 
     async def job_usage(self, args, from_node, channel):

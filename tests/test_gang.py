@@ -24,7 +24,7 @@ import psutil
 import pytest
 import trio
 from click.testing import CliRunner
-from conftest import shared_cluster
+from conftest import as_uid, shared_cluster
 
 from gangd.client import cli
 from gangd.client.api import connect
@@ -219,29 +219,6 @@ def cpu(proc: psutil.Process) -> float:
     return times.user + times.system
 
 
-def _as_uid(uid: int, fn):
-    """Run ``fn()`` in a forked child that has dropped to ``uid``; return its JSON result."""
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        os.close(read_fd)
-        try:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            result = fn()
-        except BaseException as exc:  # noqa: BLE001 - report, never fall back into pytest
-            result = {"exception": f"{type(exc).__name__}: {exc}"}
-        with os.fdopen(write_fd, "w") as out:
-            json.dump(result, out)
-        os._exit(0)
-    os.close(write_fd)
-    with os.fdopen(read_fd) as inp:
-        data = inp.read()
-    os.waitpid(pid, 0)
-    return json.loads(data)
-
-
 def cli_as(uid: int, cluster, *args) -> dict:
     """`gang ARGS` as another uid, in-process (the venv's python is not reachable by other uids)."""
 
@@ -249,7 +226,7 @@ def cli_as(uid: int, cluster, *args) -> dict:
         result = CliRunner().invoke(cli.main, ["--cluster", str(cluster.dir), *map(str, args)])
         return {"code": result.exit_code, "output": result.output}
 
-    return _as_uid(uid, invoke)
+    return as_uid(uid, invoke)
 
 
 # ---------------------------------------------------------------- rotation
@@ -601,10 +578,10 @@ def test_only_root_may_raise_a_jobs_priority(gc):
 
         return trio.run(main)
 
-    outcome = _as_uid(NOBODY, attempt)
+    outcome = as_uid(NOBODY, attempt)
     assert outcome["api"][0] == "permission_denied" and "only root" in outcome["api"][1], outcome
     # a negative priority (go last) is fine for anybody
-    ok = _as_uid(NOBODY, lambda: trio.run(_submit_low, str(gc.dir)))
+    ok = as_uid(NOBODY, lambda: trio.run(_submit_low, str(gc.dir)))
     assert ok.get("final") == "DONE" and ok.get("priority") == -3, ok
 
 

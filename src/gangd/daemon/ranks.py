@@ -196,22 +196,6 @@ class LocalRanks:
     def of_job(self, job_id: int) -> list[Rank]:
         return [r for (j, _), r in self.ranks.items() if j == job_id]
 
-    def processes(self, job_id: int) -> list[int]:
-        """Every live pid of the job on this node, forks included."""
-        pids: set[int] = set()
-        for rank in self.of_job(job_id):
-            if rank.status is not None:
-                continue
-            if rank.cgroup is not None:
-                pids.update(self.cgroups.pids(rank.cgroup))
-            if rank.pid:
-                pids.add(rank.pid)
-                try:
-                    pids.update(p.pid for p in psutil.Process(rank.pid).children(recursive=True))
-                except psutil.Error:
-                    pass
-        return sorted(pids)
-
     def rank_processes(self, job_id: int, rank: int) -> set[int]:
         """Live pids of one rank: its main process and everything it forked."""
         entry = self.ranks.get((job_id, rank))

@@ -54,6 +54,11 @@ def new_record(*, job_id: int, spec: dict, owner_uid: int, owner_name: str, owne
         "ended": None,
         "ranks": [None] * int(spec["nranks"]),  # rank status once it exited
         "kill_requested": None,  # who asked, if the job was killed
+        "ckpt_every": spec.get("ckpt_every"),  # seconds between checkpoints, None: only on request
+        "checkpoints": [],  # generations this job took: see gangd.daemon.ckptcoord
+        "lineage": job_id,  # the first job of a restart chain: its checkpoints are the chain's
+        "restart_of": None,  # {"job", "gen", "iteration"} this job continues from
+        "pinned": None,  # placement a restart must have (where its checkpoint is)
         "seq": 0,
     }
 

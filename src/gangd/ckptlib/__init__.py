@@ -1,1 +1,129 @@
-"""The checkpoint library linked into jobs (consistent checkpoints arrive in a later release)."""
+"""Checkpoint and restart for iterative programs — under gangd or alone.
+
+::
+
+    from gangd import ckptlib as ckpt
+
+    ckpt.init()                                   # SIGQUIT handler; loads the saved state on a restart
+    u = ckpt.protect("u", np.zeros((n, n)))       # saved by reference: update it in place
+    stats = ckpt.protect("stats", {"residual": 0.0})   # any picklable object (a dict for scalars)
+    for it in ckpt.loop(range(steps)):            # every boundary can be a checkpoint; resumes after the saved one
+        ...
+    ckpt.fini()
+
+Under ``gang run`` every rank of the job saves at the same iteration, with
+the job's messages in flight saved by the daemons (a consistent checkpoint);
+``gang checkpoint JOB``, Ctrl-\\ on ``gang run``, SIGUSR1 to a gangd or
+``--ckpt-every`` trigger one, and ``gang restart JOB`` resumes the job after
+the saved iteration. Run alone (``python app.py``) the same program saves to
+a directory (``directory=``, ``$GANGD_CKPT_DIR``, default ``<script>.ckpt``)
+on SIGQUIT (Ctrl-\\), :func:`request` or every ``every`` seconds, and
+restarts with ``restart=`` (or ``GANGD_RESTART=latest|auto|<generation>``).
+
+Values come back bit-identical: numpy arrays as raw memory with their dtype
+and shape, everything else through pickle. Protect what the loop needs to
+continue; rebinding a protected name (``x = x + 1``) does not update what is
+saved — mutate in place, keep scalars in a dict, or call ``protect`` again
+with the new object.
+
+By default the state is written behind the program's back: at the
+checkpoint the rank forks a copy-on-write snapshot that writes and fsyncs
+while the job runs on (``background=False`` writes before continuing).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from ..client.runtime import job_info
+from .core import Checkpointer, CheckpointError, Standalone
+
+__all__ = ["CheckpointError", "fini", "generation", "init", "loop", "protect", "request", "restarted"]
+
+_cp: Checkpointer | None = None
+
+
+def init(*, directory: str | os.PathLike | None = None, restart=None, background: bool | None = None,
+         every: float | None = None, keep: int = 2) -> Checkpointer:
+    """Set up checkpointing for this process; call once, before :func:`protect`.
+
+    ``restart`` (alone only; gangd decides under ``gang restart``): ``"latest"``
+    (or True) restarts from the newest complete generation and fails if there
+    is none, ``"auto"`` restarts if there is one, a number picks a generation.
+    ``every`` (alone only; gangd has ``--ckpt-every``): seconds between checkpoints.
+    ``keep``: complete generations kept (alone; the daemons have their own setting).
+    """
+    global _cp
+    if _cp is not None and not _cp.closed:
+        return _cp
+    if threading.current_thread() is not threading.main_thread():
+        raise CheckpointError("ckpt.init() must be called from the main thread (it installs a signal handler)")
+    if background is None:
+        background = os.environ.get("GANGD_CKPT_BACKGROUND", "1") not in ("0", "no", "false")
+    if restart is None:
+        restart = os.environ.get("GANGD_RESTART") or None
+        if restart in ("1", "true", "yes"):
+            restart = "latest"
+    if restart is True:
+        restart = "latest"
+    info = job_info()
+    if info.under_gangd and info.socket:
+        from .agent import DaemonAgent
+
+        backend = DaemonAgent(info)
+    else:
+        where = directory or os.environ.get("GANGD_CKPT_DIR") or f"{Path(sys.argv[0] or 'program').stem}.ckpt"
+        backend = Standalone(Path(where), keep=keep, every=every)
+    cp = Checkpointer(backend, background=background)
+    if restart is not None or info.under_gangd:
+        backend.restore(cp, restart)
+    backend.attach(cp)
+    signal.signal(signal.SIGQUIT, cp.signal_handler)
+    atexit.register(cp.fini)
+    _cp = cp
+    return cp
+
+
+def _current() -> Checkpointer:
+    if _cp is None or _cp.closed:
+        raise CheckpointError("call ckpt.init() first")
+    return _cp
+
+
+def protect(name: str, value):
+    """Register ``value`` to be saved under ``name``; on a restart, returns the saved value instead."""
+    return _current().protect(name, value)
+
+
+def loop(iterable):
+    """Iterate like ``for x in iterable``, with a checkpoint candidate point before each item.
+    After a restart the items already done are skipped."""
+    return _current().loop(iterable)
+
+
+def request() -> None:
+    """Ask for a checkpoint at the next boundary (what SIGQUIT does)."""
+    _current().request()
+
+
+def restarted() -> bool:
+    """True when this run continues from a checkpoint."""
+    return _current().restarted_from is not None
+
+
+def generation() -> int | None:
+    """The generation restarted from, or the last one this process took part in."""
+    return _current().generation
+
+
+def fini() -> None:
+    """Wait for checkpoint writes still under way and stop handling SIGQUIT."""
+    global _cp
+    if _cp is not None:
+        _cp.fini()
+        _cp = None

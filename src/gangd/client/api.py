@@ -109,6 +109,7 @@ class Client:
         priority: int | None = None,
         time_slice: float | None = None,
         network_context: dict[int, bytes] | None = None,
+        ckpt_every: float | None = None,
     ) -> dict:
         """Submit a job. ``network_context`` ({rank: bytes}, as returned by
         :meth:`capture_network`) is handed to the ranks when they attach, so
@@ -125,6 +126,7 @@ class Client:
             "kill_on_bad_exit": kill_on_bad_exit,
             "priority": priority,
             "slice": time_slice,
+            "ckpt_every": ckpt_every,
         }
         if network_context:
             spec["net_context"] = {str(rank): bytes(blob) for rank, blob in network_context.items()}
@@ -158,6 +160,20 @@ class Client:
     async def capture_network(self, job_id: int, reopen: bool = True) -> dict:
         """Close the job's gates, return {rank: network context bytes}, open them again."""
         return await self.request("net_capture", job=job_id, reopen=reopen)
+
+    async def checkpoint(self, job_id: int, *, wait: bool = True, trigger: str | None = None) -> dict:
+        """Take a consistent checkpoint of the job; with ``wait``, return the
+        generation once complete or aborted (``state`` says which)."""
+        return await self.request("checkpoint", job=job_id, wait=wait, trigger=trigger)
+
+    async def restart(self, job_id: int, generation: int | None = None) -> dict:
+        """Restart an ended job from its newest intact complete checkpoint (or
+        ``generation``); returns {"record": the new job, "gen", "iteration", "skipped"}."""
+        return await self.request("restart", job=job_id, gen=generation)
+
+    async def checkpoints(self, job_id: int) -> dict:
+        """The checkpoint generations of the job's lineage and the one under way."""
+        return await self.request("ckpt_list", job=job_id)
 
     def wait(self, job_id: int, *, kill_on_disconnect: bool = False):
         """``async with gang.wait(id) as updates``: the record at every change, until it ends."""

@@ -113,6 +113,7 @@ def _cluster(ctx) -> str | None:
 def job_options(fn):
     fn = click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)(fn)
     fn = click.option("--no-kill-on-bad-exit", is_flag=True, help="Keep the other ranks running when one fails.")(fn)
+    fn = click.option("--ckpt-every", type=Duration(), metavar="DURATION", help="Checkpoint the job periodically, e.g. 30s, 5m, 1h (its ranks use gangd.ckptlib).")(fn)
     fn = click.option("--priority", type=int, help="Queue priority: higher starts first (only root may go above 0).")(fn)
     fn = click.option("--slice", "time_slice", type=click.FloatRange(0.001, 3600), metavar="SECONDS", help="Gang time slice for this job (default: the cluster's).")(fn)
     fn = click.option("-w", "--nodelist", metavar="N1,N2", help="Run only on these nodes.")(fn)
@@ -123,8 +124,30 @@ def job_options(fn):
     return fn
 
 
-def _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice=None, priority=None) -> dict:
+class Duration(click.ParamType):
+    """30, 30s, 5m, 2h, 1d -> seconds."""
+
+    name = "duration"
+    UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (int, float)):
+            return float(value)
+        text = str(value).strip().lower()
+        unit = self.UNITS.get(text[-1:], None)
+        number = text[:-1] if unit else text
+        try:
+            seconds = float(number) * (unit or 1)
+        except ValueError:
+            self.fail(f"{value!r} is not a duration (examples: 90, 30s, 5m, 2h)", param, ctx)
+        if seconds < 1:
+            self.fail(f"{value!r} is shorter than one second", param, ctx)
+        return seconds
+
+
+def _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice=None, priority=None, ckpt_every=None) -> dict:
     return {
+        "ckpt_every": ckpt_every,
         "slice": time_slice,
         "priority": priority,
         "argv": list(command),
@@ -148,7 +171,24 @@ async def _submit(gang, spec: dict) -> dict:
         kill_on_bad_exit=spec["kill_on_bad_exit"],
         priority=spec["priority"],
         time_slice=spec["slice"],
+        ckpt_every=spec.get("ckpt_every"),
     )
+
+
+def describe_generation(job_id: int, result: dict) -> str:
+    if result["state"] == "complete":
+        size = sum(n["bytes"] for n in result["nodes"].values())
+        took = result["ended"] - result["started"]
+        return f"job {job_id}: checkpoint generation {result['gen']} complete at iteration {result['iteration']} ({_size(size)} on {len(result['nodes'])} node(s) in {took:.2f} s)"
+    return f"job {job_id}: checkpoint generation {result['gen']} {result['state']}: {result.get('reason', '')}"
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
 
 
 # ---------------------------------------------------------------- output printing
@@ -221,9 +261,9 @@ is the worst rank's: its exit code, or 128+N if it died of signal N.
 @click.option("--label/--no-label", default=True, help="Prefix each output line with its rank (default: on).")
 @click.option("-v", "--verbose", is_flag=True, help="Say when the job is queued, started and finished.")
 @click.pass_context
-def run(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, time_slice, priority, command, label, verbose):
-    """Run a parallel job in the foreground."""
-    spec = _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice, priority)
+def run(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, ckpt_every, time_slice, priority, command, label, verbose):
+    """Run a parallel job in the foreground (Ctrl-\\ checkpoints it, Ctrl-C kills it)."""
+    spec = _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice, priority, ckpt_every)
     code = run_async(_run, _cluster(ctx), spec, label, verbose)
     sys.exit(code)
 
@@ -265,8 +305,23 @@ async def _run(cluster, spec, label, verbose) -> int:
                     click.echo(f"\ngang: {signal.Signals(signum).name}: killing job {job_id}", err=True)
                     await gang.kill(job_id)
 
+        async def checkpoint_now():
+            try:
+                result = await gang.checkpoint(job_id, trigger="Ctrl-\\ on gang run")
+            except RemoteError as exc:
+                click.echo(f"gang: no checkpoint of job {job_id}: {exc.message}", err=True)
+                return
+            click.echo(f"gang: {describe_generation(job_id, result)}", err=True)
+
+        async def on_quit(nursery):
+            with trio.open_signal_receiver(signal.SIGQUIT) as signals:
+                async for _ in signals:
+                    click.echo(f"\ngang: SIGQUIT: checkpointing job {job_id}", err=True)
+                    nursery.start_soon(checkpoint_now)
+
         async with trio.open_nursery() as nursery:
             nursery.start_soon(on_signals, nursery.cancel_scope)
+            nursery.start_soon(on_quit, nursery)
             async with trio.open_nursery() as work:
                 work.start_soon(watch_state, work.cancel_scope)
                 work.start_soon(stream_output)
@@ -297,9 +352,9 @@ Prints the job id (or the job record with --json) and returns at once.
 @job_options
 @click.option("--json", "as_json", is_flag=True, help="Print the job record as JSON.")
 @click.pass_context
-def submit(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, time_slice, priority, command, as_json):
+def submit(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, ckpt_every, time_slice, priority, command, as_json):
     """Submit a parallel job and return at once (prints the job id)."""
-    spec = _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice, priority)
+    spec = _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice, priority, ckpt_every)
 
     async def go():
         async with connect(_cluster(ctx)) as gang:
@@ -644,6 +699,8 @@ def demo(nodes, keep):
 
     sys.exit(run_demo(nodes=nodes, keep=keep))
 
+
+from . import ckptcli  # noqa: E402,F401 -- registers checkpoint, restart and ckpt on main
 
 if __name__ == "__main__":
     main()

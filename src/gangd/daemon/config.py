@@ -9,6 +9,7 @@ Example (``/etc/gangd/gangd.toml``)::
     log_level = "info"
     nice = -10                       # the daemon's priority over busy ranks...
     realtime_priority = 10           # ...or SCHED_RR (root only; 0 = off): fast gang switches
+    checkpoint_dir = "/var/lib/gangd/checkpoints"  # node-local disk for checkpoint generations
 
     [cluster]
     secret_file = "/etc/gangd/secret"  # same bytes on every node, mode 0600
@@ -17,6 +18,8 @@ Example (``/etc/gangd/gangd.toml``)::
     heartbeat_timeout = 5.0
     time_slice = 0.3                 # seconds each gang slot runs before the next
     max_slots = 4                    # multiprogramming degree: jobs beyond it wait
+    checkpoint_keep = 2              # complete generations kept per job
+    checkpoint_timeout = 600         # seconds ranks may take to reach the cut / write their state
 
     [[nodes]]
     name = "n1"
@@ -69,6 +72,9 @@ class Config:
     realtime_priority: int = 10  # SCHED_RR priority of the daemon when root (0: plain nice)
     time_slice: float = 0.3  # gang scheduling: seconds per slot (a job may ask for less)
     max_slots: int = 4  # gang scheduling: slots in the matrix (multiprogramming degree)
+    checkpoint_dir: Path | None = None  # node-local disk for checkpoints (default: state_dir/checkpoints)
+    checkpoint_keep: int = 2  # complete generations kept per job (the previous one stays until a newer is complete)
+    checkpoint_timeout: float = 600.0  # seconds ranks may take to reach the cut, or to write their state
 
     @property
     def node(self) -> NodeSpec:
@@ -76,6 +82,10 @@ class Config:
             if spec.name == self.node_name:
                 return spec
         raise ConfigError(f"node {self.node_name!r} is not among the configured nodes")
+
+    @property
+    def checkpoint_root(self) -> Path:
+        return self.checkpoint_dir or self.state_dir / "checkpoints"
 
     def spec(self, name: str) -> NodeSpec:
         for spec in self.nodes:
@@ -139,10 +149,13 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         "realtime_priority": int(node.get("realtime_priority", 10)),
         "time_slice": float(cluster.get("time_slice", 0.3)),
         "max_slots": int(cluster.get("max_slots", 4)),
+        "checkpoint_dir": Path(node["checkpoint_dir"]) if node.get("checkpoint_dir") else None,
+        "checkpoint_keep": int(cluster.get("checkpoint_keep", 2)),
+        "checkpoint_timeout": float(cluster.get("checkpoint_timeout", 600.0)),
     }
     for key, value in overrides.items():
         if value is not None:
-            settings[key] = Path(value) if key in ("state_dir", "socket", "secret_file") else value
+            settings[key] = Path(value) if key in ("state_dir", "socket", "secret_file", "checkpoint_dir") else value
     if not settings["node_name"]:
         raise ConfigError("this node has no name: set [node] name in the config or pass --name")
     config = Config(**settings)
@@ -158,6 +171,8 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         raise ConfigError(f"time_slice must be between 0.001 and 3600 seconds, not {config.time_slice}")
     if not 0 <= config.realtime_priority <= 99:
         raise ConfigError(f"realtime_priority must be between 0 (off) and 99, not {config.realtime_priority}")
+    if config.checkpoint_keep < 1:
+        raise ConfigError(f"checkpoint_keep must be at least 1 (the newest complete generation), not {config.checkpoint_keep}")
     if config.max_slots < 1:
         raise ConfigError(f"max_slots must be at least 1, not {config.max_slots}")
     if config.heartbeat_timeout <= config.heartbeat_interval:
@@ -181,6 +196,7 @@ def render(config: Config) -> str:
         f"log_level = {toml_str(config.log_level)}",
         f"nice = {config.nice}",
         f"realtime_priority = {config.realtime_priority}",
+        f"checkpoint_dir = {toml_str(config.checkpoint_root)}",
         "",
         "[cluster]",
         f"secret_file = {toml_str(config.secret_file)}",
@@ -192,6 +208,8 @@ def render(config: Config) -> str:
         f"heartbeat_timeout = {config.heartbeat_timeout}",
         f"time_slice = {config.time_slice}",
         f"max_slots = {config.max_slots}",
+        f"checkpoint_keep = {config.checkpoint_keep}",
+        f"checkpoint_timeout = {config.checkpoint_timeout}",
     ]
     for spec in config.nodes:
         lines += ["", "[[nodes]]", f"name = {toml_str(spec.name)}", f"address = {toml_str(spec.address)}", f"port = {spec.port}", f"cores = {spec.cores}"]

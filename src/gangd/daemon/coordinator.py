@@ -50,6 +50,11 @@ def place(record: dict, free: dict[str, int]) -> list[str] | None:
     cores allow — what a user submitting "8 ranks on a 4-node cluster"
     expects. ``nodes`` picks that many nodes, those with the most room.
     """
+    if record.get("pinned"):  # a restart: the nodes that hold its checkpoint, or wait
+        need = {}
+        for node in record["pinned"]:
+            need[node] = need.get(node, 0) + 1
+        return list(record["pinned"]) if all(free.get(node, 0) >= k for node, k in need.items()) else None
     n = record["nranks"]
     per_node = record.get("per_node")
     candidates = sorted((name for name in free if free[name] > 0), key=natural_key)
@@ -95,6 +100,10 @@ class Coordinator:
         self._gang_changed = trio.Event()
         self._switch_lock = trio.Lock()
         self._contexts: dict[int, dict[str, bytes]] = {}  # network contexts to restore at launch
+        self.pinned: set[int] = set()  # jobs that must run whatever their slot (checkpoint under way)
+        from .ckptcoord import CheckpointCoordinator
+
+        self.ckpt = CheckpointCoordinator(self)
 
     # ------------------------------------------------------------ plumbing
 
@@ -119,6 +128,9 @@ class Coordinator:
 
     def kick(self) -> None:
         self._kick.set()
+        self._gang_changed.set()
+
+    def gang_changed(self) -> None:
         self._gang_changed.set()
 
     async def run(self) -> None:
@@ -157,6 +169,8 @@ class Coordinator:
                 # The previous coordinator died while launching it; launch is idempotent per rank.
                 log.info("job %d was being launched by the previous coordinator; launching again", record["id"])
                 self.daemon.spawn(self._start, record["id"])
+            elif record["state"] in (jobs.RUNNING, jobs.SUSPENDED):
+                self.ckpt.job_started(record)
         # Bring every node up to date with the merged table, and collect the
         # exits the previous coordinator may have taken to its grave.
         self.daemon.peers.broadcast("table", records=self.table.since(0))
@@ -182,7 +196,8 @@ class Coordinator:
         how = f"{len(nodes)} node(s) x " + (f"{per_node} per node" if per_node else "their cores")
         return total, how
 
-    async def submit(self, spec: dict, cred: dict) -> dict:
+    async def submit(self, spec: dict, cred: dict, internal: dict | None = None) -> dict:
+        """A new job. ``internal``: fields only the daemons set (a restart's lineage, origin and nodes)."""
         argv = spec.get("argv")
         if not argv or not all(isinstance(a, str) for a in argv):
             raise RemoteError("bad_request", "a job needs a command to run")
@@ -208,6 +223,9 @@ class Coordinator:
         slice_ = spec.get("slice")
         if slice_ is not None and (not isinstance(slice_, (int, float)) or isinstance(slice_, bool) or not 0.001 <= slice_ <= 3600):
             raise RemoteError("bad_request", f"the time slice must be between 0.001 and 3600 seconds, not {slice_!r}")
+        every = spec.get("ckpt_every")
+        if every is not None and (not isinstance(every, (int, float)) or isinstance(every, bool) or not 1 <= every <= 10**7):
+            raise RemoteError("bad_request", f"the checkpoint period must be between 1 second and 115 days, not {every!r}")
         contexts = spec.get("net_context")
         if contexts is not None and not (
             isinstance(contexts, dict) and all(isinstance(k, str) and k.isdigit() and isinstance(v, bytes) for k, v in contexts.items())
@@ -243,6 +261,7 @@ class Coordinator:
             record = jobs.new_record(
                 job_id=job_id, spec=spec, owner_uid=cred["uid"], owner_name=cred["user"], owner_gid=cred["gid"]
             )
+            record.update(internal or {})
             await self.table.commit(record)
         if contexts:
             # Handed to the nodes with the launch, not kept in the (replicated) record.
@@ -263,7 +282,7 @@ class Coordinator:
                 admitted = self.matrix.admit(record, place, up)
             except Exception as exc:  # a bug or a record from an older version: fail it, keep the queue moving
                 log.exception("placing job %d failed", record["id"])
-                await self._fail(record["id"], f"cannot place the job: {exc}")
+                await self.fail(record["id"], f"cannot place the job: {exc}")
                 continue
             if admitted is None:
                 break  # nobody overtakes the head of the queue
@@ -294,7 +313,7 @@ class Coordinator:
         if failures:
             reason = "launch failed on " + "; ".join(failures)
             log.error("job %d: %s", job_id, reason)
-            await self._fail(job_id, reason)
+            await self.fail(job_id, reason)
             return
 
         def running(r):
@@ -315,6 +334,7 @@ class Coordinator:
         if self.running is not None:
             self.running.add(job_id)
         self._gang_changed.set()
+        self.ckpt.job_started(record)
 
     # ------------------------------------------------------------ exits and kills
 
@@ -411,7 +431,8 @@ class Coordinator:
             for node in jobs.nodes_of(record):
                 nursery.start_soon(kill_on, node)
 
-    async def _fail(self, job_id: int, reason: str, lost_nodes: frozenset = frozenset()) -> None:
+    async def fail(self, job_id: int, reason: str, lost_nodes: frozenset = frozenset()) -> None:
+        """End the job as FAILED with ``reason`` and kill whatever of it still runs."""
         def change(r):
             if jobs.is_terminal(r):
                 return False
@@ -434,7 +455,7 @@ class Coordinator:
                 continue
             why = "; ".join(f"node {n} ({self.daemon.config.spec(n).endpoint}) went down: {peers.links[n].why_down}" for n in down)
             log.warning("job %d fails: %s", record["id"], why)
-            await self._fail(record["id"], why, frozenset(down))
+            await self.fail(record["id"], why, frozenset(down))
 
     # ------------------------------------------------------------ gang scheduling
 
@@ -517,8 +538,8 @@ class Coordinator:
         """Stop what runs but should not, resume what should run but does not."""
         async with self._switch_lock:
             active = self.matrix.slots[self.matrix.active] if self.matrix.active < len(self.matrix.slots) else []
-            desired = {j for j in active if self._runnable(j)}
             launched = {j for j in self.matrix.usage if self._launched(j)}
+            desired = {j for j in active if self._runnable(j)} | (self.pinned & launched)
             current = launched if self.running is None else self.running & launched
             stop = current - desired
             cont = desired - current if self.running is not None else desired

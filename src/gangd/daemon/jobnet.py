@@ -77,6 +77,8 @@ class RankLink:
 class JobNetState:
     job_id: int
     gate_open: bool = True
+    want_open: bool = True  # what the gang scheduler wants; holds override it
+    holds: set[str] = field(default_factory=set)  # "checkpoint", "restart": keep the gate closed
     epoch: int = 0
     links: dict[int, RankLink] = field(default_factory=dict)
     peers: list | None = None  # the full address table once every node reported
@@ -141,6 +143,7 @@ class JobNet:
                 self.rank_exited(record["id"], rank, f"rank {rank} on {status.get('node', '?')} {jobs.describe_status(status)}")
         if jobs.is_terminal(record) and not any(r.status is None for r in self.daemon.ranks.of_job(record["id"])):
             self.forget(record["id"])
+            self.daemon.checkpoints.forget(record["id"])
 
     def rank_exited(self, job_id: int, rank: int, why: str) -> None:
         state = self.states.get(job_id)
@@ -275,12 +278,31 @@ class JobNet:
     # ------------------------------------------------------------ the gate
 
     async def set_gate(self, job_id: int, open_: bool) -> int:
-        """Open or close the job's gate on this node; returns the epoch (0: no ranks here)."""
+        """The gang scheduler opens or closes the job's gate on this node; a
+        hold (a checkpoint, a restart) keeps it closed whatever is asked.
+        Returns the epoch (0: no ranks here)."""
         state = self.states.get(job_id)
         if state is None:  # ended, or never launched here
             return 0
+        state.want_open = open_
+        return await self._apply_gate(state)
+
+    async def hold_gate(self, job_id: int, reason: str, held: bool) -> int:
+        """Keep the gate closed for ``reason`` (or stop doing so)."""
+        state = self.state(job_id)
+        if held:
+            state.holds.add(reason)
+        else:
+            state.holds.discard(reason)
+        return await self._apply_gate(state)
+
+    async def _apply_gate(self, state: JobNetState) -> int:
+        open_ = state.want_open and not state.holds
+        if open_ == state.gate_open and (open_ or state.epoch):
+            return state.epoch  # already so (and every attached rank was told)
         state.gate_open = open_
         state.epoch += 1
+        job_id = state.job_id
         for link in list(state.links.values()) if state.links else ():
             # Bounded: a rank that stopped reading its connection must not
             # hold up a gang switch of the whole cluster; it loses its link.
@@ -292,6 +314,7 @@ class JobNet:
             if scope.cancelled_caught:
                 log.warning("job %d rank %d does not read its daemon connection; dropping it", job_id, link.rank)
                 self.daemon.spawn(link.channel.aclose)
+        state.poke()
         return state.epoch
 
     def set_stopped(self, job_id: int, stopped: bool) -> None:

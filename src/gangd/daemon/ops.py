@@ -80,6 +80,11 @@ class Ops:
             "net_capture_local": self.net_capture_local,
             "net_restore": self.net_restore,
         }
+        from .ckptops import CheckpointOps
+
+        self.ckpt = CheckpointOps(self)
+        self.client_ops.update(self.ckpt.client_ops)
+        self.peer_ops.update(self.ckpt.peer_ops)
 
     # ------------------------------------------------------------ dispatch
 
@@ -88,7 +93,10 @@ class Ops:
             if channel.context.get("peer") and message.op == "table":
                 await self._apply_table(message.args.get("records"))
             elif not channel.context.get("peer"):
-                self.daemon.jobnet.on_client_note(channel, message.op, message.args)
+                if message.op.startswith("ckpt_"):
+                    self.daemon.checkpoints.on_note(channel, message.op, message.args)
+                else:
+                    self.daemon.jobnet.on_client_note(channel, message.op, message.args)
             return None
         request: Request = message
         if channel.context.get("peer"):
@@ -113,7 +121,7 @@ class Ops:
             if isinstance(record, dict) and isinstance(record.get("id"), int):
                 await self.daemon.table.apply(record)
 
-    async def _to_coordinator(self, op: str, **args):
+    async def to_coordinator(self, op: str, **args):
         """Run ``op`` on the coordinator, riding out a coordinator change."""
         daemon = self.daemon
         deadline = trio.current_time() + 2 * daemon.config.heartbeat_timeout
@@ -134,7 +142,7 @@ class Ops:
         if record is None:
             # Maybe submitted a moment ago through another node, its replica
             # still on the way: the coordinator has the final word.
-            record = await self._to_coordinator("job_record", job=job_id)
+            record = await self.to_coordinator("job_record", job=job_id)
             if record is not None:
                 await table.apply(record)
         if record is None:
@@ -158,11 +166,11 @@ class Ops:
         spec = args.get("spec")
         if not isinstance(spec, dict):
             raise RemoteError("bad_request", "submit needs a job spec")
-        return await self._to_coordinator("coord_submit", spec=spec, cred=cred)
+        return await self.to_coordinator("coord_submit", spec=spec, cred=cred)
 
     async def kill(self, cred, args, channel):
         job_id = _int(args, "job")
-        return await self._to_coordinator("coord_kill", job=job_id, cred=cred)
+        return await self.to_coordinator("coord_kill", job=job_id, cred=cred)
 
     async def list_jobs(self, cred, args, channel):
         records = sorted(self.daemon.table.records.values(), key=lambda r: r["id"])
@@ -179,7 +187,7 @@ class Ops:
         """What the gang scheduler is doing right now, and CPU used so far, for launched jobs."""
         try:
             with trio.fail_after(2):
-                schedule = await self._to_coordinator("coord_schedule")
+                schedule = await self.to_coordinator("coord_schedule")
         except (RemoteError, trio.TooSlowError):
             schedule = None
         by_node: dict[str, list[int]] = {}
@@ -210,13 +218,13 @@ class Ops:
             summary["cpu_seconds"] = round(cpu.get(summary["id"], 0.0), 3)
 
     async def suspend(self, cred, args, channel):
-        return _summary(await self._to_coordinator("coord_suspend", job=_int(args, "job"), cred=cred, hold=True))
+        return _summary(await self.to_coordinator("coord_suspend", job=_int(args, "job"), cred=cred, hold=True))
 
     async def resume(self, cred, args, channel):
-        return _summary(await self._to_coordinator("coord_suspend", job=_int(args, "job"), cred=cred, hold=False))
+        return _summary(await self.to_coordinator("coord_suspend", job=_int(args, "job"), cred=cred, hold=False))
 
     async def schedule(self, cred, args, channel):
-        return await self._to_coordinator("coord_schedule", switches=bool(args.get("switches")))
+        return await self.to_coordinator("coord_schedule", switches=bool(args.get("switches")))
 
     # ------------------------------------------------------------ job messaging
 
@@ -336,7 +344,7 @@ class Ops:
 
     async def _kill_quietly(self, job_id: int, cred: dict) -> None:
         try:
-            await self._to_coordinator("coord_kill", job=job_id, cred=cred)
+            await self.to_coordinator("coord_kill", job=job_id, cred=cred)
         except RemoteError as exc:
             log.warning("could not kill job %d: %s", job_id, exc)
 
@@ -423,6 +431,8 @@ class Ops:
                 raise RemoteError("job_ended", f"job {record['id']} is {current['state']}; not starting its ranks")
             drop = os.geteuid() == 0 and record["owner_uid"] != 0
             extra = daemon.jobnet.prepare(record, drop)
+            if record.get("restart_of"):
+                extra.update(daemon.checkpoints.prepare_restart(record))
             if args.get("contexts"):
                 daemon.jobnet.set_context(record["id"], args["contexts"])
             pids = await daemon.ranks.launch(daemon.spawn, record, daemon.table.job_dir(record["id"]), extra)
@@ -540,9 +550,11 @@ def _summary(record: dict) -> dict:
     keys = (
         "id", "name", "owner", "owner_uid", "nranks", "placement", "state", "reason", "submitted", "started", "ended",
         "ranks", "kill_requested", "priority", "slice", "held", "run_seconds", "suspended_seconds",
+        "lineage", "restart_of", "ckpt_every",
     )
     summary = {k: record.get(k) for k in keys}
     summary["nodes"] = jobs.nodes_of(record)
+    summary["checkpoints"] = sum(1 for e in record.get("checkpoints") or [] if e["state"] == "complete")
     summary["exit_code"] = jobs.exit_code(record) if jobs.is_terminal(record) else None
     if jobs.is_terminal(record):
         summary["cpu_seconds"] = round(sum((s or {}).get("cpu", 0.0) for s in record["ranks"]), 3)

@@ -26,8 +26,9 @@ import trio
 
 from .. import jobs
 from ..protocol import Connection, ProtocolError, Role
-from ..rpc import Channel, peer_credentials
+from ..rpc import Channel, RemoteError, peer_credentials
 from .cgroup import CgroupTree
+from .checkpoint import NodeCheckpoints
 from .config import Config
 from .coordinator import Coordinator
 from .jobnet import JobNet
@@ -60,6 +61,7 @@ class Daemon:
         shm = Path("/dev/shm")
         self.jobnet = JobNet(self, (shm if shm.is_dir() and os.access(shm, os.W_OK) else config.state_dir / "run") / instance)
         self.table.listeners.append(self.jobnet.on_record)
+        self.checkpoints = NodeCheckpoints(self)
         self.ops = Ops(self)
         self.started = time.time()
         self.nursery: trio.Nursery | None = None
@@ -128,6 +130,9 @@ class Daemon:
         self.table.load()
         shutil.rmtree(self.jobnet.runtime_dir, ignore_errors=True)  # sockets of ranks that died with a previous life
         self.jobnet.runtime_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
+        # Traversable by job owners (each job's own directory below is theirs alone).
+        config.checkpoint_root.mkdir(parents=True, exist_ok=True)
+        os.chmod(config.checkpoint_root, 0o711)
         leftovers = self.cgroups.sweep()
         if leftovers:
             log.warning("killed processes left over from a previous run in jobs %s", leftovers)
@@ -276,6 +281,7 @@ class Daemon:
             await channel.run(self.ops.handle)
         finally:
             self.jobnet.detached(channel)
+            self.checkpoints.detached(channel)
 
     async def _watch_membership(self) -> None:
         was = False
@@ -306,7 +312,9 @@ class Daemon:
     def _rank_exited(self, entry: Rank) -> None:
         self._reports_send.send_nowait((entry.job_id, entry.rank, entry.status))
         # Its local peers hear at once; remote ones when the table says so.
-        self.jobnet.rank_exited(entry.job_id, entry.rank, f"rank {entry.rank} on {self.node} {jobs.describe_status(entry.status)}")
+        why = f"rank {entry.rank} on {self.node} {jobs.describe_status(entry.status)}"
+        self.jobnet.rank_exited(entry.job_id, entry.rank, why)
+        self.checkpoints.rank_exited(entry.job_id, entry.rank, why)
         self.table.notify_changed()
 
     async def _report_exits(self) -> None:
@@ -367,9 +375,21 @@ class Daemon:
 
     # ------------------------------------------------------------ signals
 
+    async def _checkpoint_all(self) -> None:
+        try:
+            started = await self.ops.to_coordinator("coord_checkpoint_all", trigger=f"SIGUSR1 to gangd on {self.node}")
+        except RemoteError as exc:
+            log.warning("SIGUSR1: could not start the checkpoints: %s", exc)
+            return
+        log.info("SIGUSR1: checkpoints started: %s", ", ".join(f"job {c['job']} generation {c['gen']}" for c in started) or "no running jobs")
+
     async def _handle_signals(self, scope: trio.CancelScope, notifier) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR1) as signals:
             async for signum in signals:
+                if signum == signal.SIGUSR1:
+                    log.info("received SIGUSR1: checkpointing every running job of the cluster")
+                    self.spawn(self._checkpoint_all)
+                    continue
                 log.info("received %s: stopping (killing this node's ranks)", signal.Signals(signum).name)
                 self.shutting_down = True
                 if notifier:

@@ -1,0 +1,238 @@
+"""The rank's half of gangd's consistent checkpoint (paper 000's Fig. 1 and 2, paper 002's iterations).
+
+All ranks must save at the same iteration boundary, and no rank may already
+be past it — decided without stopping the job to agree:
+
+1. The daemon sends SIGQUIT. The handler only raises a flag and wakes this
+   module's thread, which reports the lowest boundary the rank can still
+   stop at (the next one: ``iteration + 1``) — at once, even while the
+   program is deep inside an iteration or blocked in a receive.
+2. The daemons take the largest report of all ranks as the cut ``T`` and
+   tell every rank (``ckpt_cut``). Meanwhile the ranks keep computing; a
+   rank that reaches the boundary it reported before hearing ``T`` waits
+   there (it might be ``T``).
+3. At boundary ``T`` the rank asks for the **start sync** (``ckpt_start``);
+   the daemons answer once every rank of the job is there, its send gates are
+   closed and its network context is on disk.
+4. The rank writes its protected values (or forks a snapshot that writes them
+   behind its back) and asks for the **end sync** (``ckpt_end``); the answer
+   comes when every rank did, with the gates open again.
+
+On restart the daemon's attach reply names the generation and the file to
+load; the rank reports ``ckpt_restored`` and the gates open once every rank
+loaded its state.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+from pathlib import Path
+
+from ..ckptstore import StoreError
+from ..client.runtime import JobInfo
+from ..comm.control import DaemonLink
+from ..comm.errors import CommError
+from ..protocol import Note, Reply
+from . import image
+from .core import Checkpointer, CheckpointError, warn
+
+
+class DaemonAgent:
+    def __init__(self, info: JobInfo):
+        self.info = info
+        try:
+            self.link = DaemonLink(info.socket, f"ckpt-{info.job}.{info.rank}")
+            attached = self.link.request("ckpt_attach", {"job": info.job, "rank": info.rank})
+        except CommError as exc:
+            raise CheckpointError(f"cannot register with the gangd node daemon: {exc}") from None
+        self.restart = attached.get("restart")
+        self.io = threading.Lock()  # the protocol machine and socket writes, shared by two threads
+        self.cond = threading.Condition()
+        self.wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.reported: int | None = None  # the boundary this rank said it can still stop at
+        self.cut: tuple[int, int] | None = None  # (generation, iteration) the job saves at
+        self.gone: str | None = None  # why the daemon connection ended
+        self.replies: dict[int, list] = {}
+        self.background: dict[int, tuple[int, object]] = {}  # pipe fd -> (generation, Written)
+        self.cp: Checkpointer | None = None
+        self.thread = threading.Thread(target=self._run, name=f"gangd-ckpt-{info.rank}", daemon=True)
+
+    # ------------------------------------------------------------ restart
+
+    def restore(self, cp: Checkpointer, restart) -> None:
+        if not self.restart:
+            if restart not in (None, "auto", False):
+                raise CheckpointError("this job was not restarted from a checkpoint (use `gang restart JOB`)")
+            return
+        gen, path = self.restart["gen"], Path(self.restart["path"])
+        try:
+            values, iteration, _ = image.load(path, tuple(self.restart["expect"]))
+        except StoreError as exc:
+            self._note("ckpt_restored", {"gen": gen, "error": str(exc)})
+            raise CheckpointError(f"cannot restore rank {self.info.rank}: {exc}") from None
+        cp.restored, cp.start, cp.generation = values, iteration, gen
+        cp.restarted_from = gen
+        self._note("ckpt_restored", {"gen": gen})
+
+    def attach(self, cp: Checkpointer) -> None:
+        self.cp = cp
+        self.thread.start()
+
+    # ------------------------------------------------------------ the connection
+
+    def _note(self, op: str, args: dict) -> None:
+        with self.io:
+            self.link.note(op, args)
+
+    def call(self, op: str, args: dict):
+        """A request from the program's thread; the reply comes through the reader thread."""
+        waiter = [threading.Event(), None]
+        with self.io:
+            if self.gone:
+                raise CheckpointError(f"the node daemon connection is gone ({self.gone})")
+            rid, frame = self.link.conn.send_request(op, args)
+            self.replies[rid] = waiter
+            self.link._write(frame)
+        waiter[0].wait()
+        reply = waiter[1]
+        if reply is None:
+            raise CheckpointError(f"the node daemon connection is gone ({self.gone})")
+        if not reply.ok:
+            raise CheckpointError(reply.error["message"])
+        return reply.result
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as exc:  # noqa: BLE001 -- a dead thread would leave the program waiting forever
+            self._lost(f"checkpoint thread failed: {exc!r}")
+
+    def _loop(self) -> None:
+        while not self.gone:
+            fds = [self.link.fd, self.wake, *self.background]
+            readable, _, _ = select.select(fds, [], [])
+            if self.wake in readable:
+                try:
+                    os.eventfd_read(self.wake)
+                except BlockingIOError:
+                    pass
+                self._report()
+            for fd in readable:
+                if fd in self.background:
+                    gen, written = self.background.pop(fd)
+                    self._note("ckpt_written", {"gen": gen, **written.wait()})
+                    with self.cond:
+                        self.cond.notify_all()
+            if self.link.fd in readable:
+                with self.io:
+                    events = self.link.read_ready()
+                for event in events:
+                    if event is None:
+                        self._lost("the node daemon closed the connection")
+                        return
+                    self._handle(event)
+
+    def _lost(self, why: str) -> None:
+        with self.io:
+            self.gone = why
+            waiters, self.replies = list(self.replies.values()), {}
+        for waiter in waiters:
+            waiter[0].set()
+        with self.cond:
+            self.cond.notify_all()
+
+    def _report(self) -> None:
+        cp = self.cp
+        with self.cond:
+            if not cp.requested or self.reported is not None or self.cut is not None:
+                return
+            if cp.loop_done or cp.closed:
+                cp.requested = False
+                self._note("ckpt_report", {"iteration": None, "why": "it has left its checkpointed loop"})
+                return
+            self.reported = cp.iteration + 1
+            self._note("ckpt_report", {"iteration": self.reported})
+
+    def _handle(self, event) -> None:
+        if isinstance(event, Reply):
+            with self.io:
+                waiter = self.replies.pop(event.id, None)
+            if waiter is not None:
+                waiter[1] = event
+                waiter[0].set()
+            return
+        if not isinstance(event, Note):
+            return
+        args = event.args
+        with self.cond:
+            if event.op == "ckpt_cut" and isinstance(args.get("iteration"), int):
+                self.cut = (args["gen"], args["iteration"])
+            elif event.op in ("ckpt_none", "ckpt_abort"):
+                if event.op == "ckpt_abort" and self.cut is not None:
+                    warn(f"checkpoint {args.get('gen')} was aborted: {args.get('why')}")
+                self._clear()
+            self.cond.notify_all()
+
+    def _clear(self) -> None:
+        self.reported = self.cut = None
+        self.cp.requested = False
+
+    # ------------------------------------------------------------ the program's side
+
+    def on_request(self, cp: Checkpointer) -> None:
+        os.eventfd_write(self.wake, 1)
+
+    def at_boundary(self, cp: Checkpointer, k: int) -> None:
+        with self.cond:
+            while True:
+                if self.gone:
+                    cp.requested = False
+                    return
+                if self.cut is not None:
+                    gen, at = self.cut
+                    if k < at:
+                        return
+                    if k == at:
+                        break
+                    self._note("ckpt_report", {"iteration": None, "why": f"it is at iteration {k}, past the cut {at}"})
+                    self._clear()
+                    return
+                if not cp.requested:
+                    return
+                if self.reported is None:  # the signal came just now: this thread reports
+                    self.reported = k + 1
+                    self._note("ckpt_report", {"iteration": self.reported})
+                if k < self.reported:
+                    return
+                self.cond.wait()
+        self._checkpoint(cp, gen, k)
+
+    def _checkpoint(self, cp: Checkpointer, gen: int, k: int) -> None:
+        try:
+            where = self.call("ckpt_start", {"gen": gen, "iteration": k})
+            written = cp.snapshot(Path(where["path"]), k)
+            if written.done:
+                cp.writes.remove(written)
+                self.call("ckpt_end", {"gen": gen, "result": written.wait()})
+            else:
+                cp.writes.remove(written)
+                with self.io:
+                    self.background[written.fd] = (gen, written)
+                os.eventfd_write(self.wake, 1)  # the reader thread watches the new pipe
+                self.call("ckpt_end", {"gen": gen, "background": True})
+            cp.generation = gen
+        except CheckpointError as exc:
+            if not self.gone:
+                warn(f"checkpoint {gen} failed: {exc}")
+        finally:
+            with self.cond:
+                self._clear()
+
+    def fini(self, cp: Checkpointer) -> None:
+        with self.cond:
+            while self.background and not self.gone:
+                self.cond.wait()
+        self.link.close()
+        os.close(self.wake)

@@ -1,0 +1,224 @@
+"""The checkpointer inside one rank: protected values, the loop's boundaries, the SIGQUIT handler.
+
+A checkpoint can only be taken where the program's state is exactly its
+protected values plus a loop counter (paper 002's model): at an iteration
+boundary of :func:`loop`. SIGQUIT (or a timer, or :func:`request`) only
+raises a flag; the loop sees it at the next boundary and hands over to the
+backend, which decides *where* to save — at once when the process runs alone
+(:class:`Standalone`), or at the boundary all ranks agreed on when gangd
+runs the job (:class:`~gangd.ckptlib.agent.DaemonAgent`).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .. import ckptstore
+from ..ckptstore import StoreError
+from . import image, writer
+
+
+class CheckpointError(Exception):
+    """A checkpoint or a restart could not be done; the message says why."""
+
+
+class Checkpointer:
+    def __init__(self, backend, *, background: bool):
+        self.backend = backend
+        self.background = background
+        self.values: dict[str, object] = {}
+        self.restored: dict[str, object] = {}
+        self.start = 0  # first iteration the loop runs (the saved one after a restart)
+        self.iteration = -1  # the boundary passed last (-1: the loop has not started)
+        self.in_loop = False
+        self.loop_done = False
+        self.requested = False  # set by the signal handler, a timer or request()
+        self.generation: int | None = None  # of the restart, then of the last checkpoint taken
+        self.restarted_from: int | None = None
+        self.writes: list[writer.Written] = []
+        self.closed = False
+
+    # ------------------------------------------------------------ program side
+
+    def protect(self, name: str, value):
+        if not isinstance(name, str) or not name:
+            raise TypeError("protect() needs a name: ckpt.protect('u', array)")
+        if name in self.restored:
+            value = self.restored.pop(name)
+        self.values[name] = value
+        return value
+
+    def loop(self, iterable):
+        if self.in_loop:
+            raise CheckpointError("ckpt.loop() is already running: a program has one checkpointed loop")
+        self.in_loop = True
+        start = self.start
+        if isinstance(iterable, range):
+            items = iter(iterable[start:])
+        else:
+            items = iter(iterable)
+            for _ in range(start):  # skip what the saved run already did
+                if next(items, _END) is _END:
+                    break
+        k = start
+        try:
+            for item in items:
+                self.iteration = k
+                if self.requested:
+                    self.backend.at_boundary(self, k)
+                yield item
+                k += 1
+            self.iteration = k
+        finally:
+            self.in_loop = False
+            self.loop_done = True
+
+    def request(self) -> None:
+        """Checkpoint at the next boundary (the signal handler does the same)."""
+        self.requested = True
+        self.backend.on_request(self)
+
+    def signal_handler(self, signum, frame) -> None:
+        self.request()
+
+    # ------------------------------------------------------------ saving
+
+    def snapshot(self, path: Path, iteration: int, then=None) -> writer.Written:
+        written = writer.write(path, dict(self.values), iteration, background=self.background, then=then)
+        self.writes.append(written)
+        return written
+
+    def finish_writes(self) -> list[dict]:
+        results = [w.wait() for w in self.writes]
+        self.writes.clear()
+        return results
+
+    def fini(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.backend.fini(self)
+        finally:
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
+_END = object()
+
+
+def warn(message: str) -> None:
+    print(f"gangd.ckptlib: {message}", file=sys.stderr, flush=True)
+
+
+class Standalone:
+    """One process, no daemon: generations in a directory, a checkpoint at the next boundary."""
+
+    def __init__(self, directory: Path, *, keep: int = 2, every: float | None = None):
+        self.directory = Path(directory)
+        self.keep = max(1, keep)
+        self.every = every
+        self._timer: threading.Timer | None = None
+        self._cp: Checkpointer | None = None
+
+    def complete(self) -> list[int]:
+        return [g for g in ckptstore.generations(self.directory, 0) if (self._dir(g) / ckptstore.MANIFEST).exists()]
+
+    def _dir(self, gen: int) -> Path:
+        return ckptstore.gen_dir(self.directory, 0, gen)
+
+    def restore(self, cp: Checkpointer, restart) -> None:
+        """Load the generation asked for (``restart``: True/"latest", "auto", or a number)."""
+        complete = self.complete()
+        if restart == "auto" and not complete:
+            return
+        candidates = [int(restart)] if isinstance(restart, int) or str(restart).isdigit() else sorted(complete, reverse=True)
+        if not candidates:
+            raise CheckpointError(f"no complete checkpoint in {ckptstore.job_dir(self.directory, 0)} to restart from")
+        problems = []
+        for gen in candidates:
+            directory = self._dir(gen)
+            name = ckptstore.rank_file(0)
+            try:
+                manifest = ckptstore.read_manifest(directory)
+                if name not in manifest.files:
+                    raise StoreError(f"{directory / name} is not in the manifest")
+                values, iteration, _ = image.load(directory / name, tuple(manifest.files[name]))
+            except StoreError as exc:
+                problems.append(str(exc))
+                if isinstance(restart, int) or str(restart).isdigit():
+                    break
+                warn(f"generation {gen} is unusable ({exc}); trying an older one")
+                continue
+            cp.restored, cp.start, cp.generation = values, iteration, gen
+            cp.restarted_from = gen
+            return
+        raise CheckpointError("cannot restart: " + "; ".join(problems))
+
+    def attach(self, cp: Checkpointer) -> None:
+        self._cp = cp
+        if self.every:
+            self._arm()
+
+    def _arm(self) -> None:
+        self._timer = threading.Timer(self.every, self._tick)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _tick(self) -> None:
+        if self._cp is not None and not self._cp.closed:
+            self._cp.requested = True
+            self._arm()
+
+    def on_request(self, cp: Checkpointer) -> None:
+        pass
+
+    def at_boundary(self, cp: Checkpointer, k: int) -> None:
+        cp.requested = False
+        gen = max(ckptstore.generations(self.directory, 0), default=cp.generation or 0) + 1
+        directory = self._dir(gen)
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        name = ckptstore.rank_file(0)
+
+        def commit(result: dict) -> None:  # runs where the state was written (the snapshot child)
+            manifest = ckptstore.Manifest(0, gen, os.uname().nodename, k, {name: [result["size"], result["digest"]]}, [0], time.time())
+            ckptstore.write_manifest(directory, manifest)
+            self.prune(gen)
+
+        for done in [w for w in cp.writes if w.done or _exited(w)]:
+            self._report(done.wait())
+            cp.writes.remove(done)
+        written = cp.snapshot(directory / name, k, then=commit)
+        if written.done:
+            self._report(written.wait())
+            cp.writes.remove(written)
+        cp.generation = gen
+
+    def _report(self, result: dict) -> None:
+        if "error" in result:
+            warn(f"checkpoint failed: {result['error']}")
+
+    def prune(self, newest: int) -> None:
+        """Keep the newest ``keep`` complete generations; drop older ones and unfinished leftovers."""
+        complete = sorted((g for g in self.complete() if g <= newest), reverse=True)
+        keep = set(complete[: self.keep])
+        for gen in ckptstore.generations(self.directory, 0):
+            if gen < newest and gen not in keep:
+                ckptstore.remove(self._dir(gen))
+
+    def fini(self, cp: Checkpointer) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        for result in cp.finish_writes():
+            self._report(result)
+
+
+def _exited(written: writer.Written) -> bool:
+    """The background write finished (its pipe has the result, or EOF)."""
+    return written.done or bool(select.select([written.fd], [], [], 0)[0])

@@ -1,0 +1,91 @@
+"""Writing a rank's state: inline, or behind the program's back from a forked snapshot.
+
+``fork()`` gives a copy-on-write snapshot of the whole process in the time it
+takes to copy its page tables; the child writes the protected values from
+that snapshot while the parent — the job — runs on. Pages the job modifies
+meanwhile are copied by the kernel, so the child still sees the state of the
+cut. The child reports (size, checksum) or the error through a pipe and
+leaves with ``os._exit`` (no atexit handlers, no flushing of the parent's
+buffers, no touching the parent's sockets).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgpack
+
+from ..ckptstore import StoreError
+from . import image
+
+
+class Written:
+    """A write under way (or already done, for inline writes)."""
+
+    def __init__(self, *, pid: int | None = None, fd: int | None = None, result: dict | None = None):
+        self.pid, self.fd, self.result = pid, fd, result
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None
+
+    def wait(self) -> dict:
+        """Block until the write finished; returns {"size", "digest", "seconds"} or {"error"}."""
+        if self.result is None:
+            data = b""
+            while chunk := os.read(self.fd, 65536):
+                data += chunk
+            os.close(self.fd)
+            _, status = os.waitpid(self.pid, 0)
+            try:
+                self.result = msgpack.unpackb(data, raw=False)
+            except Exception:
+                why = f"the writer process died ({_describe(status)})"
+                self.result = {"error": why}
+        return self.result
+
+
+def _describe(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"exit {os.WEXITSTATUS(status)}"
+
+
+def write(path: Path, values: dict, iteration: int, *, background: bool, then: Callable[[dict], None] | None = None) -> Written:
+    """Save ``values`` to ``path``; in the background (forked snapshot) or now.
+
+    ``then(result)`` runs after a successful write, in whichever process
+    wrote (the child, for background writes): committing a manifest, say.
+    """
+    if not background:
+        return Written(result=_write_now(path, values, iteration, then))
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the snapshot: write, report, vanish
+        try:
+            signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+            os.close(read_end)
+            result = _write_now(path, values, iteration, then)
+            os.write(write_end, msgpack.packb(result))
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    return Written(pid=pid, fd=read_end)
+
+
+def _write_now(path: Path, values: dict, iteration: int, then) -> dict:
+    started = time.monotonic()
+    try:
+        size, digest = image.save(path, values, iteration)
+        result = {"size": size, "digest": digest, "seconds": time.monotonic() - started}
+        if then is not None:
+            then(result)
+        return result
+    except (StoreError, TypeError) as exc:
+        return {"error": str(exc)}
+    except Exception as exc:  # noqa: BLE001 -- whatever it was, the job must hear it, not die of it
+        return {"error": f"{type(exc).__name__}: {exc}"}

@@ -1,0 +1,154 @@
+"""``gang checkpoint``, ``gang restart`` and ``gang ckpt ls|stats``."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import click
+
+from .api import connect
+from .cli import EXIT_ERROR, _cluster, _size, describe_generation, emit_json, main, run_async, table
+
+
+@main.command(epilog="""\\b
+Examples:
+  gang checkpoint 12            # wait until generation is complete (or aborted)
+  gang checkpoint 12 --no-wait  # start it and return
+  kill -USR1 $(pidof gangd)     # every running job of the cluster
+  Ctrl-\\\\ on `gang run`         # the job in the foreground
+
+The job's ranks must use gangd.ckptlib. Every rank saves at the same
+iteration; messages in flight are saved by the daemons. Exit code 1 if the
+checkpoint was aborted (the previous complete one stays usable).
+""")
+@click.argument("job", type=int)
+@click.option("--wait/--no-wait", default=True, help="Wait for the checkpoint to complete (default) or return once it started.")
+@click.option("--json", "as_json", is_flag=True, help="Print the generation as JSON.")
+@click.pass_context
+def checkpoint(ctx, job, wait, as_json):
+    """Take a consistent checkpoint of a running or suspended job."""
+
+    async def go():
+        async with connect(_cluster(ctx)) as gang:
+            return await gang.checkpoint(job, wait=wait)
+
+    result = run_async(go)
+    if as_json:
+        emit_json(result)
+    elif not wait:
+        click.echo(f"job {job}: checkpoint generation {result['gen']} started")
+    else:
+        click.echo(describe_generation(job, result))
+    if wait and result["state"] != "complete":
+        sys.exit(EXIT_ERROR)
+
+
+@main.command(epilog="""\\b
+Examples:
+  gang restart 12               # newest complete, intact generation
+  gang restart 12 -g 3          # that generation
+  JOB=$(gang restart 12 -q) && gang wait $JOB
+
+The restarted job is a new job on the same nodes; it continues after the
+saved iteration with the messages that were in flight. Every file is checked
+against its node's manifest first; a damaged generation is reported by node
+and path and the next older complete one is used.
+""")
+@click.argument("job", type=int)
+@click.option("-g", "--generation", type=int, help="Restart from this generation (default: the newest intact one).")
+@click.option("-q", "--quiet", is_flag=True, help="Print only the new job id.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.pass_context
+def restart(ctx, job, generation, quiet, as_json):
+    """Restart an ended job from its latest complete checkpoint."""
+
+    async def go():
+        async with connect(_cluster(ctx)) as gang:
+            return await gang.restart(job, generation)
+
+    result = run_async(go)
+    if as_json:
+        emit_json(result)
+        return
+    for problem in result["skipped"]:
+        click.echo(f"gang: skipped {problem}", err=True)
+    new = result["record"]["id"]
+    if quiet:
+        click.echo(new)
+    else:
+        click.echo(f"job {job} restarted as job {new} from generation {result['gen']} (iteration {result['iteration']})")
+
+
+@main.group()
+def ckpt():
+    """Inspect checkpoints: `gang ckpt ls JOB`, `gang ckpt stats JOB`."""
+
+
+def _generations(ctx, job):
+    async def go():
+        async with connect(_cluster(ctx)) as gang:
+            return await gang.checkpoints(job)
+
+    return run_async(go)
+
+
+@ckpt.command("ls", epilog="""\\b
+Examples:
+  gang ckpt ls 12
+  gang ckpt ls 12 --json
+""")
+@click.argument("job", type=int)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.pass_context
+def ckpt_ls(ctx, job, as_json):
+    """List a job's checkpoint generations (its restarts' too): state, size per node, times."""
+    listing = _generations(ctx, job)
+    if as_json:
+        emit_json(listing)
+        return
+    rows = []
+    for g in listing["generations"]:
+        per_node = ", ".join(f"{n}:{_size(s['bytes'])}" for n, s in sorted(g["nodes"].items())) or "-"
+        started = time.strftime("%H:%M:%S", time.localtime(g["started"]))
+        took = f"{g['ended'] - g['started']:.2f}s" if g.get("ended") else "-"
+        rows.append([g["gen"], g["job"], g["state"], "-" if g["iteration"] is None else g["iteration"], started, took, per_node, g.get("reason") or g["trigger"]])
+    live = listing["under_way"]
+    if live:
+        rows.append([live["gen"], job, f"running ({live['phase']})", "-", time.strftime("%H:%M:%S", time.localtime(live["started"])), "-", "-", live["trigger"]])
+    if not rows:
+        click.echo(f"job {job} has no checkpoints")
+        return
+    click.echo(table(rows, ["GEN", "JOB", "STATE", "ITER", "STARTED", "TOOK", "SIZE PER NODE", "TRIGGER / REASON"]))
+
+
+@ckpt.command("stats", epilog="""\\b
+Examples:
+  gang ckpt stats 12
+  gang ckpt stats 12 --json
+
+Columns (milliseconds; paper 000's Table 4): PREP start sync + network
+context, WRITE ranks saving (or forking their snapshot), FINISH end sync
+including the wait for the slowest node, BLOCKED how long the ranks were
+stopped, DISK until the state was on disk, SYNC prep + finish minus waiting.
+""")
+@click.argument("job", type=int)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.pass_context
+def ckpt_stats(ctx, job, as_json):
+    """Per-node breakdown of each checkpoint: prep, write, finish, blocked, disk, bandwidth."""
+    listing = _generations(ctx, job)
+    generations = [g for g in listing["generations"] if g["nodes"]]
+    if as_json:
+        emit_json(generations)
+        return
+    if not generations:
+        click.echo(f"job {job} has no completed checkpoints")
+        sys.exit(EXIT_ERROR)
+    rows = []
+    for g in generations:
+        for node, s in sorted(g["nodes"].items()):
+            ms = lambda v: f"{v * 1000:.1f}"  # noqa: E731
+            bw = f"{s['bandwidth'] / 2**20:.0f} MiB/s" if s.get("bandwidth") else "-"
+            rows.append([g["gen"], node, _size(s["bytes"]), ms(s["prep"]), ms(s["write"]), ms(s["finish"]), ms(s["blocked"]), ms(s["disk"]), ms(s["sync_overhead"]), bw])
+    click.echo(table(rows, ["GEN", "NODE", "SIZE", "PREP", "WRITE", "FINISH", "BLOCKED", "DISK", "SYNC", "BANDWIDTH"]))

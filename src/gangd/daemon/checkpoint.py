@@ -1,0 +1,479 @@
+"""A node's part of consistent checkpoints and restarts (paper 000, Fig. 1 and 2).
+
+The coordinator drives each checkpoint through rounds that every node of the
+job answers (:mod:`gangd.daemon.ckptcoord`); this module is what one node
+does in each round, and the rank-facing side of it (``ckpt_*`` requests and
+notes from :mod:`gangd.ckptlib`):
+
+``begin``    SIGQUIT to each local rank; wait for each to report the lowest
+             iteration boundary it can still stop at. The coordinator takes
+             the largest report of all nodes as the cut.
+``cut``      tell the ranks the cut; wait until each reached it (it asks for
+             the start sync and blocks); close the job's send gate and wait
+             until every rank confirmed. Returns the send counters.
+``capture``  drain the network up to those counters, write the network
+             context and the job record to the generation's directory,
+             release the ranks to write their state; wait until each wrote
+             (or forked its snapshot).
+``resume``   open the gate, answer the ranks' end sync: the job runs again.
+``commit``   wait for the ranks' files to be on disk; write the manifest.
+``abort``    release everything, tell the ranks, remove the directory.
+
+Every wait ends early if a rank of the job exits or its checkpoint
+connection closes: the round fails with the reason and the coordinator
+aborts the generation on every node.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgpack
+import trio
+
+from .. import ckptstore, jobs
+from ..ckptstore import StoreError
+from ..rpc import Channel, RemoteError
+
+log = logging.getLogger("gangd.checkpoint")
+
+AGREE_TIMEOUT = 30.0  # every rank reports within this after SIGQUIT (its thread answers at once)
+RESTORE_TIMEOUT = 600.0
+
+
+@dataclass
+class RankAgent:
+    """A rank's ckptlib connection."""
+
+    job_id: int
+    rank: int
+    pid: int
+    pidfd: int
+    channel: Channel
+    restored: bool = False
+
+    def close(self) -> None:
+        try:
+            os.close(self.pidfd)
+        except OSError:
+            pass
+
+
+@dataclass
+class Pending:
+    """One checkpoint of one job on this node."""
+
+    job_id: int
+    gen: int
+    directory: Path
+    ranks: list[int]
+    owner: tuple[int, int] | None
+    reports: dict[int, int] = field(default_factory=dict)
+    cut: int | None = None
+    arrived: dict[int, float] = field(default_factory=dict)  # rank -> when it reached the cut
+    path: dict[int, str] = field(default_factory=dict)
+    released: bool = False
+    ended: dict[int, dict] = field(default_factory=dict)  # rank -> ckpt_end arguments
+    resumed: bool = False
+    written: dict[int, dict] = field(default_factory=dict)  # rank -> {"size", "digest", "seconds"}
+    files: dict[str, list] = field(default_factory=dict)  # name -> [size, digest] written by the daemon
+    failed: str | None = None
+    times: dict[str, float] = field(default_factory=dict)
+    changed: trio.Event = field(default_factory=trio.Event)
+
+    def poke(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def fail(self, why: str) -> None:
+        if self.failed is None:
+            self.failed = why
+        self.poke()
+
+    async def until(self, done, timeout: float, what: str) -> None:
+        """Wait until ``done()``; raise with the reason if the checkpoint failed or time ran out."""
+        with trio.move_on_after(timeout):
+            while True:
+                if self.failed:
+                    raise RemoteError("checkpoint_failed", self.failed)
+                if done():
+                    return
+                await self.changed.wait()
+        raise RemoteError("timeout", f"{what} within {timeout:.0f} s")
+
+
+class NodeCheckpoints:
+    def __init__(self, daemon):
+        self.daemon = daemon
+        self.root = daemon.config.checkpoint_root
+        self.agents: dict[tuple[int, int], RankAgent] = {}
+        self.pending: dict[int, Pending] = {}
+        self.restarts: dict[int, dict] = {}  # job -> {"gen", "lineage", "directory", "manifest", "ranks"}
+
+    # ------------------------------------------------------------ rank connections
+
+    async def attach(self, cred: dict, pid: int, args: dict, channel: Channel) -> dict:
+        job_id, rank = args.get("job"), args.get("rank")
+        if not isinstance(job_id, int) or not isinstance(rank, int):
+            raise RemoteError("bad_request", "ckpt_attach needs integer 'job' and 'rank'")
+        record = self.daemon.table.get(job_id)
+        if record is None or not (0 <= rank < record["nranks"]) or record["placement"][rank] != self.daemon.node:
+            raise RemoteError("no_such_job", f"rank {rank} of job {job_id} does not run on {self.daemon.node}")
+        if cred["uid"] not in (0, record["owner_uid"]) or pid not in self.daemon.ranks.rank_processes(job_id, rank):
+            raise RemoteError("permission_denied", f"process {pid} is not rank {rank} of job {job_id}")
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError as exc:
+            raise RemoteError("permission_denied", f"process {pid} is gone: {exc.strerror}") from None
+        old = self.agents.pop((job_id, rank), None)
+        if old is not None:
+            old.close()
+        self.agents[(job_id, rank)] = RankAgent(job_id, rank, pid, pidfd, channel)
+        channel.context["ckpt_of"] = (job_id, rank)
+        reply: dict = {"restart": None}
+        restart = self.restarts.get(job_id)
+        if restart is not None:
+            name = ckptstore.rank_file(rank)
+            reply["restart"] = {
+                "gen": restart["gen"],
+                "path": str(restart["directory"] / name),
+                "expect": restart["manifest"].files[name],
+            }
+        return reply
+
+    def detached(self, channel: Channel) -> None:
+        key = channel.context.get("ckpt_of")
+        if key is None or self.agents.get(key, None) is None or self.agents[key].channel is not channel:
+            return
+        self.agents.pop(key).close()
+        pending = self.pending.get(key[0])
+        if pending is not None and key[1] in pending.ranks and not pending.resumed:
+            pending.fail(f"rank {key[1]} on {self.daemon.node} closed its checkpoint connection (it exited or called fini)")
+
+    def rank_exited(self, job_id: int, rank: int, why: str) -> None:
+        pending = self.pending.get(job_id)
+        if pending is not None and rank in pending.ranks:
+            pending.fail(f"{why} during checkpoint {pending.gen}")
+        agent = self.agents.pop((job_id, rank), None)
+        if agent is not None:
+            agent.close()
+
+    def on_note(self, channel: Channel, op: str, args: dict) -> None:
+        key = channel.context.get("ckpt_of")
+        if key is None:
+            return
+        job_id, rank = key
+        if op == "ckpt_restored":
+            self._restored(job_id, rank, args)
+            return
+        pending = self.pending.get(job_id)
+        if op == "ckpt_report":
+            if pending is None or pending.cut is not None:
+                self.daemon.spawn(self._note, channel, "ckpt_none", {})
+            elif args.get("iteration") is None:
+                pending.fail(f"rank {rank} cannot take part: {args.get('why', 'no reason given')}")
+            elif isinstance(args["iteration"], int):
+                pending.reports[rank] = args["iteration"]
+                pending.poke()
+        elif op == "ckpt_written" and pending is not None and args.get("gen") == pending.gen:
+            self._written(pending, rank, args)
+
+    def _written(self, pending: Pending, rank: int, result: dict) -> None:
+        if result.get("error"):
+            pending.fail(f"rank {rank} on {self.daemon.node} could not write its state: {result['error']}")
+        elif isinstance(result.get("size"), int) and isinstance(result.get("digest"), str):
+            pending.written[rank] = {"size": result["size"], "digest": result["digest"], "seconds": result.get("seconds", 0.0)}
+            pending.poke()
+        else:
+            pending.fail(f"rank {rank} on {self.daemon.node} reported a malformed write result")
+
+    async def _note(self, channel: Channel, op: str, args: dict) -> None:
+        try:
+            await channel.note(op, **args)
+        except RemoteError:
+            pass
+
+    def _pending_of(self, channel: Channel, args: dict) -> tuple[Pending, int]:
+        key = channel.context.get("ckpt_of")
+        pending = self.pending.get(key[0]) if key else None
+        if pending is None or args.get("gen") != pending.gen:
+            raise RemoteError("no_checkpoint", f"checkpoint {args.get('gen')} is not under way (it was aborted)")
+        return pending, key[1]
+
+    async def rank_start(self, channel: Channel, args: dict) -> dict:
+        """A rank reached the cut: block it until this node's start sync is done."""
+        pending, rank = self._pending_of(channel, args)
+        if args.get("iteration") != pending.cut:
+            pending.fail(f"rank {rank} stopped at iteration {args.get('iteration')}, not at the cut {pending.cut}")
+        pending.arrived[rank] = time.time()
+        pending.poke()
+        await pending.until(lambda: pending.released, math.inf, "release")
+        return {"path": pending.path[rank]}
+
+    async def rank_end(self, channel: Channel, args: dict) -> bool:
+        """A rank wrote its state (or forked the snapshot that writes it): block it until the end sync."""
+        pending, rank = self._pending_of(channel, args)
+        pending.ended[rank] = args
+        if isinstance(args.get("result"), dict):
+            self._written(pending, rank, args["result"])
+        pending.poke()
+        await pending.until(lambda: pending.resumed, math.inf, "resume")
+        return True
+
+    # ------------------------------------------------------------ the rounds
+
+    def _check_ranks(self, record: dict) -> list[int]:
+        mine = jobs.ranks_on(record, self.daemon.node)
+        for rank in mine:
+            if record["ranks"][rank] is not None:
+                raise RemoteError("not_ready", f"rank {rank} of job {record['id']} already ended; a checkpoint needs every rank")
+            if (record["id"], rank) not in self.agents:
+                raise RemoteError(
+                    "not_ready",
+                    f"rank {rank} of job {record['id']} on {self.daemon.node} does not take checkpoints "
+                    "(it has not called gangd.ckptlib.init(), or has already called fini())",
+                )
+        return mine
+
+    async def begin(self, args: dict) -> dict:
+        record = self._record(args)
+        job_id, gen = record["id"], args["gen"]
+        if job_id in self.pending:
+            raise RemoteError("busy", f"checkpoint {self.pending[job_id].gen} of job {job_id} is still under way on {self.daemon.node}")
+        mine = self._check_ranks(record)
+        directory = ckptstore.gen_dir(self.root, int(args["lineage"]), gen)
+        owner = (record["owner_uid"], record["owner_gid"]) if os.geteuid() == 0 else None
+        await trio.to_thread.run_sync(_make_dirs, directory, owner)
+        pending = Pending(job_id, gen, directory, mine, owner)
+        pending.times["begin"] = time.time()
+        self.pending[job_id] = pending
+        for rank in mine:
+            agent = self.agents[(job_id, rank)]
+            try:
+                signal.pidfd_send_signal(agent.pidfd, signal.SIGQUIT)
+            except OSError as exc:
+                pending.fail(f"cannot signal rank {rank} on {self.daemon.node}: {exc.strerror}")
+        await pending.until(lambda: set(pending.reports) >= set(mine), AGREE_TIMEOUT, f"ranks {sorted(set(mine) - set(pending.reports))} did not answer SIGQUIT")
+        pending.times["reported"] = time.time()
+        return {"iteration": max(pending.reports.values()) if pending.reports else None}
+
+    async def cut(self, args: dict) -> dict:
+        pending = self._pending(args)
+        pending.cut = int(args["iteration"])
+        pending.poke()
+        for rank in pending.ranks:
+            agent = self.agents.get((pending.job_id, rank))
+            if agent is not None:
+                self.daemon.spawn(self._note, agent.channel, "ckpt_cut", {"gen": pending.gen, "iteration": pending.cut})
+        mine = set(pending.ranks)
+        await pending.until(lambda: set(pending.arrived) >= mine, float(args.get("timeout") or self.daemon.config.checkpoint_timeout), "the ranks did not reach the cut")
+        pending.times["at_cut"] = max(pending.arrived.values(), default=time.time())
+        jobnet = self.daemon.jobnet
+        await jobnet.hold_gate(pending.job_id, "checkpoint", True)
+        await jobnet.wait_gate_closed(pending.job_id)
+        pending.times["closed"] = time.time()
+        return jobnet.counters(pending.job_id)
+
+    async def capture(self, args: dict) -> dict:
+        pending = self._pending(args)
+        pending.times["capture"] = time.time()
+        contexts = await self.daemon.jobnet.capture(pending.job_id, args.get("expect") or {})
+        record = self.daemon.table.get(pending.job_id)
+        job_blob = msgpack.packb({"record": record, "gen": pending.gen, "iteration": pending.cut, "node": self.daemon.node}, use_bin_type=True)
+        try:
+            files = await trio.to_thread.run_sync(self._write_daemon_files, pending, contexts, job_blob)
+        except StoreError as exc:
+            raise RemoteError("write_failed", f"{self.daemon.node}: {exc}") from None
+        pending.files.update(files)
+        for rank in pending.ranks:
+            pending.path[rank] = str(pending.directory / ckptstore.rank_file(rank))
+        pending.released = True
+        pending.times["released"] = time.time()
+        pending.poke()
+        await pending.until(lambda: set(pending.ended) >= set(pending.ranks), float(args.get("timeout") or self.daemon.config.checkpoint_timeout), "the ranks did not save their state")
+        pending.times["saved"] = time.time()
+        return self._times(pending)
+
+    def _write_daemon_files(self, pending: Pending, contexts: dict, job_blob: bytes) -> dict:
+        files = {}
+        for rank, blob in contexts.items():
+            name = ckptstore.net_file(int(rank))
+            files[name] = list(ckptstore.write_atomic(pending.directory / name, [blob], owner=pending.owner))
+        files["job.msgpack"] = list(ckptstore.write_atomic(pending.directory / "job.msgpack", [job_blob], owner=pending.owner))
+        return files
+
+    async def resume(self, args: dict) -> dict:
+        pending = self._pending(args)
+        pending.times["resume"] = time.time()
+        await self.daemon.jobnet.hold_gate(pending.job_id, "checkpoint", False)
+        pending.resumed = True
+        pending.poke()
+        pending.times["resumed"] = time.time()
+        return self._times(pending)
+
+    async def commit(self, args: dict) -> dict:
+        pending = self._pending(args)
+        await pending.until(lambda: set(pending.written) >= set(pending.ranks), float(args.get("timeout") or self.daemon.config.checkpoint_timeout), "the ranks did not finish writing")
+        pending.times["written"] = time.time()
+        files = dict(pending.files)
+        for rank, result in pending.written.items():
+            files[ckptstore.rank_file(rank)] = [result["size"], result["digest"]]
+        manifest = ckptstore.Manifest(int(args["lineage"]), pending.gen, self.daemon.node, pending.cut, files, pending.ranks, time.time())
+        try:
+            await trio.to_thread.run_sync(self._check_and_commit, pending, manifest)
+        except StoreError as exc:
+            raise RemoteError("write_failed", f"{self.daemon.node}: {exc}") from None
+        pending.times["committed"] = time.time()
+        self.pending.pop(pending.job_id, None)
+        result = self._times(pending)
+        result["bytes"] = sum(size for size, _ in files.values())
+        result["state_bytes"] = sum(r["size"] for r in pending.written.values())
+        result["rank_write_seconds"] = max((r["seconds"] for r in pending.written.values()), default=0.0)
+        return result
+
+    def _check_and_commit(self, pending: Pending, manifest: ckptstore.Manifest) -> None:
+        for name, (size, _) in manifest.files.items():
+            path = pending.directory / name
+            try:
+                actual = os.stat(path).st_size
+            except OSError as exc:
+                raise StoreError(f"{path}: {exc.strerror}") from None
+            if actual != size:
+                raise StoreError(f"{path} has {actual} bytes, its writer reported {size}")
+        ckptstore.write_manifest(pending.directory, manifest, owner=pending.owner)
+
+    async def abort(self, args: dict) -> bool:
+        job_id, gen, why = int(args["job"]), args.get("gen"), str(args.get("why") or "aborted")
+        pending = self.pending.get(job_id)
+        if pending is not None and pending.gen == gen:
+            self.pending.pop(job_id)
+            pending.fail(why)
+        for (j, _), agent in list(self.agents.items()):
+            if j == job_id:
+                self.daemon.spawn(self._note, agent.channel, "ckpt_abort", {"gen": gen, "why": why})
+        if job_id in self.daemon.jobnet.states:
+            await self.daemon.jobnet.hold_gate(job_id, "checkpoint", False)
+        if args.get("lineage") is not None and gen is not None:
+            await trio.to_thread.run_sync(ckptstore.remove, ckptstore.gen_dir(self.root, int(args["lineage"]), gen))
+        return True
+
+    def _times(self, pending: Pending) -> dict:
+        return {"node": self.daemon.node, "times": dict(pending.times), "ranks": len(pending.ranks)}
+
+    def _record(self, args: dict) -> dict:
+        record = self.daemon.table.get(args.get("job"))
+        if args.get("record"):
+            record = args["record"]
+        if record is None:
+            raise RemoteError("no_such_job", f"job {args.get('job')} is unknown on {self.daemon.node}")
+        return record
+
+    def _pending(self, args: dict) -> Pending:
+        pending = self.pending.get(args.get("job"))
+        if pending is None or pending.gen != args.get("gen"):
+            raise RemoteError("no_checkpoint", f"checkpoint {args.get('gen')} of job {args.get('job')} is not under way on {self.daemon.node}")
+        return pending
+
+    # ------------------------------------------------------------ storage upkeep
+
+    async def prune(self, args: dict) -> list[int]:
+        lineage = int(args["lineage"])
+        gens = [int(g) for g in args.get("gens") or []]
+        for gen in gens:
+            await trio.to_thread.run_sync(ckptstore.remove, ckptstore.gen_dir(self.root, lineage, gen))
+        return gens
+
+    async def verify(self, args: dict) -> list[str]:
+        """Problems with this node's files of a generation ([] = intact)."""
+        directory = ckptstore.gen_dir(self.root, int(args["lineage"]), int(args["gen"]))
+        ranks = [int(r) for r in args.get("ranks") or []]
+
+        def check() -> list[str]:
+            try:
+                manifest = ckptstore.read_manifest(directory)
+            except StoreError as exc:
+                return [f"{self.daemon.node}: {exc}"]
+            names = [n for n in manifest.files if n == "job.msgpack" or any(n in (ckptstore.rank_file(r), ckptstore.net_file(r)) for r in ranks)]
+            missing = [ckptstore.rank_file(r) for r in ranks if ckptstore.rank_file(r) not in manifest.files]
+            problems = [f"{self.daemon.node}: {directory / n} is not in the manifest" for n in missing]
+            return problems + [f"{self.daemon.node}: {p}" for p in ckptstore.verify(directory, names)]
+
+        return await trio.to_thread.run_sync(check)
+
+    # ------------------------------------------------------------ restart
+
+    def prepare_restart(self, record: dict) -> dict[str, str]:
+        """Before a restarted job's ranks start here: its network context
+        from disk, its gate held closed, where each rank finds its state."""
+        origin = record["restart_of"]
+        lineage, gen = int(record["lineage"]), int(origin["gen"])
+        directory = ckptstore.gen_dir(self.root, lineage, gen)
+        try:
+            manifest = ckptstore.read_manifest(directory)
+        except StoreError as exc:
+            raise RemoteError("restart_failed", f"{self.daemon.node}: {exc}") from None
+        mine = jobs.ranks_on(record, self.daemon.node)
+        contexts = {}
+        for rank in mine:
+            name = ckptstore.net_file(rank)
+            if name in manifest.files:
+                contexts[str(rank)] = (directory / name).read_bytes()
+        jobnet = self.daemon.jobnet
+        state = jobnet.state(record["id"])
+        state.holds.add("restart")
+        state.gate_open = False
+        if contexts:
+            jobnet.set_context(record["id"], contexts)
+        self.restarts[record["id"]] = {"gen": gen, "lineage": lineage, "directory": directory, "manifest": manifest, "ranks": mine, "failed": None}
+        return {"GANGD_RESTART_GEN": str(gen)}
+
+    def _restored(self, job_id: int, rank: int, args: dict) -> None:
+        restart = self.restarts.get(job_id)
+        if restart is None:
+            return
+        agent = self.agents.get((job_id, rank))
+        if args.get("error"):
+            restart["failed"] = f"rank {rank} on {self.daemon.node}: {args['error']}"
+        elif agent is not None:
+            agent.restored = True
+        if restart["failed"] or all(self.agents.get((job_id, r)) is not None and self.agents[(job_id, r)].restored for r in restart["ranks"]):
+            restart["reported"] = True
+            self.daemon.spawn(self._report_restored, job_id, restart["failed"])
+
+    async def _report_restored(self, job_id: int, error: str | None) -> None:
+        try:
+            await self.daemon.ops.to_coordinator("coord_ckpt_restored", job=job_id, reporter=self.daemon.node, error=error)
+        except RemoteError as exc:
+            log.warning("job %d: could not report the restore to the coordinator: %s", job_id, exc)
+
+    async def open_restarted(self, args: dict) -> bool:
+        job_id = int(args["job"])
+        self.restarts.pop(job_id, None)
+        if job_id in self.daemon.jobnet.states:
+            await self.daemon.jobnet.hold_gate(job_id, "restart", False)
+        return True
+
+    def forget(self, job_id: int) -> None:
+        """The job ended on this node."""
+        self.restarts.pop(job_id, None)
+        pending = self.pending.pop(job_id, None)
+        if pending is not None:
+            pending.fail(f"job {job_id} ended")
+        for key in [k for k in self.agents if k[0] == job_id]:
+            self.agents.pop(key).close()
+
+
+def _make_dirs(directory: Path, owner: tuple[int, int] | None) -> None:
+    """The generation's directory, replacing leftovers of an attempt that died with its coordinator."""
+    ckptstore.remove(directory)
+    for path in (directory.parent, directory):
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if owner is not None:
+            os.chown(path, *owner)
+        os.chmod(path, 0o700)

@@ -1,0 +1,358 @@
+"""Consistent checkpoints and restarts across the cluster: the coordinator's side.
+
+One checkpoint of a job is a *generation*. The coordinator runs it as
+rounds that every node of the job answers in parallel (each node's part is
+:mod:`gangd.daemon.checkpoint`)::
+
+    begin    SIGQUIT every rank; each reports the next boundary it can stop at
+    cut      the largest report is the cut; ranks run up to it and block;
+             send gates close                                   (start sync)
+    capture  network context + job record to disk; ranks write their state
+    resume   gates open, ranks continue                         (end sync)
+    commit   every file fsynced, each node's manifest written
+
+Only when every node committed is the generation recorded as *complete*, in
+the job's record — which the table replicates and fsyncs on every node. Any
+failure on the way (a rank or a node dying, a full disk, a timeout) aborts
+the generation on every node; the previous complete one stays usable. The
+previous complete generation is kept until a newer one is complete; older
+ones are removed (``checkpoint_keep``).
+
+A restart (``gang restart``) is a new job in the same *lineage*, pinned to
+the nodes of the generation, which every node first verifies against its
+manifest (sizes and checksums). The new job's gates stay closed until
+every rank has loaded its state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import trio
+
+from .. import jobs
+from ..rpc import RemoteError
+from .coordinator import permission_check
+
+log = logging.getLogger("gangd.ckptcoord")
+
+ROOT = {"uid": 0, "gid": 0, "user": "root"}
+
+
+class CheckpointCoordinator:
+    def __init__(self, coordinator):
+        self.co = coordinator
+        self.daemon = coordinator.daemon
+        self.live: dict[int, dict] = {}  # job -> the checkpoint under way: {"gen", "phase", "done", "result", ...}
+        self.restored: dict[int, dict] = {}  # restarted job -> {node: error or None}
+        self.periodic: set[int] = set()
+
+    # ------------------------------------------------------------ lineage
+
+    def lineage_records(self, record: dict) -> list[dict]:
+        lineage = record.get("lineage") or record["id"]
+        return [r for r in self.daemon.table.records.values() if (r.get("lineage") or r["id"]) == lineage]
+
+    def generations(self, record: dict) -> list[dict]:
+        """Every recorded generation of the job's lineage, oldest first, each with the job that took it."""
+        out = []
+        for r in self.lineage_records(record):
+            for entry in r.get("checkpoints") or []:
+                out.append({**entry, "job": r["id"]})
+        return sorted(out, key=lambda e: e["gen"])
+
+    def _next_gen(self, record: dict) -> int:
+        known = [e["gen"] for e in self.generations(record)]
+        known += [live["gen"] for job_id, live in self.live.items()]
+        return max(known, default=0) + 1
+
+    # ------------------------------------------------------------ requests
+
+    async def request(self, job_id: int, cred: dict, trigger: str, wait: bool = True) -> dict:
+        record = self.daemon.table.get(job_id)
+        if record is None:
+            raise RemoteError("no_such_job", f"no job {job_id}")
+        permission_check(record, cred, "checkpoint")
+        if record["state"] not in (jobs.RUNNING, jobs.SUSPENDED):
+            raise RemoteError("bad_state", f"job {job_id} is {record['state']}; only a running or suspended job can be checkpointed")
+        live = self.live.get(job_id)
+        if live is None:
+            live = {"gen": self._next_gen(record), "trigger": trigger, "started": time.time(), "phase": "begin", "done": trio.Event(), "result": None}
+            self.live[job_id] = live
+            self.daemon.spawn(self._run, job_id, live)
+        if not wait:
+            return {"job": job_id, "gen": live["gen"], "state": "running", "trigger": live["trigger"]}
+        await live["done"].wait()
+        result = live["result"]
+        if result["state"] == "refused":
+            raise RemoteError(result["code"], result["reason"])
+        return result
+
+    async def request_all(self, trigger: str) -> list[dict]:
+        """Checkpoint every running or suspended job (SIGUSR1 to a daemon)."""
+        out = []
+        for record in list(self.daemon.table.active()):
+            if record["state"] in (jobs.RUNNING, jobs.SUSPENDED):
+                out.append(await self.request(record["id"], ROOT, trigger, wait=False))
+        return out
+
+    # ------------------------------------------------------------ one generation
+
+    async def _all(self, record: dict, op: str, **args) -> dict[str, object]:
+        """``op`` on every node of the job at once; any failure raises one error naming the nodes."""
+        results: dict[str, object] = {}
+        errors: list[tuple[str, str]] = []
+
+        async def one(node: str) -> None:
+            try:
+                results[node] = await self.daemon.call(node, op, job=record["id"], **args)
+            except RemoteError as exc:
+                errors.append((exc.code, exc.message if node in exc.message else f"{node}: {exc.message}"))
+            except Exception as exc:  # a bug or this node's own disk: still one clear error
+                log.exception("%s on %s failed", op, node)
+                errors.append(("internal", f"{node}: {type(exc).__name__}: {exc}"))
+
+        async with trio.open_nursery() as nursery:
+            for node in jobs.nodes_of(record):
+                nursery.start_soon(one, node)
+        if errors:
+            codes = [code for code, _ in errors]
+            code = "not_ready" if "not_ready" in codes else codes[0]
+            raise RemoteError(code, "; ".join(sorted({m for _, m in errors})))
+        return results
+
+    async def _run(self, job_id: int, live: dict) -> None:
+        record = self.daemon.table.get(job_id)
+        lineage = record.get("lineage") or job_id
+        gen = live["gen"]
+        entry = {
+            "gen": gen, "state": "running", "trigger": live["trigger"], "started": live["started"], "ended": None,
+            "iteration": None, "reason": "", "placement": list(record["placement"]), "nodes": {},
+        }
+        marks = {"start": time.time()}
+        co = self.co
+        co.pinned.add(job_id)  # a suspended job runs for its checkpoint; no switch stops it meanwhile
+        try:
+            await co.reconcile()
+            live["phase"] = "begin"
+            reports = await self._all(record, "ckpt_begin", gen=gen, lineage=lineage)
+            cut = max(r["iteration"] for r in reports.values())
+            entry["iteration"] = cut
+            marks["agreed"] = time.time()
+            live["phase"] = "cut"
+            counters = await self._all(record, "ckpt_cut", gen=gen, iteration=cut)
+            marks["cut"] = time.time()
+            sent = {int(r): c[0] for per_node in counters.values() for r, c in per_node.items()}
+            n = record["nranks"]
+            expect = {str(dst): [sent.get(src, [0] * n)[dst] for src in range(n)] for dst in range(n)}
+            live["phase"] = "capture"
+            await self._all(record, "ckpt_capture", gen=gen, expect=expect)
+            marks["saved"] = time.time()
+            live["phase"] = "resume"
+            await self._all(record, "ckpt_resume", gen=gen)
+            marks["resumed"] = time.time()
+            co.pinned.discard(job_id)
+            co.gang_changed()
+            live["phase"] = "commit"
+            committed = await self._all(record, "ckpt_commit", gen=gen, lineage=lineage)
+            marks["committed"] = time.time()
+            entry["nodes"] = {node: node_stats(result) for node, result in committed.items()}
+            entry["state"] = "complete"
+        except RemoteError as exc:
+            entry["state"] = "refused" if exc.code == "not_ready" and live["phase"] == "begin" else "aborted"
+            entry["code"] = exc.code
+            entry["reason"] = exc.message
+            with trio.CancelScope(shield=True), trio.move_on_after(30):
+                try:
+                    await self._all(record, "ckpt_abort", gen=gen, lineage=lineage, why=exc.message)
+                except RemoteError as abort_exc:
+                    log.warning("job %d: aborting checkpoint %d: %s", job_id, gen, abort_exc)
+        finally:
+            co.pinned.discard(job_id)
+            co.gang_changed()
+        entry["ended"] = time.time()
+        entry["marks"] = marks
+        if entry["state"] == "refused":
+            log.info("job %d: no checkpoint: %s", job_id, entry["reason"])
+        else:
+            if entry["state"] == "aborted":
+                log.warning("job %d: checkpoint %d aborted: %s", job_id, gen, entry["reason"])
+            else:
+                total = sum(s["bytes"] for s in entry["nodes"].values())
+                log.info("job %d: checkpoint %d complete at iteration %d: %d bytes in %.3f s", job_id, gen, entry["iteration"], total, entry["ended"] - entry["started"])
+            await self._record(job_id, entry)
+            if entry["state"] == "complete":
+                await self._prune(record)
+        live["result"] = {"job": job_id, **entry}
+        self.live.pop(job_id, None)
+        live["done"].set()
+
+    async def _record(self, job_id: int, entry: dict) -> None:
+        def change(r):
+            r.setdefault("checkpoints", []).append(entry)
+
+        try:
+            await self.co.update(job_id, change)
+        except RemoteError as exc:
+            log.warning("job %d: could not record checkpoint %d: %s", job_id, entry["gen"], exc)
+
+    async def _prune(self, record: dict) -> None:
+        """Keep the newest ``checkpoint_keep`` complete generations of the lineage; remove the rest."""
+        keep = self.daemon.config.checkpoint_keep
+        gens = self.generations(self.daemon.table.get(record["id"]))
+        complete = [e for e in gens if e["state"] == "complete"]
+        doomed = complete[:-keep] if keep else []
+        if not doomed:
+            return
+        lineage = record.get("lineage") or record["id"]
+        by_node: dict[str, list[int]] = {}
+        for e in doomed:
+            for node in dict.fromkeys(e["placement"]):
+                by_node.setdefault(node, []).append(e["gen"])
+        for node, node_gens in by_node.items():
+            if self.daemon.peers.is_up(node) or node == self.daemon.node:
+                try:
+                    await self.daemon.call(node, "ckpt_prune", lineage=lineage, gens=node_gens)
+                except RemoteError as exc:
+                    log.warning("could not remove old checkpoints on %s: %s", node, exc)
+        removed = {(e["job"], e["gen"]) for e in doomed}
+        for job in {j for j, _ in removed}:
+            def change(r, job=job):
+                for e in r.get("checkpoints") or []:
+                    if (job, e["gen"]) in removed:
+                        e["state"] = "removed"
+
+            try:
+                await self.co.update(job, change)
+            except RemoteError as exc:
+                log.warning("job %d: could not record removed checkpoints: %s", job, exc)
+
+    # ------------------------------------------------------------ restart
+
+    async def restart(self, job_id: int, cred: dict, gen: int | None) -> dict:
+        record = self.daemon.table.get(job_id)
+        if record is None:
+            raise RemoteError("no_such_job", f"no job {job_id}")
+        permission_check(record, cred, "restart")
+        if not jobs.is_terminal(record):
+            raise RemoteError("bad_state", f"job {job_id} is {record['state']}; kill it first (`gang kill {job_id}`) to restart it from a checkpoint")
+        generations = self.generations(record)
+        complete = [e for e in reversed(generations) if e["state"] == "complete"]
+        if gen is not None:
+            chosen = [e for e in generations if e["gen"] == gen]
+            if not chosen:
+                raise RemoteError("no_checkpoint", f"job {job_id} has no checkpoint generation {gen}")
+            if chosen[0]["state"] != "complete":
+                raise RemoteError("no_checkpoint", f"generation {gen} of job {job_id} is {chosen[0]['state']}, not complete: {chosen[0].get('reason') or ''}".rstrip(": "))
+            complete = chosen
+        if not complete:
+            raise RemoteError("no_checkpoint", f"job {job_id} has no complete checkpoint to restart from")
+        lineage = record.get("lineage") or job_id
+        skipped: list[str] = []
+        for entry in complete:
+            problems = await self._verify(lineage, entry)
+            if not problems:
+                break
+            for problem in problems:
+                log.warning("job %d: generation %d is unusable: %s", job_id, entry["gen"], problem)
+            skipped += [f"generation {entry['gen']}: {p}" for p in problems]
+        else:
+            raise RemoteError("no_checkpoint", "no intact complete checkpoint: " + "; ".join(skipped))
+        spec = {key: record.get(key) for key in ("argv", "cwd", "env", "nranks", "name", "kill_on_bad_exit", "priority", "slice", "ckpt_every")}
+        owner = {"uid": record["owner_uid"], "gid": record["owner_gid"], "user": record["owner"]}
+        internal = {
+            "lineage": lineage,
+            "restart_of": {"job": entry["job"], "gen": entry["gen"], "iteration": entry["iteration"]},
+            "pinned": list(entry["placement"]),
+        }
+        new = await self.co.submit(spec, owner, internal=internal)
+        log.info("job %d restarted as job %d from generation %d (iteration %s)", job_id, new["id"], entry["gen"], entry["iteration"])
+        return {"record": new, "gen": entry["gen"], "iteration": entry["iteration"], "skipped": skipped}
+
+    async def _verify(self, lineage: int, entry: dict) -> list[str]:
+        problems: list[str] = []
+        by_node: dict[str, list[int]] = {}
+        for rank, node in enumerate(entry["placement"]):
+            by_node.setdefault(node, []).append(rank)
+
+        async def one(node: str, ranks: list[int]) -> None:
+            if node != self.daemon.node and not self.daemon.peers.is_up(node):
+                problems.append(f"node {node}, which holds ranks {ranks}, is down")
+                return
+            try:
+                problems.extend(await self.daemon.call(node, "ckpt_verify", lineage=lineage, gen=entry["gen"], ranks=ranks))
+            except RemoteError as exc:
+                problems.append(f"{node}: {exc.message}")
+
+        async with trio.open_nursery() as nursery:
+            for node, ranks in by_node.items():
+                nursery.start_soon(one, node, ranks)
+        return sorted(problems)
+
+    async def on_restored(self, job_id: int, node: str, error: str | None) -> None:
+        """A node's ranks of a restarted job loaded their state (or could not)."""
+        record = self.daemon.table.get(job_id)
+        if record is None or jobs.is_terminal(record):
+            return
+        if error:
+            await self.co.fail(job_id, f"restart from generation {record['restart_of']['gen']} failed: {error}")
+            return
+        seen = self.restored.setdefault(job_id, {})
+        seen[node] = None
+        if set(seen) >= set(jobs.nodes_of(record)):
+            self.restored.pop(job_id, None)
+            await self._all(record, "ckpt_open")
+            log.info("job %d: every rank restored generation %d; gates open", job_id, record["restart_of"]["gen"])
+
+    # ------------------------------------------------------------ periodic checkpoints
+
+    def job_started(self, record: dict) -> None:
+        if record.get("ckpt_every") and record["id"] not in self.periodic:
+            self.periodic.add(record["id"])
+            self.daemon.spawn(self._periodic, record["id"])
+
+    async def _periodic(self, job_id: int) -> None:
+        try:
+            while True:
+                record = self.daemon.table.get(job_id)
+                if record is None or jobs.is_terminal(record) or not self.co.active:
+                    return
+                await trio.sleep(float(record["ckpt_every"]))
+                record = self.daemon.table.get(job_id)
+                if record is None or jobs.is_terminal(record) or not self.co.active:
+                    return
+                try:
+                    await self.request(job_id, ROOT, f"every {record['ckpt_every']:g} s")
+                except RemoteError as exc:
+                    log.info("job %d: periodic checkpoint skipped: %s", job_id, exc.message)
+        finally:
+            self.periodic.discard(job_id)
+
+
+def node_stats(result: dict) -> dict:
+    """One node's checkpoint, broken down like paper 000's Table 4 (seconds)."""
+    t = result["times"]
+
+    def span(a: str, b: str) -> float:
+        return round(max(0.0, t.get(b, t.get(a, 0.0)) - t.get(a, 0.0)), 6)
+
+    prep_wait = span("closed", "capture")  # waiting for the other nodes' ranks to reach the cut
+    finish_wait = span("saved", "resume")  # waiting for the slowest node to save
+    prep, write, finish = span("at_cut", "released"), span("released", "saved"), span("saved", "resumed")
+    disk = span("released", "written")
+    return {
+        "ranks": result["ranks"],
+        "bytes": result["bytes"],
+        "state_bytes": result["state_bytes"],
+        "agree": span("begin", "reported"),  # ranks answering SIGQUIT (the job runs on)
+        "reach": span("reported", "at_cut"),  # ranks computing up to the cut (the job runs on)
+        "prep": prep,
+        "write": write,
+        "finish": finish,
+        "blocked": span("at_cut", "resumed"),
+        "disk": disk,  # released -> state on disk (in the background, for forked snapshots)
+        "commit": span("written", "committed"),
+        "sync_overhead": round(max(0.0, prep - prep_wait) + max(0.0, finish - finish_wait), 6),
+        "bandwidth": round(result["bytes"] / disk, 1) if disk > 0 else None,
+    }

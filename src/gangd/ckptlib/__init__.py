@@ -67,8 +67,10 @@ def init(*, directory: str | os.PathLike | None = None, restart=None, background
         background = os.environ.get("GANGD_CKPT_BACKGROUND", "1") not in ("0", "no", "false")
     if restart is None:
         restart = os.environ.get("GANGD_RESTART") or None
-        if restart in ("1", "true", "yes"):
+        if restart in ("true", "yes"):
             restart = "latest"
+        elif restart in ("0", "no", "false"):
+            restart = None
     if restart is True:
         restart = "latest"
     info = job_info()

@@ -24,6 +24,9 @@ from ..ckptstore import StoreError
 from . import image, writer
 
 
+DAMAGED = "DAMAGED"  # in a generation found unusable at a restart: why
+
+
 class CheckpointError(Exception):
     """A checkpoint or a restart could not be done; the message says why."""
 
@@ -128,7 +131,10 @@ class Standalone:
         self._cp: Checkpointer | None = None
 
     def complete(self) -> list[int]:
-        return [g for g in ckptstore.generations(self.directory, 0) if (self._dir(g) / ckptstore.MANIFEST).exists()]
+        return [
+            g for g in ckptstore.generations(self.directory, 0)
+            if (self._dir(g) / ckptstore.MANIFEST).exists() and not (self._dir(g) / DAMAGED).exists()
+        ]
 
     def _dir(self, gen: int) -> Path:
         return ckptstore.gen_dir(self.directory, 0, gen)
@@ -138,7 +144,8 @@ class Standalone:
         complete = self.complete()
         if restart == "auto" and not complete:
             return
-        candidates = [int(restart)] if isinstance(restart, int) or str(restart).isdigit() else sorted(complete, reverse=True)
+        explicit = isinstance(restart, int) or str(restart).isdigit()
+        candidates = [int(restart)] if explicit else sorted(complete, reverse=True)
         if not candidates:
             raise CheckpointError(f"no complete checkpoint in {ckptstore.job_dir(self.directory, 0)} to restart from")
         problems = []
@@ -152,9 +159,11 @@ class Standalone:
                 values, iteration, _ = image.load(directory / name, tuple(manifest.files[name]))
             except StoreError as exc:
                 problems.append(str(exc))
-                if isinstance(restart, int) or str(restart).isdigit():
+                if explicit:
                     break
                 warn(f"generation {gen} is unusable ({exc}); trying an older one")
+                # Marked (not deleted: evidence), so retention never keeps it over intact ones.
+                (directory / DAMAGED).write_text(f"{exc}\n")
                 continue
             cp.restored, cp.start, cp.generation = values, iteration, gen
             cp.restarted_from = gen
@@ -205,12 +214,12 @@ class Standalone:
             warn(f"checkpoint failed: {result['error']}")
 
     def prune(self, newest: int) -> None:
-        """Keep the newest ``keep`` complete generations; drop older ones and unfinished leftovers."""
+        """Keep the newest ``keep`` complete generations up to ``newest``; drop
+        older complete ones. Uncommitted ones are left alone: an older
+        snapshot may still be writing (writes can finish out of order)."""
         complete = sorted((g for g in self.complete() if g <= newest), reverse=True)
-        keep = set(complete[: self.keep])
-        for gen in ckptstore.generations(self.directory, 0):
-            if gen < newest and gen not in keep:
-                ckptstore.remove(self._dir(gen))
+        for gen in complete[self.keep :]:
+            ckptstore.remove(self._dir(gen))
 
     def fini(self, cp: Checkpointer) -> None:
         if self._timer is not None:

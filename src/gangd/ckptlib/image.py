@@ -37,8 +37,11 @@ def _plan(values: dict[str, object]) -> tuple[list, list]:
     entries, payloads = [], []
     for name, value in values.items():
         if isinstance(value, np.ndarray) and not value.dtype.hasobject:
-            arr = np.ascontiguousarray(value)
-            entries.append([name, "nd", {"dtype": arr.dtype.str if arr.dtype.names is None else arr.dtype.descr, "shape": list(arr.shape)}, arr.nbytes])
+            arr = value if value.flags.c_contiguous else np.ascontiguousarray(value)  # (keeps 0-d arrays 0-d)
+            simple = arr.dtype.names is None and arr.dtype.subdtype is None
+            # Records, padding and nested fields survive only a pickled dtype; plain ones stay readable.
+            dtype = arr.dtype.str if simple else pickle.dumps(arr.dtype, protocol=pickle.HIGHEST_PROTOCOL)
+            entries.append([name, "nd", {"dtype": dtype, "shape": list(arr.shape)}, arr.nbytes])
             payloads.append(_array_bytes(arr))
         else:
             try:
@@ -94,8 +97,8 @@ def load(path: Path, expect: tuple[int, str] | None = None) -> tuple[dict[str, o
         if bytes(head[: len(MAGIC)]) != MAGIC:
             raise StoreError(f"{path} is not a gangd checkpoint image (bad magic)")
         (length,) = _LEN.unpack_from(head, len(MAGIC))
-        if length > size:
-            raise StoreError(f"{path} is corrupted: header length {length} beyond the file's {size} bytes")
+        if len(head) + length > size:
+            raise StoreError(f"{path} is truncated: its header needs {len(head) + length} bytes, the file has {size}")
         header_bytes = bytearray(length)
         read_exact(header_bytes)
         try:
@@ -106,8 +109,11 @@ def load(path: Path, expect: tuple[int, str] | None = None) -> tuple[dict[str, o
         values: dict[str, object] = {}
         for name, kind, meta, nbytes in entries:
             if kind == "nd":
-                dtype = np.dtype(meta["dtype"] if isinstance(meta["dtype"], str) else [tuple(f) for f in meta["dtype"]])
-                arr = np.empty(meta["shape"], dtype=dtype)
+                try:
+                    dtype = np.dtype(meta["dtype"]) if isinstance(meta["dtype"], str) else pickle.loads(meta["dtype"])
+                    arr = np.empty(meta["shape"], dtype=dtype)
+                except Exception as exc:
+                    raise StoreError(f"{path} is corrupted: array {name!r} has an unusable dtype or shape ({exc})") from None
                 if arr.nbytes != nbytes:
                     raise StoreError(f"{path} is corrupted: array {name!r} should hold {arr.nbytes} bytes, the header says {nbytes}")
                 read_exact(_array_bytes(arr))

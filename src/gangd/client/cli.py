@@ -703,4 +703,8 @@ def demo(nodes, keep):
 from . import ckptcli  # noqa: E402,F401 -- registers checkpoint, restart and ckpt on main
 
 if __name__ == "__main__":
-    main()
+    # Run as `python -m gangd.client.cli`: the commands registered by ckptcli
+    # live on the importable module's group, not on this __main__ copy.
+    from gangd.client.cli import main as _main
+
+    _main()

@@ -132,7 +132,7 @@ class CheckpointCoordinator:
         }
         marks = {"start": time.time()}
         co = self.co
-        co.pinned.add(job_id)  # a suspended job runs for its checkpoint; no switch stops it meanwhile
+        co.pinned.add(job_id)  # a suspended job runs for its checkpoint; no switch stops it until it is on disk
         try:
             await co.reconcile()
             live["phase"] = "begin"
@@ -152,8 +152,8 @@ class CheckpointCoordinator:
             live["phase"] = "resume"
             await self._all(record, "ckpt_resume", gen=gen)
             marks["resumed"] = time.time()
-            co.pinned.discard(job_id)
-            co.gang_changed()
+            # Still pinned: a gang switch would stop the snapshot writers
+            # (they are the job's processes) until the job's next slot.
             live["phase"] = "commit"
             committed = await self._all(record, "ckpt_commit", gen=gen, lineage=lineage)
             marks["committed"] = time.time()
@@ -251,12 +251,15 @@ class CheckpointCoordinator:
         lineage = record.get("lineage") or job_id
         skipped: list[str] = []
         for entry in complete:
-            problems = await self._verify(lineage, entry)
-            if not problems:
+            damaged, unreachable = await self._verify(lineage, entry)
+            if not damaged and not unreachable:
                 break
+            problems = damaged + unreachable
             for problem in problems:
                 log.warning("job %d: generation %d is unusable: %s", job_id, entry["gen"], problem)
             skipped += [f"generation {entry['gen']}: {p}" for p in problems]
+            if damaged:  # (a node that is down may come back; damaged files do not heal)
+                await self._mark(entry, "damaged", "; ".join(damaged))
         else:
             raise RemoteError("no_checkpoint", "no intact complete checkpoint: " + "; ".join(skipped))
         spec = {key: record.get(key) for key in ("argv", "cwd", "env", "nranks", "name", "kill_on_bad_exit", "priority", "slice", "ckpt_every")}
@@ -270,25 +273,39 @@ class CheckpointCoordinator:
         log.info("job %d restarted as job %d from generation %d (iteration %s)", job_id, new["id"], entry["gen"], entry["iteration"])
         return {"record": new, "gen": entry["gen"], "iteration": entry["iteration"], "skipped": skipped}
 
-    async def _verify(self, lineage: int, entry: dict) -> list[str]:
+    async def _mark(self, entry: dict, state: str, reason: str) -> None:
+        """Record a generation as unusable, so retention never keeps it over intact ones."""
+        def change(r):
+            for e in r.get("checkpoints") or []:
+                if e["gen"] == entry["gen"]:
+                    e["state"], e["reason"] = state, reason
+
+        try:
+            await self.co.update(entry["job"], change)
+        except RemoteError as exc:
+            log.warning("job %d: could not mark generation %d %s: %s", entry["job"], entry["gen"], state, exc)
+
+    async def _verify(self, lineage: int, entry: dict) -> tuple[list[str], list[str]]:
+        """(damaged files, nodes that could not check) of a generation, each a line naming node and path."""
         problems: list[str] = []
+        unreachable: list[str] = []
         by_node: dict[str, list[int]] = {}
         for rank, node in enumerate(entry["placement"]):
             by_node.setdefault(node, []).append(rank)
 
         async def one(node: str, ranks: list[int]) -> None:
             if node != self.daemon.node and not self.daemon.peers.is_up(node):
-                problems.append(f"node {node}, which holds ranks {ranks}, is down")
+                unreachable.append(f"node {node}, which holds ranks {ranks}, is down")
                 return
             try:
                 problems.extend(await self.daemon.call(node, "ckpt_verify", lineage=lineage, gen=entry["gen"], ranks=ranks))
             except RemoteError as exc:
-                problems.append(f"{node}: {exc.message}")
+                unreachable.append(f"{node}: {exc.message}")
 
         async with trio.open_nursery() as nursery:
             for node, ranks in by_node.items():
                 nursery.start_soon(one, node, ranks)
-        return sorted(problems)
+        return sorted(problems), sorted(unreachable)
 
     async def on_restored(self, job_id: int, node: str, error: str | None) -> None:
         """A node's ranks of a restarted job loaded their state (or could not)."""

@@ -1,0 +1,459 @@
+"""Consistent checkpoints and restarts on a real cluster (paper 000's Fig. 1 and 2).
+
+Real daemons on 127.0.0.x, real ranks exchanging real messages, real
+SIGQUIT handlers, real files fsynced on each node's disk. The contract a user
+relies on: a job checkpointed, killed and restarted prints exactly what an
+uninterrupted run prints — also with messages in flight across the cut, also
+when the checkpoint was taken while the job was gang-suspended — whatever
+triggered the checkpoint; and when anything goes wrong (a rank or a daemon
+dying mid-checkpoint, a damaged file, a full disk, a stranger) the error
+says what and where, and the previous checkpoint stays usable.
+
+One 2-node cluster with 2 cores per node is shared: a 4-rank job fills it,
+so two such jobs are gang-scheduled in two slots (0.1 s slices).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import trio
+from conftest import as_uid, shared_cluster
+
+from gangd import ckptstore
+from gangd.client.api import connect
+from gangd.rpc import RemoteError
+
+PY = sys.executable
+ROOT = Path(__file__).resolve().parent.parent
+JOB = str(ROOT / "tests" / "jobs" / "ckptjob.py")
+EXAMPLES = ROOT / "examples"
+TERMINAL = ("DONE", "FAILED", "KILLED")
+NOBODY = 65534
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a second uid, mounting a tmpfs)")
+
+
+@pytest.fixture(scope="module")
+def gc():
+    with shared_cluster(2, cores=2, time_slice=0.1, max_slots=2) as cluster:
+        yield cluster
+
+
+@pytest.fixture(autouse=True)
+def _leave_it_empty(gc):
+    yield
+    for record in gc.gang_json("ps"):
+        if record["state"] not in TERMINAL:
+            gc.gang("kill", record["id"])
+    gc.wait_no_rank_processes(timeout=10)
+
+
+# ---------------------------------------------------------------- helpers
+
+_references: dict[tuple, str] = {}
+
+
+def reference(gc, argv: list[str], n: int = 4) -> str:
+    """RESULT of an uninterrupted run (cached per command)."""
+    key = (tuple(argv), n)
+    if key not in _references:
+        run = gc.gang("run", "-n", n, "--", PY, *argv, timeout=120)
+        assert run.returncode == 0, run.stderr
+        _references[key] = result_line(run.stdout)
+    return _references[key]
+
+
+def result_line(text: str) -> str:
+    lines = [line.split("RESULT", 1)[1].strip() for line in text.splitlines() if "RESULT" in line]
+    assert len(lines) == 1, f"expected one RESULT line in:\n{text}"
+    return lines[0]
+
+
+def submit(gc, argv: list[str], n: int = 4, *options) -> int:
+    return int(gc.gang("submit", "-n", n, *options, "--", PY, *argv, check=True).stdout)
+
+
+def result_of(gc, job: int, timeout: float = 60) -> str:
+    record = gc.wait_state(job, TERMINAL, timeout=timeout)
+    logs = gc.gang("logs", job, check=True).stdout
+    assert record["state"] == "DONE", f"job {job} {record['state']}: {record['reason']}\n{logs}"
+    return result_line(logs)
+
+
+def checkpoint(gc, job: int) -> dict:
+    result = gc.gang("checkpoint", job, "--json", timeout=90)
+    return json.loads(result.stdout)
+
+
+def generations(gc, job: int) -> list[dict]:
+    return gc.gang_json("ckpt", "ls", job)["generations"]
+
+
+def wait_generations(gc, job: int, count: int, timeout: float = 30) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while True:
+        complete = [g for g in generations(gc, job) if g["state"] == "complete"]
+        if len(complete) >= count:
+            return complete
+        assert time.monotonic() < deadline, f"job {job}: {len(complete)} complete generations after {timeout} s: {generations(gc, job)}"
+        time.sleep(0.1)
+
+
+def kill_and_restart(gc, job: int, *extra) -> int:
+    gc.gang("kill", job, check=True)
+    out = gc.gang("restart", job, "--json", *extra, check=True).stdout
+    return json.loads(out)["record"]["id"]
+
+
+def gen_dir(gc, node: str, lineage: int, gen: int) -> Path:
+    return ckptstore.gen_dir(gc.dir / node / "state" / "checkpoints", lineage, gen)
+
+
+def wait_running_a_bit(gc, job: int, seconds: float = 1.0) -> None:
+    gc.wait_state(job, ("RUNNING", "SUSPENDED"))
+    time.sleep(seconds)
+
+
+# ---------------------------------------------------------------- bit-identical restarts
+
+APPS = {
+    "ring": [str(EXAMPLES / "ring.py"), "--steps", "300", "--size", "2048"],
+    "heat": [str(EXAMPLES / "heat.py"), "--steps", "300", "--n", "128"],
+    "alltoall": [str(EXAMPLES / "alltoall.py"), "--steps", "200"],
+}
+
+
+@pytest.mark.parametrize("app", sorted(APPS))
+def test_checkpoint_kill_restart_is_bit_identical(gc, app):
+    argv = APPS[app]
+    expected = reference(gc, argv)
+    job = submit(gc, [*argv, "--sleep", "0.01"])
+    wait_running_a_bit(gc, job)
+    gen = checkpoint(gc, job)
+    assert gen["state"] == "complete", gen
+    assert 0 < gen["iteration"] < 300
+    assert set(gen["nodes"]) == {"n1", "n2"}
+    for node, stats in gen["nodes"].items():
+        assert stats["bytes"] > 0 and stats["ranks"] == 2
+        directory = gen_dir(gc, node, job, gen["gen"])
+        assert ckptstore.verify(directory) == []
+        for path in [directory, *directory.iterdir()]:
+            assert path.stat().st_mode & 0o077 == 0, f"{path} is readable by others"
+    restarted = kill_and_restart(gc, job)
+    assert result_of(gc, restarted) == expected
+    record = gc.job(restarted)
+    assert record["restart_of"] == {"job": job, "gen": gen["gen"], "iteration": gen["iteration"]}
+
+
+def test_messages_in_flight_across_the_cut_are_delivered_after_restart(gc):
+    """ckptjob receives in iteration k what its neighbour sent in k-1: at the
+    cut every rank has one message in the network, saved by the daemons."""
+    argv = [JOB, "--steps", "200", "--sleep", "0.01"]
+    expected = reference(gc, [JOB, "--steps", "200"])
+    job = submit(gc, argv)
+    wait_running_a_bit(gc, job)
+    gen = checkpoint(gc, job)
+    assert gen["state"] == "complete", gen
+    contexts = [p for node in ("n1", "n2") for p in gen_dir(gc, node, job, gen["gen"]).glob("net-*.ctx")]
+    assert len(contexts) == 4
+    restarted = kill_and_restart(gc, job)
+    assert result_of(gc, restarted) == expected
+    starts = [line for line in gc.gang("logs", restarted).stdout.splitlines() if "ran from iteration" in line]
+    assert len(starts) == 4 and all(line.endswith(f"ran from iteration {gen['iteration']}") for line in starts), starts
+
+
+def test_checkpoint_of_a_suspended_job_while_the_other_runs(gc):
+    argv = [JOB, "--steps", "150", "--sleep", "0.01"]
+    expected = reference(gc, [JOB, "--steps", "150"])
+    job = submit(gc, argv)
+    other = submit(gc, [JOB, "--steps", "100000", "--sleep", "0.01"])
+    wait_running_a_bit(gc, job, 0.5)
+    gc.gang("suspend", job, check=True)
+    assert gc.job(job)["state"] == "SUSPENDED"
+    gen = checkpoint(gc, job)
+    assert gen["state"] == "complete", gen
+    # Still held afterwards; the other job was never stopped for it.
+    assert gc.job(job)["state"] == "SUSPENDED" and gc.job(job)["held"]
+    assert gc.job(other)["state"] in ("RUNNING", "SUSPENDED")
+    restarted = kill_and_restart(gc, job)
+    assert result_of(gc, restarted, timeout=90) == expected
+    gc.gang("kill", other)
+
+
+def test_restart_continues_the_lineage_and_keeps_two_generations(gc):
+    argv = [JOB, "--steps", "400", "--sleep", "0.01"]
+    expected = reference(gc, [JOB, "--steps", "400"])
+    job = submit(gc, argv)
+    wait_running_a_bit(gc, job, 0.5)
+    first = checkpoint(gc, job)
+    restarted = kill_and_restart(gc, job)
+    wait_running_a_bit(gc, restarted, 0.5)
+    second = checkpoint(gc, restarted)
+    third = checkpoint(gc, restarted)
+    assert [first["gen"], second["gen"], third["gen"]] == [1, 2, 3]
+    assert first["iteration"] < second["iteration"] < third["iteration"]
+    states = {g["gen"]: g["state"] for g in generations(gc, job)}
+    assert states == {1: "removed", 2: "complete", 3: "complete"}  # the lineage, seen from the first job too
+    assert not gen_dir(gc, "n1", job, 1).exists() and gen_dir(gc, "n1", job, 2).exists()
+    again = kill_and_restart(gc, restarted)
+    assert result_of(gc, again) == expected
+
+
+# ---------------------------------------------------------------- triggers
+
+
+def test_ctrl_backslash_on_gang_run_checkpoints_the_job(gc):
+    import pty
+
+    master, slave = pty.openpty()
+    cmd = [PY, "-m", "gangd.client.cli", "--cluster", str(gc.dir), "run", "-n", "4", "--", PY, JOB, "--steps", "300", "--sleep", "0.01"]
+    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, preexec_fn=lambda: os.login_tty(slave), close_fds=True)
+    os.close(slave)
+    output = b""
+    try:
+        deadline = time.monotonic() + 30
+        job = None
+        while job is None and time.monotonic() < deadline:
+            running = [r for r in gc.gang_json("ps") if r["state"] in ("RUNNING", "SUSPENDED")]
+            job = running[0]["id"] if running else None
+            time.sleep(0.1)
+        time.sleep(1.0)
+        os.write(master, b"\x1c")  # Ctrl-\ : the terminal sends SIGQUIT to gang run
+        while b"complete" not in output and time.monotonic() < deadline:
+            try:
+                output += os.read(master, 4096)
+            except OSError:
+                break
+        assert b"checkpoint generation 1 complete" in output, output.decode(errors="replace")
+        assert proc.wait(timeout=60) == 0  # gang run survived its SIGQUIT, the job finished
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+    gen = generations(gc, job)
+    assert gen[0]["state"] == "complete" and "Ctrl-\\" in gen[0]["trigger"]
+
+
+def test_sigusr1_to_any_daemon_checkpoints_every_running_job(gc):
+    first = submit(gc, [JOB, "--steps", "100000", "--sleep", "0.01"])
+    second = submit(gc, [JOB, "--steps", "100000", "--sleep", "0.01"])
+    wait_running_a_bit(gc, first, 0.5)
+    wait_running_a_bit(gc, second, 0.1)
+    os.kill(gc.daemon_pid("n2"), signal.SIGUSR1)
+    for job in (first, second):
+        gen = wait_generations(gc, job, 1)[0]
+        assert "SIGUSR1" in gen["trigger"] and "n2" in gen["trigger"]
+
+
+def test_periodic_checkpoints_with_ckpt_every(gc):
+    job = submit(gc, [JOB, "--steps", "100000", "--sleep", "0.01"], 4, "--ckpt-every", "1s")
+    deadline = time.monotonic() + 40
+    while len(taken := [g for g in generations(gc, job) if g["state"] in ("complete", "removed")]) < 3:
+        assert time.monotonic() < deadline, generations(gc, job)
+        time.sleep(0.2)
+    gc.gang("kill", job, check=True)
+    taken = [g for g in generations(gc, job) if g["state"] in ("complete", "removed")]
+    assert all("every 1 s" in g["trigger"] for g in taken)
+    iterations = [g["iteration"] for g in taken]
+    assert iterations == sorted(iterations) and len(set(iterations)) == len(iterations)
+    # Older generations are removed once a newer one is complete: two are kept, on disk too.
+    complete = [g["gen"] for g in taken if g["state"] == "complete"]
+    assert complete == [taken[-2]["gen"], taken[-1]["gen"]]
+    for node in ("n1", "n2"):
+        assert ckptstore.generations(gc.dir / node / "state" / "checkpoints", job) == complete
+
+
+# ---------------------------------------------------------------- failures
+
+
+def test_a_rank_killed_mid_checkpoint_aborts_that_generation_only(gc):
+    # Rank 3 becomes slow after iteration 60: the checkpoint waits for it to
+    # reach the cut, and it is killed meanwhile.
+    argv = [JOB, "--steps", "100000", "--sleep", "0.01", "--slow-rank", "3", "--slow-from", "150", "--slow-sleep", "5"]
+    job = submit(gc, argv)
+    wait_running_a_bit(gc, job, 0.3)
+    good = checkpoint(gc, job)
+    assert good["state"] == "complete" and good["iteration"] < 150, good
+
+    async def start_checkpoint():
+        async with connect(gc.dir) as gang:
+            return await gang.checkpoint(job, wait=False)
+
+    deadline = time.monotonic() + 30
+    while "slow from now on" not in gc.gang("logs", job).stdout:  # rank 3 sleeps 5 s per iteration now
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    started = trio.run(start_checkpoint)
+    time.sleep(0.5)
+    victim = [p for p in gc.rank_processes(job) if p.environ().get("GANGD_RANK") == "3"]
+    victim[0].kill()
+    deadline = time.monotonic() + 20
+    while (entry := next((g for g in generations(gc, job) if g["gen"] == started["gen"]), None)) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert entry["state"] == "aborted" and "rank 3" in entry["reason"], entry
+    assert gc.wait_state(job, TERMINAL)["state"] == "FAILED"
+    for node in ("n1", "n2"):
+        assert not gen_dir(gc, node, job, started["gen"]).exists()
+        assert ckptstore.verify(gen_dir(gc, node, job, good["gen"])) == []
+    assert "aborted" in gc.log("n1") + gc.log("n2")
+
+
+def test_corrupted_or_truncated_files_fall_back_to_an_older_generation(gc):
+    argv = [JOB, "--steps", "300", "--sleep", "0.01"]
+    expected = reference(gc, [JOB, "--steps", "300"])
+    job = submit(gc, argv)
+    wait_running_a_bit(gc, job, 0.5)
+    older = checkpoint(gc, job)
+    time.sleep(0.3)
+    newer = checkpoint(gc, job)
+    assert older["state"] == newer["state"] == "complete"
+    gc.gang("kill", job, check=True)
+    victim = gen_dir(gc, "n2", job, newer["gen"]) / "rank-3.state"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    victim.write_bytes(data)
+    # The default: the newest intact one, saying what was skipped, by node and path.
+    result = gc.gang("restart", job, "--json", check=True)
+    answer = json.loads(result.stdout)
+    assert answer["gen"] == older["gen"]
+    assert any(str(victim) in s and "n2" in s and "corrupted" in s for s in answer["skipped"]), answer["skipped"]
+    assert result_of(gc, answer["record"]["id"]) == expected
+    # Asking for the damaged one explicitly: refused, with the reason.
+    refused = gc.gang("restart", job, "-g", newer["gen"])
+    assert refused.returncode != 0 and "damaged" in refused.stderr and str(victim) in refused.stderr
+    # Truncated: same story.
+    job2 = answer["record"]["id"]
+    assert ckptstore.verify(gen_dir(gc, "n1", job, older["gen"])) == []
+    victim = gen_dir(gc, "n1", job, older["gen"]) / "rank-0.state"
+    with open(victim, "r+b") as fh:
+        fh.truncate(victim.stat().st_size - 1)
+    refused = gc.gang("restart", job2, "-g", older["gen"])
+    assert refused.returncode != 0 and "truncated" in refused.stderr and str(victim) in refused.stderr
+
+
+@root_only
+def test_a_full_disk_fails_the_checkpoint_and_the_job_runs_on(gc):
+    directory = gc.dir / "n2" / "state" / "checkpoints"
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0711", "tmpfs", str(directory)], check=True)
+    try:
+        argv = [JOB, "--steps", "250", "--mb", "2", "--sleep", "0.01"]
+        expected = reference(gc, [JOB, "--steps", "250", "--mb", "2"])
+        job = submit(gc, argv)
+        wait_running_a_bit(gc, job, 0.5)
+        gen = checkpoint(gc, job)
+        assert gen["state"] == "aborted", gen
+        assert "no space left on device" in gen["reason"] and "n2" in gen["reason"], gen["reason"]
+        assert result_of(gc, job) == expected
+        assert list(directory.iterdir()) == [] or all(not any(p.iterdir()) for p in directory.iterdir())
+    finally:
+        subprocess.run(["umount", str(directory)], check=True)
+
+
+@root_only
+def test_strangers_can_neither_checkpoint_nor_restart_a_job(gc):
+    job = submit(gc, [JOB, "--steps", "400", "--sleep", "0.01"])
+    wait_running_a_bit(gc, job, 0.3)
+
+    def attempt(op):
+        def go():
+            async def main():
+                async with connect(gc.dir) as gang:
+                    try:
+                        await getattr(gang, op)(job)
+                    except RemoteError as exc:
+                        return {"code": exc.code, "message": exc.message}
+                    return {"code": None}
+
+            return trio.run(main)
+
+        return go
+
+    assert as_uid(NOBODY, attempt("checkpoint"))["code"] == "permission_denied"
+    gen = checkpoint(gc, job)
+    assert gen["state"] == "complete"
+    gc.gang("kill", job, check=True)
+    answer = as_uid(NOBODY, attempt("restart"))
+    assert answer["code"] == "permission_denied" and "root" in answer["message"]
+
+
+def test_checkpoint_of_a_job_without_ckptlib_is_refused_and_harmless(gc):
+    job = int(gc.gang("submit", "-n", 2, "--", "sleep", "30", check=True).stdout)
+    gc.wait_state(job, ("RUNNING", "SUSPENDED"))
+    result = gc.gang("checkpoint", job)
+    assert result.returncode != 0 and "ckptlib" in result.stderr
+    assert gc.job(job)["state"] in ("RUNNING", "SUSPENDED")  # no SIGQUIT reached it
+    assert generations(gc, job) == []
+
+
+def test_restart_refusals_are_specific(gc):
+    running = submit(gc, [JOB, "--steps", "100000", "--sleep", "0.01"])
+    gc.wait_state(running, ("RUNNING", "SUSPENDED"))
+    result = gc.gang("restart", running)
+    assert result.returncode != 0 and "kill it first" in result.stderr
+    gc.gang("kill", running, check=True)
+    result = gc.gang("restart", running)
+    assert result.returncode != 0 and "no complete checkpoint" in result.stderr
+    result = gc.gang("restart", 9999)
+    assert result.returncode == 5
+
+
+def _start_daemon(cluster, node: str) -> None:
+    """Start one node's gangd again, as `gang cluster up` does."""
+    nf = cluster.files[node]
+    with open(nf.log, "ab") as log:
+        proc = subprocess.Popen(
+            [PY, "-m", "gangd.daemon.main", "--config", str(nf.config)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+        )
+    nf.pidfile.write_text(f"{proc.pid}\n")
+
+
+def test_a_daemon_killed_mid_write_leaves_nothing_that_looks_complete(make_cluster):
+    cluster = make_cluster(2, cores=2)
+    env = dict(os.environ, GANGD_CKPT_BACKGROUND="0")  # ranks write while the checkpoint is under way
+    argv = [JOB, "--steps", "100000", "--sleep", "0.02", "--mb", "48"]
+    job = int(cluster.gang("submit", "-n", 4, "--", PY, *argv, env=env, check=True).stdout)
+    wait_running_a_bit(cluster, job, 0.5)
+    first = checkpoint(cluster, job)
+    assert first["state"] == "complete", first
+
+    async def start_checkpoint():
+        async with connect(cluster.dir) as gang:
+            return await gang.checkpoint(job, wait=False)
+
+    second = trio.run(start_checkpoint)["gen"]
+    deadline = time.monotonic() + 20
+    while (cluster.gang_json("ckpt", "ls", job)["under_way"] or {}).get("phase") != "capture":
+        assert time.monotonic() < deadline, "the checkpoint never reached its write phase"
+        time.sleep(0.01)
+    os.kill(cluster.daemon_pid("n2"), signal.SIGKILL)
+    record = cluster.wait_state(job, TERMINAL, timeout=30)
+    assert record["state"] == "FAILED"
+    deadline = time.monotonic() + 20
+    while not [g for g in generations(cluster, job) if g["gen"] == second]:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    entry = next(g for g in generations(cluster, job) if g["gen"] == second)
+    assert entry["state"] == "aborted" and "n2" in entry["reason"], entry
+    # Whatever n2 left of generation 2 was never committed.
+    assert not (gen_dir(cluster, "n2", job, second) / ckptstore.MANIFEST).exists()
+    _start_daemon(cluster, "n2")
+    deadline = time.monotonic() + 30
+    while {r["name"]: r["state"] for r in cluster.gang_json("nodes")["nodes"]}.get("n2") != "up":
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    answer = json.loads(cluster.gang("restart", job, "--json", check=True).stdout)
+    assert answer["gen"] == first["gen"] and answer["skipped"] == []
+    restarted = answer["record"]["id"]
+    wait_running_a_bit(cluster, restarted, 0.5)
+    third = checkpoint(cluster, restarted)
+    assert third["state"] == "complete" and third["iteration"] > first["iteration"]
+    cluster.gang("kill", restarted, check=True)

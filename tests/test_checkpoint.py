@@ -88,7 +88,9 @@ def result_of(gc, job: int, timeout: float = 60) -> str:
 
 
 def checkpoint(gc, job: int) -> dict:
+    """The generation (complete or aborted: `gang checkpoint` exits 1 for those)."""
     result = gc.gang("checkpoint", job, "--json", timeout=90)
+    assert result.stdout, f"gang checkpoint {job} exited {result.returncode}: {result.stderr}"
     return json.loads(result.stdout)
 
 
@@ -144,8 +146,8 @@ def test_checkpoint_kill_restart_is_bit_identical(gc, app):
         assert stats["bytes"] > 0 and stats["ranks"] == 2
         directory = gen_dir(gc, node, job, gen["gen"])
         assert ckptstore.verify(directory) == []
-        for path in [directory, *directory.iterdir()]:
-            assert path.stat().st_mode & 0o077 == 0, f"{path} is readable by others"
+        for path in directory.rglob("*"):  # files: the owner's alone; directories: not listable by others
+            assert path.stat().st_mode & (0o077 if path.is_file() else 0o066) == 0, f"{path} is open to others"
     restarted = kill_and_restart(gc, job)
     assert result_of(gc, restarted) == expected
     record = gc.job(restarted)
@@ -316,7 +318,7 @@ def test_corrupted_or_truncated_files_fall_back_to_an_older_generation(gc):
     newer = checkpoint(gc, job)
     assert older["state"] == newer["state"] == "complete"
     gc.gang("kill", job, check=True)
-    victim = gen_dir(gc, "n2", job, newer["gen"]) / "rank-3.state"
+    victim = gen_dir(gc, "n2", job, newer["gen"]) / ckptstore.cluster_rank_file(3)
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x40
     victim.write_bytes(data)
@@ -332,7 +334,7 @@ def test_corrupted_or_truncated_files_fall_back_to_an_older_generation(gc):
     # Truncated: same story.
     job2 = answer["record"]["id"]
     assert ckptstore.verify(gen_dir(gc, "n1", job, older["gen"])) == []
-    victim = gen_dir(gc, "n1", job, older["gen"]) / "rank-0.state"
+    victim = gen_dir(gc, "n1", job, older["gen"]) / ckptstore.cluster_rank_file(0)
     with open(victim, "r+b") as fh:
         fh.truncate(victim.stat().st_size - 1)
     refused = gc.gang("restart", job2, "-g", older["gen"])
@@ -430,10 +432,12 @@ def test_a_daemon_killed_mid_write_leaves_nothing_that_looks_complete(make_clust
             return await gang.checkpoint(job, wait=False)
 
     second = trio.run(start_checkpoint)["gen"]
+    # Kill n2's daemon as soon as its ranks are writing their state.
+    writing = gen_dir(cluster, "n2", job, second) / ckptstore.RANKS_DIR
     deadline = time.monotonic() + 20
-    while (cluster.gang_json("ckpt", "ls", job)["under_way"] or {}).get("phase") != "capture":
-        assert time.monotonic() < deadline, "the checkpoint never reached its write phase"
-        time.sleep(0.01)
+    while not (writing.is_dir() and any(name.endswith(".tmp") for name in os.listdir(writing))):
+        assert time.monotonic() < deadline, "the ranks on n2 never started writing"
+        time.sleep(0.001)
     os.kill(cluster.daemon_pid("n2"), signal.SIGKILL)
     record = cluster.wait_state(job, TERMINAL, timeout=30)
     assert record["state"] == "FAILED"

@@ -3,11 +3,16 @@
 Shared by the daemons (cluster checkpoints) and by :mod:`gangd.ckptlib` when
 a program runs alone. One directory per generation::
 
-    <root>/job-<lineage>/gen-<G>/
-        rank-<R>.state      a rank's protected state (written by the rank)
-        net-<R>.ctx         its network context (written by the daemon)
-        job.msgpack         the daemon's record of the job at the cut
-        MANIFEST            this node's commit: every file above with size and checksum
+    <root>/job-<lineage>/gen-<G>/     (root's, 0711: only the daemon adds or removes files)
+        ranks/rank-<R>.state  a rank's protected state (ranks/ is the job owner's, 0700)
+        net-<R>.ctx           its network context (written by the daemon)
+        job.msgpack           the daemon's record of the job at the cut
+        MANIFEST              this node's commit: every file above with size and checksum
+
+Every file belongs to the job's owner, mode 0600. The daemon (root) never
+writes into a directory the owner controls, so no symlink the owner plants
+can redirect its writes; it only reads the ranks' files, without following
+symlinks. A program running alone keeps its state at ``gen-<G>/rank-0.state``.
 
 Every file is written under a temporary name, fsynced, then renamed, and the
 directory fsynced: a crash leaves either the old name or the whole new file,
@@ -26,6 +31,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,8 +56,17 @@ def gen_dir(root: Path, lineage: int, gen: int) -> Path:
     return job_dir(root, lineage) / f"gen-{gen}"
 
 
+RANKS_DIR = "ranks"
+
+
 def rank_file(rank: int) -> str:
+    """A rank's state file in a standalone generation."""
     return f"rank-{rank}.state"
+
+
+def cluster_rank_file(rank: int) -> str:
+    """A rank's state file in a cluster generation (in the owner's ``ranks/``)."""
+    return f"{RANKS_DIR}/rank-{rank}.state"
 
 
 def net_file(rank: int) -> str:
@@ -104,7 +119,11 @@ def write_atomic(path: Path, chunks: Iterable, *, mode: int = 0o600, owner: tupl
     tmp = path.with_name(f".{path.name}.tmp")
     digest = hasher()
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+        try:
+            os.unlink(tmp)  # a leftover of a crash (O_EXCL below refuses anything already there)
+        except FileNotFoundError:
+            pass
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         try:
             if owner is not None:
                 os.fchown(fd, *owner)
@@ -123,12 +142,22 @@ def write_atomic(path: Path, chunks: Iterable, *, mode: int = 0o600, owner: tupl
     return size, digest.hexdigest()
 
 
+def open_regular(path: Path) -> int:
+    """An fd of ``path`` if it is a regular file — never through a symlink, never
+    blocking on a FIFO (the daemon reads files in directories users control)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file")
+    return fd
+
+
 def checksum_file(path: Path) -> tuple[int, str]:
     digest = hasher()
     size = 0
     buf = bytearray(CHUNK)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as fh:
+    with os.fdopen(open_regular(path), "rb", buffering=0) as fh:
         while n := fh.readinto(buf):
             digest.update(view[:n])
             size += n
@@ -198,7 +227,7 @@ def verify(directory: Path, names: Iterable[str] | None = None) -> list[str]:
             continue
         size, digest = manifest.files[name]
         try:
-            actual = os.stat(path).st_size
+            actual = os.lstat(path).st_size
         except FileNotFoundError:
             problems.append(f"{path} is missing")
             continue

@@ -74,18 +74,24 @@ def init(*, directory: str | os.PathLike | None = None, restart=None, background
     if restart is True:
         restart = "latest"
     info = job_info()
-    if info.under_gangd and info.socket:
-        from .agent import DaemonAgent
+    cp = Checkpointer(None, background=background)
+    # The handler first: once the daemon knows this rank takes checkpoints it
+    # may send SIGQUIT at any moment, and SIGQUIT's default action kills.
+    previous = signal.signal(signal.SIGQUIT, cp.signal_handler)
+    try:
+        if info.under_gangd and info.socket:
+            from .agent import DaemonAgent
 
-        backend = DaemonAgent(info)
-    else:
-        where = directory or os.environ.get("GANGD_CKPT_DIR") or f"{Path(sys.argv[0] or 'program').stem}.ckpt"
-        backend = Standalone(Path(where), keep=keep, every=every)
-    cp = Checkpointer(backend, background=background)
-    if restart is not None or info.under_gangd:
-        backend.restore(cp, restart)
-    backend.attach(cp)
-    signal.signal(signal.SIGQUIT, cp.signal_handler)
+            cp.backend = DaemonAgent(info)
+        else:
+            where = directory or os.environ.get("GANGD_CKPT_DIR") or f"{Path(sys.argv[0] or 'program').stem}.ckpt"
+            cp.backend = Standalone(Path(where), keep=keep, every=every)
+        if restart is not None or info.under_gangd:
+            cp.backend.restore(cp, restart)
+        cp.backend.attach(cp)
+    except BaseException:
+        signal.signal(signal.SIGQUIT, previous)
+        raise
     atexit.register(cp.fini)
     _cp = cp
     return cp
@@ -124,7 +130,7 @@ def generation() -> int | None:
 
 
 def fini() -> None:
-    """Wait for checkpoint writes still under way and stop handling SIGQUIT."""
+    """Wait for checkpoint writes still under way; later SIGQUITs are ignored."""
     global _cp
     if _cp is not None:
         _cp.fini()

@@ -79,6 +79,8 @@ class DaemonAgent:
     def attach(self, cp: Checkpointer) -> None:
         self.cp = cp
         self.thread.start()
+        if cp.requested:  # SIGQUIT came while this rank was registering
+            self.on_request(cp)
 
     # ------------------------------------------------------------ the connection
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import select
-import signal
 import sys
 import threading
 import time
@@ -22,7 +21,6 @@ from pathlib import Path
 from .. import ckptstore
 from ..ckptstore import StoreError
 from . import image, writer
-
 
 DAMAGED = "DAMAGED"  # in a generation found unusable at a restart: why
 
@@ -85,10 +83,12 @@ class Checkpointer:
     def request(self) -> None:
         """Checkpoint at the next boundary (the signal handler does the same)."""
         self.requested = True
-        self.backend.on_request(self)
+        if self.backend is not None:  # (else the backend sees the flag when it attaches)
+            self.backend.on_request(self)
 
     def signal_handler(self, signum, frame) -> None:
-        self.request()
+        if not self.closed:  # (after fini the handler stays, harmless: a late SIGQUIT must not kill)
+            self.request()
 
     # ------------------------------------------------------------ saving
 
@@ -106,11 +106,7 @@ class Checkpointer:
         if self.closed:
             return
         self.closed = True
-        try:
-            self.backend.fini(self)
-        finally:
-            if threading.current_thread() is threading.main_thread():
-                signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+        self.backend.fini(self)
 
 
 _END = object()

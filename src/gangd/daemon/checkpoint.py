@@ -139,7 +139,7 @@ class NodeCheckpoints:
         reply: dict = {"restart": None}
         restart = self.restarts.get(job_id)
         if restart is not None:
-            name = ckptstore.rank_file(rank)
+            name = ckptstore.cluster_rank_file(rank)
             reply["restart"] = {
                 "gen": restart["gen"],
                 "path": str(restart["directory"] / name),
@@ -292,7 +292,7 @@ class NodeCheckpoints:
             raise RemoteError("write_failed", f"{self.daemon.node}: {exc}") from None
         pending.files.update(files)
         for rank in pending.ranks:
-            pending.path[rank] = str(pending.directory / ckptstore.rank_file(rank))
+            pending.path[rank] = str(pending.directory / ckptstore.cluster_rank_file(rank))
         pending.released = True
         pending.times["released"] = time.time()
         pending.poke()
@@ -323,7 +323,7 @@ class NodeCheckpoints:
         pending.times["written"] = time.time()
         files = dict(pending.files)
         for rank, result in pending.written.items():
-            files[ckptstore.rank_file(rank)] = [result["size"], result["digest"]]
+            files[ckptstore.cluster_rank_file(rank)] = [result["size"], result["digest"]]
         manifest = ckptstore.Manifest(int(args["lineage"]), pending.gen, self.daemon.node, pending.cut, files, pending.ranks, time.time())
         try:
             await trio.to_thread.run_sync(self._check_and_commit, pending, manifest)
@@ -341,7 +341,7 @@ class NodeCheckpoints:
         for name, (size, _) in manifest.files.items():
             path = pending.directory / name
             try:
-                actual = os.stat(path).st_size
+                actual = os.lstat(path).st_size
             except OSError as exc:
                 raise StoreError(f"{path}: {exc.strerror}") from None
             if actual != size:
@@ -399,8 +399,8 @@ class NodeCheckpoints:
                 manifest = ckptstore.read_manifest(directory)
             except StoreError as exc:
                 return [f"{self.daemon.node}: {exc}"]
-            names = [n for n in manifest.files if n == "job.msgpack" or any(n in (ckptstore.rank_file(r), ckptstore.net_file(r)) for r in ranks)]
-            missing = [ckptstore.rank_file(r) for r in ranks if ckptstore.rank_file(r) not in manifest.files]
+            names = [n for n in manifest.files if n == "job.msgpack" or any(n in (ckptstore.cluster_rank_file(r), ckptstore.net_file(r)) for r in ranks)]
+            missing = [ckptstore.cluster_rank_file(r) for r in ranks if ckptstore.cluster_rank_file(r) not in manifest.files]
             problems = [f"{self.daemon.node}: {directory / n} is not in the manifest" for n in missing]
             return problems + [f"{self.daemon.node}: {p}" for p in ckptstore.verify(directory, names)]
 
@@ -470,10 +470,13 @@ class NodeCheckpoints:
 
 
 def _make_dirs(directory: Path, owner: tuple[int, int] | None) -> None:
-    """The generation's directory, replacing leftovers of an attempt that died with its coordinator."""
+    """The generation's directory (the daemon's; a leftover of an attempt that
+    died with its coordinator is replaced) and the owner's ``ranks/`` in it."""
     ckptstore.remove(directory)
     for path in (directory.parent, directory):
-        path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if owner is not None:
-            os.chown(path, *owner)
-        os.chmod(path, 0o700)
+        path.mkdir(exist_ok=True, mode=0o711)
+        os.chmod(path, 0o711)  # traversable, not listable; every file in it is the owner's, 0600
+    ranks = directory / ckptstore.RANKS_DIR
+    ranks.mkdir(mode=0o700)
+    if owner is not None:
+        os.chown(ranks, *owner, follow_symlinks=False)

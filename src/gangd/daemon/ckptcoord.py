@@ -64,7 +64,8 @@ class CheckpointCoordinator:
 
     def _next_gen(self, record: dict) -> int:
         known = [e["gen"] for e in self.generations(record)]
-        known += [live["gen"] for job_id, live in self.live.items()]
+        lineage = {r["id"] for r in self.lineage_records(record)}
+        known += [live["gen"] for job_id, live in self.live.items() if job_id in lineage]
         return max(known, default=0) + 1
 
     # ------------------------------------------------------------ requests
@@ -202,12 +203,15 @@ class CheckpointCoordinator:
         keep = self.daemon.config.checkpoint_keep
         gens = self.generations(self.daemon.table.get(record["id"]))
         complete = [e for e in gens if e["state"] == "complete"]
-        doomed = complete[:-keep] if keep else []
-        if not doomed:
+        doomed = complete[:-keep]
+        # Leftovers of aborted generations on a node that missed the abort
+        # (it was down) go too; removing what is not there costs nothing.
+        leftovers = [e for e in gens if e["state"] == "aborted"]
+        if not doomed and not leftovers:
             return
         lineage = record.get("lineage") or record["id"]
         by_node: dict[str, list[int]] = {}
-        for e in doomed:
+        for e in doomed + leftovers:
             for node in dict.fromkeys(e["placement"]):
                 by_node.setdefault(node, []).append(e["gen"])
         for node, node_gens in by_node.items():
@@ -216,6 +220,8 @@ class CheckpointCoordinator:
                     await self.daemon.call(node, "ckpt_prune", lineage=lineage, gens=node_gens)
                 except RemoteError as exc:
                     log.warning("could not remove old checkpoints on %s: %s", node, exc)
+        if not doomed:
+            return
         removed = {(e["job"], e["gen"]) for e in doomed}
         for job in {j for j, _ in removed}:
             def change(r, job=job):

@@ -196,11 +196,12 @@ def render(config: Config) -> str:
         f"log_level = {toml_str(config.log_level)}",
         f"nice = {config.nice}",
         f"realtime_priority = {config.realtime_priority}",
-        f"checkpoint_dir = {toml_str(config.checkpoint_root)}",
         "",
         "[cluster]",
         f"secret_file = {toml_str(config.secret_file)}",
     ]
+    if config.checkpoint_dir:
+        lines.insert(lines.index("[cluster]") - 1, f"checkpoint_dir = {toml_str(config.checkpoint_dir)}")
     if config.master:
         lines.append(f"master = {toml_str(config.master)}")
     lines += [

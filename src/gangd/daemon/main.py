@@ -33,7 +33,9 @@ start-up error (the message says which), 2 bad command line.
 @click.option("--heartbeat-timeout", type=float, help="Seconds without a heartbeat before a node is down.")
 @click.option("--time-slice", type=float, help="Gang scheduling: seconds each slot runs (default 0.3).")
 @click.option("--max-slots", type=int, help="Gang scheduling: multiprogramming degree (default 4).")
-def main(config_path, name, state_dir, socket, secret_file, master, log_level, heartbeat_interval, heartbeat_timeout, time_slice, max_slots):
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False), help="Node-local disk for checkpoints (default: STATE_DIR/checkpoints).")
+@click.option("--checkpoint-keep", type=click.IntRange(min=1), help="Complete checkpoint generations kept per job (default 2).")
+def main(config_path, name, state_dir, socket, secret_file, master, log_level, heartbeat_interval, heartbeat_timeout, time_slice, max_slots, checkpoint_dir, checkpoint_keep):
     """Run the gangd node daemon: one per node, started by systemd (see systemd/gangd.service)."""
     from .server import Daemon, StartupError
 
@@ -50,6 +52,8 @@ def main(config_path, name, state_dir, socket, secret_file, master, log_level, h
             heartbeat_timeout=heartbeat_timeout,
             time_slice=time_slice,
             max_slots=max_slots,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_keep=checkpoint_keep,
         )
         logging.basicConfig(
             level=config.log_level.upper(),

@@ -27,6 +27,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import msgpack
@@ -669,3 +670,33 @@ def test_program_without_loop(tmp_path):
     assert result.stdout.split() == ["restarted", "False", "sum", "6.0", "done"]
     assert result.stderr == ""
     assert not (tmp_path / "noloop.ckpt").exists()
+
+
+def catches_sigquit(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1], 16)
+    return bool(caught & (1 << (signal.SIGQUIT - 1)))
+
+
+def test_alone_messages_to_itself_in_flight_survive_a_restart(tmp_path):
+    """examples/ring.py run alone is a one-rank ring: at every boundary a
+    message it sent itself is still queued. Nobody but ckptlib can save it."""
+    ring = Path(__file__).resolve().parent.parent / "examples" / "ring.py"
+    argv = [sys.executable, str(ring), "--steps", "150"]
+    expected = subprocess.run(argv, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=60, check=True).stdout
+    proc = subprocess.Popen([*argv, "--sleep", "0.01"], cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while not catches_sigquit(proc.pid):  # ckpt.init() has run
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.01)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGQUIT)
+    deadline = time.monotonic() + 10
+    while not list((tmp_path / "ring.ckpt").glob("job-0/gen-*/MANIFEST")):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.02)
+    proc.kill()
+    proc.wait()
+    restarted = subprocess.run(argv, cwd=tmp_path, env=clean_env(GANGD_RESTART="latest"), capture_output=True, text=True, timeout=60)
+    assert restarted.returncode == 0, restarted.stderr
+    assert restarted.stdout == expected and "RESULT" in expected

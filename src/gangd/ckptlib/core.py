@@ -11,6 +11,7 @@ runs the job (:class:`~gangd.ckptlib.agent.DaemonAgent`).
 
 from __future__ import annotations
 
+import importlib
 import os
 import select
 import sys
@@ -23,6 +24,7 @@ from ..ckptstore import StoreError
 from . import image, writer
 
 DAMAGED = "DAMAGED"  # in a generation found unusable at a restart: why
+COMM_VALUE = "__gangd.comm__"  # a one-rank world's network context, saved with the values
 
 
 class CheckpointError(Exception):
@@ -92,8 +94,9 @@ class Checkpointer:
 
     # ------------------------------------------------------------ saving
 
-    def snapshot(self, path: Path, iteration: int, then=None) -> writer.Written:
-        written = writer.write(path, dict(self.values), iteration, background=self.background, then=then)
+    def snapshot(self, path: Path, iteration: int, then=None, extra: dict | None = None) -> writer.Written:
+        values = {**self.values, **(extra or {})}
+        written = writer.write(path, values, iteration, background=self.background, then=then)
         self.writes.append(written)
         return written
 
@@ -161,6 +164,9 @@ class Standalone:
                 # Marked (not deleted: evidence), so retention never keeps it over intact ones.
                 (directory / DAMAGED).write_text(f"{exc}\n")
                 continue
+            network = values.pop(COMM_VALUE, None)
+            if network is not None:
+                importlib.import_module("gangd.comm.world").restore_alone_context(network)
             cp.restored, cp.start, cp.generation = values, iteration, gen
             cp.restarted_from = gen
             return
@@ -199,7 +205,10 @@ class Standalone:
         for done in [w for w in cp.writes if w.done or _exited(w)]:
             self._report(done.wait())
             cp.writes.remove(done)
-        written = cp.snapshot(directory / name, k, then=commit)
+        # Alone, nobody else saves the messages a one-rank world sent itself and did not receive yet.
+        comm_world = sys.modules.get("gangd.comm.world")
+        network = comm_world.alone_context() if comm_world is not None else None
+        written = cp.snapshot(directory / name, k, then=commit, extra={COMM_VALUE: network} if network else None)
         if written.done:
             self._report(written.wait())
             cp.writes.remove(written)

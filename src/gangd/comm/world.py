@@ -227,11 +227,41 @@ def world() -> World:
         return _world
 
 
+_restored_alone: bytes | None = None  # a one-rank world's context, from a checkpoint (ckptlib, alone)
+
+
+def alone_context() -> bytes | None:
+    """A one-rank world's network context (its messages to itself not yet
+    received), for ckptlib to save with a program running alone; None if no
+    world exists or it runs under gangd (there the daemons save it)."""
+    current = _world
+    if current is None or current.closed or current.size != 1 or current._control is not None:
+        return None
+    engine = current._engine
+    with engine.lock:
+        return context.capture(engine)
+
+
+def restore_alone_context(blob: bytes) -> None:
+    """Give a program restarted alone its one-rank world's saved messages (before it sends any)."""
+    global _restored_alone
+    with _world_lock:
+        if _world is None:
+            _restored_alone = blob
+            return
+    with _world._engine.lock:
+        context.restore(_world._engine, blob)
+
+
 def _create(environ) -> World:
+    global _restored_alone
     info = job_info(environ)
     if not info.under_gangd:
         engine = Engine(0, 1, None, gate=False)
         engine.start([{"node": None}], b"", {"open": True, "epoch": 0})
+        if _restored_alone is not None:
+            context.restore(engine, _restored_alone)
+            _restored_alone = None
         return World(engine)
     comm_dir = environ.get("GANGD_COMM_DIR")
     if not comm_dir or not info.socket:

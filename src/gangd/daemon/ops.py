@@ -327,13 +327,14 @@ class Ops:
             try:
                 last_seq = -1
                 while True:
+                    changed = table.change_event()  # (a change while emit waits must not be lost)
                     current = table.get(job_id)
                     if current["seq"] != last_seq:
                         last_seq = current["seq"]
                         await emit(current)
                     if jobs.is_terminal(current):
                         return
-                    await table.wait_changed()
+                    await changed.wait()
             finally:
                 current = table.get(job_id)
                 if kill_on_disconnect and channel.closed and not jobs.is_terminal(current):

@@ -93,3 +93,8 @@ class JobTable:
 
     async def wait_changed(self) -> None:
         await self._changed.wait()
+
+    def change_event(self) -> trio.Event:
+        """Set at the next change. Take it *before* reading the table when
+        something awaited in between could miss that change."""
+        return self._changed

@@ -71,6 +71,7 @@ class Pending:
 
     job_id: int
     gen: int
+    lineage: int
     directory: Path
     ranks: list[int]
     owner: tuple[int, int] | None
@@ -250,7 +251,7 @@ class NodeCheckpoints:
         directory = ckptstore.gen_dir(self.root, int(args["lineage"]), gen)
         owner = (record["owner_uid"], record["owner_gid"]) if os.geteuid() == 0 else None
         await trio.to_thread.run_sync(_make_dirs, directory, owner)
-        pending = Pending(job_id, gen, directory, mine, owner)
+        pending = Pending(job_id, gen, int(args["lineage"]), directory, mine, owner)
         pending.times["begin"] = time.time()
         self.pending[job_id] = pending
         for rank in mine:
@@ -362,6 +363,15 @@ class NodeCheckpoints:
         if args.get("lineage") is not None and gen is not None:
             await trio.to_thread.run_sync(ckptstore.remove, ckptstore.gen_dir(self.root, int(args["lineage"]), gen))
         return True
+
+    async def abort_all(self, args: dict) -> list[int]:
+        """A new coordinator took over: checkpoints the old one was running can never finish."""
+        why = str(args.get("why") or "the coordinator changed during the checkpoint")
+        jobs_ = list(self.pending)
+        for job_id in jobs_:
+            pending = self.pending[job_id]
+            await self.abort({"job": job_id, "gen": pending.gen, "lineage": pending.lineage, "why": why})
+        return jobs_
 
     def _times(self, pending: Pending) -> dict:
         return {"node": self.daemon.node, "times": dict(pending.times), "ranks": len(pending.ranks)}

@@ -41,6 +41,7 @@ class CheckpointOps:
             "ckpt_prune": self._node(node.prune),
             "ckpt_verify": self._node(node.verify),
             "ckpt_open": self._node(node.open_restarted),
+            "ckpt_abort_all": self._node(node.abort_all),
         }
 
     @staticmethod

@@ -177,6 +177,10 @@ class Coordinator:
         for node in self.daemon.peers.up_nodes():
             try:
                 await self.daemon.call(node, "resend_exits")
+                # Checkpoints the previous coordinator was running cannot finish: release their ranks.
+                aborted = await self.daemon.call(node, "ckpt_abort_all", why=f"the coordinator changed to {self.daemon.node} during the checkpoint")
+                if aborted:
+                    log.warning("aborted the checkpoints of jobs %s on %s, left by the previous coordinator", aborted, node)
             except RemoteError as exc:
                 log.warning("could not ask %s to resend rank exits: %s", node, exc)
         self.kick()

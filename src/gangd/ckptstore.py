@@ -109,11 +109,14 @@ def write_chunks(fd: int, chunks: Iterable, digest=None) -> int:
     return total
 
 
-def write_atomic(path: Path, chunks: Iterable, *, mode: int = 0o600, owner: tuple[int, int] | None = None) -> tuple[int, str]:
+def write_atomic(path: Path, chunks: Iterable, *, mode: int = 0o600, owner: tuple[int, int] | None = None,
+                 durable: bool = True) -> tuple[int, str]:
     """Write ``chunks`` to ``path`` via a temporary name, fsync, rename, fsync the directory.
 
     Returns (size, checksum). Raises :class:`StoreError` with the path on any
     failure (a full disk included), leaving nothing under the final name.
+    ``durable=False`` skips both fsyncs: for files whose durability a later
+    :func:`sync` before the manifest ensures (the manifest alone commits).
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -128,11 +131,13 @@ def write_atomic(path: Path, chunks: Iterable, *, mode: int = 0o600, owner: tupl
             if owner is not None:
                 os.fchown(fd, *owner)
             size = write_chunks(fd, chunks, digest)
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
         os.rename(tmp, path)
-        fsync_dir(path.parent)
+        if durable:
+            fsync_dir(path.parent)
     except OSError as exc:
         try:
             os.unlink(tmp)
@@ -150,6 +155,17 @@ def open_regular(path: Path) -> int:
         os.close(fd)
         raise OSError(errno.EINVAL, "not a regular file")
     return fd
+
+
+def sync(directory: Path, names: Iterable[str]) -> None:
+    """fsync files written with ``durable=False``, then their directory."""
+    for name in names:
+        fd = open_regular(Path(directory) / name)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fsync_dir(directory)
 
 
 def checksum_file(path: Path) -> tuple[int, str]:

@@ -190,6 +190,8 @@ class NodeCheckpoints:
             pending.fail(f"rank {rank} on {self.daemon.node} could not write its state: {result['error']}")
         elif isinstance(result.get("size"), int) and isinstance(result.get("digest"), str):
             pending.written[rank] = {"size": result["size"], "digest": result["digest"], "seconds": result.get("seconds", 0.0)}
+            if set(pending.written) >= set(pending.ranks):
+                pending.times["written"] = time.time()  # the last rank's state is on disk
             pending.poke()
         else:
             pending.fail(f"rank {rank} on {self.daemon.node} reported a malformed write result")
@@ -302,11 +304,13 @@ class NodeCheckpoints:
         return self._times(pending)
 
     def _write_daemon_files(self, pending: Pending, contexts: dict, job_blob: bytes) -> dict:
+        # Into the page cache only: the job is blocked meanwhile, and the
+        # fsyncs can wait for the commit, which does them before the manifest.
         files = {}
         for rank, blob in contexts.items():
             name = ckptstore.net_file(int(rank))
-            files[name] = list(ckptstore.write_atomic(pending.directory / name, [blob], owner=pending.owner))
-        files["job.msgpack"] = list(ckptstore.write_atomic(pending.directory / "job.msgpack", [job_blob], owner=pending.owner))
+            files[name] = list(ckptstore.write_atomic(pending.directory / name, [blob], owner=pending.owner, durable=False))
+        files["job.msgpack"] = list(ckptstore.write_atomic(pending.directory / "job.msgpack", [job_blob], owner=pending.owner, durable=False))
         return files
 
     async def resume(self, args: dict) -> dict:
@@ -321,7 +325,6 @@ class NodeCheckpoints:
     async def commit(self, args: dict) -> dict:
         pending = self._pending(args)
         await pending.until(lambda: set(pending.written) >= set(pending.ranks), float(args.get("timeout") or self.daemon.config.checkpoint_timeout), "the ranks did not finish writing")
-        pending.times["written"] = time.time()
         files = dict(pending.files)
         for rank, result in pending.written.items():
             files[ckptstore.cluster_rank_file(rank)] = [result["size"], result["digest"]]
@@ -347,6 +350,10 @@ class NodeCheckpoints:
                 raise StoreError(f"{path}: {exc.strerror}") from None
             if actual != size:
                 raise StoreError(f"{path} has {actual} bytes, its writer reported {size}")
+        try:
+            ckptstore.sync(pending.directory, pending.files)  # the daemon's own files (the ranks fsynced theirs)
+        except OSError as exc:
+            raise StoreError(ckptstore.describe_os_error(exc, pending.directory)) from None
         ckptstore.write_manifest(pending.directory, manifest, owner=pending.owner)
 
     async def abort(self, args: dict) -> bool:

@@ -1,0 +1,547 @@
+"""Consistent checkpoints: what they cost, what a restart costs, how fast they write.
+
+Reproduces the evaluation of SCore-D's consistent-checkpoint paper on a
+local 4-node cluster (4 daemons on 127.0.0.1-4, one core and one rank each;
+every node's "local disk" is a directory of one temporary directory, so all
+of them share this machine's disk). The job is bench/ckpt_app.py, a 2-D heat
+stencil whose ranks swap halo rows through gangd.comm. Every baseline is
+measured in the same run:
+
+  Table 2  library overhead without checkpoints: the same job with
+           gangd.ckptlib (init/protect/loop/fini, no checkpoint taken) vs
+           without it (``--plain``: no import, a plain range). Runs
+           alternate; medians of ``--repeats``; job time from the job
+           record (started -> ended) and the ranks' own loop time.
+  Table 3  restarted run vs normal run: checkpoint at ~10 % of the
+           iterations, kill, ``restart``; the restarted job's time per
+           remaining iteration against the time per iteration of a normal
+           run taken just before it, the restart latency (call -> the new
+           job launched, and -> its ranks done with their first iteration
+           after the cut), and whether the result is bit-identical.
+  Table 4  one checkpoint broken down per node (prep, write, finish,
+           blocked, disk, sync overhead), ``--breakdown-mib`` per node.
+  Fig. 4   checkpoint bandwidth per node p = sum(bytes) / t / n (t: request
+           -> generation complete, everything on disk) for 1 MiB .. 1 GiB per
+           node, against the raw bandwidth of the same disk: n processes
+           writing as much at once, 8 MiB os.write calls + fsync (like
+           ``dd conv=fsync``), p_raw = sum(s) / t_raw / n. Plus the sync
+           overhead (the part of the blocked time spent synchronizing).
+  Table 5  application blocked vs getting the state on disk, per size, with
+           ckptlib's default background writes (a forked copy-on-write
+           snapshot writes while the job runs on) and inline writes
+           (GANGD_CKPT_BACKGROUND=0 in the job's environment).
+
+    python bench/ckpt.py [--quick] [--repeats 3] [--max-mib 1024] [--json]
+
+``--quick`` is a small version (under a minute); ``--json`` prints every
+number as one JSON document on stdout (the tables go to stderr then).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import psutil
+import trio
+
+from gangd.client import cluster as local
+from gangd.client.api import connect
+
+HERE = Path(__file__).resolve().parent
+APP = str(HERE / "ckpt_app.py")
+NODES = 4  # one rank per node: the machine has 2 cores, 4 ranks is as far as it goes
+SIZES = [1, 4, 16, 64, 256, 1024]  # MiB per node (= per rank), Fig. 4's x axis
+MiB = 1 << 20
+RAW_CHUNK = 8 * MiB  # the size of ckptlib's own writes (ckptstore.CHUNK)
+CKPT_SLEEP = 0.02  # s per iteration of the checkpointed jobs: they run on, a cut comes quickly
+CKPT_BAND = 1 * MiB  # state relaxed per iteration of those jobs (what a snapshot copies on write)
+STENCIL_COLS = 1024  # ckpt_app's default --n: 8 KiB rows
+
+out = sys.stdout  # where the tables go (stderr under --json)
+
+
+def say(*parts) -> None:
+    print(*parts, file=out, flush=True)
+
+
+class BenchError(Exception):
+    pass
+
+
+# ---------------------------------------------------------------- jobs
+
+
+def job_env(background: bool | None) -> dict:
+    """This environment for the ranks, minus anything that would change ckptlib's behaviour
+    behind the benchmark's back; ``background=False`` asks for inline writes."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GANGD_CKPT_BACKGROUND", "GANGD_RESTART", "GANGD_CKPT_DIR")}
+    if background is False:
+        env["GANGD_CKPT_BACKGROUND"] = "0"
+    return env
+
+
+async def submit(gang, app_args: list[str], *, name: str, background: bool | None = None) -> int:
+    record = await gang.submit([sys.executable, APP, *app_args], NODES, per_node=1, env=job_env(background), cwd=str(HERE), name=name)
+    return record["id"]
+
+
+async def read_output(gang, job: int) -> dict[int, str]:
+    """Every rank's output of an ended job."""
+    texts: dict[int, bytearray] = defaultdict(bytearray)
+    async with gang.output(job, follow=False) as chunks:
+        async for chunk in chunks:
+            if chunk["rank"] is not None:
+                texts[chunk["rank"]] += chunk["data"]
+    return {rank: text.decode(errors="replace") for rank, text in texts.items()}
+
+
+def lines_of(texts: dict[int, str], tag: str) -> dict[int, str]:
+    """The last ``tag`` line of each rank, without the tag."""
+    found = {}
+    for rank, text in texts.items():
+        for line in text.splitlines():
+            if line.startswith(tag + " "):
+                found[rank] = line[len(tag) + 1:]
+    return found
+
+
+async def explain(gang, job: int) -> str:
+    record = await gang.job(job)
+    texts = await read_output(gang, job)
+    tail = "\n".join(f"  rank {r}: {line}" for r, text in sorted(texts.items()) for line in text.splitlines()[-5:])
+    return f"job {job} is {record['state']}: {record['reason'] or '-'}\n{tail}"
+
+
+async def run_to_end(gang, app_args: list[str], *, name: str, timeout: float = 300) -> tuple[dict, dict[int, dict]]:
+    """Submit, wait for the end; returns (record, each rank's DONE numbers)."""
+    job = await submit(gang, app_args, name=name)
+    with trio.fail_after(timeout):
+        record = await gang.wait_done(job)
+    return record, await done_lines(gang, record)
+
+
+async def done_lines(gang, record: dict) -> dict[int, dict]:
+    if record["state"] != "DONE":
+        raise BenchError(await explain(gang, record["id"]))
+    done = {rank: json.loads(text) for rank, text in lines_of(await read_output(gang, record["id"]), "DONE").items()}
+    if len(done) != record["nranks"]:
+        raise BenchError(f"job {record['id']}: DONE from ranks {sorted(done)} only\n{await explain(gang, record['id'])}")
+    return done
+
+
+async def wait_ready(gang, job: int, timeout: float = 180) -> dict[int, tuple[float, int]]:
+    """Follow the job's output until every rank printed READY (it is in its loop and
+    has talked to its neighbours); returns {rank: (unix time, iteration)}."""
+    ready: dict[int, tuple[float, int]] = {}
+    pending: dict[int, bytearray] = defaultdict(bytearray)
+    with trio.fail_after(timeout):
+        async with gang.output(job, follow=True) as chunks:
+            async for chunk in chunks:
+                rank = chunk["rank"]
+                if rank is None:
+                    continue
+                pending[rank] += chunk["data"]
+                *complete, rest = pending[rank].split(b"\n")
+                pending[rank] = bytearray(rest)
+                for line in complete:
+                    if line.startswith(b"READY "):
+                        _, at, it = line.split()
+                        ready[rank] = (float(at), int(it))
+                if len(ready) == NODES:
+                    return ready
+    raise BenchError(f"the job ended before all its ranks were ready: {await explain(gang, job)}")
+
+
+async def kill(gang, job: int) -> None:
+    await gang.kill(job)
+    with trio.fail_after(60):
+        await gang.wait_done(job)
+
+
+async def checkpoint(gang, job: int) -> dict:
+    with trio.fail_after(900):
+        entry = await gang.checkpoint(job)
+    if entry["state"] != "complete":
+        raise BenchError(f"checkpoint of job {job} {entry['state']}: {entry.get('reason')}")
+    return entry
+
+
+def slowest(done: dict[int, dict], key: str = "loop_s") -> float:
+    return max(d[key] for d in done.values())
+
+
+def per_iter(done: dict[int, dict]) -> float:
+    """Seconds per iteration of the slowest rank (the job goes at its pace)."""
+    return max(d["loop_s"] / d["iters"] for d in done.values() if d["iters"])
+
+
+# ---------------------------------------------------------------- Tables 2 and 3
+
+
+async def overhead(directory: Path, mib: float, seconds: float, repeats: int) -> dict:
+    async with connect(directory) as gang:
+        # A short plain run: warms the caches (Python, numpy, the daemons) and
+        # tells how many iterations make a run of about ``seconds``.
+        base = ["--mb", str(mib)]
+        _, done = await run_to_end(gang, [*base, "--steps", "60", "--plain"], name="calibrate")
+        steps = max(60, round(seconds / per_iter(done)))
+        runs: dict[str, list[dict]] = {"plain": [], "ckptlib": []}
+        for i in range(repeats):
+            # ABBA order: a drift of the machine's speed hits both alike.
+            for mode in ("plain", "ckptlib") if i % 2 == 0 else ("ckptlib", "plain"):
+                argv = [*base, "--steps", str(steps)] + (["--plain"] if mode == "plain" else [])
+                record, done = await run_to_end(gang, argv, name=f"heat-{mode}")
+                runs[mode].append({
+                    "job": record["id"], "job_s": record["ended"] - record["started"], "loop_s": slowest(done),
+                    "digests": [done[r]["digest"] for r in sorted(done)],
+                })
+    digests = {tuple(r["digests"]) for rs in runs.values() for r in rs}
+    med = {mode: {k: statistics.median(r[k] for r in rs) for k in ("job_s", "loop_s")} for mode, rs in runs.items()}
+    # The best run of each kind too: the one least disturbed by whatever else shares this machine.
+    best = {mode: {k: min(r[k] for r in rs) for k in ("job_s", "loop_s")} for mode, rs in runs.items()}
+    return {
+        "mib_per_rank": mib, "steps": steps, "runs": runs, "median": med, "best": best,
+        "ratio_job": med["ckptlib"]["job_s"] / med["plain"]["job_s"],
+        "ratio_loop": med["ckptlib"]["loop_s"] / med["plain"]["loop_s"],
+        "best_ratio_job": best["ckptlib"]["job_s"] / best["plain"]["job_s"],
+        "best_ratio_loop": best["ckptlib"]["loop_s"] / best["plain"]["loop_s"],
+        "identical": len(digests) == 1, "digests": min(digests) if len(digests) == 1 else None,
+    }
+
+
+async def restarted(directory: Path, t2: dict, repeats: int) -> dict:
+    steps = t2["steps"]
+    argv = ["--mb", str(t2["mib_per_rank"]), "--steps", str(steps)]
+    rows = []
+    async with connect(directory) as gang:
+        for _ in range(repeats):
+            # Its own normal run right before each restarted one: on this shared
+            # machine the speed drifts over a minute more than what is measured.
+            normal, normal_done = await run_to_end(gang, argv, name="heat-normal")
+            normal_loop = slowest(normal_done)
+            job = await submit(gang, argv, name="heat-restart")
+            ready = await wait_ready(gang, job)
+            # READY comes after the first iteration: ~10 % of the run's loop from there.
+            await trio.sleep(max(0.0, 0.1 * normal_loop - (time.time() - max(t for t, _ in ready.values()))))
+            entry = await checkpoint(gang, job)
+            await kill(gang, job)
+            called = time.time()
+            answer = await gang.restart(job)
+            new = answer["record"]["id"]
+            ready = await wait_ready(gang, new)
+            with trio.fail_after(300):
+                record = await gang.wait_done(new)
+            done = await done_lines(gang, record)
+            remaining = steps - answer["iteration"]
+            row = {
+                "job": job, "restarted_as": new, "gen": answer["gen"], "cut": answer["iteration"], "remaining": remaining,
+                "job_s": record["ended"] - record["started"], "loop_s": slowest(done),
+                "per_iter_job": (record["ended"] - record["started"]) / remaining,
+                "per_iter_loop": per_iter(done),
+                "normal_job": normal["id"],
+                "normal_per_iter_job": (normal["ended"] - normal["started"]) / steps,
+                "normal_per_iter_loop": per_iter(normal_done),
+                "launch_latency": record["started"] - called,
+                "process_latency": max(d["times"]["began"] for d in done.values()) - called,
+                "running_latency": max(t for t, _ in ready.values()) - called,
+                "identical": [done[r]["digest"] for r in sorted(done)] == [normal_done[r]["digest"] for r in sorted(normal_done)],
+                "checkpoint_s": entry["ended"] - entry["started"],
+            }
+            row["ratio_job"] = row["per_iter_job"] / row["normal_per_iter_job"]
+            row["ratio_loop"] = row["per_iter_loop"] / row["normal_per_iter_loop"]
+            rows.append(row)
+    keys = ("per_iter_job", "per_iter_loop", "normal_per_iter_job", "normal_per_iter_loop", "ratio_job", "ratio_loop",
+            "launch_latency", "process_latency", "running_latency")
+    med = {k: statistics.median(r[k] for r in rows) for k in keys}
+    return {"runs": rows, "median": med, "ratio_job": med["ratio_job"], "ratio_loop": med["ratio_loop"]}
+
+
+# ---------------------------------------------------------------- Fig. 4, Tables 4 and 5
+
+
+def _raw_writer(path: str, nbytes: int, barrier, results) -> None:
+    buf = memoryview(np.full(RAW_CHUNK // 8, 0.5).view(np.uint8))  # real bytes, allocated before the clock starts
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    barrier.wait()
+    started = time.time()
+    left = nbytes
+    while left:
+        left -= os.write(fd, buf[: min(left, RAW_CHUNK)])
+    os.fsync(fd)
+    os.close(fd)
+    results.put((started, time.time()))
+
+
+def raw_write(directory: Path, nbytes: int, writers: int) -> float:
+    """Seconds for ``writers`` processes to each write and fsync ``nbytes`` at
+    once into ``directory``: first start -> last fsync done."""
+    directory.mkdir(exist_ok=True)
+    ctx = multiprocessing.get_context("fork")
+    barrier, results = ctx.Barrier(writers), ctx.Queue()
+    paths = [str(directory / f"raw-{i}") for i in range(writers)]
+    procs = [ctx.Process(target=_raw_writer, args=(p, nbytes, barrier, results)) for p in paths]
+    for p in procs:
+        p.start()
+    spans = [results.get(timeout=900) for _ in procs]
+    for p in procs:
+        p.join()
+    for path in paths:
+        os.unlink(path)
+    if any(p.exitcode for p in procs):
+        raise BenchError(f"a raw writer failed: exit codes {[p.exitcode for p in procs]}")
+    return max(e for _, e in spans) - min(s for s, _ in spans)
+
+
+async def checkpointed_job(directory: Path, mib: int, background: bool, count: int) -> list[dict]:
+    """``count`` checkpoints of a job with ``mib`` MiB per rank; the generation entries."""
+    band_rows = CKPT_BAND // (8 * STENCIL_COLS)
+    argv = ["--mb", str(mib), "--steps", str(10**9), "--sleep", str(CKPT_SLEEP), "--band-rows", str(band_rows)]
+    async with connect(directory) as gang:
+        job = await submit(gang, argv, name=f"ckpt-{mib}M-{'bg' if background else 'inline'}", background=None if background else False)
+        try:
+            await wait_ready(gang, job)
+            await trio.sleep(0.5)  # a few iterations in: past the first-iteration effects
+            return [await checkpoint(gang, job) for _ in range(count)]
+        finally:
+            with trio.CancelScope(shield=True):
+                await kill(gang, job)
+
+
+def summarize(entry: dict) -> dict:
+    nodes = entry["nodes"].values()
+    t = entry["ended"] - entry["started"]
+    return {
+        "t": t,
+        "bytes": sum(s["bytes"] for s in nodes),
+        "p": sum(s["bytes"] for s in nodes) / t / len(entry["nodes"]),
+        "blocked": max(s["blocked"] for s in nodes),
+        "disk": max(s["disk"] for s in nodes),
+        "sync_overhead": max(s["sync_overhead"] for s in nodes),
+    }
+
+
+def sweep(directory: Path, sizes: list[int], count: int) -> list[dict]:
+    rows = []
+    for mib in sizes:
+        nbytes = mib * MiB
+        row: dict = {"mib": mib, "raw_s": []}
+        # The raw baseline right before each job: the disk as it is just then.
+        for mode, background in (("background", True), ("inline", False)):
+            row["raw_s"].append(raw_write(directory / "raw", nbytes, NODES))
+            entries = trio.run(checkpointed_job, directory, mib, background, count)
+            row[mode] = {"entries": entries, "each": [summarize(e) for e in entries]}
+            row[mode]["median"] = {k: statistics.median(s[k] for s in row[mode]["each"]) for k in row[mode]["each"][0]}
+        row["raw_t"] = statistics.median(row["raw_s"])
+        row["p_raw"] = NODES * nbytes / row["raw_t"] / NODES
+        rows.append(row)
+        say(f"  {mib} MiB/node done: raw {row['p_raw'] / MiB:.0f} MiB/s, checkpoint {row['background']['median']['p'] / MiB:.0f} MiB/s (background) "
+            f"{row['inline']['median']['p'] / MiB:.0f} MiB/s (inline)")
+    return rows
+
+
+# ---------------------------------------------------------------- printing
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:9.1f}"
+
+
+def print_overhead(t2: dict, repeats: int) -> None:
+    say(f"\nTable 2 - ckptlib overhead, no checkpoint taken: {NODES} nodes x 1 rank, heat stencil, "
+        f"{t2['mib_per_rank']:g} MiB/rank, {t2['steps']} iterations, {repeats} runs each (alternating)")
+    say(f"{'run':>6} | {'job plain':>10} {'job ckptlib':>12} | {'loop plain':>11} {'loop ckptlib':>13}   (seconds)")
+    for i, (p, c) in enumerate(zip(t2["runs"]["plain"], t2["runs"]["ckptlib"]), 1):
+        say(f"{i:>6} | {p['job_s']:10.3f} {c['job_s']:12.3f} | {p['loop_s']:11.3f} {c['loop_s']:13.3f}")
+    for label in ("median", "best"):
+        m = t2[label]
+        say(f"{label:>6} | {m['plain']['job_s']:10.3f} {m['ckptlib']['job_s']:12.3f} | {m['plain']['loop_s']:11.3f} {m['ckptlib']['loop_s']:13.3f}")
+    say(f"ckptlib/plain: job time {t2['ratio_job']:.3f}, loop time {t2['ratio_loop']:.3f} (medians; target <= 1.02); "
+        f"best runs: {t2['best_ratio_job']:.3f}, {t2['best_ratio_loop']:.3f}; same result in every run: {'yes' if t2['identical'] else 'NO'}")
+
+
+def print_restart(t3: dict, steps: int) -> None:
+    say(f"\nTable 3 - restarted run vs normal run: checkpoint at ~10 % of {steps} iterations, kill, restart; "
+        "each against a normal run just before it")
+    say(f"{'run':>4} {'cut':>5} {'left':>5} | {'ms/it job':>9} {'normal':>7} {'ratio':>6} | {'ms/it loop':>10} {'normal':>7} {'ratio':>6} | "
+        f"{'launch ms':>9} {'python ms':>9} {'running ms':>10} | identical")
+    for i, r in enumerate(t3["runs"], 1):
+        say(f"{i:>4} {r['cut']:>5} {r['remaining']:>5} | {r['per_iter_job'] * 1e3:9.3f} {r['normal_per_iter_job'] * 1e3:7.3f} {r['ratio_job']:6.3f} | "
+            f"{r['per_iter_loop'] * 1e3:10.3f} {r['normal_per_iter_loop'] * 1e3:7.3f} {r['ratio_loop']:6.3f} | "
+            f"{r['launch_latency'] * 1e3:9.1f} {r['process_latency'] * 1e3:9.1f} {r['running_latency'] * 1e3:10.1f} | {'yes' if r['identical'] else 'NO'}")
+    m = t3["median"]
+    say(f"median: restarted/normal per iteration {t3['ratio_job']:.3f} (job time), {t3['ratio_loop']:.3f} (loop time) (target ~1.0); "
+        f"restart latency {m['launch_latency'] * 1e3:.0f} ms to launched, {m['running_latency'] * 1e3:.0f} ms to running again")
+    say("  job: the restarted job's started->ended / iterations left, vs the normal run's / all iterations (start-up and,")
+    say("  for the restarted job, loading the state included); loop: the ranks' own time per iteration after their first;")
+    say("  launch: restart call -> job started (ranks launched); python: -> the last rank's script began (interpreter up);")
+    say("  running: -> every rank loaded its state and finished an iteration with its neighbours; identical: same")
+    say("  final state (digest of every rank's band) as the normal run")
+
+
+def print_breakdown(row: dict) -> None:
+    for mode in ("background", "inline"):
+        entry = row[mode]["entries"][-1]
+        say(f"\nTable 4 - one checkpoint per node, {row['mib']} MiB/node, {mode} writes "
+            f"(generation {entry['gen']}, cut at iteration {entry['iteration']}, total {(entry['ended'] - entry['started']) * 1e3:.1f} ms), ms")
+        say(f"{'node':>5} {'MiB':>7} {'agree':>9} {'reach':>9} {'prep':>9} {'write':>9} {'finish':>9} {'blocked':>9} {'disk':>9} {'commit':>9} {'sync ovh':>9}")
+        for node, s in sorted(entry["nodes"].items()):
+            say(f"{node:>5} {s['bytes'] / MiB:7.1f} {ms(s['agree'])} {ms(s['reach'])} {ms(s['prep'])} {ms(s['write'])} {ms(s['finish'])} "
+                f"{ms(s['blocked'])} {ms(s['disk'])} {ms(s['commit'])} {ms(s['sync_overhead'])}")
+    say("  agree: SIGQUIT -> ranks reported; reach: -> ranks at the cut (both while the job runs on); prep: cut -> state")
+    say("  writing allowed (gates closed, network context saved); write: -> ranks wrote or forked their snapshot;")
+    say("  finish: -> job resumed; blocked = prep + write + finish; disk: -> the last rank's state fsynced (its report")
+    say("  reached the daemon); commit: -> the daemon's own files fsynced and the manifest written;")
+    say("  sync ovh: prep + finish minus the time spent waiting for other nodes")
+
+
+def print_bandwidth(rows: list[dict], count: int) -> None:
+    say(f"\nFig. 4 - checkpoint bandwidth per node p = sum(bytes)/t/n, {NODES} nodes x 1 rank, median of {count} checkpoints; "
+        f"raw: {NODES} writers + fsync, median of 2")
+    say(f"{'MiB/node':>8} | {'raw MiB/s':>9} | {'bg t s':>7} {'p MiB/s':>8} {'p/raw':>6} {'sync ms':>8} | {'inline t s':>10} {'p MiB/s':>8} {'p/raw':>6} {'sync ms':>8}")
+    for r in rows:
+        b, i = r["background"]["median"], r["inline"]["median"]
+        say(f"{r['mib']:>8} | {r['p_raw'] / MiB:9.1f} | {b['t']:7.3f} {b['p'] / MiB:8.1f} {b['p'] / r['p_raw']:6.2f} {b['sync_overhead'] * 1e3:8.2f} | "
+            f"{i['t']:10.3f} {i['p'] / MiB:8.1f} {i['p'] / r['p_raw']:6.2f} {i['sync_overhead'] * 1e3:8.2f}")
+    say("  t: checkpoint request -> generation complete (all nodes' files fsynced and committed); sync: max over nodes")
+    say(f"\nTable 5 - application blocked vs state on disk (max over nodes, ms, median of {count})")
+    say(f"{'MiB/node':>8} | {'bg blocked':>10} {'bg disk':>9} {'blocked/disk':>12} | {'inl blocked':>11} {'inl disk':>9} | {'bg/inline blocked':>17}")
+    for r in rows:
+        b, i = r["background"]["median"], r["inline"]["median"]
+        say(f"{r['mib']:>8} | {ms(b['blocked']):>10} {ms(b['disk'])} {b['blocked'] / b['disk'] if b['disk'] else float('nan'):12.3f} | "
+            f"{ms(i['blocked']):>11} {ms(i['disk'])} | {b['blocked'] / i['blocked'] if i['blocked'] else float('nan'):17.3f}")
+    say("  background: the rank forks a copy-on-write snapshot that writes and fsyncs while the job runs on;")
+    say("  inline: the rank writes and fsyncs before it continues (GANGD_CKPT_BACKGROUND=0)")
+
+
+def summary(result: dict) -> dict:
+    t2, t3, rows = result["overhead"], result["restart"], result["sweep"]
+    big = [r for r in rows if r["mib"] >= 256]
+    checks = {
+        "lib/plain job time <= 1.02 (medians)": (t2["ratio_job"], t2["ratio_job"] <= 1.02),
+        "lib/plain job time <= 1.02 (best runs)": (t2["best_ratio_job"], t2["best_ratio_job"] <= 1.02),
+        "restarted/normal per iteration ~1.0 (0.9..1.1)": (t3["ratio_job"], 0.9 <= t3["ratio_job"] <= 1.1),
+        "restarted runs bit-identical": (all(r["identical"] for r in t3["runs"]), all(r["identical"] for r in t3["runs"])),
+        "sync overhead <= 10 ms (max over sizes, background)": (
+            max(r["background"]["median"]["sync_overhead"] for r in rows) * 1e3,
+            max(r["background"]["median"]["sync_overhead"] for r in rows) <= 0.010,
+        ),
+    }
+    if big:
+        worst = min(r["background"]["median"]["p"] / r["p_raw"] for r in big)
+        checks["p/p_raw >= 0.8 for >= 256 MiB (background, worst size)"] = (worst, worst >= 0.8)
+    largest = rows[-1]
+    say(f"\nSummary ({NODES} nodes x 1 rank on {os.cpu_count()} cores, disk: the filesystem of {result['config']['directory']})")
+    for name, (value, ok) in checks.items():
+        shown = f"{value:.3f}" if isinstance(value, float) else str(value)
+        say(f"  {'ok  ' if ok else 'MISS'} {name}: {shown}")
+    say(f"  at {largest['mib']} MiB/node the job is blocked {largest['background']['median']['blocked'] * 1e3:.0f} ms with background writes "
+        f"vs {largest['inline']['median']['blocked'] * 1e3:.0f} ms inline; the state is on disk after "
+        f"{largest['background']['median']['disk'] * 1e3:.0f} / {largest['inline']['median']['disk'] * 1e3:.0f} ms")
+    say(f"  restart latency (median): {t3['median']['launch_latency'] * 1e3:.0f} ms to launched, "
+        f"{t3['median']['running_latency'] * 1e3:.0f} ms to running again")
+    return {name: {"value": value, "ok": ok} for name, (value, ok) in checks.items()}
+
+
+# ---------------------------------------------------------------- main
+
+
+def leftover_processes(directory: Path) -> list[psutil.Process]:
+    """Processes started for this cluster's jobs (ranks, snapshot writers) still alive."""
+    found = []
+    for proc in psutil.process_iter(["pid", "environ"]):
+        try:
+            env = proc.info.get("environ") or {}
+        except psutil.Error:
+            continue
+        if env.get("GANGD_SOCKET", "").startswith(str(directory)):
+            found.append(proc)
+    return found
+
+
+def main() -> None:
+    global out
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a small version: shorter runs, fewer repeats, sizes up to 64 MiB")
+    parser.add_argument("--repeats", type=int, default=None, help="runs of each kind for Tables 2 and 3 (default 3, quick 2)")
+    parser.add_argument("--checkpoints", type=int, default=None, help="checkpoints per job and size in Fig. 4 (default 2, quick 1)")
+    parser.add_argument("--max-mib", type=int, default=None, help="largest state per node in Fig. 4 (default 1024, quick 64)")
+    parser.add_argument("--breakdown-mib", type=int, default=64, help="state per node of Table 4")
+    parser.add_argument("--state-mib", type=float, default=4.0, help="state per rank of Tables 2 and 3")
+    parser.add_argument("--seconds", type=float, default=None, help="loop time of one Table 2 run (default 3.5, quick 1.5)")
+    parser.add_argument("--json", action="store_true", help="print every number as JSON on stdout (tables on stderr)")
+    args = parser.parse_args()
+    quick = args.quick
+    repeats = args.repeats or (2 if quick else 3)
+    restarts = args.repeats or (2 if quick else 3)
+    count = args.checkpoints or (1 if quick else 2)
+    max_mib = args.max_mib if args.max_mib is not None else (64 if quick else 1024)
+    seconds = args.seconds or (1.5 if quick else 3.5)
+    sizes = [s for s in SIZES if s <= max_mib] or [max_mib]
+    if args.json:
+        out = sys.stderr
+    result: dict = {}
+    started = time.time()
+    # The cluster in the same filesystem as /tmp, where the raw baseline writes too.
+    with tempfile.TemporaryDirectory(prefix="gangd-bench-ckpt-") as tmp:
+        directory = Path(tmp)
+        result["config"] = {
+            "nodes": NODES, "ranks_per_node": 1, "cores": os.cpu_count(), "directory": str(directory), "quick": quick,
+            "repeats": repeats, "restarts": restarts, "checkpoints_per_size": count, "sizes_mib": sizes, "state_mib": args.state_mib,
+            "ckpt_job_sleep_s": CKPT_SLEEP, "ckpt_job_band_bytes": CKPT_BAND, "raw_chunk": RAW_CHUNK,
+            "loadavg_start": os.getloadavg(),
+        }
+        say(f"gangd checkpoint benchmark: {NODES} nodes x 1 rank (1 core each) on {os.cpu_count()} cores, cluster in {directory}")
+        say(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (anything else running shares the cores and the disk)")
+        local.up(directory, NODES, cores=1, log_level="warning")
+        try:
+            say(f"Table 2: {repeats} plain + {repeats} ckptlib runs of ~{seconds:g} s ...")
+            result["overhead"] = trio.run(overhead, directory, args.state_mib, seconds, repeats)
+            print_overhead(result["overhead"], repeats)
+            say(f"\nTable 3: {restarts} normal + checkpoint/kill/restart runs ...")
+            result["restart"] = trio.run(restarted, directory, result["overhead"], restarts)
+            print_restart(result["restart"], result["overhead"]["steps"])
+            wanted = [*sizes, args.breakdown_mib] if args.breakdown_mib not in sizes else sizes
+            say(f"\nFig. 4 / Tables 4, 5: sizes {', '.join(map(str, sorted(set(wanted))))} MiB per node, {count} checkpoint(s) each ...")
+            rows = sweep(directory, sorted(set(wanted)), count)
+            result["sweep"] = [r for r in rows if r["mib"] in sizes]
+            print_breakdown(next(r for r in rows if r["mib"] == args.breakdown_mib))
+            print_bandwidth(result["sweep"], count)
+            result["summary"] = summary(result)
+        finally:
+            # Kill whatever is left (after an error), then stop the daemons.
+            async def kill_all():
+                async with connect(directory) as gang:
+                    for record in await gang.jobs():
+                        if record["state"] not in ("DONE", "FAILED", "KILLED"):
+                            await kill(gang, record["id"])
+
+            try:
+                trio.run(kill_all)
+            except Exception as exc:  # noqa: BLE001 -- the cluster goes down anyway
+                say(f"(could not kill the remaining jobs: {exc})")
+            local.down(directory)
+            stray = leftover_processes(directory)
+            for proc in stray:
+                say(f"(killing stray process {proc.pid} of the cluster: {' '.join(proc.cmdline()[:4])})")
+                proc.send_signal(signal.SIGKILL)
+    result["seconds"] = time.time() - started
+    result["loadavg_end"] = os.getloadavg()
+    say(f"\n(total {result['seconds']:.0f} s; load average after: {' '.join(f'{x:.2f}' for x in result['loadavg_end'])})")
+    if args.json:
+        json.dump(result, sys.stdout, indent=1, default=str)
+        print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""The job of bench/ckpt.py: a 2-D heat stencil with halo exchanges, with or without gangd.ckptlib.
+
+Each rank owns a band of rows of a ``--n``-column float64 plate, sized so
+that its band is ``--mb`` MiB: that band is the rank's whole checkpointed
+state (one protected array, plus a small protected dict for the residual).
+Every iteration the ranks swap one halo row with each neighbour through
+gangd.comm and relax their band (Jacobi); every 10 iterations they agree on
+the largest change (allreduce).
+
+``--band-rows R`` relaxes only R rows per iteration, a window that moves down
+the band from one iteration to the next (a block relaxation: it still
+converges to the same plate). It keeps an iteration cheap when the state is
+large (256 MiB-1 GiB per rank for the checkpoint-bandwidth runs), where the
+point is the checkpoint, not the arithmetic; the window's writes are also
+what a background (forked) snapshot has to copy-on-write while it writes.
+
+``--plain`` is the same computation without the library: no ckptlib import,
+a plain ``range`` — the baseline of the library's overhead.
+
+Output, one line each, flushed (bench/ckpt.py reads them through gangd):
+
+    READY <unix time> <iteration>   after the first iteration this process ran
+                                     (after a restart: the first one after the cut),
+                                     i.e. when the ranks have computed and talked
+    DONE <json>                     at the end: loop seconds from READY, iterations
+                                     after READY, and a digest of the rank's band
+
+    gang run -n 4 --per-node 1 -- python bench/ckpt_app.py --mb 4 --steps 300
+"""
+
+import time
+
+began = time.time()  # before the imports: they are part of a job's start-up
+
+import argparse
+import hashlib
+import json
+
+import numpy as np
+
+from gangd import comm
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--mb", type=float, default=4.0, help="state (the plate's band) per rank, MiB")
+parser.add_argument("--n", type=int, default=1024, help="columns of the plate")
+parser.add_argument("--steps", type=int, default=100)
+parser.add_argument("--sleep", type=float, default=0.0, help="seconds of extra 'compute' per iteration")
+parser.add_argument("--band-rows", type=int, default=0, help="rows relaxed per iteration (0: the whole band)")
+parser.add_argument("--plain", action="store_true", help="no gangd.ckptlib: the baseline")
+args = parser.parse_args()
+
+if not args.plain:
+    from gangd import ckptlib as ckpt
+
+    ckpt.init()
+world = comm.world()
+rank, size = world.rank, world.size
+n = args.n
+rows = max(3, int(args.mb * (1 << 20)) // (8 * n))
+up = rank - 1 if rank > 0 else None  # no neighbour beyond the plate's edges
+down = rank + 1 if rank < size - 1 else None
+
+# Local rows 1..rows are ours, rows 0 and rows+1 are halos. Filled (not
+# np.zeros, whose pages the kernel would not even allocate before the
+# first write): the state is resident, as a real application's is.
+u = np.zeros((rows + 2, n))
+u[1:rows + 1] = 0.5
+if rank == 0:
+    u[1, :] = 1.0  # the hot top edge: never updated
+stats = {"residual": float("nan"), "at": -1}
+if not args.plain:
+    u = ckpt.protect("u", u)  # on a restart: the saved band instead
+    stats = ckpt.protect("stats", stats)
+
+first = 2 if rank == 0 else 1  # the plate's top and bottom rows stay fixed
+last = rows - 1 if rank == size - 1 else rows  # inclusive
+interior = last - first + 1
+band = min(args.band_rows or interior, interior)
+windows = -(-interior // band)
+
+iterations = ckpt.loop(range(args.steps)) if not args.plain else range(args.steps)
+ready_at = ready_cpu = None
+done_after_ready = 0
+for it in iterations:
+    # Both sends before both receives: no ordering can deadlock.
+    if up is not None:
+        world.send(u[1].copy(), dest=up, tag=it)
+    if down is not None:
+        world.send(u[rows].copy(), dest=down, tag=it)
+    if up is not None:
+        world.recv_into(u[0], source=up, tag=it)
+    if down is not None:
+        world.recv_into(u[rows + 1], source=down, tag=it)
+
+    a = first + (it % windows) * band
+    b = min(a + band, last + 1)  # rows [a, b) this iteration
+    # The right-hand side is evaluated whole before u is written: Jacobi within the window.
+    new = 0.25 * (u[a - 1:b - 1, 1:-1] + u[a + 1:b + 1, 1:-1] + u[a:b, :-2] + u[a:b, 2:])
+    if it % 10 == 9:
+        change = float(np.abs(new - u[a:b, 1:-1]).max()) if new.size else 0.0
+        stats["residual"] = world.allreduce(change, op="max")  # mutate the protected dict, don't rebind it
+        stats["at"] = it
+    u[a:b, 1:-1] = new
+    if args.sleep:
+        time.sleep(args.sleep)
+    if ready_at is None:
+        ready_at, ready_cpu = time.time(), time.process_time()
+        print(f"READY {ready_at:.6f} {it}", flush=True)
+    else:
+        done_after_ready += 1
+ended, loop_cpu = time.time(), time.process_time() - (ready_cpu or time.process_time())
+if not args.plain:
+    ckpt.fini()
+finished = time.time()
+digest = hashlib.sha256(u[1:rows + 1].tobytes()).hexdigest()[:16]
+times = {"began": began, "ready": ready_at, "ended": ended, "finished": finished}
+print("DONE " + json.dumps({"loop_s": ended - (ready_at or ended), "loop_cpu_s": loop_cpu, "iters": done_after_ready, "digest": digest, "rows": rows, "times": times}), flush=True)
+world.close()

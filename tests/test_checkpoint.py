@@ -208,6 +208,45 @@ def test_restart_continues_the_lineage_and_keeps_two_generations(gc):
     assert result_of(gc, again) == expected
 
 
+def test_a_checkpoint_right_after_a_restart_cuts_where_the_ranks_resume(gc):
+    """Restarted ranks not yet back in their loop report the iteration they
+    will resume at, not 0: the cut is the restart's own iteration."""
+    argv = [JOB, "--steps", "100000", "--sleep", "0.01", "--pre-sleep", "2"]
+    job = submit(gc, argv)
+    wait_running_a_bit(gc, job, 3.0)
+    first = checkpoint(gc, job)
+    assert first["state"] == "complete" and first["iteration"] > 0, first
+    restarted = kill_and_restart(gc, job)
+    gc.wait_state(restarted, ("RUNNING", "SUSPENDED"))
+    time.sleep(1.0)  # state loaded, still sleeping before the loop
+    again = checkpoint(gc, restarted)
+    assert again["state"] == "complete" and again["iteration"] == first["iteration"], again
+
+
+def test_before_the_loop_a_rank_reports_its_first_iteration(gc):
+    job = submit(gc, [JOB, "--steps", "100000", "--sleep", "0.01", "--pre-sleep", "3"])
+    gc.wait_state(job, ("RUNNING", "SUSPENDED"))
+    time.sleep(1.0)  # ckpt.init() done, the loop not started
+    gen = checkpoint(gc, job)
+    assert gen["state"] == "complete" and gen["iteration"] == 0, gen
+
+
+def test_ranks_in_a_long_c_call_still_agree_at_once(gc):
+    """A long C call keeps the Python SIGQUIT handler from running; the
+    daemon's note reaches the rank's thread anyway."""
+    job = submit(gc, [JOB, "--steps", "100000", "--c-call", "60000000"])  # ~1-2 s per iteration in C
+    wait_running_a_bit(gc, job, 1.5)
+    gen = checkpoint(gc, job)
+    assert gen["state"] == "complete", gen
+    assert max(stats["agree"] for stats in gen["nodes"].values()) < 0.5
+
+
+def test_ckpt_request_in_a_rank_checkpoints_the_whole_job(gc):
+    job = submit(gc, [JOB, "--steps", "100000", "--sleep", "0.01", "--request-at", "30"])
+    gen = wait_generations(gc, job, 1)[0]
+    assert "rank 0" in gen["trigger"] and gen["iteration"] > 30
+
+
 # ---------------------------------------------------------------- triggers
 
 
@@ -405,6 +444,14 @@ def test_restart_refusals_are_specific(gc):
     assert result.returncode != 0 and "no complete checkpoint" in result.stderr
     result = gc.gang("restart", 9999)
     assert result.returncode == 5
+    # One job of a lineage at a time.
+    job = submit(gc, [JOB, "--steps", "100000", "--sleep", "0.01"])
+    wait_running_a_bit(gc, job, 0.3)
+    assert checkpoint(gc, job)["state"] == "complete"
+    gc.gang("kill", job, check=True)
+    first = json.loads(gc.gang("restart", job, "--json", check=True).stdout)["record"]["id"]
+    second = gc.gang("restart", job)
+    assert second.returncode != 0 and f"job {first}" in second.stderr and "one job of a lineage" in second.stderr
 
 
 def _start_daemon(cluster, node: str) -> None:

@@ -700,3 +700,14 @@ def test_alone_messages_to_itself_in_flight_survive_a_restart(tmp_path):
     restarted = subprocess.run(argv, cwd=tmp_path, env=clean_env(GANGD_RESTART="latest"), capture_output=True, text=True, timeout=60)
     assert restarted.returncode == 0, restarted.stderr
     assert restarted.stdout == expected and "RESULT" in expected
+
+
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # np.matrix is discouraged, not gone
+def test_image_round_trip_array_subclasses_keep_their_type(tmp_path):
+    """np.matrix multiplies differently from an ndarray; a masked array has a mask: both must come back as they were."""
+    m = np.matrix([[1, 2], [3, 4]])
+    masked = np.ma.masked_array([1.0, 2.0, 3.0], mask=[False, True, False])
+    restored = round_trip(tmp_path, {"m": m, "masked": masked})
+    assert type(restored["m"]) is np.matrix and (restored["m"] * restored["m"] == m * m).all()
+    assert type(restored["masked"]) is np.ma.MaskedArray
+    assert restored["masked"].mask.tolist() == [False, True, False] and restored["masked"].sum() == 4.0

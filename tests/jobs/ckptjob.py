@@ -21,6 +21,9 @@ parser.add_argument("--sleep", type=float, default=0.0)
 parser.add_argument("--slow-rank", type=int, default=-1)
 parser.add_argument("--slow-from", type=int, default=0, help="the slow rank is slow from this iteration on")
 parser.add_argument("--slow-sleep", type=float, default=0.0)
+parser.add_argument("--pre-sleep", type=float, default=0.0, help="seconds between ckpt.init() and the loop")
+parser.add_argument("--c-call", type=int, default=0, help="per iteration, a C call of this many steps (no Python bytecode runs)")
+parser.add_argument("--request-at", type=int, default=-1, help="rank 0 calls ckpt.request() at this iteration")
 args = parser.parse_args()
 
 ckpt.init()
@@ -30,6 +33,7 @@ n = max(1, int(args.mb * 2**20 / 8))
 state = ckpt.protect("state", np.arange(n, dtype=np.float64) + rank)
 info = ckpt.protect("info", {"sum": 0.0})
 right, left = (rank + 1) % size, (rank - 1) % size
+time.sleep(args.pre_sleep)
 started_at = None
 for it in ckpt.loop(range(args.steps)):
     if started_at is None:
@@ -43,6 +47,10 @@ for it in ckpt.loop(range(args.steps)):
     world.send(state[:64].copy(), dest=right, tag=it)
     if args.sleep:
         time.sleep(args.sleep)
+    if args.c_call:
+        sum(range(args.c_call))  # the SIGQUIT handler cannot run until this returns
+    if rank == 0 and it == args.request_at:
+        ckpt.request()
     if rank == args.slow_rank and it >= args.slow_from:
         if it == args.slow_from:
             print(f"rank {rank} is slow from now on", flush=True)

@@ -3,10 +3,12 @@
 All ranks must save at the same iteration boundary, and no rank may already
 be past it — decided without stopping the job to agree:
 
-1. The daemon sends SIGQUIT. The handler only raises a flag and wakes this
-   module's thread, which reports the lowest boundary the rank can still
-   stop at (the next one: ``iteration + 1``) — at once, even while the
-   program is deep inside an iteration or blocked in a receive.
+1. The daemon sends SIGQUIT and a ``ckpt_begin`` note naming the
+   generation. The note wakes this module's thread, which reports the lowest
+   boundary the rank can still stop at (the next one: ``iteration + 1``) —
+   at once, even while the program is deep inside an iteration, blocked in a
+   receive, or in a long C call (where the Python-level SIGQUIT handler
+   cannot run until it returns).
 2. The daemons take the largest report of all ranks as the cut ``T`` and
    tell every rank (``ckpt_cut``). Meanwhile the ranks keep computing; a
    rank that reaches the boundary it reported before hearing ``T`` waits
@@ -51,6 +53,7 @@ class DaemonAgent:
         self.io = threading.Lock()  # the protocol machine and socket writes, shared by two threads
         self.cond = threading.Condition()
         self.wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.gen: int | None = None  # the checkpoint under way, as the daemon numbered it
         self.reported: int | None = None  # the boundary this rank said it can still stop at
         self.cut: tuple[int, int] | None = None  # (generation, iteration) the job saves at
         self.gone: str | None = None  # why the daemon connection ended
@@ -146,16 +149,23 @@ class DaemonAgent:
             self.cond.notify_all()
 
     def _report(self) -> None:
+        """Tell the daemon the lowest boundary this rank can still stop at.
+
+        Without a generation (a SIGQUIT or ``request()`` of the program's
+        own) the report asks the daemons to checkpoint the job; they answer
+        with ``ckpt_begin``, and the rank reports again for that generation.
+        """
         cp = self.cp
         with self.cond:
             if not cp.requested or self.reported is not None or self.cut is not None:
                 return
             if cp.loop_done or cp.closed:
                 cp.requested = False
-                self._note("ckpt_report", {"iteration": None, "why": "it has left its checkpointed loop"})
+                self._note("ckpt_report", {"gen": self.gen, "iteration": None, "why": "it has left its checkpointed loop"})
                 return
-            self.reported = cp.iteration + 1
-            self._note("ckpt_report", {"iteration": self.reported})
+            # (cp.iteration is -1 until the loop runs; after a restart the loop starts at cp.start)
+            self.reported = max(cp.iteration + 1, cp.start)
+            self._note("ckpt_report", {"gen": self.gen, "iteration": self.reported})
 
     def _handle(self, event) -> None:
         if isinstance(event, Reply):
@@ -167,18 +177,26 @@ class DaemonAgent:
             return
         if not isinstance(event, Note):
             return
-        args = event.args
+        args, gen = event.args, event.args.get("gen")
         with self.cond:
-            if event.op == "ckpt_cut" and isinstance(args.get("iteration"), int):
-                self.cut = (args["gen"], args["iteration"])
-            elif event.op in ("ckpt_none", "ckpt_abort"):
-                if event.op == "ckpt_abort" and self.cut is not None:
-                    warn(f"checkpoint {args.get('gen')} was aborted: {args.get('why')}")
+            if event.op == "ckpt_begin" and isinstance(gen, int):
+                if gen != self.gen:  # a new checkpoint: whatever an older one left is void
+                    self.gen, self.reported, self.cut = gen, None, None
+                self.cp.requested = True
+            elif event.op == "ckpt_cut" and gen == self.gen and isinstance(args.get("iteration"), int):
+                self.cut = (gen, args["iteration"])
+            elif event.op == "ckpt_abort" and gen == self.gen and gen is not None:
+                if self.cut is not None:
+                    warn(f"checkpoint {gen} was aborted: {args.get('why')}")
                 self._clear()
+            elif event.op == "ckpt_none" and self.gen is None:
+                self._clear()  # nothing to checkpoint after all (e.g. the job is ending)
             self.cond.notify_all()
+        if event.op == "ckpt_begin":
+            self._report()
 
     def _clear(self) -> None:
-        self.reported = self.cut = None
+        self.gen = self.reported = self.cut = None
         self.cp.requested = False
 
     # ------------------------------------------------------------ the program's side
@@ -198,14 +216,14 @@ class DaemonAgent:
                         return
                     if k == at:
                         break
-                    self._note("ckpt_report", {"iteration": None, "why": f"it is at iteration {k}, past the cut {at}"})
+                    self._note("ckpt_report", {"gen": gen, "iteration": None, "why": f"it is at iteration {k}, past the cut {at}"})
                     self._clear()
                     return
                 if not cp.requested:
                     return
                 if self.reported is None:  # the signal came just now: this thread reports
                     self.reported = k + 1
-                    self._note("ckpt_report", {"iteration": self.reported})
+                    self._note("ckpt_report", {"gen": self.gen, "iteration": self.reported})
                 if k < self.reported:
                     return
                 self.cond.wait()

@@ -78,6 +78,8 @@ class Checkpointer:
                 yield item
                 k += 1
             self.iteration = k
+            if self.requested:  # after the last item: a candidate point too (a rank may have reported it)
+                self.backend.at_boundary(self, k)
         finally:
             self.in_loop = False
             self.loop_done = True

@@ -36,7 +36,7 @@ def _array_bytes(arr: np.ndarray) -> memoryview:
 def _plan(values: dict[str, object]) -> tuple[list, list]:
     entries, payloads = [], []
     for name, value in values.items():
-        if isinstance(value, np.ndarray) and not value.dtype.hasobject:
+        if type(value) is np.ndarray and not value.dtype.hasobject:  # (subclasses: np.matrix, masked arrays... pickle)
             arr = value if value.flags.c_contiguous else np.ascontiguousarray(value)  # (keeps 0-d arrays 0-d)
             simple = arr.dtype.names is None and arr.dtype.subdtype is None
             # Records, padding and nested fields survive only a pickled dtype; plain ones stay readable.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -63,8 +64,17 @@ def write(path: Path, values: dict, iteration: int, *, background: bool, then: C
     """
     if not background:
         return Written(result=_write_now(path, values, iteration, then))
-    read_end, write_end = os.pipe()
-    pid = os.fork()
+    try:
+        read_end, write_end = os.pipe()
+    except OSError:  # out of fds: write now rather than not at all
+        return Written(result=_write_now(path, values, iteration, then))
+    try:
+        pid = os.fork()
+    except OSError as exc:  # out of memory or processes: the job must not die of a checkpoint
+        os.close(read_end)
+        os.close(write_end)
+        print(f"gangd.ckptlib: cannot fork a snapshot ({exc.strerror}); writing before continuing", file=sys.stderr, flush=True)
+        return Written(result=_write_now(path, values, iteration, then))
     if pid == 0:  # the snapshot: write, report, vanish
         try:
             signal.signal(signal.SIGQUIT, signal.SIG_IGN)

@@ -43,6 +43,8 @@ from ..rpc import Channel, RemoteError
 
 log = logging.getLogger("gangd.checkpoint")
 
+NOTE_TIMEOUT = 1.0
+RESTORED_REPEAT = 1.0  # seconds between reports that this node's ranks of a restarted job loaded their state
 AGREE_TIMEOUT = 30.0  # every rank reports within this after SIGQUIT (its thread answers at once)
 RESTORE_TIMEOUT = 600.0
 
@@ -116,6 +118,8 @@ class NodeCheckpoints:
         self.agents: dict[tuple[int, int], RankAgent] = {}
         self.pending: dict[int, Pending] = {}
         self.restarts: dict[int, dict] = {}  # job -> {"gen", "lineage", "directory", "manifest", "ranks"}
+        self.aborted: set[tuple[int, int]] = set()  # (job, gen): a begin arriving after its abort refuses
+        self._requesting: set[int] = set()  # jobs whose ranks asked for a checkpoint just now
 
     # ------------------------------------------------------------ rank connections
 
@@ -175,15 +179,41 @@ class NodeCheckpoints:
             return
         pending = self.pending.get(job_id)
         if op == "ckpt_report":
-            if pending is None or pending.cut is not None:
-                self.daemon.spawn(self._note, channel, "ckpt_none", {})
+            gen = args.get("gen")
+            if pending is None:
+                if gen is None and args.get("iteration") is not None:
+                    # The program's own SIGQUIT or ckpt.request(): checkpoint the job.
+                    self._requested_by_rank(job_id, rank, channel)
+                elif gen is not None:  # a generation that is over: let the rank go
+                    self.daemon.spawn(self._note, channel, "ckpt_abort", {"gen": gen, "why": "it is over"})
+                else:
+                    self.daemon.spawn(self._note, channel, "ckpt_none", {})
+            elif gen != pending.gen:
+                return  # its own request while one runs (the begin note reaches it), or a stale one
             elif args.get("iteration") is None:
-                pending.fail(f"rank {rank} cannot take part: {args.get('why', 'no reason given')}")
-            elif isinstance(args["iteration"], int):
+                pending.fail(f"rank {rank} on {self.daemon.node} cannot take part: {args.get('why', 'no reason given')}")
+            elif isinstance(args["iteration"], int) and pending.cut is None:
                 pending.reports[rank] = args["iteration"]
                 pending.poke()
         elif op == "ckpt_written" and pending is not None and args.get("gen") == pending.gen:
             self._written(pending, rank, args)
+
+    def _requested_by_rank(self, job_id: int, rank: int, channel: Channel) -> None:
+        if job_id in self._requesting:
+            return
+        self._requesting.add(job_id)
+        self.daemon.spawn(self._request_checkpoint, job_id, rank, channel)
+
+    async def _request_checkpoint(self, job_id: int, rank: int, channel: Channel) -> None:
+        record = self.daemon.table.get(job_id)
+        try:
+            cred = {"uid": record["owner_uid"], "gid": record["owner_gid"], "user": record["owner"]}
+            await self.daemon.ops.to_coordinator("coord_checkpoint", job=job_id, cred=cred, wait=False, trigger=f"SIGQUIT or ckpt.request() in rank {rank}")
+        except RemoteError as exc:
+            log.info("job %d: rank %d asked for a checkpoint: %s", job_id, rank, exc.message)
+            await self._note(channel, "ckpt_none", {})
+        finally:
+            self._requesting.discard(job_id)
 
     def _written(self, pending: Pending, rank: int, result: dict) -> None:
         if result.get("error"):
@@ -195,6 +225,14 @@ class NodeCheckpoints:
             pending.poke()
         else:
             pending.fail(f"rank {rank} on {self.daemon.node} reported a malformed write result")
+
+    async def _bounded_note(self, agent: RankAgent, op: str, args: dict) -> None:
+        """A note to a rank, in order; a rank that stopped reading its connection loses it."""
+        with trio.move_on_after(NOTE_TIMEOUT) as scope:
+            await self._note(agent.channel, op, args)
+        if scope.cancelled_caught:
+            log.warning("job %d rank %d does not read its checkpoint connection; dropping it", agent.job_id, agent.rank)
+            self.daemon.spawn(agent.channel.aclose)
 
     async def _note(self, channel: Channel, op: str, args: dict) -> None:
         try:
@@ -249,19 +287,25 @@ class NodeCheckpoints:
         job_id, gen = record["id"], args["gen"]
         if job_id in self.pending:
             raise RemoteError("busy", f"checkpoint {self.pending[job_id].gen} of job {job_id} is still under way on {self.daemon.node}")
+        if (job_id, gen) in self.aborted:
+            raise RemoteError("checkpoint_failed", f"checkpoint {gen} of job {job_id} was aborted before it began on {self.daemon.node}")
         mine = self._check_ranks(record)
         directory = ckptstore.gen_dir(self.root, int(args["lineage"]), gen)
         owner = (record["owner_uid"], record["owner_gid"]) if os.geteuid() == 0 else None
-        await trio.to_thread.run_sync(_make_dirs, directory, owner)
         pending = Pending(job_id, gen, int(args["lineage"]), directory, mine, owner)
         pending.times["begin"] = time.time()
-        self.pending[job_id] = pending
+        self.pending[job_id] = pending  # before any await: an abort meanwhile must find it
+        await trio.to_thread.run_sync(_make_dirs, directory, owner)
+        if pending.failed:
+            raise RemoteError("checkpoint_failed", pending.failed)
         for rank in mine:
             agent = self.agents[(job_id, rank)]
             try:
                 signal.pidfd_send_signal(agent.pidfd, signal.SIGQUIT)
             except OSError as exc:
                 pending.fail(f"cannot signal rank {rank} on {self.daemon.node}: {exc.strerror}")
+            # The note reaches the rank's thread even while its main thread is in a long C call.
+            await self._bounded_note(agent, "ckpt_begin", {"gen": gen})
         await pending.until(lambda: set(pending.reports) >= set(mine), AGREE_TIMEOUT, f"ranks {sorted(set(mine) - set(pending.reports))} did not answer SIGQUIT")
         pending.times["reported"] = time.time()
         return {"iteration": max(pending.reports.values()) if pending.reports else None}
@@ -272,8 +316,8 @@ class NodeCheckpoints:
         pending.poke()
         for rank in pending.ranks:
             agent = self.agents.get((pending.job_id, rank))
-            if agent is not None:
-                self.daemon.spawn(self._note, agent.channel, "ckpt_cut", {"gen": pending.gen, "iteration": pending.cut})
+            if agent is not None:  # (in order after its ckpt_begin: same connection, same task)
+                await self._bounded_note(agent, "ckpt_cut", {"gen": pending.gen, "iteration": pending.cut})
         mine = set(pending.ranks)
         await pending.until(lambda: set(pending.arrived) >= mine, float(args.get("timeout") or self.daemon.config.checkpoint_timeout), "the ranks did not reach the cut")
         pending.times["at_cut"] = max(pending.arrived.values(), default=time.time())
@@ -358,13 +402,16 @@ class NodeCheckpoints:
 
     async def abort(self, args: dict) -> bool:
         job_id, gen, why = int(args["job"]), args.get("gen"), str(args.get("why") or "aborted")
+        self.aborted.add((job_id, gen))
         pending = self.pending.get(job_id)
-        if pending is not None and pending.gen == gen:
+        if pending is not None and pending.gen != gen:
+            return False  # a late abort of an older generation must not touch the one under way
+        if pending is not None:
             self.pending.pop(job_id)
             pending.fail(why)
         for (j, _), agent in list(self.agents.items()):
             if j == job_id:
-                self.daemon.spawn(self._note, agent.channel, "ckpt_abort", {"gen": gen, "why": why})
+                await self._bounded_note(agent, "ckpt_abort", {"gen": gen, "why": why})
         if job_id in self.daemon.jobnet.states:
             await self.daemon.jobnet.hold_gate(job_id, "checkpoint", False)
         if args.get("lineage") is not None and gen is not None:
@@ -459,15 +506,20 @@ class NodeCheckpoints:
             restart["failed"] = f"rank {rank} on {self.daemon.node}: {args['error']}"
         elif agent is not None:
             agent.restored = True
-        if restart["failed"] or all(self.agents.get((job_id, r)) is not None and self.agents[(job_id, r)].restored for r in restart["ranks"]):
-            restart["reported"] = True
-            self.daemon.spawn(self._report_restored, job_id, restart["failed"])
+        done = restart["failed"] or all(self.agents.get((job_id, r)) is not None and self.agents[(job_id, r)].restored for r in restart["ranks"])
+        if done and not restart.get("reporting"):
+            restart["reporting"] = True
+            self.daemon.spawn(self._report_restored, job_id, restart)
 
-    async def _report_restored(self, job_id: int, error: str | None) -> None:
-        try:
-            await self.daemon.ops.to_coordinator("coord_ckpt_restored", job=job_id, reporter=self.daemon.node, error=error)
-        except RemoteError as exc:
-            log.warning("job %d: could not report the restore to the coordinator: %s", job_id, exc)
+    async def _report_restored(self, job_id: int, restart: dict) -> None:
+        """Tell the coordinator, again and again until the gates open: the one
+        that hears it may die, and its successor must hear it too."""
+        while self.restarts.get(job_id) is restart:
+            try:
+                await self.daemon.ops.to_coordinator("coord_ckpt_restored", job=job_id, reporter=self.daemon.node, error=restart["failed"])
+            except RemoteError as exc:
+                log.warning("job %d: could not report the restore to the coordinator: %s", job_id, exc)
+            await trio.sleep(RESTORED_REPEAT)
 
     async def open_restarted(self, args: dict) -> bool:
         job_id = int(args["job"])
@@ -479,6 +531,7 @@ class NodeCheckpoints:
     def forget(self, job_id: int) -> None:
         """The job ended on this node."""
         self.restarts.pop(job_id, None)
+        self.aborted = {(j, g) for j, g in self.aborted if j != job_id}
         pending = self.pending.pop(job_id, None)
         if pending is not None:
             pending.fail(f"job {job_id} ended")

@@ -160,7 +160,10 @@ class CheckpointCoordinator:
             marks["committed"] = time.time()
             entry["nodes"] = {node: node_stats(result) for node, result in committed.items()}
             entry["state"] = "complete"
-        except RemoteError as exc:
+        except Exception as exc:  # RemoteError from a round; anything else is a bug, but must not wedge the job
+            if not isinstance(exc, RemoteError):
+                log.exception("job %d: checkpoint %d failed", job_id, gen)
+                exc = RemoteError("internal", f"{type(exc).__name__}: {exc}")
             entry["state"] = "refused" if exc.code == "not_ready" and live["phase"] == "begin" else "aborted"
             entry["code"] = exc.code
             entry["reason"] = exc.message
@@ -174,20 +177,24 @@ class CheckpointCoordinator:
             co.gang_changed()
         entry["ended"] = time.time()
         entry["marks"] = marks
-        if entry["state"] == "refused":
-            log.info("job %d: no checkpoint: %s", job_id, entry["reason"])
-        else:
-            if entry["state"] == "aborted":
-                log.warning("job %d: checkpoint %d aborted: %s", job_id, gen, entry["reason"])
+        try:
+            if entry["state"] == "refused":
+                log.info("job %d: no checkpoint: %s", job_id, entry["reason"])
             else:
-                total = sum(s["bytes"] for s in entry["nodes"].values())
-                log.info("job %d: checkpoint %d complete at iteration %d: %d bytes in %.3f s", job_id, gen, entry["iteration"], total, entry["ended"] - entry["started"])
-            await self._record(job_id, entry)
-            if entry["state"] == "complete":
-                await self._prune(record)
-        live["result"] = {"job": job_id, **entry}
-        self.live.pop(job_id, None)
-        live["done"].set()
+                if entry["state"] == "aborted":
+                    log.warning("job %d: checkpoint %d aborted: %s", job_id, gen, entry["reason"])
+                else:
+                    total = sum(s["bytes"] for s in entry["nodes"].values())
+                    log.info("job %d: checkpoint %d complete at iteration %d: %d bytes in %.3f s", job_id, gen, entry["iteration"], total, entry["ended"] - entry["started"])
+                await self._record(job_id, entry)
+                if entry["state"] == "complete":
+                    await self._prune(record)
+        except Exception:  # (recording or pruning): whoever waits must still get an answer
+            log.exception("job %d: recording checkpoint %d failed", job_id, gen)
+        finally:
+            live["result"] = {"job": job_id, **entry}
+            self.live.pop(job_id, None)
+            live["done"].set()
 
     async def _record(self, job_id: int, entry: dict) -> None:
         def change(r):
@@ -243,6 +250,9 @@ class CheckpointCoordinator:
         permission_check(record, cred, "restart")
         if not jobs.is_terminal(record):
             raise RemoteError("bad_state", f"job {job_id} is {record['state']}; kill it first (`gang kill {job_id}`) to restart it from a checkpoint")
+        alive = [r["id"] for r in self.lineage_records(record) if not jobs.is_terminal(r)]
+        if alive:
+            raise RemoteError("bad_state", f"job {alive[0]}, restarted from the same checkpoints, is {self.daemon.table.get(alive[0])['state']}; one job of a lineage runs at a time")
         generations = self.generations(record)
         complete = [e for e in reversed(generations) if e["state"] == "complete"]
         if gen is not None:
@@ -324,9 +334,9 @@ class CheckpointCoordinator:
         seen = self.restored.setdefault(job_id, {})
         seen[node] = None
         if set(seen) >= set(jobs.nodes_of(record)):
-            self.restored.pop(job_id, None)
-            await self._all(record, "ckpt_open")
-            log.info("job %d: every rank restored generation %d; gates open", job_id, record["restart_of"]["gen"])
+            await self._all(record, "ckpt_open")  # (fails: the nodes report again, and this is retried)
+            if self.restored.pop(job_id, None) is not None:
+                log.info("job %d: every rank restored generation %d; gates open", job_id, record["restart_of"]["gen"])
 
     # ------------------------------------------------------------ periodic checkpoints
 

@@ -232,10 +232,11 @@ def test_before_the_loop_a_rank_reports_its_first_iteration(gc):
 
 
 def test_ranks_in_a_long_c_call_still_agree_at_once(gc):
-    """A long C call keeps the Python SIGQUIT handler from running; the
-    daemon's note reaches the rank's thread anyway."""
-    job = submit(gc, [JOB, "--steps", "100000", "--c-call", "60000000"])  # ~1-2 s per iteration in C
-    wait_running_a_bit(gc, job, 1.5)
+    """A long C call (here BLAS, which releases the GIL) keeps the Python
+    SIGQUIT handler from running; the daemon's note reaches the rank's thread anyway."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    job = int(gc.gang("submit", "-n", 4, "--", PY, JOB, "--steps", "100000", "--c-call", "3000", env=env, check=True).stdout)  # >= 1.5 s per product
+    wait_running_a_bit(gc, job, 2.0)
     gen = checkpoint(gc, job)
     assert gen["state"] == "complete", gen
     assert max(stats["agree"] for stats in gen["nodes"].values()) < 0.5
@@ -508,3 +509,30 @@ def test_a_daemon_killed_mid_write_leaves_nothing_that_looks_complete(make_clust
     third = checkpoint(cluster, restarted)
     assert third["state"] == "complete" and third["iteration"] > first["iteration"]
     cluster.gang("kill", restarted, check=True)
+
+
+def test_a_restart_whose_ranks_never_load_their_state_fails_instead_of_hanging(make_cluster):
+    cluster = make_cluster(2, cores=2, checkpoint_timeout=3.0)
+    script = cluster.dir.parent / "switch.py"
+    # The first run checkpoints; the restarted run (same command) finds the
+    # flag file and skips ckpt.init(): its gates would stay closed forever.
+    script.write_text(
+        "import os, sys, time\n"
+        "flag = sys.argv[1]\n"
+        "if os.path.exists(flag):\n"
+        "    time.sleep(60)\n"
+        "    sys.exit(0)\n"
+        "from gangd import ckptlib as ckpt\n"
+        "ckpt.init()\n"
+        "for it in ckpt.loop(range(100000)):\n"
+        "    time.sleep(0.01)\n"
+    )
+    flag = cluster.dir.parent / "restarted"
+    job = int(cluster.gang("submit", "-n", 2, "--", PY, script, flag, check=True).stdout)
+    wait_running_a_bit(cluster, job, 1.0)
+    assert checkpoint(cluster, job)["state"] == "complete"
+    cluster.gang("kill", job, check=True)
+    flag.write_text("")
+    restarted = json.loads(cluster.gang("restart", job, "--json", check=True).stdout)["record"]["id"]
+    record = cluster.wait_state(restarted, TERMINAL, timeout=30)
+    assert record["state"] == "FAILED" and "did not load their checkpoint" in record["reason"] and "ckptlib.init()" in record["reason"]

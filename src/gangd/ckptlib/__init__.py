@@ -91,6 +91,9 @@ def init(*, directory: str | os.PathLike | None = None, restart=None, background
         cp.backend.attach(cp)
     except BaseException:
         signal.signal(signal.SIGQUIT, previous)
+        link = getattr(cp.backend, "link", None)
+        if link is not None:  # (registered with the daemon, then failed to restore)
+            link.close()
         raise
     atexit.register(cp.fini)
     _cp = cp

@@ -7,8 +7,9 @@ be past it — decided without stopping the job to agree:
    generation. The note wakes this module's thread, which reports the lowest
    boundary the rank can still stop at (the next one: ``iteration + 1``) —
    at once, even while the program is deep inside an iteration, blocked in a
-   receive, or in a long C call (where the Python-level SIGQUIT handler
-   cannot run until it returns).
+   receive, or in a long C call that releases the GIL (numpy, BLAS, I/O —
+   where the Python-level SIGQUIT handler cannot run until it returns). A C
+   call that holds the GIL delays the report until it returns.
 2. The daemons take the largest report of all ranks as the cut ``T`` and
    tell every rank (``ckpt_cut``). Meanwhile the ranks keep computing; a
    rank that reaches the boundary it reported before hearing ``T`` waits

@@ -122,6 +122,7 @@ def up(
     heartbeat_timeout: float = 3.0,
     time_slice: float = 0.3,
     max_slots: int = 4,
+    checkpoint_timeout: float = 600.0,
     log_level: str = "info",
     timeout: float = 30.0,
     progress=None,
@@ -160,6 +161,7 @@ def up(
             heartbeat_timeout=heartbeat_timeout,
             time_slice=time_slice,
             max_slots=max_slots,
+            checkpoint_timeout=checkpoint_timeout,
         )
         nf.config.write_text(render(config))
         lines += ["[[nodes]]", f"name = {toml_str(spec.name)}", f"address = {toml_str(spec.endpoint)}", f"socket = {toml_str(nf.socket)}", f"dir = {toml_str(nf.dir)}", ""]

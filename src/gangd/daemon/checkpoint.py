@@ -494,8 +494,23 @@ class NodeCheckpoints:
         state.gate_open = False
         if contexts:
             jobnet.set_context(record["id"], contexts)
-        self.restarts[record["id"]] = {"gen": gen, "lineage": lineage, "directory": directory, "manifest": manifest, "ranks": mine, "failed": None}
+        restart = {"gen": gen, "lineage": lineage, "directory": directory, "manifest": manifest, "ranks": mine, "failed": None}
+        self.restarts[record["id"]] = restart
+        self.daemon.spawn(self._restore_deadline, record["id"], restart)
         return {"GANGD_RESTART_GEN": str(gen)}
+
+    async def _restore_deadline(self, job_id: int, restart: dict) -> None:
+        """Ranks that never load their state (the program does not call
+        ckpt.init()) would keep the job's gates closed forever: fail it."""
+        await trio.sleep(self.daemon.config.checkpoint_timeout)
+        if self.restarts.get(job_id) is restart and not restart.get("reporting"):
+            missing = [r for r in restart["ranks"] if not (self.agents.get((job_id, r)) and self.agents[(job_id, r)].restored)]
+            restart["failed"] = (
+                f"ranks {missing} on {self.daemon.node} did not load their checkpoint within "
+                f"{self.daemon.config.checkpoint_timeout:.0f} s (does the program call gangd.ckptlib.init()?)"
+            )
+            restart["reporting"] = True
+            await self._report_restored(job_id, restart)
 
     def _restored(self, job_id: int, rank: int, args: dict) -> None:
         restart = self.restarts.get(job_id)

@@ -289,6 +289,8 @@ class Coordinator:
                 await self.fail(record["id"], f"cannot place the job: {exc}")
                 continue
             if admitted is None:
+                if record.get("pinned"):
+                    continue  # a restart waits for its own nodes; it must not hold up the queue meanwhile
                 break  # nobody overtakes the head of the queue
             slot, placement = admitted
             log.info("job %d admitted to slot %d on %s", record["id"], slot, jobs.compress_nodes(jobs.nodes_of({"placement": placement})))

@@ -52,8 +52,10 @@ class PmiServer:
         self.jobs: dict[int, PmiJob] = {}
 
     def job(self, record: dict) -> PmiJob:
+        # The kvsname must be unique on the host, not just in this cluster:
+        # MPICH names its shared-memory segments after it.
         if record["id"] not in self.jobs:
-            self.jobs[record["id"]] = PmiJob(record["id"], f"kvs_gangd_{record['id']}", jobs.ranks_on(record, self.daemon.node))
+            self.jobs[record["id"]] = PmiJob(record["id"], f"gangd_{record['id']}_{record['token'][:12]}", jobs.ranks_on(record, self.daemon.node))
         return self.jobs[record["id"]]
 
     def forget(self, job_id: int) -> None:
@@ -90,6 +92,7 @@ class PmiServer:
                     return
                 for command in commands:
                     cmd = command.get("cmd") or command.get("mcmd")
+                    log.debug("job %d rank %d PMI: %s", state.job_id, rank, command)
                     if cmd == "barrier_in":
                         barriers += 1
                         reply = await self._barrier(state, record, rank, barriers)

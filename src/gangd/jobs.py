@@ -54,6 +54,7 @@ def new_record(*, job_id: int, spec: dict, owner_uid: int, owner_name: str, owne
         "ended": None,
         "ranks": [None] * int(spec["nranks"]),  # rank status once it exited
         "kill_requested": None,  # who asked, if the job was killed
+        "mpi": bool(spec.get("mpi")),  # ranks get PMI-1 from their daemons (MPICH's process manager)
         "ckpt_every": spec.get("ckpt_every"),  # seconds between checkpoints, None: only on request
         "checkpoints": [],  # generations this job took: see gangd.daemon.ckptcoord
         "lineage": job_id,  # the first job of a restart chain: its checkpoints are the chain's
@@ -111,6 +112,8 @@ def exit_code(record: dict) -> int:
             continue
         code = 128 + status["signal"] if status.get("signal") else status.get("code", 0)
         worst = max(worst, code)
+    if record.get("abort_code"):  # an MPI rank called MPI_Abort(comm, code)
+        worst = max(worst, record["abort_code"])
     if worst:
         return worst
     if record["state"] == KILLED:

@@ -110,6 +110,7 @@ class Client:
         time_slice: float | None = None,
         network_context: dict[int, bytes] | None = None,
         ckpt_every: float | None = None,
+        mpi: bool = False,
     ) -> dict:
         """Submit a job. ``network_context`` ({rank: bytes}, as returned by
         :meth:`capture_network`) is handed to the ranks when they attach, so
@@ -127,6 +128,7 @@ class Client:
             "priority": priority,
             "slice": time_slice,
             "ckpt_every": ckpt_every,
+            "mpi": mpi,
         }
         if network_context:
             spec["net_context"] = {str(rank): bytes(blob) for rank, blob in network_context.items()}

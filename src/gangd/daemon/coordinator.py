@@ -353,7 +353,8 @@ class Coordinator:
         if not exits:
             return
         culprit = None
-        if record["kill_on_bad_exit"] and not record["reason"]:
+        # (an MPI_Abort names the reason first; the aborting rank's exit still takes the others down)
+        if record["kill_on_bad_exit"] and (not record["reason"] or record.get("abort_pending")):
             for rank, status in exits:
                 if (status.get("signal") or status.get("code", 0) != 0) and not status.get("killed"):
                     culprit = (rank, status)
@@ -368,6 +369,8 @@ class Coordinator:
             if culprit and not r["reason"]:
                 rank, status = culprit
                 r["reason"] = f"rank {rank} on {status.get('node', '?')} {jobs.describe_status(status)}"
+            if culprit:
+                r["abort_pending"] = False
             self._finish_if_done(r)
 
         record = await self.update(job_id, change)
@@ -436,6 +439,18 @@ class Coordinator:
         async with trio.open_nursery() as nursery:
             for node in jobs.nodes_of(record):
                 nursery.start_soon(kill_on, node)
+
+    async def set_reason(self, job_id: int, reason: str, code: int | None = None) -> None:
+        """Why the job is failing (the first reason wins), before its ranks are
+        gone; ``code``: the exit code the job ends with (MPI_Abort's)."""
+        def change(r):
+            if jobs.is_terminal(r) or r["reason"]:
+                return False
+            r["reason"] = reason
+            r["abort_pending"] = True
+            r["abort_code"] = code
+
+        await self.update(job_id, change)
 
     async def fail(self, job_id: int, reason: str, lost_nodes: frozenset = frozenset()) -> None:
         """End the job as FAILED with ``reason`` and kill whatever of it still runs."""

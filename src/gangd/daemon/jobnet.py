@@ -144,6 +144,7 @@ class JobNet:
         if jobs.is_terminal(record) and not any(r.status is None for r in self.daemon.ranks.of_job(record["id"])):
             self.forget(record["id"])
             self.daemon.checkpoints.forget(record["id"])
+            self.daemon.pmi.forget(record["id"])
 
     def rank_exited(self, job_id: int, rank: int, why: str) -> None:
         state = self.states.get(job_id)

@@ -79,6 +79,8 @@ class Ops:
             "net_counters": self.net_counters,
             "net_capture_local": self.net_capture_local,
             "net_restore": self.net_restore,
+            "pmi_fence": self.pmi_fence,
+            "coord_fail": self.coord_fail,
         }
         from .ckptops import CheckpointOps
 
@@ -436,7 +438,8 @@ class Ops:
                 extra.update(daemon.checkpoints.prepare_restart(record))
             if args.get("contexts"):
                 daemon.jobnet.set_context(record["id"], args["contexts"])
-            pids = await daemon.ranks.launch(daemon.spawn, record, daemon.table.job_dir(record["id"]), extra)
+            rank_setup = (lambda rank: daemon.pmi.prepare(record, rank, daemon.spawn)) if record.get("mpi") else None
+            pids = await daemon.ranks.launch(daemon.spawn, record, daemon.table.job_dir(record["id"]), extra, rank_setup)
         except RemoteError:
             raise
         except Exception as exc:
@@ -535,6 +538,18 @@ class Ops:
 
     async def net_capture_local(self, args, from_node, channel):
         return await self.daemon.jobnet.capture(_int(args, "job"), args.get("expect") or {})
+
+    async def pmi_fence(self, args, from_node, channel):
+        return await self.daemon.pmi.fence(_int(args, "job"), _int(args, "number"), str(args.get("reporter")), args.get("puts") or {})
+
+    async def coord_fail(self, args, from_node, channel):
+        coordinator = self._coordinator()
+        if args.get("kill", True):
+            await coordinator.fail(_int(args, "job"), str(args.get("reason") or "failed"))
+        else:
+            code = args.get("code")
+            await coordinator.set_reason(_int(args, "job"), str(args.get("reason") or "failed"), code if isinstance(code, int) else None)
+        return True
 
     async def net_restore(self, args, from_node, channel):
         self.daemon.jobnet.set_context(_int(args, "job"), args.get("contexts") or {})

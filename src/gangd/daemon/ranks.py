@@ -58,7 +58,7 @@ class RankProcess:
         self._pidfd = os.pidfd_open(popen.pid)
 
     @classmethod
-    def spawn(cls, argv, *, cwd, env, preexec_fn) -> "RankProcess":
+    def spawn(cls, argv, *, cwd, env, preexec_fn, pass_fds=()) -> "RankProcess":
         popen = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
@@ -69,6 +69,7 @@ class RankProcess:
             env=env,
             start_new_session=True,
             preexec_fn=preexec_fn,
+            pass_fds=tuple(pass_fds),
         )
         return cls(popen)
 
@@ -259,8 +260,11 @@ class LocalRanks:
 
     # ------------------------------------------------------------ launch
 
-    async def launch(self, spawn, record: dict, job_dir: Path, extra: dict[str, str] | None = None) -> dict[int, int]:
-        """Start this node's ranks of ``record``; returns {rank: pid}."""
+    async def launch(self, spawn, record: dict, job_dir: Path, extra: dict[str, str] | None = None, rank_setup=None) -> dict[int, int]:
+        """Start this node's ranks of ``record``; returns {rank: pid}.
+
+        ``rank_setup(rank)`` (MPI jobs) returns the rank's own environment
+        and a file descriptor it inherits (its PMI socket)."""
         my_ranks = jobs.ranks_on(record, self.node)
         uid, gid = record["owner_uid"], record["owner_gid"]
         if self._running_as_root:
@@ -291,14 +295,22 @@ class LocalRanks:
             self.logs[key] = output
             cgroup = self.cgroups.create(record["id"], rank)
             env = dict(base_env, GANGD_RANK=str(rank))
+            inherited: list[int] = []
+            if rank_setup is not None:
+                rank_env, fd = rank_setup(rank)
+                env.update(rank_env)
+                inherited.append(fd)
             try:
                 proc = RankProcess.spawn(
                     record["argv"],
                     cwd=record["cwd"],
                     env=env,
                     preexec_fn=_make_preexec(cgroup, (uid, gid, groups) if drop else None),
+                    pass_fds=inherited,
                 )
             except Exception as exc:  # OSError from exec, or a NUL byte / bad type in argv or env
+                for fd in inherited:
+                    os.close(fd)
                 # Same convention as a shell: 127 not found, 126 cannot execute.
                 code = 127 if isinstance(exc, FileNotFoundError) else 126
                 what = getattr(exc, "strerror", None) or str(exc)
@@ -311,6 +323,8 @@ class LocalRanks:
                 entry.done.set()
                 self.on_exit(entry)
                 continue
+            for fd in inherited:  # the child's end, now the child's alone
+                os.close(fd)
             entry = Rank(record["id"], rank, proc, output, cgroup)
             self.ranks[key] = entry
             pids[rank] = proc.pid

@@ -35,6 +35,7 @@ from .jobnet import JobNet
 from .notify import SystemdNotifier, watchdog_loop
 from .ops import Ops
 from .peers import Peers
+from .pmi import PmiServer
 from .ranks import LocalRanks, Rank
 from .table import JobTable
 
@@ -62,6 +63,7 @@ class Daemon:
         self.jobnet = JobNet(self, (shm if shm.is_dir() and os.access(shm, os.W_OK) else config.state_dir / "run") / instance)
         self.table.listeners.append(self.jobnet.on_record)
         self.checkpoints = NodeCheckpoints(self)
+        self.pmi = PmiServer(self)
         self.ops = Ops(self)
         self.started = time.time()
         self.nursery: trio.Nursery | None = None

@@ -1,0 +1,197 @@
+"""gangd as MPICH's process manager: the node daemons serve PMI-1 to MPI ranks.
+
+Each rank of an ``--mpi`` job starts with one end of a socket pair as
+``PMI_FD`` (plus ``PMI_RANK``/``PMI_SIZE``), as Hydra or Slurm would give it;
+its node daemon serves the other end. The key-value space spans the job:
+
+* ``put`` lands in this node's pending puts;
+* ``barrier_in`` from every local rank sends this node's puts to the job's
+  leader (the node of rank 0), which answers once every node of the job
+  came in — with everything anyone put. Then each local rank gets
+  ``barrier_out`` and its ``get``s see the whole job's keys;
+* ``abort`` fails the whole job with the rank's message.
+
+MPI's own traffic never passes through gangd: the ranks connect to each
+other with the business cards they exchanged here.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass, field
+
+import trio
+
+from .. import jobs
+from ..protocol import pmi
+from ..rpc import RemoteError
+
+log = logging.getLogger("gangd.pmi")
+
+READ_SIZE = 65536
+ABORT_GRACE = 2.0  # seconds an aborting rank has to exit with its code
+
+
+@dataclass
+class PmiJob:
+    job_id: int
+    kvsname: str
+    ranks: list[int]  # this node's ranks
+    kvs: dict[str, str] = field(default_factory=dict)  # what every rank may get
+    puts: dict[str, str] = field(default_factory=dict)  # this node's, not yet through a barrier
+    entered: dict[int, set[int]] = field(default_factory=dict)  # barrier number -> local ranks in it
+    done: dict[int, trio.Event] = field(default_factory=dict)  # barrier number -> out
+    gathers: dict[int, dict] = field(default_factory=dict)  # leader: barrier number -> {node: puts}
+    gathered: dict[int, trio.Event] = field(default_factory=dict)
+
+
+class PmiServer:
+    def __init__(self, daemon):
+        self.daemon = daemon
+        self.jobs: dict[int, PmiJob] = {}
+
+    def job(self, record: dict) -> PmiJob:
+        # The kvsname must be unique on the host, not just in this cluster:
+        # MPICH names its shared-memory segments after it.
+        if record["id"] not in self.jobs:
+            self.jobs[record["id"]] = PmiJob(record["id"], f"gangd_{record['id']}_{record['token'][:12]}", jobs.ranks_on(record, self.daemon.node))
+        return self.jobs[record["id"]]
+
+    def forget(self, job_id: int) -> None:
+        self.jobs.pop(job_id, None)
+
+    # ------------------------------------------------------------ launch
+
+    def prepare(self, record: dict, rank: int, spawn) -> tuple[dict[str, str], int]:
+        """Before rank ``rank`` starts: its socket pair. Returns (env, fd the child inherits)."""
+        state = self.job(record)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ours.setblocking(False)
+        spawn(self._serve, state, record, rank, trio.SocketStream(trio.socket.from_stdlib_socket(ours)))
+        env = {"PMI_FD": str(theirs.fileno()), "PMI_RANK": str(rank), "PMI_SIZE": str(record["nranks"]), "PMI_JOBID": state.kvsname}
+        return env, theirs.detach()
+
+    # ------------------------------------------------------------ one rank's connection
+
+    async def _serve(self, state: PmiJob, record: dict, rank: int, stream: trio.SocketStream) -> None:
+        reader = pmi.Reader()
+        barriers = 0
+        async with stream:
+            while True:
+                try:
+                    data = await stream.receive_some(READ_SIZE)
+                except trio.BrokenResourceError:
+                    return
+                if not data:
+                    return
+                try:
+                    commands = reader.feed(data)
+                except pmi.PMIError as exc:
+                    log.warning("job %d rank %d: broken PMI connection: %s", state.job_id, rank, exc)
+                    return
+                for command in commands:
+                    cmd = command.get("cmd") or command.get("mcmd")
+                    log.debug("job %d rank %d PMI: %s", state.job_id, rank, command)
+                    if cmd == "barrier_in":
+                        barriers += 1
+                        reply = await self._barrier(state, record, rank, barriers)
+                    else:
+                        reply = await self._answer(state, record, rank, cmd, command)
+                    if reply:
+                        try:
+                            await stream.send_all(reply)
+                        except (trio.BrokenResourceError, trio.ClosedResourceError):
+                            return
+                    if cmd == "finalize":
+                        return
+
+    async def _answer(self, state: PmiJob, record: dict, rank: int, cmd: str, command: dict) -> bytes | None:
+        if cmd == "init":
+            if command.get("pmi_version") != "1":
+                return pmi.line("response_to_init", pmi_version=1, pmi_subversion=1, rc=-1)
+            return pmi.line("response_to_init", pmi_version=1, pmi_subversion=1, rc=0)
+        if cmd == "get_maxes":
+            return pmi.line("maxes", kvsname_max=256, keylen_max=256, vallen_max=4096, rc=0)
+        if cmd == "get_appnum":
+            return pmi.line("appnum", appnum=0, rc=0)
+        if cmd == "get_my_kvsname":
+            return pmi.line("my_kvsname", kvsname=state.kvsname, rc=0)
+        if cmd == "get_universe_size":
+            return pmi.line("universe_size", size=record["nranks"], rc=0)
+        if cmd == "get_rank":
+            return pmi.line("my_rank", rank=rank, rc=0)
+        if cmd == "get_size":
+            return pmi.line("my_size", size=record["nranks"], rc=0)
+        if cmd == "put":
+            key, value = command.get("key", ""), command.get("value", "")
+            if not key:
+                return pmi.line("put_result", rc=-1, msg="put_without_a_key")
+            state.puts[key] = value
+            state.kvs[key] = value  # this node's own ranks see it at once
+            return pmi.line("put_result", rc=0)
+        if cmd == "get":
+            value = state.kvs.get(command.get("key", ""))
+            if value is None:
+                return pmi.line("get_result", rc=-1, msg="key_not_found")
+            return pmi.line("get_result", rc=0, value=value)
+        if cmd == "finalize":
+            return pmi.line("finalize_ack", rc=0)
+        if cmd == "abort":
+            code = command.get("exitcode", "1")
+            why = f"rank {rank} on {self.daemon.node} called MPI_Abort (exit code {code})"
+            log.info("job %d: %s", state.job_id, why)
+            self.daemon.spawn(self._fail, state.job_id, why, int(code) if code.lstrip("-").isdigit() else 1)
+            return None
+        return pmi.line(cmd or "unknown", rc=-1, msg="unsupported_by_gangd")
+
+    async def _fail(self, job_id: int, why: str, code: int) -> None:
+        """The job fails with the aborting rank's message. MPICH exits with the
+        abort's code right after telling us: that exit (kill-on-bad-exit)
+        takes the other ranks down and gives `gang run` its code; only if
+        the rank lingers is the job killed outright."""
+        try:
+            await self.daemon.ops.to_coordinator("coord_fail", job=job_id, reason=why, kill=False, code=code)
+            await trio.sleep(ABORT_GRACE)
+            record = self.daemon.table.get(job_id)
+            if record is not None and not jobs.is_terminal(record):
+                await self.daemon.ops.to_coordinator("coord_fail", job=job_id, reason=why, kill=True)
+        except RemoteError as exc:
+            log.warning("job %d: could not fail the job after MPI_Abort: %s", job_id, exc)
+
+    # ------------------------------------------------------------ barriers (the key exchange)
+
+    async def _barrier(self, state: PmiJob, record: dict, rank: int, number: int) -> bytes:
+        entered = state.entered.setdefault(number, set())
+        done = state.done.setdefault(number, trio.Event())
+        entered.add(rank)
+        if entered >= set(state.ranks):
+            puts, state.puts = state.puts, {}
+            leader = record["placement"][0]
+            try:
+                everything = await self.daemon.call(leader, "pmi_fence", job=state.job_id, number=number, reporter=self.daemon.node, puts=puts)
+            except RemoteError as exc:
+                log.warning("job %d: PMI barrier %d through %s failed: %s", state.job_id, number, leader, exc)
+                return pmi.line("barrier_out", rc=-1, msg="the_job's_barrier_failed")
+            state.kvs.update(everything)
+            state.entered.pop(number, None)
+            done.set()
+        await done.wait()
+        return pmi.line("barrier_out", rc=0)
+
+    async def fence(self, job_id: int, number: int, node: str, puts: dict) -> dict:
+        """Leader side: wait for every node of the job at barrier ``number``; return all puts."""
+        record = self.daemon.table.get(job_id)
+        if record is None:
+            raise RemoteError("no_such_job", f"no job {job_id}")
+        state = self.job(record)
+        table = state.gathers.setdefault(number, {})
+        event = state.gathered.setdefault(number, trio.Event())
+        table[node] = dict(puts)
+        if set(table) >= set(jobs.nodes_of(record)):
+            event.set()
+        await event.wait()
+        merged: dict[str, str] = {}
+        for node_puts in table.values():
+            merged.update(node_puts)
+        return merged

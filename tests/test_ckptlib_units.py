@@ -711,3 +711,74 @@ def test_image_round_trip_array_subclasses_keep_their_type(tmp_path):
     assert type(restored["m"]) is np.matrix and (restored["m"] * restored["m"] == m * m).all()
     assert type(restored["masked"]) is np.ma.MaskedArray
     assert restored["masked"].mask.tolist() == [False, True, False] and restored["masked"].sum() == 4.0
+
+
+# ---------------------------------------------------------------- single-process checkpointer plug-ins
+
+PLUGIN_PROGRAM = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    from gangd import ckptlib as ckpt
+    from gangd.ckptlib import spc
+
+    class JsonSPC(spc.SPC):          # a third-party plug-in: about ten lines
+        name = "json"
+        def do_ckpt(self, values, iteration):
+            with open(self.path, "w") as f:
+                json.dump({"iteration": iteration, "values": values}, f)
+        def restart(self):
+            with open(self.path) as f:
+                saved = json.load(f)
+            return saved["values"], saved["iteration"]
+
+    spc.register("json", JsonSPC)
+    state = {"total": 0}
+
+    def save(f):
+        f.write(json.dumps(state).encode())
+
+    def load(f):
+        state.update(json.loads(f.read()))
+
+    chosen = spc.Callables(save=save, load=load) if os.environ["WHICH"] == "callables" else os.environ["WHICH"]
+    ckpt.init(spc=chosen)
+    acc = ckpt.protect("acc", {"total": 0})
+    first = None
+    for it in ckpt.loop(range(40)):
+        first = it if first is None else first
+        acc["total"] += it * it
+        state["total"] += it
+        if it == 10 and not ckpt.restarted():
+            ckpt.request()
+        if it == 20 and not ckpt.restarted():
+            os.kill(os.getpid(), signal.SIGKILL)
+    ckpt.fini()
+    print("first", first, "acc", acc["total"], "state", state["total"])
+    """
+)
+
+
+@pytest.mark.parametrize("which", ["json", "callables", "registered"])
+def test_single_process_checkpointer_plugins(tmp_path, which):
+    (tmp_path / "plug.py").write_text(PLUGIN_PROGRAM)
+
+    def go(**env):
+        return subprocess.run([sys.executable, "plug.py"], cwd=tmp_path, env=clean_env(WHICH=which, **env), capture_output=True, text=True, timeout=60)
+
+    killed = go()
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    restarted = go(GANGD_RESTART="latest")
+    assert restarted.returncode == 0, restarted.stderr
+    total_sq, total = sum(i * i for i in range(40)), sum(range(40))
+    if which == "callables":  # the program's own state travels; protect()ed values are not its business
+        assert restarted.stdout.split()[:2] == ["first", "11"] and restarted.stdout.split()[-1] == str(total)
+    else:
+        assert restarted.stdout.split() == ["first", "11", "acc", str(total_sq), "state", str(sum(range(11, 40)))]
+    manifest = next(tmp_path.glob("plug.ckpt/job-0/gen-*/MANIFEST"))
+    assert ckptstore.verify(manifest.parent) == []
+
+
+def test_unknown_checkpointer_names_the_known_ones(tmp_path):
+    (tmp_path / "bad.py").write_text("from gangd import ckptlib as ckpt\nckpt.init(spc='nope')\n")
+    result = subprocess.run([sys.executable, "bad.py"], cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "no single-process checkpointer named 'nope'" in result.stderr and "registered" in result.stderr

@@ -41,6 +41,9 @@ import threading
 from pathlib import Path
 
 from ..client.runtime import job_info
+from . import (
+    spc as spc_mod,  # (also makes `from gangd.ckptlib import spc` work, for plug-ins)
+)
 from .core import Checkpointer, CheckpointError, Standalone
 
 __all__ = ["CheckpointError", "fini", "generation", "init", "loop", "protect", "request", "restarted"]
@@ -49,7 +52,7 @@ _cp: Checkpointer | None = None
 
 
 def init(*, directory: str | os.PathLike | None = None, restart=None, background: bool | None = None,
-         every: float | None = None, keep: int = 2) -> Checkpointer:
+         every: float | None = None, keep: int = 2, spc=None) -> Checkpointer:
     """Set up checkpointing for this process; call once, before :func:`protect`.
 
     ``restart`` (alone only; gangd decides under ``gang restart``): ``"latest"``
@@ -57,6 +60,10 @@ def init(*, directory: str | os.PathLike | None = None, restart=None, background
     is none, ``"auto"`` restarts if there is one, a number picks a generation.
     ``every`` (alone only; gangd has ``--ckpt-every``): seconds between checkpoints.
     ``keep``: complete generations kept (alone; the daemons have their own setting).
+    ``spc``: how this process's state is written — a name (``"registered"``,
+    the default; ``GANGD_CKPT_SPC``; anything :func:`spc.register`-ed or in
+    the ``gangd.spc`` entry points) or an instance such as
+    ``spc.Callables(save=..., load=...)``. See :mod:`gangd.ckptlib.spc`.
     """
     global _cp
     if _cp is not None and not _cp.closed:
@@ -74,7 +81,7 @@ def init(*, directory: str | os.PathLike | None = None, restart=None, background
     if restart is True:
         restart = "latest"
     info = job_info()
-    cp = Checkpointer(None, background=background)
+    cp = Checkpointer(None, background=background, spc=spc_mod.select(spc))
     # The handler first: once the daemon knows this rank takes checkpoints it
     # may send SIGQUIT at any moment, and SIGQUIT's default action kills.
     previous = signal.signal(signal.SIGQUIT, cp.signal_handler)

@@ -38,7 +38,7 @@ from ..client.runtime import JobInfo
 from ..comm.control import DaemonLink
 from ..comm.errors import CommError
 from ..protocol import Note, Reply
-from . import image
+from . import spc
 from .core import Checkpointer, CheckpointError, warn
 
 
@@ -72,7 +72,7 @@ class DaemonAgent:
             return
         gen, path = self.restart["gen"], Path(self.restart["path"])
         try:
-            values, iteration, _ = image.load(path, tuple(self.restart["expect"]))
+            values, iteration = spc.read(cp.spc, path, tuple(self.restart["expect"]))
         except StoreError as exc:
             self._note("ckpt_restored", {"gen": gen, "error": str(exc)})
             raise CheckpointError(f"cannot restore rank {self.info.rank}: {exc}") from None

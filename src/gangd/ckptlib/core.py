@@ -21,7 +21,8 @@ from pathlib import Path
 
 from .. import ckptstore
 from ..ckptstore import StoreError
-from . import image, writer
+from . import spc as spc_mod
+from . import writer
 
 DAMAGED = "DAMAGED"  # in a generation found unusable at a restart: why
 COMM_VALUE = "__gangd.comm__"  # a one-rank world's network context, saved with the values
@@ -32,9 +33,10 @@ class CheckpointError(Exception):
 
 
 class Checkpointer:
-    def __init__(self, backend, *, background: bool):
+    def __init__(self, backend, *, background: bool, spc=None):
         self.backend = backend
         self.background = background
+        self.spc = spc if spc is not None else spc_mod.Registered()  # how this process's state is written
         self.values: dict[str, object] = {}
         self.restored: dict[str, object] = {}
         self.start = 0  # first iteration the loop runs (the saved one after a restart)
@@ -98,7 +100,8 @@ class Checkpointer:
 
     def snapshot(self, path: Path, iteration: int, then=None, extra: dict | None = None) -> writer.Written:
         values = {**self.values, **(extra or {})}
-        written = writer.write(path, values, iteration, background=self.background, then=then)
+        self.spc.before_ckpt(values)
+        written = writer.write(path, values, iteration, background=self.background, then=then, spc=self.spc)
         self.writes.append(written)
         return written
 
@@ -157,7 +160,7 @@ class Standalone:
                 manifest = ckptstore.read_manifest(directory)
                 if name not in manifest.files:
                     raise StoreError(f"{directory / name} is not in the manifest")
-                values, iteration, _ = image.load(directory / name, tuple(manifest.files[name]))
+                values, iteration = spc_mod.read(cp.spc, directory / name, tuple(manifest.files[name]))
             except StoreError as exc:
                 problems.append(str(exc))
                 if explicit:

@@ -21,7 +21,7 @@ from pathlib import Path
 import msgpack
 
 from ..ckptstore import StoreError
-from . import image
+from . import spc as spc_mod
 
 
 class Written:
@@ -56,30 +56,30 @@ def _describe(status: int) -> str:
     return f"exit {os.WEXITSTATUS(status)}"
 
 
-def write(path: Path, values: dict, iteration: int, *, background: bool, then: Callable[[dict], None] | None = None) -> Written:
+def write(path: Path, values: dict, iteration: int, *, background: bool, then: Callable[[dict], None] | None = None, spc=None) -> Written:
     """Save ``values`` to ``path``; in the background (forked snapshot) or now.
 
     ``then(result)`` runs after a successful write, in whichever process
     wrote (the child, for background writes): committing a manifest, say.
     """
     if not background:
-        return Written(result=_write_now(path, values, iteration, then))
+        return Written(result=_write_now(path, values, iteration, then, spc))
     try:
         read_end, write_end = os.pipe()
     except OSError:  # out of fds: write now rather than not at all
-        return Written(result=_write_now(path, values, iteration, then))
+        return Written(result=_write_now(path, values, iteration, then, spc))
     try:
         pid = os.fork()
     except OSError as exc:  # out of memory or processes: the job must not die of a checkpoint
         os.close(read_end)
         os.close(write_end)
         print(f"gangd.ckptlib: cannot fork a snapshot ({exc.strerror}); writing before continuing", file=sys.stderr, flush=True)
-        return Written(result=_write_now(path, values, iteration, then))
+        return Written(result=_write_now(path, values, iteration, then, spc))
     if pid == 0:  # the snapshot: write, report, vanish
         try:
             signal.signal(signal.SIGQUIT, signal.SIG_IGN)
             os.close(read_end)
-            result = _write_now(path, values, iteration, then)
+            result = _write_now(path, values, iteration, then, spc)
             os.write(write_end, msgpack.packb(result))
         finally:
             os._exit(0)
@@ -87,10 +87,10 @@ def write(path: Path, values: dict, iteration: int, *, background: bool, then: C
     return Written(pid=pid, fd=read_end)
 
 
-def _write_now(path: Path, values: dict, iteration: int, then) -> dict:
+def _write_now(path: Path, values: dict, iteration: int, then, spc) -> dict:
     started = time.monotonic()
     try:
-        size, digest = image.save(path, values, iteration)
+        size, digest = spc_mod.write(spc or spc_mod.Registered(), path, values, iteration)
         result = {"size": size, "digest": digest, "seconds": time.monotonic() - started}
         if then is not None:
             then(result)

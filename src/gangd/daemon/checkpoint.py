@@ -40,6 +40,7 @@ import trio
 from .. import ckptstore, jobs
 from ..ckptstore import StoreError
 from ..rpc import Channel, RemoteError
+from .jobnet import caller_rank
 
 log = logging.getLogger("gangd.checkpoint")
 
@@ -124,14 +125,8 @@ class NodeCheckpoints:
     # ------------------------------------------------------------ rank connections
 
     async def attach(self, cred: dict, pid: int, args: dict, channel: Channel) -> dict:
-        job_id, rank = args.get("job"), args.get("rank")
-        if not isinstance(job_id, int) or not isinstance(rank, int):
-            raise RemoteError("bad_request", "ckpt_attach needs integer 'job' and 'rank'")
-        record = self.daemon.table.get(job_id)
-        if record is None or not (0 <= rank < record["nranks"]) or record["placement"][rank] != self.daemon.node:
-            raise RemoteError("no_such_job", f"rank {rank} of job {job_id} does not run on {self.daemon.node}")
-        if cred["uid"] not in (0, record["owner_uid"]) or pid not in self.daemon.ranks.rank_processes(job_id, rank):
-            raise RemoteError("permission_denied", f"process {pid} is not rank {rank} of job {job_id}")
+        record, rank = caller_rank(self.daemon, cred, pid, args, "ckpt_attach")
+        job_id = record["id"]
         try:
             pidfd = os.pidfd_open(pid)
         except OSError as exc:

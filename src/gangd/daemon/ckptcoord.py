@@ -34,6 +34,7 @@ import trio
 from .. import jobs
 from ..rpc import RemoteError
 from .coordinator import permission_check
+from .jobnet import expected_deliveries
 
 log = logging.getLogger("gangd.ckptcoord")
 
@@ -101,27 +102,8 @@ class CheckpointCoordinator:
     # ------------------------------------------------------------ one generation
 
     async def _all(self, record: dict, op: str, **args) -> dict[str, object]:
-        """``op`` on every node of the job at once; any failure raises one error naming the nodes."""
-        results: dict[str, object] = {}
-        errors: list[tuple[str, str]] = []
-
-        async def one(node: str) -> None:
-            try:
-                results[node] = await self.daemon.call(node, op, job=record["id"], **args)
-            except RemoteError as exc:
-                errors.append((exc.code, exc.message if node in exc.message else f"{node}: {exc.message}"))
-            except Exception as exc:  # a bug or this node's own disk: still one clear error
-                log.exception("%s on %s failed", op, node)
-                errors.append(("internal", f"{node}: {type(exc).__name__}: {exc}"))
-
-        async with trio.open_nursery() as nursery:
-            for node in jobs.nodes_of(record):
-                nursery.start_soon(one, node)
-        if errors:
-            codes = [code for code, _ in errors]
-            code = "not_ready" if "not_ready" in codes else codes[0]
-            raise RemoteError(code, "; ".join(sorted({m for _, m in errors})))
-        return results
+        """``op`` for this job on every node of it at once (one error naming the nodes if any fails)."""
+        return await self.daemon.ops.on_job_nodes(record, op, job=record["id"], **args)
 
     async def _run(self, job_id: int, live: dict) -> None:
         record = self.daemon.table.get(job_id)
@@ -144,9 +126,7 @@ class CheckpointCoordinator:
             live["phase"] = "cut"
             counters = await self._all(record, "ckpt_cut", gen=gen, iteration=cut)
             marks["cut"] = time.time()
-            sent = {int(r): c[0] for per_node in counters.values() for r, c in per_node.items()}
-            n = record["nranks"]
-            expect = {str(dst): [sent.get(src, [0] * n)[dst] for src in range(n)] for dst in range(n)}
+            expect = expected_deliveries(counters, record["nranks"])
             live["phase"] = "capture"
             await self._all(record, "ckpt_capture", gen=gen, expect=expect)
             marks["saved"] = time.time()

@@ -5,13 +5,7 @@ ranks (:mod:`gangd.ckptlib`), and between daemons (the rounds of
 from __future__ import annotations
 
 from ..rpc import RemoteError
-
-
-def _int(args: dict, key: str) -> int:
-    value = args.get(key)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise RemoteError("bad_request", f"{key!r} must be an integer, not {value!r}")
-    return value
+from .ops import _int
 
 
 class CheckpointOps:

@@ -38,12 +38,38 @@ import trio
 
 from .. import jobs
 from ..rpc import Channel, RemoteError
+from .gather import Gathers
 
 log = logging.getLogger("gangd.jobnet")
 
 GATE_ACK_TIMEOUT = 10.0
 GATE_NOTE_TIMEOUT = 0.1
 CAPTURE_TIMEOUT = 30.0
+
+
+def caller_rank(daemon, cred: dict, pid: int, args: dict, op: str) -> tuple[dict, int]:
+    """(record, rank) of the process calling ``op`` for ``args["job"]``/``args["rank"]``:
+    the kernel's word (SO_PEERCRED pid and uid), never the caller's — the
+    pid must be a process of that rank, running here, of its owner or root."""
+    job_id, rank = args.get("job"), args.get("rank")
+    if not isinstance(job_id, int) or not isinstance(rank, int):
+        raise RemoteError("bad_request", f"{op} needs integer 'job' and 'rank'")
+    record = daemon.table.get(job_id)
+    if record is None:
+        raise RemoteError("no_such_job", f"job {job_id} has no ranks on {daemon.node}")
+    if not (0 <= rank < record["nranks"]) or record["placement"][rank] != daemon.node:
+        raise RemoteError("bad_request", f"rank {rank} of job {job_id} does not run on {daemon.node}")
+    if cred["uid"] not in (0, record["owner_uid"]) or pid not in daemon.ranks.rank_processes(job_id, rank):
+        raise RemoteError("permission_denied", f"process {pid} is not rank {rank} of job {job_id}")
+    return record, rank
+
+
+def expected_deliveries(counters: dict[str, dict], nranks: int) -> dict[str, list[int]]:
+    """From every node's ``counters()`` ({node: {rank: [sent, received, delivered]}}):
+    for each receiving rank, how many messages each rank sent it — what
+    ``capture`` drains up to."""
+    sent = {int(r): c[0] for per_node in counters.values() for r, c in per_node.items()}
+    return {str(dst): [sent.get(src, [0] * nranks)[dst] for src in range(nranks)] for dst in range(nranks)}
 
 
 @dataclass
@@ -99,8 +125,7 @@ class JobNet:
         self.daemon = daemon
         self.runtime_dir = runtime_dir
         self.states: dict[int, JobNetState] = {}
-        self._gathers: dict[int, dict] = {}  # leader side: job -> {node: addrs}
-        self._gathered: dict[int, trio.Event] = {}
+        self._gathers = Gathers()  # leader side of the rendezvous: job -> {node: addrs}
 
     def state(self, job_id: int) -> JobNetState:
         if job_id not in self.states:
@@ -127,10 +152,7 @@ class JobNet:
             for link in state.links.values():
                 link.close()
             state.ready.set()  # attaches still waiting get an answer, not a hang
-        self._gathers.pop(job_id, None)
-        done = self._gathered.pop(job_id, None)
-        if done is not None:
-            done.set()
+        self._gathers.forget(lambda key: key == job_id)
         shutil.rmtree(self.comm_dir(job_id), ignore_errors=True)
 
     def on_record(self, record: dict) -> None:
@@ -170,16 +192,10 @@ class JobNet:
     # ------------------------------------------------------------ rendezvous
 
     async def attach(self, cred: dict, pid: int, args: dict, channel: Channel) -> dict:
-        job_id, rank = args.get("job"), args.get("rank")
-        if not isinstance(job_id, int) or not isinstance(rank, int):
-            raise RemoteError("bad_request", "comm_attach needs integer 'job' and 'rank'")
-        record = self.daemon.table.get(job_id)
-        if record is None or job_id not in self.states:
+        record, rank = caller_rank(self.daemon, cred, pid, args, "comm_attach")
+        job_id = record["id"]
+        if job_id not in self.states:
             raise RemoteError("no_such_job", f"job {job_id} has no ranks on {self.daemon.node}")
-        if not (0 <= rank < record["nranks"]) or record["placement"][rank] != self.daemon.node:
-            raise RemoteError("bad_request", f"rank {rank} of job {job_id} does not run on {self.daemon.node}")
-        if cred["uid"] not in (0, record["owner_uid"]) or pid not in self.daemon.ranks.rank_processes(job_id, rank):
-            raise RemoteError("permission_denied", f"process {pid} is not rank {rank} of job {job_id}")
         state = self.states[job_id]
         counters_fd = self._open_counters(record, rank)
         addrs = {"node": self.daemon.node, "unix": args.get("unix"), "tcp": args.get("tcp")}
@@ -244,12 +260,7 @@ class JobNet:
         record = self.daemon.table.get(job_id)
         if record is None:
             raise RemoteError("no_such_job", f"no job {job_id}")
-        table = self._gathers.setdefault(job_id, {})
-        done = self._gathered.setdefault(job_id, trio.Event())
-        table[node] = addrs
-        if set(table) >= set(jobs.nodes_of(record)):
-            done.set()
-        await done.wait()
+        table = await self._gathers.gather(job_id, node, addrs, jobs.nodes_of(record))
         peers = [None] * record["nranks"]
         for per_node in table.values():
             for rank, entry in per_node.items():

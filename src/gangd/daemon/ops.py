@@ -26,6 +26,7 @@ from .. import jobs
 from ..protocol import Note, Request
 from ..rpc import Channel, RemoteError, Stream
 from .coordinator import permission_check
+from .jobnet import expected_deliveries
 from .peers import natural_key
 
 log = logging.getLogger("gangd.ops")
@@ -236,7 +237,7 @@ class Ops:
     async def net(self, cred, args, channel):
         """Per channel (sender -> receiver): messages sent, received, delivered, in flight."""
         record = await self._record(args, cred, "inspect")
-        counters = await self._on_job_nodes(record, "net_counters", job=record["id"])
+        counters = await self.on_job_nodes(record, "net_counters", job=record["id"])
         n = record["nranks"]
         rows = {}
         for per_node in counters.values():
@@ -260,27 +261,40 @@ class Ops:
         # Closed everywhere first, then confirmed everywhere: a rank behind a
         # closed gate keeps draining its connections, so a send under way to
         # it completes — but only once its own node has closed too.
-        await self._on_job_nodes(record, "net_gate", job=job_id, open=False, wait=False)
+        await self.on_job_nodes(record, "net_gate", job=job_id, open=False, wait=False)
         try:
-            await self._on_job_nodes(record, "net_wait_closed", job=job_id)
-            counters = await self._on_job_nodes(record, "net_counters", job=job_id)
-            sent = {int(r): c[0] for per_node in counters.values() for r, c in per_node.items()}
-            expect = {str(dst): [sent.get(src, [0] * record["nranks"])[dst] for src in range(record["nranks"])] for dst in range(record["nranks"])}
-            contexts = await self._on_job_nodes(record, "net_capture_local", job=job_id, expect=expect)
+            await self.on_job_nodes(record, "net_wait_closed", job=job_id)
+            counters = await self.on_job_nodes(record, "net_counters", job=job_id)
+            expect = expected_deliveries(counters, record["nranks"])
+            contexts = await self.on_job_nodes(record, "net_capture_local", job=job_id, expect=expect)
         finally:
             if args.get("reopen", True):
-                await self._on_job_nodes(record, "net_gate", job=job_id, open=True, wait=False)
+                await self.on_job_nodes(record, "net_gate", job=job_id, open=True, wait=False)
         return {rank: blob for per_node in contexts.values() for rank, blob in per_node.items()}
 
-    async def _on_job_nodes(self, record: dict, op: str, **args) -> dict:
+    async def on_job_nodes(self, record: dict, op: str, **args) -> dict[str, object]:
+        """Peer ``op`` on every node of the job at once, {node: result}; any
+        failure raises one error naming the nodes (``not_ready`` wins: a
+        checkpoint refused before it began is not a failure)."""
         results: dict[str, object] = {}
+        errors: list[tuple[str, str]] = []
 
         async def one(node: str) -> None:
-            results[node] = await self.daemon.call(node, op, **args)
+            try:
+                results[node] = await self.daemon.call(node, op, **args)
+            except RemoteError as exc:
+                errors.append((exc.code, exc.message if node in exc.message else f"{node}: {exc.message}"))
+            except Exception as exc:  # a bug or this node's own disk: still one clear error
+                log.exception("%s on %s failed", op, node)
+                errors.append(("internal", f"{node}: {type(exc).__name__}: {exc}"))
 
         async with trio.open_nursery() as nursery:
             for node in jobs.nodes_of(record):
                 nursery.start_soon(one, node)
+        if errors:
+            codes = [code for code, _ in errors]
+            code = "not_ready" if "not_ready" in codes else codes[0]
+            raise RemoteError(code, "; ".join(sorted({m for _, m in errors})))
         return results
 
     async def job(self, cred, args, channel):

@@ -26,6 +26,7 @@ import trio
 from .. import jobs
 from ..protocol import pmi
 from ..rpc import RemoteError
+from .gather import Gathers
 
 log = logging.getLogger("gangd.pmi")
 
@@ -42,14 +43,13 @@ class PmiJob:
     puts: dict[str, str] = field(default_factory=dict)  # this node's, not yet through a barrier
     entered: dict[int, set[int]] = field(default_factory=dict)  # barrier number -> local ranks in it
     done: dict[int, trio.Event] = field(default_factory=dict)  # barrier number -> out
-    gathers: dict[int, dict] = field(default_factory=dict)  # leader: barrier number -> {node: puts}
-    gathered: dict[int, trio.Event] = field(default_factory=dict)
 
 
 class PmiServer:
     def __init__(self, daemon):
         self.daemon = daemon
         self.jobs: dict[int, PmiJob] = {}
+        self.fences = Gathers()  # leader side: (job, barrier number) -> {node: puts}
 
     def job(self, record: dict) -> PmiJob:
         # The kvsname must be unique on the host, not just in this cluster:
@@ -60,6 +60,7 @@ class PmiServer:
 
     def forget(self, job_id: int) -> None:
         self.jobs.pop(job_id, None)
+        self.fences.forget(lambda key: key[0] == job_id)
 
     # ------------------------------------------------------------ launch
 
@@ -184,13 +185,7 @@ class PmiServer:
         record = self.daemon.table.get(job_id)
         if record is None:
             raise RemoteError("no_such_job", f"no job {job_id}")
-        state = self.job(record)
-        table = state.gathers.setdefault(number, {})
-        event = state.gathered.setdefault(number, trio.Event())
-        table[node] = dict(puts)
-        if set(table) >= set(jobs.nodes_of(record)):
-            event.set()
-        await event.wait()
+        table = await self.fences.gather((job_id, number), node, dict(puts), jobs.nodes_of(record))
         merged: dict[str, str] = {}
         for node_puts in table.values():
             merged.update(node_puts)

@@ -697,7 +697,7 @@ Example:
 @click.option("--nodes", type=click.IntRange(1, 32), default=4, show_default=True)
 @click.option("--keep", is_flag=True, help="Leave the demo cluster running afterwards.")
 def demo(nodes, keep):
-    """Bring up a local cluster, run a parallel job across it, show the result."""
+    """Bring up a local cluster: two gang-scheduled jobs, a checkpoint, a kill, a bit-identical restart."""
     from .demo import run_demo
 
     sys.exit(run_demo(nodes=nodes, keep=keep))

@@ -91,8 +91,15 @@ def job_env(background: bool | None) -> dict:
     return env
 
 
-async def submit(gang, app_args: list[str], *, name: str, background: bool | None = None) -> int:
-    record = await gang.submit([sys.executable, APP, *app_args], NODES, per_node=1, env=job_env(background), cwd=str(HERE), name=name)
+# MPICH between ranks on different gangd nodes of this one machine: TCP, as between hosts.
+MPI_OVER_TCP = {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
+
+
+async def submit(gang, app_args: list[str], *, name: str, background: bool | None = None, mpi: bool = False) -> int:
+    """``mpi``: the app's mpi4py version (``--mpi``), run with gangd as MPICH's process manager."""
+    env = job_env(background) | (MPI_OVER_TCP if mpi else {})
+    argv = [sys.executable, APP, *app_args, *(["--mpi"] if mpi else [])]
+    record = await gang.submit(argv, NODES, per_node=1, env=env, cwd=str(HERE), name=name, mpi=mpi)
     return record["id"]
 
 
@@ -123,9 +130,9 @@ async def explain(gang, job: int) -> str:
     return f"job {job} is {record['state']}: {record['reason'] or '-'}\n{tail}"
 
 
-async def run_to_end(gang, app_args: list[str], *, name: str, timeout: float = 300) -> tuple[dict, dict[int, dict]]:
+async def run_to_end(gang, app_args: list[str], *, name: str, timeout: float = 300, mpi: bool = False) -> tuple[dict, dict[int, dict]]:
     """Submit, wait for the end; returns (record, each rank's DONE numbers)."""
-    job = await submit(gang, app_args, name=name)
+    job = await submit(gang, app_args, name=name, mpi=mpi)
     with trio.fail_after(timeout):
         record = await gang.wait_done(job)
     return record, await done_lines(gang, record)
@@ -303,12 +310,13 @@ def raw_write(directory: Path, nbytes: int, writers: int) -> float:
     return max(e for _, e in spans) - min(s for s, _ in spans)
 
 
-async def checkpointed_job(directory: Path, mib: int, background: bool, count: int) -> list[dict]:
+async def checkpointed_job(directory: Path, mib: int, background: bool, count: int, mpi: bool = False) -> list[dict]:
     """``count`` checkpoints of a job with ``mib`` MiB per rank; the generation entries."""
     band_rows = CKPT_BAND // (8 * STENCIL_COLS)
     argv = ["--mb", str(mib), "--steps", str(10**9), "--sleep", str(CKPT_SLEEP), "--band-rows", str(band_rows)]
     async with connect(directory) as gang:
-        job = await submit(gang, argv, name=f"ckpt-{mib}M-{'bg' if background else 'inline'}", background=None if background else False)
+        name = f"ckpt-{'mpi-' if mpi else ''}{mib}M-{'bg' if background else 'inline'}"
+        job = await submit(gang, argv, name=name, background=None if background else False, mpi=mpi)
         try:
             await wait_ready(gang, job)
             await trio.sleep(0.5)  # a few iterations in: past the first-iteration effects

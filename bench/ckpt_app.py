@@ -17,6 +17,12 @@ what a background (forked) snapshot has to copy-on-write while it writes.
 ``--plain`` is the same computation without the library: no ckptlib import,
 a plain ``range`` — the baseline of the library's overhead.
 
+``--mpi`` is the same job written against mpi4py (run it with ``gang run
+--mpi``): halo rows through ``Sendrecv``, the residual through ``allreduce``,
+and a ``gangd.ckptlib.mpi.checkpoint(comm)`` call at the end of every
+iteration instead of ``ckpt.loop`` (the step counter is protected state).
+Same state, same arithmetic, same digest.
+
 Output, one line each, flushed (bench/ckpt.py reads them through gangd):
 
     READY <unix time> <iteration>   after the first iteration this process ran
@@ -47,14 +53,21 @@ parser.add_argument("--steps", type=int, default=100)
 parser.add_argument("--sleep", type=float, default=0.0, help="seconds of extra 'compute' per iteration")
 parser.add_argument("--band-rows", type=int, default=0, help="rows relaxed per iteration (0: the whole band)")
 parser.add_argument("--plain", action="store_true", help="no gangd.ckptlib: the baseline")
+parser.add_argument("--mpi", action="store_true", help="talk through mpi4py; checkpoint at ckptlib.mpi.checkpoint(comm)")
 args = parser.parse_args()
 
+if args.mpi:
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+else:
+    world = comm.world()
+    rank, size = world.rank, world.size
 if not args.plain:
     from gangd import ckptlib as ckpt
 
     ckpt.init()
-world = comm.world()
-rank, size = world.rank, world.size
 n = args.n
 rows = max(3, int(args.mb * (1 << 20)) // (8 * n))
 up = rank - 1 if rank > 0 else None  # no neighbour beyond the plate's edges
@@ -67,7 +80,7 @@ u = np.zeros((rows + 2, n))
 u[1:rows + 1] = 0.5
 if rank == 0:
     u[1, :] = 1.0  # the hot top edge: never updated
-stats = {"residual": float("nan"), "at": -1}
+stats = {"residual": float("nan"), "at": -1, "step": 0}
 if not args.plain:
     u = ckpt.protect("u", u)  # on a restart: the saved band instead
     stats = ckpt.protect("stats", stats)
@@ -78,10 +91,25 @@ interior = last - first + 1
 band = min(args.band_rows or interior, interior)
 windows = -(-interior // band)
 
-iterations = ckpt.loop(range(args.steps)) if not args.plain else range(args.steps)
-ready_at = ready_cpu = None
-done_after_ready = 0
-for it in iterations:
+
+
+def mpi_steps():
+    """MPI's way: a while loop on a protected counter, the checkpoint call at the end of each step."""
+    from gangd.ckptlib import mpi as ckpt_mpi
+
+    while stats["step"] < args.steps:
+        yield stats["step"]
+        stats["step"] += 1
+        if not args.plain:
+            ckpt_mpi.checkpoint(world)
+
+
+def exchange(it: int) -> None:
+    if args.mpi:  # up's bottom halo is our first row, and so on; PROC_NULL: nothing on that side
+        no = MPI.PROC_NULL
+        world.Sendrecv(u[1], dest=no if up is None else up, sendtag=it, recvbuf=u[rows + 1], source=no if down is None else down, recvtag=it)
+        world.Sendrecv(u[rows], dest=no if down is None else down, sendtag=it, recvbuf=u[0], source=no if up is None else up, recvtag=it)
+        return
     # Both sends before both receives: no ordering can deadlock.
     if up is not None:
         world.send(u[1].copy(), dest=up, tag=it)
@@ -92,13 +120,27 @@ for it in iterations:
     if down is not None:
         world.recv_into(u[rows + 1], source=down, tag=it)
 
+
+def largest(change: float) -> float:
+    return world.allreduce(change, op=MPI.MAX) if args.mpi else world.allreduce(change, op="max")
+
+
+if args.mpi:
+    iterations = mpi_steps()
+else:
+    iterations = ckpt.loop(range(args.steps)) if not args.plain else range(args.steps)
+ready_at = ready_cpu = None
+done_after_ready = 0
+for it in iterations:
+    exchange(it)
+
     a = first + (it % windows) * band
     b = min(a + band, last + 1)  # rows [a, b) this iteration
     # The right-hand side is evaluated whole before u is written: Jacobi within the window.
     new = 0.25 * (u[a - 1:b - 1, 1:-1] + u[a + 1:b + 1, 1:-1] + u[a:b, :-2] + u[a:b, 2:])
     if it % 10 == 9:
         change = float(np.abs(new - u[a:b, 1:-1]).max()) if new.size else 0.0
-        stats["residual"] = world.allreduce(change, op="max")  # mutate the protected dict, don't rebind it
+        stats["residual"] = largest(change)  # mutate the protected dict, don't rebind it
         stats["at"] = it
     u[a:b, 1:-1] = new
     if args.sleep:
@@ -115,4 +157,5 @@ finished = time.time()
 digest = hashlib.sha256(u[1:rows + 1].tobytes()).hexdigest()[:16]
 times = {"began": began, "ready": ready_at, "ended": ended, "finished": finished}
 print("DONE " + json.dumps({"loop_s": ended - (ready_at or ended), "loop_cpu_s": loop_cpu, "iters": done_after_ready, "digest": digest, "rows": rows, "times": times}), flush=True)
-world.close()
+if not args.mpi:
+    world.close()

@@ -25,6 +25,19 @@ from pathlib import Path
 
 import pytest
 import trio
+from ckpthelpers import (
+    TERMINAL,
+    checkpoint,
+    gen_dir,
+    generations,
+    kill_and_restart,
+    kill_what_is_left,
+    reference,
+    result_of,
+    submit,
+    wait_generations,
+    wait_running_a_bit,
+)
 from conftest import as_uid, shared_cluster
 
 from gangd import ckptstore
@@ -35,7 +48,6 @@ PY = sys.executable
 ROOT = Path(__file__).resolve().parent.parent
 JOB = str(ROOT / "tests" / "jobs" / "ckptjob.py")
 EXAMPLES = ROOT / "examples"
-TERMINAL = ("DONE", "FAILED", "KILLED")
 NOBODY = 65534
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a second uid, mounting a tmpfs)")
 
@@ -49,78 +61,7 @@ def gc():
 @pytest.fixture(autouse=True)
 def _leave_it_empty(gc):
     yield
-    for record in gc.gang_json("ps"):
-        if record["state"] not in TERMINAL:
-            gc.gang("kill", record["id"])
-    gc.wait_no_rank_processes(timeout=10)
-
-
-# ---------------------------------------------------------------- helpers
-
-_references: dict[tuple, str] = {}
-
-
-def reference(gc, argv: list[str], n: int = 4) -> str:
-    """RESULT of an uninterrupted run (cached per command)."""
-    key = (tuple(argv), n)
-    if key not in _references:
-        run = gc.gang("run", "-n", n, "--", PY, *argv, timeout=120)
-        assert run.returncode == 0, run.stderr
-        _references[key] = result_line(run.stdout)
-    return _references[key]
-
-
-def result_line(text: str) -> str:
-    lines = [line.split("RESULT", 1)[1].strip() for line in text.splitlines() if "RESULT" in line]
-    assert len(lines) == 1, f"expected one RESULT line in:\n{text}"
-    return lines[0]
-
-
-def submit(gc, argv: list[str], n: int = 4, *options) -> int:
-    return int(gc.gang("submit", "-n", n, *options, "--", PY, *argv, check=True).stdout)
-
-
-def result_of(gc, job: int, timeout: float = 60) -> str:
-    record = gc.wait_state(job, TERMINAL, timeout=timeout)
-    logs = gc.gang("logs", job, check=True).stdout
-    assert record["state"] == "DONE", f"job {job} {record['state']}: {record['reason']}\n{logs}"
-    return result_line(logs)
-
-
-def checkpoint(gc, job: int) -> dict:
-    """The generation (complete or aborted: `gang checkpoint` exits 1 for those)."""
-    result = gc.gang("checkpoint", job, "--json", timeout=90)
-    assert result.stdout, f"gang checkpoint {job} exited {result.returncode}: {result.stderr}"
-    return json.loads(result.stdout)
-
-
-def generations(gc, job: int) -> list[dict]:
-    return gc.gang_json("ckpt", "ls", job)["generations"]
-
-
-def wait_generations(gc, job: int, count: int, timeout: float = 30) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    while True:
-        complete = [g for g in generations(gc, job) if g["state"] == "complete"]
-        if len(complete) >= count:
-            return complete
-        assert time.monotonic() < deadline, f"job {job}: {len(complete)} complete generations after {timeout} s: {generations(gc, job)}"
-        time.sleep(0.1)
-
-
-def kill_and_restart(gc, job: int, *extra) -> int:
-    gc.gang("kill", job, check=True)
-    out = gc.gang("restart", job, "--json", *extra, check=True).stdout
-    return json.loads(out)["record"]["id"]
-
-
-def gen_dir(gc, node: str, lineage: int, gen: int) -> Path:
-    return ckptstore.gen_dir(gc.dir / node / "state" / "checkpoints", lineage, gen)
-
-
-def wait_running_a_bit(gc, job: int, seconds: float = 1.0) -> None:
-    gc.wait_state(job, ("RUNNING", "SUSPENDED"))
-    time.sleep(seconds)
+    kill_what_is_left(gc)
 
 
 # ---------------------------------------------------------------- bit-identical restarts

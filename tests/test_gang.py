@@ -175,6 +175,7 @@ class Exclusion:
         assert self.nodes, "the two jobs share no node"
         self.x, self.y = x, y
         self.samples = 0
+        self.discarded = 0  # samples too slow to prove anything
         self.overlaps: list[tuple] = []
         self.x_only = dict.fromkeys(self.nodes, 0)  # X ran, Y stopped
         self.y_only = dict.fromkeys(self.nodes, 0)
@@ -183,7 +184,13 @@ class Exclusion:
         return {n: {p: state(p) for p in job[n]} for n in self.nodes}
 
     def sample(self) -> None:
+        began = time.monotonic()
         x1, y1, x2, y2 = self._read(self.x), self._read(self.y), self._read(self.x), self._read(self.y)
+        if time.monotonic() - began > TIME_SLICE / 2:
+            # This process was descheduled mid-sample (busy ranks and other
+            # load share the cores): two switches may fit between its reads.
+            self.discarded += 1
+            return
         self.samples += 1
         for n in self.nodes:
             # the same process of one job running before and after a process of
@@ -206,6 +213,7 @@ class Exclusion:
         return self
 
     def check(self) -> None:
+        assert self.samples > 10 * self.discarded, f"{self.discarded} samples too slow, {self.samples} usable: the machine is too loaded to tell"
         assert not self.overlaps, f"{len(self.overlaps)} of {self.samples} samples caught both jobs running on one node: {self.overlaps[:5]}"
         for n in self.nodes:
             assert self.x_only[n] > 0 and self.y_only[n] > 0, (

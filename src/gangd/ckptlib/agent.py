@@ -230,10 +230,49 @@ class DaemonAgent:
                 self.cond.wait()
         self._checkpoint(cp, gen, k)
 
-    def _checkpoint(self, cp: Checkpointer, gen: int, k: int) -> None:
+    def agree(self, cp: Checkpointer, k: int) -> int | None:
+        """At ``ckptlib.mpi.checkpoint()`` call ``k``: the generation to save here, or None.
+
+        The same agreement as a loop boundary, except that a rank asked to
+        checkpoint offers *this* call (it cannot run on to a later one
+        alone: the calls are collective). A rank that reported this call or
+        an earlier one waits for the cut; past this point its reports name
+        the next call. The ranks then confirm over MPI that they all agree.
+        """
+        with self.cond:
+            while not self.gone:
+                if self.cut is not None:
+                    gen, at = self.cut
+                    if at == k:
+                        return gen  # (cp.iteration stays k - 1 until the state is saved)
+                    if at < k:
+                        self._note("ckpt_report", {"gen": gen, "iteration": None, "why": f"it is at call {k} of checkpoint(comm), past the cut {at}"})
+                        self._clear()
+                    break
+                if cp.requested and self.reported is None:  # the request or the begin note came just now
+                    self.reported = k
+                    self._note("ckpt_report", {"gen": self.gen, "iteration": k})
+                if not cp.requested or self.reported is None or self.reported > k:
+                    break
+                self.cond.wait()  # for the cut, or for the begin note that answers this rank's own request
+            cp.iteration = k
+            return None
+
+    def decline(self, cp: Checkpointer, gen: int, k: int, why: str) -> None:
+        """This rank cannot save generation ``gen`` at call ``k`` after all: the daemons abort it."""
+        with self.cond:
+            if not self.gone:
+                self._note("ckpt_report", {"gen": gen, "iteration": None, "why": why})
+            self._clear()
+            cp.iteration = k
+
+    def save(self, cp: Checkpointer, gen: int, k: int, resume: int) -> int | None:
+        return gen if self._checkpoint(cp, gen, k, resume) else None
+
+    def _checkpoint(self, cp: Checkpointer, gen: int, k: int, resume: int | None = None) -> bool:
         try:
             where = self.call("ckpt_start", {"gen": gen, "iteration": k})
-            written = cp.snapshot(Path(where["path"]), k)
+            written = cp.snapshot(Path(where["path"]), k if resume is None else resume)
             if written.done:
                 cp.writes.remove(written)
                 self.call("ckpt_end", {"gen": gen, "result": written.wait()})
@@ -244,11 +283,14 @@ class DaemonAgent:
                 os.eventfd_write(self.wake, 1)  # the reader thread watches the new pipe
                 self.call("ckpt_end", {"gen": gen, "background": True})
             cp.generation = gen
+            return True
         except CheckpointError as exc:
             if not self.gone:
                 warn(f"checkpoint {gen} failed: {exc}")
+            return False
         finally:
-            with self.cond:
+            with self.cond:  # (past k from here on: a later report names the next boundary)
+                cp.iteration = max(cp.iteration, k)
                 self._clear()
 
     def fini(self, cp: Checkpointer) -> None:

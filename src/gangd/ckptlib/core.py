@@ -47,6 +47,7 @@ class Checkpointer:
         self.generation: int | None = None  # of the restart, then of the last checkpoint taken
         self.restarted_from: int | None = None
         self.writes: list[writer.Written] = []
+        self.points: str | None = None  # "loop" or "mpi": where this program's checkpoints can happen
         self.closed = False
 
     # ------------------------------------------------------------ program side
@@ -62,6 +63,7 @@ class Checkpointer:
     def loop(self, iterable):
         if self.in_loop:
             raise CheckpointError("ckpt.loop() is already running: a program has one checkpointed loop")
+        self.use_points("loop")
         self.in_loop = True
         start = self.start
         if isinstance(iterable, range):
@@ -86,6 +88,14 @@ class Checkpointer:
             self.in_loop = False
             self.loop_done = True
 
+    def use_points(self, kind: str) -> None:
+        """A program counts its checkpoint points one way: ``ckpt.loop()``
+        iterations or ``ckptlib.mpi.checkpoint()`` calls (both restart from
+        the same saved counter)."""
+        if self.points not in (None, kind):
+            raise CheckpointError("a program checkpoints either in ckpt.loop() or at ckptlib.mpi.checkpoint(comm) calls, not both")
+        self.points = kind
+
     def request(self) -> None:
         """Checkpoint at the next boundary (the signal handler does the same)."""
         self.requested = True
@@ -99,6 +109,7 @@ class Checkpointer:
     # ------------------------------------------------------------ saving
 
     def snapshot(self, path: Path, iteration: int, then=None, extra: dict | None = None) -> writer.Written:
+        """Write the protected values; ``iteration`` is the boundary a restart resumes at."""
         values = {**self.values, **(extra or {})}
         self.spc.before_ckpt(values)
         written = writer.write(path, values, iteration, background=self.background, then=then, spc=self.spc)
@@ -195,7 +206,26 @@ class Standalone:
     def on_request(self, cp: Checkpointer) -> None:
         pass
 
-    def at_boundary(self, cp: Checkpointer, k: int) -> None:
+    def agree(self, cp: Checkpointer, k: int) -> int | None:
+        """At ``ckptlib.mpi.checkpoint()`` call ``k``: save here? (Alone: when asked.)"""
+        if not cp.requested:
+            cp.iteration = k
+            return None
+        return 0
+
+    def decline(self, cp: Checkpointer, gen: int, k: int, why: str) -> None:
+        cp.requested = False
+        cp.iteration = k
+
+    def save(self, cp: Checkpointer, gen: int, k: int, resume: int) -> int | None:
+        try:
+            self.at_boundary(cp, k, resume)
+        finally:
+            cp.iteration = k
+        return cp.generation
+
+    def at_boundary(self, cp: Checkpointer, k: int, resume: int | None = None) -> None:
+        """Save at boundary ``k``; a restart resumes at ``resume`` (default ``k``: the loop runs item k again)."""
         cp.requested = False
         gen = max(ckptstore.generations(self.directory, 0), default=cp.generation or 0) + 1
         directory = self._dir(gen)
@@ -213,7 +243,7 @@ class Standalone:
         # Alone, nobody else saves the messages a one-rank world sent itself and did not receive yet.
         comm_world = sys.modules.get("gangd.comm.world")
         network = comm_world.alone_context() if comm_world is not None else None
-        written = cp.snapshot(directory / name, k, then=commit, extra={COMM_VALUE: network} if network else None)
+        written = cp.snapshot(directory / name, k if resume is None else resume, then=commit, extra={COMM_VALUE: network} if network else None)
         if written.done:
             self._report(written.wait())
             cp.writes.remove(written)

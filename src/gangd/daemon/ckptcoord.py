@@ -258,7 +258,7 @@ class CheckpointCoordinator:
                 await self._mark(entry, "damaged", "; ".join(damaged))
         else:
             raise RemoteError("no_checkpoint", "no intact complete checkpoint: " + "; ".join(skipped))
-        spec = {key: record.get(key) for key in ("argv", "cwd", "env", "nranks", "name", "kill_on_bad_exit", "priority", "slice", "ckpt_every")}
+        spec = {key: record.get(key) for key in ("argv", "cwd", "env", "nranks", "name", "kill_on_bad_exit", "priority", "slice", "ckpt_every", "mpi")}
         owner = {"uid": record["owner_uid"], "gid": record["owner_gid"], "user": record["owner"]}
         internal = {
             "lineage": lineage,

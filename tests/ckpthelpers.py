@@ -1,0 +1,87 @@
+"""What the checkpoint tests do again and again on a cluster: run, checkpoint, kill, restart, compare."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from gangd import ckptstore
+
+PY = sys.executable
+TERMINAL = ("DONE", "FAILED", "KILLED")
+
+
+def kill_what_is_left(cluster) -> None:
+    """After a test: kill the jobs still alive, and wait until none of their processes is."""
+    for record in cluster.gang_json("ps"):
+        if record["state"] not in TERMINAL:
+            cluster.gang("kill", record["id"])
+    cluster.wait_no_rank_processes(timeout=10)
+
+
+_references: dict[tuple, str] = {}
+
+
+def reference(gc, argv: list[str], n: int = 4, *options, **kwargs) -> str:
+    """RESULT of an uninterrupted run (cached per command)."""
+    key = (tuple(argv), n, options)
+    if key not in _references:
+        run = gc.gang("run", "-n", n, *options, "--", PY, *argv, timeout=120, **kwargs)
+        assert run.returncode == 0, run.stderr
+        _references[key] = result_line(run.stdout)
+    return _references[key]
+
+
+def result_line(text: str) -> str:
+    lines = [line.split("RESULT", 1)[1].strip() for line in text.splitlines() if "RESULT" in line]
+    assert len(lines) == 1, f"expected one RESULT line in:\n{text}"
+    return lines[0]
+
+
+def submit(gc, argv: list[str], n: int = 4, *options, **kwargs) -> int:
+    return int(gc.gang("submit", "-n", n, *options, "--", PY, *argv, check=True, **kwargs).stdout)
+
+
+def result_of(gc, job: int, timeout: float = 60) -> str:
+    record = gc.wait_state(job, TERMINAL, timeout=timeout)
+    logs = gc.gang("logs", job, check=True).stdout
+    assert record["state"] == "DONE", f"job {job} {record['state']}: {record['reason']}\n{logs}"
+    return result_line(logs)
+
+
+def checkpoint(gc, job: int) -> dict:
+    """The generation (complete or aborted: `gang checkpoint` exits 1 for those)."""
+    result = gc.gang("checkpoint", job, "--json", timeout=90)
+    assert result.stdout, f"gang checkpoint {job} exited {result.returncode}: {result.stderr}"
+    return json.loads(result.stdout)
+
+
+def generations(gc, job: int) -> list[dict]:
+    return gc.gang_json("ckpt", "ls", job)["generations"]
+
+
+def wait_generations(gc, job: int, count: int, timeout: float = 30) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while True:
+        complete = [g for g in generations(gc, job) if g["state"] == "complete"]
+        if len(complete) >= count:
+            return complete
+        assert time.monotonic() < deadline, f"job {job}: {len(complete)} complete generations after {timeout} s: {generations(gc, job)}"
+        time.sleep(0.1)
+
+
+def kill_and_restart(gc, job: int, *extra) -> int:
+    gc.gang("kill", job, check=True)
+    out = gc.gang("restart", job, "--json", *extra, check=True).stdout
+    return json.loads(out)["record"]["id"]
+
+
+def gen_dir(gc, node: str, lineage: int, gen: int) -> Path:
+    return ckptstore.gen_dir(gc.dir / node / "state" / "checkpoints", lineage, gen)
+
+
+def wait_running_a_bit(gc, job: int, seconds: float = 1.0) -> None:
+    gc.wait_state(job, ("RUNNING", "SUSPENDED"))
+    time.sleep(seconds)

@@ -97,7 +97,20 @@ async def measure(directory: Path, nodes: int, per_node: int, seconds: float, ti
         "round_trip": [s["round_trip"] for s in switches],
         "direct": direct,
         "processes": len(pids_a) + len(pids_b),
+        "per_node": [s["per_node"] for s in switches],
     }
+
+
+def print_timeline(per_node: list[dict]) -> None:
+    """Median per node: when it got the request and when it was done, from the decision (ms)."""
+    nodes = sorted({n for entry in per_node for n in entry}, key=lambda n: (len(n), n))
+    cells = []
+    for n in nodes:
+        got = [e[n][0] for e in per_node if n in e]
+        done = [e[n][1] for e in per_node if n in e]
+        cpu = [e[n][2] for e in per_node if n in e]
+        cells.append(f"{n} {pct(got, 50) * 1e3:.2f}->{pct(done, 50) * 1e3:.2f} (cpu {pct(cpu, 50) * 1e6:.0f}us)")
+    print("      received->done per node, median ms: " + ", ".join(cells))
 
 
 def main() -> None:
@@ -106,6 +119,7 @@ def main() -> None:
     parser.add_argument("--per-node", type=int, default=8)
     parser.add_argument("--slice", type=float, default=0.05, help="time slice (s): shorter = more switches")
     parser.add_argument("--seconds", type=float, default=10.0, help="measuring time per cluster size")
+    parser.add_argument("--timeline", action="store_true", help="also print when each node received and finished its part")
     args = parser.parse_args()
     print(f"gang switch latency, {args.per_node} busy ranks per node x 2 jobs, slice {args.slice} s, {os.cpu_count()} cores")
     print(f"{'nodes':>5} {'switches':>8} {'lat p50':>8} {'lat p99':>8} {'skew p50':>9} {'skew p99':>9} {'rtt p50':>8} {'direct p50':>10} {'p50/direct':>10}")
@@ -123,6 +137,8 @@ def main() -> None:
             f"{ms(r['skew'], 50):>8.3f}ms {ms(r['skew'], 99):>8.3f}ms {ms(r['round_trip'], 50):>7.2f}ms "
             f"{ms(r['direct'], 50):>9.3f}ms {pct(r['latency'], 50) / pct(r['direct'], 50):>9.1f}x"
         )
+        if args.timeline:
+            print_timeline(r["per_node"])
     print("targets (issue 3): p99 <= 4 ms at 8 nodes x 8 ranks, p50 <= 1 ms")
 
 

@@ -66,9 +66,32 @@ def output(mc, job: int) -> str:
     return printed.stdout + printed.stderr
 
 
-def wait_step(mc, job: int, seconds: float = 1.5) -> None:
+QUIT_BIT = 1 << (signal.SIGQUIT - 1)
+
+
+def wait_step(mc, job: int, seconds: float = 1.0, nranks: int = 4) -> None:
+    """Until every rank has called ckpt.init() (its SIGQUIT handler is in:
+    before it, SIGQUIT kills and `gang checkpoint` is refused), then ``seconds`` more."""
     mc.wait_state(job, ("RUNNING", "SUSPENDED"), timeout=30)
+    deadline = time.monotonic() + 60
+    while len([p for p in ranks_of(mc, job) if _catches_sigquit(p.pid)]) < nranks:
+        assert time.monotonic() < deadline, f"job {job}: not every rank called ckpt.init() within 60 s"
+        time.sleep(0.05)
     time.sleep(seconds)
+
+
+def ranks_of(mc, job: int):
+    """The ranks' Python processes (not the shells or forks around them)."""
+    return [p for p in mc.rank_processes(job) if any(part.endswith(".py") for part in p.cmdline()[1:2])]
+
+
+def _catches_sigquit(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            fields = dict(line.split(":", 1) for line in fh if ":" in line)
+    except OSError:
+        return False
+    return bool(int(fields["SigCgt"], 16) & QUIT_BIT)
 
 
 def test_mpi_stencil_checkpoint_kill_restart_is_bit_identical(mc):
@@ -89,7 +112,7 @@ def test_a_ranks_sigquit_is_honoured_at_the_next_call_by_every_rank(mc):
     want = expected(mc)
     job = submit(mc, [*STENCIL, "--sleep", "0.02"], 4, *ACROSS, env=tcp())
     wait_step(mc, job)
-    rank2 = next(p for p in mc.rank_processes(job) if p.environ().get("GANGD_RANK") == "2" and "mpi_heat" in " ".join(p.cmdline()))
+    rank2 = next(p for p in ranks_of(mc, job) if p.environ().get("GANGD_RANK") == "2")
     os.kill(rank2.pid, signal.SIGQUIT)
     [gen] = wait_generations(mc, job, 1)
     assert "SIGQUIT" in gen["trigger"] and "rank 2" in gen["trigger"]
@@ -107,10 +130,41 @@ def test_forced_checkpoints_land_on_the_same_call_and_a_restart_goes_on_after_it
     assert [g["iteration"] for g in complete[:2]] == [49, 99]
     restarted = kill_and_restart(mc, job, "-g", complete[1]["gen"])
     assert mc.job(restarted)["restart_of"]["iteration"] == 99
-    wait_step(mc, restarted, 0.5)
+    wait_step(mc, restarted, 0.3)
     gen = checkpoint(mc, restarted)  # (100 steps of 30 ms left: it is still running)
     assert gen["state"] == "complete" and gen["iteration"] > 99, gen
     assert result_of(mc, restarted, timeout=120) == want
+
+
+def test_back_to_back_forced_checkpoints_each_get_saved(mc):
+    """force=True at every call: each request comes while the previous
+    generation is still being committed, and must not be lost (the rank would wait forever)."""
+    argv = [HEAT, "--steps", "12", "--n", "64"]
+    want = reference(mc, argv, 4, *ACROSS, env=tcp())
+    job = submit(mc, [*argv, "--every", "1"], 4, *ACROSS, env=tcp())
+    assert result_of(mc, job, timeout=120) == want
+    # The last one too: the ranks end right after it, while their snapshots
+    # are written; their exit must not abort what they finished writing (its
+    # commit, the daemons' part, may finish just after the job).
+    deadline = time.monotonic() + 15
+    while True:
+        gens = generations(mc, job)
+        if any(g["iteration"] == 11 and g["state"] == "complete" for g in gens):
+            break
+        assert time.monotonic() < deadline, [(g["gen"], g["state"], g["iteration"], g.get("reason")) for g in gens[-3:]]
+        time.sleep(0.2)
+    assert all(0 <= g["iteration"] <= 11 for g in gens if g["state"] == "complete"), gens
+
+
+def test_a_refused_checkpoint_can_be_caught_and_the_next_one_works(mc):
+    """The markers of a refused checkpoint are consumed and the early message stays queued."""
+    run = mc.gang("run", "--mpi", "-n", 2, "-N", 2, "--", PY, ACROSS_THE_CALL, "catch", env=tcp(), timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = run.stdout
+    assert "1: refused: checkpoint(comm) call 0: a message from rank 0 (tag 44," in out, out
+    assert "1: then received 'early'" in out
+    saved = {line.split()[-1] for line in out.splitlines() if "saved generation" in line}
+    assert len(saved) == 1 and saved != {"None"}, out  # both ranks saved the same generation
 
 
 def test_a_message_in_flight_across_the_call_is_refused_with_its_source_tag_and_the_rule(mc):

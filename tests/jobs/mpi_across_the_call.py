@@ -4,6 +4,8 @@
 the receive has begun) before the call; rank 1 receives it after the call.
 ``recv``: rank 1 receives before the call what rank 0 sends after it.
 Either way one rank waits in the call forever; checkpoint(comm) must say why.
+``catch``: rank 0 sends to rank 1 before a forced checkpoint; rank 1 catches
+the refusal, receives the message, and both checkpoint again, correctly.
 """
 
 import sys
@@ -30,4 +32,14 @@ elif mode == "recv":
     ckpt_mpi.checkpoint(comm)
     if comm.rank == 0:
         comm.Send(data[:1], dest=1, tag=43)
+elif mode == "catch":
+    if comm.rank == 0:
+        comm.send("early", dest=1, tag=44)
+    try:
+        ckpt_mpi.checkpoint(comm, force=True)
+    except ckpt.CheckpointError as exc:
+        print(f"refused: {exc}", flush=True)
+    if comm.rank == 1:
+        print(f"then received {comm.recv(source=0, tag=44)!r}", flush=True)
+    print(f"saved generation {ckpt_mpi.checkpoint(comm, force=True)}", flush=True)
 print("finished", flush=True)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import select
 import threading
+import time
 from pathlib import Path
 
 from ..ckptstore import StoreError
@@ -40,6 +41,9 @@ from ..comm.errors import CommError
 from ..protocol import Note, Reply
 from . import spc
 from .core import Checkpointer, CheckpointError, warn
+
+REQUEST_AGAIN = 0.5  # s before a rank's unanswered checkpoint request is sent again
+FORCE_RETRY = 10.0  # s a forced checkpoint (ckptlib.mpi.checkpoint(force=True)) is asked for again after a "no"
 
 
 class DaemonAgent:
@@ -58,6 +62,7 @@ class DaemonAgent:
         self.reported: int | None = None  # the boundary this rank said it can still stop at
         self.cut: tuple[int, int] | None = None  # (generation, iteration) the job saves at
         self.gone: str | None = None  # why the daemon connection ended
+        self.warned: int | None = None  # the last generation whose abort this rank printed
         self.replies: dict[int, list] = {}
         self.background: dict[int, tuple[int, object]] = {}  # pipe fd -> (generation, Written)
         self.cp: Checkpointer | None = None
@@ -127,9 +132,10 @@ class DaemonAgent:
                 self._report()
             for fd in readable:
                 if fd in self.background:
-                    gen, written = self.background.pop(fd)
+                    gen, written = self.background[fd]
                     self._note("ckpt_written", {"gen": gen, **written.wait()})
-                    with self.cond:
+                    with self.cond:  # (only now: fini closes the connection once none is left)
+                        del self.background[fd]
                         self.cond.notify_all()
             if self.link.fd in readable:
                 with self.io:
@@ -162,7 +168,8 @@ class DaemonAgent:
                 return
             if cp.loop_done or cp.closed:
                 cp.requested = False
-                self._note("ckpt_report", {"gen": self.gen, "iteration": None, "why": "it has left its checkpointed loop"})
+                done = "it has made its last checkpoint(comm) call (ckpt.fini())" if cp.points == "mpi" else "it has left its checkpointed loop"
+                self._note("ckpt_report", {"gen": self.gen, "iteration": None, "why": done})
                 return
             # (cp.iteration is -1 until the loop runs; after a restart the loop starts at cp.start)
             self.reported = max(cp.iteration + 1, cp.start)
@@ -189,6 +196,7 @@ class DaemonAgent:
             elif event.op == "ckpt_abort" and gen == self.gen and gen is not None:
                 if self.cut is not None:
                     warn(f"checkpoint {gen} was aborted: {args.get('why')}")
+                    self.warned = gen
                 self._clear()
             elif event.op == "ckpt_none" and self.gen is None:
                 self._clear()  # nothing to checkpoint after all (e.g. the job is ending)
@@ -196,7 +204,11 @@ class DaemonAgent:
         if event.op == "ckpt_begin":
             self._report()
 
-    def _clear(self) -> None:
+    def _clear(self, gen: int | None = None) -> None:
+        """Forget the checkpoint under way (only ``gen``, if given: a newer
+        one may have begun meanwhile, and it is not this caller's to end)."""
+        if gen is not None and self.gen not in (None, gen):
+            return
         self.gen = self.reported = self.cut = None
         self.cp.requested = False
 
@@ -204,6 +216,14 @@ class DaemonAgent:
 
     def on_request(self, cp: Checkpointer) -> None:
         os.eventfd_write(self.wake, 1)
+
+    def _wait_daemon(self, cp: Checkpointer) -> None:
+        """Wait (cond held) for the daemons' next word. A request of this
+        rank's own (no generation yet) is sent again now and then: the
+        daemons drop one that comes while an older checkpoint is still
+        being committed, and nothing else would ever answer it."""
+        if not self.cond.wait(REQUEST_AGAIN) and self.gen is None and cp.requested and self.reported is not None:
+            self._note("ckpt_report", {"gen": None, "iteration": self.reported})
 
     def at_boundary(self, cp: Checkpointer, k: int) -> None:
         with self.cond:
@@ -227,10 +247,10 @@ class DaemonAgent:
                     self._note("ckpt_report", {"gen": self.gen, "iteration": self.reported})
                 if k < self.reported:
                     return
-                self.cond.wait()
+                self._wait_daemon(cp)
         self._checkpoint(cp, gen, k)
 
-    def agree(self, cp: Checkpointer, k: int) -> int | None:
+    def agree(self, cp: Checkpointer, k: int, force: bool = False) -> int | None:
         """At ``ckptlib.mpi.checkpoint()`` call ``k``: the generation to save here, or None.
 
         The same agreement as a loop boundary, except that a rank asked to
@@ -238,23 +258,35 @@ class DaemonAgent:
         alone: the calls are collective). A rank that reported this call or
         an earlier one waits for the cut; past this point its reports name
         the next call. The ranks then confirm over MPI that they all agree.
+
+        ``force``: the program wants this call saved; a request answered
+        "no" (a generation refused because a rank has not registered yet,
+        say) is made again for a while.
         """
+        deadline = time.monotonic() + FORCE_RETRY
         with self.cond:
             while not self.gone:
                 if self.cut is not None:
                     gen, at = self.cut
                     if at == k:
-                        return gen  # (cp.iteration stays k - 1 until the state is saved)
+                        # Committed to this call: a report from now on (to a
+                        # later generation, if this one is aborted) names the next.
+                        cp.iteration = k
+                        return gen
                     if at < k:
                         self._note("ckpt_report", {"gen": gen, "iteration": None, "why": f"it is at call {k} of checkpoint(comm), past the cut {at}"})
                         self._clear()
                     break
+                if force and not cp.requested and self.gen is None and time.monotonic() < deadline:
+                    self.cond.wait(0.2)  # (no hurry: the "no" may be about a rank that is still starting)
+                    if self.gen is None and self.cut is None:
+                        cp.requested = True
                 if cp.requested and self.reported is None:  # the request or the begin note came just now
                     self.reported = k
                     self._note("ckpt_report", {"gen": self.gen, "iteration": k})
                 if not cp.requested or self.reported is None or self.reported > k:
                     break
-                self.cond.wait()  # for the cut, or for the begin note that answers this rank's own request
+                self._wait_daemon(cp)  # for the cut, or for the begin note that answers this rank's own request
             cp.iteration = k
             return None
 
@@ -263,7 +295,7 @@ class DaemonAgent:
         with self.cond:
             if not self.gone:
                 self._note("ckpt_report", {"gen": gen, "iteration": None, "why": why})
-            self._clear()
+            self._clear(gen)
             cp.iteration = k
 
     def save(self, cp: Checkpointer, gen: int, k: int, resume: int) -> int | None:
@@ -285,13 +317,13 @@ class DaemonAgent:
             cp.generation = gen
             return True
         except CheckpointError as exc:
-            if not self.gone:
+            if not self.gone and self.warned != gen:  # (the abort note may have said it already)
                 warn(f"checkpoint {gen} failed: {exc}")
             return False
         finally:
             with self.cond:  # (past k from here on: a later report names the next boundary)
                 cp.iteration = max(cp.iteration, k)
-                self._clear()
+                self._clear(gen)
 
     def fini(self, cp: Checkpointer) -> None:
         with self.cond:

@@ -206,7 +206,7 @@ class Standalone:
     def on_request(self, cp: Checkpointer) -> None:
         pass
 
-    def agree(self, cp: Checkpointer, k: int) -> int | None:
+    def agree(self, cp: Checkpointer, k: int, force: bool = False) -> int | None:
         """At ``ckptlib.mpi.checkpoint()`` call ``k``: save here? (Alone: when asked.)"""
         if not cp.requested:
             cp.iteration = k

@@ -23,14 +23,19 @@ otherwise costs one small allreduce. ``checkpoint(comm, force=True)`` on
 every rank saves at this call (STFT's ``MPI_Ckpt``).
 
 The rule (paper 001): **a send and its matching receive must both come
-before the call or both after it**, and non-blocking operations on ``comm``
-must be complete. MPI's own messages are never saved, so before saving every
-rank checks that nothing is in flight to it on ``comm``: each rank sends a
-marker to every rank and probes each source; a message found ahead of its
-sender's marker breaks the rule, and the checkpoint fails with its source,
-tag and size. Then each rank's protected values are saved through the
-daemons' two-phase sync (the same generations and storage as any gangd job);
-the end sync is the closing barrier.
+before the call or both after it**, and non-blocking operations must be
+complete. MPI's own messages are never saved, so before saving every rank
+checks that nothing is in flight to it on ``comm``: each rank sends a marker
+(the largest tag, ``MPI.TAG_UB``, reserved inside the call) to every rank and
+probes each source; a message found ahead of its sender's marker breaks the
+rule, and the checkpoint fails (:class:`~gangd.ckptlib.CheckpointError`,
+naming its source, tag and size; the markers are consumed and the message
+stays queued, so a program may catch it and go on without that checkpoint).
+Only ``comm`` is checked: messages on other communicators, and receives
+posted before the call, are the program's to finish. Then each rank's
+protected values are saved through the daemons' two-phase sync (the same
+generations and storage as any gangd job); the end sync is the closing
+barrier.
 
 ``gang restart JOB`` starts fresh ranks: MPI is initialised afresh (new
 connections, a new PMI key space), ``ckpt.init()`` loads each rank's own
@@ -60,15 +65,26 @@ from .core import CheckpointError, warn
 
 __all__ = ["checkpoint"]
 
-SLOW_WARNING = float(os.environ.get("GANGD_CKPT_MPI_WARN", "60"))  # s of waiting in the call before saying why
+
+
+def _seconds(name: str, default: float) -> float:
+    try:
+        value = float(os.environ.get(name, default))
+    except ValueError:
+        value = default
+    return value if value >= 1 else default
+
+
+SLOW_WARNING = _seconds("GANGD_CKPT_MPI_WARN", 60.0)  # s of waiting in the call before saying why (>= 1)
 
 
 def checkpoint(comm: MPI.Intracomm, *, force: bool = False) -> int | None:
     """Collective checkpoint point: every rank of the job calls it at the same place.
 
-    Saves when a checkpoint is due (or with ``force=True`` on every rank) and
-    returns the generation saved; returns None when none was due or the
-    checkpoint failed (the failure is printed; the job goes on). Raises
+    Saves when a checkpoint is due (or with ``force=True`` on every rank:
+    here, unless one already under way is cut at a later call) and returns
+    the generation saved; returns None when none was due or the checkpoint
+    failed (the daemons say why; the job goes on). Raises
     :class:`~gangd.ckptlib.CheckpointError` when the program breaks the rule
     (a message in flight on ``comm``) or the calls are not collective.
     """
@@ -78,23 +94,25 @@ def checkpoint(comm: MPI.Intracomm, *, force: bool = False) -> int | None:
     k = max(cp.iteration + 1, cp.start)  # this call's number (a restart counts on from the saved one)
     if force:
         cp.request()
-    gen = cp.backend.agree(cp, k)
-    low_at_cut, low_k, minus_high_k = _vote(comm, np.array([gen is not None, k, -k], dtype=np.int64), k)
-    if low_k != -minus_high_k:  # (calls pair up by their count; a safeguard against a rank restarted apart)
-        if gen is not None:
-            cp.backend.decline(cp, gen, k, f"ranks are at different checkpoint(comm) calls ({low_k} to {-minus_high_k})")
-        raise CheckpointError(
-            f"checkpoint(comm) is not called collectively: the ranks are at calls {low_k} to {-minus_high_k} "
-            f"(this rank: {k}); every rank must call it at the same program point"
-        )
-    if not low_at_cut:
-        if gen is not None:  # another rank lost the cut (the daemons aborted it): nobody saves here
-            cp.backend.decline(cp, gen, k, f"another rank did not stop at checkpoint(comm) call {k}")
-        return None
+    gen = cp.backend.agree(cp, k, force)
+    g = -1 if gen is None else gen
     try:
+        low_at_cut, low_k, minus_high_k, low_gen, minus_high_gen = _vote(comm, np.array([gen is not None, k, -k, g, -g], dtype=np.int64), k)
+        if low_k != -minus_high_k:  # (calls pair up by their count; a safeguard against a rank restarted apart)
+            raise CheckpointError(
+                f"checkpoint(comm) is not called collectively: the ranks are at calls {low_k} to {-minus_high_k} "
+                f"(this rank: {k}); every rank must call it at the same program point"
+            )
+        if not low_at_cut or low_gen != -minus_high_gen:
+            # Another rank lost the cut (the daemons aborted it), or holds
+            # another generation's: nobody saves here.
+            if gen is not None:
+                cp.backend.decline(cp, gen, k, f"the ranks did not all stop at checkpoint(comm) call {k} for checkpoint {gen}")
+            return None
         _check_nothing_in_flight(comm, k)
-    except CheckpointError as exc:
-        cp.backend.decline(cp, gen, k, str(exc))
+    except BaseException as exc:
+        if gen is not None:
+            cp.backend.decline(cp, gen, k, str(exc) or type(exc).__name__)
         raise
     return cp.backend.save(cp, gen, k, resume=k + 1)  # the restarted program goes on after this call
 
@@ -148,11 +166,12 @@ def _check_nothing_in_flight(comm, k: int) -> None:
     never received — the rule broken.
     """
     size, me = comm.Get_size(), comm.Get_rank()
-    tag = comm.Get_attr(MPI.TAG_UB)  # the largest tag, reserved for the marker inside the call
+    tag = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)  # the largest tag, reserved for the marker inside the call
     out = np.array([k], dtype=np.int64)
     sends = [comm.Isend(out, dest=peer, tag=tag) for peer in range(size)]
     got = np.empty(1, dtype=np.int64)
     status = MPI.Status()
+    problems = []
     for source in range(size):
         # Every rank is in the call (the vote), so its marker comes, unless a
         # receive the program left pending on ``comm`` takes it.
@@ -163,26 +182,27 @@ def _check_nothing_in_flight(comm, k: int) -> None:
         )):
             comm.Probe(source=source, tag=MPI.ANY_TAG, status=status)
         if status.Get_tag() != tag:
-            raise CheckpointError(
-                f"checkpoint(comm) call {k}: a message from rank {source} (tag {status.Get_tag()}, "
-                f"{status.Get_count(MPI.BYTE)} bytes) is in flight to rank {me}: it was sent before the call "
-                "and is received after it. A send and its matching receive must both come before "
-                "checkpoint() or both after it; MPI messages are not saved"
-            )
+            problems.append(f"a message from rank {source} (tag {status.Get_tag()}, {status.Get_count(MPI.BYTE)} bytes)")
+        # The marker itself, by its tag: a program's message ahead of it stays where it is.
         comm.Recv(got, source=source, tag=tag)
-        if got[0] != k:  # (the vote saw the same calls; a stale marker would mean a bug here)
-            raise CheckpointError(f"checkpoint(comm) call {k}: rank {source} sent the marker of call {got[0]}")
     MPI.Request.Waitall(sends)
+    if problems:
+        raise CheckpointError(
+            f"checkpoint(comm) call {k}: {'; '.join(problems)} {'is' if len(problems) == 1 else 'are'} in flight to rank {me}: "
+            "sent before the call and received after it. A send and its matching receive must both come before "
+            "checkpoint() or both after it; MPI messages are not saved"
+        )
 
 
 class _Watchdog:
     """Says so, once, when this rank waits long in a blocking MPI call of the
     checkpoint: a thread that looks every few seconds, so that the waits
-    themselves stay MPI's own blocking calls."""
+    themselves stay MPI's own blocking calls. Only time the process ran
+    counts: a job gang-suspended meanwhile is not stuck."""
 
     def __init__(self):
-        self.current: tuple[float, object] | None = None  # (since, describe) of the wait under way
-        self.warned: tuple[float, object] | None = None
+        self.current: list | None = None  # [waited so far, describe] of the wait under way
+        self.warned: list | None = None
         self.thread: threading.Thread | None = None
 
     @contextlib.contextmanager
@@ -190,17 +210,24 @@ class _Watchdog:
         if self.thread is None:
             self.thread = threading.Thread(target=self._run, name="gangd-ckpt-mpi-watchdog", daemon=True)
             self.thread.start()
-        self.current = (time.monotonic(), describe)
+        self.current = [0.0, describe]
         try:
             yield
         finally:
             self.current = None
 
     def _run(self) -> None:
+        tick = min(5.0, SLOW_WARNING / 4)
         while True:
-            time.sleep(min(5.0, SLOW_WARNING / 4))
+            before = time.monotonic()
+            time.sleep(tick)
+            slept = time.monotonic() - before
             current = self.current
-            if current is not None and current is not self.warned and time.monotonic() - current[0] > SLOW_WARNING:
+            if current is None or current is self.warned:
+                continue
+            if slept < 2 * tick + 0.5:  # (a longer nap: the process was stopped, not waiting)
+                current[0] += slept
+            if current[0] > SLOW_WARNING:
                 self.warned = current
                 try:
                     warn(current[1]())

@@ -11,14 +11,12 @@ end bit-identical; then takes the cluster down.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import click

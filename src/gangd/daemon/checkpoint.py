@@ -47,6 +47,7 @@ log = logging.getLogger("gangd.checkpoint")
 NOTE_TIMEOUT = 1.0
 RESTORED_REPEAT = 1.0  # seconds between reports that this node's ranks of a restarted job loaded their state
 AGREE_TIMEOUT = 30.0  # every rank reports within this after SIGQUIT (its thread answers at once)
+EXIT_REPORT_GRACE = 2.0  # s a rank's write report may trail its exit
 RESTORE_TIMEOUT = 600.0
 
 
@@ -158,9 +159,39 @@ class NodeCheckpoints:
 
     def rank_exited(self, job_id: int, rank: int, why: str) -> None:
         pending = self.pending.get(job_id)
-        if pending is not None and rank in pending.ranks:
+        if pending is not None and rank in pending.ranks and rank not in pending.written:
+            if pending.resumed:
+                # Past the end sync, its snapshot was being written: a rank
+                # that ends there (a checkpoint at the program's last step)
+                # reports the write before it exits, but the report may
+                # still be unread on its connection (left open to be read).
+                self.daemon.spawn(self._exited_while_writing, pending, rank, why)
+                return
             pending.fail(f"{why} during checkpoint {pending.gen}")
         agent = self.agents.pop((job_id, rank), None)
+        if agent is not None:
+            agent.close()
+
+    async def _ended_while_writing(self, pending: Pending) -> None:
+        with trio.move_on_after(EXIT_REPORT_GRACE):
+            try:
+                await pending.until(lambda: set(pending.written) >= set(pending.ranks), math.inf, "")
+                return
+            except RemoteError:
+                pass
+        if self.pending.get(pending.job_id) is pending:
+            self.pending.pop(pending.job_id)
+        pending.fail(f"job {pending.job_id} ended before every rank's state was written")
+
+    async def _exited_while_writing(self, pending: Pending, rank: int, why: str) -> None:
+        with trio.move_on_after(EXIT_REPORT_GRACE):
+            try:
+                await pending.until(lambda: rank in pending.written, math.inf, "")
+            except RemoteError:
+                return  # failed anyway
+        if rank not in pending.written:
+            pending.fail(f"{why} before its state was written (checkpoint {pending.gen})")
+        agent = self.agents.pop((pending.job_id, rank), None)
         if agent is not None:
             agent.close()
 
@@ -542,9 +573,15 @@ class NodeCheckpoints:
         """The job ended on this node."""
         self.restarts.pop(job_id, None)
         self.aborted = {(j, g) for j, g in self.aborted if j != job_id}
-        pending = self.pending.pop(job_id, None)
+        pending = self.pending.get(job_id)
         if pending is not None:
-            pending.fail(f"job {job_id} ended")
+            if pending.resumed:
+                # A checkpoint at the program's last step: once every rank's
+                # state is on disk the commit is the daemons' part alone.
+                self.daemon.spawn(self._ended_while_writing, pending)
+            else:
+                self.pending.pop(job_id)
+                pending.fail(f"job {job_id} ended")
         for key in [k for k in self.agents if k[0] == job_id]:
             self.agents.pop(key).close()
 

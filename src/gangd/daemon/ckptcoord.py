@@ -48,6 +48,9 @@ class CheckpointCoordinator:
         self.live: dict[int, dict] = {}  # job -> the checkpoint under way: {"gen", "phase", "done", "result", ...}
         self.restored: dict[int, dict] = {}  # restarted job -> {node: error or None}
         self.periodic: set[int] = set()
+        # lineage -> the last generation number handed out: a refused round
+        # leaves no entry, but its number is spent (the nodes remember it aborted).
+        self.issued: dict[int, int] = {}
 
     # ------------------------------------------------------------ lineage
 
@@ -67,7 +70,10 @@ class CheckpointCoordinator:
         known = [e["gen"] for e in self.generations(record)]
         lineage = {r["id"] for r in self.lineage_records(record)}
         known += [live["gen"] for job_id, live in self.live.items() if job_id in lineage]
-        return max(known, default=0) + 1
+        key = record.get("lineage") or record["id"]
+        gen = max([*known, self.issued.get(key, 0)]) + 1
+        self.issued[key] = gen
+        return gen
 
     # ------------------------------------------------------------ requests
 

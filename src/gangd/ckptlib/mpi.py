@@ -66,7 +66,6 @@ from .core import CheckpointError, warn
 __all__ = ["checkpoint"]
 
 
-
 def _seconds(name: str, default: float) -> float:
     try:
         value = float(os.environ.get(name, default))

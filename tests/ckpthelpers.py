@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,7 +30,11 @@ def reference(gc, argv: list[str], n: int = 4, *options, **kwargs) -> str:
     """RESULT of an uninterrupted run (cached per command)."""
     key = (tuple(argv), n, options)
     if key not in _references:
-        run = gc.gang("run", "-n", n, *options, "--", PY, *argv, timeout=120, **kwargs)
+        try:
+            run = gc.gang("run", "-n", n, *options, "--", PY, *argv, timeout=120, **kwargs)
+        except subprocess.TimeoutExpired:
+            alive = [r["id"] for r in gc.gang_json("ps") if r["state"] not in TERMINAL]
+            raise AssertionError(f"gang run {argv} did not end in 120 s\n" + "\n".join(why_stuck(gc, j) for j in alive)) from None
         assert run.returncode == 0, run.stderr
         _references[key] = result_line(run.stdout)
     return _references[key]
@@ -45,7 +51,10 @@ def submit(gc, argv: list[str], n: int = 4, *options, **kwargs) -> int:
 
 
 def result_of(gc, job: int, timeout: float = 60) -> str:
-    record = gc.wait_state(job, TERMINAL, timeout=timeout)
+    try:
+        record = gc.wait_state(job, TERMINAL, timeout=timeout)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{why_stuck(gc, job)}") from None
     logs = gc.gang("logs", job, check=True).stdout
     assert record["state"] == "DONE", f"job {job} {record['state']}: {record['reason']}\n{logs}"
     return result_line(logs)
@@ -85,3 +94,18 @@ def gen_dir(gc, node: str, lineage: int, gen: int) -> Path:
 def wait_running_a_bit(gc, job: int, seconds: float = 1.0) -> None:
     gc.wait_state(job, ("RUNNING", "SUSPENDED"))
     time.sleep(seconds)
+
+
+def why_stuck(gc, job: int) -> str:
+    """What a job that does not end is doing: its channels, its output, what
+    the daemons said of it, and (with py-spy installed) where each rank is."""
+    parts = [f"--- gang net {job}", gc.gang("net", job).stdout, f"--- gang logs {job}", gc.gang("logs", job).stdout[-3000:]]
+    for node in sorted(gc.files):
+        lines = [line for line in gc.log(node).splitlines() if f"job {job}" in line]
+        parts += [f"--- {node} log", "\n".join(lines[-15:])]
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if spy:
+        for proc in gc.rank_processes(job):
+            dump = subprocess.run([spy, "dump", "-p", str(proc.pid)], capture_output=True, text=True, check=False, timeout=30)
+            parts += [f"--- rank {proc.environ().get('GANGD_RANK')} (pid {proc.pid})", dump.stdout[-2000:]]
+    return "\n".join(parts)

@@ -36,11 +36,7 @@ import trio
 from gangd.client import cluster as local
 from gangd.client.api import connect
 
-out = sys.stdout
-
-
-def say(*parts) -> None:
-    print(*parts, file=out, flush=True)
+say = bench.say  # (to bench.out: stdout, or stderr under --json)
 
 
 def checkpoint_costs(directory: Path, sizes: list[int], count: int) -> list[dict]:
@@ -75,7 +71,6 @@ async def call_cost(directory: Path, steps: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    global out
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="4,16,64", help="MiB per rank, comma-separated")
     parser.add_argument("--checkpoints", type=int, default=3, help="checkpoints per job and size")
@@ -85,7 +80,7 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
     if args.json:
-        out = bench.out = sys.stderr
+        bench.out = sys.stderr
     result: dict = {"config": {"nodes": bench.NODES, "sizes_mib": sizes, "checkpoints": args.checkpoints, "cores": os.cpu_count()}}
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="gangd-bench-mpickpt-") as tmp:

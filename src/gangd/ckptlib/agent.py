@@ -252,6 +252,7 @@ class DaemonAgent:
 
     def agree(self, cp: Checkpointer, k: int, force: bool = False) -> int | None:
         """At ``ckptlib.mpi.checkpoint()`` call ``k``: the generation to save here, or None.
+        Either way this rank is past call ``k`` from now on (``cp.iteration``).
 
         The same agreement as a loop boundary, except that a rank asked to
         checkpoint offers *this* call (it cannot run on to a later one
@@ -290,13 +291,12 @@ class DaemonAgent:
             cp.iteration = k
             return None
 
-    def decline(self, cp: Checkpointer, gen: int, k: int, why: str) -> None:
-        """This rank cannot save generation ``gen`` at call ``k`` after all: the daemons abort it."""
+    def decline(self, cp: Checkpointer, gen: int, why: str) -> None:
+        """This rank cannot save generation ``gen`` after all: the daemons abort it."""
         with self.cond:
             if not self.gone:
                 self._note("ckpt_report", {"gen": gen, "iteration": None, "why": why})
             self._clear(gen)
-            cp.iteration = k
 
     def save(self, cp: Checkpointer, gen: int, k: int, resume: int) -> int | None:
         return gen if self._checkpoint(cp, gen, k, resume) else None
@@ -321,8 +321,7 @@ class DaemonAgent:
                 warn(f"checkpoint {gen} failed: {exc}")
             return False
         finally:
-            with self.cond:  # (past k from here on: a later report names the next boundary)
-                cp.iteration = max(cp.iteration, k)
+            with self.cond:
                 self._clear(gen)
 
     def fini(self, cp: Checkpointer) -> None:

@@ -208,20 +208,14 @@ class Standalone:
 
     def agree(self, cp: Checkpointer, k: int, force: bool = False) -> int | None:
         """At ``ckptlib.mpi.checkpoint()`` call ``k``: save here? (Alone: when asked.)"""
-        if not cp.requested:
-            cp.iteration = k
-            return None
-        return 0
-
-    def decline(self, cp: Checkpointer, gen: int, k: int, why: str) -> None:
-        cp.requested = False
         cp.iteration = k
+        return 0 if cp.requested else None
+
+    def decline(self, cp: Checkpointer, gen: int, why: str) -> None:
+        cp.requested = False
 
     def save(self, cp: Checkpointer, gen: int, k: int, resume: int) -> int | None:
-        try:
-            self.at_boundary(cp, k, resume)
-        finally:
-            cp.iteration = k
+        self.at_boundary(cp, k, resume)
         return cp.generation
 
     def at_boundary(self, cp: Checkpointer, k: int, resume: int | None = None) -> None:

@@ -106,12 +106,12 @@ def checkpoint(comm: MPI.Intracomm, *, force: bool = False) -> int | None:
             # Another rank lost the cut (the daemons aborted it), or holds
             # another generation's: nobody saves here.
             if gen is not None:
-                cp.backend.decline(cp, gen, k, f"the ranks did not all stop at checkpoint(comm) call {k} for checkpoint {gen}")
+                cp.backend.decline(cp, gen, f"the ranks did not all stop at checkpoint(comm) call {k} for checkpoint {gen}")
             return None
         _check_nothing_in_flight(comm, k)
     except BaseException as exc:
         if gen is not None:
-            cp.backend.decline(cp, gen, k, str(exc) or type(exc).__name__)
+            cp.backend.decline(cp, gen, str(exc) or type(exc).__name__)
         raise
     return cp.backend.save(cp, gen, k, resume=k + 1)  # the restarted program goes on after this call
 

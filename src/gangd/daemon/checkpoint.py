@@ -172,25 +172,28 @@ class NodeCheckpoints:
         if agent is not None:
             agent.close()
 
-    async def _ended_while_writing(self, pending: Pending) -> None:
+    async def _writes_arrive(self, pending: Pending, ranks) -> bool:
+        """True once the write reports of ``ranks`` are in (they may trail
+        the ranks' exit by a moment); False after the grace, or if the
+        checkpoint failed meanwhile."""
         with trio.move_on_after(EXIT_REPORT_GRACE):
             try:
-                await pending.until(lambda: set(pending.written) >= set(pending.ranks), math.inf, "")
-                return
+                await pending.until(lambda: set(ranks) <= set(pending.written), math.inf, "")
+                return True
             except RemoteError:
-                pass
+                return False
+        return False
+
+    async def _ended_while_writing(self, pending: Pending) -> None:
+        if await self._writes_arrive(pending, pending.ranks):
+            return
         if self.pending.get(pending.job_id) is pending:
             self.pending.pop(pending.job_id)
         pending.fail(f"job {pending.job_id} ended before every rank's state was written")
 
     async def _exited_while_writing(self, pending: Pending, rank: int, why: str) -> None:
-        with trio.move_on_after(EXIT_REPORT_GRACE):
-            try:
-                await pending.until(lambda: rank in pending.written, math.inf, "")
-            except RemoteError:
-                return  # failed anyway
-        if rank not in pending.written:
-            pending.fail(f"{why} before its state was written (checkpoint {pending.gen})")
+        if not await self._writes_arrive(pending, [rank]):
+            pending.fail(f"{why} before its state was written (checkpoint {pending.gen})")  # (no-op if it failed already)
         agent = self.agents.pop((pending.job_id, rank), None)
         if agent is not None:
             agent.close()

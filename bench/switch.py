@@ -1,21 +1,33 @@
-"""Gang switch latency: from the coordinator's decision to the last node having resumed.
+"""Gang switch latency: from the switch's instant to the last node having resumed.
 
 For each cluster size (default 2, 4 and 8 nodes) with 8 busy ranks per node,
 two jobs that each fill every node are gang-scheduled against each other
-with a short time slice, so the coordinator switches all the time. Every
-switch is measured by the daemons themselves:
+with a short time slice, so the coordinator switches all the time. Each
+size runs twice:
 
-  * latency    decision (coordinator clock) -> last node done resuming the
-               incoming job (its SIGCONTs sent and gates opened)
+  announced    the default: the coordinator sends each rotation switch
+               ``switch_lead`` (10 ms) before the slice ends, and every node
+               makes it when its clock reaches the slice's end. The instant
+               is the one the coordinator decided on.
+  on decision  ``switch_lead = 0``: the coordinator sends the switch when
+               the slice ends and the nodes make it on receipt. The instant
+               is the coordinator's decision. (Unforeseeable switches, a
+               job's end, ``gang suspend``, always go this way.)
+
+Every switch is measured by the daemons themselves:
+
+  * latency    the instant (coordinator clock) -> last node done resuming
+               the incoming job (its SIGCONTs sent and gates opened)
   * skew       first node done -> last node done
   * round trip decision -> the coordinator has every node's answer
 
 All nodes are daemons on this one machine (127.0.0.x), so their clocks are
-the same clock. Baseline, measured in the same run: one process sending the
-same SIGSTOPs and SIGCONTs to the same processes directly (no daemons, no
-network) — the floor a distributed switch cannot beat.
+the same clock (the daemons' offset estimates, printed by --timeline, are
+exactly 0 then: see gangd/daemon/clock.py). Baseline, measured in the same
+run: one process sending the same SIGSTOPs and SIGCONTs to the same
+processes directly (no daemons, no network), a floor no switch can beat.
 
-    python bench/switch.py [--nodes 2,4,8] [--per-node 8] [--slice 0.05] [--seconds 10]
+    python bench/switch.py [--nodes 2,4,8] [--per-node 8] [--slice 0.05] [--seconds 8] [--timeline]
 """
 
 from __future__ import annotations
@@ -102,15 +114,19 @@ async def measure(directory: Path, nodes: int, per_node: int, seconds: float, ti
 
 
 def print_timeline(per_node: list[dict]) -> None:
-    """Median per node: when it got the request and when it was done, from the decision (ms)."""
+    """Median per node, from the switch's instant (ms): when it got the
+    request, began its part and was done; its CPU time; its clock offset."""
     nodes = sorted({n for entry in per_node for n in entry}, key=lambda n: (len(n), n))
-    cells = []
+    print("      per node, median: received / began / done (ms from the switch's instant), cpu, clock offset estimate")
     for n in nodes:
-        got = [e[n][0] for e in per_node if n in e]
-        done = [e[n][1] for e in per_node if n in e]
-        cpu = [e[n][2] for e in per_node if n in e]
-        cells.append(f"{n} {pct(got, 50) * 1e3:.2f}->{pct(done, 50) * 1e3:.2f} (cpu {pct(cpu, 50) * 1e6:.0f}us)")
-    print("      received->done per node, median ms: " + ", ".join(cells))
+        cell = {k: pct([e[n][k] for e in per_node if n in e], 50) for k in ("received", "start", "done", "cpu", "offset")}
+        print(
+            f"      {n:>4} {cell['received'] * 1e3:7.2f} {cell['start'] * 1e3:6.2f} {cell['done'] * 1e3:6.2f}"
+            f"  cpu {cell['cpu'] * 1e6:4.0f} us  offset {cell['offset'] * 1e6:+5.0f} us"
+        )
+
+
+MODES = {"announced": 0.01, "on decision": 0.0}  # switch_lead
 
 
 def main() -> None:
@@ -118,27 +134,35 @@ def main() -> None:
     parser.add_argument("--nodes", default="2,4,8", help="comma-separated cluster sizes")
     parser.add_argument("--per-node", type=int, default=8)
     parser.add_argument("--slice", type=float, default=0.05, help="time slice (s): shorter = more switches")
-    parser.add_argument("--seconds", type=float, default=10.0, help="measuring time per cluster size")
-    parser.add_argument("--timeline", action="store_true", help="also print when each node received and finished its part")
+    parser.add_argument("--seconds", type=float, default=8.0, help="measuring time per cluster size and mode")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of: {', '.join(MODES)}")
+    parser.add_argument("--timeline", action="store_true", help="also print when each node received the switch, began and finished its part")
     args = parser.parse_args()
+    modes = [m.strip() for m in args.modes.split(",")]
+    if any(m not in MODES for m in modes):
+        parser.error(f"--modes: choose among {', '.join(MODES)}")
     print(f"gang switch latency, {args.per_node} busy ranks per node x 2 jobs, slice {args.slice} s, {os.cpu_count()} cores")
-    print(f"{'nodes':>5} {'switches':>8} {'lat p50':>8} {'lat p99':>8} {'skew p50':>9} {'skew p99':>9} {'rtt p50':>8} {'direct p50':>10} {'p50/direct':>10}")
+    print(
+        f"{'nodes':>5} {'mode':>11} {'switches':>8} {'lat p50':>8} {'lat p99':>8} {'skew p50':>9} {'skew p99':>9}"
+        f" {'rtt p50':>8} {'direct p50':>10} {'p50/direct':>10}"
+    )
     for nodes in [int(x) for x in args.nodes.split(",")]:
-        with tempfile.TemporaryDirectory(prefix="gangd-bench-") as tmp:
-            directory = Path(tmp)
-            local.up(directory, nodes, cores=args.per_node, time_slice=args.slice, log_level="warning")
-            try:
-                r = trio.run(measure, directory, nodes, args.per_node, args.seconds, args.slice)
-            finally:
-                local.down(directory)
-        ms = lambda values, p: pct(values, p) * 1e3  # noqa: E731
-        print(
-            f"{nodes:>5} {r['switches']:>8} {ms(r['latency'], 50):>7.2f}ms {ms(r['latency'], 99):>7.2f}ms "
-            f"{ms(r['skew'], 50):>8.3f}ms {ms(r['skew'], 99):>8.3f}ms {ms(r['round_trip'], 50):>7.2f}ms "
-            f"{ms(r['direct'], 50):>9.3f}ms {pct(r['latency'], 50) / pct(r['direct'], 50):>9.1f}x"
-        )
-        if args.timeline:
-            print_timeline(r["per_node"])
+        for mode in modes:
+            with tempfile.TemporaryDirectory(prefix="gangd-bench-") as tmp:
+                directory = Path(tmp)
+                local.up(directory, nodes, cores=args.per_node, time_slice=args.slice, switch_lead=MODES[mode], log_level="warning")
+                try:
+                    r = trio.run(measure, directory, nodes, args.per_node, args.seconds, args.slice)
+                finally:
+                    local.down(directory)
+            ms = lambda values, p: pct(values, p) * 1e3  # noqa: E731
+            print(
+                f"{nodes:>5} {mode:>11} {r['switches']:>8} {ms(r['latency'], 50):>7.2f}ms {ms(r['latency'], 99):>7.2f}ms "
+                f"{ms(r['skew'], 50):>8.3f}ms {ms(r['skew'], 99):>8.3f}ms {ms(r['round_trip'], 50):>7.2f}ms "
+                f"{ms(r['direct'], 50):>9.3f}ms {pct(r['latency'], 50) / pct(r['direct'], 50):>9.1f}x"
+            )
+            if args.timeline:
+                print_timeline(r["per_node"])
     print("targets (issue 3): p99 <= 4 ms at 8 nodes x 8 ranks, p50 <= 1 ms")
 
 

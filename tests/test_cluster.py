@@ -31,8 +31,14 @@ def test_cluster_comes_up_with_every_node(cluster4):
         assert answered_by == node
         assert all(r["state"] == "up" for r in rows), (node, rows)
         assert [r["name"] for r in rows if r["coordinator"]] == ["n1"], (node, rows)
+        # Clock offsets, bounded by the heartbeats: these daemons share one
+        # clock, which no bound can exclude, so each estimate is exactly 0.
+        for r in rows:
+            assert r["clock"]["offset"] == 0.0, (node, r)
+            assert r["clock"]["error"] == 0.0 if r["name"] == node else r["clock"]["error"] > 0, (node, r)
     text = cluster4.gang("nodes", check=True).stdout
     assert "n1*" in text and "HEARTBEAT" in text
+    assert "CLOCK" in text and "+0.00ms ±" in text, text
 
 
 def test_eight_ranks_spread_over_four_nodes_and_all_output_arrives(cluster4):

@@ -642,7 +642,26 @@ def test_switch_log_records_every_switch_with_its_latency_and_skew(gc):
         assert s["nodes"] == len(s["per_node"]) == 2 and set(s["per_node"]) == {"n1", "n2"}, s
         assert s["latency"] >= 0 and s["skew"] >= 0 and s["round_trip"] >= 0, s
         assert s["skew"] <= s["latency"] <= s["round_trip"], s
-        for received, done, used in s["per_node"].values():
-            assert 0 <= received <= done <= s["latency"] + 1e-6 and used >= 0, s
+        # The rotation is announced ahead (switch_lead, 10 ms by default) and
+        # every node acts at the announced instant, not on receipt: all the
+        # nodes here share one clock, so none may begin before it.
+        assert 0.005 <= s["announced"] <= TIME_SLICE / 2, s
+        for node in s["per_node"].values():
+            assert node["received"] <= node["start"] <= node["done"] <= s["latency"] + 1e-6, s
+            assert node["start"] >= -50e-6 and node["cpu"] >= 0 and node["offset"] == 0.0, s
+
+    # A switch nobody could foresee (a suspend) is made on decision.
+    gc.gang("kill", b, check=True)
+    wait_state(gc, b, TERMINAL)
+    wait_state(gc, a, "RUNNING")  # alone now: it runs until suspended
+    before = len(api(gc, lambda g: g.schedule(switches=True))["switch_log"])
+    gc.gang("suspend", a, check=True)
+    suspends = wait_for(
+        lambda: [s for s in api(gc, lambda g: g.schedule(switches=True))["switch_log"][before:] if a in s["stop"] and s["announced"] == 0],
+        10,
+        "the suspend's switch",
+    )
+    for node in suspends[0]["per_node"].values():
+        assert 0 <= node["received"] <= node["start"] <= node["done"], suspends[0]
     without = api(gc, lambda g: g.schedule())
     assert "switch_log" not in without and without["switches"] >= len(entries)

@@ -439,6 +439,11 @@ def nodes(ctx, as_json):
     The slot table is the Ousterhout matrix: one row per time slot, one
     column per node, each cell the jobs whose ranks use that node in that
     slot. The slot marked > runs now; the others wait for their turn.
+
+    CLOCK is how far each node's wall clock is from that of the node you
+    asked, as their heartbeats bound it (+0.00 when the two agree as far as
+    can be measured). The rotation's switches are made at an instant each
+    node reads on its own clock, corrected by this estimate.
     """
 
     async def go():
@@ -457,8 +462,8 @@ def nodes(ctx, as_json):
     out = []
     for r in rows:
         beat = "-" if r["heartbeat"] is None else ("self" if r["heartbeat"] == 0 else f"{r['heartbeat']:.1f}s ago")
-        out.append([r["name"] + ("*" if r["coordinator"] else ""), r["address"], r["state"], r["cores"], r["running"], beat, r["why"]])
-    click.echo(table(out, ["NODE", "ADDRESS", "STATE", "CORES", "RANKS", "HEARTBEAT", "WHY"]))
+        out.append([r["name"] + ("*" if r["coordinator"] else ""), r["address"], r["state"], r["cores"], r["running"], beat, _clock(r, beat), r["why"]])
+    click.echo(table(out, ["NODE", "ADDRESS", "STATE", "CORES", "RANKS", "HEARTBEAT", "CLOCK", "WHY"]))
     click.echo("(* coordinator)")
     if schedule and schedule["slots"]:
         names = [r["name"] for r in rows]
@@ -469,6 +474,15 @@ def nodes(ctx, as_json):
         click.echo("")
         click.echo(table(slots, ["SLOT", *names]))
         click.echo(f"(> running now; {len(schedule['slots'])} of {schedule['max_slots']} slots used, time slice {schedule['time_slice']:g} s)")
+
+
+def _clock(row: dict, beat: str) -> str:
+    clock = row.get("clock") or {}
+    if beat == "self":
+        return "self"
+    if clock.get("error") is None:
+        return "-"
+    return f"{clock['offset'] * 1e3:+.2f}ms ±{clock['error'] * 1e3:.2f}"
 
 
 # ---------------------------------------------------------------- suspend / resume / net

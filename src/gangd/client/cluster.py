@@ -122,6 +122,7 @@ def up(
     heartbeat_timeout: float = 3.0,
     time_slice: float = 0.3,
     max_slots: int = 4,
+    switch_lead: float = 0.01,
     checkpoint_timeout: float = 600.0,
     log_level: str = "info",
     timeout: float = 30.0,
@@ -161,6 +162,7 @@ def up(
             heartbeat_timeout=heartbeat_timeout,
             time_slice=time_slice,
             max_slots=max_slots,
+            switch_lead=switch_lead,
             checkpoint_timeout=checkpoint_timeout,
         )
         nf.config.write_text(render(config))

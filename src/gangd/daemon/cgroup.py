@@ -45,6 +45,7 @@ class CgroupTree:
 
     def __init__(self, name: str):
         self.base: Path | None = None
+        self._procs: dict[Path, int] = {}  # open cgroup.procs files, see pids()
         root = find_cgroup2_root()
         if root is None:
             log.info("no cgroup v2 hierarchy: tracking ranks by process group only")
@@ -74,20 +75,21 @@ class CgroupTree:
         return path
 
     def pids(self, path: Path) -> list[int]:
-        # Raw os.open/read: this runs inside gang switches, where pathlib's
-        # text layer costs more than the syscalls.
-        try:
-            fd = os.open(f"{path}/cgroup.procs", os.O_RDONLY)
-        except OSError:
-            return []
+        """Every process in the cgroup. Runs after every gang switch, so the
+        ``cgroup.procs`` file stays open and is re-read with ``pread``: the
+        path lookup of an open costs more than the read itself."""
+        fd = self._procs.get(path)
+        if fd is None:
+            try:
+                fd = self._procs[path] = os.open(f"{path}/cgroup.procs", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return []
         try:
             chunks = []
-            while chunk := os.read(fd, 65536):
+            while chunk := os.pread(fd, 65536, sum(map(len, chunks))):
                 chunks.append(chunk)
         except OSError:
             return []
-        finally:
-            os.close(fd)
         return [int(x) for x in b"".join(chunks).split()]
 
     def cpu_seconds(self, path: Path) -> float | None:
@@ -116,6 +118,9 @@ class CgroupTree:
     def remove(self, path: Path) -> None:
         """Remove a rank's cgroup, and its job's once that is empty. Blocking:
         call through ``trio.to_thread``."""
+        fd = self._procs.pop(path, None)
+        if fd is not None:
+            os.close(fd)
         _rmdir(path)
         try:
             path.parent.rmdir()
@@ -126,6 +131,8 @@ class CgroupTree:
         """On a clean stop: remove what is left of our (by now empty) subtree."""
         if self.base is None:
             return
+        while self._procs:
+            os.close(self._procs.popitem()[1])
         for job in self.base.glob("job-*"):
             for rank_dir in job.glob("rank-*"):
                 _rmdir(rank_dir)

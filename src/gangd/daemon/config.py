@@ -17,6 +17,7 @@ Example (``/etc/gangd/gangd.toml``)::
     heartbeat_interval = 1.0
     heartbeat_timeout = 5.0
     time_slice = 0.3                 # seconds each gang slot runs before the next
+    switch_lead = 0.01               # a slice's end is announced this early (0: switch on decision)
     max_slots = 4                    # multiprogramming degree: jobs beyond it wait
     checkpoint_keep = 2              # complete generations kept per job
     checkpoint_timeout = 600         # seconds ranks may take to reach the cut / write their state
@@ -72,6 +73,7 @@ class Config:
     realtime_priority: int = 10  # SCHED_RR priority of the daemon when root (0: plain nice)
     time_slice: float = 0.3  # gang scheduling: seconds per slot (a job may ask for less)
     max_slots: int = 4  # gang scheduling: slots in the matrix (multiprogramming degree)
+    switch_lead: float = 0.01  # gang scheduling: seconds a rotation switch is announced ahead (0: not)
     checkpoint_dir: Path | None = None  # node-local disk for checkpoints (default: state_dir/checkpoints)
     checkpoint_keep: int = 2  # complete generations kept per job (the previous one stays until a newer is complete)
     checkpoint_timeout: float = 600.0  # seconds ranks may take to reach the cut, or to write their state
@@ -149,6 +151,7 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         "realtime_priority": int(node.get("realtime_priority", 10)),
         "time_slice": float(cluster.get("time_slice", 0.3)),
         "max_slots": int(cluster.get("max_slots", 4)),
+        "switch_lead": float(cluster.get("switch_lead", 0.01)),
         "checkpoint_dir": Path(node["checkpoint_dir"]) if node.get("checkpoint_dir") else None,
         "checkpoint_keep": int(cluster.get("checkpoint_keep", 2)),
         "checkpoint_timeout": float(cluster.get("checkpoint_timeout", 600.0)),
@@ -169,6 +172,8 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         raise ConfigError(f"master {config.master!r} is not among the configured nodes {names}")
     if not 0.001 <= config.time_slice <= 3600:
         raise ConfigError(f"time_slice must be between 0.001 and 3600 seconds, not {config.time_slice}")
+    if not 0 <= config.switch_lead <= 1:
+        raise ConfigError(f"switch_lead must be between 0 (switch on decision) and 1 second, not {config.switch_lead}")
     if not 0 <= config.realtime_priority <= 99:
         raise ConfigError(f"realtime_priority must be between 0 (off) and 99, not {config.realtime_priority}")
     if config.checkpoint_keep < 1:
@@ -209,6 +214,7 @@ def render(config: Config) -> str:
         f"heartbeat_timeout = {config.heartbeat_timeout}",
         f"time_slice = {config.time_slice}",
         f"max_slots = {config.max_slots}",
+        f"switch_lead = {config.switch_lead}",
         f"checkpoint_keep = {config.checkpoint_keep}",
         f"checkpoint_timeout = {config.checkpoint_timeout}",
     ]

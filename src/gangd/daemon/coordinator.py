@@ -23,6 +23,7 @@ import trio
 
 from .. import jobs
 from ..rpc import RemoteError
+from . import clock
 from .gang import Matrix
 from .peers import natural_key
 
@@ -97,6 +98,7 @@ class Coordinator:
         self.running: set[int] | None = set()  # jobs resumed right now; None = unknown (after a takeover)
         self.acct: dict[int, dict] = {}  # job id -> run/suspended seconds so far
         self.switches: deque[dict] = deque(maxlen=4096)  # measurements of recent switches
+        self._delivery: deque[float] = deque(maxlen=16)  # decision -> last node had the request (s)
         self._gang_changed = trio.Event()
         self._switch_lock = trio.Lock()
         self._contexts: dict[int, dict[str, bytes]] = {}  # network contexts to restore at launch
@@ -521,42 +523,58 @@ class Coordinator:
         asked = [a for a in asked if a]
         return min(asked) if asked else self.daemon.config.time_slice
 
+    def _lead(self, slice_: float) -> float:
+        """How long before a slice ends its switch is announced: the configured
+        lead, or more if requests took long to reach every node lately (twice
+        that, and the nodes' hold, see ``clock``), never more than half the slice."""
+        lead = self.daemon.config.switch_lead
+        if lead <= 0:
+            return 0.0
+        return min(max(lead, 2 * max(self._delivery, default=0.0) + clock.HOLD), slice_ / 2)
+
     async def run_gang(self) -> None:
         """Rotate through the matrix's slots, one time slice each.
 
         Also the single place where the processes running on the cluster
         are brought in line with the matrix: after a launch, an end, a
         compaction, a suspend or a resume, the loop wakes up and switches
-        whatever differs.
+        whatever differs, at once. The rotation itself is foreseeable: its
+        switch is sent ``_lead`` ahead and every node makes it when the
+        slice ends by its own clock, so the network is not on its path.
         """
-        deadline = math.inf
+        deadline = announce = math.inf  # the slice ends; its switch is sent
         while True:
-            with trio.move_on_at(deadline):
+            with trio.move_on_at(announce):
                 await self._gang_changed.wait()
             self._gang_changed = trio.Event()
             if not self.active:
-                deadline = math.inf
+                deadline = announce = math.inf
                 continue
             try:
                 runnable = self._runnable_slots()
                 now = trio.current_time()
-                switched = False
-                if runnable and (self.matrix.active not in runnable or (len(runnable) > 1 and now >= deadline)):
+                switched, at = False, None
+                if runnable and (self.matrix.active not in runnable or (len(runnable) > 1 and now >= announce)):
+                    if self.matrix.active in runnable and now < deadline:
+                        at = deadline  # the rotation, announced ahead
                     after = [s for s in runnable if s > self.matrix.active]
                     self.matrix.active = (after or runnable)[0]
                     switched = True
-                await self.reconcile()
+                await self.reconcile(at=None if at is None else time.time() + at - now)
                 if len(runnable) <= 1:
-                    deadline = math.inf
+                    deadline = announce = math.inf
                 elif switched or deadline == math.inf:
-                    deadline = now + self._slice(self.matrix.active)
+                    slice_ = self._slice(self.matrix.active)
+                    deadline = (now if at is None else at) + slice_
+                    announce = deadline - self._lead(slice_)
             except Exception:
                 log.exception("gang scheduling pass failed")
                 await trio.sleep(self.daemon.config.time_slice)
                 self._gang_changed.set()
 
-    async def reconcile(self) -> None:
-        """Stop what runs but should not, resume what should run but does not."""
+    async def reconcile(self, at: float | None = None) -> None:
+        """Stop what runs but should not, resume what should run but does not
+        (at wall-clock instant ``at``, or now)."""
         async with self._switch_lock:
             active = self.matrix.slots[self.matrix.active] if self.matrix.active < len(self.matrix.slots) else []
             launched = {j for j in self.matrix.usage if self._launched(j)}
@@ -565,10 +583,12 @@ class Coordinator:
             stop = current - desired
             cont = desired - current if self.running is not None else desired
             if stop or cont:
-                await self._switch(sorted(stop), sorted(cont))
+                await self._switch(sorted(stop), sorted(cont), at)
 
-    async def _switch(self, stop: list[int], cont: list[int]) -> None:
-        """One cluster-wide switch: every node stops ``stop`` and resumes ``cont`` at once."""
+    async def _switch(self, stop: list[int], cont: list[int], at: float | None = None) -> None:
+        """One cluster-wide switch: every node stops ``stop`` and resumes
+        ``cont`` at once — now, or at wall-clock instant ``at`` (each node is
+        sent it in its own clock)."""
         per_node: dict[str, dict[str, list[int]]] = {}
         for key, group in (("stop", stop), ("cont", cont)):
             for job_id in group:
@@ -576,7 +596,9 @@ class Coordinator:
                     per_node.setdefault(node, {"stop": [], "cont": []})[key].append(job_id)
         results: dict[str, dict] = {}
         me = self.daemon.node
+        offset = self.daemon.peers.clock_offset
         t0 = time.time()
+        when = t0 if at is None else at  # the switch's instant, by our clock
         # Every remote node's request goes on the wire before this node does
         # its own part, so the nodes switch at (nearly) the same moment.
         async with contextlib.AsyncExitStack() as stack:
@@ -584,12 +606,13 @@ class Coordinator:
             for node, lists in per_node.items():
                 if node == me:
                     continue
+                timing = {} if at is None else {"at": at + offset(node)}
                 try:
-                    replies[node] = await stack.enter_async_context(self.daemon.peers.channel(node).pending("switch", **lists))
+                    replies[node] = await stack.enter_async_context(self.daemon.peers.channel(node).pending("switch", **lists, **timing))
                 except RemoteError as exc:  # node down: check_nodes fails its jobs
                     log.warning("switch on %s failed: %s", node, exc)
             if me in per_node:
-                results[me] = await self.daemon.ops.switch(per_node[me], me, None)
+                results[me] = await self.daemon.ops.switch({**per_node[me], "at": at}, me, None)
             for node, reply in replies.items():
                 with trio.move_on_after(SWITCH_TIMEOUT) as scope:
                     try:
@@ -610,22 +633,29 @@ class Coordinator:
             self.daemon.spawn(self._retry_gang)
         for job_id in stop:
             if job_id in self.acct:
-                self._account(self.acct[job_id], t0, False)
+                self._account(self.acct[job_id], when, False)
         for job_id in cont:
             if job_id in self.acct:
-                self._account(self.acct[job_id], t0, True)
+                self._account(self.acct[job_id], when, True)
         if results:
-            done = [r["done"] for r in results.values()]
+            # Every node's times, in our clock.
+            times = {n: {k: r.get(k, r["done"]) - (0.0 if n == me else offset(n)) for k in ("received", "start", "done")} for n, r in results.items()}
+            done = [t["done"] for t in times.values()]
+            self._delivery.append(max(t["received"] for t in times.values()) - t0)
             self.switches.append(
                 {
-                    "at": t0,
+                    "at": when,
+                    "announced": when - t0,  # 0: switched on decision
                     "nodes": len(results),
                     "stop": stop,
                     "cont": cont,
-                    "latency": max(done) - t0,  # decision -> last node resumed
+                    "latency": max(done) - when,  # the switch's instant (decision, or announced) -> last node resumed
                     "skew": max(done) - min(done),  # first node done -> last node done
                     "round_trip": t_end - t0,
-                    "per_node": {n: [r["received"] - t0, r["done"] - t0, r.get("cpu", 0)] for n, r in results.items()},
+                    "per_node": {
+                        n: {"received": t["received"] - when, "start": t["start"] - when, "done": t["done"] - when, "cpu": results[n].get("cpu", 0), "offset": offset(n) if n != me else 0.0}
+                        for n, t in times.items()
+                    },
                 }
             )
 

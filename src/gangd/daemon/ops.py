@@ -25,9 +25,14 @@ import trio
 from .. import jobs
 from ..protocol import Note, Request
 from ..rpc import Channel, RemoteError, Stream
+from . import clock
 from .coordinator import permission_check
 from .jobnet import expected_deliveries
 from .peers import natural_key
+
+#: After a switch stops a job, how long before its processes forked during
+#: the slice are looked for (and stopped): after every node's part.
+STRAGGLER_DELAY = 0.005
 
 log = logging.getLogger("gangd.ops")
 
@@ -309,11 +314,13 @@ class Ops:
         for spec in sorted(daemon.config.nodes, key=lambda n: natural_key(n.name)):
             if spec.name == daemon.node:
                 running, heartbeat, why = daemon.ranks.running(), 0.0, ""
+                offset = {"offset": 0.0, "error": 0.0}
             else:
                 link = peers.links[spec.name]
                 running = link.info.get("running", 0) if link.up else 0
                 heartbeat = now - link.last_ok_wall if link.last_ok_wall else None
                 why = "" if link.up else link.why_down
+                offset = {"offset": link.clock.offset, "error": link.clock.error}
             rows.append(
                 {
                     "name": spec.name,
@@ -323,6 +330,7 @@ class Ops:
                     "running": running,
                     "heartbeat": heartbeat,
                     "coordinator": spec.name == coordinator,
+                    "clock": offset,  # its wall clock minus this node's, as estimated here (s)
                     "why": why,
                 }
             )
@@ -430,7 +438,13 @@ class Ops:
     # ------------------------------------------------------------ peer ops
 
     async def ping(self, args, from_node, channel):
-        return self.daemon.heartbeat_info()
+        # Our clock when the ping came and when the answer leaves, and our
+        # bounds on the pinger's clock: it bounds our offset with them (see clock.py).
+        came = time.time()
+        info = self.daemon.heartbeat_info()
+        link = self.daemon.peers.links.get(from_node)
+        info["clock"] = [came, time.time(), link.clock.ours if link is not None else None]
+        return info
 
     async def table_since(self, args, from_node, channel):
         return self.daemon.table.since(_int(args, "seq"))
@@ -502,8 +516,15 @@ class Ops:
     async def switch(self, args, from_node, channel):
         """This node's part of a gang switch: the outgoing jobs' gates close and
         their processes stop; the incoming jobs' processes resume and their gates open.
-        Their network context stays where it is, frozen with the processes."""
+        Their network context stays where it is, frozen with the processes.
+
+        With ``at`` (this node's wall clock) the switch was announced ahead
+        and happens at that instant, on every node together (see ``clock``)."""
         received = time.time()
+        at = args.get("at")
+        if isinstance(at, (int, float)) and not isinstance(at, bool):
+            await clock.sleep_until_wall(at, hold=clock.HOLD)
+        start = time.time()
         cpu0 = time.thread_time()
         daemon = self.daemon
         stopped = []
@@ -517,18 +538,24 @@ class Ops:
             daemon.jobnet.set_stopped(job_id, False)
             await daemon.jobnet.set_gate(job_id, True)
         done = time.time()
+        cpu = time.thread_time() - cpu0
+        # On a node whose CPUs are all taken, other daemons (other nodes of a
+        # local cluster, or anything real-time) may wait to do their part:
+        # the reply and the follow-up below can wait for them.
+        os.sched_yield()
         if stopped:
             daemon.spawn(self._stop_stragglers, stopped)
-        return {"received": received, "done": done, "cpu": time.thread_time() - cpu0}
+        return {"received": received, "start": start, "done": done, "cpu": cpu}
 
     async def _stop_stragglers(self, stopped: list[int]) -> None:
         """Processes forked since the job's last switch escaped the first
         pass, which only knew the older ones; stop them now, off the
-        switch's critical path."""
-        await trio.sleep(0)
+        switch's critical path: it costs more than the switch itself (a
+        read of every rank's ``cgroup.procs``)."""
+        await trio.sleep(STRAGGLER_DELAY)
         for job_id in stopped:
             if self.daemon.jobnet.is_stopped(job_id):
-                self.daemon.ranks.signal_job(job_id, signal.SIGSTOP, refresh=True)
+                self.daemon.ranks.signal_new(job_id, signal.SIGSTOP)
 
     async def job_usage(self, args, from_node, channel):
         return {str(j): self.daemon.ranks.cpu_seconds(j) for j in args.get("jobs") or [] if isinstance(j, int)}

@@ -20,6 +20,7 @@ import trio
 
 from ..protocol import ProtocolError
 from ..rpc import Channel, RemoteError, dial_tcp
+from .clock import OffsetFilter
 from .config import NodeSpec
 
 log = logging.getLogger("gangd.peers")
@@ -45,6 +46,7 @@ class PeerLink:
     info: dict = field(default_factory=dict)  # what the peer said about itself
     why_down: str = "not contacted yet"
     outbox: tuple = ()
+    clock: OffsetFilter = field(default_factory=OffsetFilter)  # its wall clock minus ours
 
 
 class Peers:
@@ -64,6 +66,11 @@ class Peers:
     def up_nodes(self) -> list[str]:
         names = [self.config.node_name] + [n for n, link in self.links.items() if link.up]
         return sorted(names, key=natural_key)
+
+    def clock_offset(self, name: str) -> float:
+        """How far node ``name``'s wall clock is ahead of ours (seconds, estimated)."""
+        link = self.links.get(name)
+        return link.clock.offset if link is not None else 0.0
 
     def coordinator(self) -> str:
         master = self.config.master
@@ -182,7 +189,7 @@ class Peers:
         interval = self.config.heartbeat_interval
         timeout = self.config.heartbeat_timeout
         while True:
-            sent = trio.current_time()
+            sent, sent_wall = trio.current_time(), time.time()
             try:
                 with trio.fail_after(timeout):
                     info = await link.channel.request("ping", **self.daemon.heartbeat_info())
@@ -194,6 +201,10 @@ class Peers:
             link.last_ok = time.monotonic()
             link.last_ok_wall = time.time()
             link.info = info if isinstance(info, dict) else {}
+            stamps = link.info.get("clock")
+            if isinstance(stamps, list) and len(stamps) == 3 and all(isinstance(t, float) for t in stamps[:2]):
+                link.clock.add(sent_wall, stamps[0], stamps[1], link.last_ok_wall)
+                link.clock.heard(stamps[2])
             if not link.up:
                 link.up = True
                 link.why_down = ""

@@ -212,38 +212,42 @@ class LocalRanks:
                 pass
         return pids
 
-    def signal_job(self, job_id: int, signum: int, *, refresh: bool = False) -> int:
+    def signal_job(self, job_id: int, signum: int) -> int:
         """Send ``signum`` to every process of the job here; returns how many.
 
         This is the inner loop of a gang switch, so it signals the processes
-        it already knows through their pidfds. With ``refresh`` it first
-        looks for processes forked since (``cgroup.procs``, else /proc):
-        a switch stops the known ones at once and refreshes right after,
-        off the critical path (see ``Ops.switch``). Resuming needs no
-        refresh: a stopped process cannot fork.
+        it already knows through their pidfds; :meth:`signal_new` catches
+        those forked since, right after the switch, off its critical path.
+        Resuming needs no such pass: a stopped process cannot fork.
         """
         count = 0
         for entry in self.of_job(job_id):
             if entry.status is not None:
                 continue
-            if refresh or not entry.pidfds:
+            if not entry.pidfds:
                 self._refresh_pidfds(entry)
-            for pid, fd in list(entry.pidfds.items()):
-                try:
-                    signal.pidfd_send_signal(fd, signum)
-                    count += 1
-                except ProcessLookupError:  # exited
-                    os.close(entry.pidfds.pop(pid))
-                except PermissionError:
-                    pass
+            count += _signal_all(entry.pidfds, entry.pidfds.keys(), signum)
         return count
 
-    def _refresh_pidfds(self, entry: Rank) -> None:
+    def signal_new(self, job_id: int, signum: int) -> int:
+        """Send ``signum`` to the job's processes forked since they were last
+        looked up (``cgroup.procs``, else /proc), and only to those."""
+        count = 0
+        for entry in self.of_job(job_id):
+            if entry.status is None:
+                count += _signal_all(entry.pidfds, self._refresh_pidfds(entry), signum)
+        return count
+
+    def _refresh_pidfds(self, entry: Rank) -> list[int]:
+        """Open pidfds for the rank's processes not known yet; returns their pids."""
+        found = []
         for pid in self.rank_processes(entry.job_id, entry.rank) - entry.pidfds.keys():
             try:
                 entry.pidfds[pid] = os.pidfd_open(pid)
+                found.append(pid)
             except OSError:  # gone meanwhile
                 pass
+        return found
 
     def cpu_seconds(self, job_id: int) -> float:
         """CPU time the job's ranks on this node used so far (ended ranks included)."""
@@ -411,3 +415,17 @@ class LocalRanks:
     async def kill_all(self) -> None:
         for job_id in {j for (j, _) in self.ranks}:
             await self.kill_job(job_id)
+
+
+def _signal_all(pidfds: dict[int, int], pids, signum: int) -> int:
+    """Signal ``pids`` through their pidfds; forgets (and closes) those that exited."""
+    count = 0
+    for pid in list(pids):
+        try:
+            signal.pidfd_send_signal(pidfds[pid], signum)
+            count += 1
+        except ProcessLookupError:  # exited
+            os.close(pidfds.pop(pid))
+        except PermissionError:
+            pass
+    return count

@@ -170,9 +170,10 @@ async def sleep_until_wall(at: float, *, hold: float = 0.0) -> None:
     """Return when this node's wall clock reads ``at`` (at once if it is past,
     after at most :data:`MAX_WAIT` whatever ``at`` says). The last ``hold``
     seconds block the event loop: the return is then not delayed by it."""
-    delay = min(at - time.time(), MAX_WAIT)
-    if delay <= 0:
+    delay = at - time.time()
+    if not delay > 0:  # past, or not a number
         return
+    delay = min(delay, MAX_WAIT)
     deadline = time.monotonic() + delay
     if delay > hold:
         fd = _arm(deadline - hold)

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -52,8 +53,9 @@ class FakeDaemon:
     """Plays the node daemons for one job: answers comm_attach once all ranks attached, then
     sends gate / peer_exited notes and capture requests when the test says so."""
 
-    def __init__(self, tmp: Path, nodes: list[str], *, contexts: dict | None = None, refuse: tuple | None = None):
+    def __init__(self, tmp: Path, nodes: list[str], *, contexts: dict | None = None, refuse: tuple | None = None, with_reply: tuple | None = None):
         self.nodes = nodes
+        self.with_reply = with_reply  # (op, args): a note written with the attach reply, in one write
         self.size = len(nodes)
         self.token = "job-token-123"
         self.epoch = 0
@@ -121,7 +123,10 @@ class FakeDaemon:
                 "gate": {"open": self.gate_open, "epoch": self.epoch},
                 "context": self.contexts.get(rank),
             }
-            link.write(link.conn.send_reply(link.attach_id, result))
+            frame = link.conn.send_reply(link.attach_id, result)
+            if self.with_reply:
+                frame += link.conn.send_note(*self.with_reply)
+            link.write(frame)
 
     # ------------------------------------------------------------ what the test does
 
@@ -332,6 +337,52 @@ def test_collectives(daemon_factory):
 
 
 # ====================================================================== the daemon's controls
+
+
+def test_a_note_that_arrives_with_the_attach_reply_is_applied(daemon_factory):
+    """The daemon opens a gate the attach reply said was closed, and the note
+    comes in the same read as the reply: the ranks must see it at once (it
+    was left in the link's buffer until the next note, so a restarted job,
+    whose gate opens right after its ranks attach, could hang)."""
+    daemon = daemon_factory(["a", "b"], with_reply=("gate", {"open": True, "epoch": 2}))
+    daemon.gate_open, daemon.epoch = False, 1
+    results = finish(daemon.spawn("arrays"))
+    assert results[0]["cases"] > 20
+
+
+def test_the_link_hands_over_what_came_around_a_reply():
+    """DaemonLink.request keeps what arrives before the reply, and what comes
+    in the same read after it stays in the protocol machine: take_pending
+    returns both, in order, once."""
+    from gangd.comm.control import DaemonLink
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "d.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.listen(1)
+
+        def serve():
+            sock, _ = listener.accept()
+            conn = Connection(dialer=False, node="fake", accept=frozenset({Role.CLIENT}))
+            while True:
+                conn.receive_data(sock.recv(65536))
+                sock.sendall(conn.data_to_send())
+                while (event := conn.next_event()) is not None:
+                    if isinstance(event, Request):
+                        sock.sendall(conn.send_note("before", {"n": 1}) + conn.send_reply(event.id, "ok") + conn.send_note("after", {"n": 2}))
+                        time.sleep(5)  # (keeps the socket open; nothing else comes)
+                        return
+                sock.sendall(conn.data_to_send())
+
+        threading.Thread(target=serve, daemon=True).start()
+        link = DaemonLink(path, "test")
+        assert link.request("x", {}) == "ok"
+        pending = link.take_pending()
+        assert [(e.op, e.args) for e in pending] == [("before", {"n": 1}), ("after", {"n": 2})]
+        assert link.take_pending() == []
+        link.close()
+        listener.close()
 
 
 def test_gate_waits_for_the_send_under_way_and_blocks_new_sends(daemon_factory):

@@ -121,6 +121,8 @@ class DaemonAgent:
             self._lost(f"checkpoint thread failed: {exc!r}")
 
     def _loop(self) -> None:
+        for event in self.link.take_pending():  # (what came with the ckpt_attach reply)
+            self._handle(event)
         while not self.gone:
             fds = [self.link.fd, self.wake, *self.background]
             readable, _, _ = select.select(fds, [], [])

@@ -133,6 +133,19 @@ class DaemonLink:
                 raise CommError(f"gangd refused {op}: {event.error['message']}", event.error["code"])
             self.backlog.append(event)
 
+    def take_pending(self) -> list:
+        """The events a reader must handle before it first waits on the socket:
+        those that came while :meth:`request` waited for its reply (kept in
+        ``backlog``) and those that came in the same read as the reply (still
+        in the protocol machine). The socket will not wake a reader for
+        either: a note the daemon sends right after answering (a gate opening,
+        a checkpoint beginning) would wait for the next one."""
+        events = list(self.backlog)
+        self.backlog.clear()
+        while (event := self._event()) is not None:
+            events.append(event)
+        return events
+
     def read_ready(self) -> list:
         """After poll said readable: the events now complete; a trailing None means the connection ended."""
         alive = self._feed()
@@ -197,8 +210,8 @@ class ControlThread(threading.Thread):
 
     def _loop(self) -> None:
         engine, link = self.engine, self.link
-        while self.link.backlog:
-            self._handle(self.link.backlog.popleft())
+        for event in link.take_pending():
+            self._handle(event)
         poll = select.poll()
         poll.register(link.fd, select.POLLIN)
         poll.register(engine.wake_ctl, select.POLLIN)

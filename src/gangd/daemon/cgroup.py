@@ -84,13 +84,13 @@ class CgroupTree:
                 fd = self._procs[path] = os.open(f"{path}/cgroup.procs", os.O_RDONLY | os.O_CLOEXEC)
             except OSError:
                 return []
+        data = b""
         try:
-            chunks = []
-            while chunk := os.pread(fd, 65536, sum(map(len, chunks))):
-                chunks.append(chunk)
+            while chunk := os.pread(fd, 65536, len(data)):
+                data += chunk
         except OSError:
             return []
-        return [int(x) for x in b"".join(chunks).split()]
+        return [int(x) for x in data.split()]
 
     def cpu_seconds(self, path: Path) -> float | None:
         """CPU time used by every process that ever ran in the cgroup (forks and dead children included)."""

@@ -57,11 +57,16 @@ HOLD = 0.002
 
 
 class OffsetFilter:
-    """Estimates ``peer clock - our clock`` from request/reply timestamps."""
+    """Estimates ``peer clock - our clock`` from request/reply timestamps.
+
+    The bounds are worked out when a heartbeat brings a sample, not when
+    they are read: the coordinator reads every node's offset at each switch."""
 
     def __init__(self, window: int = WINDOW):
         self._samples: deque[tuple[float, float]] = deque(maxlen=window)  # (low, high) bounds, oldest first
         self._theirs: tuple[float, float] | None = None  # the peer's bounds on ``our clock - its clock``
+        self._ours: tuple[float, float] | None = None  # ours alone
+        self._both: tuple[float, float] | None = None  # ours and theirs
 
     def add(self, sent: float, came: float, left: float, received: float) -> None:
         """Our wall clock when a request was ``sent`` and its answer ``received``;
@@ -71,38 +76,35 @@ class OffsetFilter:
         low, high = left - received, came - sent
         if low <= high and came <= left:  # else a clock stepped mid-request: the sample means nothing
             self._samples.append((low, high))
+            self._update()
 
     def heard(self, theirs) -> None:
         """The peer's bounds on ``our clock - its clock`` (a pair, or None)."""
         ok = isinstance(theirs, (list, tuple)) and len(theirs) == 2 and all(isinstance(x, float) for x in theirs)
         self._theirs = (theirs[0], theirs[1]) if ok and theirs[0] <= theirs[1] else None
+        self._update()
 
-    def bounds(self, *, theirs: bool = True) -> tuple[float, float] | None:
-        """The offsets every recent sample allows, newest first until one
-        disagrees (clocks drift: old samples give way), or None."""
-        intervals = list(reversed(self._samples))
-        if theirs and self._theirs is not None:
-            intervals.insert(1, (-self._theirs[1], -self._theirs[0]))
-        if not intervals:
-            return None
-        low, high = intervals[0]
-        for a, b in intervals[1:]:
-            if max(low, a) > min(high, b):
-                break
-            low, high = max(low, a), min(high, b)
-        return low, high
+    def _update(self) -> None:
+        newest_first = list(reversed(self._samples))
+        self._ours = _intersect(newest_first)
+        if self._theirs is not None:
+            newest_first.insert(1, (-self._theirs[1], -self._theirs[0]))
+        self._both = _intersect(newest_first)
+
+    def bounds(self) -> tuple[float, float] | None:
+        """The offsets every recent sample (ours and the peer's) allows, or None."""
+        return self._both
 
     @property
     def ours(self) -> list[float] | None:
         """Our own bounds, to tell the peer (without theirs, which would come back to them)."""
-        found = self.bounds(theirs=False)
-        return None if found is None else list(found)
+        return None if self._ours is None else list(self._ours)
 
     @property
     def offset(self) -> float:
         """Best estimate in seconds: 0 while the clocks agree as far as we can
         measure (and until the first sample)."""
-        found = self.bounds()
+        found = self._both
         if found is None or found[0] <= 0 <= found[1]:
             return 0.0
         return (found[0] + found[1]) / 2
@@ -110,8 +112,21 @@ class OffsetFilter:
     @property
     def error(self) -> float | None:
         """Half the width of the bounds: how far off ``offset`` can be; None without samples."""
-        found = self.bounds()
+        found = self._both
         return None if found is None else (found[1] - found[0]) / 2
+
+
+def _intersect(intervals: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """The intersection of ``intervals``, newest first, until one disagrees
+    (clocks drift: old samples give way); None for none."""
+    if not intervals:
+        return None
+    low, high = intervals[0]
+    for a, b in intervals[1:]:
+        if max(low, a) > min(high, b):
+            break
+        low, high = max(low, a), min(high, b)
+    return low, high
 
 
 # ---------------------------------------------------------------- waking on time
@@ -186,4 +201,4 @@ async def sleep_until_wall(at: float, *, hold: float = 0.0) -> None:
                 os.close(fd)
     rest = deadline - time.monotonic()
     if rest > 0:
-        time.sleep(rest)  # clock_nanosleep: the loop is held on purpose, see above
+        time.sleep(rest)  # noqa: ASYNC251 -- clock_nanosleep: the loop is held on purpose, see above

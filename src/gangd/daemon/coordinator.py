@@ -596,7 +596,7 @@ class Coordinator:
                     per_node.setdefault(node, {"stop": [], "cont": []})[key].append(job_id)
         results: dict[str, dict] = {}
         me = self.daemon.node
-        offset = self.daemon.peers.clock_offset
+        offset = {node: self.daemon.peers.clock_offset(node) for node in per_node}  # (0 for this node)
         t0 = time.time()
         when = t0 if at is None else at  # the switch's instant, by our clock
         # Every remote node's request goes on the wire before this node does
@@ -606,7 +606,7 @@ class Coordinator:
             for node, lists in per_node.items():
                 if node == me:
                     continue
-                timing = {} if at is None else {"at": at + offset(node)}
+                timing = {} if at is None else {"at": at + offset[node]}
                 try:
                     replies[node] = await stack.enter_async_context(self.daemon.peers.channel(node).pending("switch", **lists, **timing))
                 except RemoteError as exc:  # node down: check_nodes fails its jobs
@@ -639,7 +639,7 @@ class Coordinator:
                 self._account(self.acct[job_id], when, True)
         if results:
             # Every node's times, in our clock.
-            times = {n: {k: r.get(k, r["done"]) - (0.0 if n == me else offset(n)) for k in ("received", "start", "done")} for n, r in results.items()}
+            times = {n: {k: r.get(k, r["done"]) - offset[n] for k in ("received", "start", "done")} for n, r in results.items()}
             done = [t["done"] for t in times.values()]
             self._delivery.append(max(t["received"] for t in times.values()) - t0)
             self.switches.append(
@@ -653,7 +653,7 @@ class Coordinator:
                     "skew": max(done) - min(done),  # first node done -> last node done
                     "round_trip": t_end - t0,
                     "per_node": {
-                        n: {"received": t["received"] - when, "start": t["start"] - when, "done": t["done"] - when, "cpu": results[n].get("cpu", 0), "offset": offset(n) if n != me else 0.0}
+                        n: {"received": t["received"] - when, "start": t["start"] - when, "done": t["done"] - when, "cpu": results[n].get("cpu", 0), "offset": offset[n]}
                         for n, t in times.items()
                     },
                 }

@@ -68,7 +68,7 @@ class Peers:
         return sorted(names, key=natural_key)
 
     def clock_offset(self, name: str) -> float:
-        """How far node ``name``'s wall clock is ahead of ours (seconds, estimated)."""
+        """How far node ``name``'s wall clock is ahead of ours (seconds, estimated; 0 for this node)."""
         link = self.links.get(name)
         return link.clock.offset if link is not None else 0.0
 

@@ -369,7 +369,7 @@ def print_overhead(t2: dict, repeats: int) -> None:
     say(f"\nTable 2 - ckptlib overhead, no checkpoint taken: {NODES} nodes x 1 rank, heat stencil, "
         f"{t2['mib_per_rank']:g} MiB/rank, {t2['steps']} iterations, {repeats} runs each (alternating)")
     say(f"{'run':>6} | {'job plain':>10} {'job ckptlib':>12} | {'loop plain':>11} {'loop ckptlib':>13}   (seconds)")
-    for i, (p, c) in enumerate(zip(t2["runs"]["plain"], t2["runs"]["ckptlib"]), 1):
+    for i, (p, c) in enumerate(zip(t2["runs"]["plain"], t2["runs"]["ckptlib"], strict=True), 1):
         say(f"{i:>6} | {p['job_s']:10.3f} {c['job_s']:12.3f} | {p['loop_s']:11.3f} {c['loop_s']:13.3f}")
     for label in ("median", "best"):
         m = t2[label]
@@ -416,7 +416,8 @@ def print_breakdown(row: dict) -> None:
 def print_bandwidth(rows: list[dict], count: int) -> None:
     say(f"\nFig. 4 - checkpoint bandwidth per node p = sum(bytes)/t/n, {NODES} nodes x 1 rank, median of {count} checkpoints; "
         f"raw: {NODES} writers + fsync, median of 2")
-    say(f"{'MiB/node':>8} | {'raw MiB/s':>9} | {'bg t s':>7} {'p MiB/s':>8} {'p/raw':>6} {'sync ms':>8} | {'inline t s':>10} {'p MiB/s':>8} {'p/raw':>6} {'sync ms':>8}")
+    say(f"{'MiB/node':>8} | {'raw MiB/s':>9} | {'bg t s':>7} {'p MiB/s':>8} {'p/raw':>6} {'sync ms':>8} | "
+        f"{'inline t s':>10} {'p MiB/s':>8} {'p/raw':>6} {'sync ms':>8}")
     for r in rows:
         b, i = r["background"]["median"], r["inline"]["median"]
         say(f"{r['mib']:>8} | {r['p_raw'] / MiB:9.1f} | {b['t']:7.3f} {b['p'] / MiB:8.1f} {b['p'] / r['p_raw']:6.2f} {b['sync_overhead'] * 1e3:8.2f} | "

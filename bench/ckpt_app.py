@@ -38,13 +38,13 @@ import time
 
 began = time.time()  # before the imports: they are part of a job's start-up
 
-import argparse
-import hashlib
-import json
+import argparse  # noqa: E402 -- after `began`, so a job's start-up counts the imports
+import hashlib  # noqa: E402
+import json  # noqa: E402
 
-import numpy as np
+import numpy as np  # noqa: E402
 
-from gangd import comm
+from gangd import comm  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--mb", type=float, default=4.0, help="state (the plate's band) per rank, MiB")
@@ -156,6 +156,7 @@ if not args.plain:
 finished = time.time()
 digest = hashlib.sha256(u[1:rows + 1].tobytes()).hexdigest()[:16]
 times = {"began": began, "ready": ready_at, "ended": ended, "finished": finished}
-print("DONE " + json.dumps({"loop_s": ended - (ready_at or ended), "loop_cpu_s": loop_cpu, "iters": done_after_ready, "digest": digest, "rows": rows, "times": times}), flush=True)
+done = {"loop_s": ended - (ready_at or ended), "loop_cpu_s": loop_cpu, "iters": done_after_ready, "digest": digest, "rows": rows, "times": times}
+print("DONE " + json.dumps(done), flush=True)
 if not args.mpi:
     world.close()

@@ -38,8 +38,8 @@ PINGPONG = str(HERE / "pingpong.py")
 
 def parse(output: str) -> dict[int, dict]:
     rows = {}
-    for line in output.splitlines():
-        line = line.strip()
+    for raw in output.splitlines():
+        line = raw.strip()
         if line.startswith("{"):
             row = json.loads(line)
             rows[row["size"]] = row
@@ -53,8 +53,9 @@ def run_raw(kind: str) -> dict[int, dict]:
 def run_gangd(directory: Path, two_nodes: bool, gate: bool) -> dict[int, dict]:
     where = ["--per-node", "1"] if two_nodes else ["-w", "n1"]
     env = dict(os.environ, GANGD_COMM_GATE="1" if gate else "0")
-    cmd = [sys.executable, "-m", "gangd.client.cli", "--cluster", str(directory), "run", "-n", "2", *where, "--no-label", "--", sys.executable, PINGPONG, "gangd"]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    cmd = [sys.executable, "-m", "gangd.client.cli", "--cluster", str(directory), "run", "-n", "2", *where, "--no-label", "--",
+           sys.executable, PINGPONG, "gangd"]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
     if result.returncode != 0:
         raise SystemExit(f"gangd pingpong failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
     return parse(result.stdout)
@@ -67,7 +68,7 @@ def run_mpi(two_nodes: bool) -> dict[int, dict] | None:
     env = dict(os.environ)
     if two_nodes:
         env.update(MPIR_CVAR_NOLOCAL="1", MPIR_CVAR_CH4_NETMOD="ofi", FI_PROVIDER="tcp")
-    result = subprocess.run([mpiexec, "-n", "2", sys.executable, PINGPONG, "mpi"], capture_output=True, text=True, env=env, timeout=600)
+    result = subprocess.run([mpiexec, "-n", "2", sys.executable, PINGPONG, "mpi"], capture_output=True, text=True, env=env, timeout=600, check=False)
     if result.returncode != 0:
         print(f"  (mpiexec failed: {result.stderr.strip().splitlines()[-1:]})")
         return None

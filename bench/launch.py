@@ -32,7 +32,7 @@ RANK_CMD = ["/bin/sh", "-c", "date +%s.%N"]
 
 def pct(values, p):
     values = sorted(values)
-    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
+    return values[min(len(values) - 1, round(p / 100 * (len(values) - 1)))]
 
 
 def baseline(n: int) -> tuple[float, float]:
@@ -61,7 +61,8 @@ async def via_api(directory: Path, n: int, per_node: int) -> tuple[float, float]
 def via_cli(directory: Path, n: int, per_node: int) -> tuple[float, float]:
     t0 = time.time()
     result = subprocess.run(
-        [sys.executable, "-m", "gangd.client.cli", "--cluster", str(directory), "run", "-n", str(n), "--per-node", str(per_node), "--no-label", "--", *RANK_CMD],
+        [sys.executable, "-m", "gangd.client.cli", "--cluster", str(directory), "run", "-n", str(n), "--per-node", str(per_node), "--no-label", "--",
+         *RANK_CMD],
         capture_output=True,
         text=True,
         check=True,

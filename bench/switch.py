@@ -50,7 +50,7 @@ BUSY = ["/bin/sh", "-c", "while :; do :; done"]
 
 def pct(values, p):
     values = sorted(values)
-    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
+    return values[min(len(values) - 1, round(p / 100 * (len(values) - 1)))]
 
 
 def rank_pids(socket_prefix: str, job_id: int) -> list[int]:

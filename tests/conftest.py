@@ -35,7 +35,7 @@ class LocalCluster:
 
     def gang(self, *args, timeout: float = 60, check: bool = False, **kwargs) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", "gangd.client.cli", "--cluster", str(self.dir), *map(str, args)]
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False, **kwargs)
         if check and result.returncode != 0:
             raise AssertionError(f"gang {' '.join(map(str, args))} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
         return result
@@ -107,7 +107,7 @@ def as_uid(uid: int, fn):
             os.setgid(uid)
             os.setuid(uid)
             result = fn()
-        except BaseException as exc:  # report, never fall back into pytest
+        except BaseException as exc:  # noqa: BLE001 -- report, never fall back into pytest
             result = {"exception": f"{type(exc).__name__}: {exc}"}
         with os.fdopen(write_fd, "w") as out:
             json.dump(result, out)
@@ -123,7 +123,7 @@ def _remove_cgroups(cluster: LocalCluster) -> None:
     """Daemons killed with SIGKILL in a test never remove their cgroups (a
     restarted daemon would sweep them); do it for them."""
     for nf in cluster.files.values():
-        tag = hashlib.sha1(str(nf.state.resolve()).encode()).hexdigest()[:8]
+        tag = hashlib.sha1(str(nf.state.resolve()).encode(), usedforsecurity=False).hexdigest()[:8]
         CgroupTree(f"gangd-{nf.name}-{tag}").close()
 
 

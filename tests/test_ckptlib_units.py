@@ -697,7 +697,7 @@ def test_alone_messages_to_itself_in_flight_survive_a_restart(tmp_path):
         time.sleep(0.02)
     proc.kill()
     proc.wait()
-    restarted = subprocess.run(argv, cwd=tmp_path, env=clean_env(GANGD_RESTART="latest"), capture_output=True, text=True, timeout=60)
+    restarted = subprocess.run(argv, cwd=tmp_path, env=clean_env(GANGD_RESTART="latest"), capture_output=True, text=True, timeout=60, check=False)
     assert restarted.returncode == 0, restarted.stderr
     assert restarted.stdout == expected and "RESULT" in expected
 
@@ -763,7 +763,8 @@ def test_single_process_checkpointer_plugins(tmp_path, which):
     (tmp_path / "plug.py").write_text(PLUGIN_PROGRAM)
 
     def go(**env):
-        return subprocess.run([sys.executable, "plug.py"], cwd=tmp_path, env=clean_env(WHICH=which, **env), capture_output=True, text=True, timeout=60)
+        env = clean_env(WHICH=which, **env)
+        return subprocess.run([sys.executable, "plug.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False)
 
     killed = go()
     assert killed.returncode == -signal.SIGKILL, killed.stderr
@@ -780,5 +781,5 @@ def test_single_process_checkpointer_plugins(tmp_path, which):
 
 def test_unknown_checkpointer_names_the_known_ones(tmp_path):
     (tmp_path / "bad.py").write_text("from gangd import ckptlib as ckpt\nckpt.init(spc='nope')\n")
-    result = subprocess.run([sys.executable, "bad.py"], cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "bad.py"], cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode != 0 and "no single-process checkpointer named 'nope'" in result.stderr and "registered" in result.stderr

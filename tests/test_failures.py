@@ -6,7 +6,6 @@ the daemons keep serving everybody else with nothing lost.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket

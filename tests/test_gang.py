@@ -303,7 +303,7 @@ def test_cpu_is_shared_between_overlapping_jobs_and_accounting_is_honest(gc):
     # both make progress: every rank of both jobs gets CPU time (the machine
     # may be shared, so wait for it rather than expect it within a fixed time)
     def grown():
-        return {job: [cpu(p) - x for (_, p), x in zip(plist, before[job])] for job, plist in procs.items()}
+        return {job: [cpu(p) - x for (_, p), x in zip(plist, before[job], strict=True)] for job, plist in procs.items()}
 
     deadline = time.monotonic() + 60
     while min(min(deltas) for deltas in grown().values()) < 0.4:
@@ -494,7 +494,7 @@ def test_a_descheduled_job_is_killed_at_once_and_the_matrix_compacts(gc):
 
     async def kill_when_stopped(g):
         with trio.fail_after(30):
-            while not all_in(pids, "stopped"):
+            while not all_in(pids, "stopped"):  # noqa: ASYNC110 -- polls other processes' states in /proc: nothing to wait on
                 await trio.sleep(0.005)
         return await g.kill(victim)
 

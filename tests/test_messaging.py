@@ -17,8 +17,8 @@ import msgpack
 import psutil
 import pytest
 import trio
-
 from conftest import as_uid, shared_cluster
+
 from gangd.client.api import connect
 from gangd.rpc import RemoteError
 

@@ -22,7 +22,8 @@ parser.add_argument("--slow-rank", type=int, default=-1)
 parser.add_argument("--slow-from", type=int, default=0, help="the slow rank is slow from this iteration on")
 parser.add_argument("--slow-sleep", type=float, default=0.0)
 parser.add_argument("--pre-sleep", type=float, default=0.0, help="seconds between ckpt.init() and the loop")
-parser.add_argument("--c-call", type=int, default=0, help="per iteration, one N x N matrix product: a long C call that releases the GIL (the SIGQUIT handler cannot run until it returns)")
+parser.add_argument("--c-call", type=int, default=0,
+                    help="per iteration, one N x N matrix product: a long C call that releases the GIL (the SIGQUIT handler cannot run until it returns)")
 parser.add_argument("--request-at", type=int, default=-1, help="rank 0 calls ckpt.request() at this iteration")
 args = parser.parse_args()
 

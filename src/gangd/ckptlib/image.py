@@ -46,7 +46,7 @@ def _plan(values: dict[str, object]) -> tuple[list, list]:
         else:
             try:
                 blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 -- pickling runs the value's own code: anything can fail; said as a TypeError
                 raise TypeError(f"protected value {name!r} cannot be saved: {type(exc).__name__}: {exc}") from None
             entries.append([name, "pk", {}, len(blob)])
             payloads.append(blob)
@@ -104,7 +104,7 @@ def load(path: Path, expect: tuple[int, str] | None = None) -> tuple[dict[str, o
         try:
             header = msgpack.unpackb(header_bytes, raw=False)
             entries, iteration = header["entries"], header["iteration"]
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 -- any way a corrupted header fails is a StoreError
             raise StoreError(f"{path} is corrupted: unreadable header ({exc})") from None
         values: dict[str, object] = {}
         for name, kind, meta, nbytes in entries:
@@ -112,7 +112,7 @@ def load(path: Path, expect: tuple[int, str] | None = None) -> tuple[dict[str, o
                 try:
                     dtype = np.dtype(meta["dtype"]) if isinstance(meta["dtype"], str) else pickle.loads(meta["dtype"])
                     arr = np.empty(meta["shape"], dtype=dtype)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 -- any way a corrupted entry fails is a StoreError
                     raise StoreError(f"{path} is corrupted: array {name!r} has an unusable dtype or shape ({exc})") from None
                 if arr.nbytes != nbytes:
                     raise StoreError(f"{path} is corrupted: array {name!r} should hold {arr.nbytes} bytes, the header says {nbytes}")

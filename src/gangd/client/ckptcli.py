@@ -112,10 +112,12 @@ def ckpt_ls(ctx, job, as_json):
         per_node = ", ".join(f"{n}:{_size(s['bytes'])}" for n, s in sorted(g["nodes"].items())) or "-"
         started = time.strftime("%H:%M:%S", time.localtime(g["started"]))
         took = f"{g['ended'] - g['started']:.2f}s" if g.get("ended") else "-"
-        rows.append([g["gen"], g["job"], g["state"], "-" if g["iteration"] is None else g["iteration"], started, took, per_node, g.get("reason") or g["trigger"]])
+        iteration = "-" if g["iteration"] is None else g["iteration"]
+        rows.append([g["gen"], g["job"], g["state"], iteration, started, took, per_node, g.get("reason") or g["trigger"]])
     live = listing["under_way"]
     if live:
-        rows.append([live["gen"], job, f"running ({live['phase']})", "-", time.strftime("%H:%M:%S", time.localtime(live["started"])), "-", "-", live["trigger"]])
+        started = time.strftime("%H:%M:%S", time.localtime(live["started"]))
+        rows.append([live["gen"], job, f"running ({live['phase']})", "-", started, "-", "-", live["trigger"]])
     if not rows:
         click.echo(f"job {job} has no checkpoints")
         return
@@ -150,5 +152,6 @@ def ckpt_stats(ctx, job, as_json):
         for node, s in sorted(g["nodes"].items()):
             ms = lambda v: f"{v * 1000:.1f}"  # noqa: E731
             bw = f"{s['bandwidth'] / 2**20:.0f} MiB/s" if s.get("bandwidth") else "-"
-            rows.append([g["gen"], node, _size(s["bytes"]), ms(s["prep"]), ms(s["write"]), ms(s["finish"]), ms(s["blocked"]), ms(s["disk"]), ms(s["sync_overhead"]), bw])
+            times = [ms(s[k]) for k in ("prep", "write", "finish", "blocked", "disk", "sync_overhead")]
+            rows.append([g["gen"], node, _size(s["bytes"]), *times, bw])
     click.echo(table(rows, ["GEN", "NODE", "SIZE", "PREP", "WRITE", "FINISH", "BLOCKED", "DISK", "SYNC", "BANDWIDTH"]))

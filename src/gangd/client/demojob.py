@@ -43,7 +43,7 @@ def heat(steps: int, n: int = 768) -> None:
     u = ckpt.protect("u", np.zeros((hi - lo + 2, n)))  # own rows plus one halo row above and below
     new = np.empty_like(u)
     up, down = w.rank - 1, w.rank + 1
-    for it in ckpt.loop(range(steps)):
+    for _ in ckpt.loop(range(steps)):
         if up >= 0:
             w.send(u[1].copy(), up, tag=0)
         if down < w.size:

@@ -41,14 +41,27 @@ from ..comm.errors import CommError
 from ..protocol import Note, Reply
 from . import spc
 from .core import Checkpointer, CheckpointError, warn
+from .writer import Written
 
 REQUEST_AGAIN = 0.5  # s before a rank's unanswered checkpoint request is sent again
 FORCE_RETRY = 10.0  # s a forced checkpoint (ckptlib.mpi.checkpoint(force=True)) is asked for again after a "no"
 
 
+class _Waiter:
+    """A request of the program's thread: the reader thread sets ``done`` once ``reply`` came (or the connection went)."""
+
+    __slots__ = ("done", "reply")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.reply: Reply | None = None
+
+
 class DaemonAgent:
     def __init__(self, info: JobInfo):
         self.info = info
+        if not info.socket:
+            raise CheckpointError("cannot register with the gangd node daemon: GANGD_SOCKET is not set")
         try:
             self.link = DaemonLink(info.socket, f"ckpt-{info.job}.{info.rank}")
             attached = self.link.request("ckpt_attach", {"job": info.job, "rank": info.rank})
@@ -63,9 +76,9 @@ class DaemonAgent:
         self.cut: tuple[int, int] | None = None  # (generation, iteration) the job saves at
         self.gone: str | None = None  # why the daemon connection ended
         self.warned: int | None = None  # the last generation whose abort this rank printed
-        self.replies: dict[int, list] = {}
-        self.background: dict[int, tuple[int, object]] = {}  # pipe fd -> (generation, Written)
-        self.cp: Checkpointer | None = None
+        self.replies: dict[int, _Waiter] = {}
+        self.background: dict[int, tuple[int, Written]] = {}  # pipe fd -> (generation, the write)
+        self.cp: Checkpointer  # set by attach(), before the thread that reads it starts
         self.thread = threading.Thread(target=self._run, name=f"gangd-ckpt-{info.rank}", daemon=True)
 
     # ------------------------------------------------------------ restart
@@ -99,19 +112,19 @@ class DaemonAgent:
 
     def call(self, op: str, args: dict):
         """A request from the program's thread; the reply comes through the reader thread."""
-        waiter = [threading.Event(), None]
+        waiter = _Waiter()
         with self.io:
             if self.gone:
                 raise CheckpointError(f"the node daemon connection is gone ({self.gone})")
             rid, frame = self.link.conn.send_request(op, args)
             self.replies[rid] = waiter
             self.link._write(frame)
-        waiter[0].wait()
-        reply = waiter[1]
+        waiter.done.wait()
+        reply = waiter.reply
         if reply is None:
             raise CheckpointError(f"the node daemon connection is gone ({self.gone})")
         if not reply.ok:
-            raise CheckpointError(reply.error["message"])
+            raise CheckpointError(reply.error["message"] if reply.error else f"the node daemon refused {op}")
         return reply.result
 
     def _run(self) -> None:
@@ -153,7 +166,7 @@ class DaemonAgent:
             self.gone = why
             waiters, self.replies = list(self.replies.values()), {}
         for waiter in waiters:
-            waiter[0].set()
+            waiter.done.set()
         with self.cond:
             self.cond.notify_all()
 
@@ -182,8 +195,8 @@ class DaemonAgent:
             with self.io:
                 waiter = self.replies.pop(event.id, None)
             if waiter is not None:
-                waiter[1] = event
-                waiter[0].set()
+                waiter.reply = event
+                waiter.done.set()
             return
         if not isinstance(event, Note):
             return
@@ -193,7 +206,7 @@ class DaemonAgent:
                 if gen != self.gen:  # a new checkpoint: whatever an older one left is void
                     self.gen, self.reported, self.cut = gen, None, None
                 self.cp.requested = True
-            elif event.op == "ckpt_cut" and gen == self.gen and isinstance(args.get("iteration"), int):
+            elif event.op == "ckpt_cut" and isinstance(gen, int) and gen == self.gen and isinstance(args.get("iteration"), int):
                 self.cut = (gen, args["iteration"])
             elif event.op == "ckpt_abort" and gen == self.gen and gen is not None:
                 if self.cut is not None:
@@ -313,7 +326,7 @@ class DaemonAgent:
             else:
                 cp.writes.remove(written)
                 with self.io:
-                    self.background[written.fd] = (gen, written)
+                    self.background[written.pipe] = (gen, written)
                 os.eventfd_write(self.wake, 1)  # the reader thread watches the new pipe
                 self.call("ckpt_end", {"gen": gen, "background": True})
             cp.generation = gen

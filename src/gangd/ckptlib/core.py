@@ -194,6 +194,8 @@ class Standalone:
             self._arm()
 
     def _arm(self) -> None:
+        if not self.every:
+            return
         self._timer = threading.Timer(self.every, self._tick)
         self._timer.daemon = True
         self._timer.start()
@@ -264,4 +266,4 @@ class Standalone:
 
 def _exited(written: writer.Written) -> bool:
     """The background write finished (its pipe has the result, or EOF)."""
-    return written.done or bool(select.select([written.fd], [], [], 0)[0])
+    return written.done or bool(select.select([written.pipe], [], [], 0)[0])

@@ -30,11 +30,12 @@ _LEN = struct.Struct("<Q")
 
 
 def _array_bytes(arr: np.ndarray) -> memoryview:
-    return memoryview(arr.reshape(-1).view(np.uint8))
+    return arr.reshape(-1).view(np.uint8).data
 
 
-def _plan(values: dict[str, object]) -> tuple[list, list]:
-    entries, payloads = [], []
+def _plan(values: dict[str, object]) -> tuple[list, list[memoryview | bytes]]:
+    entries: list = []
+    payloads: list[memoryview | bytes] = []
     for name, value in values.items():
         if type(value) is np.ndarray and not value.dtype.hasobject:  # (subclasses: np.matrix, masked arrays... pickle)
             arr = value if value.flags.c_contiguous else np.ascontiguousarray(value)  # (keeps 0-d arrays 0-d)
@@ -107,6 +108,7 @@ def load(path: Path, expect: tuple[int, str] | None = None) -> tuple[dict[str, o
         except Exception as exc:  # noqa: BLE001 -- any way a corrupted header fails is a StoreError
             raise StoreError(f"{path} is corrupted: unreadable header ({exc})") from None
         values: dict[str, object] = {}
+        pickled: dict[str, bytearray] = {}
         for name, kind, meta, nbytes in entries:
             if kind == "nd":
                 try:
@@ -121,12 +123,11 @@ def load(path: Path, expect: tuple[int, str] | None = None) -> tuple[dict[str, o
             else:
                 blob = bytearray(nbytes)
                 read_exact(blob)
-                values[name] = blob  # unpickled after the checksum matched
+                values[name] = pickled[name] = blob  # unpickled after the checksum matched
         if fh.read(1):
             raise StoreError(f"{path} has trailing bytes after its last value")
     if expect is not None and digest.hexdigest() != expect[1]:
         raise StoreError(f"{path} is corrupted: its checksum does not match the manifest")
-    for name, kind, _, _ in entries:
-        if kind == "pk":
-            values[name] = pickle.loads(values[name])
+    for name, blob in pickled.items():
+        values[name] = pickle.loads(blob)
     return values, iteration, header.get("extra") or {}

@@ -52,6 +52,7 @@ ENTRY_POINTS = "gangd.spc"
 class SPC:
     name = "spc"
     verifies = False  # True: restart() checks the checksum itself while reading
+    expect: tuple[int, str] | None = None  # (size, checksum) read() hands one that verifies
 
     def set_filename(self, path: Path) -> None:
         self.path = Path(path)
@@ -153,7 +154,10 @@ def write(spc: SPC, path: Path, values: dict, iteration: int) -> tuple[int, str]
         finally:
             os.close(fd)
         ckptstore.fsync_dir(Path(path).parent)
-        return tuple(computed) if computed else ckptstore.checksum_file(path)
+        if computed:
+            size, digest = computed  # (a plugin may hand back a list)
+            return size, digest
+        return ckptstore.checksum_file(path)
     except OSError as exc:
         raise StoreError(ckptstore.describe_os_error(exc, path)) from None
 

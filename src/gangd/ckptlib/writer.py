@@ -34,9 +34,18 @@ class Written:
     def done(self) -> bool:
         return self.result is not None
 
+    @property
+    def pipe(self) -> int:
+        """The pipe a background write's result comes through."""
+        if self.fd is None:
+            raise RuntimeError("an inline write has no result pipe")
+        return self.fd
+
     def wait(self) -> dict:
         """Block until the write finished; returns {"size", "digest", "seconds"} or {"error"}."""
         if self.result is None:
+            if self.fd is None or self.pid is None:
+                raise RuntimeError("a write has neither its result nor a writer process")
             data = b""
             while chunk := os.read(self.fd, 65536):
                 data += chunk

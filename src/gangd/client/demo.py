@@ -112,7 +112,10 @@ def run_demo(nodes: int = 4, keep: bool = False) -> int:
         n3 = local.node_files(directory)[min(2, nodes - 1)]
         _step(f"A consistent checkpoint of every running job: SIGUSR1 to gangd on {n3.name} (pid {n3.pid()})")
         click.echo("  every rank saves at the same iteration; the daemons close the send gates and save the messages in flight")
-        os.kill(n3.pid(), signal.SIGUSR1)
+        pid = n3.pid()
+        if pid is None:
+            raise click.ClickException(f"gangd on {n3.name} is not running")
+        os.kill(pid, signal.SIGUSR1)
 
         async def generation_done(gang):
             gens = (await gang.checkpoints(heat_id))["generations"]

@@ -12,6 +12,8 @@ World methods do.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -24,7 +26,7 @@ TAG_BCAST = -200
 TAG_REDUCE = -300
 
 #: op name -> (ufunc for arrays, function for Python numbers)
-OPS = {
+OPS: dict[str, tuple[np.ufunc, Callable[[Any, Any], Any]]] = {
     "sum": (np.add, operator.add),
     "prod": (np.multiply, operator.mul),
     "min": (np.minimum, min),

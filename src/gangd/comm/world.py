@@ -6,7 +6,7 @@ import atexit
 import operator
 import os
 import threading
-from typing import NamedTuple, Self
+from typing import NamedTuple, Self, cast
 
 from ..client.runtime import job_info
 from . import collectives, context, wire
@@ -186,7 +186,7 @@ class World:
         if self._control is not None:
             self._control.stop()
         engine.close()
-        self._engine = _ClosedEngine()
+        self._engine = cast(Engine, _ClosedEngine())  # stands in: the first thing any call touches raises
 
     def __enter__(self) -> Self:
         return self

@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 import time
 from collections import deque
+from collections.abc import Callable
 
 import trio
 
@@ -78,10 +80,12 @@ class OffsetFilter:
             self._samples.append((low, high))
             self._update()
 
-    def heard(self, theirs) -> None:
+    def heard(self, theirs: object) -> None:
         """The peer's bounds on ``our clock - its clock`` (a pair, or None)."""
-        ok = isinstance(theirs, (list, tuple)) and len(theirs) == 2 and all(isinstance(x, float) for x in theirs)
-        self._theirs = (theirs[0], theirs[1]) if ok and theirs[0] <= theirs[1] else None
+        if isinstance(theirs, (list, tuple)) and len(theirs) == 2 and all(isinstance(x, float) for x in theirs) and theirs[0] <= theirs[1]:
+            self._theirs = (theirs[0], theirs[1])
+        else:
+            self._theirs = None
         self._update()
 
     def _update(self) -> None:
@@ -144,7 +148,7 @@ class _Itimerspec(ctypes.Structure):
     _fields_ = [("it_interval", _Timespec), ("it_value", _Timespec)]
 
 
-def _libc_timerfd():
+def _libc_timerfd() -> tuple[Callable[..., int], Callable[..., int]] | None:
     """(create, settime) from the C library, or None where there is no timerfd
     (Python 3.13 has ``os.timerfd_create``; 3.11 and 3.12 do not)."""
     try:
@@ -158,12 +162,13 @@ def _libc_timerfd():
     return create, settime
 
 
-_TIMERFD = _libc_timerfd() if not hasattr(os, "timerfd_create") else None
+_HAVE_OS_TIMERFD = sys.version_info >= (3, 13) and hasattr(os, "timerfd_create")  # os grew timerfd in 3.13
+_TIMERFD = _libc_timerfd() if not _HAVE_OS_TIMERFD else None
 
 
 def _arm(deadline: float) -> int | None:
     """A timerfd that becomes readable at monotonic ``deadline``, or None."""
-    if hasattr(os, "timerfd_create"):
+    if sys.version_info >= (3, 13) and _HAVE_OS_TIMERFD:  # (the version test is for the type checker)
         fd = os.timerfd_create(time.CLOCK_MONOTONIC, flags=_TFD_FLAGS)
         os.timerfd_settime_ns(fd, flags=os.TFD_TIMER_ABSTIME, initial=int(deadline * 1e9))
         return fd

@@ -35,8 +35,9 @@ start-up error (the message says which), 2 bad command line.
 @click.option("--max-slots", type=int, help="Gang scheduling: multiprogramming degree (default 4).")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False), help="Node-local disk for checkpoints (default: STATE_DIR/checkpoints).")
 @click.option("--checkpoint-keep", type=click.IntRange(min=1), help="Complete checkpoint generations kept per job (default 2).")
-def main(config_path, name, state_dir, socket, secret_file, master, log_level, heartbeat_interval, heartbeat_timeout, time_slice, max_slots,
-         checkpoint_dir, checkpoint_keep):
+def main(config_path: str | None, name: str | None, state_dir: str | None, socket: str | None, secret_file: str | None, master: str | None,
+         log_level: str | None, heartbeat_interval: float | None, heartbeat_timeout: float | None, time_slice: float | None, max_slots: int | None,
+         checkpoint_dir: str | None, checkpoint_keep: int | None) -> None:
     """Run the gangd node daemon: one per node, started by systemd (see systemd/gangd.service)."""
     from .server import Daemon, StartupError
 

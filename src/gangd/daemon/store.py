@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import trio
@@ -35,10 +36,10 @@ async def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
     await trio.to_thread.run_sync(write_atomic_sync, path, data, mode)
 
 
-def read_msgpack(path: Path):
+def read_msgpack(path: Path) -> Any:
     with open(path, "rb") as fh:
         return msgpack.unpackb(fh.read(), raw=False, strict_map_key=False)
 
 
-def pack(obj) -> bytes:
+def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)

@@ -38,13 +38,13 @@ import time
 
 began = time.time()  # before the imports: they are part of a job's start-up
 
-import argparse  # noqa: E402 -- after `began`, so a job's start-up counts the imports
-import hashlib  # noqa: E402
-import json  # noqa: E402
+import argparse
+import hashlib
+import json
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from gangd import comm  # noqa: E402
+from gangd import comm
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--mb", type=float, default=4.0, help="state (the plate's band) per rank, MiB")

@@ -147,7 +147,7 @@ def main() -> None:
                 for size, raw in table["raw"].items():
                     g, ng = table["gangd"][size], table["nogate"][size]
                     m = table.get("mpi", {}).get(size)
-                    cell = lambda row: f"{row['half_rtt_us']:7.1f} {row['mbps']:7.0f}" if row else f"{'-':>15}"  # noqa: E731
+                    cell = lambda row: f"{row['half_rtt_us']:7.1f} {row['mbps']:7.0f}" if row else f"{'-':>15}"  # noqa: E731 -- formats the row below
                     gate_cost = g["half_rtt_us"] / ng["half_rtt_us"] - 1
                     vs_mpi = f"{g['mbps'] / m['mbps']:10.0%}" if m else f"{'-':>10}"
                     print(

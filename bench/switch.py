@@ -155,7 +155,7 @@ def main() -> None:
                     r = trio.run(measure, directory, nodes, args.per_node, args.seconds, args.slice)
                 finally:
                     local.down(directory)
-            ms = lambda values, p: pct(values, p) * 1e3  # noqa: E731
+            ms = lambda values, p: pct(values, p) * 1e3  # noqa: E731 -- a one-line formatter for the row below
             print(
                 f"{nodes:>5} {mode:>11} {r['switches']:>8} {ms(r['latency'], 50):>7.2f}ms {ms(r['latency'], 99):>7.2f}ms "
                 f"{ms(r['skew'], 50):>8.3f}ms {ms(r['skew'], 99):>8.3f}ms {ms(r['round_trip'], 50):>7.2f}ms "

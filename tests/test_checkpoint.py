@@ -198,7 +198,7 @@ def test_ctrl_backslash_on_gang_run_checkpoints_the_job(gc):
     master, slave = pty.openpty()
     cmd = [PY, "-m", "gangd.client.cli", "--cluster", str(gc.dir), "run", "-n", "4", "--", PY, JOB, "--steps", "300", "--sleep", "0.01"]
     # The pty must become gang run's controlling terminal, which only the child can do (no Popen option for it).
-    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, preexec_fn=lambda: os.login_tty(slave), close_fds=True)  # noqa: PLW1509
+    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, preexec_fn=lambda: os.login_tty(slave), close_fds=True)  # noqa: PLW1509 -- see above
     os.close(slave)
     output = b""
     try:

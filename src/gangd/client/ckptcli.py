@@ -150,7 +150,7 @@ def ckpt_stats(ctx, job, as_json):
     rows = []
     for g in generations:
         for node, s in sorted(g["nodes"].items()):
-            ms = lambda v: f"{v * 1000:.1f}"  # noqa: E731
+            ms = lambda v: f"{v * 1000:.1f}"  # noqa: E731 -- a one-line formatter for the row below
             bw = f"{s['bandwidth'] / 2**20:.0f} MiB/s" if s.get("bandwidth") else "-"
             times = [ms(s[k]) for k in ("prep", "write", "finish", "blocked", "disk", "sync_overhead")]
             rows.append([g["gen"], node, _size(s["bytes"]), *times, bw])

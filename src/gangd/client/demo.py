@@ -33,8 +33,8 @@ def _step(text: str) -> None:
 def _gang(directory: Path, *args: str, capture: bool = False) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "gangd.client.cli", "--cluster", str(directory), *args]
     click.secho("$ gang " + " ".join(args), fg="yellow")
-    # The argv is this demo's own (the gang CLI under this interpreter); a failing step is shown, not raised.
-    return subprocess.run(cmd, text=True, capture_output=capture, check=False)  # noqa: S603
+    # A failing step is shown, not raised.
+    return subprocess.run(cmd, text=True, capture_output=capture, check=False)  # noqa: S603 -- argv is the gang CLI under this interpreter
 
 
 def _watch(directory: Path, ids: list[int], seconds: float) -> dict[int, set[str]]:

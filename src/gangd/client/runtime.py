@@ -9,6 +9,7 @@ gangd the same code sees a one-rank job, so a program runs unchanged under
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -25,7 +26,7 @@ class JobInfo:
         return self.job is not None
 
 
-def job_info(environ=os.environ) -> JobInfo:
+def job_info(environ: Mapping[str, str] = os.environ) -> JobInfo:
     job = environ.get("GANGD_JOB")
     return JobInfo(
         job=int(job) if job else None,

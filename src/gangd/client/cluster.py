@@ -125,10 +125,16 @@ def up(
     switch_lead: float = 0.01,
     checkpoint_timeout: float = 600.0,
     log_level: str = "info",
+    state_dirs: dict[str, Path] | None = None,
+    output_limit: int | None = None,
+    output_reserve: int | None = None,
     timeout: float = 30.0,
     progress=None,
 ) -> list[NodeFiles]:
-    """Start ``nodes`` daemons and wait until every one sees all the others."""
+    """Start ``nodes`` daemons and wait until every one sees all the others.
+
+    ``state_dirs``: a node's state directory somewhere else than DIR/NODE/state
+    (a small file system of its own, for instance)."""
     if not 1 <= nodes <= 250:
         raise ClusterError(f"--nodes must be between 1 and 250, not {nodes}")
     directory = Path(directory).absolute()
@@ -154,7 +160,7 @@ def up(
         config = Config(
             node_name=spec.name,
             nodes=specs,
-            state_dir=nf.state,
+            state_dir=Path((state_dirs or {}).get(spec.name, nf.state)),
             socket=nf.socket,
             secret_file=secret,
             log_level=log_level,
@@ -164,6 +170,7 @@ def up(
             max_slots=max_slots,
             switch_lead=switch_lead,
             checkpoint_timeout=checkpoint_timeout,
+            **{k: v for k, v in (("output_limit", output_limit), ("output_reserve", output_reserve)) if v is not None},
         )
         nf.config.write_text(render(config))
         lines += ["[[nodes]]", f"name = {toml_str(spec.name)}", f"address = {toml_str(spec.endpoint)}", f"socket = {toml_str(nf.socket)}", f"dir = {toml_str(nf.dir)}", ""]

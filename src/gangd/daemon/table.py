@@ -187,6 +187,10 @@ class JobTable:
 
     def _save_sync(self, job_id: int, data: bytes) -> None:
         """Write ``data`` as job ``job_id``'s record: temp file, fsync, rename, fsync the directory."""
+        try:
+            os.mkdir(self.dir, 0o700)  # (made by load() in the daemon)
+        except FileExistsError:
+            pass
         base = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             try:

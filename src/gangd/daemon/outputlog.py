@@ -11,8 +11,8 @@ Why it is shaped like this:
 
 * Output must never strand the cluster. It lives in its own directory
   (``output_dir``, default ``STATE_DIR/output``, may be a file system of its
-  own) and never takes the last ``output_reserve`` bytes of that file system,
-  which stay for the job table (the table must always be able to record a
+  own) and never takes the last ``output_reserve`` bytes of that file system
+  (at most a quarter of it), which stay for the job table (the table must always be able to record a
   job's end). Each job may leave ``output_limit`` bytes per node. Past either
   limit the rank's output is dropped — the job keeps running — and the log
   itself says so: a notice where the cut is, and at the rank's end how many
@@ -253,6 +253,7 @@ class OutputLog:
     def _write_sync(self, record: bytes, reserve: int) -> None:
         if reserve:
             vfs = os.fstatvfs(self._fd)
+            reserve = min(reserve, vfs.f_blocks * vfs.f_frsize // 4)  # a small disk still takes some output
             if vfs.f_bavail * vfs.f_frsize < reserve + len(record):
                 raise _NoRoom(f"the output disk of {self.store.node} is nearly full (gangd keeps {_size(reserve)} free for the job table)")
         try:

@@ -136,7 +136,11 @@ def test_a_job_end_that_cannot_be_saved_is_retried_not_half_applied(tmpfs_cluste
     subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=64k"], capture_output=True)
     assert _free(state) < 64 * 1024
     gate.touch()
-    _wait_for("the failed save of the job's end", lambda: f"cannot save job {job}" in cluster.log("n1"))
+    cluster.wait_no_rank_processes(job, timeout=30)
+    _wait_for(
+        "the job's end to be handled",
+        lambda: f"cannot save job {job}" in cluster.log("n1") or cluster.job(job)["state"] != "RUNNING",
+    )
     # Memory follows the disk: the job is not shown as ended while its end is not saved...
     assert cluster.job(job)["state"] == "RUNNING"
     # ...and a change that cannot be saved is refused with a clear sentence.

@@ -88,6 +88,7 @@ class JobTable:
         self.dir = state_dir / "jobs"
         self.records: dict[int, dict] = {}
         self.seq = 0
+        self._failing: set[int] = set()  # jobs whose last save failed (for the log)
         self._unsaved: dict[int, int] = {}  # job id -> lowest seq pushed to us that we failed to save
         self._changed = trio.Event()
         self._save_lock = trio.Lock()
@@ -177,7 +178,10 @@ class JobTable:
                 seq = record.get("seq", 0)
                 self._unsaved[record["id"]] = min(self._unsaved.get(record["id"], seq), seq)
             full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-            log.error("cannot save job %d (seq %d) in %s: %s", record["id"], record.get("seq", 0), self.dir, exc.strerror or exc)
+            # Said once per job until a save of it works again (the callers retry often).
+            level = logging.DEBUG if record["id"] in self._failing else logging.ERROR
+            self._failing.add(record["id"])
+            log.log(level, "cannot save job %d (seq %d) in %s: %s", record["id"], record.get("seq", 0), self.dir, exc.strerror or exc)
             raise RemoteError(
                 "state_disk",
                 f"gangd could not save job {record['id']}'s record in {self.dir}"
@@ -225,6 +229,9 @@ class JobTable:
     def _take(self, record: dict) -> None:
         """The record is on disk: now the memory, then whoever listens."""
         self.records[record["id"]] = record
+        if record["id"] in self._failing:
+            self._failing.discard(record["id"])
+            log.info("job %d saved again", record["id"])
         self.seq = max(self.seq, record.get("seq", 0))
         unsaved = self._unsaved.get(record["id"])
         if unsaved is not None and record.get("seq", 0) >= unsaved:

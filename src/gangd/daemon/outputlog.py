@@ -78,9 +78,9 @@ def _open_dir(name: str | Path, dir_fd: int | None = None, create: bool = False)
             pass
     fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     st = os.fstat(fd)
-    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
         os.close(fd)
-        raise OutputError(f"{name} is not a private directory of gangd's (uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})")
+        raise OutputError(f"{name} is not a directory only gangd may write (uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})")
     return fd
 
 

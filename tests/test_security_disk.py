@@ -284,3 +284,47 @@ def test_the_job_table_refuses_a_directory_others_can_write_and_links_in_it(make
     with pytest.raises(local.ClusterError) as failed:
         local.up(cluster.dir, 1, cores=2, timeout=20)
     assert "may be written by others" in str(failed.value)
+
+
+# ---------------------------------------------------------------- the table on a full disk, directly
+
+
+@pytest.fixture
+def small_tmpfs():
+    directory = _world_traversable_tmpdir()
+    mount = directory / "state"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+async def test_a_commit_that_cannot_be_written_changes_nothing(small_tmpfs):
+    from gangd import jobs
+    from gangd.daemon.table import JobTable
+    from gangd.rpc import RemoteError
+
+    table = JobTable(small_tmpfs)
+    table.load()
+    heard = []
+    table.listeners.append(heard.append)
+    first = await table.commit(jobs.new_record(job_id=1, spec={"argv": ["app"], "nranks": 1}, owner_uid=0, owner_name="root", owner_gid=0))
+    (small_tmpfs / "filler").write_bytes(b"")
+    subprocess.run(["dd", "if=/dev/zero", f"of={small_tmpfs / 'filler'}", "bs=4k"], capture_output=True)
+    ended = dict(first, state=jobs.DONE, env={"BIG": "x" * 8192})
+    with pytest.raises(RemoteError) as failed:
+        await table.commit(ended)
+    assert failed.value.code == "state_disk" and "the state disk is full" in failed.value.message
+    assert table.get(1)["state"] == jobs.QUEUED and table.seq == 1 and heard == [first]
+    assert sorted(os.listdir(small_tmpfs / "jobs" / "1")) == ["job.msgpack"]  # no temporary left behind
+    # A pushed record that cannot be saved is asked for again (heartbeats report the lower seq).
+    pushed = dict(first, seq=5, state=jobs.RUNNING, env={"BIG": "y" * 8192})
+    with pytest.raises(RemoteError):
+        await table.apply(pushed)
+    assert table.held_seq() == 1 and table.get(1)["seq"] == 1
+    os.unlink(small_tmpfs / "filler")
+    assert await table.apply(pushed)
+    assert table.held_seq() == 5 and heard == [first, pushed]

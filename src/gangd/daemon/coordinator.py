@@ -300,12 +300,13 @@ class Coordinator:
                 await self.update(record["id"], lambda r, placement=placement: r.update(placement=placement))
             except RemoteError as exc:
                 # Not recorded (the state disk is full): the matrix must not
-                # hold cores for it either. The next pass tries again.
+                # hold cores for it either. A later pass tries again.
                 self.matrix.remove(record["id"])
                 self._gang_changed.set()
+                log.warning("job %d not placed: %s", record["id"], exc.message)
                 if exc.code == "state_disk":
                     self.daemon.spawn(self._retry_kick)
-                raise
+                return
             self.daemon.spawn(self._start, record["id"])
 
     async def _retry_kick(self) -> None:

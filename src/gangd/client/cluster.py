@@ -125,16 +125,12 @@ def up(
     switch_lead: float = 0.01,
     checkpoint_timeout: float = 600.0,
     log_level: str = "info",
-    state_dirs: dict[str, Path] | None = None,
     output_limit: int | None = None,
     output_reserve: int | None = None,
     timeout: float = 30.0,
     progress=None,
 ) -> list[NodeFiles]:
-    """Start ``nodes`` daemons and wait until every one sees all the others.
-
-    ``state_dirs``: a node's state directory somewhere else than DIR/NODE/state
-    (a small file system of its own, for instance)."""
+    """Start ``nodes`` daemons and wait until every one sees all the others."""
     if not 1 <= nodes <= 250:
         raise ClusterError(f"--nodes must be between 1 and 250, not {nodes}")
     directory = Path(directory).absolute()
@@ -160,7 +156,7 @@ def up(
         config = Config(
             node_name=spec.name,
             nodes=specs,
-            state_dir=Path((state_dirs or {}).get(spec.name, nf.state)),
+            state_dir=nf.state,
             socket=nf.socket,
             secret_file=secret,
             log_level=log_level,

@@ -20,7 +20,7 @@ from gangd.client.cli import OutputPrinter
 from gangd.daemon import config as cfg
 from gangd.daemon import outputlog
 from gangd.daemon.coordinator import place
-from gangd.daemon.outputlog import STDERR, STDOUT, OutputLog, read_records
+from gangd.daemon.outputlog import STDERR, STDOUT, OutputStore, read_records
 from gangd.daemon.store import pack, read_msgpack, write_atomic_sync
 from gangd.daemon.table import JobTable
 
@@ -487,8 +487,22 @@ async def collect(agen):
     return [item async for item in agen]
 
 
+async def open_log(tmp_path, job=1, rank=0):
+    store = OutputStore(tmp_path / "out", "n1")
+    store.prepare()
+    return await store.open(job, rank)
+
+
+async def read_path(path, start=0, end=None):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return await collect(read_records(fd, start, end))
+    finally:
+        os.close(fd)
+
+
 async def test_outputlog_records_come_back_in_order(tmp_path):
-    log = OutputLog(tmp_path / "rank0.out")
+    log = await open_log(tmp_path)
     log.append(STDOUT, b"one\n")
     log.append(STDERR, b"warning\n")
     log.append(STDOUT, b"two\n")
@@ -496,17 +510,17 @@ async def test_outputlog_records_come_back_in_order(tmp_path):
     with trio.fail_after(5):
         items = await collect(log.follow())
     assert items == [(STDOUT, b"one\n"), (STDERR, b"warning\n"), (STDOUT, b"two\n")]
-    assert log.size == os.path.getsize(tmp_path / "rank0.out") == 3 * 5 + 4 + 8 + 4  # noqa: ASYNC240 -- a small local file, after the test
+    assert log.size == os.path.getsize(log.path) == 3 * 5 + 4 + 8 + 4  # noqa: ASYNC240 -- a small local file, after the test
 
 
 async def test_outputlog_file_mode(tmp_path):
-    log = OutputLog(tmp_path / "r.out")
+    log = await open_log(tmp_path)
     log.close()
-    assert stat.S_IMODE(os.stat(tmp_path / "r.out").st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(log.path).st_mode) == 0o600
 
 
 async def test_outputlog_follower_sees_later_appends_and_ends_on_close(tmp_path):
-    log = OutputLog(tmp_path / "r.out")
+    log = await open_log(tmp_path)
     seen = []
     got_first = trio.Event()
     done = trio.Event()
@@ -536,7 +550,7 @@ async def test_outputlog_follower_sees_later_appends_and_ends_on_close(tmp_path)
 
 
 async def test_outputlog_follower_of_empty_log_ends_on_close(tmp_path):
-    log = OutputLog(tmp_path / "r.out")
+    log = await open_log(tmp_path)
     result = []
 
     async def follower():
@@ -553,7 +567,7 @@ async def test_outputlog_follower_of_empty_log_ends_on_close(tmp_path):
 
 
 async def test_outputlog_follow_false_returns_what_is_there(tmp_path):
-    log = OutputLog(tmp_path / "r.out")
+    log = await open_log(tmp_path)
     with trio.fail_after(5):
         assert await collect(log.follow(follow=False)) == []
         log.append(STDOUT, b"x")
@@ -563,7 +577,7 @@ async def test_outputlog_follow_false_returns_what_is_there(tmp_path):
 
 
 async def test_outputlog_many_followers_see_the_same(tmp_path):
-    log = OutputLog(tmp_path / "r.out")
+    log = await open_log(tmp_path)
     results = {}
 
     async def follower(i):
@@ -583,40 +597,40 @@ async def test_outputlog_many_followers_see_the_same(tmp_path):
 
 
 async def test_read_records_over_a_finished_file(tmp_path):
-    path = tmp_path / "r.out"
-    log = OutputLog(path)
+    log = await open_log(tmp_path)
+    path = log.path
     expected = [(STDOUT, b"hello\n"), (STDERR, b"oops\n"), (STDOUT, b""), (STDERR, bytes(range(256)) * 3)]
     for stream, data in expected:
         log.append(stream, data)
     log.close()
     with trio.fail_after(5):
-        assert await collect(read_records(path)) == expected
+        assert await read_path(path) == expected
         # from a record boundary
         offset = 5 + len(b"hello\n")
-        assert await collect(read_records(path, start=offset)) == expected[1:]
+        assert await read_path(path, start=offset) == expected[1:]
         # up to a record boundary
-        assert await collect(read_records(path, end=offset)) == expected[:1]
+        assert await read_path(path, end=offset) == expected[:1]
         # a missing file has no records
-        assert await collect(read_records(tmp_path / "missing.out")) == []
+        assert await collect(log.store.read(1, 7)) == []
 
 
 async def test_read_records_across_small_reads(tmp_path, monkeypatch):
     monkeypatch.setattr(outputlog, "READ_CHUNK", 3)
-    path = tmp_path / "r.out"
-    log = OutputLog(path)
+    log = await open_log(tmp_path)
+    path = log.path
     expected = [(STDOUT, b"abcdefgh"), (STDERR, b"i"), (STDOUT, b""), (STDOUT, b"jklmnopqrstuvwxyz\n")]
     for stream, data in expected:
         log.append(stream, data)
     log.close()
     with trio.fail_after(5):
-        assert await collect(read_records(path)) == expected
-        reopened = OutputLog(path)
+        assert await read_path(path) == expected
+        reopened = await open_log(tmp_path)
         reopened.close()
         assert await collect(reopened.follow()) == expected
 
 
 async def test_outputlog_interleaving_is_preserved(tmp_path):
-    log = OutputLog(tmp_path / "r.out")
+    log = await open_log(tmp_path)
     expected = []
     for i in range(20):
         stream = STDERR if i % 2 else STDOUT
@@ -631,7 +645,7 @@ async def test_outputlog_interleaving_is_preserved(tmp_path):
 
 
 async def test_outputlog_empty_chunk(tmp_path):
-    log = OutputLog(tmp_path / "r.out")
+    log = await open_log(tmp_path)
     log.append(STDOUT, b"")
     log.append(STDERR, b"after")
     log.close()
@@ -640,11 +654,10 @@ async def test_outputlog_empty_chunk(tmp_path):
 
 
 async def test_outputlog_reopened_after_restart_keeps_old_output(tmp_path):
-    path = tmp_path / "r.out"
-    first = OutputLog(path)
+    first = await open_log(tmp_path)
     first.append(STDOUT, b"before restart\n")
     first.close()
-    second = OutputLog(path)
+    second = await open_log(tmp_path)
     assert second.size == first.size
     second.append(STDERR, b"after restart\n")
     second.close()

@@ -125,6 +125,7 @@ def up(
     switch_lead: float = 0.01,
     checkpoint_timeout: float = 600.0,
     log_level: str = "info",
+    output_limit: int | None = None,
     timeout: float = 30.0,
     progress=None,
 ) -> list[NodeFiles]:
@@ -164,6 +165,7 @@ def up(
             max_slots=max_slots,
             switch_lead=switch_lead,
             checkpoint_timeout=checkpoint_timeout,
+            **({"output_limit": output_limit} if output_limit is not None else {}),
         )
         nf.config.write_text(render(config))
         lines += ["[[nodes]]", f"name = {toml_str(spec.name)}", f"address = {toml_str(spec.endpoint)}", f"socket = {toml_str(nf.socket)}", f"dir = {toml_str(nf.dir)}", ""]

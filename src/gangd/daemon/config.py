@@ -10,6 +10,9 @@ Example (``/etc/gangd/gangd.toml``)::
     nice = -10                       # the daemon's priority over busy ranks...
     realtime_priority = 10           # ...or SCHED_RR (root only; 0 = off): fast gang switches
     checkpoint_dir = "/var/lib/gangd/checkpoints"  # node-local disk for checkpoint generations
+    output_dir = "/var/lib/gangd/output"  # rank output (default: state_dir/output); may be its own file system
+    output_limit = 1073741824        # bytes of output one job may leave on this node (then cut, with a notice)
+    output_reserve = 67108864        # bytes rank output never takes from the output's file system (the job table's room)
 
     [cluster]
     secret_file = "/etc/gangd/secret"  # same bytes on every node, mode 0600
@@ -77,6 +80,9 @@ class Config:
     checkpoint_dir: Path | None = None  # node-local disk for checkpoints (default: state_dir/checkpoints)
     checkpoint_keep: int = 2  # complete generations kept per job (the previous one stays until a newer is complete)
     checkpoint_timeout: float = 600.0  # seconds ranks may take to reach the cut, or to write their state
+    output_dir: Path | None = None  # rank output (default: state_dir/output)
+    output_limit: int = 1 << 30  # bytes of output a job may leave on this node; the rest is dropped with a notice
+    output_reserve: int = 64 << 20  # bytes rank output leaves free on its file system (room for the job table)
 
     @property
     def node(self) -> NodeSpec:
@@ -84,6 +90,10 @@ class Config:
             if spec.name == self.node_name:
                 return spec
         raise ConfigError(f"node {self.node_name!r} is not among the configured nodes")
+
+    @property
+    def output_root(self) -> Path:
+        return self.output_dir or self.state_dir / "output"
 
     @property
     def checkpoint_root(self) -> Path:
@@ -155,10 +165,13 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         "checkpoint_dir": Path(node["checkpoint_dir"]) if node.get("checkpoint_dir") else None,
         "checkpoint_keep": int(cluster.get("checkpoint_keep", 2)),
         "checkpoint_timeout": float(cluster.get("checkpoint_timeout", 600.0)),
+        "output_dir": Path(node["output_dir"]) if node.get("output_dir") else None,
+        "output_limit": int(node.get("output_limit", 1 << 30)),
+        "output_reserve": int(node.get("output_reserve", 64 << 20)),
     }
     for key, value in overrides.items():
         if value is not None:
-            settings[key] = Path(value) if key in ("state_dir", "socket", "secret_file", "checkpoint_dir") else value
+            settings[key] = Path(value) if key in ("state_dir", "socket", "secret_file", "checkpoint_dir", "output_dir") else value
     if not settings["node_name"]:
         raise ConfigError("this node has no name: set [node] name in the config or pass --name")
     config = Config(**settings)
@@ -178,6 +191,8 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         raise ConfigError(f"realtime_priority must be between 0 (off) and 99, not {config.realtime_priority}")
     if config.checkpoint_keep < 1:
         raise ConfigError(f"checkpoint_keep must be at least 1 (the newest complete generation), not {config.checkpoint_keep}")
+    if config.output_limit < 0 or config.output_reserve < 0:
+        raise ConfigError("output_limit and output_reserve are byte counts and cannot be negative")
     if config.max_slots < 1:
         raise ConfigError(f"max_slots must be at least 1, not {config.max_slots}")
     if config.heartbeat_timeout <= config.heartbeat_interval:
@@ -207,6 +222,10 @@ def render(config: Config) -> str:
     ]
     if config.checkpoint_dir:
         lines.insert(lines.index("[cluster]") - 1, f"checkpoint_dir = {toml_str(config.checkpoint_dir)}")
+    if config.output_dir:
+        lines.insert(lines.index("[cluster]") - 1, f"output_dir = {toml_str(config.output_dir)}")
+    lines.insert(lines.index("[cluster]") - 1, f"output_limit = {config.output_limit}")
+    lines.insert(lines.index("[cluster]") - 1, f"output_reserve = {config.output_reserve}")
     if config.master:
         lines.append(f"master = {toml_str(config.master)}")
     lines += [

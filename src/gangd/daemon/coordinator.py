@@ -296,8 +296,35 @@ class Coordinator:
                 break  # nobody overtakes the head of the queue
             slot, placement = admitted
             log.info("job %d admitted to slot %d on %s", record["id"], slot, jobs.compress_nodes(jobs.nodes_of({"placement": placement})))
-            await self.update(record["id"], lambda r, placement=placement: r.update(placement=placement))
+            try:
+                await self.update(record["id"], lambda r, placement=placement: r.update(placement=placement))
+            except RemoteError as exc:
+                # Not recorded (the state disk is full): the matrix must not
+                # hold cores for it either. A later pass tries again.
+                self.matrix.remove(record["id"])
+                self._gang_changed.set()
+                log.warning("job %d not placed: %s", record["id"], exc.message)
+                if exc.code == "state_disk":
+                    self.daemon.spawn(self._retry_kick)
+                return
             self.daemon.spawn(self._start, record["id"])
+
+    async def _retry_kick(self) -> None:
+        await trio.sleep(self.daemon.config.heartbeat_interval)
+        self.kick()
+
+    async def _update_until_saved(self, job_id: int, change) -> dict:
+        """:meth:`update`, retried while the state disk has no room for the
+        record (nothing of a failed attempt is applied): for changes that
+        must not be lost, like a launched job becoming RUNNING."""
+        while True:
+            try:
+                return await self.update(job_id, change)
+            except RemoteError as exc:
+                if exc.code != "state_disk":
+                    raise
+                log.warning("job %d: %s", job_id, exc.message)
+            await trio.sleep(self.daemon.config.heartbeat_interval)
 
     async def _start(self, job_id: int) -> None:
         record = self.table.get(job_id)
@@ -330,7 +357,7 @@ class Coordinator:
             r["state"] = jobs.RUNNING
             r["started"] = time.time()
 
-        record = await self.update(job_id, running)
+        record = await self._update_until_saved(job_id, running)
         if record["state"] != jobs.RUNNING:
             # Killed or failed while launching: whatever did start must go.
             await self._kill_everywhere(job_id)

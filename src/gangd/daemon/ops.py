@@ -425,9 +425,7 @@ class Ops:
             if log_ is not None:
                 source = log_.follow(follow)
             else:  # after a daemon restart: only the file is left
-                from .outputlog import read_records
-
-                source = read_records(daemon.table.job_dir(job_id) / f"rank-{rank}.log")
+                source = daemon.outputs.read(job_id, rank)
             async for stream, data in source:
                 await emit({"rank": rank, "stream": stream, "data": data})
 

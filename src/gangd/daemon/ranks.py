@@ -27,7 +27,7 @@ import trio
 from .. import jobs
 from .cgroup import CgroupTree
 from .notify import scrub_environ
-from .outputlog import STDERR, STDOUT, OutputLog
+from .outputlog import STDERR, STDOUT, OutputLog, OutputStore
 
 log = logging.getLogger("gangd.ranks")
 
@@ -180,8 +180,9 @@ def _make_preexec(cgroup: Path | None, drop: tuple[int, int, list[int]] | None):
 
 
 class LocalRanks:
-    def __init__(self, *, node: str, socket_path: Path, cgroups: CgroupTree, on_exit: Callable[[Rank], None]):
+    def __init__(self, *, node: str, socket_path: Path, cgroups: CgroupTree, on_exit: Callable[[Rank], None], outputs: OutputStore):
         self.node = node
+        self.outputs = outputs
         self.socket_path = socket_path
         self.cgroups = cgroups
         self.on_exit = on_exit
@@ -295,7 +296,7 @@ class LocalRanks:
             if key in self.ranks:  # a repeated launch request (coordinator retry)
                 pids[rank] = self.ranks[key].pid
                 continue
-            output = OutputLog(job_dir / f"rank-{rank}.log", owner=(uid, gid) if drop else None)
+            output = await self.outputs.open(record["id"], rank)
             self.logs[key] = output
             cgroup = self.cgroups.create(record["id"], rank)
             env = dict(base_env, GANGD_RANK=str(rank))
@@ -346,7 +347,7 @@ class LocalRanks:
             nursery.cancel_scope.deadline = trio.current_time() + KILL_GRACE
         with trio.CancelScope(shield=True):
             await proc.aclose()
-        entry.log.close()
+        await entry.log.aclose()
         status = {"code": code, "node": self.node} if code >= 0 else {"signal": -code, "node": self.node}
         if entry.killed:
             status["killed"] = True
@@ -366,15 +367,9 @@ class LocalRanks:
             pumps.start_soon(self._pump, proc.stderr, output, STDERR)
 
     async def _pump(self, stream, output: OutputLog, which: int) -> None:
-        failed = False
         try:
             async for chunk in stream:
-                try:
-                    output.append(which, chunk)
-                except OSError as exc:  # disk full, quota: keep draining so the rank is not blocked
-                    if not failed:
-                        log.warning("output of %s lost: %s", output.path, exc)
-                        failed = True
+                await output.write(which, chunk)  # waits for the disk: backpressure, see outputlog
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass
 

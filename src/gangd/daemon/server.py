@@ -36,8 +36,9 @@ from .notify import SystemdNotifier, watchdog_loop
 from .ops import Ops
 from .peers import Peers
 from .pmi import PmiServer
+from .outputlog import OutputError, OutputStore
 from .ranks import LocalRanks, Rank
-from .table import JobTable
+from .table import JobTable, TableError
 
 log = logging.getLogger("gangd.daemon")
 
@@ -57,7 +58,8 @@ class Daemon:
         tag = hashlib.sha1(str(config.state_dir.resolve()).encode()).hexdigest()[:8]
         instance = f"gangd-{self.node}-{tag}"
         self.cgroups = CgroupTree(instance)
-        self.ranks = LocalRanks(node=self.node, socket_path=config.socket, cgroups=self.cgroups, on_exit=self._rank_exited)
+        self.outputs = OutputStore(config.output_root, self.node, config.output_limit, config.output_reserve)
+        self.ranks = LocalRanks(node=self.node, socket_path=config.socket, cgroups=self.cgroups, on_exit=self._rank_exited, outputs=self.outputs)
         # Rank sockets and counters: in memory (/dev/shm) where there is one.
         shm = Path("/dev/shm")
         self.jobnet = JobNet(self, (shm if shm.is_dir() and os.access(shm, os.W_OK) else config.state_dir / "run") / instance)
@@ -105,7 +107,7 @@ class Daemon:
             "node": self.node,
             "cores": self.config.node.cores,
             "running": self.ranks.running(),
-            "seq": self.table.seq,
+            "seq": self.table.held_seq(),
             "coordinator": self.peers.coordinator(),
             "started": self.started,
         }
@@ -129,7 +131,11 @@ class Daemon:
         config = self.config
         self._prepare_state_dir()
         self._raise_priority()
-        self.table.load()
+        try:
+            self.table.load()
+            self.outputs.prepare()
+        except (TableError, OutputError) as exc:
+            raise StartupError(str(exc)) from None
         shutil.rmtree(self.jobnet.runtime_dir, ignore_errors=True)  # sockets of ranks that died with a previous life
         self.jobnet.runtime_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
         # Traversable by job owners (each job's own directory below is theirs alone).

@@ -7,6 +7,7 @@ daemon's event loop (heartbeats must keep flowing while a record is saved).
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -43,3 +44,24 @@ def read_msgpack(path: Path) -> Any:
 
 def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
+
+
+class UnsafePath(Exception):
+    """A directory root would write into is not root's own."""
+
+
+def check_private_dir(path: Path) -> None:
+    """``path`` is a real directory (not a link) of this daemon's uid that no
+    one else may write: what root writes and later reads there is its own."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise UnsafePath(f"{path}: {exc.strerror}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafePath(f"{path} is a symbolic link")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafePath(f"{path} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise UnsafePath(f"{path} belongs to uid {st.st_uid}, not to gangd's uid {os.geteuid()}")
+    if st.st_mode & 0o022:
+        raise UnsafePath(f"{path} may be written by others (mode {stat.S_IMODE(st.st_mode):o}); make it 0700")

@@ -1,0 +1,330 @@
+"""Issue 14, findings 6, 5 (output limit) and 3 (rank logs, job table): a
+full state disk must not strand jobs, rank output has its own limits and
+says what it dropped, and the files root writes and reads back are root's,
+opened without following links and parsed defensively.
+
+Real daemons, a real (small) tmpfs as a node's state directory, the real
+second uid ``nobody``, real symlinks.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import struct
+import subprocess
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import trio
+from conftest import LocalCluster, _remove_cgroups, _world_traversable_tmpdir, as_uid
+
+from gangd.client import cluster as local
+from gangd.client.api import connect
+
+NOBODY = 65534
+MiB = 1024 * 1024
+
+
+def _wait_for(what, predicate, timeout: float = 60):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout} s")
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def tmpfs_cluster():
+    """A cluster (2 cores a node, one gang slot: a job that is never freed
+    blocks every later one) whose node ``on``'s state directory is a real 8 MiB tmpfs."""
+    started = []
+
+    def make(nodes: int = 1, on: str = "n1", **options) -> LocalCluster:
+        directory = _world_traversable_tmpdir() / "cluster"
+        state = directory / on / "state"
+        state.mkdir(parents=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", str(state)], check=True)
+        started.append((directory, state, nodes))
+        local.up(directory, nodes, cores=2, max_slots=1, **options)
+        return LocalCluster(directory, nodes)
+
+    yield make
+    for directory, state, nodes in started:
+        local.down(directory)
+        cluster = LocalCluster(directory, nodes)
+        try:
+            cluster.wait_no_rank_processes(timeout=5)
+        finally:
+            _remove_cgroups(cluster)
+            subprocess.run(["umount", str(state)], check=False)
+            shutil.rmtree(directory.parent, ignore_errors=True)
+
+
+def _nobody(cluster: LocalCluster, action: str, job: int | None = None, argv: list[str] | None = None, nranks: int = 1):
+    """As the real uid nobody, through the client API (the uid cannot run
+    this venv's interpreter): ``submit`` (the job id), ``run`` (submit, wait,
+    then its output) or ``logs`` (a job's output). Output: all text, in order."""
+
+    def act():
+        async def main():
+            async with connect(cluster.dir) as gang:
+                job_id = job
+                if action in ("submit", "run"):
+                    record = await gang.submit(argv, nranks, cwd="/", env={"PATH": "/usr/bin:/bin"})
+                    job_id = record["id"]
+                    if action == "submit":
+                        return job_id
+                    await gang.wait_done(job_id)
+                text = b""
+                async with gang.output(job_id, follow=False) as chunks:
+                    async for item in chunks:
+                        text += item["data"]
+                return text.decode(errors="replace")
+
+        return trio.run(main)
+
+    result = as_uid(NOBODY, act)
+    assert not (isinstance(result, dict) and "exception" in result), result
+    return result
+
+
+def _free(path: Path) -> int:
+    vfs = os.statvfs(path)
+    return vfs.f_bavail * vfs.f_frsize
+
+
+# ---------------------------------------------------------------- finding 6: a full state disk
+
+
+def test_a_rank_writing_yes_cannot_fill_the_state_disk_and_strand_the_cluster(tmpfs_cluster):
+    cluster = tmpfs_cluster()  # output keeps 64 MiB free, at most a quarter of the disk: 2 MiB here
+    state = cluster.files["n1"].state
+    # One user's two ranks write 24 MB each into a node whose state disk holds 8.
+    job = _nobody(cluster, "submit", argv=["sh", "-c", "yes | head -c 24000000; echo finished >&2"], nranks=2)
+    record = cluster.wait_state(job, ("DONE", "FAILED", "KILLED"), timeout=120)
+    assert record["state"] == "DONE", record
+    # The disk kept room for the table: output never took the reserve.
+    assert _free(state) >= 1 * MiB
+    # Its cores are free (one slot only: a stranded job would block this forever).
+    after = cluster.gang("run", "-n", 2, "--", "echo", "later job", timeout=60)
+    assert after.returncode == 0, after.stderr
+    assert after.stdout.count("later job") == 2
+    # The owner is told what was lost, rank by rank, in the log itself.
+    text = _nobody(cluster, "logs", job)
+    for rank in (0, 1):
+        assert f"rank {rank}'s output is cut here: the output disk of n1 is nearly full" in text, text[-2000:]
+        assert f"of rank {rank}'s output on n1 were dropped" in text, text[-2000:]
+    assert "finished" not in text  # (it was among the dropped bytes)
+    assert "y\ny\n" in text  # what fitted was kept
+
+
+def test_a_job_end_that_cannot_be_saved_is_retried_not_half_applied(tmpfs_cluster):
+    cluster = tmpfs_cluster()
+    state = cluster.files["n1"].state
+    gate = cluster.dir.parent / "go"
+    job = int(cluster.gang("submit", "-n", 2, "--", "sh", "-c", f"while [ ! -e {gate} ]; do sleep 0.1; done", check=True).stdout)
+    cluster.wait_state(job, "RUNNING")
+    # Something else (a checkpoint, a log, another daemon) fills the disk to the last block.
+    filler = state / "filler"
+    subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=64k"], capture_output=True)
+    assert _free(state) < 64 * 1024
+    gate.touch()
+    cluster.wait_no_rank_processes(job, timeout=30)
+    _wait_for(
+        "the job's end to be handled",
+        lambda: f"cannot save job {job}" in cluster.log("n1") or cluster.job(job)["state"] != "RUNNING",
+    )
+    # Memory follows the disk: the job is not shown as ended while its end is not saved...
+    assert cluster.job(job)["state"] == "RUNNING"
+    # ...and a change that cannot be saved is refused with a clear sentence.
+    refused = cluster.gang("submit", "-n", 1, "--", "true")
+    assert refused.returncode != 0
+    assert "state disk is full" in refused.stderr, refused.stderr
+    # Room again: the end lands (retried, not lost), the cores are freed, later jobs run.
+    filler.unlink()
+    assert cluster.wait_state(job, ("DONE", "FAILED", "KILLED"), timeout=60)["state"] == "DONE"
+    after = cluster.gang("run", "-n", 2, "--", "echo", "later job", timeout=60)
+    assert after.returncode == 0, after.stderr
+    assert after.stdout.count("later job") == 2
+
+
+def test_a_replica_that_could_not_save_a_record_is_sent_it_again(tmpfs_cluster):
+    cluster = tmpfs_cluster(2, on="n2")
+    state = cluster.files["n2"].state
+    filler = state / "filler"
+    subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=64k"], capture_output=True)
+    # n1 coordinates and runs the job; n2 is sent every record but has no room for them.
+    result = cluster.gang("run", "-n", 1, "-w", "n1", "--", "echo", "hi", timeout=60)
+    assert result.returncode == 0, result.stderr
+    # (today's message, or the failed note handler's of before: either way n2 had the records and no room)
+    _wait_for("n2's failed save", lambda: "cannot save job 1" in cluster.log("n2") or "note 'table' from" in cluster.log("n2"))
+    filler.unlink()
+    # Room again: n2 gets the job's final record through the heartbeat catch-up, on disk.
+    record_file = state / "jobs" / "1" / "job.msgpack"
+
+    def saved_done():
+        try:
+            return msgpack.unpackb(record_file.read_bytes(), raw=False, strict_map_key=False)["state"] == "DONE"
+        except (OSError, ValueError):
+            return False
+
+    _wait_for("n2 saving job 1's end", saved_done)
+
+
+# ---------------------------------------------------------------- finding 5: the per-job output limit
+
+
+def test_output_past_the_jobs_limit_is_cut_with_a_notice_and_the_job_goes_on(make_cluster):
+    cluster = make_cluster(1, cores=2, output_limit=1 * MiB)
+    script = "head -c 3000000 /dev/zero | tr '\\0' a; echo; echo still-running >&2; exit 0"
+    result = cluster.gang("run", "-n", 1, "--no-label", "--", "sh", "-c", script, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    text = result.stdout + result.stderr
+    assert "rank 0's output is cut here: the job's output limit on n1 (1.0 MiB) is reached" in text, text[-2000:]
+    written = 3000000 + len("\n") + len("still-running\n")
+    assert f"{written - MiB} bytes (1.9 MiB) of rank 0's output on n1 were dropped" in text, text[-2000:]
+    assert result.stdout.count("a") == MiB
+    # `gang logs` shows the same afterwards
+    logs = cluster.gang("logs", "1", timeout=60)
+    assert f"{written - MiB} bytes" in logs.stdout + logs.stderr
+
+
+# ---------------------------------------------------------------- finding 3: rank logs and the job table
+
+
+def _rank_log(cluster: LocalCluster, job: int, rank: int) -> Path:
+    found = [p for p in cluster.files["n1"].state.rglob(f"rank-{rank}.log") if p.parent.name == str(job)]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def _record(stream: int, data: bytes) -> bytes:
+    return struct.pack(">BI", stream, len(data)) + data
+
+
+def test_rank_logs_are_roots_and_the_owner_reads_them_only_through_gang(make_cluster):
+    cluster = make_cluster(1, cores=2)
+    assert "hello from nobody" in _nobody(cluster, "run", argv=["echo", "hello from nobody"])
+    path = _rank_log(cluster, 1, 0)
+    st = os.lstat(path)
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o600)
+    # The owner can neither rewrite what root will parse nor plant a link beside it.
+    outcome = as_uid(NOBODY, lambda: _try_to_tamper(str(path)))
+    assert outcome == {"open": "PermissionError", "symlink": "PermissionError"}, outcome
+    assert "hello from nobody" in _nobody(cluster, "logs", 1)
+
+
+def _try_to_tamper(path: str) -> dict:
+    outcome = {}
+    try:
+        os.open(path, os.O_WRONLY)
+        outcome["open"] = "allowed"
+    except OSError as exc:
+        outcome["open"] = type(exc).__name__
+    try:
+        os.symlink("/etc/shadow", os.path.join(os.path.dirname(path), "rank-9.log"))
+        outcome["symlink"] = "allowed"
+    except OSError as exc:
+        outcome["symlink"] = type(exc).__name__
+    return outcome
+
+
+def test_a_rank_log_replaced_by_a_symlink_is_refused(make_cluster):
+    cluster = make_cluster(1, cores=2)
+    assert "mine" in _nobody(cluster, "run", argv=["echo", "mine"])
+    secret = cluster.dir.parent / "root-only"
+    secret.write_bytes(_record(1, b"TOPSECRET of root\n"))
+    os.chmod(secret, 0o600)
+    path = _rank_log(cluster, 1, 0)
+    path.unlink()
+    path.symlink_to(secret)
+    text = _nobody(cluster, "logs", 1)
+    assert "TOPSECRET" not in text
+    assert "cannot read rank 0's output" in text, text
+    assert cluster.gang("ps", "--all").returncode == 0  # the daemon is fine
+
+
+def test_a_damaged_rank_log_is_reported_not_buffered(make_cluster):
+    cluster = make_cluster(1, cores=2)
+    assert "first line" in _nobody(cluster, "run", argv=["echo", "first line"])
+    path = _rank_log(cluster, 1, 0)
+    with open(path, "r+b") as fh:  # its first record now claims 4 GiB
+        fh.write(struct.pack(">BI", 1, 0xFFFFFFFF))
+    text = _nobody(cluster, "logs", 1)
+    assert "rank 0's output log on n1 is damaged at byte" in text, text
+    assert cluster.gang("ps", "--all").returncode == 0
+
+
+def test_the_job_table_refuses_a_directory_others_can_write_and_links_in_it(make_cluster):
+    cluster = make_cluster(1, cores=2)
+    assert cluster.gang("run", "-n", 1, "--", "echo", "kept", timeout=60).returncode == 0
+    local.down(cluster.dir)
+    jobs_dir = cluster.files["n1"].state / "jobs"
+    # A record planted through a link (here by root, standing in for anyone who could) is not read.
+    elsewhere = cluster.dir.parent / "planted"
+    elsewhere.mkdir()
+    record = msgpack.unpackb((jobs_dir / "1" / "job.msgpack").read_bytes(), raw=False, strict_map_key=False)
+    (elsewhere / "job.msgpack").write_bytes(msgpack.packb({**record, "id": 7, "seq": 99}, use_bin_type=True))
+    (jobs_dir / "7").mkdir()
+    (jobs_dir / "7" / "job.msgpack").symlink_to(elsewhere / "job.msgpack")
+    local.up(cluster.dir, 1, cores=2)
+    assert [r["id"] for r in cluster.gang_json("ps", "--all")] == [1]
+    assert "ignoring unreadable job record" in cluster.log("n1")
+    assert "kept" in cluster.gang("logs", 1, timeout=60).stdout  # (read back from the file after the restart)
+    # A table directory others may write is not trusted at all: the daemon says so and stops.
+    local.down(cluster.dir)
+    os.chmod(jobs_dir, 0o777)
+    with pytest.raises(local.ClusterError) as failed:
+        local.up(cluster.dir, 1, cores=2, timeout=20)
+    assert "may be written by others" in str(failed.value)
+
+
+# ---------------------------------------------------------------- the table on a full disk, directly
+
+
+@pytest.fixture
+def small_tmpfs():
+    directory = _world_traversable_tmpdir()
+    mount = directory / "state"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+async def test_a_commit_that_cannot_be_written_changes_nothing(small_tmpfs):
+    from gangd import jobs
+    from gangd.daemon.table import JobTable
+    from gangd.rpc import RemoteError
+
+    table = JobTable(small_tmpfs)
+    table.load()
+    heard = []
+    table.listeners.append(heard.append)
+    first = await table.commit(jobs.new_record(job_id=1, spec={"argv": ["app"], "nranks": 1}, owner_uid=0, owner_name="root", owner_gid=0))
+    (small_tmpfs / "filler").write_bytes(b"")
+    subprocess.run(["dd", "if=/dev/zero", f"of={small_tmpfs / 'filler'}", "bs=4k"], capture_output=True)
+    ended = dict(first, state=jobs.DONE, env={"BIG": "x" * 8192})
+    with pytest.raises(RemoteError) as failed:
+        await table.commit(ended)
+    assert failed.value.code == "state_disk" and "the state disk is full" in failed.value.message
+    assert table.get(1)["state"] == jobs.QUEUED and table.seq == 1 and heard == [first]
+    assert sorted(os.listdir(small_tmpfs / "jobs" / "1")) == ["job.msgpack"]  # no temporary left behind
+    # A pushed record that cannot be saved is asked for again (heartbeats report the lower seq).
+    pushed = dict(first, seq=5, state=jobs.RUNNING, env={"BIG": "y" * 8192})
+    with pytest.raises(RemoteError):
+        await table.apply(pushed)
+    assert table.held_seq() == 1 and table.get(1)["seq"] == 1
+    os.unlink(small_tmpfs / "filler")
+    assert await table.apply(pushed)
+    assert table.held_seq() == 5 and heard == [first, pushed]

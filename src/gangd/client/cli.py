@@ -234,7 +234,7 @@ def summarise_failure(record: dict) -> str:
     for rank, status in enumerate(record["ranks"]):
         if status is None or (status.get("code", 0) == 0 and not status.get("signal") and not status.get("lost")):
             continue
-        if status.get("killed") and not record["kill_requested"]:
+        if status.get("killed") and not record["kill_requested"] and not status.get("unkillable"):
             continue  # collateral: gangd killed it because another rank failed
         if shown == 8:
             lines.append("gang:   ...")

@@ -124,6 +124,7 @@ def up(
     max_slots: int = 4,
     switch_lead: float = 0.01,
     checkpoint_timeout: float = 600.0,
+    limits: tuple[tuple[str, int], ...] = (),
     log_level: str = "info",
     timeout: float = 30.0,
     progress=None,
@@ -164,6 +165,7 @@ def up(
             max_slots=max_slots,
             switch_lead=switch_lead,
             checkpoint_timeout=checkpoint_timeout,
+            limits=tuple(limits),
         )
         nf.config.write_text(render(config))
         lines += ["[[nodes]]", f"name = {toml_str(spec.name)}", f"address = {toml_str(spec.endpoint)}", f"socket = {toml_str(nf.socket)}", f"dir = {toml_str(nf.dir)}", ""]

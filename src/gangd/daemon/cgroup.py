@@ -7,11 +7,11 @@ Where cgroup v2 is not mounted or not writable (not root, no delegation) the
 daemon falls back to process groups plus a psutil sweep of descendants.
 
 Gang scheduling stops a job by freezing its cgroups (``cgroup.freeze``, a
-core v2 file on Linux 5.2+), not by SIGSTOP alone: any process of the job's
-owner may send SIGCONT, which would let a suspended job compute through other
+core v2 file on Linux 5.2+), not by SIGSTOP: any process of the job's owner
+may send SIGCONT, which would let a suspended job compute through other
 users' slices; a frozen cgroup stays frozen until root thaws it. The freeze
 file stays open (a switch is one ``write`` per rank); where it is missing the
-daemon falls back to signals only.
+daemon falls back to SIGSTOP/SIGCONT. A frozen v2 task still dies of SIGKILL.
 
 Admin limits per job and node (``[limits] pids_max``/``memory_max``) go on
 the job's cgroup: in the v2 tree where the controller is available there,
@@ -185,11 +185,8 @@ class CgroupTree:
         except OSError:
             return False
 
-    def frozen(self, path: Path) -> bool:
-        try:
-            return (path / "cgroup.freeze").read_text().strip() == "1"
-        except OSError:
-            return False
+    def has_freezer(self, path: Path) -> bool:
+        return path in self._freeze
 
     def pids(self, path: Path) -> list[int]:
         """Every process in the cgroup. Runs after every gang switch, so the

@@ -282,18 +282,22 @@ class LocalRanks:
         those forked since, right after the switch, off its critical path.
         Resuming needs no such pass: a stopped process cannot fork.
 
-        SIGSTOP also freezes the rank's cgroup, SIGCONT thaws it first: the
-        job's owner can SIGCONT their own processes, but not thaw a cgroup,
-        so a job out of its slice stays out of the CPUs. The signals stay
-        (processes show as stopped, and they are all there is without a
-        freezer); forks of a frozen cgroup are born frozen.
+        Where the rank has a cgroup freezer, SIGSTOP and SIGCONT are not
+        sent but done by freezing and thawing the cgroup instead (one write
+        per rank): the job's owner can SIGCONT their own processes, not thaw
+        a cgroup, so a job out of its slice stays off the CPUs. Frozen tasks
+        sleep in the kernel (state S, wchan ``do_freezer_trap``), not T; a
+        SIGSTOP on top would stay pending behind the freeze. Signals remain
+        the fallback where there is no freezer.
         """
         count = 0
         for entry in self.of_job(job_id):
             if entry.status is not None:
                 continue
             if entry.cgroup is not None and signum in (signal.SIGSTOP, signal.SIGCONT):
-                self.cgroups.freeze(entry.cgroup, signum == signal.SIGSTOP)
+                if self.cgroups.freeze(entry.cgroup, signum == signal.SIGSTOP):
+                    count += 1
+                    continue
             if not entry.pidfds:
                 self._refresh_pidfds(entry)
             count += _signal_all(entry.pidfds, entry.pidfds.keys(), signum)
@@ -301,9 +305,12 @@ class LocalRanks:
 
     def signal_new(self, job_id: int, signum: int) -> int:
         """Send ``signum`` to the job's processes forked since they were last
-        looked up (``cgroup.procs``, else /proc), and only to those."""
+        looked up (``cgroup.procs``, else /proc), and only to those. Not
+        needed where the freezer stopped the rank: its forks are born frozen."""
         count = 0
         for entry in self.of_job(job_id):
+            if entry.cgroup is not None and signum == signal.SIGSTOP and self.cgroups.has_freezer(entry.cgroup):
+                continue
             if entry.status is None:
                 count += _signal_all(entry.pidfds, self._refresh_pidfds(entry), signum)
         return count

@@ -36,12 +36,12 @@ NOBODY = 65534
 PATH_ENV = {"PATH": "/usr/bin:/bin"}
 BUSY = ["/bin/sh", "-c", "while :; do :; done"]
 TIME_SLICE = 0.3
-LIMITS = (("nofile", 150), ("pids_max", 40))
+LIMITS = (("nofile", 150), ("pids_max", 40), ("memory_max", 128 << 20))
 
 
 @pytest.fixture(scope="module")
 def pc():
-    """2 nodes x 2 cores, two slots, 0.3 s slices, admin caps: nofile 150 and 40 tasks per job and node."""
+    """2 nodes x 2 cores, two slots, 0.3 s slices, admin caps: nofile 150, 40 tasks and 128 MiB per job and node."""
     with shared_cluster(2, cores=2, max_slots=2, time_slice=TIME_SLICE, limits=LIMITS) as cluster:
         yield cluster
 
@@ -242,6 +242,19 @@ def test_the_admins_task_limit_holds_for_every_job(pc):
     assert "forked" in text, text
     forked = int(text.split("forked", 1)[1].split()[0])
     assert forked < 40, f"the rank forked {forked} processes under pids_max = 40"
+
+
+def test_the_admins_memory_limit_holds_for_every_job(pc):
+    hog = ["python3", "-c", "data = b'x' * (400 << 20); print('allocated', len(data) >> 20, 'MiB', flush=True)"]
+
+    async def run(gang):
+        record = await gang.submit(hog, 1, cwd="/", env=PATH_ENV, nodelist=["n2"])
+        final = await gang.wait_done(record["id"])
+        return [final["ranks"][0], await output_of(gang, record["id"])]
+
+    status, text = as_nobody(pc, run)["ok"]
+    assert "allocated" not in text, text
+    assert status.get("signal") == signal.SIGKILL or "MemoryError" in text, (status, text)  # the OOM killer, within the job's cgroup
 
 
 # ---------------------------------------------------------------- finding 7: slices

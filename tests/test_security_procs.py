@@ -187,6 +187,10 @@ def test_a_suspended_rank_does_not_compute_when_its_user_continues_it(pc):
         as_nobody(pc, lambda g: g.resume(job))
         before = cpu(proc)
         wait_for(lambda: cpu(proc) - before > 0.05, 20, "the resumed rank to compute")
+        # and a job killed while frozen dies
+        as_nobody(pc, lambda g: g.suspend(job))
+        assert as_nobody(pc, lambda g: g.kill(job))["ok"]["state"] == "KILLED"
+        pc.wait_no_rank_processes(job)
     finally:
         api(pc, lambda g: g.kill(job))
     pc.wait_no_rank_processes(job)

@@ -372,3 +372,48 @@ def test_an_unkillable_rank_does_not_stop_the_handling_of_a_node_failure(make_cl
     finally:
         freezer.remove()
     cluster.wait_no_rank_processes(timeout=20)
+
+
+# ---------------------------------------------------------------- units: [limits] and the rlimit arithmetic
+
+
+def test_limits_section_is_validated_and_round_trips(tmp_path):
+    from gangd.daemon import config as cfg
+
+    base = '[node]\nname = "n1"\n[[nodes]]\nname = "n1"\naddress = "127.0.0.1"\n'
+    path = tmp_path / "gangd.toml"
+    path.write_text(base + '[limits]\npids_max = 100\nmemory_max = "2G"\nnofile = 4096\ncore = 0\n')
+    config = cfg.load(path)
+    assert config.cgroup_limits == {"pids_max": 100, "memory_max": 2 << 30}
+    assert config.rlimit_caps == {"nofile": 4096, "core": 0}
+    path.write_text(cfg.render(config))
+    assert cfg.load(path).limits == config.limits
+    for bad in ("nofiles = 10", "pids_max = 0", "nofile = -1", 'memory_max = "lots"', "core = true"):
+        path.write_text(base + "[limits]\n" + bad + "\n")
+        with pytest.raises(cfg.ConfigError, match=r"\[limits\]"):
+            cfg.load(path)
+
+
+def test_rank_limits_are_the_users_capped_by_the_admin():
+    from gangd.daemon import limits
+
+    unlimited = resource.RLIM_INFINITY
+    user = {"nofile": [100, 200], "core": [-1, -1], "stack": [8 << 20, -1], "nproc": [50, 60]}
+    got = {number: (soft, hard) for number, soft, hard in limits.effective(user, {"nofile": 150, "core": 0, "as": 1 << 30}, None)}
+    assert got[resource.RLIMIT_NOFILE] == (100, 150)
+    assert got[resource.RLIMIT_CORE] == (0, 0)
+    assert got[resource.RLIMIT_STACK] == (8 << 20, unlimited)
+    assert got[resource.RLIMIT_NPROC] == (50, 60)
+    assert got[resource.RLIMIT_AS] == (1 << 30, 1 << 30)  # capped though the user had no entry
+    # no user limits recorded (an older record): the fallback (pid 1's), capped
+    got = {number: (soft, hard) for number, soft, hard in limits.effective(None, {"nofile": 10}, {"nofile": [1024, 4096]})}
+    assert got[resource.RLIMIT_NOFILE] == (10, 10)
+
+
+def test_a_process_limits_are_read_only_from_that_users_process():
+    from gangd.daemon import limits
+
+    mine = limits.read_process_limits(os.getpid(), os.getuid())
+    assert mine["nofile"] == [v if v != resource.RLIM_INFINITY else -1 for v in resource.getrlimit(resource.RLIMIT_NOFILE)]
+    assert limits.read_process_limits(os.getpid(), NOBODY) is None  # not nobody's process: not nobody's limits
+    assert limits.read_process_limits(2**22 + 12345) is None  # no such process

@@ -122,6 +122,7 @@ class Rank:
     cgroup: Path | None
     killed: bool = False  # gangd killed it (job killed / another rank failed / node shutdown)
     unkillable: bool = False  # reported as ended although SIGKILL did not take effect in time
+    signal_stopped: bool = False  # stopped by SIGSTOP (its freezer failed): resuming needs SIGCONT
     status: dict | None = None
     done: trio.Event = field(default_factory=trio.Event)
     # pid -> pidfd of every process of the rank seen so far: gang switches
@@ -286,18 +287,20 @@ class LocalRanks:
         sent but done by freezing and thawing the cgroup instead (one write
         per rank): the job's owner can SIGCONT their own processes, not thaw
         a cgroup, so a job out of its slice stays off the CPUs. Frozen tasks
-        sleep in the kernel (state S, wchan ``do_freezer_trap``), not T; a
-        SIGSTOP on top would stay pending behind the freeze. Signals remain
-        the fallback where there is no freezer.
+        sleep in the kernel's freezer trap (state S), not T; a SIGSTOP on
+        top would stay pending behind the freeze. Signals remain the
+        fallback where there is no freezer (or its write failed).
         """
         count = 0
         for entry in self.of_job(job_id):
             if entry.status is not None:
                 continue
             if entry.cgroup is not None and signum in (signal.SIGSTOP, signal.SIGCONT):
-                if self.cgroups.freeze(entry.cgroup, signum == signal.SIGSTOP):
+                if self.cgroups.freeze(entry.cgroup, signum == signal.SIGSTOP) and not entry.signal_stopped:
                     count += 1
                     continue
+            if signum in (signal.SIGSTOP, signal.SIGCONT):
+                entry.signal_stopped = signum == signal.SIGSTOP
             if not entry.pidfds:
                 self._refresh_pidfds(entry)
             count += _signal_all(entry.pidfds, entry.pidfds.keys(), signum)
@@ -309,7 +312,7 @@ class LocalRanks:
         needed where the freezer stopped the rank: its forks are born frozen."""
         count = 0
         for entry in self.of_job(job_id):
-            if entry.cgroup is not None and signum == signal.SIGSTOP and self.cgroups.has_freezer(entry.cgroup):
+            if entry.cgroup is not None and signum == signal.SIGSTOP and self.cgroups.has_freezer(entry.cgroup) and not entry.signal_stopped:
                 continue
             if entry.status is None:
                 count += _signal_all(entry.pidfds, self._refresh_pidfds(entry), signum)

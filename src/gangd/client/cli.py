@@ -498,8 +498,9 @@ Examples:
 def suspend(ctx, job_ids):
     """Stop a running job on every node until `gang resume` (owner or root only).
 
-    Every process of every rank is stopped (SIGSTOP) and the job's send
-    gates are closed; its cores stay allocated, other jobs keep running.
+    Every process of every rank is stopped (its cgroup frozen, or SIGSTOP
+    where there is no freezer) and the job's send gates are closed; its
+    cores stay allocated, other jobs keep running.
     """
     _suspend_or_resume(ctx, job_ids, hold=True)
 

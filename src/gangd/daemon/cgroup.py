@@ -157,11 +157,15 @@ class CgroupTree:
         except OSError as exc:
             log.warning("cannot create cgroup %s: %s", path, exc)
             return None
-        for name, value in self._v2_limits.items():
-            (job / name).write_text(str(value))
-        for v1_base, (name, value) in self._v1_limits.items():
-            (v1_base / job.name).mkdir(exist_ok=True)
-            (v1_base / job.name / name).write_text(str(value))
+        try:
+            for name, value in self._v2_limits.items():
+                (job / name).write_text(str(value))
+            for v1_base, (name, value) in self._v1_limits.items():
+                (v1_base / job.name).mkdir(exist_ok=True)
+                (v1_base / job.name / name).write_text(str(value))
+        except OSError:
+            self.remove(path)
+            raise
         try:
             self._freeze[path] = os.open(path / "cgroup.freeze", os.O_WRONLY | os.O_CLOEXEC)
         except OSError:

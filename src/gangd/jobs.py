@@ -82,6 +82,8 @@ def describe_status(status: dict | None) -> str:
         return "running"
     if status.get("lost"):
         return f"lost ({status.get('why', 'node down')})"
+    if status.get("unkillable"):
+        return f"killed by gangd but {status.get('why', 'unkillable')}"
     if status.get("signal"):
         name = _signal_name(status["signal"])
         how = " by gangd" if status.get("killed") else ""

@@ -234,7 +234,7 @@ def summarise_failure(record: dict) -> str:
     for rank, status in enumerate(record["ranks"]):
         if status is None or (status.get("code", 0) == 0 and not status.get("signal") and not status.get("lost")):
             continue
-        if status.get("killed") and not record["kill_requested"]:
+        if status.get("killed") and not record["kill_requested"] and not status.get("unkillable"):
             continue  # collateral: gangd killed it because another rank failed
         if shown == 8:
             lines.append("gang:   ...")
@@ -498,8 +498,9 @@ Examples:
 def suspend(ctx, job_ids):
     """Stop a running job on every node until `gang resume` (owner or root only).
 
-    Every process of every rank is stopped (SIGSTOP) and the job's send
-    gates are closed; its cores stay allocated, other jobs keep running.
+    Every process of every rank is stopped (its cgroup frozen, or SIGSTOP
+    where there is no freezer) and the job's send gates are closed; its
+    cores stay allocated, other jobs keep running.
     """
     _suspend_or_resume(ctx, job_ids, hold=True)
 

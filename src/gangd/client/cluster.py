@@ -124,6 +124,7 @@ def up(
     max_slots: int = 4,
     switch_lead: float = 0.01,
     checkpoint_timeout: float = 600.0,
+    limits: tuple[tuple[str, int], ...] = (),
     log_level: str = "info",
     output_limit: int | None = None,
     timeout: float = 30.0,
@@ -166,6 +167,7 @@ def up(
             switch_lead=switch_lead,
             checkpoint_timeout=checkpoint_timeout,
             **({"output_limit": output_limit} if output_limit is not None else {}),
+            limits=tuple(limits),
         )
         nf.config.write_text(render(config))
         lines += ["[[nodes]]", f"name = {toml_str(spec.name)}", f"address = {toml_str(spec.endpoint)}", f"socket = {toml_str(nf.socket)}", f"dir = {toml_str(nf.dir)}", ""]

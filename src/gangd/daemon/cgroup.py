@@ -1,10 +1,23 @@
-"""Per-rank cgroups (v2), so every process a rank forks is tracked and killed with it.
+"""Per-rank cgroups (v2), so every process a rank forks is tracked, frozen and killed with it.
 
 A process group alone is not enough: a rank can call ``setsid`` and escape it.
 A cgroup cannot be escaped by an unprivileged process, ``cgroup.procs`` lists
 every member, and ``cgroup.kill`` (Linux 5.14+) kills them all at once.
 Where cgroup v2 is not mounted or not writable (not root, no delegation) the
 daemon falls back to process groups plus a psutil sweep of descendants.
+
+Gang scheduling stops a job by freezing its cgroups (``cgroup.freeze``, a
+core v2 file on Linux 5.2+), not by SIGSTOP: any process of the job's owner
+may send SIGCONT, which would let a suspended job compute through other
+users' slices; a frozen cgroup stays frozen until root thaws it. The freeze
+file stays open (a switch is one ``write`` per rank); where it is missing the
+daemon falls back to SIGSTOP/SIGCONT. A frozen v2 task still dies of SIGKILL.
+
+Admin limits per job and node (``[limits] pids_max``/``memory_max``) go on
+the job's cgroup: in the v2 tree where the controller is available there,
+else in the controller's v1 hierarchy (the job's ranks join
+``<v1 mount>/<our cgroup>/<name>/job-<id>`` at launch). Where neither exists
+the limit is not enforced and the daemon says so once at start.
 """
 
 from __future__ import annotations
@@ -40,15 +53,52 @@ def find_cgroup2_root() -> Path | None:
     return None
 
 
-class CgroupTree:
-    """``<our cgroup>/<name>/job-<id>/rank-<r>``; ``name`` keeps several local daemons apart."""
+def find_cgroup1_root(controller: str) -> Path | None:
+    """Our own cgroup directory in the v1 hierarchy of ``controller``, or None."""
+    mount = None
+    try:
+        with open("/proc/self/mounts") as fh:
+            for line in fh:
+                fields = line.split()
+                if len(fields) >= 4 and fields[2] == "cgroup" and controller in fields[3].split(","):
+                    mount = Path(fields[1])
+                    break
+        if mount is None:
+            return None
+        with open("/proc/self/cgroup") as fh:
+            for line in fh:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if controller in controllers.split(","):
+                    return mount / path.lstrip("/")
+    except (OSError, ValueError):
+        return None
+    return None
 
-    def __init__(self, name: str):
+
+#: [limits] setting -> (controller, v2 file, v1 file)
+LIMIT_FILES = {
+    "pids_max": ("pids", "pids.max", "pids.max"),
+    "memory_max": ("memory", "memory.max", "memory.limit_in_bytes"),
+}
+
+
+class CgroupTree:
+    """``<our cgroup>/<name>/job-<id>/rank-<r>``; ``name`` keeps several local daemons apart.
+
+    ``limits``: {"pids_max": n, "memory_max": bytes} set on every job's cgroup."""
+
+    def __init__(self, name: str, limits: dict[str, int] | None = None):
         self.base: Path | None = None
+        self.name = name
         self._procs: dict[Path, int] = {}  # open cgroup.procs files, see pids()
+        self._freeze: dict[Path, int] = {}  # open cgroup.freeze files, see freeze()
+        self.limits = {k: v for k, v in (limits or {}).items() if v is not None}
+        self._v2_limits: dict[str, int] = {}  # set in the v2 job cgroup
+        self._v1_limits: dict[Path, tuple[str, int]] = {}  # v1 hierarchy base -> (file, value)
         root = find_cgroup2_root()
         if root is None:
             log.info("no cgroup v2 hierarchy: tracking ranks by process group only")
+            self._warn_unenforced(self.limits)
             return
         base = root / name
         try:
@@ -56,23 +106,91 @@ class CgroupTree:
             (base / "cgroup.procs").stat()
         except OSError as exc:
             log.info("cannot create cgroups under %s (%s): tracking ranks by process group only", root, exc)
+            self._warn_unenforced(self.limits)
             return
         self.base = base
+        self._place_limits()
+
+    def _place_limits(self) -> None:
+        """Decide, per limit, where it is enforced: v2 if its controller can be
+        enabled below our base, else the controller's v1 hierarchy."""
+        missing = {}
+        for key, value in self.limits.items():
+            controller, v2_file, v1_file = LIMIT_FILES[key]
+            try:
+                if controller in (self.base / "cgroup.controllers").read_text().split():
+                    (self.base / "cgroup.subtree_control").write_text(f"+{controller}")
+                    self._v2_limits[v2_file] = value
+                    continue
+            except OSError:
+                pass
+            v1 = find_cgroup1_root(controller)
+            if v1 is not None:
+                try:
+                    (v1 / self.name).mkdir(exist_ok=True)
+                    self._v1_limits[v1 / self.name] = (v1_file, value)
+                    continue
+                except OSError as exc:
+                    log.warning("cannot create %s: %s", v1 / self.name, exc)
+            missing[key] = value
+        self._warn_unenforced(missing)
+
+    @staticmethod
+    def _warn_unenforced(limits: dict[str, int]) -> None:
+        for key, value in limits.items():
+            log.warning("[limits] %s = %s is NOT enforced: no %s cgroup controller is available to gangd", key, value, LIMIT_FILES[key][0])
 
     @property
     def enabled(self) -> bool:
         return self.base is not None
 
     def create(self, job_id: int, rank: int) -> Path | None:
+        """The rank's cgroup (its job's with the admin's limits, if new).
+        Raises OSError if a configured limit cannot be set: a job must not
+        run unlimited where the admin asked for a limit."""
         if self.base is None:
             return None
-        path = self.base / f"job-{job_id}" / f"rank-{rank}"
+        job = self.base / f"job-{job_id}"
+        path = job / f"rank-{rank}"
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             log.warning("cannot create cgroup %s: %s", path, exc)
             return None
+        try:
+            for name, value in self._v2_limits.items():
+                (job / name).write_text(str(value))
+            for v1_base, (name, value) in self._v1_limits.items():
+                (v1_base / job.name).mkdir(exist_ok=True)
+                (v1_base / job.name / name).write_text(str(value))
+        except OSError:
+            self.remove(path)
+            raise
+        try:
+            self._freeze[path] = os.open(path / "cgroup.freeze", os.O_WRONLY | os.O_CLOEXEC)
+        except OSError:
+            pass  # kernel < 5.2: signals only
         return path
+
+    def join_files(self, path: Path) -> list[str]:
+        """The ``cgroup.procs`` files a rank's process writes itself into
+        before exec: its v2 cgroup, then its job's cgroups of v1 hierarchies."""
+        return [str(path / "cgroup.procs")] + [str(v1 / path.parent.name / "cgroup.procs") for v1 in self._v1_limits]
+
+    def freeze(self, path: Path, frozen: bool) -> bool:
+        """Freeze (or thaw) every process of the cgroup: one write to a kept
+        fd, fast enough for the gang switch. False if there is no freezer."""
+        fd = self._freeze.get(path)
+        if fd is None:
+            return False
+        try:
+            os.write(fd, b"1" if frozen else b"0")
+            return True
+        except OSError:
+            return False
+
+    def has_freezer(self, path: Path) -> bool:
+        return path in self._freeze
 
     def pids(self, path: Path) -> list[int]:
         """Every process in the cgroup. Runs after every gang switch, so the
@@ -103,7 +221,10 @@ class CgroupTree:
         return None
 
     def kill(self, path: Path) -> None:
-        """Kill every process in the cgroup (cgroup.kill, else SIGKILL each)."""
+        """Kill every process in the cgroup (cgroup.kill, else SIGKILL each).
+        It is thawed too: a v2-frozen task dies of SIGKILL, but nothing of a
+        killed job should stay frozen waiting for it."""
+        self.freeze(path, False)
         try:
             (path / "cgroup.kill").write_text("1")
             return
@@ -118,26 +239,34 @@ class CgroupTree:
     def remove(self, path: Path) -> None:
         """Remove a rank's cgroup, and its job's once that is empty. Blocking:
         call through ``trio.to_thread``."""
-        fd = self._procs.pop(path, None)
-        if fd is not None:
-            os.close(fd)
+        for fds in (self._procs, self._freeze):
+            fd = fds.pop(path, None)
+            if fd is not None:
+                os.close(fd)
         _rmdir(path)
         try:
             path.parent.rmdir()
         except OSError:
-            pass  # other ranks of the job still run here
+            return  # other ranks of the job still run here
+        for v1_base in self._v1_limits:
+            _rmdir(v1_base / path.parent.name)
 
     def close(self) -> None:
         """On a clean stop: remove what is left of our (by now empty) subtree."""
         if self.base is None:
             return
-        while self._procs:
-            os.close(self._procs.popitem()[1])
+        for fds in (self._procs, self._freeze):
+            while fds:
+                os.close(fds.popitem()[1])
         for job in self.base.glob("job-*"):
             for rank_dir in job.glob("rank-*"):
                 _rmdir(rank_dir)
             _rmdir(job)
         _rmdir(self.base)
+        for v1_base in self._v1_limits:
+            for job in v1_base.glob("job-*"):
+                _rmdir(job)
+            _rmdir(v1_base)
 
     def sweep(self) -> list[int]:
         """Kill leftovers of a previous life of this daemon; returns the job ids found."""

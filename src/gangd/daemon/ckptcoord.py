@@ -265,7 +265,7 @@ class CheckpointCoordinator:
         else:
             raise RemoteError("no_checkpoint", "no intact complete checkpoint: " + "; ".join(skipped))
         spec = {key: record.get(key) for key in ("argv", "cwd", "env", "nranks", "name", "kill_on_bad_exit", "priority", "slice", "ckpt_every", "mpi")}
-        owner = {"uid": record["owner_uid"], "gid": record["owner_gid"], "user": record["owner"]}
+        owner = {"uid": record["owner_uid"], "gid": record["owner_gid"], "user": record["owner"], "rlimits": record.get("rlimits")}
         internal = {
             "lineage": lineage,
             "restart_of": {"job": entry["job"], "gen": entry["gen"], "iteration": entry["iteration"]},

@@ -25,11 +25,21 @@ Example (``/etc/gangd/gangd.toml``)::
     checkpoint_keep = 2              # complete generations kept per job
     checkpoint_timeout = 600         # seconds ranks may take to reach the cut / write their state
 
+    [limits]                         # optional; what no job may exceed (per job and node)
+    pids_max = 4096                  # processes+threads (cgroup pids controller)
+    memory_max = "64G"               # bytes, or with K/M/G/T (cgroup memory controller)
+    nofile = 65536                   # caps on the submitting user's own rlimits, which ranks
+    core = 0                         # get instead of the daemon's: any RLIMIT_<NAME> lower case
+
     [[nodes]]
     name = "n1"
     address = "10.0.0.1"
     port = 7450
     cores = 16
+
+The cgroup limits go in the v2 tree where the controller is enabled there,
+else in its v1 hierarchy; with neither they are not enforced and the daemon
+logs a warning at start.
 """
 
 from __future__ import annotations
@@ -39,6 +49,8 @@ import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .limits import NAMES as RLIMIT_NAMES
 
 DEFAULT_PORT = 7450
 DEFAULT_SOCKET = "/run/gangd/gangd.sock"
@@ -83,6 +95,15 @@ class Config:
     output_dir: Path | None = None  # rank output (default: state_dir/output)
     output_limit: int = 1 << 30  # bytes of output a job may leave on this node; the rest is dropped with a notice
     output_reserve: int = 64 << 20  # bytes rank output leaves free on its file system (room for the job table)
+    limits: tuple[tuple[str, int], ...] = ()  # [limits]: pids_max, memory_max, rlimit caps (name, value)
+
+    @property
+    def cgroup_limits(self) -> dict[str, int]:
+        return {k: v for k, v in self.limits if k in ("pids_max", "memory_max")}
+
+    @property
+    def rlimit_caps(self) -> dict[str, int]:
+        return {k: v for k, v in self.limits if k in RLIMIT_NAMES}
 
     @property
     def node(self) -> NodeSpec:
@@ -169,6 +190,7 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         "output_limit": int(node.get("output_limit", 1 << 30)),
         "output_reserve": int(node.get("output_reserve", 64 << 20)),
     }
+    settings["limits"] = _limits(data.get("limits", {}))
     for key, value in overrides.items():
         if value is not None:
             settings[key] = Path(value) if key in ("state_dir", "socket", "secret_file", "checkpoint_dir", "output_dir") else value
@@ -199,6 +221,31 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         raise ConfigError("heartbeat_timeout must be larger than heartbeat_interval")
     return config
 
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _limits(section) -> tuple[tuple[str, int], ...]:
+    """[limits]: validated (name, value) pairs, sorted."""
+    if not isinstance(section, dict):
+        raise ConfigError("[limits] must be a table")
+    known = {"pids_max", "memory_max", *RLIMIT_NAMES}
+    found = []
+    for key, value in section.items():
+        if key not in known:
+            raise ConfigError(f"unknown setting [limits] {key} (known: {', '.join(sorted(known))})")
+        if isinstance(value, str) and key == "memory_max":
+            text = value.strip().upper().removesuffix("B")
+            unit = text[-1:] if text[-1:] in _UNITS and text[-1:] else ""
+            try:
+                value = int(text[: len(text) - len(unit)]) * _UNITS[unit]
+            except ValueError:
+                raise ConfigError(f"[limits] memory_max must be bytes or a size like \"64G\", not {section[key]!r}") from None
+        if not isinstance(value, int) or isinstance(value, bool) or value < (1 if key in ("pids_max", "memory_max") else 0):
+            raise ConfigError(f"[limits] {key} must be a non-negative integer, not {value!r}")
+        found.append((key, value))
+    return tuple(sorted(found))
 
 
 def toml_str(value) -> str:
@@ -237,6 +284,8 @@ def render(config: Config) -> str:
         f"checkpoint_keep = {config.checkpoint_keep}",
         f"checkpoint_timeout = {config.checkpoint_timeout}",
     ]
+    if config.limits:
+        lines += ["", "[limits]"] + [f"{key} = {value}" for key, value in config.limits]
     for spec in config.nodes:
         lines += ["", "[[nodes]]", f"name = {toml_str(spec.name)}", f"address = {toml_str(spec.address)}", f"port = {spec.port}", f"cores = {spec.cores}"]
     return "\n".join(lines) + "\n"

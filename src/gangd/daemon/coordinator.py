@@ -25,11 +25,16 @@ from .. import jobs
 from ..rpc import RemoteError
 from . import clock
 from .gang import Matrix
+from .ranks import KILL_DEADLINE
 from .peers import natural_key
 
 log = logging.getLogger("gangd.coordinator")
 
 KILL_REPORT_WAIT = 10.0
+#: A node answers kill_ranks within its rank kill deadline (ranks.KILL_DEADLINE,
+#: after which it reports a stuck rank as unkillable); past this the
+#: coordinator stops waiting for the node and goes on.
+KILL_WAIT = KILL_DEADLINE + 5.0
 SWITCH_TIMEOUT = 5.0  # a node that does not confirm a switch by then is re-sent it
 
 
@@ -229,6 +234,12 @@ class Coordinator:
         slice_ = spec.get("slice")
         if slice_ is not None and (not isinstance(slice_, (int, float)) or isinstance(slice_, bool) or not 0.001 <= slice_ <= 3600):
             raise RemoteError("bad_request", f"the time slice must be between 0.001 and 3600 seconds, not {slice_!r}")
+        if slice_ is not None and slice_ > self.daemon.config.time_slice and cred["uid"] != 0:
+            # A longer slice would make every other slot, other users' jobs, wait longer.
+            raise RemoteError(
+                "permission_denied",
+                f"only root may ask for a time slice longer than the cluster's ({self.daemon.config.time_slice:g} s), not {slice_:g} s",
+            )
         every = spec.get("ckpt_every")
         if every is not None and (not isinstance(every, (int, float)) or isinstance(every, bool) or not 1 <= every <= 10**7):
             raise RemoteError("bad_request", f"the checkpoint period must be between 1 second and 115 days, not {every!r}")
@@ -268,6 +279,9 @@ class Coordinator:
                 job_id=job_id, spec=spec, owner_uid=cred["uid"], owner_name=cred["user"], owner_gid=cred["gid"]
             )
             record.update(internal or {})
+            # The submitting user's rlimits, read from the kernel by the node
+            # the client is connected to (see limits.py); the ranks get them.
+            record["rlimits"] = cred.get("rlimits")
             await self.table.commit(record)
         if contexts:
             # Handed to the nodes with the launch, not kept in the (replicated) record.
@@ -460,10 +474,15 @@ class Coordinator:
         async def kill_on(node):
             if not self.daemon.peers.is_up(node):
                 return
-            try:
-                await self.daemon.call(node, "kill_ranks", job=job_id)
-            except RemoteError as exc:
-                log.warning("job %d: could not kill ranks on %s: %s", job_id, node, exc)
+            with trio.move_on_after(KILL_WAIT) as scope:
+                try:
+                    await self.daemon.call(node, "kill_ranks", job=job_id)
+                except RemoteError as exc:
+                    log.warning("job %d: could not kill ranks on %s: %s", job_id, node, exc)
+            if scope.cancelled_caught:
+                # Never wait for one node forever: node failures, other
+                # kills and the rotation must go on (see ranks.kill_job).
+                log.error("job %d: %s did not confirm the kill of its ranks within %.0f s; going on", job_id, node, KILL_WAIT)
 
         async with trio.open_nursery() as nursery:
             for node in jobs.nodes_of(record):
@@ -545,9 +564,13 @@ class Coordinator:
         return [i for i, members in enumerate(self.matrix.slots) if any(self._runnable(j) for j in members)]
 
     def _slice(self, slot: int) -> float:
-        """A slot runs for the shortest time slice any of its jobs asked for."""
-        asked = [self.table.get(j).get("slice") for j in self.matrix.slots[slot] if self.table.get(j)]
-        asked = [a for a in asked if a]
+        """A slot runs for the shortest time slice any of its jobs asked for,
+        counting a user's ask only where that user's jobs have the slot to
+        themselves (root's always counts): sharing a slot with another
+        user's job must not cut that job's time short."""
+        members = [r for j in self.matrix.slots[slot] if (r := self.table.get(j))]
+        owners = {r["owner_uid"] for r in members}
+        asked = [r["slice"] for r in members if r.get("slice") and (r["owner_uid"] == 0 or len(owners) == 1)]
         return min(asked) if asked else self.daemon.config.time_slice
 
     def _lead(self, slice_: float) -> float:

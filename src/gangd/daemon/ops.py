@@ -28,6 +28,7 @@ from ..rpc import Channel, RemoteError, Stream
 from . import clock
 from .coordinator import permission_check
 from .jobnet import expected_deliveries
+from .limits import read_process_limits
 from .peers import natural_key
 
 #: After a switch stops a job, how long before its processes forked during
@@ -174,7 +175,10 @@ class Ops:
         spec = args.get("spec")
         if not isinstance(spec, dict):
             raise RemoteError("bad_request", "submit needs a job spec")
-        return await self.to_coordinator("coord_submit", spec=spec, cred=cred)
+        # The client's own rlimits, from the kernel (never the wire): its ranks get these, not the daemon's.
+        pid = channel.context.get("pid")
+        rlimits = await trio.to_thread.run_sync(read_process_limits, pid, cred["uid"]) if isinstance(pid, int) and pid > 0 else None
+        return await self.to_coordinator("coord_submit", spec=spec, cred=dict(cred, rlimits=rlimits))
 
     async def kill(self, cred, args, channel):
         job_id = _int(args, "job")

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import os
 import pwd
+import resource as resource_mod
 import signal
 import subprocess
 from collections.abc import Callable
@@ -25,6 +27,7 @@ import psutil
 import trio
 
 from .. import jobs
+from . import limits as rlimits_mod
 from .cgroup import CgroupTree
 from .notify import scrub_environ
 from .outputlog import STDERR, STDOUT, OutputLog, OutputStore
@@ -38,6 +41,10 @@ except (OSError, AttributeError):  # not Linux/glibc
     _prctl = None
 
 KILL_GRACE = 2.0  # seconds to drain output after the last process of a rank is gone
+#: How long a killed rank may take to die before it is reported as
+#: unkillable (stuck in the kernel: D state, a foreign frozen cgroup) and
+#: the daemon goes on without it.
+KILL_DEADLINE = 10.0
 
 
 class RankProcess:
@@ -58,14 +65,16 @@ class RankProcess:
         self._pidfd = os.pidfd_open(popen.pid)
 
     @classmethod
-    def spawn(cls, argv, *, cwd, env, preexec_fn, pass_fds=()) -> "RankProcess":
+    def spawn(cls, argv, *, env, preexec_fn, pass_fds=()) -> "RankProcess":
+        # No cwd here: subprocess would chdir as root before preexec_fn drops
+        # privileges; preexec_fn enters the directory as the user.
         popen = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             bufsize=0,
-            cwd=cwd,
+            cwd="/",
             env=env,
             start_new_session=True,
             preexec_fn=preexec_fn,
@@ -112,6 +121,8 @@ class Rank:
     log: OutputLog
     cgroup: Path | None
     killed: bool = False  # gangd killed it (job killed / another rank failed / node shutdown)
+    unkillable: bool = False  # reported as ended although SIGKILL did not take effect in time
+    signal_stopped: bool = False  # stopped by SIGSTOP (its freezer failed): resuming needs SIGCONT
     status: dict | None = None
     done: trio.Event = field(default_factory=trio.Event)
     # pid -> pidfd of every process of the rank seen so far: gang switches
@@ -146,23 +157,62 @@ def _identity(uid: int, gid: int) -> tuple[dict, list[int]]:
     return {"HOME": entry.pw_dir, "USER": entry.pw_name, "LOGNAME": entry.pw_name}, groups
 
 
-def _make_preexec(cgroup: Path | None, drop: tuple[int, int, list[int]] | None):
+class LaunchFailed:
+    """What went wrong in a child between fork and exec, where nothing but raw
+    syscalls may run: the child writes an errno and a step number into this
+    shared page, the parent turns them into a sentence after Popen failed."""
+
+    STEPS = {1: "cannot enter the working directory", 2: "cannot set the user's resource limits"}
+
+    def __init__(self) -> None:
+        self.page = mmap.mmap(-1, 8)
+
+    def set(self, step: int, errno_: int) -> None:
+        self.page[:8] = step.to_bytes(4, "little") + errno_.to_bytes(4, "little")
+
+    def get(self) -> tuple[int, int]:
+        return int.from_bytes(self.page[:4], "little"), int.from_bytes(self.page[4:8], "little")
+
+
+def _make_preexec(
+    join: list[str],
+    drop: tuple[int, int, list[int]] | None,
+    cwd: str | None,
+    rlimits: list[tuple[int, int, int]],
+    failed: LaunchFailed,
+):
     # Runs in the child between fork and exec. Only raw syscalls here: a
     # Python-level lock held by another thread at fork time would deadlock.
-    procs = str(cgroup / "cgroup.procs") if cgroup else None
+    # Order matters: cgroups and limits need root; the working directory is
+    # entered only once the child *is* the user (so a directory the user may
+    # not enter fails here, with the user's own EACCES/ENOENT, and root never
+    # looks into it); the command is then looked up (PATH, a relative path)
+    # by exec, as the user, from that directory.
 
     def preexec() -> None:
-        if procs:
+        for procs in join:
             fd = os.open(procs, os.O_WRONLY)
             try:
                 os.write(fd, b"0")  # "0" moves the writing process itself
             finally:
                 os.close(fd)
+        try:
+            for resource, soft, hard in rlimits:
+                resource_mod.setrlimit(resource, (soft, hard))
+        except OSError as exc:
+            failed.set(2, exc.errno or 0)
+            raise
         if drop:
             uid, gid, groups = drop
             os.setgroups(groups)
             os.setgid(gid)
             os.setuid(uid)
+        if cwd is not None:
+            try:
+                os.chdir(cwd)
+            except OSError as exc:
+                failed.set(1, exc.errno or 0)
+                raise
         if _prctl is not None:
             # After setuid: a credential change clears the parent-death signal.
             _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -180,9 +230,23 @@ def _make_preexec(cgroup: Path | None, drop: tuple[int, int, list[int]] | None):
 
 
 class LocalRanks:
-    def __init__(self, *, node: str, socket_path: Path, cgroups: CgroupTree, on_exit: Callable[[Rank], None], outputs: OutputStore):
+    def __init__(
+        self,
+        *,
+        node: str,
+        socket_path: Path,
+        cgroups: CgroupTree,
+        on_exit: Callable[[Rank], None],
+        rlimit_caps: dict[str, int] | None = None,
+        kill_deadline: float = KILL_DEADLINE,
+        outputs: OutputStore,
+    ):
         self.node = node
         self.outputs = outputs
+        self.rlimit_caps = dict(rlimit_caps or {})
+        self.kill_deadline = kill_deadline
+        # For jobs whose record has no user limits: the system's defaults.
+        self._default_rlimits = rlimits_mod.read_process_limits(1)
         self.socket_path = socket_path
         self.cgroups = cgroups
         self.on_exit = on_exit
@@ -220,11 +284,25 @@ class LocalRanks:
         it already knows through their pidfds; :meth:`signal_new` catches
         those forked since, right after the switch, off its critical path.
         Resuming needs no such pass: a stopped process cannot fork.
+
+        Where the rank has a cgroup freezer, SIGSTOP and SIGCONT are not
+        sent but done by freezing and thawing the cgroup instead (one write
+        per rank): the job's owner can SIGCONT their own processes, not thaw
+        a cgroup, so a job out of its slice stays off the CPUs. Frozen tasks
+        sleep in the kernel's freezer trap (state S), not T; a SIGSTOP on
+        top would stay pending behind the freeze. Signals remain the
+        fallback where there is no freezer (or its write failed).
         """
         count = 0
         for entry in self.of_job(job_id):
             if entry.status is not None:
                 continue
+            if entry.cgroup is not None and signum in (signal.SIGSTOP, signal.SIGCONT):
+                if self.cgroups.freeze(entry.cgroup, signum == signal.SIGSTOP) and not entry.signal_stopped:
+                    count += 1
+                    continue
+            if signum in (signal.SIGSTOP, signal.SIGCONT):
+                entry.signal_stopped = signum == signal.SIGSTOP
             if not entry.pidfds:
                 self._refresh_pidfds(entry)
             count += _signal_all(entry.pidfds, entry.pidfds.keys(), signum)
@@ -232,9 +310,12 @@ class LocalRanks:
 
     def signal_new(self, job_id: int, signum: int) -> int:
         """Send ``signum`` to the job's processes forked since they were last
-        looked up (``cgroup.procs``, else /proc), and only to those."""
+        looked up (``cgroup.procs``, else /proc), and only to those. Not
+        needed where the freezer stopped the rank: its forks are born frozen."""
         count = 0
         for entry in self.of_job(job_id):
+            if entry.cgroup is not None and signum == signal.SIGSTOP and self.cgroups.has_freezer(entry.cgroup) and not entry.signal_stopped:
+                continue
             if entry.status is None:
                 count += _signal_all(entry.pidfds, self._refresh_pidfds(entry), signum)
         return count
@@ -279,6 +360,7 @@ class LocalRanks:
         else:
             drop = None
         extra_env, groups = _identity(uid, gid) if drop else ({}, [])
+        limits = rlimits_mod.effective(record.get("rlimits"), self.rlimit_caps, self._default_rlimits) if self._running_as_root else []
         await trio.to_thread.run_sync(lambda: job_dir.mkdir(parents=True, exist_ok=True))
         base_env = scrub_environ(record["env"])
         base_env.update(extra_env)
@@ -298,30 +380,48 @@ class LocalRanks:
                 continue
             output = await self.outputs.open(record["id"], rank)
             self.logs[key] = output
-            cgroup = self.cgroups.create(record["id"], rank)
+            try:
+                cgroup = self.cgroups.create(record["id"], rank)
+            except OSError as exc:
+                raise LaunchError(f"cannot set the job's limits on {self.node}: {exc.strerror or exc}") from None
             env = dict(base_env, GANGD_RANK=str(rank))
             inherited: list[int] = []
             if rank_setup is not None:
                 rank_env, fd = rank_setup(rank)
                 env.update(rank_env)
                 inherited.append(fd)
+            failed = LaunchFailed()
             try:
                 proc = RankProcess.spawn(
                     record["argv"],
-                    cwd=record["cwd"],
                     env=env,
-                    preexec_fn=_make_preexec(cgroup, (uid, gid, groups) if drop else None),
+                    preexec_fn=_make_preexec(
+                        self.cgroups.join_files(cgroup) if cgroup is not None else [],
+                        (uid, gid, groups) if drop else None,
+                        record["cwd"] or None,
+                        limits,
+                        failed,
+                    ),
                     pass_fds=inherited,
                 )
             except Exception as exc:  # OSError from exec, or a NUL byte / bad type in argv or env
                 for fd in inherited:
                     os.close(fd)
-                # Same convention as a shell: 127 not found, 126 cannot execute.
-                code = 127 if isinstance(exc, FileNotFoundError) else 126
-                what = getattr(exc, "strerror", None) or str(exc)
+                step, number = failed.get()
+                if step:
+                    # Failed before exec, as the user (see _make_preexec): the
+                    # user's own errno on the user's own path, nothing more.
+                    code = 126
+                    what = f"{LaunchFailed.STEPS[step]}{' ' + record['cwd'] if step == 1 else ''}: {os.strerror(number)}"
+                    line = f"gangd: cannot start rank {rank} on {self.node}: {what}\n"
+                else:
+                    # Same convention as a shell: 127 not found, 126 cannot execute.
+                    code = 127 if isinstance(exc, FileNotFoundError) else 126
+                    what = getattr(exc, "strerror", None) or str(exc)
+                    line = f"gangd: cannot start rank {rank} on {self.node}: {record['argv'][0]}: {what}\n"
                 if cgroup is not None:
                     await trio.to_thread.run_sync(self.cgroups.remove, cgroup)
-                output.append(STDERR, f"gangd: cannot start rank {rank} on {self.node}: {record['argv'][0]}: {what}\n".encode())
+                output.append(STDERR, line.encode())
                 output.close()
                 entry = Rank(record["id"], rank, None, output, cgroup, status={"code": code, "node": self.node, "why": what})
                 self.ranks[key] = entry
@@ -348,6 +448,13 @@ class LocalRanks:
         with trio.CancelScope(shield=True):
             await proc.aclose()
         await entry.log.aclose()
+        if entry.unkillable:
+            # Already reported as ended (see kill_job); now it really is.
+            log.warning("job %d rank %d on %s finally died, %s after it was reported unkillable", entry.job_id, entry.rank, self.node, "exit" if code >= 0 else "signal")
+            entry.close_pidfds()
+            if entry.cgroup is not None:
+                await trio.to_thread.run_sync(self.cgroups.remove, entry.cgroup)
+            return
         status = {"code": code, "node": self.node} if code >= 0 else {"signal": -code, "node": self.node}
         if entry.killed:
             status["killed"] = True
@@ -385,8 +492,12 @@ class LocalRanks:
 
     # ------------------------------------------------------------ kill
 
-    async def kill_job(self, job_id: int) -> None:
-        """SIGKILL every process of the job here and wait until its ranks are reaped."""
+    async def kill_job(self, job_id: int) -> list[int]:
+        """SIGKILL every process of the job here and wait until its ranks are
+        reaped, or ``kill_deadline`` passed: a rank still alive then (stuck
+        in the kernel, where SIGKILL waits) is reported as ended, marked
+        ``unkillable``, so its job can end and the caller can go on. Returns
+        those ranks."""
         victims = [r for r in self.of_job(job_id) if r.status is None]
         for entry in victims:
             entry.killed = True
@@ -404,12 +515,27 @@ class LocalRanks:
                     child.kill()
                 except psutil.Error:
                     pass
-        for entry in victims:
-            await entry.done.wait()
+        with trio.move_on_after(self.kill_deadline):
+            for entry in victims:
+                await entry.done.wait()
+        stuck = [entry for entry in victims if not entry.done.is_set()]
+        for entry in stuck:
+            self._report_unkillable(entry)
+        return [entry.rank for entry in stuck]
+
+    def _report_unkillable(self, entry: Rank) -> None:
+        pids = sorted(self.rank_processes(entry.job_id, entry.rank))
+        why = f"unkillable: still alive {self.kill_deadline:g} s after SIGKILL (pids {', '.join(map(str, pids)) or '?'}, stuck in the kernel)"
+        log.error("job %d rank %d on %s is %s; going on without it", entry.job_id, entry.rank, self.node, why)
+        entry.unkillable = True
+        entry.status = {"signal": signal.SIGKILL, "killed": True, "unkillable": True, "node": self.node, "why": why}
+        entry.done.set()
+        self.on_exit(entry)
 
     async def kill_all(self) -> None:
-        for job_id in {j for (j, _) in self.ranks}:
-            await self.kill_job(job_id)
+        async with trio.open_nursery() as nursery:
+            for job_id in {j for (j, _) in self.ranks}:
+                nursery.start_soon(self.kill_job, job_id)
 
 
 def _signal_all(pidfds: dict[int, int], pids, signum: int) -> int:

@@ -57,9 +57,12 @@ class Daemon:
         self.coordinator = Coordinator(self)
         tag = hashlib.sha1(str(config.state_dir.resolve()).encode()).hexdigest()[:8]
         instance = f"gangd-{self.node}-{tag}"
-        self.cgroups = CgroupTree(instance)
+        self.cgroups = CgroupTree(instance, config.cgroup_limits)
         self.outputs = OutputStore(config.output_root, self.node, config.output_limit, config.output_reserve)
-        self.ranks = LocalRanks(node=self.node, socket_path=config.socket, cgroups=self.cgroups, on_exit=self._rank_exited, outputs=self.outputs)
+        self.ranks = LocalRanks(
+            node=self.node, socket_path=config.socket, cgroups=self.cgroups, on_exit=self._rank_exited, rlimit_caps=config.rlimit_caps,
+            outputs=self.outputs,
+        )
         # Rank sockets and counters: in memory (/dev/shm) where there is one.
         shm = Path("/dev/shm")
         self.jobnet = JobNet(self, (shm if shm.is_dir() and os.access(shm, os.W_OK) else config.state_dir / "run") / instance)

@@ -9,7 +9,8 @@ Example (``/etc/gangd/gangd.toml``)::
     log_level = "info"
     nice = -10                       # the daemon's priority over busy ranks...
     realtime_priority = 10           # ...or SCHED_RR (root only; 0 = off): fast gang switches
-    checkpoint_dir = "/var/lib/gangd/checkpoints"  # node-local disk for checkpoint generations
+    checkpoint_dir = "/var/lib/gangd/checkpoints"  # checkpoint generations go to checkpoint_dir/<name>
+    runtime_dir = "/run/gangd/jobs"  # rank sockets and counters (default: the socket's directory/jobs)
 
     [cluster]
     secret_file = "/etc/gangd/secret"  # same bytes on every node, mode 0600
@@ -77,6 +78,7 @@ class Config:
     checkpoint_dir: Path | None = None  # node-local disk for checkpoints (default: state_dir/checkpoints)
     checkpoint_keep: int = 2  # complete generations kept per job (the previous one stays until a newer is complete)
     checkpoint_timeout: float = 600.0  # seconds ranks may take to reach the cut, or to write their state
+    runtime_dir: Path | None = None  # rank sockets and counters, in memory (default: the socket's directory/jobs)
 
     @property
     def node(self) -> NodeSpec:
@@ -87,7 +89,20 @@ class Config:
 
     @property
     def checkpoint_root(self) -> Path:
-        return self.checkpoint_dir or self.state_dir / "checkpoints"
+        """This node's checkpoints: a directory of its own (its name in the
+        path), so nodes sharing a ``checkpoint_dir`` never touch each other's
+        generations. The daemon refuses to start on one it cannot trust
+        (:mod:`gangd.safefs`)."""
+        return (self.checkpoint_dir or self.state_dir / "checkpoints") / self.node_name
+
+    @property
+    def runtime_root(self) -> Path:
+        """Where the ranks' sockets and counters live: root's, never a
+        predictable name in a world-writable directory (``/dev/shm``,
+        ``/tmp``). By default next to the client socket: systemd's
+        ``RuntimeDirectory`` (``/run/gangd``, a tmpfs), or the node's
+        directory of a local cluster."""
+        return self.runtime_dir or self.socket.parent / "jobs"
 
     def spec(self, name: str) -> NodeSpec:
         for spec in self.nodes:
@@ -155,10 +170,11 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         "checkpoint_dir": Path(node["checkpoint_dir"]) if node.get("checkpoint_dir") else None,
         "checkpoint_keep": int(cluster.get("checkpoint_keep", 2)),
         "checkpoint_timeout": float(cluster.get("checkpoint_timeout", 600.0)),
+        "runtime_dir": Path(node["runtime_dir"]) if node.get("runtime_dir") else None,
     }
     for key, value in overrides.items():
         if value is not None:
-            settings[key] = Path(value) if key in ("state_dir", "socket", "secret_file", "checkpoint_dir") else value
+            settings[key] = Path(value) if key in ("state_dir", "socket", "secret_file", "checkpoint_dir", "runtime_dir") else value
     if not settings["node_name"]:
         raise ConfigError("this node has no name: set [node] name in the config or pass --name")
     config = Config(**settings)
@@ -207,6 +223,8 @@ def render(config: Config) -> str:
     ]
     if config.checkpoint_dir:
         lines.insert(lines.index("[cluster]") - 1, f"checkpoint_dir = {toml_str(config.checkpoint_dir)}")
+    if config.runtime_dir:
+        lines.insert(lines.index("[cluster]") - 1, f"runtime_dir = {toml_str(config.runtime_dir)}")
     if config.master:
         lines.append(f"master = {toml_str(config.master)}")
     lines += [

@@ -181,10 +181,15 @@ class Daemon:
     def _prepare_state_dir(self) -> None:
         state = self.config.state_dir
         try:
-            fd = safefs.open_trusted_dir(state, create_mode=0o700)
+            fd = safefs.open_trusted_dir(state, create_mode=0o711)
         except UnsafePath as exc:
             raise StartupError(f"refusing the state directory: {exc}") from None
         try:
+            # Traversable, not listable: job owners' ranks reach their
+            # checkpoint directories below it (every file in it has its own mode).
+            mode = stat.S_IMODE(os.fstat(fd).st_mode)
+            if mode & 0o011 != 0o011:
+                os.fchmod(fd, mode | 0o011)
             probe = os.open(".write-test", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=fd)
             os.close(probe)
             os.unlink(".write-test", dir_fd=fd)

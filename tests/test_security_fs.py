@@ -24,7 +24,7 @@ import sysconfig
 
 import pytest
 import trio
-from ckpthelpers import checkpoint, gen_dir, kill_what_is_left, result_of, wait_generations
+from ckpthelpers import checkpoint, gen_dir, kill_what_is_left, result_of
 from conftest import as_uid
 
 from gangd import ckptstore
@@ -102,13 +102,23 @@ def test_a_link_planted_where_rank_sockets_live_never_makes_root_chown_a_file(ma
     try:
         planted = as_uid(NOBODY, plant)
         local.up(cluster.dir, 1, cores=2)
-        # A job of the user starts: root prepares its directory.
-        job = _submit_as_nobody(cluster, ["/bin/sh", "-c", "echo hello from $(id -u)"], 1)
+        # A job of the user starts: root prepares its directory. The job
+        # leaves links to the victim in it for root to remove at its end.
+        (victim / "keep").write_text("root's")
+        script = f"echo hello from $(id -u) in $GANGD_COMM_DIR; ln -s {victim} $GANGD_COMM_DIR/escape; mkdir $GANGD_COMM_DIR/d; ln -s {victim} $GANGD_COMM_DIR/d/x"
+        job = _submit_as_nobody(cluster, ["/bin/sh", "-c", script], 1)
         record = cluster.wait_state(job, ("DONE", "FAILED", "KILLED"), timeout=30)
         info = os.stat(victim)
         assert (info.st_uid, stat.S_IMODE(info.st_mode)) == (0, 0o755), f"root chowned the victim to uid {info.st_uid} ({planted})"
         assert record["state"] == "DONE", record
-        assert f"hello from {NOBODY}" in cluster.gang("logs", job, check=True).stdout
+        logs = cluster.gang("logs", job, check=True).stdout
+        assert f"hello from {NOBODY}" in logs
+        comm = Path(logs.split(" in ", 1)[1].split()[0])
+        deadline = time.monotonic() + 20
+        while os.path.lexists(comm):
+            assert time.monotonic() < deadline, f"{comm} was not removed after the job ended"
+            time.sleep(0.1)
+        assert (victim / "keep").read_text() == "root's"  # the removal did not follow the links
         # Nothing of the user's made it into the runtime directory.
         assert not os.path.islink(runtime) and os.stat(runtime).st_uid == 0
         assert not planted["planted"], planted

@@ -197,7 +197,11 @@ class JobNet:
             state.ready.set()  # attaches still waiting get an answer, not a hang
         self._gathers.forget(lambda key: key == job_id)
         if self.runtime_fd is not None:
-            safefs.rmtree_at(self.runtime_fd, f"job-{job_id}")
+            # In a thread: the directory is the owner's, who may have filled it.
+            if self.daemon.nursery is not None:
+                self.daemon.spawn(trio.to_thread.run_sync, safefs.rmtree_at, self.runtime_fd, f"job-{job_id}")
+            else:
+                safefs.rmtree_at(self.runtime_fd, f"job-{job_id}")
 
     def on_record(self, record: dict) -> None:
         """A job record changed: tell attached ranks about peers that exited; clean up ended jobs."""

@@ -280,3 +280,69 @@ def test_a_checkpoint_dir_root_cannot_trust_is_refused_at_start(how):
     finally:
         local.down(base / "cluster")
         shutil.rmtree(base, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- the helpers themselves
+
+
+def test_safefs_refuses_links_anywhere_on_the_path_and_files_past_their_limit():
+    from gangd import safefs
+
+    base = _tmpdir()
+    try:
+        (base / "real" / "deeper").mkdir(parents=True, mode=0o755)
+        os.symlink(base / "real", base / "alias")
+        with pytest.raises(safefs.UnsafePath, match="alias is a symbolic link"):
+            safefs.open_trusted_dir(base / "alias" / "deeper")
+        with pytest.raises(safefs.UnsafePath, match="alias is a symbolic link"):
+            safefs.open_trusted_dir(base / "alias" / "new", create_mode=0o711)
+        assert not (base / "real" / "new").exists()
+        fd = safefs.open_trusted_dir(base / "real" / "made" / "here", create_mode=0o711)
+        try:
+            assert stat.S_IMODE(os.fstat(fd).st_mode) == 0o711 and os.fstat(fd).st_uid == 0
+            # A sparse 64 GB file is refused unread; a link to a file is not followed.
+            with open(base / "real" / "made" / "here" / "big", "wb") as fh:
+                fh.truncate(64 << 30)
+            with pytest.raises(safefs.UnsafePath, match="68719476736 bytes, more than the 1024"):
+                safefs.read_bounded_at(fd, "big", 1024, base)
+            os.symlink("/etc/hostname", base / "real" / "made" / "here" / "link")
+            with pytest.raises(safefs.UnsafePath, match="is a symbolic link"):
+                safefs.read_bounded_at(fd, "link", 1024, base)
+        finally:
+            os.close(fd)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_safefs_rmtree_removes_the_links_a_user_left_not_what_they_point_to():
+    from gangd import safefs
+
+    base = _tmpdir()
+    try:
+        victim = base / "victim"
+        victim.mkdir()
+        (victim / "keep").write_text("root's")
+        owned = base / "runtime" / "job-1"
+        owned.mkdir(parents=True)
+        os.chown(owned, NOBODY, NOBODY)
+
+        def litter():
+            os.symlink(victim, owned / "escape")
+            (owned / "d").mkdir()
+            os.symlink(victim, owned / "d" / "x")
+            os.symlink(victim / "keep", owned / "file")
+            return True
+
+        assert as_uid(NOBODY, litter) is True
+        fd = safefs.open_trusted_dir(base / "runtime")
+        try:
+            safefs.rmtree_at(fd, "job-1")
+            assert os.listdir(fd) == []
+            os.symlink(victim, base / "runtime" / "job-2")  # the entry itself a link
+            safefs.rmtree_at(fd, "job-2")
+            assert os.listdir(fd) == []
+        finally:
+            os.close(fd)
+        assert (victim / "keep").read_text() == "root's"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -405,6 +405,9 @@ class NodeCheckpoints:
         except (UnsafePath, OSError) as exc:
             raise RemoteError("write_failed", f"{self.daemon.node}: cannot create {directory}: {getattr(exc, 'strerror', None) or exc}") from None
         if pending.failed:
+            # Aborted while the directories were made: the abort's removal may
+            # have come first; what was made is removed here.
+            await trio.to_thread.run_sync(self._remove, directory)
             raise RemoteError("checkpoint_failed", pending.failed)
         for rank in mine:
             agent = self.agents[(job_id, rank)]
@@ -614,6 +617,12 @@ class NodeCheckpoints:
         lineage, gen = int(record["lineage"]), int(origin["gen"])
         directory = ckptstore.gen_dir(self.root, lineage, gen)
         mine = jobs.ranks_on(record, self.daemon.node)
+        # The gate is held closed from the moment the job's state exists
+        # (jobnet.prepare, just before), across the read below.
+        jobnet = self.daemon.jobnet
+        state = jobnet.state(record["id"])
+        state.holds.add("restart")
+        state.gate_open = False
 
         def load() -> tuple[ckptstore.Manifest, dict[str, bytes]]:
             # The daemon's own files, each read to the size its manifest gives.
@@ -635,10 +644,10 @@ class NodeCheckpoints:
             raise RemoteError("restart_failed", f"{self.daemon.node}: {exc}") from None
         except OSError as exc:
             raise RemoteError("restart_failed", f"{self.daemon.node}: cannot read {directory}: {exc.strerror or exc}") from None
-        jobnet = self.daemon.jobnet
-        state = jobnet.state(record["id"])
-        state.holds.add("restart")
-        state.gate_open = False
+        current = self.daemon.table.get(record["id"])
+        if current is None or jobs.is_terminal(current) or current.get("kill_requested"):
+            # A kill overtook the read: starting ranks now would orphan them.
+            raise RemoteError("job_ended", f"job {record['id']} ended while its checkpoint was read; not starting its ranks")
         if contexts:
             jobnet.set_context(record["id"], contexts)
         restart = {"gen": gen, "lineage": lineage, "directory": directory, "manifest": manifest, "ranks": mine, "failed": None}

@@ -217,11 +217,13 @@ def test_a_link_the_owner_puts_among_the_rank_states_is_not_followed(make_cluste
         os.symlink(secret, state)
         return True
 
-    assert as_uid(NOBODY, swap) is True
-    refused = cluster.gang("restart", job, timeout=120)
-    assert refused.returncode != 0 and str(state) in refused.stderr and "symbolic link" in refused.stderr, refused.stderr
-    _alive(cluster)
-    shutil.rmtree(secret.parent, ignore_errors=True)
+    try:
+        assert as_uid(NOBODY, swap) is True
+        refused = cluster.gang("restart", job, timeout=120)
+        assert refused.returncode != 0 and str(state) in refused.stderr and "symbolic link" in refused.stderr, refused.stderr
+        _alive(cluster)
+    finally:
+        shutil.rmtree(secret.parent, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- finding 11: checkpoint_dir

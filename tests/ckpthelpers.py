@@ -88,7 +88,7 @@ def kill_and_restart(gc, job: int, *extra) -> int:
 
 
 def gen_dir(gc, node: str, lineage: int, gen: int) -> Path:
-    return ckptstore.gen_dir(gc.dir / node / "state" / "checkpoints", lineage, gen)
+    return ckptstore.gen_dir(gc.dir / node / "state" / "checkpoints" / node, lineage, gen)
 
 
 def wait_running_a_bit(gc, job: int, seconds: float = 1.0) -> None:

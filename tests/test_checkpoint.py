@@ -251,7 +251,7 @@ def test_periodic_checkpoints_with_ckpt_every(gc):
     complete = [g["gen"] for g in taken if g["state"] == "complete"]
     assert complete == [taken[-2]["gen"], taken[-1]["gen"]]
     for node in ("n1", "n2"):
-        assert ckptstore.generations(gc.dir / node / "state" / "checkpoints", job) == complete
+        assert ckptstore.generations(gc.dir / node / "state" / "checkpoints" / node, job) == complete
 
 
 # ---------------------------------------------------------------- failures
@@ -325,7 +325,7 @@ def test_corrupted_or_truncated_files_fall_back_to_an_older_generation(gc):
 
 @root_only
 def test_a_full_disk_fails_the_checkpoint_and_the_job_runs_on(gc):
-    directory = gc.dir / "n2" / "state" / "checkpoints"
+    directory = gc.dir / "n2" / "state" / "checkpoints" / "n2"  # (each node its own, see checkpoint_dir)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0711", "tmpfs", str(directory)], check=True)
     try:
         argv = [JOB, "--steps", "250", "--mb", "2", "--sleep", "0.01"]

@@ -9,10 +9,19 @@ a program runs alone. One directory per generation::
         job.msgpack           the daemon's record of the job at the cut
         MANIFEST              this node's commit: every file above with size and checksum
 
-Every file belongs to the job's owner, mode 0600. The daemon (root) never
-writes into a directory the owner controls, so no symlink the owner plants
-can redirect its writes; it only reads the ranks' files, without following
-symlinks. A program running alone keeps its state at ``gen-<G>/rank-0.state``.
+(``<root>`` is ``<checkpoint_dir>/<node>``: each node its own, see the README.)
+The rank state files are the job owner's (the ranks write them); every file
+the daemon writes is root's, mode 0600, so the owner can neither rewrite nor
+truncate what root later parses. Nothing on the owner's side needs them:
+the daemon hands a restarted rank its network context and what its state
+file must hold. (0640 with the owner's group would leak the job's token and
+context to everyone sharing that group, often a whole project.) The daemon
+works in a generation only through directory descriptors
+(:mod:`gangd.safefs`: ``dir_fd=`` below), never writes into a directory the
+owner controls, and reads the ranks' files without following symlinks; a
+file it parses (the manifest) is read to a size limit, so a sparse or
+oversized one is an error, not an out-of-memory kill. A program running
+alone keeps its state at ``gen-<G>/rank-0.state`` (its own files, as its user).
 
 Every file is written under a temporary name, fsynced, then renamed, and the
 directory fsynced: a crash leaves either the old name or the whole new file,
@@ -39,9 +48,12 @@ from pathlib import Path
 import msgpack
 import xxhash
 
+from . import safefs
+
 MANIFEST = "MANIFEST"
 FORMAT = 1
 CHUNK = 8 << 20  # what one write/read moves: large enough for full disk speed
+MAX_MANIFEST = 16 << 20  # bytes: ~250,000 files' entries; a larger one is refused unread
 
 
 class StoreError(Exception):
@@ -110,39 +122,50 @@ def write_chunks(fd: int, chunks: Iterable, digest=None) -> int:
 
 
 def write_atomic(path: Path, chunks: Iterable, *, mode: int = 0o600, owner: tuple[int, int] | None = None,
-                 durable: bool = True) -> tuple[int, str]:
+                 durable: bool = True, dir_fd: int | None = None) -> tuple[int, str]:
     """Write ``chunks`` to ``path`` via a temporary name, fsync, rename, fsync the directory.
 
     Returns (size, checksum). Raises :class:`StoreError` with the path on any
     failure (a full disk included), leaving nothing under the final name.
     ``durable=False`` skips both fsyncs: for files whose durability a later
     :func:`sync` before the manifest ensures (the manifest alone commits).
+    ``dir_fd``: the directory, opened by the caller (``path`` then only names
+    the file in messages; its last component is the name in ``dir_fd``).
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    name, tmp = path.name, f".{path.name}.tmp"
     digest = hasher()
+    own_fd = dir_fd is None
     try:
+        if own_fd:
+            dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            os.unlink(tmp)  # a leftover of a crash (O_EXCL below refuses anything already there)
-        except FileNotFoundError:
-            pass
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-        try:
-            if owner is not None:
-                os.fchown(fd, *owner)
-            size = write_chunks(fd, chunks, digest)
+            try:
+                os.unlink(tmp, dir_fd=dir_fd)  # a leftover of a crash (O_EXCL below refuses anything already there)
+            except FileNotFoundError:
+                pass
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+            try:
+                if owner is not None:
+                    os.fchown(fd, *owner)
+                size = write_chunks(fd, chunks, digest)
+                if durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             if durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, path)
-        if durable:
-            fsync_dir(path.parent)
-    except OSError as exc:
-        try:
-            os.unlink(tmp)
+                os.fsync(dir_fd)
         except OSError:
-            pass
+            try:
+                os.unlink(tmp, dir_fd=dir_fd)
+            except OSError:
+                pass
+            raise
+        finally:
+            if own_fd:
+                os.close(dir_fd)
+    except OSError as exc:
         raise StoreError(describe_os_error(exc, path)) from None
     return size, digest.hexdigest()
 
@@ -157,27 +180,60 @@ def open_regular(path: Path) -> int:
     return fd
 
 
-def sync(directory: Path, names: Iterable[str]) -> None:
+def open_in(dir_fd: int | None, name: str, directory: Path) -> int:
+    """An fd of the regular file ``name`` (may have a subdirectory: ``ranks/...``)
+    under ``dir_fd`` — no component followed through a link, no FIFO opened.
+    ``dir_fd`` None: ``directory / name`` by path (a program's own files)."""
+    if dir_fd is None:
+        return open_regular(Path(directory) / name)
+    *dirs, leaf = name.split("/")
+    fd, where, owned = dir_fd, Path(directory), False
+    try:
+        for part in dirs:
+            sub = safefs.open_dir_at(fd, part, where, trusted=False)
+            if owned:
+                os.close(fd)
+            fd, where, owned = sub, where / part, True
+        return safefs.open_regular_at(fd, leaf, where)
+    except safefs.UnsafePath as exc:
+        raise OSError(errno.EINVAL, str(exc)) from None
+    finally:
+        if owned:
+            os.close(fd)
+
+
+def sync(directory: Path, names: Iterable[str], *, dir_fd: int | None = None) -> None:
     """fsync files written with ``durable=False``, then their directory."""
     for name in names:
-        fd = open_regular(Path(directory) / name)
+        fd = open_in(dir_fd, name, directory)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
-    fsync_dir(directory)
+    if dir_fd is None:
+        fsync_dir(directory)
+    else:
+        os.fsync(dir_fd)
 
 
-def checksum_file(path: Path) -> tuple[int, str]:
+def checksum_fd(fd: int) -> tuple[int, str]:
+    """(size, checksum) of an open file, read from its start in CHUNK pieces."""
     digest = hasher()
     size = 0
     buf = bytearray(CHUNK)
     view = memoryview(buf)
-    with os.fdopen(open_regular(path), "rb", buffering=0) as fh:
-        while n := fh.readinto(buf):
-            digest.update(view[:n])
-            size += n
+    while n := os.preadv(fd, [buf], size):
+        digest.update(view[:n])
+        size += n
     return size, digest.hexdigest()
+
+
+def checksum_file(path: Path) -> tuple[int, str]:
+    fd = open_regular(path)
+    try:
+        return checksum_fd(fd)
+    finally:
+        os.close(fd)
 
 
 # ------------------------------------------------------------ manifests
@@ -202,37 +258,50 @@ class Manifest:
             raw = msgpack.unpackb(data, raw=False)
             if raw.pop("format") != FORMAT:
                 raise StoreError(f"{where}: manifest format {raw.get('format')} is not supported")
-            return cls(**raw)
+            manifest = cls(**raw)
+            ints = (manifest.lineage, manifest.gen, manifest.iteration, *manifest.ranks)
+            if not (all(type(v) is int for v in ints) and isinstance(manifest.node, str)
+                    and isinstance(manifest.committed, (int, float)) and isinstance(manifest.files, dict)
+                    and all(isinstance(k, str) and isinstance(v, list) and len(v) == 2 and type(v[0]) is int
+                            and isinstance(v[1], str) for k, v in manifest.files.items())):
+                raise ValueError("fields of the wrong type")
+            return manifest
         except StoreError:
             raise
         except Exception as exc:  # any garbage: msgpack errors, wrong keys or types
             raise StoreError(f"{where}: unreadable manifest ({type(exc).__name__}: {exc})") from None
 
 
-def write_manifest(directory: Path, manifest: Manifest, owner: tuple[int, int] | None = None) -> None:
-    write_atomic(directory / MANIFEST, [manifest.pack()], mode=0o600, owner=owner)
+def write_manifest(directory: Path, manifest: Manifest, owner: tuple[int, int] | None = None, *, dir_fd: int | None = None) -> None:
+    write_atomic(directory / MANIFEST, [manifest.pack()], mode=0o600, owner=owner, dir_fd=dir_fd)
 
 
-def read_manifest(directory: Path) -> Manifest:
+def read_manifest(directory: Path, *, dir_fd: int | None = None, owner: int | None = None) -> Manifest:
+    """The manifest of a generation: read to :data:`MAX_MANIFEST` bytes, never
+    through a link; ``dir_fd``: the generation's directory, opened by the
+    caller; ``owner``: the file must belong to that uid (the daemon's own)."""
     path = Path(directory) / MANIFEST
     try:
-        data = path.read_bytes()
+        data = safefs.read_bounded_at(dir_fd, MANIFEST if dir_fd is not None else str(path), MAX_MANIFEST, directory, owner=owner)
     except FileNotFoundError:
         raise StoreError(f"{path} is missing: this node never committed the generation") from None
+    except safefs.UnsafePath as exc:
+        raise StoreError(f"refusing {path}: {exc}") from None
     except OSError as exc:
         raise StoreError(f"cannot read {path}: {exc.strerror}") from None
     return Manifest.unpack(data, path)
 
 
-def verify(directory: Path, names: Iterable[str] | None = None) -> list[str]:
+def verify(directory: Path, names: Iterable[str] | None = None, *, dir_fd: int | None = None, owner: int | None = None) -> list[str]:
     """Check the files of a committed generation against its manifest.
 
     Returns one line per problem, each naming the file ("" list: intact).
     ``names`` limits the check to some files (default: every file listed).
+    ``dir_fd``/``owner``: as for :func:`read_manifest`.
     """
     directory = Path(directory)
     try:
-        manifest = read_manifest(directory)
+        manifest = read_manifest(directory, dir_fd=dir_fd, owner=owner)
     except StoreError as exc:
         return [str(exc)]
     problems = []
@@ -243,18 +312,24 @@ def verify(directory: Path, names: Iterable[str] | None = None) -> list[str]:
             continue
         size, digest = manifest.files[name]
         try:
-            actual = os.lstat(path).st_size
+            fd = open_in(dir_fd, name, directory)
         except FileNotFoundError:
             problems.append(f"{path} is missing")
             continue
-        if actual != size:
-            problems.append(f"{path} is truncated or grew: {actual} bytes, the manifest says {size}")
-            continue
-        try:
-            _, found = checksum_file(path)
         except OSError as exc:
             problems.append(f"{path} cannot be read: {exc.strerror}")
             continue
+        try:
+            actual = os.fstat(fd).st_size
+            if actual != size:  # (checked first: never read more than the manifest says)
+                problems.append(f"{path} is truncated or grew: {actual} bytes, the manifest says {size}")
+                continue
+            _, found = checksum_fd(fd)
+        except OSError as exc:
+            problems.append(f"{path} cannot be read: {exc.strerror}")
+            continue
+        finally:
+            os.close(fd)
         if found != digest:
             problems.append(f"{path} is corrupted: checksum {found[:16]}… does not match the manifest's {digest[:16]}…")
     return problems

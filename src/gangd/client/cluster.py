@@ -9,7 +9,9 @@ directory::
     DIR/n1/gangd.sock     its client socket
     DIR/n1/gangd.log      its log
     DIR/n1/gangd.pid
-    DIR/n1/state/         its state directory (job records, rank output)
+    DIR/n1/state/         its state directory (job records, rank output,
+                          checkpoints in state/checkpoints/n1/)
+    DIR/n1/jobs/          its runtime directory: the ranks' sockets and counters
 
 The daemons are ordinary processes in their own sessions; they outlive the
 ``gang cluster up`` that started them until ``gang cluster down``.
@@ -61,6 +63,10 @@ class NodeFiles:
     @property
     def state(self) -> Path:
         return self.dir / "state"
+
+    @property
+    def runtime(self) -> Path:
+        return self.dir / "jobs"
 
     def pid(self) -> int | None:
         try:
@@ -125,12 +131,17 @@ def up(
     switch_lead: float = 0.01,
     checkpoint_timeout: float = 600.0,
     limits: tuple[tuple[str, int], ...] = (),
+    checkpoint_dir: Path | None = None,
     log_level: str = "info",
     output_limit: int | None = None,
     timeout: float = 30.0,
     progress=None,
 ) -> list[NodeFiles]:
-    """Start ``nodes`` daemons and wait until every one sees all the others."""
+    """Start ``nodes`` daemons and wait until every one sees all the others.
+
+    ``checkpoint_dir``: one directory for every node's checkpoints (each
+    keeps its own in ``checkpoint_dir/<node>``), as a shared file system
+    would be; default: each node's state directory."""
     if not 1 <= nodes <= 250:
         raise ClusterError(f"--nodes must be between 1 and 250, not {nodes}")
     directory = Path(directory).absolute()
@@ -168,6 +179,8 @@ def up(
             checkpoint_timeout=checkpoint_timeout,
             **({"output_limit": output_limit} if output_limit is not None else {}),
             limits=tuple(limits),
+            checkpoint_dir=Path(checkpoint_dir).absolute() if checkpoint_dir else None,
+            runtime_dir=nf.runtime,
         )
         nf.config.write_text(render(config))
         lines += ["[[nodes]]", f"name = {toml_str(spec.name)}", f"address = {toml_str(spec.endpoint)}", f"socket = {toml_str(nf.socket)}", f"dir = {toml_str(nf.dir)}", ""]

@@ -22,6 +22,13 @@ notes from :mod:`gangd.ckptlib`):
 Every wait ends early if a rank of the job exits or its checkpoint
 connection closes: the round fails with the reason and the coordinator
 aborts the generation on every node.
+
+Files: this node's checkpoint root (``<checkpoint_dir>/<node>``) is checked
+at start-up and reached again from ``/`` for every operation (an admin may
+mount a disk there later), always through directory descriptors
+(:mod:`gangd.safefs`); every file the daemon writes is root's, and the
+files it reads back are read in a thread, without following links, to a
+size limit (see :mod:`gangd.ckptstore`).
 """
 
 from __future__ import annotations
@@ -37,8 +44,9 @@ from pathlib import Path
 import msgpack
 import trio
 
-from .. import ckptstore, jobs
+from .. import ckptstore, jobs, safefs
 from ..ckptstore import StoreError
+from ..safefs import UnsafePath
 from ..rpc import Channel, RemoteError
 from .jobnet import caller_rank
 
@@ -122,6 +130,74 @@ class NodeCheckpoints:
         self.restarts: dict[int, dict] = {}  # job -> {"gen", "lineage", "directory", "manifest", "ranks"}
         self.aborted: set[tuple[int, int]] = set()  # (job, gen): a begin arriving after its abort refuses
         self._requesting: set[int] = set()  # jobs whose ranks asked for a checkpoint just now
+
+    # ------------------------------------------------------------ the directories
+
+    def open_root(self) -> None:
+        """At start-up: this node's checkpoint root exists and can be trusted
+        (raises :class:`UnsafePath` saying why not)."""
+        fd = safefs.open_trusted_dir(self.root, create_mode=0o711)
+        try:
+            os.fchmod(fd, 0o711)  # traversable by job owners (each job's ranks/ is theirs), not listable
+        finally:
+            os.close(fd)
+
+    def close_root(self) -> None:
+        pass  # (nothing kept open: every operation reaches the root afresh)
+
+    def _gen_fd(self, directory: Path) -> int:
+        """An fd of a generation's directory ``<root>/job-L/gen-G`` (in a thread)."""
+        root = safefs.open_trusted_dir(self.root)
+        try:
+            job = safefs.open_dir_at(root, directory.parent.name, self.root)
+        finally:
+            os.close(root)
+        try:
+            return safefs.open_dir_at(job, directory.name, directory.parent)
+        finally:
+            os.close(job)
+
+    def _remove(self, directory: Path) -> None:
+        """Remove a generation's directory, never following a link (in a thread)."""
+        try:
+            root = safefs.open_trusted_dir(self.root)
+            try:
+                job = safefs.open_dir_at(root, directory.parent.name, self.root)
+            finally:
+                os.close(root)
+        except UnsafePath as exc:
+            if directory.parent.exists():
+                log.warning("not removing %s: %s", directory, exc)
+            return
+        try:
+            safefs.rmtree_at(job, directory.name)
+        finally:
+            os.close(job)
+
+    def _make_dirs(self, directory: Path, owner: tuple[int, int] | None) -> None:
+        """The generation's directory (the daemon's; a leftover of an attempt that
+        died with its coordinator is replaced) and the owner's ``ranks/`` in it."""
+        root = safefs.open_trusted_dir(self.root)
+        try:
+            job = safefs.open_dir_at(root, directory.parent.name, self.root, create_mode=0o711)
+        finally:
+            os.close(root)
+        try:
+            os.fchmod(job, 0o711)  # traversable, not listable
+            safefs.rmtree_at(job, directory.name)
+            gen = safefs.open_dir_at(job, directory.name, directory.parent, create_mode=0o711)
+        finally:
+            os.close(job)
+        try:
+            os.fchmod(gen, 0o711)
+            ranks = safefs.open_dir_at(gen, ckptstore.RANKS_DIR, directory, create_mode=0o700)
+            try:
+                if owner is not None:
+                    os.fchown(ranks, *owner)
+            finally:
+                os.close(ranks)
+        finally:
+            os.close(gen)
 
     # ------------------------------------------------------------ rank connections
 
@@ -324,8 +400,14 @@ class NodeCheckpoints:
         pending = Pending(job_id, gen, int(args["lineage"]), directory, mine, owner)
         pending.times["begin"] = time.time()
         self.pending[job_id] = pending  # before any await: an abort meanwhile must find it
-        await trio.to_thread.run_sync(_make_dirs, directory, owner)
+        try:
+            await trio.to_thread.run_sync(self._make_dirs, directory, owner)
+        except (UnsafePath, OSError) as exc:
+            raise RemoteError("write_failed", f"{self.daemon.node}: cannot create {directory}: {getattr(exc, 'strerror', None) or exc}") from None
         if pending.failed:
+            # Aborted while the directories were made: the abort's removal may
+            # have come first; what was made is removed here.
+            await trio.to_thread.run_sync(self._remove, directory)
             raise RemoteError("checkpoint_failed", pending.failed)
         for rank in mine:
             agent = self.agents[(job_id, rank)]
@@ -379,11 +461,20 @@ class NodeCheckpoints:
     def _write_daemon_files(self, pending: Pending, contexts: dict, job_blob: bytes) -> dict:
         # Into the page cache only: the job is blocked meanwhile, and the
         # fsyncs can wait for the commit, which does them before the manifest.
+        # Root's, 0600: the owner can neither read the job's token in them
+        # nor rewrite what the daemon parses at a restart.
         files = {}
-        for rank, blob in contexts.items():
-            name = ckptstore.net_file(int(rank))
-            files[name] = list(ckptstore.write_atomic(pending.directory / name, [blob], owner=pending.owner, durable=False))
-        files["job.msgpack"] = list(ckptstore.write_atomic(pending.directory / "job.msgpack", [job_blob], owner=pending.owner, durable=False))
+        try:
+            gen = self._gen_fd(pending.directory)
+        except (UnsafePath, OSError) as exc:
+            raise StoreError(f"{pending.directory}: {getattr(exc, 'strerror', None) or exc}") from None
+        try:
+            for rank, blob in contexts.items():
+                name = ckptstore.net_file(int(rank))
+                files[name] = list(ckptstore.write_atomic(pending.directory / name, [blob], durable=False, dir_fd=gen))
+            files["job.msgpack"] = list(ckptstore.write_atomic(pending.directory / "job.msgpack", [job_blob], durable=False, dir_fd=gen))
+        finally:
+            os.close(gen)
         return files
 
     async def resume(self, args: dict) -> dict:
@@ -415,19 +506,30 @@ class NodeCheckpoints:
         return result
 
     def _check_and_commit(self, pending: Pending, manifest: ckptstore.Manifest) -> None:
-        for name, (size, _) in manifest.files.items():
-            path = pending.directory / name
-            try:
-                actual = os.lstat(path).st_size
-            except OSError as exc:
-                raise StoreError(f"{path}: {exc.strerror}") from None
-            if actual != size:
-                raise StoreError(f"{path} has {actual} bytes, its writer reported {size}")
         try:
-            ckptstore.sync(pending.directory, pending.files)  # the daemon's own files (the ranks fsynced theirs)
-        except OSError as exc:
-            raise StoreError(ckptstore.describe_os_error(exc, pending.directory)) from None
-        ckptstore.write_manifest(pending.directory, manifest, owner=pending.owner)
+            gen = self._gen_fd(pending.directory)
+        except (UnsafePath, OSError) as exc:
+            raise StoreError(f"{pending.directory}: {getattr(exc, 'strerror', None) or exc}") from None
+        try:
+            for name, (size, _) in manifest.files.items():
+                path = pending.directory / name
+                try:
+                    fd = ckptstore.open_in(gen, name, pending.directory)  # (ranks/ is the owner's: no links)
+                    try:
+                        actual = os.fstat(fd).st_size
+                    finally:
+                        os.close(fd)
+                except OSError as exc:
+                    raise StoreError(f"{path}: {exc.strerror}") from None
+                if actual != size:
+                    raise StoreError(f"{path} has {actual} bytes, its writer reported {size}")
+            try:
+                ckptstore.sync(pending.directory, pending.files, dir_fd=gen)  # the daemon's own files (the ranks fsynced theirs)
+            except OSError as exc:
+                raise StoreError(ckptstore.describe_os_error(exc, pending.directory)) from None
+            ckptstore.write_manifest(pending.directory, manifest, dir_fd=gen)
+        finally:
+            os.close(gen)
 
     async def abort(self, args: dict) -> bool:
         job_id, gen, why = int(args["job"]), args.get("gen"), str(args.get("why") or "aborted")
@@ -444,7 +546,7 @@ class NodeCheckpoints:
         if job_id in self.daemon.jobnet.states:
             await self.daemon.jobnet.hold_gate(job_id, "checkpoint", False)
         if args.get("lineage") is not None and gen is not None:
-            await trio.to_thread.run_sync(ckptstore.remove, ckptstore.gen_dir(self.root, int(args["lineage"]), gen))
+            await trio.to_thread.run_sync(self._remove, ckptstore.gen_dir(self.root, int(args["lineage"]), gen))
         return True
 
     async def abort_all(self, args: dict) -> list[int]:
@@ -479,7 +581,7 @@ class NodeCheckpoints:
         lineage = int(args["lineage"])
         gens = [int(g) for g in args.get("gens") or []]
         for gen in gens:
-            await trio.to_thread.run_sync(ckptstore.remove, ckptstore.gen_dir(self.root, lineage, gen))
+            await trio.to_thread.run_sync(self._remove, ckptstore.gen_dir(self.root, lineage, gen))
         return gens
 
     async def verify(self, args: dict) -> list[str]:
@@ -489,38 +591,63 @@ class NodeCheckpoints:
 
         def check() -> list[str]:
             try:
-                manifest = ckptstore.read_manifest(directory)
-            except StoreError as exc:
-                return [f"{self.daemon.node}: {exc}"]
-            names = [n for n in manifest.files if n == "job.msgpack" or any(n in (ckptstore.cluster_rank_file(r), ckptstore.net_file(r)) for r in ranks)]
-            missing = [ckptstore.cluster_rank_file(r) for r in ranks if ckptstore.cluster_rank_file(r) not in manifest.files]
-            problems = [f"{self.daemon.node}: {directory / n} is not in the manifest" for n in missing]
-            return problems + [f"{self.daemon.node}: {p}" for p in ckptstore.verify(directory, names)]
+                gen = self._gen_fd(directory)
+            except (UnsafePath, OSError) as exc:
+                return [f"{self.daemon.node}: cannot open {directory}: {getattr(exc, 'strerror', None) or exc}"]
+            try:
+                try:
+                    manifest = ckptstore.read_manifest(directory, dir_fd=gen, owner=os.geteuid())
+                except StoreError as exc:
+                    return [f"{self.daemon.node}: {exc}"]
+                names = [n for n in manifest.files if n == "job.msgpack" or any(n in (ckptstore.cluster_rank_file(r), ckptstore.net_file(r)) for r in ranks)]
+                missing = [ckptstore.cluster_rank_file(r) for r in ranks if ckptstore.cluster_rank_file(r) not in manifest.files]
+                problems = [f"{self.daemon.node}: {directory / n} is not in the manifest" for n in missing]
+                return problems + [f"{self.daemon.node}: {p}" for p in ckptstore.verify(directory, names, dir_fd=gen, owner=os.geteuid())]
+            finally:
+                os.close(gen)
 
         return await trio.to_thread.run_sync(check)
 
     # ------------------------------------------------------------ restart
 
-    def prepare_restart(self, record: dict) -> dict[str, str]:
+    async def prepare_restart(self, record: dict) -> dict[str, str]:
         """Before a restarted job's ranks start here: its network context
         from disk, its gate held closed, where each rank finds its state."""
         origin = record["restart_of"]
         lineage, gen = int(record["lineage"]), int(origin["gen"])
         directory = ckptstore.gen_dir(self.root, lineage, gen)
-        try:
-            manifest = ckptstore.read_manifest(directory)
-        except StoreError as exc:
-            raise RemoteError("restart_failed", f"{self.daemon.node}: {exc}") from None
         mine = jobs.ranks_on(record, self.daemon.node)
-        contexts = {}
-        for rank in mine:
-            name = ckptstore.net_file(rank)
-            if name in manifest.files:
-                contexts[str(rank)] = (directory / name).read_bytes()
+        # The gate is held closed from the moment the job's state exists
+        # (jobnet.prepare, just before), across the read below.
         jobnet = self.daemon.jobnet
         state = jobnet.state(record["id"])
         state.holds.add("restart")
         state.gate_open = False
+
+        def load() -> tuple[ckptstore.Manifest, dict[str, bytes]]:
+            # The daemon's own files, each read to the size its manifest gives.
+            fd = self._gen_fd(directory)
+            try:
+                manifest = ckptstore.read_manifest(directory, dir_fd=fd, owner=os.geteuid())
+                contexts = {}
+                for rank in mine:
+                    name = ckptstore.net_file(rank)
+                    if name in manifest.files:
+                        contexts[str(rank)] = safefs.read_bounded_at(fd, name, manifest.files[name][0], directory, owner=os.geteuid())
+                return manifest, contexts
+            finally:
+                os.close(fd)
+
+        try:
+            manifest, contexts = await trio.to_thread.run_sync(load)
+        except (StoreError, UnsafePath) as exc:
+            raise RemoteError("restart_failed", f"{self.daemon.node}: {exc}") from None
+        except OSError as exc:
+            raise RemoteError("restart_failed", f"{self.daemon.node}: cannot read {directory}: {exc.strerror or exc}") from None
+        current = self.daemon.table.get(record["id"])
+        if current is None or jobs.is_terminal(current) or current.get("kill_requested"):
+            # A kill overtook the read: starting ranks now would orphan them.
+            raise RemoteError("job_ended", f"job {record['id']} ended while its checkpoint was read; not starting its ranks")
         if contexts:
             jobnet.set_context(record["id"], contexts)
         restart = {"gen": gen, "lineage": lineage, "directory": directory, "manifest": manifest, "ranks": mine, "failed": None}
@@ -588,15 +715,3 @@ class NodeCheckpoints:
         for key in [k for k in self.agents if k[0] == job_id]:
             self.agents.pop(key).close()
 
-
-def _make_dirs(directory: Path, owner: tuple[int, int] | None) -> None:
-    """The generation's directory (the daemon's; a leftover of an attempt that
-    died with its coordinator is replaced) and the owner's ``ranks/`` in it."""
-    ckptstore.remove(directory)
-    for path in (directory.parent, directory):
-        path.mkdir(exist_ok=True, mode=0o711)
-        os.chmod(path, 0o711)  # traversable, not listable; every file in it is the owner's, 0600
-    ranks = directory / ckptstore.RANKS_DIR
-    ranks.mkdir(mode=0o700)
-    if owner is not None:
-        os.chown(ranks, *owner, follow_symlinks=False)

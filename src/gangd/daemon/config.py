@@ -9,7 +9,8 @@ Example (``/etc/gangd/gangd.toml``)::
     log_level = "info"
     nice = -10                       # the daemon's priority over busy ranks...
     realtime_priority = 10           # ...or SCHED_RR (root only; 0 = off): fast gang switches
-    checkpoint_dir = "/var/lib/gangd/checkpoints"  # node-local disk for checkpoint generations
+    checkpoint_dir = "/var/lib/gangd/checkpoints"  # checkpoint generations go to checkpoint_dir/<name>
+    runtime_dir = "/run/gangd/jobs"  # rank sockets and counters (default: the socket's directory/jobs)
     output_dir = "/var/lib/gangd/output"  # rank output (default: state_dir/output); may be its own file system
     output_limit = 1073741824        # bytes of output one job may leave on this node (then cut, with a notice)
     output_reserve = 67108864        # bytes rank output never takes from the output's file system (the job table's room)
@@ -93,6 +94,7 @@ class Config:
     checkpoint_keep: int = 2  # complete generations kept per job (the previous one stays until a newer is complete)
     checkpoint_timeout: float = 600.0  # seconds ranks may take to reach the cut, or to write their state
     output_dir: Path | None = None  # rank output (default: state_dir/output)
+    runtime_dir: Path | None = None  # rank sockets and counters, in memory (default: the socket's directory/jobs)
     output_limit: int = 1 << 30  # bytes of output a job may leave on this node; the rest is dropped with a notice
     output_reserve: int = 64 << 20  # bytes rank output leaves free on its file system (room for the job table)
     limits: tuple[tuple[str, int], ...] = ()  # [limits]: pids_max, memory_max, rlimit caps (name, value)
@@ -118,7 +120,20 @@ class Config:
 
     @property
     def checkpoint_root(self) -> Path:
-        return self.checkpoint_dir or self.state_dir / "checkpoints"
+        """This node's checkpoints: a directory of its own (its name in the
+        path), so nodes sharing a ``checkpoint_dir`` never touch each other's
+        generations. The daemon refuses to start on one it cannot trust
+        (:mod:`gangd.safefs`)."""
+        return (self.checkpoint_dir or self.state_dir / "checkpoints") / self.node_name
+
+    @property
+    def runtime_root(self) -> Path:
+        """Where the ranks' sockets and counters live: root's, never a
+        predictable name in a world-writable directory (``/dev/shm``,
+        ``/tmp``). By default next to the client socket: systemd's
+        ``RuntimeDirectory`` (``/run/gangd``, a tmpfs), or the node's
+        directory of a local cluster."""
+        return self.runtime_dir or self.socket.parent / "jobs"
 
     def spec(self, name: str) -> NodeSpec:
         for spec in self.nodes:
@@ -189,11 +204,12 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         "output_dir": Path(node["output_dir"]) if node.get("output_dir") else None,
         "output_limit": int(node.get("output_limit", 1 << 30)),
         "output_reserve": int(node.get("output_reserve", 64 << 20)),
+        "runtime_dir": Path(node["runtime_dir"]) if node.get("runtime_dir") else None,
     }
     settings["limits"] = _limits(data.get("limits", {}))
     for key, value in overrides.items():
         if value is not None:
-            settings[key] = Path(value) if key in ("state_dir", "socket", "secret_file", "checkpoint_dir", "output_dir") else value
+            settings[key] = Path(value) if key in ("state_dir", "socket", "secret_file", "checkpoint_dir", "output_dir", "runtime_dir") else value
     if not settings["node_name"]:
         raise ConfigError("this node has no name: set [node] name in the config or pass --name")
     config = Config(**settings)
@@ -273,6 +289,8 @@ def render(config: Config) -> str:
         lines.insert(lines.index("[cluster]") - 1, f"output_dir = {toml_str(config.output_dir)}")
     lines.insert(lines.index("[cluster]") - 1, f"output_limit = {config.output_limit}")
     lines.insert(lines.index("[cluster]") - 1, f"output_reserve = {config.output_reserve}")
+    if config.runtime_dir:
+        lines.insert(lines.index("[cluster]") - 1, f"runtime_dir = {toml_str(config.runtime_dir)}")
     if config.master:
         lines.append(f"master = {toml_str(config.master)}")
     lines += [

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import trio
 
-from .. import jobs
+from .. import jobs, safefs
 from ..rpc import Channel, RemoteError
 from .gather import Gathers
 
@@ -121,9 +120,16 @@ class JobNetState:
 
 
 class JobNet:
+    """Also owns the runtime directory: ``runtime_dir`` (root's, 0711, checked
+    and opened once at start-up by :meth:`open_runtime`) holds one directory
+    per job, ``job-<id>`` (the owner's, 0700), with its ranks' sockets and
+    counters. Every use goes through the directory's fd (:mod:`gangd.safefs`):
+    no link planted anywhere makes root chown, open or remove another file."""
+
     def __init__(self, daemon, runtime_dir: Path):
         self.daemon = daemon
         self.runtime_dir = runtime_dir
+        self.runtime_fd: int | None = None
         self.states: dict[int, JobNetState] = {}
         self._gathers = Gathers()  # leader side of the rendezvous: job -> {node: addrs}
 
@@ -134,17 +140,54 @@ class JobNet:
 
     # ------------------------------------------------------------ launch and cleanup
 
+    def open_runtime(self) -> None:
+        """At start-up: the runtime directory, checked (raises
+        :class:`safefs.UnsafePath` saying why it cannot be trusted) and
+        emptied of the sockets of ranks that died with a previous life."""
+        fd = safefs.open_trusted_dir(self.runtime_dir, create_mode=0o711)
+        try:
+            os.fchmod(fd, 0o711)  # traversable by job owners; each job's directory is theirs alone
+            safefs.clear_dir(fd)
+        except OSError as exc:
+            os.close(fd)
+            raise safefs.UnsafePath(f"{self.runtime_dir}: {exc.strerror or exc}") from None
+        self.runtime_fd = fd
+
+    def close_runtime(self) -> None:
+        """At shutdown: remove every job's directory (the runtime directory stays)."""
+        if self.runtime_fd is not None:
+            try:
+                safefs.clear_dir(self.runtime_fd)
+            except OSError as exc:
+                log.warning("could not empty %s: %s", self.runtime_dir, exc.strerror)
+            os.close(self.runtime_fd)
+            self.runtime_fd = None
+
     def comm_dir(self, job_id: int) -> Path:
         return self.runtime_dir / f"job-{job_id}"
 
+    def _runtime(self) -> int:
+        if self.runtime_fd is None:
+            raise RemoteError("not_ready", f"the runtime directory of {self.daemon.node} is not open")
+        return self.runtime_fd
+
     def prepare(self, record: dict, drop: bool) -> dict[str, str]:
         """Create the job's directory for sockets and counters; the env ranks need."""
-        path = self.comm_dir(record["id"])
-        path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if drop:
-            os.chown(path, record["owner_uid"], record["owner_gid"])
+        name = f"job-{record['id']}"
+        runtime = self._runtime()
+        try:
+            os.mkdir(name, 0o700, dir_fd=runtime)
+        except FileExistsError:
+            pass  # (a relaunch here: only the daemon creates entries in the runtime directory)
+        fd = safefs.open_dir_at(runtime, name, self.runtime_dir, trusted=False, owner=record["owner_uid"])
+        try:
+            if drop:
+                os.fchown(fd, record["owner_uid"], record["owner_gid"])
+            os.fchmod(fd, 0o700)
+        finally:
+            os.close(fd)
         self.state(record["id"])
-        return {"GANGD_COMM_DIR": str(path), "GANGD_ADDRESS": self.daemon.config.node.address}
+        return {"GANGD_COMM_DIR": str(self.comm_dir(record["id"])), "GANGD_ADDRESS": self.daemon.config.node.address}
 
     def forget(self, job_id: int) -> None:
         state = self.states.pop(job_id, None)
@@ -153,7 +196,12 @@ class JobNet:
                 link.close()
             state.ready.set()  # attaches still waiting get an answer, not a hang
         self._gathers.forget(lambda key: key == job_id)
-        shutil.rmtree(self.comm_dir(job_id), ignore_errors=True)
+        if self.runtime_fd is not None:
+            # In a thread: the directory is the owner's, who may have filled it.
+            if self.daemon.nursery is not None:
+                self.daemon.spawn(trio.to_thread.run_sync, safefs.rmtree_at, self.runtime_fd, f"job-{job_id}")
+            else:
+                safefs.rmtree_at(self.runtime_fd, f"job-{job_id}")
 
     def on_record(self, record: dict) -> None:
         """A job record changed: tell attached ranks about peers that exited; clean up ended jobs."""
@@ -223,9 +271,16 @@ class JobNet:
         """The rank's counters file — only the one in the job's directory, a
         regular file of the job's owner, large enough; never a path the
         client names (the daemon may be root)."""
-        path = self.comm_dir(record["id"]) / f"rank-{rank}.counters"
+        directory = self.comm_dir(record["id"])
+        path = directory / f"rank-{rank}.counters"
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            job_fd = safefs.open_dir_at(self._runtime(), directory.name, self.runtime_dir, trusted=False, owner=record["owner_uid"])
+            try:
+                fd = safefs.open_regular_at(job_fd, path.name, directory)
+            finally:
+                os.close(job_fd)
+        except safefs.UnsafePath as exc:
+            raise RemoteError("bad_request", f"cannot use the counters file: {exc}") from None
         except OSError as exc:
             raise RemoteError("bad_request", f"cannot open the counters file {path}: {exc.strerror}") from None
         info = os.fstat(fd)

@@ -465,7 +465,7 @@ class Ops:
             drop = os.geteuid() == 0 and record["owner_uid"] != 0
             extra = daemon.jobnet.prepare(record, drop)
             if record.get("restart_of"):
-                extra.update(daemon.checkpoints.prepare_restart(record))
+                extra.update(await daemon.checkpoints.prepare_restart(record))
             if args.get("contexts"):
                 daemon.jobnet.set_context(record["id"], args["contexts"])
             rank_setup = (lambda rank: daemon.pmi.prepare(record, rank, daemon.spawn)) if record.get("mpi") else None

@@ -16,17 +16,17 @@ import logging
 import math
 import os
 import pwd
-import shutil
 import signal
 import socket
+import stat
 import time
-from pathlib import Path
 
 import trio
 
-from .. import jobs
+from .. import jobs, safefs
 from ..protocol import Connection, ProtocolError, Role
 from ..rpc import Channel, RemoteError, peer_credentials
+from ..safefs import UnsafePath
 from .cgroup import CgroupTree
 from .checkpoint import NodeCheckpoints
 from .config import Config
@@ -63,9 +63,10 @@ class Daemon:
             node=self.node, socket_path=config.socket, cgroups=self.cgroups, on_exit=self._rank_exited, rlimit_caps=config.rlimit_caps,
             outputs=self.outputs,
         )
-        # Rank sockets and counters: in memory (/dev/shm) where there is one.
-        shm = Path("/dev/shm")
-        self.jobnet = JobNet(self, (shm if shm.is_dir() and os.access(shm, os.W_OK) else config.state_dir / "run") / instance)
+        # Rank sockets and counters: in root's runtime directory (systemd's
+        # RuntimeDirectory, a tmpfs; a local cluster's node directory), never
+        # a predictable name in a world-writable one such as /dev/shm.
+        self.jobnet = JobNet(self, config.runtime_root)
         self.table.listeners.append(self.jobnet.on_record)
         self.checkpoints = NodeCheckpoints(self)
         self.pmi = PmiServer(self)
@@ -139,11 +140,16 @@ class Daemon:
             self.outputs.prepare()
         except (TableError, OutputError) as exc:
             raise StartupError(str(exc)) from None
-        shutil.rmtree(self.jobnet.runtime_dir, ignore_errors=True)  # sockets of ranks that died with a previous life
-        self.jobnet.runtime_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
-        # Traversable by job owners (each job's own directory below is theirs alone).
-        config.checkpoint_root.mkdir(parents=True, exist_ok=True)
-        os.chmod(config.checkpoint_root, 0o711)
+        # Both checked from / (owner root, no links, writable by no one
+        # else) and used through their fds from here on (gangd.safefs).
+        try:
+            self.jobnet.open_runtime()
+        except UnsafePath as exc:
+            raise StartupError(f"refusing the runtime directory (runtime_dir): {exc}") from None
+        try:
+            self.checkpoints.open_root()
+        except UnsafePath as exc:
+            raise StartupError(f"refusing the checkpoint directory (checkpoint_dir): {exc}") from None
         leftovers = self.cgroups.sweep()
         if leftovers:
             log.warning("killed processes left over from a previous run in jobs %s", leftovers)
@@ -177,18 +183,29 @@ class Daemon:
             except OSError:
                 pass
             self.cgroups.close()
-            shutil.rmtree(self.jobnet.runtime_dir, ignore_errors=True)
+            self.jobnet.close_runtime()
+            self.checkpoints.close_root()
             log.info("gangd %s stopped", self.node)
 
     def _prepare_state_dir(self) -> None:
         state = self.config.state_dir
         try:
-            state.mkdir(parents=True, exist_ok=True, mode=0o700)
-            probe = state / ".write-test"
-            probe.write_bytes(b"")
-            probe.unlink()
+            fd = safefs.open_trusted_dir(state, create_mode=0o711)
+        except UnsafePath as exc:
+            raise StartupError(f"refusing the state directory: {exc}") from None
+        try:
+            # Traversable, not listable: job owners' ranks reach their
+            # checkpoint directories below it (every file in it has its own mode).
+            mode = stat.S_IMODE(os.fstat(fd).st_mode)
+            if mode & 0o011 != 0o011:
+                os.fchmod(fd, mode | 0o011)
+            probe = os.open(".write-test", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=fd)
+            os.close(probe)
+            os.unlink(".write-test", dir_fd=fd)
         except OSError as exc:
             raise StartupError(f"state directory {state} is not usable: {exc.strerror or exc}") from None
+        finally:
+            os.close(fd)
 
     def _raise_priority(self) -> None:
         # A node full of busy ranks must not starve the daemon: heartbeats
@@ -217,22 +234,45 @@ class Daemon:
 
     def _open_unix_listener(self) -> trio.SocketListener:
         path = self.config.socket
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # Its directory is root's and writable by no one else (a sticky one
+        # such as /tmp at most), so nobody can swap the name for a link
+        # between the checks below and the chmod.
+        try:
+            dir_fd = safefs.open_trusted_dir(path.parent, create_mode=0o755, sticky_ok=True)
+        except UnsafePath as exc:
+            raise StartupError(f"refusing the socket's directory: {exc}") from None
+        try:
             try:
-                probe.connect(str(path))
-            except OSError:
-                path.unlink()  # stale socket of a daemon that died
-            else:
-                raise StartupError(f"another gangd is already serving {path}")
+                info = os.stat(path.name, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                info = None
+            if info is not None:
+                if not stat.S_ISSOCK(info.st_mode) or info.st_uid not in safefs.trusted_uids():
+                    raise StartupError(f"{path} exists and is not a socket of root's: remove it, or choose another socket path")
+                probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    probe.connect(str(path))
+                except OSError:
+                    os.unlink(path.name, dir_fd=dir_fd)  # stale socket of a daemon that died
+                else:
+                    raise StartupError(f"another gangd is already serving {path}")
+                finally:
+                    probe.close()
+            sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            # Sync bind on a fresh socket: trio's async bind resolves names we do not have.
+            sock._sock.bind(str(path))
+            # Anybody may connect; who they are comes from SO_PEERCRED. The
+            # mode is set through an O_PATH fd of the socket just bound
+            # (Linux has no lchmod): never through a link.
+            node = os.open(path.name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            try:
+                if not stat.S_ISSOCK(os.fstat(node).st_mode):
+                    raise StartupError(f"{path} was replaced while the daemon bound it")
+                os.chmod(f"/proc/self/fd/{node}", 0o666)
             finally:
-                probe.close()
-        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        # Sync bind on a fresh socket: trio's async bind resolves names we do not have.
-        sock._sock.bind(str(path))
-        # Anybody may connect; who they are comes from SO_PEERCRED.
-        os.chmod(path, 0o666)
+                os.close(node)
+        finally:
+            os.close(dir_fd)
         sock.listen(128)
         return trio.SocketListener(sock)
 

@@ -32,6 +32,8 @@ from ..protocol import ProtocolError
 from ..rpc import Channel, RemoteError, dial_unix, running
 
 CLUSTER_FILE = "cluster.toml"
+#: Handshake refusals that mean "reached, but not now / not you" rather than "not there".
+REFUSALS = frozenset({"too_many_connections", "busy"})
 
 
 class ClusterNotFound(Exception):
@@ -201,7 +203,12 @@ async def connect(cluster: str | os.PathLike | None = None, sockets: list[str] |
     for path in candidates:
         try:
             channel = await dial_unix(path)
-        except (OSError, ProtocolError, RemoteError, trio.TooSlowError) as exc:
+        except ProtocolError as exc:
+            if exc.code in REFUSALS:  # it is up and said why: trying another node would not help
+                raise RemoteError(exc.code, f"gangd at {path} refused the connection: {exc.message.split(': ', 1)[-1]}") from None
+            errors.append(f"{path}: {exc}")
+            continue
+        except (OSError, RemoteError, trio.TooSlowError) as exc:
             errors.append(f"{path}: {getattr(exc, 'strerror', None) or exc}")
             continue
         async with running(channel):

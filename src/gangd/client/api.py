@@ -137,7 +137,15 @@ class Client:
         return await self.request("submit", spec=spec)
 
     async def jobs(self, all: bool = False) -> list[dict]:
-        return await self.request("jobs", all=all)
+        """Every job (with ``all``) or the active and recent ones, in id order, page by page."""
+        found: list[dict] = []
+        after, page = 0, 500
+        while True:
+            batch = await self.request("jobs", all=all, after=after, limit=page)
+            found += batch
+            if len(batch) < page:
+                return found
+            after = batch[-1]["id"]
 
     async def job(self, job_id: int) -> dict:
         return await self.request("job", job=job_id)

@@ -257,8 +257,8 @@ class Daemon:
 
         Limits are checked before anything else is spent on it: a TCP
         connection takes a handshake slot of its address (released once it
-        authenticated: then it is one of the cluster's nodes, one connection
-        each), a Unix connection a slot of its uid for its whole life.
+        authenticated: then it holds the cluster secret, and is trusted as a
+        node), a Unix connection a slot of its uid for its whole life.
         """
         guard = self._guard
         limits = guard.limits
@@ -312,20 +312,11 @@ class Daemon:
                     log.warning("refused %s: node %r is not in this cluster's [[nodes]]", label, ready.node)
                     await channel.aclose()
                     return
-                # A node dials us once; a new link from it replaces the old
-                # (which may be a half-open leftover of its previous life).
-                old = guard.peer_links.get(ready.node)
-                guard.peer_links[ready.node] = channel
-                if old is not None and not old.closed:
-                    log.info("node %s connected again; closing its previous connection", ready.node)
-                    await old.aclose()
             else:
                 handler = guard.rate_limited(context["cred"]["uid"], self.ops.handle)
             try:
                 await channel.run(self.ops.handle if role is Role.PEER else handler)
             finally:
-                if role is Role.PEER and guard.peer_links.get(ready.node) is channel:
-                    del guard.peer_links[ready.node]
                 self.jobnet.detached(channel)
                 self.checkpoints.detached(channel)
 
@@ -483,7 +474,6 @@ class _ConnectionGuard:
         self.by_uid = Counter(limits.connections_per_uid, "uid")
         self.requests = TokenBucket(limits.requests_per_second, limits.request_burst)
         self.names = UserNames(limits)
-        self.peer_links: dict[str, Channel] = {}
 
     def hold_handshake(self, host: str) -> _Slot:
         self.by_address.take(host)

@@ -393,3 +393,29 @@ def _wait_up(cluster, node: str, timeout: float = 30) -> None:
             pass
         time.sleep(0.2)
     raise AssertionError(f"{node} did not come up:\n{cluster.log(node)[-2000:]}")
+
+
+# ---------------------------------------------------------------- finding 8: listings
+
+
+def test_job_listings_come_in_bounded_pages_in_id_order(make_cluster):
+    cluster = make_cluster(1)
+    ids = [int(cluster.gang("submit", "-n", 1, "--", "true", check=True).stdout) for _ in range(5)]
+    client = RawClient(str(cluster.files["n1"].socket))
+
+    def page(**args):
+        rid = client.send("jobs", all=True, **args)
+        while True:
+            event = client.next_event()
+            if isinstance(event, Reply) and event.id == rid:
+                assert event.ok, event.error
+                return [r["id"] for r in event.result]
+
+    first = page(limit=2)
+    assert first == ids[:2], "a limited listing returned more than a page"
+    assert page(after=first[-1], limit=2) == ids[2:4]
+    assert page(after=ids[3], limit=2) == ids[4:]
+    assert page(limit=10 ** 9) == ids  # capped, not refused
+    client.close()
+    # The CLI pages through all of them.
+    assert [r["id"] for r in cluster.gang_json("ps", "--all")] == ids

@@ -34,6 +34,7 @@ import trio
 
 from .protocol import (
     DEFAULT_WINDOW,
+    HANDSHAKE_MAX_FRAME,
     Cancel,
     Connection,
     Credit,
@@ -45,12 +46,15 @@ from .protocol import (
     Reply,
     Request,
     Role,
+    State,
 )
 
 log = logging.getLogger("gangd.rpc")
 
 HANDSHAKE_TIMEOUT = 5.0
 READ_SIZE = 256 * 1024
+#: Read size before the handshake is done (a hello is far smaller).
+HANDSHAKE_READ_SIZE = 2 * HANDSHAKE_MAX_FRAME
 #: One-way notes of the other side handled at once before reading pauses.
 DEFAULT_MAX_NOTES = 64
 
@@ -268,8 +272,11 @@ class Channel:
                 return event
             # The state machine may have queued a reply of its own (handshake).
             await self._flush()
+            # Small reads until the handshake is done: what an unauthenticated
+            # connection can make us hold is a few KiB, not READ_SIZE.
+            size = READ_SIZE if self.conn.state is State.READY else HANDSHAKE_READ_SIZE
             try:
-                data = await self.transport.receive_some(READ_SIZE)
+                data = await self.transport.receive_some(size)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 data = b""
                 self.close_reason = str(exc)

@@ -271,19 +271,19 @@ class Daemon:
                     dialer=False, node=self.node, secret=self.secret, accept=frozenset({Role.PEER}),
                     max_in_flight=limits.peer_in_flight,
                 )
-                slot = guard.hold_handshake(host)
             else:
                 pid, uid, gid = peer_credentials(stream)
                 label = f"client pid {pid} uid {uid}"
                 conn = Connection(dialer=False, node=self.node, accept=frozenset({Role.CLIENT}), max_in_flight=limits.client_in_flight)
-                slot = guard.hold_uid(uid)
-        except Refused as refused:
-            log.warning("refused %s: %s", locals().get("label", "a connection"), refused.message)
-            await _refuse(stream, locals().get("conn") or Connection(dialer=False, node=self.node), refused)
-            return
         except OSError:  # gone before we looked at it
             with trio.CancelScope(shield=True):
                 await stream.aclose()
+            return
+        try:
+            slot = guard.hold_handshake(host) if role is Role.PEER else guard.hold_uid(uid)
+        except Refused as refused:
+            log.warning("refused %s: %s", label, refused.message)
+            await _refuse(stream, conn, refused)
             return
         with slot:
             if role is Role.CLIENT:

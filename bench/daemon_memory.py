@@ -39,7 +39,7 @@ import psutil
 from gangd.client import cluster as local
 from gangd.daemon.limits import Limits
 from gangd.protocol import DEFAULT_MAX_FRAME, DEFAULT_WINDOW, HANDSHAKE_MAX_FRAME, Connection, Item, Ready, Reply, Role
-from gangd.rpc import READ_SIZE
+from gangd.rpc import HANDSHAKE_READ_SIZE, READ_SIZE
 
 MiB = 1024 * 1024
 
@@ -101,11 +101,13 @@ def frames(directory: Path, pid: int, count: int) -> bool:
         s.close()
     say(f"(a) {count} connections announced {DEFAULT_MAX_FRAME // MiB} MiB frames before the handshake; "
         f"{len(closed)} were closed by the daemon after {time.monotonic() - start:.1f} s; {pushed / MiB:.1f} MiB got into socket buffers in all")
-    # Per connection in its handshake: one read (READ_SIZE) buffered at most,
-    # plus a task and a socket; at most handshakes_total of them at once.
-    # Doubled for allocator slack.
+    # Per connection in its handshake: one small read (HANDSHAKE_READ_SIZE)
+    # and a frame of HANDSHAKE_MAX_FRAME at most, plus a task, a socket and
+    # its Connection (~64 KiB, generously); at most handshakes_total of them
+    # at once. Doubled for allocator slack. (What the kernel holds in socket
+    # buffers is not the daemon's memory.)
     limits = Limits()
-    bound = 2 * min(count, limits.handshakes_total) * (READ_SIZE + HANDSHAKE_MAX_FRAME + 64 * 1024)
+    bound = 2 * min(count, limits.handshakes_total) * (HANDSHAKE_READ_SIZE + HANDSHAKE_MAX_FRAME + 64 * 1024)
     return report("(a) unauthenticated maximal frames", baseline, peak, bound) and len(closed) == count
 
 

@@ -25,7 +25,7 @@ import trio
 from gangd.client.api import connect
 from gangd.daemon.limits import Limits
 from gangd.rpc import RemoteError
-from gangd.protocol import DEFAULT_MAX_FRAME, Connection, Item, Ready, RemoteClosed, Reply, Role
+from gangd.protocol import DEFAULT_MAX_FRAME, Connection, Item, ProtocolError, Ready, RemoteClosed, Reply, Role
 
 from conftest import as_uid
 
@@ -419,3 +419,31 @@ def test_job_listings_come_in_bounded_pages_in_id_order(make_cluster):
     client.close()
     # The CLI pages through all of them.
     assert [r["id"] for r in cluster.gang_json("ps", "--all")] == ids
+
+
+def test_unauthenticated_connections_beyond_the_per_address_limit_are_refused_clearly(make_cluster):
+    cluster = make_cluster(2)
+    host, port = _peer_endpoint(cluster, "n1")
+    limit = Limits().handshakes_per_address
+    idle = [socket.create_connection((host, port), source_address=("127.0.0.1", 0)) for _ in range(limit)]
+    try:
+        time.sleep(0.5)  # (all accepted and counted)
+        extra = socket.create_connection((host, port), source_address=("127.0.0.1", 0), timeout=30)
+        hello = Connection(dialer=True, node="n2", role=Role.PEER, secret=b"not the secret")
+        extra.sendall(hello.data_to_send())
+        data = b""
+        while chunk := extra.recv(65536):
+            data += chunk
+        hello.receive_data(data)
+        try:
+            event = hello.next_event()
+        except ProtocolError as exc:  # (it answered the hello: it was let in)
+            event = exc
+        assert isinstance(event, RemoteClosed), f"connection {limit + 1} from 127.0.0.1 was not refused at once: {event}"
+        assert event.code == "too_many_connections" and "127.0.0.1" in event.message
+        extra.close()
+    finally:
+        for s in idle:
+            s.close()
+    rows = cluster.gang_json("nodes")["nodes"]
+    assert all(r["state"] == "up" for r in rows)

@@ -447,3 +447,62 @@ def test_unauthenticated_connections_beyond_the_per_address_limit_are_refused_cl
             s.close()
     rows = cluster.gang_json("nodes")["nodes"]
     assert all(r["state"] == "up" for r in rows)
+
+
+# ---------------------------------------------------------------- the limits' own state
+
+
+def test_token_bucket_allows_the_burst_then_the_rate_and_forgets_idle_keys():
+    from gangd.daemon.limits import TokenBucket
+
+    now = [0.0]
+    bucket = TokenBucket(rate=10, burst=5, clock=lambda: now[0])
+    assert [bucket.take("u") for _ in range(6)] == [True] * 5 + [False]
+    assert bucket.take("other")  # per key
+    now[0] += 0.1  # one token back
+    assert bucket.take("u") and not bucket.take("u")
+    for key in range(2000):
+        bucket.take(key)
+    now[0] += 10
+    bucket.take("last")
+    assert len(bucket._buckets) <= 1025
+
+
+def test_user_names_are_looked_up_off_the_loop_cached_bounded_and_time_out():
+    from dataclasses import replace
+
+    from gangd.daemon.limits import Limits, UserNames
+
+    release = threading.Event()
+    calls = []
+
+    def lookup(uid):
+        calls.append(uid)
+        if uid == 7:
+            release.wait(30)  # a hanging LDAP
+        return f"user{uid}"
+
+    names = UserNames(replace(Limits(), nss_timeout=0.5, nss_cache_size=3), lookup)
+
+    async def main():
+        beats = 0
+
+        async def heartbeat():
+            nonlocal beats
+            while True:
+                beats += 1
+                await trio.sleep(0.01)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(heartbeat)
+            assert await names.name(7) == "7"  # fell back to the number
+            nursery.cancel_scope.cancel()
+        assert beats > 1  # the loop ran while the lookup hung
+        assert [await names.name(u) for u in (1, 1, 2, 3, 4)] == ["user1", "user1", "user2", "user3", "user4"]
+        assert calls.count(1) == 1  # cached
+        assert len(names._cache) == 3  # bounded
+
+    try:
+        trio.run(main)
+    finally:
+        release.set()

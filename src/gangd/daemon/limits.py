@@ -71,16 +71,17 @@ class Refused(Exception):
 class Counter:
     """How many connections each key holds, refusing beyond ``limit``."""
 
-    def __init__(self, limit: int, what: str):
+    def __init__(self, limit: int, what: str, template: str = "{what} {key} has {held} connections to this daemon already (limit {limit})"):
         self.limit = limit
         self.what = what
+        self.template = template
         self.counts: dict[object, int] = {}
 
     def take(self, key, limit: int | None = None) -> None:
         limit = self.limit if limit is None else limit
         held = self.counts.get(key, 0)
         if held >= limit:
-            raise Refused("too_many_connections", f"{self.what} {key} has {held} connections to this daemon already (limit {limit})")
+            raise Refused("too_many_connections", self.template.format(what=self.what, key=key, held=held, limit=limit))
         self.counts[key] = held + 1
 
     def release(self, key) -> None:

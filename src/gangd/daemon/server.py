@@ -470,7 +470,9 @@ class _ConnectionGuard:
     def __init__(self, limits: Limits):
         self.limits = limits
         self.by_address = Counter(limits.handshakes_per_address, "address")
-        self.all_handshakes = Counter(limits.handshakes_total, "all addresses together:")
+        self.all_handshakes = Counter(
+            limits.handshakes_total, "", "{held} connections are in their handshake already (limit {limit}); try again shortly"
+        )
         self.by_uid = Counter(limits.connections_per_uid, "uid")
         self.requests = TokenBucket(limits.requests_per_second, limits.request_burst)
         self.names = UserNames(limits)

@@ -39,7 +39,7 @@ from gangd.protocol import (
 SECRET = b"correct horse battery staple"
 OTHER_SECRET = b"not the cluster secret"
 
-EVENT_TYPES = (Ready, Request, Reply, Item, Cancel, Note, RemoteClosed)
+EVENT_TYPES = (Ready, Request, Reply, Item, Cancel, connection_module.Credit, Note, RemoteClosed)
 
 
 # ---------------------------------------------------------------- helpers
@@ -971,13 +971,13 @@ def test_oversized_send_refused():
 # ================================================================ connection fuzzing
 
 FIELD_NAMES = ["t", "id", "op", "args", "ok", "error", "nonce", "proof", "v", "node", "role",
-               "result", "data", "code", "message"]
-TYPE_NAMES = ["hello", "auth", "req", "rep", "item", "cancel", "note", "bye", "bogus"]
+               "result", "data", "code", "message", "win", "n"]
+TYPE_NAMES = ["hello", "auth", "req", "rep", "item", "cancel", "credit", "note", "bye", "bogus"]
 
 interesting_values = st.one_of(
     st.sampled_from(TYPE_NAMES),
     st.sampled_from(["client", "peer", "admin", ""]),
-    st.sampled_from([PROTOCOL_VERSION, PROTOCOL_VERSION + 1, 0, True, False, 1.0, -1, 2**64 - 1]),
+    st.sampled_from([PROTOCOL_VERSION, PROTOCOL_VERSION + 1, 0, True, False, 1.0, -1, 2**64 - 1, 1, 2**40, 2**40 + 1]),
     st.binary(min_size=NONCE_SIZE, max_size=NONCE_SIZE),
     st.binary(min_size=32, max_size=32),
     st.fixed_dictionaries({}, optional={"code": msgpack_values, "message": msgpack_values}),

@@ -39,7 +39,7 @@ from gangd.protocol import (
 SECRET = b"correct horse battery staple"
 OTHER_SECRET = b"not the cluster secret"
 
-EVENT_TYPES = (Ready, Request, Reply, Item, Cancel, Note, RemoteClosed)
+EVENT_TYPES = (Ready, Request, Reply, Item, Cancel, connection_module.Credit, Note, RemoteClosed)
 
 
 # ---------------------------------------------------------------- helpers
@@ -971,13 +971,13 @@ def test_oversized_send_refused():
 # ================================================================ connection fuzzing
 
 FIELD_NAMES = ["t", "id", "op", "args", "ok", "error", "nonce", "proof", "v", "node", "role",
-               "result", "data", "code", "message"]
-TYPE_NAMES = ["hello", "auth", "req", "rep", "item", "cancel", "note", "bye", "bogus"]
+               "result", "data", "code", "message", "win", "n"]
+TYPE_NAMES = ["hello", "auth", "req", "rep", "item", "cancel", "credit", "note", "bye", "bogus"]
 
 interesting_values = st.one_of(
     st.sampled_from(TYPE_NAMES),
     st.sampled_from(["client", "peer", "admin", ""]),
-    st.sampled_from([PROTOCOL_VERSION, PROTOCOL_VERSION + 1, 0, True, False, 1.0, -1, 2**64 - 1]),
+    st.sampled_from([PROTOCOL_VERSION, PROTOCOL_VERSION + 1, 0, True, False, 1.0, -1, 2**64 - 1, 1, 2**40, 2**40 + 1]),
     st.binary(min_size=NONCE_SIZE, max_size=NONCE_SIZE),
     st.binary(min_size=32, max_size=32),
     st.fixed_dictionaries({}, optional={"code": msgpack_values, "message": msgpack_values}),
@@ -1076,3 +1076,306 @@ def test_connection_fuzz_only_raises_protocol_error(kind, max_frame, pieces, dat
         except ProtocolError as exc:
             assert exc.code == "truncated"
         assert conn.state is State.CLOSED
+
+
+# ================================================================ bounds (protocol version 2)
+
+from gangd.protocol import (  # noqa: E402
+    DEFAULT_WINDOW,
+    HANDSHAKE_MAX_FRAME,
+    MAX_CREDIT,
+    Credit,
+)
+
+
+def _header(length: int) -> bytes:
+    return struct.pack(">I", length)
+
+
+@pytest.mark.parametrize("accept", [frozenset({Role.CLIENT}), frozenset({Role.PEER}), frozenset(Role)])
+def test_listener_refuses_a_large_frame_before_the_handshake_from_its_header_alone(accept):
+    listener = Connection(dialer=False, node="node02", secret=SECRET, accept=accept)
+    listener.receive_data(_header(DEFAULT_MAX_FRAME))  # 16 MiB announced, nothing of it sent
+    with pytest.raises(ProtocolError) as info:
+        listener.next_event()
+    assert info.value.code == "oversized" and str(HANDSHAKE_MAX_FRAME) in info.value.message
+    assert listener.state is State.CLOSED
+    (bye,) = decode_all(listener.data_to_send())
+    assert bye["t"] == "bye" and bye["code"] == "oversized"
+
+
+def test_handshake_frame_limit_boundary():
+    listener = Connection(dialer=False, node="node02")
+    hello = {"t": "hello", "v": PROTOCOL_VERSION, "role": "client", "node": "x", "pad": b""}
+    base = len(raw_frame(hello)) - 4
+    hello["pad"] = b"\x00" * (HANDSHAKE_MAX_FRAME - base - 1)  # msgpack bin header grows by one byte here
+    frame = raw_frame(hello)
+    assert len(frame) - 4 <= HANDSHAKE_MAX_FRAME
+    listener.receive_data(frame)
+    assert isinstance(drain(listener)[0], Ready)
+
+
+def test_peer_listener_keeps_the_small_limit_until_the_dialer_authenticated():
+    dialer = Connection(dialer=True, node="node01", role=Role.PEER, secret=SECRET)
+    listener = Connection(dialer=False, node="node02", secret=SECRET)
+    listener.receive_data(dialer.data_to_send())
+    assert drain(listener) == []
+    assert listener.state is State.AUTH
+    listener.receive_data(_header(HANDSHAKE_MAX_FRAME + 1))
+    with pytest.raises(ProtocolError) as info:
+        listener.next_event()
+    assert info.value.code == "oversized"
+
+
+def test_dialer_refuses_a_large_frame_in_place_of_the_hello():
+    dialer = Connection(dialer=True, node="node01", role=Role.CLIENT)
+    dialer.receive_data(_header(HANDSHAKE_MAX_FRAME + 1))
+    with pytest.raises(ProtocolError) as info:
+        dialer.next_event()
+    assert info.value.code == "oversized"
+
+
+def test_large_frames_are_accepted_once_ready(pair):
+    dialer, listener = pair
+    rid, frame = dialer.send_request("put", {"blob": b"\x00" * (4 * HANDSHAKE_MAX_FRAME)})
+    listener.receive_data(frame)
+    (request,) = drain(listener)
+    assert request.id == rid and len(request.args["blob"]) == 4 * HANDSHAKE_MAX_FRAME
+
+
+def test_a_version_1_hello_is_refused_saying_both_versions():
+    listener = Connection(dialer=False, node="node02")
+    listener.receive_data(raw_frame({"t": "hello", "v": 1, "role": "client", "node": "old"}))
+    with pytest.raises(ProtocolError) as info:
+        listener.next_event()
+    assert info.value.code == "version_mismatch"
+    (bye,) = decode_all(listener.data_to_send())
+    assert "version 1" in bye["message"] and f"speaks {PROTOCOL_VERSION}" in bye["message"]
+
+
+# ---------------------------------------------------------------- flow control
+
+
+def test_requests_carry_their_window(pair):
+    dialer, listener = pair
+    rid, frame = dialer.send_request("tail", window=1234)
+    (message,) = decode_all(frame)
+    assert message["win"] == 1234
+    listener.receive_data(frame)
+    drain(listener)
+    assert listener.item_credit(rid) == 1234
+    _, frame = dialer.send_request("tail")
+    assert decode_all(frame)[0]["win"] == DEFAULT_WINDOW
+
+
+@pytest.mark.parametrize("window", [-1, MAX_CREDIT + 1])
+def test_send_request_refuses_a_window_out_of_range(pair, window):
+    with pytest.raises(ValueError):
+        pair[0].send_request("tail", window=window)
+
+
+def test_server_sends_items_only_while_it_has_credit(pair):
+    dialer, listener = pair
+    rid, frame = dialer.send_request("tail", window=100)
+    listener.receive_data(frame)
+    drain(listener)
+    sent = []
+    while listener.item_credit(rid) > 0:
+        sent.append(listener.send_item(rid, b"x" * 30))
+    size = len(sent[0])
+    assert len(sent) == -(-100 // size)  # the last one may overshoot the window, by less than a frame
+    assert listener.item_credit(rid) == 100 - sum(map(len, sent))
+    with pytest.raises(ProtocolError) as info:
+        listener.send_item(rid, b"more")
+    assert info.value.code == "no_credit"
+    dialer.receive_data(b"".join(sent))
+    items = drain(dialer)
+    assert [i.size for i in items] == [len(f) for f in sent]
+    # The consumer took them: credit comes back and the server may go on.
+    listener.receive_data(dialer.send_credit(rid, sum(i.size for i in items)))
+    assert drain(listener) == [Credit(rid, sum(map(len, sent)))]
+    assert listener.item_credit(rid) == 100 - sum(map(len, sent)) + sum(map(len, sent))
+    listener.send_item(rid, b"more")
+
+
+def test_an_item_beyond_the_credit_is_a_protocol_violation(pair):
+    dialer, listener = pair
+    rid, frame = dialer.send_request("tail", window=10)
+    listener.receive_data(frame)
+    drain(listener)
+    dialer.receive_data(listener.send_item(rid, b"x" * 20))  # overshoots: allowed once
+    assert len(drain(dialer)) == 1
+    dialer.receive_data(raw_frame({"t": "item", "id": rid, "data": b"y"}))  # a server ignoring credit
+    with pytest.raises(ProtocolError) as info:
+        dialer.next_event()
+    assert info.value.code == "flow_control"
+    assert dialer.state is State.CLOSED
+    (bye,) = decode_all(dialer.data_to_send())
+    assert bye["code"] == "flow_control"
+
+
+def test_a_zero_window_request_gets_no_items_until_credit(pair):
+    dialer, listener = pair
+    rid, frame = dialer.send_request("tail", window=0)
+    listener.receive_data(frame)
+    drain(listener)
+    assert listener.item_credit(rid) == 0
+    with pytest.raises(ProtocolError):
+        listener.send_item(rid, 1)
+    listener.receive_data(dialer.send_credit(rid, 1))
+    drain(listener)
+    dialer.receive_data(listener.send_item(rid, 1))
+    assert drain(dialer) == [Item(rid, 1)]
+
+
+def test_items_and_replies_for_requests_never_made_are_refused(pair):
+    dialer, _ = pair
+    for message in ({"t": "item", "id": 99, "data": 1}, {"t": "rep", "id": 99, "ok": True}):
+        conn = Connection(dialer=False, node="x")
+        conn.receive_data(raw_frame({"t": "hello", "v": PROTOCOL_VERSION, "role": "client", "node": "y"}))
+        drain(conn)
+        conn.receive_data(raw_frame(message))
+        with pytest.raises(ProtocolError) as info:
+            conn.next_event()
+        assert info.value.code == "malformed"
+
+
+def test_a_second_reply_to_one_request_is_refused(pair):
+    dialer, listener = pair
+    rid, frame = dialer.send_request("x")
+    listener.receive_data(frame)
+    drain(listener)
+    dialer.receive_data(listener.send_reply(rid, 1))
+    assert drain(dialer) == [Reply(rid, True, 1)]
+    dialer.receive_data(raw_frame({"t": "rep", "id": rid, "ok": True}))
+    with pytest.raises(ProtocolError):
+        dialer.next_event()
+
+
+def test_credit_after_the_reply_is_ignored_on_both_sides(pair):
+    dialer, listener = pair
+    rid, frame = dialer.send_request("tail")
+    listener.receive_data(frame)
+    drain(listener)
+    grant = dialer.send_credit(rid, 10)  # crosses the reply on the wire
+    dialer.receive_data(listener.send_reply(rid))
+    drain(dialer)
+    listener.receive_data(grant)
+    assert drain(listener) == []
+    assert dialer.send_credit(rid, 10) == b""
+    assert not listener.serving(rid)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"t": "credit", "id": 1, "n": 0},
+        {"t": "credit", "id": 1, "n": -5},
+        {"t": "credit", "id": 1, "n": MAX_CREDIT + 1},
+        {"t": "credit", "id": 1},
+        {"t": "credit", "n": 5},
+        {"t": "credit", "id": 1, "n": True},
+        {"t": "req", "id": 1, "op": "x", "args": {}},  # no window
+        {"t": "req", "id": 1, "op": "x", "args": {}, "win": -1},
+        {"t": "req", "id": 1, "op": "x", "args": {}, "win": MAX_CREDIT + 1},
+        {"t": "req", "id": 1, "op": "x", "args": {}, "win": 1.5},
+    ],
+)
+def test_malformed_credit_and_window_close_the_connection(pair, message):
+    dialer, listener = pair
+    listener.receive_data(raw_frame(message))
+    with pytest.raises(ProtocolError) as info:
+        listener.next_event()
+    assert info.value.code == "malformed"
+
+
+def test_credit_accumulates_up_to_a_cap(pair):
+    dialer, listener = pair
+    rid, frame = dialer.send_request("tail", window=MAX_CREDIT)
+    listener.receive_data(frame)
+    drain(listener)
+    for _ in range(3):
+        listener.receive_data(raw_frame({"t": "credit", "id": rid, "n": MAX_CREDIT}))
+        drain(listener)
+    assert listener.item_credit(rid) == MAX_CREDIT
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    window=st.integers(1, 5000),
+    sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=60),
+    consume=st.lists(st.integers(0, 4), min_size=1, max_size=60),
+)
+def test_flow_control_bounds_what_the_requester_buffers(window, sizes, consume):
+    """However the producer's items and the consumer's pace interleave, what the
+    requester holds unconsumed never exceeds its window plus one frame, and
+    every item gets through once the consumer reads."""
+    dialer, listener = make_pair(Role.CLIENT)
+    rid, frame = dialer.send_request("tail", window=window)
+    listener.receive_data(frame)
+    drain(listener)
+    todo = list(sizes)
+    buffered: list[Item] = []
+    got = 0
+    largest = max(len(encode_frame({"t": "item", "id": rid, "data": b"x" * s})) for s in sizes)
+    step = 0
+    while todo or buffered:
+        while todo and listener.item_credit(rid) > 0:
+            dialer.receive_data(listener.send_item(rid, b"x" * todo.pop(0)))
+        for event in drain(dialer):
+            buffered.append(event)
+        assert sum(i.size for i in buffered) <= window + largest
+        take = consume[step % len(consume)] or (1 if not todo or listener.item_credit(rid) <= 0 else 0)
+        step += 1
+        taken, buffered = buffered[:take], buffered[take:]
+        got += len(taken)
+        grant = dialer.send_credit(rid, sum(i.size for i in taken))
+        listener.receive_data(grant)
+        drain(listener)
+    assert got == len(sizes)
+
+
+# ---------------------------------------------------------------- requests in flight
+
+
+def test_requests_beyond_max_in_flight_are_answered_busy_by_the_machine():
+    dialer = Connection(dialer=True, node="c", role=Role.CLIENT)
+    listener = Connection(dialer=False, node="d", max_in_flight=3)
+    deliver(dialer, listener)
+    deliver(listener, dialer)
+    frames = [dialer.send_request("wait") for _ in range(5)]
+    listener.receive_data(b"".join(f for _, f in frames))
+    served = drain(listener)
+    assert [r.id for r in served] == [rid for rid, _ in frames[:3]]
+    assert listener.in_flight == 3 and listener.refused_busy == 2
+    replies = deliver(listener, dialer)
+    assert [r.id for r in replies] == [rid for rid, _ in frames[3:]]
+    assert all(not r.ok and r.error["code"] == "busy" and "in flight" in r.error["message"] for r in replies)
+    # One answered: room for one more.
+    dialer.receive_data(listener.send_reply(served[0].id))
+    drain(dialer)
+    assert listener.in_flight == 2
+    rid, frame = dialer.send_request("wait")
+    listener.receive_data(frame)
+    assert drain(listener) == [Request(rid, "wait", {})]
+    assert listener.in_flight == 3
+
+
+def test_a_request_id_already_in_flight_is_a_protocol_violation(pair):
+    dialer, listener = pair
+    listener.receive_data(raw_frame({"t": "req", "id": 5, "op": "x", "args": {}, "win": 0}))
+    assert len(drain(listener)) == 1
+    listener.receive_data(raw_frame({"t": "req", "id": 5, "op": "y", "args": {}, "win": 0}))
+    with pytest.raises(ProtocolError) as info:
+        listener.next_event()
+    assert info.value.code == "malformed"
+
+
+def test_an_error_reply_ends_the_request_in_flight(pair):
+    dialer, listener = pair
+    rid, frame = dialer.send_request("x")
+    listener.receive_data(frame)
+    drain(listener)
+    assert listener.serving(rid) and listener.in_flight == 1
+    listener.send_error(rid, "nope", "no")
+    assert not listener.serving(rid) and listener.in_flight == 0

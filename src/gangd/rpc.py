@@ -11,6 +11,13 @@ calls ``await emit(item)`` for each item; the final reply follows when it
 returns (or when the requester cancels). A callback rather than an async
 generator, so a producer may open nurseries freely: yielding from inside a
 nursery in an async generator is not cancellation-safe in trio.
+
+Memory stays bounded whatever the other side does: ``emit`` waits for the
+requester's credit (see :mod:`gangd.protocol.connection`), a requester
+grants credit only as its consumer takes items, the machine answers
+requests beyond ``max_in_flight`` with ``busy``, and at most ``max_notes``
+note handlers run at once (beyond that the channel stops reading: note
+handlers never wait on this connection, so that cannot deadlock).
 """
 
 from __future__ import annotations
@@ -26,8 +33,11 @@ from dataclasses import dataclass
 import trio
 
 from .protocol import (
+    DEFAULT_WINDOW,
+    HANDSHAKE_MAX_FRAME,
     Cancel,
     Connection,
+    Credit,
     Item,
     Note,
     ProtocolError,
@@ -36,12 +46,17 @@ from .protocol import (
     Reply,
     Request,
     Role,
+    State,
 )
 
 log = logging.getLogger("gangd.rpc")
 
 HANDSHAKE_TIMEOUT = 5.0
 READ_SIZE = 256 * 1024
+#: Read size before the handshake is done (a hello is far smaller).
+HANDSHAKE_READ_SIZE = 2 * HANDSHAKE_MAX_FRAME
+#: One-way notes of the other side handled at once before reading pauses.
+DEFAULT_MAX_NOTES = 64
 
 
 class RemoteError(Exception):
@@ -94,7 +109,15 @@ def peer_credentials(stream: trio.SocketStream) -> tuple[int, int, int]:
 
 
 class Channel:
-    def __init__(self, stream: trio.abc.Stream, conn: Connection, *, label: str = "?"):
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        conn: Connection,
+        *,
+        label: str = "?",
+        window: int = DEFAULT_WINDOW,
+        max_notes: int = DEFAULT_MAX_NOTES,
+    ):
         self.transport = stream
         self.conn = conn
         self.label = label
@@ -103,8 +126,12 @@ class Channel:
         self.close_reason = ""
         self.context: dict = {}  # what the server knows of the other side (uid, node...)
         self._send_lock = trio.Lock()
+        self.window = window  # bytes of stream items buffered per request of ours
         self._pending: dict[int, trio.MemorySendChannel] = {}
         self._serving: dict[int, trio.CancelScope] = {}
+        self._credit_wakeups: dict[int, trio.Event] = {}
+        self._ungranted: dict[int, int] = {}  # rid -> consumed item bytes not yet granted back
+        self._note_slots = trio.Semaphore(max_notes)
 
     # ------------------------------------------------------------ handshake
 
@@ -154,12 +181,13 @@ class Channel:
                 ...  # other work
                 result = await reply()
         """
-        async with self._open_request(op, args) as (_rid, receive):
+        async with self._open_request(op, args) as (rid, receive):
 
             async def reply() -> object:
                 async for event in receive:
                     if isinstance(event, Reply):
                         return _result(event)
+                    await self._grant(rid, event.size, at_once=True)  # an item nobody wants
                 raise Disconnected(f"connection to {self.label} closed before {op!r} was answered")
 
             yield reply
@@ -176,6 +204,9 @@ class Channel:
                 async for event in receive:
                     if isinstance(event, Item):
                         yield event.data
+                        # Only now, once the consumer asks for the next one:
+                        # a consumer that stops reading stops the stream.
+                        await self._grant(rid, event.size)
                     elif isinstance(event, Reply):
                         done = True
                         _result(event)
@@ -196,14 +227,38 @@ class Channel:
     async def _open_request(self, op: str, args: dict):
         if self.closed:
             raise Disconnected(f"connection to {self.label} is closed: {self.close_reason}")
-        rid, frame = self.conn.send_request(op, args)
+        rid, frame = self.conn.send_request(op, args, window=self.window)
+        # Unbounded in type only: the machine refuses items beyond the credit
+        # granted, so this holds at most window + one frame (and the reply).
         send, receive = trio.open_memory_channel(math.inf)
         self._pending[rid] = send
+        self._ungranted[rid] = 0
         try:
             await self._send(frame)
             yield rid, receive
         finally:
             self._pending.pop(rid, None)
+            self._ungranted.pop(rid, None)
+
+    async def _grant(self, rid: int, size: int, *, at_once: bool = False) -> None:
+        """Give back the credit of consumed items, in batches of half a window."""
+        if rid not in self._ungranted:
+            return
+        self._ungranted[rid] += size
+        if self._ungranted[rid] < self.window // 2 and not at_once:
+            return
+        n, self._ungranted[rid] = self._ungranted[rid], 0
+        if self.closed:
+            return
+        try:
+            data = self.conn.send_credit(rid, n)
+        except ProtocolError:
+            return
+        if data:
+            try:
+                await self._send(data)
+            except RemoteError:
+                pass  # the connection is gone; the reader reports it
 
     async def note(self, op: str, **args) -> None:
         await self._send(self.conn.send_note(op, args))
@@ -217,8 +272,11 @@ class Channel:
                 return event
             # The state machine may have queued a reply of its own (handshake).
             await self._flush()
+            # Small reads until the handshake is done: what an unauthenticated
+            # connection can make us hold is a few KiB, not READ_SIZE.
+            size = READ_SIZE if self.conn.state is State.READY else HANDSHAKE_READ_SIZE
             try:
-                data = await self.transport.receive_some(READ_SIZE)
+                data = await self.transport.receive_some(size)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 data = b""
                 self.close_reason = str(exc)
@@ -280,8 +338,13 @@ class Channel:
                 scope = self._serving.get(event.id)
                 if scope is not None:
                     scope.cancel()
+            elif isinstance(event, Credit):
+                wakeup = self._credit_wakeups.pop(event.id, None)
+                if wakeup is not None:
+                    wakeup.set()
             elif isinstance(event, Note):
                 if handler is not None:
+                    await self._note_slots.acquire()  # backpressure: stop reading while full
                     nursery.start_soon(self._serve_note, handler, event)
             elif isinstance(event, RemoteClosed):
                 self.close_reason = f"{event.code}: {event.message}"
@@ -294,6 +357,19 @@ class Channel:
             await handler(self, note)
         except Exception:
             log.exception("note %r from %s failed", note.op, self.label)
+        finally:
+            self._note_slots.release()
+
+    async def _emit(self, rid: int, item: object) -> None:
+        """Send one stream item once the requester has granted credit for it."""
+        while self.conn.item_credit(rid) <= 0:
+            if self.closed:
+                raise Disconnected(f"connection to {self.label} is closed: {self.close_reason}")
+            wakeup = self._credit_wakeups.setdefault(rid, trio.Event())
+            await wakeup.wait()
+        # No checkpoint between the credit check and the accounting: another
+        # emitter of the same stream cannot slip in between.
+        await self._send(self.conn.send_item(rid, item))
 
     async def _serve_one(self, handler: Handler, request: Request, scope: trio.CancelScope) -> None:
         try:
@@ -303,7 +379,7 @@ class Channel:
                     if isinstance(result, Stream):
 
                         async def emit(item, rid=request.id):
-                            await self._send(self.conn.send_item(rid, item))
+                            await self._emit(rid, item)
 
                         await result.produce(emit)
                         result = None
@@ -324,13 +400,14 @@ class Channel:
                     log.exception("request %r from %s failed", request.op, self.label)
                     frame = self.conn.send_error(request.id, "internal", f"{type(exc).__name__}: {exc}")
                 await self._send(frame)
-            if scope.cancelled_caught and not self.closed:
+            if scope.cancelled_caught and not self.closed and self.conn.serving(request.id):
                 # The requester cancelled: close the stream politely.
                 await self._send(self.conn.send_reply(request.id, None))
         except RemoteError:
             pass  # connection went away; nothing to tell anybody
         finally:
             self._serving.pop(request.id, None)
+            self._credit_wakeups.pop(request.id, None)
 
     def _mark_closed(self, reason: str) -> None:
         if self.closed:
@@ -340,6 +417,9 @@ class Channel:
         for send in self._pending.values():
             send.close()
         self._pending.clear()
+        for wakeup in self._credit_wakeups.values():
+            wakeup.set()  # emitters waiting for credit see the channel closed
+        self._credit_wakeups.clear()
 
     async def aclose(self) -> None:
         self._mark_closed("closed locally")

@@ -32,6 +32,8 @@ from ..protocol import ProtocolError
 from ..rpc import Channel, RemoteError, dial_unix, running
 
 CLUSTER_FILE = "cluster.toml"
+#: Handshake refusals that mean "reached, but not now / not you" rather than "not there".
+REFUSALS = frozenset({"too_many_connections", "busy"})
 
 
 class ClusterNotFound(Exception):
@@ -135,7 +137,15 @@ class Client:
         return await self.request("submit", spec=spec)
 
     async def jobs(self, all: bool = False) -> list[dict]:
-        return await self.request("jobs", all=all)
+        """Every job (with ``all``) or the active and recent ones, in id order, page by page."""
+        found: list[dict] = []
+        after, page = 0, 500
+        while True:
+            batch = await self.request("jobs", all=all, after=after, limit=page)
+            found += batch
+            if len(batch) < page:
+                return found
+            after = batch[-1]["id"]
 
     async def job(self, job_id: int) -> dict:
         return await self.request("job", job=job_id)
@@ -201,7 +211,12 @@ async def connect(cluster: str | os.PathLike | None = None, sockets: list[str] |
     for path in candidates:
         try:
             channel = await dial_unix(path)
-        except (OSError, ProtocolError, RemoteError, trio.TooSlowError) as exc:
+        except ProtocolError as exc:
+            if exc.code in REFUSALS:  # it is up and said why: trying another node would not help
+                raise RemoteError(exc.code, f"gangd at {path} refused the connection: {exc.message.split(': ', 1)[-1]}") from None
+            errors.append(f"{path}: {exc}")
+            continue
+        except (OSError, RemoteError, trio.TooSlowError) as exc:
             errors.append(f"{path}: {getattr(exc, 'strerror', None) or exc}")
             continue
         async with running(channel):

@@ -15,6 +15,8 @@ for anything the caller got wrong; nothing a caller sends can stop the daemon.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import os
 import signal
@@ -30,6 +32,9 @@ from .coordinator import permission_check
 from .jobnet import expected_deliveries
 from .limits import read_process_limits
 from .peers import natural_key
+
+#: Most job summaries in one answer to ``jobs`` (the client pages through more).
+LIST_PAGE = 500
 
 #: After a switch stops a job, how long before its processes forked during
 #: the slice are looked for (and stopped): after every node's part.
@@ -49,6 +54,9 @@ def _int(args: dict, key: str) -> int:
 class Ops:
     def __init__(self, daemon):
         self.daemon = daemon
+        self._ids: list[int] | None = None  # job ids in order (see _job_ids)
+        self._id_set: set[int] = set()
+        daemon.table.listeners.append(self._index_record)
         self.client_ops = {
             "info": self.info,
             "submit": self.submit,
@@ -184,11 +192,36 @@ class Ops:
         job_id = _int(args, "job")
         return await self.to_coordinator("coord_kill", job=job_id, cred=cred)
 
+    def _job_ids(self) -> list[int]:
+        """Every job id of the table, ascending: built once, then kept up to
+        date record by record, so a listing never sorts the whole table."""
+        if self._ids is None:
+            self._ids = sorted(self.daemon.table.records)
+            self._id_set = set(self._ids)
+        return self._ids
+
+    def _index_record(self, record: dict) -> None:
+        if self._ids is not None and record["id"] not in self._id_set:
+            self._id_set.add(record["id"])
+            bisect.insort(self._ids, record["id"])
+
     async def list_jobs(self, cred, args, channel):
-        records = sorted(self.daemon.table.records.values(), key=lambda r: r["id"])
-        if not args.get("all"):
-            cutoff = time.time() - 3600
-            records = [r for r in records if not jobs.is_terminal(r) or (r.get("ended") or 0) > cutoff]
+        """One page of job summaries in id order: at most ``limit`` (<= LIST_PAGE)
+        jobs with ids above ``after``; the client asks for pages until one is short."""
+        after = args.get("after", 0)
+        limit = args.get("limit", LIST_PAGE)
+        if not isinstance(after, int) or not isinstance(limit, int) or isinstance(after, bool) or isinstance(limit, bool):
+            raise RemoteError("bad_request", "'after' and 'limit' must be integers")
+        limit = max(1, min(limit, LIST_PAGE))
+        ids, table = self._job_ids(), self.daemon.table.records
+        cutoff = None if args.get("all") else time.time() - 3600
+        records = []
+        for job_id in itertools.islice(ids, bisect.bisect_right(ids, after), None):
+            record = table[job_id]
+            if cutoff is None or not jobs.is_terminal(record) or (record.get("ended") or 0) > cutoff:
+                records.append(record)
+                if len(records) >= limit:
+                    break
         summaries = [_summary(r) for r in records]
         live = [s for s in summaries if s["state"] in (jobs.RUNNING, jobs.SUSPENDED)]
         if live:

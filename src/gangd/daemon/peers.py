@@ -11,7 +11,6 @@ on nodes that went down.
 from __future__ import annotations
 
 import logging
-import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -24,6 +23,11 @@ from .clock import OffsetFilter
 from .config import NodeSpec
 
 log = logging.getLogger("gangd.peers")
+
+#: Notes queued for one peer before more are dropped. Notes are table
+#: updates only, and a peer that missed some is caught up by sequence number
+#: at its next heartbeat, so a slow or stopped peer costs a bounded queue.
+OUTBOX_NOTES = 1024
 
 
 def natural_key(name: str):
@@ -55,7 +59,7 @@ class Peers:
         self.config = daemon.config
         self.links: dict[str, PeerLink] = {spec.name: PeerLink(spec) for spec in self.config.peers}
         for link in self.links.values():
-            link.outbox = trio.open_memory_channel(math.inf)
+            link.outbox = trio.open_memory_channel(OUTBOX_NOTES)
         self.settled = trio.Event()  # first round of contacts done (or timed out)
 
     # ------------------------------------------------------------ queries
@@ -92,15 +96,23 @@ class Peers:
         return link.channel
 
     def broadcast(self, op: str, **args) -> None:
-        """Queue a one-way note to every peer that is up (lost if it goes down)."""
+        """Queue a one-way note to every peer that is up (lost if it goes down
+        or its queue is full: see OUTBOX_NOTES)."""
         for link in self.links.values():
             if link.up:
-                link.outbox[0].send_nowait((op, args))
+                self._queue(link, op, args)
 
     def send_note(self, node: str, op: str, **args) -> None:
         link = self.links.get(node)
         if link is not None and link.up:
+            self._queue(link, op, args)
+
+    @staticmethod
+    def _queue(link: PeerLink, op: str, args: dict) -> None:
+        try:
             link.outbox[0].send_nowait((op, args))
+        except trio.WouldBlock:
+            log.warning("node %s is not taking notes (%d queued); dropped a %r note, its heartbeat catches it up", link.spec.name, OUTBOX_NOTES, op)
 
     # ------------------------------------------------------------ the links
 

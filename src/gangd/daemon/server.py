@@ -11,11 +11,11 @@ each request does.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import logging
 import math
 import os
-import pwd
 import signal
 import socket
 import stat
@@ -24,7 +24,7 @@ import time
 import trio
 
 from .. import jobs, safefs
-from ..protocol import Connection, ProtocolError, Role
+from ..protocol import Connection, ProtocolError, Request, Role
 from ..rpc import Channel, RemoteError, peer_credentials
 from ..safefs import UnsafePath
 from .cgroup import CgroupTree
@@ -32,6 +32,7 @@ from .checkpoint import NodeCheckpoints
 from .config import Config
 from .coordinator import Coordinator
 from .jobnet import JobNet
+from .admission import Counter, Limits, Refused, TokenBucket, UserNames
 from .notify import SystemdNotifier, watchdog_loop
 from .ops import Ops
 from .peers import Peers
@@ -285,6 +286,10 @@ class Daemon:
                 raise StartupError(f"{spec.endpoint} is already in use (another gangd?)") from None
             raise StartupError(f"cannot listen on {spec.endpoint}: {exc.strerror or exc}") from None
 
+    @functools.cached_property
+    def _guard(self) -> _ConnectionGuard:
+        return _ConnectionGuard(Limits())
+
     async def _serve_listeners(self, listener: trio.SocketListener, role: Role) -> None:
         async with listener:
             while True:
@@ -297,42 +302,76 @@ class Daemon:
                 self.spawn(self._serve_connection, stream, role)
 
     async def _serve_connection(self, stream, role: Role) -> None:
-        if role is Role.PEER:
-            stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            host, port = stream.socket.getpeername()[:2]
-            label = f"peer connection from {host}:{port}"
-            conn = Connection(dialer=False, node=self.node, secret=self.secret, accept=frozenset({Role.PEER}))
-            context = {"peer": True}
-        else:
-            pid, uid, gid = peer_credentials(stream)
-            label = f"client pid {pid} uid {uid}"
-            conn = Connection(dialer=False, node=self.node, accept=frozenset({Role.CLIENT}))
-            context = {"peer": False, "cred": _credentials(uid, gid), "pid": pid}
-        channel = Channel(stream, conn, label=label)
-        channel.context = context
+        """One accepted connection, from its limits through its handshake to its end.
+
+        Limits are checked before anything else is spent on it: a TCP
+        connection takes a handshake slot of its address (released once it
+        authenticated: then it holds the cluster secret, and is trusted as a
+        node), a Unix connection a slot of its uid for its whole life.
+        """
+        guard = self._guard
+        limits = guard.limits
         try:
-            ready = await channel.handshake()
-        except (ProtocolError, trio.TooSlowError) as exc:
-            log.warning("refused %s: %s", label, exc)
-            with trio.CancelScope(shield=True), trio.move_on_after(0.5):
-                try:
-                    await stream.send_all(conn.data_to_send())
-                except Exception:
-                    pass
+            if role is Role.PEER:
+                stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                host, port = stream.socket.getpeername()[:2]
+                label = f"peer connection from {host}:{port}"
+                conn = Connection(
+                    dialer=False, node=self.node, secret=self.secret, accept=frozenset({Role.PEER}),
+                    max_in_flight=limits.peer_in_flight,
+                )
+            else:
+                pid, uid, gid = peer_credentials(stream)
+                label = f"client pid {pid} uid {uid}"
+                conn = Connection(dialer=False, node=self.node, accept=frozenset({Role.CLIENT}), max_in_flight=limits.client_in_flight)
+        except OSError:  # gone before we looked at it
+            with trio.CancelScope(shield=True):
                 await stream.aclose()
             return
-        if role is Role.PEER:
-            channel.label = f"node {ready.node}"
-            context["node"] = ready.node
-            if ready.node not in {n.name for n in self.config.nodes}:
-                log.warning("refused %s: node %r is not in this cluster's [[nodes]]", label, ready.node)
-                await channel.aclose()
-                return
         try:
-            await channel.run(self.ops.handle)
-        finally:
-            self.jobnet.detached(channel)
-            self.checkpoints.detached(channel)
+            slot = guard.hold_handshake(host) if role is Role.PEER else guard.hold_uid(uid)
+        except Refused as refused:
+            log.warning("refused %s: %s", label, refused.message)
+            await _refuse(stream, conn, refused)
+            return
+        with slot:
+            if role is Role.CLIENT:
+                context = {"peer": False, "cred": await self._credentials(uid, gid), "pid": pid}
+                channel = Channel(stream, conn, label=label)
+            else:
+                context = {"peer": True}
+                channel = Channel(stream, conn, label=label, max_notes=limits.peer_in_flight)
+            channel.context = context
+            try:
+                ready = await channel.handshake()
+            except (ProtocolError, trio.TooSlowError, RemoteError) as exc:
+                log.warning("refused %s: %s", label, exc)
+                with trio.CancelScope(shield=True), trio.move_on_after(0.5):
+                    try:
+                        await stream.send_all(conn.data_to_send())
+                    except Exception:
+                        pass
+                    await stream.aclose()
+                return
+            if role is Role.PEER:
+                slot.close()  # authenticated: no longer counts against its address
+                channel.label = f"node {ready.node}"
+                context["node"] = ready.node
+                if ready.node not in {n.name for n in self.config.nodes}:
+                    log.warning("refused %s: node %r is not in this cluster's [[nodes]]", label, ready.node)
+                    await channel.aclose()
+                    return
+            else:
+                handler = guard.rate_limited(context["cred"]["uid"], self.ops.handle)
+            try:
+                await channel.run(self.ops.handle if role is Role.PEER else handler)
+            finally:
+                self.jobnet.detached(channel)
+                self.checkpoints.detached(channel)
+
+    async def _credentials(self, uid: int, gid: int) -> dict:
+        """Who a local client is: the kernel's uid/gid, the name from NSS (off the loop, cached)."""
+        return {"uid": uid, "gid": gid, "user": await self._guard.names.name(uid)}
 
     async def _watch_membership(self) -> None:
         was = False
@@ -455,9 +494,90 @@ class Daemon:
                 return
 
 
-def _credentials(uid: int, gid: int) -> dict:
-    try:
-        user = pwd.getpwuid(uid).pw_name
-    except KeyError:
-        user = str(uid)
-    return {"uid": uid, "gid": gid, "user": user}
+
+class _Slot:
+    """A held connection slot; released once, by close() or at the end of the with-block."""
+
+    def __init__(self, counter: Counter, key):
+        self._counter, self._key = counter, key
+
+    def close(self) -> None:
+        if self._counter is not None:
+            self._counter.release(self._key)
+            self._counter = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _ConnectionGuard:
+    """The daemon's connection limits, rate limits and user-name cache (see :mod:`.admission`)."""
+
+    def __init__(self, limits: Limits):
+        self.limits = limits
+        self.by_address = Counter(limits.handshakes_per_address, "address")
+        self.all_handshakes = Counter(
+            limits.handshakes_total, "", "{held} connections are in their handshake already (limit {limit}); try again shortly"
+        )
+        self.by_uid = Counter(limits.connections_per_uid, "uid")
+        self.requests = TokenBucket(limits.requests_per_second, limits.request_burst)
+        self.names = UserNames(limits)
+
+    def hold_handshake(self, host: str) -> _Slot:
+        self.by_address.take(host)
+        try:
+            self.all_handshakes.take("connections in their handshake")
+        except Refused:
+            self.by_address.release(host)
+            raise
+        address = _Slot(self.by_address, host)
+        total = _Slot(self.all_handshakes, "connections in their handshake")
+        return _Pair(address, total)
+
+    def hold_uid(self, uid: int) -> _Slot:
+        self.by_uid.take(uid, self.limits.connections_root if uid == 0 else None)
+        return _Slot(self.by_uid, uid)
+
+    def rate_limited(self, uid: int, handle):
+        """``handle`` behind uid's token bucket (requests only; notes are the
+        ranks' messaging and bounded by the channel instead). Root is exempt."""
+        if uid == 0:
+            return handle
+        bucket = self.requests
+
+        async def limited(channel, message):
+            if isinstance(message, Request) and not bucket.take(uid):
+                raise RemoteError(
+                    "busy",
+                    f"busy: uid {uid} sent more than {bucket.rate:.0f} requests a second (burst {bucket.burst:.0f}); retry in a moment",
+                )
+            return await handle(channel, message)
+
+        return limited
+
+
+class _Pair(_Slot):
+    def __init__(self, first: _Slot, second: _Slot):
+        self._slots = (first, second)
+
+    def close(self) -> None:
+        for slot in self._slots:
+            slot.close()
+
+
+async def _refuse(stream, conn: Connection, refused: Refused) -> None:
+    """Tell a connection beyond a limit why (a bye frame its client shows), then close it."""
+    with trio.CancelScope(shield=True):
+        with trio.move_on_after(0.5):
+            try:
+                await stream.send_all(conn.send_bye(refused.code, refused.message))
+                # Take the hello it sent before closing: a socket closed with
+                # unread data resets the connection, and the reset could
+                # overtake the bye on its way to the client.
+                await stream.receive_some(4096)
+            except Exception:
+                pass
+        await stream.aclose()

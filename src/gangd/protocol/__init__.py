@@ -5,10 +5,15 @@ streams. See :mod:`gangd.protocol.connection` for the handshake.
 """
 
 from .connection import (
+    DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_WINDOW,
+    HANDSHAKE_MAX_FRAME,
+    MAX_CREDIT,
     NONCE_SIZE,
     PROTOCOL_VERSION,
     Cancel,
     Connection,
+    Credit,
     Event,
     Item,
     Note,
@@ -23,10 +28,15 @@ from .frames import DEFAULT_MAX_FRAME, FrameDecoder, ProtocolError, decode_paylo
 
 __all__ = [
     "DEFAULT_MAX_FRAME",
+    "DEFAULT_MAX_IN_FLIGHT",
+    "DEFAULT_WINDOW",
+    "HANDSHAKE_MAX_FRAME",
+    "MAX_CREDIT",
     "NONCE_SIZE",
     "PROTOCOL_VERSION",
     "Cancel",
     "Connection",
+    "Credit",
     "Event",
     "FrameDecoder",
     "Item",

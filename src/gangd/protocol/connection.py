@@ -21,7 +21,26 @@ daemons::
 
 Local clients do not authenticate on the wire: the daemon learns their uid
 from the Unix socket's peer credentials. After the handshake both sides may
-send requests, replies, stream items, cancels and one-way notes.
+send requests, replies, stream items, cancels, credits and one-way notes.
+
+Bounds (version 2)
+------------------
+Nothing the other side sends may grow this side without limit:
+
+* Until the handshake is done, frames are limited to
+  :data:`HANDSHAKE_MAX_FRAME` (a hello is a few dozen bytes), so an
+  unauthenticated peer cannot make a daemon buffer a 16 MiB frame.
+* Every request carries a *window* (``win``): how many bytes of stream items
+  its requester is ready to buffer. The server may send items while it has
+  credit left (one frame may overshoot it); the requester grants more with
+  ``credit{id, n}`` frames as it consumes items. An item beyond the credit
+  is a protocol violation. So a requester that stops reading stalls only its
+  own stream, and its buffer stays under ``win + max_frame``.
+* At most ``max_in_flight`` requests of the other side are served at once.
+  Beyond that, requests are answered ``busy`` at once (by the machine
+  itself) rather than by no longer reading the socket: the frames behind
+  them may be the credits and cancels that let requests in flight finish,
+  and a reader that stopped would deadlock on them.
 """
 
 from __future__ import annotations
@@ -35,8 +54,18 @@ from dataclasses import dataclass, field
 
 from .frames import DEFAULT_MAX_FRAME, FrameDecoder, ProtocolError, encode_frame
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 NONCE_SIZE = 16
+
+#: Frame limit until the handshake is done: a hello or auth is < 200 bytes.
+HANDSHAKE_MAX_FRAME = 4096
+#: Bytes of stream items a requester is ready to buffer per request, unless it says otherwise.
+DEFAULT_WINDOW = 256 * 1024
+#: Requests of the other side served at once, unless configured otherwise.
+DEFAULT_MAX_IN_FLIGHT = 64
+#: Largest window or credit grant a frame may carry, and the most credit a
+#: stream may accumulate (so a generous peer cannot make counters grow forever).
+MAX_CREDIT = 1 << 40
 
 
 class Role(str, enum.Enum):
@@ -82,10 +111,23 @@ class Reply:
 
 @dataclass(frozen=True)
 class Item:
-    """One element of a streamed reply to request ``id`` (zero or more precede the Reply)."""
+    """One element of a streamed reply to request ``id`` (zero or more precede the Reply).
+
+    ``size`` is the frame's size in bytes: what the consumer gives back with
+    :meth:`Connection.send_credit` once it has dealt with the item.
+    """
 
     id: int
     data: object
+    size: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class Credit:
+    """The requester of ``id`` may now buffer ``n`` more bytes of items (already applied)."""
+
+    id: int
+    n: int
 
 
 @dataclass(frozen=True)
@@ -111,7 +153,7 @@ class RemoteClosed:
     message: str
 
 
-Event = Ready | Request | Reply | Item | Cancel | Note | RemoteClosed
+Event = Ready | Request | Reply | Item | Cancel | Credit | Note | RemoteClosed
 
 
 def _proof(secret: bytes, label: bytes, nonce_dialer: bytes, nonce_listener: bytes) -> bytes:
@@ -147,7 +189,9 @@ class Connection:
 
     ``dialer`` is True on the side that opened the connection. ``role`` is
     what the dialer is (a listener accepts either role unless ``accept`` says
-    otherwise). ``secret`` is required for peer connections.
+    otherwise). ``secret`` is required for peer connections. ``max_frame``
+    applies once the handshake is done (:data:`HANDSHAKE_MAX_FRAME` before);
+    ``max_in_flight`` bounds the other side's requests served at once.
     """
 
     def __init__(
@@ -159,6 +203,7 @@ class Connection:
         secret: bytes | None = None,
         accept: frozenset[Role] = frozenset(Role),
         max_frame: int = DEFAULT_MAX_FRAME,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     ):
         self.dialer = dialer
         self.node = node
@@ -168,8 +213,14 @@ class Connection:
         self.max_frame = max_frame
         self.state = State.HELLO
         self.peer_node: str | None = None
-        self._decoder = FrameDecoder(max_frame)
+        self.max_in_flight = max_in_flight
+        self._decoder = FrameDecoder(min(max_frame, HANDSHAKE_MAX_FRAME))
         self._outbox = bytearray()
+        # Requests of ours awaiting their reply: rid -> bytes of items the other side may still send.
+        self._awaiting: dict[int, int] = {}
+        # Requests of theirs being served: rid -> bytes of items we may still send.
+        self._serving: dict[int, int] = {}
+        self.refused_busy = 0  # requests answered busy so far (for logs and tests)
         self._next_id = 1
         self._nonce = os.urandom(NONCE_SIZE)
         self._peer_nonce = b""
@@ -217,25 +268,66 @@ class Connection:
 
     # ------------------------------------------------------------ send side
 
-    def send_request(self, op: str, args: dict | None = None) -> tuple[int, bytes]:
+    def send_request(self, op: str, args: dict | None = None, *, window: int = DEFAULT_WINDOW) -> tuple[int, bytes]:
+        """A request; ``window`` is how many bytes of stream items we will buffer before granting more."""
         self._check_ready()
+        if not 0 <= window <= MAX_CREDIT:
+            raise ValueError(f"window {window} out of range")
         rid = self._next_id
+        frame = encode_frame({"t": "req", "id": rid, "op": op, "args": args or {}, "win": window}, self.max_frame)
         self._next_id += 1
-        return rid, encode_frame({"t": "req", "id": rid, "op": op, "args": args or {}}, self.max_frame)
+        self._awaiting[rid] = window
+        return rid, frame
 
     def send_reply(self, rid: int, result: object = None) -> bytes:
         self._check_ready()
-        return encode_frame({"t": "rep", "id": rid, "ok": True, "result": result}, self.max_frame)
+        frame = encode_frame({"t": "rep", "id": rid, "ok": True, "result": result}, self.max_frame)
+        self._serving.pop(rid, None)
+        return frame
 
     def send_error(self, rid: int, code: str, message: str) -> bytes:
         self._check_ready()
-        return encode_frame(
+        frame = encode_frame(
             {"t": "rep", "id": rid, "ok": False, "error": {"code": code, "message": message}}, self.max_frame
         )
+        self._serving.pop(rid, None)
+        return frame
+
+    def serving(self, rid: int) -> bool:
+        """True while request ``rid`` of the other side waits for its reply from us."""
+        return rid in self._serving
+
+    @property
+    def in_flight(self) -> int:
+        """Requests of the other side being served now."""
+        return len(self._serving)
+
+    def item_credit(self, rid: int) -> int:
+        """Bytes of items we may still send on request ``rid`` (<= 0: wait for a Credit)."""
+        return self._serving.get(rid, 0)
 
     def send_item(self, rid: int, data: object) -> bytes:
+        """One item of the stream answering ``rid``. Raises ProtocolError
+        ``no_credit`` unless :meth:`item_credit` is positive."""
         self._check_ready()
-        return encode_frame({"t": "item", "id": rid, "data": data}, self.max_frame)
+        credit = self._serving.get(rid)
+        if credit is None:
+            raise ProtocolError("not_serving", f"request {rid} is not being served")
+        if credit <= 0:
+            raise ProtocolError("no_credit", f"the requester of {rid} has granted no credit for more items")
+        frame = encode_frame({"t": "item", "id": rid, "data": data}, self.max_frame)
+        self._serving[rid] = credit - len(frame)
+        return frame
+
+    def send_credit(self, rid: int, n: int) -> bytes:
+        """Grant the server of our request ``rid`` ``n`` more bytes of items
+        (b"" if it was answered meanwhile: nothing to grant)."""
+        self._check_ready()
+        if rid not in self._awaiting or n <= 0:
+            return b""
+        n = min(n, MAX_CREDIT)
+        self._awaiting[rid] = min(self._awaiting[rid] + n, MAX_CREDIT)
+        return encode_frame({"t": "credit", "id": rid, "n": n}, self.max_frame)
 
     def send_cancel(self, rid: int) -> bytes:
         self._check_ready()
@@ -258,13 +350,17 @@ class Connection:
         # Stop, then tell the other side why where that is useful. The bye is
         # best effort: with a tiny max_frame even a short reason may not fit.
         self.state = State.CLOSED
-        if exc.code in ("auth_failed", "version_mismatch", "role_refused", "malformed", "oversized"):
+        if exc.code in ("auth_failed", "version_mismatch", "role_refused", "malformed", "oversized", "flow_control"):
             try:
                 self._outbox += encode_frame(
                     {"t": "bye", "code": exc.code, "message": exc.message[:_MAX_BYE_MESSAGE]}, self.max_frame
                 )
             except ProtocolError:
                 pass
+
+    def _ready(self) -> None:
+        self.state = State.READY
+        self._decoder.max_frame = self.max_frame
 
     def _check_ready(self) -> None:
         if self.state is not State.READY:
@@ -292,7 +388,7 @@ class Connection:
                 raise ProtocolError(
                     "auth_failed", f"peer {_show(self.peer_node)} failed authentication: wrong cluster secret"
                 )
-            self.state = State.READY
+            self._ready()
             return Ready(Role.PEER, self.peer_node or "?")
         return self._on_ready_message(kind, message)
 
@@ -316,7 +412,7 @@ class Connection:
                         "auth_failed", f"node {_show(node)} failed authentication: wrong cluster secret"
                     )
                 self._emit({"t": "auth", "proof": _proof(self.secret, b"dialer", self._nonce, self._peer_nonce)})
-            self.state = State.READY
+            self._ready()
             return Ready(self.role, node)
         # listener side
         try:
@@ -346,19 +442,59 @@ class Connection:
             self.state = State.AUTH
             return None
         self._emit({"t": "hello", "v": PROTOCOL_VERSION, "node": self.node})
-        self.state = State.READY
+        self._ready()
         return Ready(Role.CLIENT, node)
 
-    def _on_ready_message(self, kind, message: dict) -> Event:
+    def _on_ready_message(self, kind, message: dict) -> Event | None:
         if kind == "req":
             rid = _require(message, "id", int, "request")
             op = _require(message, "op", str, "request")
             args = message.get("args", {})
             if not isinstance(args, dict):
                 raise ProtocolError("malformed", "request: args is not a map")
+            window = _require(message, "win", int, "request")
+            if not 0 <= window <= MAX_CREDIT:
+                raise ProtocolError("malformed", f"request: window {_show(window)} out of range")
+            if rid in self._serving:
+                raise ProtocolError("malformed", f"request id {_show(rid)} is already in flight")
+            if len(self._serving) >= self.max_in_flight:
+                # Answered here, not handed up: no task, no memory beyond this frame.
+                self.refused_busy += 1
+                self._emit(
+                    {
+                        "t": "rep", "id": rid, "ok": False,
+                        "error": {
+                            "code": "busy",
+                            "message": f"busy: {self.max_in_flight} requests of this connection are in flight already; retry when one is answered",
+                        },
+                    }
+                )
+                return None
+            self._serving[rid] = window
             return Request(rid, op, args)
+        if kind == "credit":
+            rid = _require(message, "id", int, "credit")
+            n = _require(message, "n", int, "credit")
+            if not 0 < n <= MAX_CREDIT:
+                raise ProtocolError("malformed", f"credit: grant {_show(n)} out of range")
+            if rid not in self._serving:
+                return None  # answered meanwhile: a grant in flight crossed the reply
+            self._serving[rid] = min(self._serving[rid] + n, MAX_CREDIT)
+            return Credit(rid, n)
+        if kind == "item":
+            rid = _require(message, "id", int, "item")
+            size = self._decoder.last_size
+            credit = self._awaiting.get(rid)
+            if credit is None:
+                raise ProtocolError("malformed", f"item for request {_show(rid)}, which is not awaiting a reply")
+            if credit <= 0:
+                raise ProtocolError("flow_control", f"item for request {rid} beyond the credit granted")
+            self._awaiting[rid] = credit - size
+            return Item(rid, message.get("data"), size)
         if kind == "rep":
             rid = _require(message, "id", int, "reply")
+            if self._awaiting.pop(rid, None) is None:
+                raise ProtocolError("malformed", f"reply to request {_show(rid)}, which is not awaiting one")
             ok = message.get("ok")
             if not isinstance(ok, bool):
                 raise ProtocolError("malformed", "reply: field 'ok' missing or not bool")
@@ -368,8 +504,6 @@ class Connection:
             if not (isinstance(error, dict) and isinstance(error.get("code"), str) and isinstance(error.get("message"), str)):
                 raise ProtocolError("malformed", "error reply without a code and message")
             return Reply(rid, False, None, error)
-        if kind == "item":
-            return Item(_require(message, "id", int, "item"), message.get("data"))
         if kind == "cancel":
             return Cancel(_require(message, "id", int, "cancel"))
         if kind == "note":

@@ -63,6 +63,7 @@ class FrameDecoder:
 
     def __init__(self, max_frame: int = DEFAULT_MAX_FRAME):
         self.max_frame = max_frame
+        self.last_size = 0  # bytes (header included) of the frame last returned
         self._buffer = bytearray()
 
     def feed(self, data: bytes) -> None:
@@ -82,6 +83,7 @@ class FrameDecoder:
             return None
         payload = bytes(self._buffer[HEADER_SIZE:end])
         del self._buffer[:end]
+        self.last_size = end
         return decode_payload(payload)
 
     def __iter__(self):

@@ -1,0 +1,508 @@
+"""Issue 14, findings 5 and 8: what a connection may cost a daemon, and nothing
+a user can make slow runs on its event loop.
+
+Real daemons, real sockets, a real second uid (nobody), real oversized frames
+over TCP, a real slow NSS (a FIFO bind-mounted over /etc/passwd in the mount
+namespace of one daemon). Bounds are on memory and counts, never on speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+import trio
+
+from gangd.client.api import connect
+from gangd.daemon.admission import Limits
+from gangd.rpc import RemoteError
+from gangd.protocol import DEFAULT_MAX_FRAME, Connection, Item, ProtocolError, Ready, RemoteClosed, Reply, Role
+
+from conftest import as_uid
+
+NOBODY = 65534
+MiB = 1024 * 1024
+
+
+class RawClient:
+    """A blocking protocol client on a daemon's Unix socket that reads only when told to."""
+
+    def __init__(self, path: str, name: str = "raw"):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(30)
+        self.sock.connect(path)
+        self.conn = Connection(dialer=True, node=name, role=Role.CLIENT)
+        self.sock.sendall(self.conn.data_to_send())
+        self.refused: RemoteClosed | None = None
+        while True:
+            event = self.next_event()
+            if isinstance(event, Ready):
+                return
+            if isinstance(event, RemoteClosed):
+                self.refused = event
+                return
+            if event is None:
+                raise ConnectionError("closed during the handshake")
+
+    def next_event(self):
+        while True:
+            event = self.conn.next_event()
+            if event is not None:
+                return event
+            data = self.sock.recv(256 * 1024)
+            if not data:
+                return None
+            self.conn.receive_data(data)
+
+    def send(self, op: str, **args) -> int:
+        rid, frame = self.conn.send_request(op, args)
+        self.sock.sendall(frame)
+        return rid
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def rss(pid: int) -> int:
+    return psutil.Process(pid).memory_info().rss
+
+
+# ---------------------------------------------------------------- finding 5: frames before auth
+
+
+def test_oversized_frames_before_auth_are_cut_off_without_growing_the_daemon(make_cluster):
+    cluster = make_cluster(2)
+    pid = cluster.daemon_pid("n1")
+    host, port = _peer_endpoint(cluster, "n1")
+    baseline = rss(pid)
+    count = 12
+    socks = []
+    for _ in range(count):
+        s = socket.create_connection((host, port))
+        s.setblocking(False)
+        socks.append(s)
+    # Each claims a maximal frame, then pushes its payload as fast as the daemon takes it.
+    header = DEFAULT_MAX_FRAME.to_bytes(4, "big")
+    todo = {s: header + b"\x00" * DEFAULT_MAX_FRAME for s in socks}
+    closed: set = set()
+    peak = baseline
+    deadline = time.monotonic() + 120
+    while len(closed) < count and time.monotonic() < deadline:
+        for s in socks:
+            if s in closed:
+                continue
+            try:
+                if todo[s]:
+                    sent = s.send(todo[s][:1 << 20])
+                    todo[s] = todo[s][sent:]
+                elif s.recv(65536) == b"":
+                    closed.add(s)
+            except (BlockingIOError, InterruptedError):
+                pass
+            except (BrokenPipeError, ConnectionResetError):
+                closed.add(s)
+        try:
+            # A closed socket also shows as readable with b"".
+            for s in socks:
+                if s not in closed and s.recv(65536, socket.MSG_PEEK) == b"":
+                    closed.add(s)
+        except (BlockingIOError, InterruptedError, ConnectionResetError):
+            pass
+        peak = max(peak, rss(pid))
+        time.sleep(0.01)
+    for s in socks:
+        s.close()
+    assert len(closed) == count, f"only {len(closed)} of {count} connections pushing a {DEFAULT_MAX_FRAME}-byte frame before the handshake were closed"
+    assert peak - baseline < 48 * MiB, f"gangd grew by {(peak - baseline) / MiB:.0f} MiB while {count} unauthenticated connections pushed maximal frames"
+    # Everybody else is unaffected.
+    rows = cluster.gang_json("nodes")["nodes"]
+    assert {r["name"]: r["state"] for r in rows} == {"n1": "up", "n2": "up"}
+    assert "frame of" in cluster.log("n1")
+
+
+def _peer_endpoint(cluster, node: str) -> tuple[str, int]:
+    import tomllib
+
+    with open(cluster.dir / "cluster.toml", "rb") as fh:
+        info = tomllib.load(fh)
+    for entry in info["nodes"]:
+        if entry["name"] == node:
+            host, port = entry["address"].rsplit(":", 1)
+            return host, int(port)
+    raise KeyError(node)
+
+
+# ---------------------------------------------------------------- finding 5: connections per uid
+
+
+def test_connections_beyond_the_per_uid_limit_are_refused_clearly_and_other_uids_still_connect(make_cluster):
+    cluster = make_cluster(1)
+    path = str(cluster.files["n1"].socket)
+    limit = Limits().connections_per_uid
+    release_r, release_w = os.pipe()
+    result: dict = {}
+
+    def stranger():
+        held = [RawClient(path, "holder") for _ in range(limit)]
+        refused_ok = [c for c in held if c.refused is not None]
+        extra = RawClient(path, "one-too-many")
+        # What `gang` shows (python itself is not executable by nobody here:
+        # the client library the CLI prints the errors of, in this process).
+        try:
+            trio.run(_nodes_via_api, path)
+            shown = None
+        except RemoteError as exc:
+            shown = [exc.code, exc.message]
+        os.read(release_r, 1)  # hold them until root had its go
+        return {
+            "held_refused": len(refused_ok),
+            "extra": None if extra.refused is None else [extra.refused.code, extra.refused.message],
+            "shown": shown,
+        }
+
+    thread = threading.Thread(target=lambda: result.update(as_uid(NOBODY, stranger)))
+    thread.start()
+    try:
+        # While nobody holds its limit, root still gets in.
+        deadline = time.monotonic() + 60
+        while len(psutil.Process(cluster.daemon_pid("n1")).net_connections(kind="unix")) < limit and time.monotonic() < deadline:
+            time.sleep(0.1)
+        rows = cluster.gang_json("nodes")["nodes"]
+        assert rows[0]["state"] == "up"
+    finally:
+        os.write(release_w, b"x")
+        thread.join(120)
+    assert result.get("held_refused") == 0, result
+    assert result["extra"] is not None, f"connection {limit + 1} of uid {NOBODY} was accepted: {result}"
+    code, message = result["extra"]
+    assert code == "too_many_connections" and f"uid {NOBODY}" in message and str(limit) in message
+    assert result["shown"] is not None, "the client library connected beyond the limit"
+    code, message = result["shown"]
+    assert code == "too_many_connections" and "refused the connection" in message and f"uid {NOBODY}" in message
+
+
+async def _nodes_via_api(path: str):
+    async with connect(sockets=[path]) as gang:
+        return await gang.nodes()
+
+
+# ---------------------------------------------------------------- finding 5: requests in flight
+
+
+def test_thousands_of_requests_in_flight_from_one_client_are_bounded(make_cluster):
+    cluster = make_cluster(1)
+    job = int(cluster.gang("submit", "-n", 1, "--", "sleep", "300", check=True).stdout)
+    cluster.wait_state(job, "RUNNING")
+    client = RawClient(str(cluster.files["n1"].socket))
+    total = 3000
+    frames = []
+    for _ in range(total):
+        frames.append(client.conn.send_request("wait", {"job": job}))
+    rids = {rid for rid, _ in frames}
+    # Sent from a thread while this one reads: the busy answers come while we send.
+    sender = threading.Thread(target=lambda: client.sock.sendall(b"".join(f for _, f in frames)))
+    sender.start()
+    served, busy, other = set(), set(), []
+    while len(served) + len(busy) < total:
+        event = client.next_event()
+        assert event is not None, "the daemon closed the connection"
+        if isinstance(event, Item):
+            served.add(event.id)
+        elif isinstance(event, Reply):
+            if not event.ok and event.error["code"] == "busy":
+                busy.add(event.id)
+                assert "in flight" in event.error["message"]
+            else:
+                other.append(event)
+    sender.join(30)
+    assert served | busy <= rids and not other
+    limit = Limits().client_in_flight
+    assert len(served) <= limit, f"{len(served)} 'wait' requests of one connection were served at once (limit {limit})"
+    assert len(busy) >= total - limit
+    client.close()
+    cluster.gang("kill", job, check=True)
+
+
+def test_a_user_flooding_requests_is_told_busy(make_cluster):
+    cluster = make_cluster(1)
+    path = str(cluster.files["n1"].socket)
+
+    def flood():
+        client = RawClient(path)
+        sent = 0
+        while sent < 30000:
+            rids = [client.send("info") for _ in range(50)]
+            sent += len(rids)
+            for _ in rids:
+                event = client.next_event()
+                if isinstance(event, Reply) and not event.ok and "requests a second" in event.error["message"]:
+                    return {"busy_after": sent, "code": event.error["code"]}
+        return {"busy_after": None}
+
+    result = as_uid(NOBODY, flood)
+    assert result.get("busy_after") is not None, f"uid {NOBODY} sent 30000 requests unthrottled: {result}"
+    assert result["code"] == "busy"
+    # Root is not throttled, and the daemon still serves everybody.
+    assert cluster.gang_json("nodes")["nodes"][0]["state"] == "up"
+
+
+# ---------------------------------------------------------------- finding 5: a stalled `gang logs -f`
+
+
+def test_a_stalled_logs_reader_does_not_grow_the_relaying_daemon(make_cluster):
+    cluster = make_cluster(2)
+    relay = cluster.daemon_pid("n1")
+    size = 160 * MiB
+    job = int(cluster.gang(
+        "submit", "-n", 1, "-w", "n2", "--", sys.executable, "-c",
+        f"import sys\nchunk = b'x' * 65535 + b'\\n'\nfor _ in range({size} // 65536): sys.stdout.buffer.write(chunk)",
+        check=True,
+    ).stdout)
+    client = RawClient(str(cluster.files["n1"].socket))  # the relaying daemon: the job runs on n2
+    baseline = rss(relay)
+    client.send("output", job=job, follow=True)
+    # The client never reads. Wait for the job to write everything, then some.
+    peak = baseline
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        peak = max(peak, rss(relay))
+        if cluster.job(job)["state"] not in ("QUEUED", "RUNNING"):
+            break
+        time.sleep(0.2)
+    for _ in range(20):
+        peak = max(peak, rss(relay))
+        time.sleep(0.2)
+    assert cluster.job(job)["state"] == "DONE"
+    assert peak - baseline < 48 * MiB, f"the relaying gangd grew by {(peak - baseline) / MiB:.0f} MiB for a reader that stopped reading {size // MiB} MiB of output"
+    # The stream is intact, not cut: read it all now.
+    got = 0
+    while True:
+        event = client.next_event()
+        if isinstance(event, Item):
+            got += len(event.data["data"])
+            client.sock.sendall(client.conn.send_credit(event.id, event.size))
+        elif isinstance(event, Reply) or event is None:
+            break
+    assert got == size // 65536 * 65536
+    client.close()
+
+
+# ---------------------------------------------------------------- finding 8: slow NSS
+
+
+class SlowPasswd:
+    """/etc/passwd as a FIFO in one daemon's mount namespace: each NSS lookup
+    opens it and blocks until ``serving`` lets this thread feed it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        os.mkfifo(path, 0o644)
+        self.content = Path("/etc/passwd").read_bytes()
+        self.serving = threading.Event()
+        self.serving.set()
+        self.stop = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop:
+            if not self.serving.is_set():
+                time.sleep(0.01)
+                continue
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:  # ENXIO: nobody reading
+                time.sleep(0.01)
+                continue
+            try:
+                os.set_blocking(fd, True)
+                os.write(fd, self.content)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+    def close(self) -> None:
+        self.serving.set()
+        time.sleep(0.5)
+        self.stop = True
+        self.thread.join(5)
+
+
+def test_a_hanging_nss_lookup_does_not_take_the_node_down(make_cluster):
+    cluster = make_cluster(2)
+    n2 = cluster.files["n2"]
+    os.kill(cluster.daemon_pid("n2"), 15)
+    deadline = time.monotonic() + 20
+    while n2.pid() and psutil.pid_exists(n2.pid()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    slow = SlowPasswd(cluster.dir / "passwd.fifo")
+    try:
+        with open(n2.log, "ab") as log:
+            proc = subprocess.Popen(
+                ["unshare", "-m", "sh", "-c", f'mount --bind "{slow.path}" /etc/passwd && exec "$0" -m gangd.daemon.main --config "$1"', sys.executable, str(n2.config)],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+            )
+        n2.pidfile.write_text(f"{proc.pid}\n")
+        _wait_up(cluster, "n2")
+        slow.serving.clear()  # from now on every lookup hangs
+        # A stranger connects to n2: the daemon looks its name up.
+        stranger = os.fork()
+        if stranger == 0:  # a uid nobody looked up yet connects to n2
+            try:
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+                s = socket.socket(socket.AF_UNIX)
+                s.connect(str(n2.socket))
+                time.sleep(60)
+            finally:
+                os._exit(0)
+        try:
+            time.sleep(1)
+            # Three heartbeat timeouts later n2 is still up: its loop kept answering.
+            end = time.monotonic() + 3 * 3.0
+            while time.monotonic() < end:
+                rows = {r["name"]: r["state"] for r in cluster.gang_json("nodes")["nodes"]}
+                assert rows["n2"] == "up", f"n2 went down while an NSS lookup hung: {rows}"
+                time.sleep(0.3)
+            assert "using the number" in cluster.log("n2")
+        finally:
+            os.kill(stranger, 9)
+            os.waitpid(stranger, 0)
+    finally:
+        slow.close()
+
+
+def _wait_up(cluster, node: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            rows = {r["name"]: r["state"] for r in cluster.gang_json("nodes")["nodes"]}
+            if rows.get(node) == "up":
+                return
+        except (AssertionError, json.JSONDecodeError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{node} did not come up:\n{cluster.log(node)[-2000:]}")
+
+
+# ---------------------------------------------------------------- finding 8: listings
+
+
+def test_job_listings_come_in_bounded_pages_in_id_order(make_cluster):
+    cluster = make_cluster(1)
+    ids = [int(cluster.gang("submit", "-n", 1, "--", "true", check=True).stdout) for _ in range(5)]
+    client = RawClient(str(cluster.files["n1"].socket))
+
+    def page(**args):
+        rid = client.send("jobs", all=True, **args)
+        while True:
+            event = client.next_event()
+            if isinstance(event, Reply) and event.id == rid:
+                assert event.ok, event.error
+                return [r["id"] for r in event.result]
+
+    first = page(limit=2)
+    assert first == ids[:2], "a limited listing returned more than a page"
+    assert page(after=first[-1], limit=2) == ids[2:4]
+    assert page(after=ids[3], limit=2) == ids[4:]
+    assert page(limit=10 ** 9) == ids  # capped, not refused
+    client.close()
+    # The CLI pages through all of them.
+    assert [r["id"] for r in cluster.gang_json("ps", "--all")] == ids
+
+
+def test_unauthenticated_connections_beyond_the_per_address_limit_are_refused_clearly(make_cluster):
+    cluster = make_cluster(2)
+    host, port = _peer_endpoint(cluster, "n1")
+    limit = Limits().handshakes_per_address
+    idle = [socket.create_connection((host, port), source_address=("127.0.0.1", 0)) for _ in range(limit)]
+    try:
+        time.sleep(0.5)  # (all accepted and counted)
+        extra = socket.create_connection((host, port), source_address=("127.0.0.1", 0), timeout=30)
+        hello = Connection(dialer=True, node="n2", role=Role.PEER, secret=b"not the secret")
+        extra.sendall(hello.data_to_send())
+        data = b""
+        while chunk := extra.recv(65536):
+            data += chunk
+        hello.receive_data(data)
+        try:
+            event = hello.next_event()
+        except ProtocolError as exc:  # (it answered the hello: it was let in)
+            event = exc
+        assert isinstance(event, RemoteClosed), f"connection {limit + 1} from 127.0.0.1 was not refused at once: {event}"
+        assert event.code == "too_many_connections" and "127.0.0.1" in event.message
+        extra.close()
+    finally:
+        for s in idle:
+            s.close()
+    rows = cluster.gang_json("nodes")["nodes"]
+    assert all(r["state"] == "up" for r in rows)
+
+
+# ---------------------------------------------------------------- the limits' own state
+
+
+def test_token_bucket_allows_the_burst_then_the_rate_and_forgets_idle_keys():
+    from gangd.daemon.admission import TokenBucket
+
+    now = [0.0]
+    bucket = TokenBucket(rate=10, burst=5, clock=lambda: now[0])
+    assert [bucket.take("u") for _ in range(6)] == [True] * 5 + [False]
+    assert bucket.take("other")  # per key
+    now[0] += 0.1  # one token back
+    assert bucket.take("u") and not bucket.take("u")
+    for key in range(2000):
+        bucket.take(key)
+    now[0] += 10
+    bucket.take("last")
+    assert len(bucket._buckets) <= 1025
+
+
+def test_user_names_are_looked_up_off_the_loop_cached_bounded_and_time_out():
+    from dataclasses import replace
+
+    from gangd.daemon.admission import Limits, UserNames
+
+    release = threading.Event()
+    calls = []
+
+    def lookup(uid):
+        calls.append(uid)
+        if uid == 7:
+            release.wait(30)  # a hanging LDAP
+        return f"user{uid}"
+
+    names = UserNames(replace(Limits(), nss_timeout=0.5, nss_cache_size=3), lookup)
+
+    async def main():
+        beats = 0
+
+        async def heartbeat():
+            nonlocal beats
+            while True:
+                beats += 1
+                await trio.sleep(0.01)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(heartbeat)
+            assert await names.name(7) == "7"  # fell back to the number
+            nursery.cancel_scope.cancel()
+        assert beats > 1  # the loop ran while the lookup hung
+        assert [await names.name(u) for u in (1, 1, 2, 3, 4)] == ["user1", "user1", "user2", "user3", "user4"]
+        assert calls.count(1) == 1  # cached
+        assert len(names._cache) == 3  # bounded
+
+    try:
+        trio.run(main)
+    finally:
+        release.set()

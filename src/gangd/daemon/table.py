@@ -17,7 +17,7 @@ from pathlib import Path
 import trio
 
 from .. import jobs
-from .store import pack, read_msgpack, write_atomic
+from .store import pack, read_msgpack, write_atomic, write_atomic_sync
 
 log = logging.getLogger("gangd.table")
 
@@ -46,6 +46,8 @@ class JobTable:
             except Exception as exc:
                 log.error("ignoring unreadable job record %s: %s", path, exc)
                 continue
+            if jobs.is_terminal(record) and any(k in record for k in jobs.PRIVATE_FIELDS):
+                write_atomic_sync(path, pack(jobs.at_rest(record)))  # (kept by an older gangd)
             self.records[job_id] = record
             self.seq = max(self.seq, seq)
 
@@ -63,6 +65,7 @@ class JobTable:
 
     async def apply(self, record: dict) -> bool:
         """Store ``record`` if it is newer than ours; True if it changed anything."""
+        jobs.at_rest(record)  # an ended job's environment is kept nowhere
         current = self.records.get(record["id"])
         if current is not None and current.get("seq", 0) >= record.get("seq", 0):
             return False

@@ -951,7 +951,6 @@ class Engine:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise CommError(f"rank {dest} at {where} did not answer the handshake within {CONNECT_TIMEOUT:.0f} s")
-                self._writable = False  # (set by wait when our socket has an event)
                 self.wait(int(min(remaining, 1.0) * 1000) + 1)
         finally:
             self._out_fd = -1

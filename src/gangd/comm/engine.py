@@ -242,8 +242,9 @@ class Engine:
 
     def _fds_changed(self) -> None:
         self.fd_gen += 1
-        if not self.gate_open:
-            os.eventfd_write(self.wake_ctl, 1)  # the draining control thread must poll the new set
+        # The control thread must poll the new set: all of it while draining
+        # (gate closed), the handshake fds always (see handshake_fds).
+        os.eventfd_write(self.wake_ctl, 1)
 
     # ------------------------------------------------------------ waiting
 
@@ -296,6 +297,13 @@ class Engine:
     def watch_fds(self) -> list[int]:
         """Listeners and incoming connections: what the control thread drains while the gate is closed."""
         return list(self._net)
+
+    def handshake_fds(self) -> list[int]:
+        """Listeners and connections whose handshake is not done: what the control
+        thread serves while the gate is open. A dialer waits for our answer to its
+        hello; it must get it while this rank computes, as its bytes would have
+        gone into the socket buffers without us."""
+        return [s.fileno() for s in self._listeners] + [fd for fd, c in self._incoming.items() if c.src is None]
 
     def on_fd(self, fd: int) -> None:
         """``fd`` is readable: read the connection or accept on the listener (lock held)."""
@@ -358,6 +366,9 @@ class Engine:
         is the small-message latency path); a message that did not fit is
         read straight into its own payload buffer.
         """
+        if c.src is None:
+            self._handshake(c)
+            return
         view = c.view
         while True:
             if c.cur is not None:
@@ -390,11 +401,6 @@ class Engine:
                     return
                 if pstart > end:
                     break
-                if src is None:  # the handshake: nothing else is parsed, let alone unpickled, before it
-                    if not self._hello(c, kind, tag, view[pos + HEADER_SIZE : pstart], plen):
-                        return
-                    pos, src = pstart, c.src
-                    continue
                 if seq != n_recv[src] or kind not in wire.KINDS:
                     what = f"a message of unknown kind {kind}" if kind not in wire.KINDS else ""
                     self._violation(c, what or f"message number {seq} where {n_recv[src]} was due (lost or repeated message)")
@@ -461,6 +467,36 @@ class Engine:
             c.cur = None
             self._complete(msg)
 
+    def _handshake(self, c: Incoming) -> None:
+        """Read one handshake frame of an unproven connection, and not a byte more.
+
+        Nothing after the proof is taken off the socket here: messages stay
+        in the kernel for the program's thread (the control thread may be
+        the one reading a handshake, and must not take a message for it —
+        poll would not say it is there)."""
+        need = HEADER_SIZE + (wire.HELLO_META if c.expect is None else wire.MAC)
+        try:
+            n = c.sock.recv_into(c.view[c.end : need], need - c.end)
+        except BlockingIOError:
+            return
+        except OSError:
+            self._drop(c, None)
+            return
+        if n == 0:
+            self._drop(c, None)
+            return
+        c.end += n
+        if c.end < HEADER_SIZE:
+            return
+        kind, tag, _, mlen, plen = _unpack_header(c.buf, 0)
+        if kind != wire.HELLO or mlen != need - HEADER_SIZE or plen != 0:
+            self._drop(c, None)  # an old-style token hello, a message, garbage: refused unread
+            return
+        if c.end < need:
+            return
+        c.start = c.end = 0
+        self._hello(c, kind, tag, bytes(c.view[HEADER_SIZE:need]), plen)
+
     def _hello(self, c: Incoming, kind: int, tag: int, meta, plen: int) -> bool:
         """One handshake frame of an unproven connection (see :mod:`.wire`).
 
@@ -489,6 +525,7 @@ class Engine:
             return False
         c.src, c.expect = tag, None
         self._from[tag] = c
+        self._fds_changed()  # (no longer a handshake fd: the control thread lets go of it)
         return True
 
     def _violation(self, c: Incoming, what: str) -> None:

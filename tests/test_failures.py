@@ -326,6 +326,7 @@ def test_daemon_speaks_sd_notify_to_a_real_socket(tmp_path):
     listener.settimeout(10)
     secret = tmp_path / "secret"
     secret.write_text(os.urandom(16).hex())
+    secret.chmod(0o600)  # a secret others can read is refused
     port = local.pick_port(["127.0.0.1"])
     config = Config(
         node_name="solo",

@@ -215,7 +215,10 @@ def test_a_stranger_cannot_inject_messages_into_a_job(sliced, tmp_path):
         for s in strangers:
             with s:
                 s.settimeout(30)
-                assert s.recv(1) == b""  # dropped
+                try:
+                    assert s.recv(1) == b""  # dropped
+                except ConnectionResetError:
+                    pass  # dropped at its first bytes, the rest unread
         record = finished(sliced, job_id)
         assert record["state"] == "DONE" and "received OK" in output(sliced, job_id)
     finally:

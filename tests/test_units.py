@@ -223,6 +223,7 @@ def test_read_secret_missing_file(tmp_path):
 
 def test_read_secret_too_short(tmp_path):
     (tmp_path / "secret").write_bytes(b"short-secret\n")
+    (tmp_path / "secret").chmod(0o600)
     config = cfg.load(write_config(tmp_path, VALID_TOML), secret_file=str(tmp_path / "secret"))
     with pytest.raises(cfg.ConfigError, match="too short"):
         config.read_secret()
@@ -232,6 +233,7 @@ def test_read_secret_hex(tmp_path):
     secret = os.urandom(32).hex()
     assert len(secret) == 64
     (tmp_path / "secret").write_text(secret + "\n")
+    (tmp_path / "secret").chmod(0o600)
     config = cfg.load(write_config(tmp_path, VALID_TOML), secret_file=str(tmp_path / "secret"))
     assert config.read_secret() == secret.encode()
 

@@ -11,6 +11,8 @@ import secrets
 import signal
 import time
 
+from . import text
+
 QUEUED = "QUEUED"
 RUNNING = "RUNNING"
 SUSPENDED = "SUSPENDED"
@@ -30,13 +32,13 @@ EXIT_FAILED_NO_RANK = 1  # failed for a reason that is not a rank's exit code
 def new_record(*, job_id: int, spec: dict, owner_uid: int, owner_name: str, owner_gid: int) -> dict:
     return {
         "id": job_id,
-        "name": spec.get("name") or spec["argv"][0].rsplit("/", 1)[-1],
+        "name": text.name(spec.get("name") or spec["argv"][0].rsplit("/", 1)[-1]),  # everyone sees it
         "owner_uid": owner_uid,
         "owner_gid": owner_gid,
         "owner": owner_name,
         "argv": list(spec["argv"]),
         "cwd": spec.get("cwd") or "/",
-        "env": dict(spec.get("env") or {}),
+        "env": dict(spec.get("env") or {}),  # the submitter's secrets too: dropped when the job ends (see at_rest)
         "nranks": int(spec["nranks"]),
         "per_node": spec.get("per_node"),
         "nodes_wanted": spec.get("nodes"),
@@ -66,6 +68,21 @@ def new_record(*, job_id: int, spec: dict, owner_uid: int, owner_name: str, owne
 
 def is_terminal(record: dict) -> bool:
     return record["state"] in TERMINAL_STATES
+
+
+#: Fields of a record only its running ranks need: the submitter's environment
+#: (tokens, credentials). Every node holds the table, on disk, for as long as
+#: it keeps the job: these leave the record when the job ends (a restart takes
+#: them from the checkpoint, readable by root and the owner only).
+PRIVATE_FIELDS = ("env",)
+
+
+def at_rest(record: dict) -> dict:
+    """``record`` as a node keeps it: an ended job's private fields dropped (in place)."""
+    if record.get("state") in TERMINAL_STATES:
+        for key in PRIVATE_FIELDS:
+            record.pop(key, None)
+    return record
 
 
 def nodes_of(record: dict) -> list[str]:
@@ -105,6 +122,9 @@ def exit_code(record: dict) -> int:
     128+N (the shell's convention) and beats any exit code. Ranks that gangd
     killed as a consequence (the job was killed, or another rank failed) do
     not count — they did nothing wrong.
+
+    Whatever a rank or a record says, a job that did not end DONE never
+    returns 0 (a shell sees only the low 8 bits: 256 would read as success).
     """
     if record["state"] == DONE:
         return 0
@@ -112,15 +132,27 @@ def exit_code(record: dict) -> int:
     for status in record["ranks"]:
         if not status or status.get("killed") or status.get("lost"):
             continue
-        code = 128 + status["signal"] if status.get("signal") else status.get("code", 0)
+        code = 128 + _small(status.get("signal")) if status.get("signal") else _small(status.get("code", 0))
         worst = max(worst, code)
-    if record.get("abort_code"):  # an MPI rank called MPI_Abort(comm, code)
-        worst = max(worst, record["abort_code"])
-    if worst:
+    if "abort_code" in record:
+        # An MPI rank called MPI_Abort(comm, code): 1..255 (checked where it came in, and here).
+        worst = max(worst, _exit_status(record.get("abort_code")))
+    if 0 < worst <= 255:
         return worst
+    if worst:
+        return EXIT_FAILED_NO_RANK
     if record["state"] == KILLED:
         return EXIT_KILLED
     return EXIT_FAILED_NO_RANK
+
+
+def _small(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 255 else 1
+
+
+def _exit_status(value: object) -> int:
+    """An exit code a job may end with: 1..255, anything else (0, None, 256, junk) is 1."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 255 else 1
 
 
 def elapsed(record: dict, now: float | None = None) -> float:

@@ -23,7 +23,7 @@ import time
 import click
 import trio
 
-from .. import jobs
+from .. import jobs, text
 from ..rpc import RemoteError, leaf_error
 from .api import ClusterNotFound, cluster_dir, connect
 
@@ -60,7 +60,7 @@ def run_async(fn, *args):
         click.echo(f"gang: {exc}", err=True)
         sys.exit(EXIT_UNREACHABLE)
     except RemoteError as exc:
-        click.echo(f"gang: {exc.message}", err=True)
+        click.echo(f"gang: {text.printable(exc.message)}", err=True)
         sys.exit(_ERROR_EXITS.get(exc.code, EXIT_ERROR))
     except Fail as exc:
         click.echo(f"gang: {exc}", err=True)
@@ -78,6 +78,8 @@ def _json_default(obj):
 
 
 def table(rows: list[list[str]], headers: list[str]) -> str:
+    """Aligned columns; every cell shown as printable text (job names and reasons are other users')."""
+    rows = [[text.printable(c, 256) for c in row] for row in rows]
     widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
     lines = ["  ".join(str(h).ljust(w) for h, w in zip(headers, widths)).rstrip()]
     for row in rows:
@@ -183,7 +185,7 @@ def describe_generation(job_id: int, result: dict) -> str:
         size = sum(n["bytes"] for n in result["nodes"].values())
         took = result["ended"] - result["started"]
         return f"job {job_id}: checkpoint generation {result['gen']} complete at iteration {result['iteration']} ({_size(size)} on {len(result['nodes'])} node(s) in {took:.2f} s)"
-    return f"job {job_id}: checkpoint generation {result['gen']} {result['state']}: {result.get('reason', '')}"
+    return f"job {job_id}: checkpoint generation {result['gen']} {result['state']}: {text.printable(result.get('reason', ''))}"
 
 
 def _size(n: float) -> str:
@@ -229,7 +231,8 @@ class OutputPrinter:
 
 
 def summarise_failure(record: dict) -> str:
-    lines = [f"gang: job {record['id']} ({record['name']}) {record['state']}" + (f": {record['reason']}" if record["reason"] else "")]
+    reason = text.printable(record["reason"])
+    lines = [f"gang: job {record['id']} ({text.name(record['name'])}) {record['state']}" + (f": {reason}" if reason else "")]
     shown = 0
     for rank, status in enumerate(record["ranks"]):
         if status is None or (status.get("code", 0) == 0 and not status.get("signal") and not status.get("lost")):
@@ -239,7 +242,7 @@ def summarise_failure(record: dict) -> str:
         if shown == 8:
             lines.append("gang:   ...")
             break
-        lines.append(f"gang:   rank {rank} on {status.get('node', '?')}: {jobs.describe_status(status)}")
+        lines.append(f"gang:   rank {rank} on {text.name(status.get('node', '?'))}: {text.printable(jobs.describe_status(status))}")
         shown += 1
     return "\n".join(lines)
 

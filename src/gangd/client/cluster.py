@@ -152,10 +152,7 @@ def up(
     # Traversable by everyone so other users can reach the sockets; the
     # state directories below are private.
     os.chmod(directory, 0o755)
-    secret = directory / "secret"
-    fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(os.urandom(32).hex() + "\n")
+    secret = write_secret(directory / "secret")
     addresses = [f"127.0.0.{i}" for i in range(1, nodes + 1)]
     port = pick_port(addresses)
     specs = tuple(NodeSpec(f"n{i}", address, port, cores) for i, address in enumerate(addresses, 1))
@@ -204,6 +201,26 @@ def up(
         down(directory)
         raise
     return files
+
+
+def write_secret(path: Path) -> Path:
+    """A fresh cluster secret in ``path``: ours, mode 0600, a new file (whatever
+    was there — another user's file, a link, a 0644 leftover — is replaced,
+    never written through), as the daemons insist (see Config.read_secret)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # (whatever the umask)
+        os.write(fd, (os.urandom(32).hex() + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return path
 
 
 async def _wait_all_up(files: list[NodeFiles], timeout: float) -> None:

@@ -14,7 +14,9 @@ applies what the daemon says:
 While the gate is closed the thread also drains the rank's incoming
 connections itself: a peer blocked sending to this rank (which may be busy
 computing) must be able to finish its send, or that peer could never confirm
-the close.
+the close. While it is open the thread still accepts connections and answers
+their handshakes (see :mod:`.wire`): a peer dialling this rank waits for that
+answer before its first message, whatever this rank is doing.
 """
 
 from __future__ import annotations
@@ -216,21 +218,21 @@ class ControlThread(threading.Thread):
         poll.register(link.fd, select.POLLIN)
         poll.register(engine.wake_ctl, select.POLLIN)
         watched: set[int] = set()
-        gen = None
+        gen, draining = None, None
         while not self._stopping:
-            if not engine.gate_open:
-                if gen != engine.fd_gen:
-                    with engine.lock:
-                        fds, gen = set(engine.watch_fds()), engine.fd_gen
-                    for fd in watched - fds:
-                        poll.unregister(fd)
-                    for fd in fds - watched:
-                        poll.register(fd, select.POLLIN)
-                    watched = fds
-            elif watched:
-                for fd in watched:
+            # Gate closed: drain every connection. Gate open: only answer
+            # handshakes (listeners, unproven connections); the program's
+            # thread reads its connections itself when it calls in.
+            if gen != engine.fd_gen or draining != (not engine.gate_open):
+                with engine.lock:
+                    draining = not engine.gate_open
+                    fds = set(engine.watch_fds() if draining else engine.handshake_fds())
+                    gen = engine.fd_gen
+                for fd in watched - fds:
                     poll.unregister(fd)
-                watched, gen = set(), None
+                for fd in fds - watched:
+                    poll.register(fd, select.POLLIN)
+                watched = fds
             self._maybe_ack()
             for fd, _ in poll.poll():
                 if fd == link.fd:
@@ -251,6 +253,10 @@ class ControlThread(threading.Thread):
                             engine.on_fd(fd)
                     except CommError as exc:  # a peer broke the protocol; its connection is dropped
                         print(f"gangd.comm rank {engine.rank}: {exc}", file=sys.stderr)
+                    if not draining:
+                        # A poll under way in the program's thread polls the fds it started
+                        # with: wake it, so it polls the connection that just came in.
+                        os.eventfd_write(engine.wake_main, 1)
 
     def _maybe_ack(self) -> None:
         if self._ack_epoch is None or self.engine.gate_open:

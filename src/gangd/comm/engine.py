@@ -90,14 +90,17 @@ class Msg:
 
 
 class Incoming:
-    """An accepted connection; ``src`` is None until its hello proved the job token."""
+    """An accepted connection; ``src`` is None until its handshake proved the job token
+    (see :mod:`.wire`): ``claimed`` and ``expect`` hold the hello's rank and the MAC due from it."""
 
-    __slots__ = ("buf", "cur", "end", "fd", "sock", "src", "start", "view")
+    __slots__ = ("buf", "claimed", "cur", "end", "expect", "fd", "sock", "src", "start", "view")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.fd = sock.fileno()
         self.src = None
+        self.claimed = -1
+        self.expect: bytes | None = None
         self.buf = bytearray(READ_BUFFER)
         self.view = memoryview(self.buf)
         self.start = 0  # unparsed bytes are buf[start:end]
@@ -239,8 +242,9 @@ class Engine:
 
     def _fds_changed(self) -> None:
         self.fd_gen += 1
-        if not self.gate_open:
-            os.eventfd_write(self.wake_ctl, 1)  # the draining control thread must poll the new set
+        # The control thread must poll the new set: all of it while draining
+        # (gate closed), the handshake fds always (see handshake_fds).
+        os.eventfd_write(self.wake_ctl, 1)
 
     # ------------------------------------------------------------ waiting
 
@@ -293,6 +297,13 @@ class Engine:
     def watch_fds(self) -> list[int]:
         """Listeners and incoming connections: what the control thread drains while the gate is closed."""
         return list(self._net)
+
+    def handshake_fds(self) -> list[int]:
+        """Listeners and connections whose handshake is not done: what the control
+        thread serves while the gate is open. A dialer waits for our answer to its
+        hello; it must get it while this rank computes, as its bytes would have
+        gone into the socket buffers without us."""
+        return [s.fileno() for s in self._listeners] + [fd for fd, c in self._incoming.items() if c.src is None]
 
     def on_fd(self, fd: int) -> None:
         """``fd`` is readable: read the connection or accept on the listener (lock held)."""
@@ -355,6 +366,9 @@ class Engine:
         is the small-message latency path); a message that did not fit is
         read straight into its own payload buffer.
         """
+        if c.src is None:
+            self._handshake(c)
+            return
         view = c.view
         while True:
             if c.cur is not None:
@@ -387,11 +401,6 @@ class Engine:
                     return
                 if pstart > end:
                     break
-                if src is None:
-                    if not self._hello(c, kind, tag, view[pos + HEADER_SIZE : pstart], plen):
-                        return
-                    pos, src = pstart, c.src
-                    continue
                 if seq != n_recv[src] or kind not in wire.KINDS:
                     what = f"a message of unknown kind {kind}" if kind not in wire.KINDS else ""
                     self._violation(c, what or f"message number {seq} where {n_recv[src]} was due (lost or repeated message)")
@@ -458,20 +467,65 @@ class Engine:
             c.cur = None
             self._complete(msg)
 
-    def _hello(self, c: Incoming, kind: int, tag: int, token, plen: int) -> bool:
-        # A stranger (another user's process, a wrong job) learns nothing and injects nothing.
-        if (
-            kind != wire.HELLO
-            or plen != 0
-            or not hmac.compare_digest(bytes(token), self.token)
-            or not 0 <= tag < self.size
-            or tag == self.rank
-            or tag in self._from
-        ):
+    def _handshake(self, c: Incoming) -> None:
+        """Read one handshake frame of an unproven connection, and not a byte more.
+
+        Nothing after the proof is taken off the socket here: messages stay
+        in the kernel for the program's thread (the control thread may be
+        the one reading a handshake, and must not take a message for it —
+        poll would not say it is there)."""
+        need = HEADER_SIZE + (wire.HELLO_META if c.expect is None else wire.MAC)
+        try:
+            n = c.sock.recv_into(c.view[c.end : need], need - c.end)
+        except BlockingIOError:
+            return
+        except OSError:
+            self._drop(c, None)
+            return
+        if n == 0:
+            self._drop(c, None)
+            return
+        c.end += n
+        if c.end < HEADER_SIZE:
+            return
+        kind, tag, _, mlen, plen = _unpack_header(c.buf, 0)
+        if kind != wire.HELLO or mlen != need - HEADER_SIZE or plen != 0:
+            self._drop(c, None)  # an old-style token hello, a message, garbage: refused unread
+            return
+        if c.end < need:
+            return
+        c.start = c.end = 0
+        self._hello(c, kind, tag, bytes(c.view[HEADER_SIZE:need]), plen)
+
+    def _hello(self, c: Incoming, kind: int, tag: int, meta, plen: int) -> bool:
+        """One handshake frame of an unproven connection (see :mod:`.wire`).
+
+        A stranger (another user's process, a wrong job, an old-style token
+        hello, garbage) is dropped unanswered and learns nothing."""
+        if kind != wire.HELLO or plen != 0 or not 0 <= tag < self.size or tag == self.rank or tag in self._from:
             self._drop(c, None)
             return False
-        c.src = tag
+        if c.expect is None:  # the dialer's hello: MAGIC + its nonce; answer with ours and our proof
+            if len(meta) != wire.HELLO_META or bytes(meta[: len(wire.MAGIC)]) != wire.MAGIC:
+                self._drop(c, None)
+                return False
+            nonce_d, nonce_l = bytes(meta[len(wire.MAGIC) :]), os.urandom(wire.NONCE)
+            answer = nonce_l + wire.handshake_mac(self.token, b"listener", tag, self.rank, nonce_d, nonce_l)
+            try:
+                sent = c.sock.send(answer, _NOSIGNAL)  # (a fresh socket's buffer always has room for it)
+            except OSError:
+                sent = 0
+            if sent != len(answer):
+                self._drop(c, None)
+                return False
+            c.claimed, c.expect = tag, wire.handshake_mac(self.token, b"dialer", tag, self.rank, nonce_d, nonce_l)
+            return True
+        if tag != c.claimed or len(meta) != wire.MAC or not hmac.compare_digest(bytes(meta), c.expect):
+            self._drop(c, None)
+            return False
+        c.src, c.expect = tag, None
         self._from[tag] = c
+        self._fds_changed()  # (no longer a handshake fd: the control thread lets go of it)
         return True
 
     def _violation(self, c: Incoming, what: str) -> None:
@@ -880,7 +934,16 @@ class Engine:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
                 except OSError:
                     pass
-            sock.sendall(HEADER.pack(wire.HELLO, self.rank, 0, len(self.token), 0) + self.token)
+            nonce_d = os.urandom(wire.NONCE)
+            sock.sendall(HEADER.pack(wire.HELLO, self.rank, 0, wire.HELLO_META, 0) + wire.MAGIC + nonce_d)
+            sock.setblocking(False)
+            nonce_l, proof = self._challenge(dest, sock, where)
+            if not hmac.compare_digest(proof, wire.handshake_mac(self.token, b"listener", self.rank, dest, nonce_d, nonce_l)):
+                raise CommError(f"the process at {where} is not rank {dest} of this job (it could not prove it holds the job's token)")
+            mac = wire.handshake_mac(self.token, b"dialer", self.rank, dest, nonce_d, nonce_l)
+            proof_frame = HEADER.pack(wire.HELLO, self.rank, 1, wire.MAC, 0) + mac
+            if sock.send(proof_frame, _NOSIGNAL) != len(proof_frame):  # (a fresh socket: always room)
+                raise CommError(f"cannot finish the handshake with rank {dest} at {where}: its socket took part of 57 bytes")
         except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, BrokenPipeError) as exc:
             if sock is not None:
                 sock.close()
@@ -891,10 +954,48 @@ class Engine:
             if sock is not None:
                 sock.close()
             raise CommError(f"cannot connect to rank {dest} at {where}: {exc}") from None
-        sock.setblocking(False)
+        except BaseException:
+            if sock is not None:
+                sock.close()
+            raise
         self._out[dest] = sock
         self._fds_changed()
         return sock
+
+    def _challenge(self, dest: int, sock: socket.socket, where) -> tuple[bytes, bytes]:
+        """The listener's answer to our hello: (its nonce, its MAC). Our own incoming
+        connections are read meanwhile, as in a blocked send: ``dest`` may be
+        dialling us at this very moment, and it answers only from its own poll."""
+        got = b""
+        deadline = time.monotonic() + CONNECT_TIMEOUT
+        fd = sock.fileno()
+        self._poll.register(fd, _POLLIN)
+        self._out_fd = fd
+        try:
+            while len(got) < wire.CHALLENGE:
+                try:
+                    chunk = sock.recv(wire.CHALLENGE - len(got))
+                except BlockingIOError:
+                    chunk = None
+                if chunk == b"":
+                    why = self._exited.get(dest)
+                    raise PeerExited(f"rank {dest} at {where} closed the connection during the handshake" + (f" ({why})" if why else ""), dest)
+                if chunk:
+                    got += chunk
+                    continue
+                if dest in self._exited:
+                    raise PeerExited(f"cannot send to rank {dest}: it {self._why(dest)}", dest)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise CommError(f"rank {dest} at {where} did not answer the handshake within {CONNECT_TIMEOUT:.0f} s")
+                self.wait(int(min(remaining, 1.0) * 1000) + 1)
+        finally:
+            self._out_fd = -1
+            try:
+                self._poll.unregister(fd)
+            except KeyError:
+                pass
+        return got[: wire.NONCE], got[wire.NONCE :]
 
     # ------------------------------------------------------------ the control thread's side
 

@@ -7,8 +7,22 @@ Every message is one frame::
 
 ``seq`` numbers the messages of one directed channel (sender -> receiver)
 from 0; the receiver checks it, so a lost or doubled message is caught at
-once instead of surfacing as wrong data later. The first frame on every
-connection is a HELLO (tag = the dialer's rank, meta = the job token).
+once instead of surfacing as wrong data later.
+
+Every connection opens with a handshake that proves, both ways, that the
+other end holds the job's token — without sending it (the network may be
+read by others) and before a single byte of a message is looked at (a
+payload may be a pickle, and unpickling runs code)::
+
+    dialer   -> listener   HELLO frame: tag = dialer's rank, meta = MAGIC + nonce_d
+    listener -> dialer     nonce_l + HMAC(token, "listener" | ranks | nonce_d | nonce_l)
+    dialer   -> listener   HELLO frame: tag = dialer's rank, meta = HMAC(token, "dialer" | ranks | nonce_d | nonce_l)
+
+Fresh random nonces on both sides: a recorded handshake replays nowhere.
+Both MACs are compared in constant time. A peer that sends anything else
+first, or a wrong MAC, is disconnected unanswered. The messages themselves
+are not encrypted or authenticated after that: see the README's security
+model (the cluster network must be trusted with message contents).
 
 Payload kinds: numpy arrays travel as their raw bytes, with ``[dtype.str,
 shape]`` as meta: never pickled, and a large one is not copied either (it is
@@ -20,6 +34,8 @@ pickled.
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import hmac
 import pickle
 import struct
 
@@ -32,6 +48,14 @@ HEADER = struct.Struct("<BiQIQ")
 HEADER_SIZE = HEADER.size
 
 HELLO = 0
+#: First bytes of the dialer's hello (the protocol's version: an old-style
+#: token hello, or anything else, is refused), then its nonce.
+MAGIC = b"gangd.comm/hmac1"
+NONCE = 16
+MAC = hashlib.sha256().digest_size
+HELLO_META = len(MAGIC) + NONCE
+#: The listener's answer to a hello: its nonce and its MAC, raw bytes (no frame).
+CHALLENGE = NONCE + MAC
 PICKLE = 1
 BYTES = 2
 BYTEARRAY = 3
@@ -51,6 +75,12 @@ _CACHE_LIMIT = 512
 #: copy costs less than sendmsg() over two buffers (and, for arrays, than numpy's buffer export).
 SMALL = 8 * 1024
 _UNKNOWN = object()
+
+
+def handshake_mac(token: bytes, role: bytes, dialer: int, listener: int, nonce_d: bytes, nonce_l: bytes) -> bytes:
+    """What ``role`` (b"dialer" or b"listener") proves with: bound to both ranks and both nonces."""
+    message = role + b"\0" + struct.pack("<ii", dialer, listener) + nonce_d + nonce_l
+    return hmac.new(token, message, hashlib.sha256).digest()
 
 
 def _array_meta(dtype: np.dtype, shape: tuple) -> bytes | None:

@@ -44,7 +44,7 @@ from pathlib import Path
 import msgpack
 import trio
 
-from .. import ckptstore, jobs, safefs
+from .. import ckptstore, jobs, safefs, text
 from ..ckptstore import StoreError
 from ..safefs import UnsafePath
 from ..rpc import Channel, RemoteError
@@ -296,7 +296,7 @@ class NodeCheckpoints:
             elif gen != pending.gen:
                 return  # its own request while one runs (the begin note reaches it), or a stale one
             elif args.get("iteration") is None:
-                pending.fail(f"rank {rank} on {self.daemon.node} cannot take part: {args.get('why', 'no reason given')}")
+                pending.fail(f"rank {rank} on {self.daemon.node} cannot take part: {text.printable(args.get('why', 'no reason given'))}")
             elif isinstance(args["iteration"], int) and pending.cut is None:
                 pending.reports[rank] = args["iteration"]
                 pending.poke()
@@ -322,7 +322,7 @@ class NodeCheckpoints:
 
     def _written(self, pending: Pending, rank: int, result: dict) -> None:
         if result.get("error"):
-            pending.fail(f"rank {rank} on {self.daemon.node} could not write its state: {result['error']}")
+            pending.fail(f"rank {rank} on {self.daemon.node} could not write its state: {text.printable(result['error'])}")
         elif isinstance(result.get("size"), int) and isinstance(result.get("digest"), str):
             pending.written[rank] = {"size": result["size"], "digest": result["digest"], "seconds": result.get("seconds", 0.0)}
             if set(pending.written) >= set(pending.ranks):
@@ -674,7 +674,7 @@ class NodeCheckpoints:
             return
         agent = self.agents.get((job_id, rank))
         if args.get("error"):
-            restart["failed"] = f"rank {rank} on {self.daemon.node}: {args['error']}"
+            restart["failed"] = f"rank {rank} on {self.daemon.node}: {text.printable(args['error'])}"
         elif agent is not None:
             agent.restored = True
         done = restart["failed"] or all(self.agents.get((job_id, r)) is not None and self.agents[(job_id, r)].restored for r in restart["ranks"])

@@ -265,6 +265,8 @@ class CheckpointCoordinator:
         else:
             raise RemoteError("no_checkpoint", "no intact complete checkpoint: " + "; ".join(skipped))
         spec = {key: record.get(key) for key in ("argv", "cwd", "env", "nranks", "name", "kill_on_bad_exit", "priority", "slice", "ckpt_every", "mpi")}
+        if spec["env"] is None:  # an ended job's record keeps no environment: the checkpoint has it
+            spec["env"] = await self.daemon.ops.checkpoint_env(lineage, entry["placement"], entry["gen"])
         owner = {"uid": record["owner_uid"], "gid": record["owner_gid"], "user": record["owner"], "rlimits": record.get("rlimits")}
         internal = {
             "lineage": lineage,

@@ -45,8 +45,10 @@ logs a warning at start.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,15 +148,58 @@ class Config:
         return tuple(spec for spec in self.nodes if spec.name != self.node_name)
 
     def read_secret(self) -> bytes:
+        """The cluster secret: whoever holds it is a gangd daemon to every node
+        (and may run anything as anyone). So the file must be this daemon's
+        user's (root's, on a real cluster), readable by nobody else, not a
+        link, in a directory nobody else may write; anything else is refused
+        with what is wrong and how to fix it."""
+        path = self.secret_file
+        me = os.geteuid()
+        who = "root" if me == 0 else f"uid {me} (the user gangd runs as)"
+        fix = f"(chown {'root' if me == 0 else me} {path} && chmod 600 {path})"
         try:
-            secret = self.secret_file.read_bytes().strip()
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
         except FileNotFoundError:
-            raise ConfigError(f"cluster secret file {self.secret_file} does not exist") from None
+            raise ConfigError(f"cluster secret file {path} does not exist") from None
         except PermissionError:
-            raise ConfigError(f"cannot read cluster secret file {self.secret_file}: permission denied") from None
+            raise ConfigError(f"cannot read cluster secret file {path}: permission denied") from None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise ConfigError(f"cluster secret file {path} is a symbolic link; refusing it: point secret_file at the file itself") from None
+            raise ConfigError(f"cannot open cluster secret file {path}: {exc.strerror}") from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise ConfigError(f"cluster secret file {path} is not a regular file")
+            if info.st_uid != me:
+                raise ConfigError(f"cluster secret file {path} is owned by uid {info.st_uid}, not {who}: its owner could impersonate any node; refusing it {fix}")
+            if info.st_mode & 0o077:
+                raise ConfigError(
+                    f"cluster secret file {path} has mode {stat.S_IMODE(info.st_mode):04o}: other users can read or change it; refusing it {fix}"
+                )
+            if info.st_size > MAX_SECRET:
+                raise ConfigError(f"cluster secret file {path} is {info.st_size} bytes; a secret is at most {MAX_SECRET}")
+            data = os.read(fd, MAX_SECRET + 1)
+        finally:
+            os.close(fd)
+        parent = path.absolute().parent
+        try:
+            up = os.stat(parent)
+        except OSError as exc:
+            raise ConfigError(f"cannot check the directory of the cluster secret {parent}: {exc.strerror}") from None
+        if up.st_uid not in (0, me) or up.st_mode & 0o022:
+            raise ConfigError(
+                f"the directory {parent} of the cluster secret can be changed by others (owner uid {up.st_uid}, "
+                f"mode {stat.S_IMODE(up.st_mode):04o}): they could replace the secret; refusing it"
+            )
+        secret = data.strip()
         if len(secret) < 16:
-            raise ConfigError(f"cluster secret in {self.secret_file} is too short (need at least 16 bytes)")
+            raise ConfigError(f"cluster secret in {path} is too short (need at least 16 bytes)")
         return secret
+
+
+#: A cluster secret is a few dozen bytes; a larger file is not one.
+MAX_SECRET = 4096
 
 
 def load(path: str | os.PathLike | None, **overrides) -> Config:

@@ -20,11 +20,13 @@ import itertools
 import logging
 import os
 import signal
+import stat
 import time
 
+import msgpack
 import trio
 
-from .. import jobs
+from .. import ckptstore, jobs
 from ..protocol import Note, Request
 from ..rpc import Channel, RemoteError, Stream
 from . import clock
@@ -96,6 +98,7 @@ class Ops:
             "net_restore": self.net_restore,
             "pmi_fence": self.pmi_fence,
             "coord_fail": self.coord_fail,
+            "ckpt_job_env": self.ckpt_job_env,
         }
         from .ckptops import CheckpointOps
 
@@ -627,6 +630,32 @@ class Ops:
             await coordinator.set_reason(_int(args, "job"), str(args.get("reason") or "failed"), code if isinstance(code, int) else None)
         return True
 
+    async def ckpt_job_env(self, args, from_node, channel):
+        """The environment a job had when generation ``gen`` of ``lineage`` was
+        taken, from this node's copy of it (the record at the cut, readable by
+        root and the job's owner only): what ``gang restart`` gives the new
+        job, since an ended job's record no longer carries it."""
+        root = self.daemon.config.checkpoint_root
+        path = ckptstore.gen_dir(root, _int(args, "lineage"), _int(args, "gen")) / "job.msgpack"
+        try:
+            saved = await trio.to_thread.run_sync(_read_small_msgpack, path, MAX_SAVED_RECORD)
+        except (OSError, ValueError) as exc:
+            raise RemoteError("restart_failed", f"{self.daemon.node}: cannot read the job's saved description {path}: {exc}") from None
+        env = (saved.get("record") or {}).get("env") if isinstance(saved, dict) else None
+        if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            raise RemoteError("restart_failed", f"{self.daemon.node}: {path} holds no environment for the job")
+        return env
+
+    async def checkpoint_env(self, lineage: int, placement: list[str], gen: int) -> dict[str, str]:
+        """The saved environment of a generation, from the first of its nodes that has it."""
+        errors = []
+        for node in dict.fromkeys(placement):
+            try:
+                return await self.daemon.call(node, "ckpt_job_env", lineage=lineage, gen=gen)
+            except RemoteError as exc:
+                errors.append(exc.message)
+        raise RemoteError("restart_failed", "; ".join(errors) or "the generation has no nodes")
+
     async def net_restore(self, args, from_node, channel):
         self.daemon.jobnet.set_context(_int(args, "job"), args.get("contexts") or {})
         return True
@@ -636,6 +665,30 @@ class Ops:
         ranks = [r for r in args.get("ranks") or [] if isinstance(r, int)]
         follow = bool(args.get("follow", True))
         return Stream(lambda emit: self._local_output(job_id, ranks, follow, emit))
+
+
+#: A job.msgpack of a checkpoint is a job record: far below this.
+MAX_SAVED_RECORD = 16 << 20
+
+
+def _read_small_msgpack(path, limit: int):
+    """A msgpack file a user's directory may hold: no links followed, at most ``limit`` bytes."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("not a regular file")
+        if info.st_size > limit:
+            raise ValueError(f"{info.st_size} bytes, more than {limit}")
+        data = os.read(fd, limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise ValueError(f"more than {limit} bytes")
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as exc:
+        raise ValueError(f"not msgpack ({exc})") from None
 
 
 def _summary(record: dict) -> dict:

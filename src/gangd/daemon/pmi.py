@@ -17,6 +17,7 @@ other with the business cards they exchanged here.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import socket
 from dataclasses import dataclass, field
@@ -43,6 +44,27 @@ class PmiJob:
     puts: dict[str, str] = field(default_factory=dict)  # this node's, not yet through a barrier
     entered: dict[int, set[int]] = field(default_factory=dict)  # barrier number -> local ranks in it
     done: dict[int, trio.Event] = field(default_factory=dict)  # barrier number -> out
+    nranks: int = 1
+    kvs_bytes: int = 0  # keys and values in kvs
+
+    def put(self, command: pmi.Put) -> None:
+        """Store a rank's put, within the job's budget (:func:`gangd.protocol.pmi.kvs_budget`)."""
+        max_bytes, max_keys = pmi.kvs_budget(self.nranks)
+        old = self.kvs.get(command.key)
+        used = self.kvs_bytes - (len(command.key) + len(old) if old is not None else 0)
+        keys = len(self.kvs) - (old is not None)
+        if keys + 1 > max_keys:
+            raise pmi.Refused("put_result", f"the job's key-value space is full ({max_keys} keys)")
+        if used + command.size > max_bytes:
+            raise pmi.Refused("put_result", f"the job's key-value space is full ({max_bytes} bytes)")
+        self.puts[command.key] = command.value
+        self.kvs[command.key] = command.value  # this node's own ranks see it at once
+        self.kvs_bytes = used + command.size
+
+    def merge(self, everything: dict[str, str]) -> None:
+        """What a barrier brought: every node's puts (each checked where it was put)."""
+        self.kvs.update(everything)
+        self.kvs_bytes = sum(len(k) + len(v) for k, v in self.kvs.items())
 
 
 class PmiServer:
@@ -55,7 +77,9 @@ class PmiServer:
         # The kvsname must be unique on the host, not just in this cluster:
         # MPICH names its shared-memory segments after it.
         if record["id"] not in self.jobs:
-            self.jobs[record["id"]] = PmiJob(record["id"], f"gangd_{record['id']}_{record['token'][:12]}", jobs.ranks_on(record, self.daemon.node))
+            # (not the token itself: kvsnames show in /dev/shm, and the token keys the job's network)
+            tag = hashlib.sha256(b"gangd kvsname " + str(record["token"]).encode()).hexdigest()[:12]
+            self.jobs[record["id"]] = PmiJob(record["id"], f"gangd_{record['id']}_{tag}", jobs.ranks_on(record, self.daemon.node), nranks=int(record["nranks"]))
         return self.jobs[record["id"]]
 
     def forget(self, job_id: int) -> None:
@@ -87,64 +111,72 @@ class PmiServer:
                 if not data:
                     return
                 try:
-                    commands = reader.feed(data)
+                    lines = reader.feed(data)
                 except pmi.PMIError as exc:
                     log.warning("job %d rank %d: broken PMI connection: %s", state.job_id, rank, exc)
                     return
-                for command in commands:
-                    cmd = command.get("cmd") or command.get("mcmd")
-                    log.debug("job %d rank %d PMI: %s", state.job_id, rank, command)
-                    if cmd == "barrier_in":
-                        barriers += 1
-                        reply = await self._barrier(state, record, rank, barriers)
+                for fields in lines:
+                    log.debug("job %d rank %d PMI: %s", state.job_id, rank, fields)
+                    try:
+                        command = pmi.command(fields)
+                    except pmi.Refused as exc:
+                        reply: bytes | None = exc.reply()
+                        command = None
                     else:
-                        reply = await self._answer(state, record, rank, cmd, command)
+                        if isinstance(command, pmi.BarrierIn):
+                            barriers += 1
+                            reply = await self._barrier(state, record, rank, barriers)
+                        else:
+                            reply = self._answer(state, record, rank, command)
                     if reply:
                         try:
                             await stream.send_all(reply)
                         except (trio.BrokenResourceError, trio.ClosedResourceError):
                             return
-                    if cmd == "finalize":
+                    if isinstance(command, pmi.Finalize):
                         return
 
-    async def _answer(self, state: PmiJob, record: dict, rank: int, cmd: str, command: dict) -> bytes | None:
-        if cmd == "init":
-            if command.get("pmi_version") != "1":
-                return pmi.line("response_to_init", pmi_version=1, pmi_subversion=1, rc=-1)
-            return pmi.line("response_to_init", pmi_version=1, pmi_subversion=1, rc=0)
-        if cmd == "get_maxes":
-            return pmi.line("maxes", kvsname_max=256, keylen_max=256, vallen_max=4096, rc=0)
-        if cmd == "get_appnum":
-            return pmi.line("appnum", appnum=0, rc=0)
-        if cmd == "get_my_kvsname":
-            return pmi.line("my_kvsname", kvsname=state.kvsname, rc=0)
-        if cmd == "get_universe_size":
-            return pmi.line("universe_size", size=record["nranks"], rc=0)
-        if cmd == "get_rank":
-            return pmi.line("my_rank", rank=rank, rc=0)
-        if cmd == "get_size":
-            return pmi.line("my_size", size=record["nranks"], rc=0)
-        if cmd == "put":
-            key, value = command.get("key", ""), command.get("value", "")
-            if not key:
-                return pmi.line("put_result", rc=-1, msg="put_without_a_key")
-            state.puts[key] = value
-            state.kvs[key] = value  # this node's own ranks see it at once
-            return pmi.line("put_result", rc=0)
-        if cmd == "get":
-            value = state.kvs.get(command.get("key", ""))
-            if value is None:
-                return pmi.line("get_result", rc=-1, msg="key_not_found")
-            return pmi.line("get_result", rc=0, value=value)
-        if cmd == "finalize":
-            return pmi.line("finalize_ack", rc=0)
-        if cmd == "abort":
-            code = command.get("exitcode", "1")
-            why = f"rank {rank} on {self.daemon.node} called MPI_Abort (exit code {code})"
-            log.info("job %d: %s", state.job_id, why)
-            self.daemon.spawn(self._fail, state.job_id, why, int(code) if code.lstrip("-").isdigit() else 1)
-            return None
-        return pmi.line(cmd or "unknown", rc=-1, msg="unsupported_by_gangd")
+    def _answer(self, state: PmiJob, record: dict, rank: int, command: pmi.Command) -> bytes | None:
+        match command:
+            case pmi.Init(version=version):
+                return pmi.line("response_to_init", pmi_version=1, pmi_subversion=1, rc=0 if version == "1" else -1)
+            case pmi.Query(what="get_maxes"):
+                return pmi.line("maxes", kvsname_max=pmi.KVSNAME_MAX, keylen_max=pmi.KEYLEN_MAX, vallen_max=pmi.VALLEN_MAX, rc=0)
+            case pmi.Query(what="get_appnum"):
+                return pmi.line("appnum", appnum=0, rc=0)
+            case pmi.Query(what="get_my_kvsname"):
+                return pmi.line("my_kvsname", kvsname=state.kvsname, rc=0)
+            case pmi.Query(what="get_universe_size"):
+                return pmi.line("universe_size", size=record["nranks"], rc=0)
+            case pmi.Query(what="get_rank"):
+                return pmi.line("my_rank", rank=rank, rc=0)
+            case pmi.Query(what="get_size"):
+                return pmi.line("my_size", size=record["nranks"], rc=0)
+            case pmi.Put():
+                try:
+                    state.put(command)
+                except pmi.Refused as exc:
+                    log.warning("job %d rank %d: PMI put refused: %s", state.job_id, rank, exc.msg)
+                    return exc.reply()
+                return pmi.line("put_result", rc=0)
+            case pmi.Get(key=key):
+                value = state.kvs.get(key)
+                if value is None:
+                    return pmi.line("get_result", rc=-1, msg="key_not_found")
+                return pmi.line("get_result", rc=0, value=value)
+            case pmi.Finalize():
+                return pmi.line("finalize_ack", rc=0)
+            case pmi.Abort(code=code, asked=asked, in_range=in_range):
+                if in_range:
+                    why = f"rank {rank} on {self.daemon.node} called MPI_Abort (exit code {code})"
+                else:
+                    why = f"rank {rank} on {self.daemon.node} called MPI_Abort with exit code {asked}, not 1..255: the job exits with {code}"
+                log.info("job %d: %s", state.job_id, why)
+                self.daemon.spawn(self._fail, state.job_id, why, code)
+                return None
+            case pmi.Unsupported(cmd=cmd):
+                return pmi.line(cmd, rc=-1, msg="unsupported_by_gangd")
+        return None
 
     async def _fail(self, job_id: int, why: str, code: int) -> None:
         """The job fails with the aborting rank's message. MPICH exits with the
@@ -174,7 +206,7 @@ class PmiServer:
             except RemoteError as exc:
                 log.warning("job %d: PMI barrier %d through %s failed: %s", state.job_id, number, leader, exc)
                 return pmi.line("barrier_out", rc=-1, msg="the_job's_barrier_failed")
-            state.kvs.update(everything)
+            state.merge(everything)
             state.entered.pop(number, None)
             done.set()
         await done.wait()

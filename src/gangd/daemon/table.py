@@ -123,6 +123,8 @@ class JobTable:
             except Exception as exc:
                 log.error("ignoring unreadable job record %s: %s", path, exc)
                 continue
+            if jobs.is_terminal(record) and any(k in record for k in jobs.PRIVATE_FIELDS):
+                self._save_sync(record["id"], pack(jobs.at_rest(record)))  # (kept by an older gangd)
             self.records[record["id"]] = record
             self.seq = max(self.seq, record.get("seq", 0))
 
@@ -150,7 +152,8 @@ class JobTable:
         """Store ``record`` if it is newer than ours; True if it changed anything.
 
         On disk first: if the write fails, nothing changes and RemoteError
-        ``state_disk`` is raised."""
+        ``state_disk`` is raised. An ended job's environment is kept nowhere."""
+        jobs.at_rest(record)
         async with self._save_lock:
             current = self.records.get(record["id"])
             if current is not None and current.get("seq", 0) >= record.get("seq", 0):
@@ -164,6 +167,7 @@ class JobTable:
 
         The number is taken only once the record is on disk: a failed write
         (RemoteError ``state_disk``) leaves the table exactly as it was."""
+        jobs.at_rest(record)
         async with self._save_lock:
             record["seq"] = self.seq + 1
             await self._save(record)

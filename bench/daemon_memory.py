@@ -63,7 +63,8 @@ def endpoint(directory: Path, node: str) -> tuple[str, int]:
 
 def report(name: str, baseline: int, peak: int, bound: int) -> bool:
     ok = peak - baseline <= bound
-    say(f"{name}: baseline {baseline / MiB:.1f} MiB, peak {peak / MiB:.1f} MiB, growth {(peak - baseline) / MiB:.1f} MiB, bound {bound / MiB:.1f} MiB: {'bounded' if ok else 'OVER THE BOUND'}")
+    say(f"{name}: baseline {baseline / MiB:.1f} MiB, peak {peak / MiB:.1f} MiB, growth {(peak - baseline) / MiB:.1f} MiB, "
+        f"bound {bound / MiB:.1f} MiB: {'bounded' if ok else 'OVER THE BOUND'}")
     return ok
 
 

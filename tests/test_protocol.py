@@ -379,7 +379,7 @@ def test_decoder_fuzz_only_raises_protocol_error(pieces, max_frame, data):
     stream = b"".join(pieces)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=8)))
     bounds = [0, *cuts, len(stream)]
-    chunks = [stream[a:b] for a, b in zip(bounds, bounds[1:])]
+    chunks = [stream[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
     # Any exception other than ProtocolError (or a failed assert) fails the test.
     chunked = _decode_stream(chunks, max_frame)
     # How the bytes were chunked must not change what comes out.
@@ -833,7 +833,7 @@ def test_request_ids_increase(pair):
     dialer, listener = pair
     ids = [dialer.send_request("op")[0] for _ in range(5)]
     assert ids == sorted(set(ids)) and len(ids) == 5
-    assert all(b > a for a, b in zip(ids, ids[1:]))
+    assert all(b > a for a, b in zip(ids, ids[1:], strict=False))
     # ids are per connection: the other side counts on its own
     assert listener.send_request("op")[0] == ids[0]
 
@@ -1048,7 +1048,7 @@ def test_connection_fuzz_only_raises_protocol_error(kind, max_frame, pieces, dat
     cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=4)))
     bounds = [0, *cuts, len(stream)]
     failed = False
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in zip(bounds, bounds[1:], strict=False):
         conn.receive_data(stream[a:b])
         try:
             while (event := conn.next_event()) is not None:
@@ -1229,7 +1229,6 @@ def test_a_zero_window_request_gets_no_items_until_credit(pair):
 
 
 def test_items_and_replies_for_requests_never_made_are_refused(pair):
-    dialer, _ = pair
     for message in ({"t": "item", "id": 99, "data": 1}, {"t": "rep", "id": 99, "ok": True}):
         conn = Connection(dialer=False, node="x")
         conn.receive_data(raw_frame({"t": "hello", "v": PROTOCOL_VERSION, "role": "client", "node": "y"}))
@@ -1282,7 +1281,7 @@ def test_credit_after_the_reply_is_ignored_on_both_sides(pair):
     ],
 )
 def test_malformed_credit_and_window_close_the_connection(pair, message):
-    dialer, listener = pair
+    _, listener = pair
     listener.receive_data(raw_frame(message))
     with pytest.raises(ProtocolError) as info:
         listener.next_event()
@@ -1362,7 +1361,7 @@ def test_requests_beyond_max_in_flight_are_answered_busy_by_the_machine():
 
 
 def test_a_request_id_already_in_flight_is_a_protocol_violation(pair):
-    dialer, listener = pair
+    _, listener = pair
     listener.receive_data(raw_frame({"t": "req", "id": 5, "op": "x", "args": {}, "win": 0}))
     assert len(drain(listener)) == 1
     listener.receive_data(raw_frame({"t": "req", "id": 5, "op": "y", "args": {}, "win": 0}))

@@ -16,11 +16,10 @@ import os
 import shutil
 import stat
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
-
-import sysconfig
 
 import pytest
 import trio
@@ -105,7 +104,8 @@ def test_a_link_planted_where_rank_sockets_live_never_makes_root_chown_a_file(ma
         # A job of the user starts: root prepares its directory. The job
         # leaves links to the victim in it for root to remove at its end.
         (victim / "keep").write_text("root's")
-        script = f"echo hello from $(id -u) in $GANGD_COMM_DIR; ln -s {victim} $GANGD_COMM_DIR/escape; mkdir $GANGD_COMM_DIR/d; ln -s {victim} $GANGD_COMM_DIR/d/x"
+        script = (f"echo hello from $(id -u) in $GANGD_COMM_DIR; ln -s {victim} $GANGD_COMM_DIR/escape; "
+                  f"mkdir $GANGD_COMM_DIR/d; ln -s {victim} $GANGD_COMM_DIR/d/x")
         job = _submit_as_nobody(cluster, ["/bin/sh", "-c", script], 1)
         record = cluster.wait_state(job, ("DONE", "FAILED", "KILLED"), timeout=30)
         info = os.stat(victim)

@@ -138,7 +138,7 @@ def test_a_rank_enters_its_working_directory_as_its_user(pc):
     outcome = as_nobody(pc, run)["ok"]
     # ...and neither through a job (root used to enter for them: the readable
     # sub directory's file leaked): every launch fails with the user's own error.
-    for cwd, (state, status, text) in outcome.items():
+    for cwd, (_state, _status, text) in outcome.items():
         assert "secret" not in text, (cwd, text)
     for cwd, (state, status, text) in outcome.items():
         assert state == "FAILED", (cwd, state, text)
@@ -224,17 +224,19 @@ def test_ranks_get_the_users_rlimits_under_the_admins_caps_not_the_daemons(pc):
 def test_the_admins_task_limit_holds_for_every_job(pc):
     forker = [
         "python3", "-c",
-        "import os, time\n"
-        "n = 0\n"
-        "for _ in range(100):\n"
-        "    try:\n"
-        "        if os.fork() == 0:\n"
-        "            time.sleep(30); os._exit(0)\n"
-        "        n += 1\n"
-        "    except OSError:\n"
-        "        break\n"
-        "print('forked', n, flush=True)\n"
-        "os.killpg(0, 9)\n",
+        (
+            "import os, time\n"
+            "n = 0\n"
+            "for _ in range(100):\n"
+            "    try:\n"
+            "        if os.fork() == 0:\n"
+            "            time.sleep(30); os._exit(0)\n"
+            "        n += 1\n"
+            "    except OSError:\n"
+            "        break\n"
+            "print('forked', n, flush=True)\n"
+            "os.killpg(0, 9)\n"
+        ),
     ]
 
     async def run(gang):

@@ -18,16 +18,13 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
-
 import trio
+from conftest import as_uid
 
 from gangd.client.api import connect
 from gangd.daemon.admission import Limits
-from gangd.rpc import RemoteError
 from gangd.protocol import DEFAULT_MAX_FRAME, Connection, Item, ProtocolError, Ready, RemoteClosed, Reply, Role
-
-from conftest import as_uid
+from gangd.rpc import RemoteError
 
 NOBODY = 65534
 MiB = 1024 * 1024
@@ -92,7 +89,7 @@ def test_oversized_frames_before_auth_are_cut_off_without_growing_the_daemon(mak
         socks.append(s)
     # Each claims a maximal frame, then pushes its payload as fast as the daemon takes it.
     header = DEFAULT_MAX_FRAME.to_bytes(4, "big")
-    todo = {s: header + b"\x00" * DEFAULT_MAX_FRAME for s in socks}
+    todo = dict.fromkeys(socks, header + b"\x00" * DEFAULT_MAX_FRAME)
     closed: set = set()
     peak = baseline
     deadline = time.monotonic() + 120
@@ -282,7 +279,9 @@ def test_a_stalled_logs_reader_does_not_grow_the_relaying_daemon(make_cluster):
         peak = max(peak, rss(relay))
         time.sleep(0.2)
     assert cluster.job(job)["state"] == "DONE"
-    assert peak - baseline < 48 * MiB, f"the relaying gangd grew by {(peak - baseline) / MiB:.0f} MiB for a reader that stopped reading {size // MiB} MiB of output"
+    assert peak - baseline < 48 * MiB, (
+        f"the relaying gangd grew by {(peak - baseline) / MiB:.0f} MiB for a reader that stopped reading {size // MiB} MiB of output"
+    )
     # The stream is intact, not cut: read it all now.
     got = 0
     while True:
@@ -349,7 +348,8 @@ def test_a_hanging_nss_lookup_does_not_take_the_node_down(make_cluster):
     try:
         with open(n2.log, "ab") as log:
             proc = subprocess.Popen(
-                ["unshare", "-m", "sh", "-c", f'mount --bind "{slow.path}" /etc/passwd && exec "$0" -m gangd.daemon.main --config "$1"', sys.executable, str(n2.config)],
+                ["unshare", "-m", "sh", "-c", f'mount --bind "{slow.path}" /etc/passwd && exec "$0" -m gangd.daemon.main --config "$1"',
+                 sys.executable, str(n2.config)],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
             )
         n2.pidfile.write_text(f"{proc.pid}\n")

@@ -137,7 +137,7 @@ def write_atomic(path: Path, chunks: Iterable, *, mode: int = 0o600, owner: tupl
     digest = hasher()
     own_fd = dir_fd is None
     try:
-        if own_fd:
+        if dir_fd is None:  # own_fd
             dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             try:
@@ -268,7 +268,7 @@ class Manifest:
             return manifest
         except StoreError:
             raise
-        except Exception as exc:  # any garbage: msgpack errors, wrong keys or types
+        except Exception as exc:  # noqa: BLE001 -- a manifest is user-writable: any garbage (msgpack errors, wrong keys or types) is a StoreError
             raise StoreError(f"{where}: unreadable manifest ({type(exc).__name__}: {exc})") from None
 
 

@@ -86,7 +86,7 @@ class Stream:
     produce: Callable[[Emit], Awaitable[None]]
 
 
-Handler = Callable[["Channel", Request], Awaitable[object]]
+Handler = Callable[["Channel", Request | Note], Awaitable[object]]
 
 
 def leaf_error(exc: BaseException) -> BaseException:
@@ -335,9 +335,9 @@ class Channel:
                 self._serving[event.id] = scope
                 nursery.start_soon(self._serve_one, handler, event, scope)
             elif isinstance(event, Cancel):
-                scope = self._serving.get(event.id)
-                if scope is not None:
-                    scope.cancel()
+                cancelled = self._serving.get(event.id)
+                if cancelled is not None:
+                    cancelled.cancel()
             elif isinstance(event, Credit):
                 wakeup = self._credit_wakeups.pop(event.id, None)
                 if wakeup is not None:
@@ -430,6 +430,8 @@ class Channel:
 def _result(reply: Reply) -> object:
     if reply.ok:
         return reply.result
+    if reply.error is None:  # the Connection never hands up a failed Reply without its error map
+        raise RemoteError("malformed", "error reply without a code and message")
     raise RemoteError(reply.error["code"], reply.error["message"])
 
 

@@ -174,7 +174,8 @@ def rmtree_at(dir_fd: int, name: str) -> None:
         return
     # With dir_fd, shutil.rmtree opens every level with O_NOFOLLOW and
     # compares it to its lstat: a link swapped in meanwhile is refused.
-    assert shutil.rmtree.avoids_symlink_attacks
+    if not shutil.rmtree.avoids_symlink_attacks:  # true on Linux; never fall back to a following rmtree
+        raise RuntimeError("shutil.rmtree cannot avoid symlink attacks on this platform")
     shutil.rmtree(name, ignore_errors=True, dir_fd=dir_fd)
 
 
@@ -208,7 +209,8 @@ def read_fd_bounded(fd: int, limit: int, path: Path | str) -> bytes:
     size = os.fstat(fd).st_size
     if size > limit:
         raise UnsafePath(f"{path} is {size} bytes, more than the {limit} bytes such a file may have")
-    chunks, total = [], 0
+    chunks: list[bytes] = []
+    total = 0
     while True:
         chunk = os.pread(fd, min(1 << 20, limit + 1 - total), total)
         if not chunk:

@@ -88,7 +88,10 @@ class Client:
 
     @property
     def node(self) -> str:
-        return self.channel.remote_node
+        node = self.channel.remote_node
+        if node is None:  # a Client is only made from a channel whose handshake is done
+            raise RuntimeError("the channel to gangd has not completed its handshake")
+        return node
 
     async def request(self, op: str, **args):
         return await self.channel.request(op, **args)
@@ -194,8 +197,10 @@ class Client:
     async def wait_done(self, job_id: int) -> dict:
         record = None
         async with self.wait(job_id) as updates:
-            async for record in updates:
-                pass
+            async for update in updates:
+                record = update
+        if record is None:  # the daemon streams the record at least once, before any change
+            raise RemoteError("malformed", f"the wait for job {job_id} ended without the job's record")
         return record
 
     def output(self, job_id: int, *, follow: bool = True, ranks: list[int] | None = None):

@@ -109,17 +109,17 @@ class CgroupTree:
             self._warn_unenforced(self.limits)
             return
         self.base = base
-        self._place_limits()
+        self._place_limits(base)
 
-    def _place_limits(self) -> None:
+    def _place_limits(self, base: Path) -> None:
         """Decide, per limit, where it is enforced: v2 if its controller can be
         enabled below our base, else the controller's v1 hierarchy."""
         missing = {}
         for key, value in self.limits.items():
             controller, v2_file, v1_file = LIMIT_FILES[key]
             try:
-                if controller in (self.base / "cgroup.controllers").read_text().split():
-                    (self.base / "cgroup.subtree_control").write_text(f"+{controller}")
+                if controller in (base / "cgroup.controllers").read_text().split():
+                    (base / "cgroup.subtree_control").write_text(f"+{controller}")
                     self._v2_limits[v2_file] = value
                     continue
             except OSError:

@@ -25,8 +25,8 @@ from .. import jobs
 from ..rpc import RemoteError
 from . import clock
 from .gang import Matrix
-from .ranks import KILL_DEADLINE
 from .peers import natural_key
+from .ranks import KILL_DEADLINE
 
 log = logging.getLogger("gangd.coordinator")
 
@@ -57,7 +57,7 @@ def place(record: dict, free: dict[str, int]) -> list[str] | None:
     expects. ``nodes`` picks that many nodes, those with the most room.
     """
     if record.get("pinned"):  # a restart: the nodes that hold its checkpoint, or wait
-        need = {}
+        need: dict[str, int] = {}
         for node in record["pinned"]:
             need[node] = need.get(node, 0) + 1
         return list(record["pinned"]) if all(free.get(node, 0) >= k for node, k in need.items()) else None
@@ -453,7 +453,7 @@ class Coordinator:
                 return False
             r["kill_requested"] = cred["user"]
             r["reason"] = r["reason"] or f"killed by {cred['user']}"
-            if not r["placement"] or r["state"] == jobs.QUEUED and not r["started"]:
+            if not r["placement"] or (r["state"] == jobs.QUEUED and not r["started"]):
                 # never launched: nothing to wait for
                 r["ranks"] = [s or {"killed": True, "signal": signal.SIGKILL, "never_started": True} for s in r["ranks"]]
             self._finish_if_done(r)
@@ -703,7 +703,8 @@ class Coordinator:
                     "skew": max(done) - min(done),  # first node done -> last node done
                     "round_trip": t_end - t0,
                     "per_node": {
-                        n: {"received": t["received"] - when, "start": t["start"] - when, "done": t["done"] - when, "cpu": results[n].get("cpu", 0), "offset": offset[n]}
+                        n: {"received": t["received"] - when, "start": t["start"] - when, "done": t["done"] - when,
+                            "cpu": results[n].get("cpu", 0), "offset": offset[n]}
                         for n, t in times.items()
                     },
                 }

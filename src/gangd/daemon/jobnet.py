@@ -286,7 +286,8 @@ class JobNet:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_uid not in (record["owner_uid"], os.geteuid()) or info.st_size < 24 * record["nranks"]:
             os.close(fd)
-            raise RemoteError("bad_request", f"{path} is not a counters file of job {record['id']} (a regular file of its owner, {24 * record['nranks']} bytes)")
+            raise RemoteError("bad_request",
+                              f"{path} is not a counters file of job {record['id']} (a regular file of its owner, {24 * record['nranks']} bytes)")
         return fd
 
     def _maybe_report(self, record: dict, state: JobNetState) -> None:
@@ -302,7 +303,7 @@ class JobNet:
         mine = {str(r): link.addrs for r, link in state.links.items()}
         try:
             peers = await self.daemon.call(leader, "comm_gather", job=record["id"], reporter=self.daemon.node, addrs=mine)
-        except Exception as exc:  # the ranks get an error instead of waiting forever
+        except Exception as exc:  # noqa: BLE001 -- whatever broke the rendezvous, the ranks get an error instead of waiting forever
             log.warning("job %d: rendezvous through %s failed: %s", record["id"], leader, exc)
             for link in state.links.values():
                 await link.channel.aclose()
@@ -316,8 +317,10 @@ class JobNet:
         if record is None:
             raise RemoteError("no_such_job", f"no job {job_id}")
         table = await self._gathers.gather(job_id, node, addrs, jobs.nodes_of(record))
-        peers = [None] * record["nranks"]
+        peers: list[object] = [None] * record["nranks"]
         for per_node in table.values():
+            if not isinstance(per_node, dict):  # always one: each node's ``addrs`` map (see comm_gather)
+                continue
             for rank, entry in per_node.items():
                 peers[int(rank)] = entry
         return peers
@@ -327,7 +330,9 @@ class JobNet:
             return
         job_id, rank = channel.context["rank_of"]
         state = self.states.get(job_id)
-        link = state.links.get(rank) if state else None
+        if state is None:
+            return
+        link = state.links.get(rank)
         if link is not None and isinstance(args.get("epoch"), int):
             link.acked = max(link.acked, args["epoch"])
             state.poke()
@@ -431,6 +436,8 @@ class JobNet:
 
         async def one(rank: int, link: RankLink) -> None:
             reply = await link.channel.request("capture", expect=expect.get(str(rank)) or [])
+            if not isinstance(reply, dict):  # the rank's answer is as hostile as anything it sends
+                raise RemoteError("bad_reply", f"rank {rank} of job {job_id} answered the capture with a {type(reply).__name__}, not a map")
             result[str(rank)] = reply["context"]
 
         with trio.fail_after(CAPTURE_TIMEOUT):

@@ -63,10 +63,11 @@ class OutputError(Exception):
 
 
 def _size(n: int) -> str:
+    value: float = n
     for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1024
+        if value < 1024 or unit == "TiB":
+            return f"{value} {unit}" if unit == "bytes" else f"{value:.1f} {unit}"
+        value /= 1024
     raise AssertionError
 
 

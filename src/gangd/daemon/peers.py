@@ -126,7 +126,9 @@ class Peers:
         # A daemon that just started must not crown itself coordinator before
         # it had a chance to hear from the others.
         with trio.move_on_after(self.config.heartbeat_timeout):
-            while not all(link.up for link in self.links.values()):
+            # Polled: a link comes up in _maintain, goes down in _mark_down and from heartbeats; an Event
+            # set when the last one comes up would need every one of those paths to check all links.
+            while not all(link.up for link in self.links.values()):  # noqa: ASYNC110 -- bounded poll of several links' state
                 await trio.sleep(0.05)
         self.settled.set()
         self.daemon.membership_changed()
@@ -178,7 +180,7 @@ class Peers:
             link.channel = channel
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._run_channel, channel, handler, nursery.cancel_scope)
-                nursery.start_soon(self._heartbeat, link, nursery.cancel_scope)
+                nursery.start_soon(self._heartbeat, link, channel, nursery.cancel_scope)
                 nursery.start_soon(self._drain_outbox, link, channel)
             link.channel = None
             self._mark_down(link, f"connection lost ({channel.close_reason or 'closed'})", grace=True)
@@ -197,16 +199,16 @@ class Peers:
             except ProtocolError as exc:  # larger than a frame: drop it, the catch-up resends by seq
                 log.error("could not send %r to %s: %s", op, link.spec.name, exc)
 
-    async def _heartbeat(self, link: PeerLink, scope: trio.CancelScope) -> None:
+    async def _heartbeat(self, link: PeerLink, channel: Channel, scope: trio.CancelScope) -> None:
         interval = self.config.heartbeat_interval
         timeout = self.config.heartbeat_timeout
         while True:
             sent, sent_wall = trio.current_time(), time.time()
             try:
                 with trio.fail_after(timeout):
-                    info = await link.channel.request("ping", **self.daemon.heartbeat_info())
+                    info = await channel.request("ping", **self.daemon.heartbeat_info())
             except (RemoteError, trio.TooSlowError) as exc:
-                why = "no heartbeat answer for %.1f s" % timeout if isinstance(exc, trio.TooSlowError) else str(exc)
+                why = f"no heartbeat answer for {timeout:.1f} s" if isinstance(exc, trio.TooSlowError) else str(exc)
                 self._mark_down(link, why)
                 scope.cancel()  # drop the connection and dial again
                 return

@@ -22,6 +22,7 @@ import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import psutil
 import trio
@@ -35,6 +36,7 @@ from .outputlog import STDERR, STDOUT, OutputLog, OutputStore
 log = logging.getLogger("gangd.ranks")
 
 _PR_SET_PDEATHSIG = 1
+_prctl: Callable[..., int] | None
 try:
     _prctl = ctypes.CDLL(None, use_errno=True).prctl
 except (OSError, AttributeError):  # not Linux/glibc
@@ -65,10 +67,12 @@ class RankProcess:
         self._pidfd = os.pidfd_open(popen.pid)
 
     @classmethod
-    def spawn(cls, argv, *, env, preexec_fn, pass_fds=()) -> "RankProcess":
+    def spawn(cls, argv, *, env, preexec_fn, pass_fds=()) -> RankProcess:
         # No cwd here: subprocess would chdir as root before preexec_fn drops
         # privileges; preexec_fn enters the directory as the user.
-        popen = subprocess.Popen(
+        # The argv is the user's own command, run as the user (preexec_fn drops to
+        # the job owner's uid before exec): running it is the point, no shell parses it.
+        popen = subprocess.Popen(  # noqa: S603 -- the job owner's own argv, exec'd as the owner without a shell
             argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -77,7 +81,9 @@ class RankProcess:
             cwd="/",
             env=env,
             start_new_session=True,
-            preexec_fn=preexec_fn,
+            # The only hook that runs in the child between fork and exec: cgroup join, rlimits, setgroups/setgid/setuid,
+            # chdir as the user, PDEATHSIG. It uses raw syscalls only (no locks, no logging; see _make_preexec).
+            preexec_fn=preexec_fn,  # noqa: PLW1509 -- the only way to drop privileges in the child before exec
             pass_fds=tuple(pass_fds),
         )
         return cls(popen)
@@ -162,7 +168,7 @@ class LaunchFailed:
     syscalls may run: the child writes an errno and a step number into this
     shared page, the parent turns them into a sentence after Popen failed."""
 
-    STEPS = {1: "cannot enter the working directory", 2: "cannot set the user's resource limits"}
+    STEPS: ClassVar[dict[int, str]] = {1: "cannot enter the working directory", 2: "cannot set the user's resource limits"}
 
     def __init__(self) -> None:
         self.page = mmap.mmap(-1, 8)
@@ -346,7 +352,7 @@ class LocalRanks:
 
     # ------------------------------------------------------------ launch
 
-    async def launch(self, spawn, record: dict, job_dir: Path, extra: dict[str, str] | None = None, rank_setup=None) -> dict[int, int]:
+    async def launch(self, spawn, record: dict, job_dir: Path, extra: dict[str, str] | None = None, rank_setup=None) -> dict[int, int | None]:
         """Start this node's ranks of ``record``; returns {rank: pid}.
 
         ``rank_setup(rank)`` (MPI jobs) returns the rank's own environment
@@ -372,7 +378,7 @@ class LocalRanks:
             GANGD_JOB_NAME=record["name"],
         )
         base_env.update(extra or {})
-        pids = {}
+        pids: dict[int, int | None] = {}  # None: a rank of a repeated launch that failed to start
         for rank in my_ranks:
             key = (record["id"], rank)
             if key in self.ranks:  # a repeated launch request (coordinator retry)
@@ -404,7 +410,9 @@ class LocalRanks:
                     ),
                     pass_fds=inherited,
                 )
-            except Exception as exc:  # OSError from exec, or a NUL byte / bad type in argv or env
+            # OSError from exec, a NUL byte / bad type in argv or env, SubprocessError from preexec_fn:
+            # whatever it is, the rank ends with 126/127 and a sentence, and its fds are closed.
+            except Exception as exc:  # noqa: BLE001 -- any failure to start becomes the rank's exit status
                 for fd in inherited:
                     os.close(fd)
                 step, number = failed.get()
@@ -433,11 +441,10 @@ class LocalRanks:
             entry = Rank(record["id"], rank, proc, output, cgroup)
             self.ranks[key] = entry
             pids[rank] = proc.pid
-            spawn(self._watch, entry)
+            spawn(self._watch, entry, proc)
         return pids
 
-    async def _watch(self, entry: Rank) -> None:
-        proc = entry.proc
+    async def _watch(self, entry: Rank, proc: RankProcess) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._drain, proc, entry.log)
             code = await proc.wait()
@@ -450,7 +457,8 @@ class LocalRanks:
         await entry.log.aclose()
         if entry.unkillable:
             # Already reported as ended (see kill_job); now it really is.
-            log.warning("job %d rank %d on %s finally died, %s after it was reported unkillable", entry.job_id, entry.rank, self.node, "exit" if code >= 0 else "signal")
+            log.warning("job %d rank %d on %s finally died, %s after it was reported unkillable",
+                        entry.job_id, entry.rank, self.node, "exit" if code >= 0 else "signal")
             entry.close_pidfds()
             if entry.cgroup is not None:
                 await trio.to_thread.run_sync(self.cgroups.remove, entry.cgroup)

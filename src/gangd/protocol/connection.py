@@ -51,8 +51,9 @@ import hmac
 import os
 import reprlib
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
-from .frames import DEFAULT_MAX_FRAME, FrameDecoder, ProtocolError, encode_frame
+from .frames import DEFAULT_MAX_FRAME, FrameDecoder, Message, ProtocolError, encode_frame
 
 PROTOCOL_VERSION = 2
 NONCE_SIZE = 16
@@ -68,7 +69,7 @@ DEFAULT_MAX_IN_FLIGHT = 64
 MAX_CREDIT = 1 << 40
 
 
-class Role(str, enum.Enum):
+class Role(enum.StrEnum):
     CLIENT = "client"
     PEER = "peer"
 
@@ -96,7 +97,7 @@ class Ready:
 class Request:
     id: int
     op: str
-    args: dict = field(default_factory=dict)
+    args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ class Reply:
     id: int
     ok: bool
     result: object = None
-    error: dict | None = None
+    error: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,7 @@ class Note:
     """A one-way message; no reply is expected."""
 
     op: str
-    args: dict = field(default_factory=dict)
+    args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -177,9 +178,12 @@ def _show(value: object) -> str:
     return _wire_repr.repr(value)
 
 
-def _require(message: dict, key: str, kind: type | tuple, what: str):
+_T = TypeVar("_T")
+
+
+def _require(message: Message, key: str, kind: type[_T], what: str) -> _T:
     value = message.get(key)
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
         raise ProtocolError("malformed", f"{what}: field {key!r} missing or not {getattr(kind, '__name__', kind)}")
     return value
 
@@ -231,7 +235,7 @@ class Connection:
 
     # ------------------------------------------------------------ I/O side
 
-    def receive_data(self, data: bytes) -> None:
+    def receive_data(self, data: bytes | bytearray) -> None:
         if self.state is State.CLOSED:
             return
         self._decoder.feed(data)
@@ -268,7 +272,7 @@ class Connection:
 
     # ------------------------------------------------------------ send side
 
-    def send_request(self, op: str, args: dict | None = None, *, window: int = DEFAULT_WINDOW) -> tuple[int, bytes]:
+    def send_request(self, op: str, args: dict[str, Any] | None = None, *, window: int = DEFAULT_WINDOW) -> tuple[int, bytes]:
         """A request; ``window`` is how many bytes of stream items we will buffer before granting more."""
         self._check_ready()
         if not 0 <= window <= MAX_CREDIT:
@@ -333,7 +337,7 @@ class Connection:
         self._check_ready()
         return encode_frame({"t": "cancel", "id": rid}, self.max_frame)
 
-    def send_note(self, op: str, args: dict | None = None) -> bytes:
+    def send_note(self, op: str, args: dict[str, Any] | None = None) -> bytes:
         self._check_ready()
         return encode_frame({"t": "note", "op": op, "args": args or {}}, self.max_frame)
 
@@ -343,7 +347,7 @@ class Connection:
 
     # ------------------------------------------------------------ internals
 
-    def _emit(self, message: dict) -> None:
+    def _emit(self, message: Message) -> None:
         self._outbox += encode_frame(message, self.max_frame)
 
     def _fail(self, exc: ProtocolError) -> None:
@@ -366,7 +370,7 @@ class Connection:
         if self.state is not State.READY:
             raise ProtocolError("not_ready", f"cannot send in state {self.state.value}")
 
-    def _handle(self, message: dict) -> Event | None:
+    def _handle(self, message: Message) -> Event | None:
         kind = message.get("t")
         if kind == "bye":
             self.state = State.CLOSED
@@ -392,7 +396,7 @@ class Connection:
             return Ready(Role.PEER, self.peer_node or "?")
         return self._on_ready_message(kind, message)
 
-    def _on_hello(self, message: dict) -> Event | None:
+    def _on_hello(self, message: Message) -> Event | None:
         version = message.get("v")
         node = _require(message, "node", str, "hello")
         # type() check: True == 1 and 1.0 == 1 must not pass for version 1.
@@ -406,21 +410,18 @@ class Connection:
             if self.role is Role.PEER:
                 self._peer_nonce = _require(message, "nonce", bytes, "hello")
                 proof = _require(message, "proof", bytes, "hello")
-                expected = _proof(self.secret, b"listener", self._nonce, self._peer_nonce)
+                expected = _proof(self.secret or b"", b"listener", self._nonce, self._peer_nonce)
                 if not hmac.compare_digest(proof, expected):
                     raise ProtocolError(
                         "auth_failed", f"node {_show(node)} failed authentication: wrong cluster secret"
                     )
-                self._emit({"t": "auth", "proof": _proof(self.secret, b"dialer", self._nonce, self._peer_nonce)})
+                self._emit({"t": "auth", "proof": _proof(self.secret or b"", b"dialer", self._nonce, self._peer_nonce)})
             self._ready()
             return Ready(self.role, node)
         # listener side
-        try:
-            role = Role(message.get("role"))
-        except ValueError:
-            raise ProtocolError(
-                "malformed", f"hello from {_show(node)} names unknown role {_show(message.get('role'))}"
-            ) from None
+        role = next((known for known in Role if known.value == message.get("role")), None)
+        if role is None:
+            raise ProtocolError("malformed", f"hello from {_show(node)} names unknown role {_show(message.get('role'))}")
         if role not in self.accept:
             raise ProtocolError("role_refused", f"{role.value} connections are not accepted on this socket")
         self.role = role
@@ -445,7 +446,7 @@ class Connection:
         self._ready()
         return Ready(Role.CLIENT, node)
 
-    def _on_ready_message(self, kind, message: dict) -> Event | None:
+    def _on_ready_message(self, kind: object, message: Message) -> Event | None:
         if kind == "req":
             rid = _require(message, "id", int, "request")
             op = _require(message, "op", str, "request")

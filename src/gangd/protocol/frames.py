@@ -9,6 +9,8 @@ never raises anything but :class:`ProtocolError`, whatever bytes it is given
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
+from typing import Any
 
 import msgpack
 
@@ -19,6 +21,10 @@ DEFAULT_MAX_FRAME = 16 * 1024 * 1024
 
 _HEADER = struct.Struct(">I")
 HEADER_SIZE = _HEADER.size
+
+#: One decoded frame: a msgpack map with string keys (``strict_map_key``); its
+#: values are whatever the peer sent, checked field by field by the reader.
+Message = dict[str, Any]
 
 
 class ProtocolError(Exception):
@@ -37,7 +43,7 @@ class ProtocolError(Exception):
         return f"{self.message} [{self.code}]"
 
 
-def encode_frame(message: dict, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
+def encode_frame(message: Message, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
     """Serialise one message into a frame (header + payload)."""
     payload = msgpack.packb(message, use_bin_type=True)
     if len(payload) > max_frame:
@@ -47,11 +53,13 @@ def encode_frame(message: dict, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
     return _HEADER.pack(len(payload)) + payload
 
 
-def decode_payload(payload: bytes) -> dict:
+def decode_payload(payload: bytes) -> Message:
     """Decode one frame payload into a message map, or raise ProtocolError."""
     try:
         message = msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True)
-    except Exception as exc:  # msgpack raises a zoo of types on bad input
+    # msgpack raises a zoo of unrelated types on hostile bytes (ValueError and its ExtraData/FormatError/StackError,
+    # TypeError for an unhashable key, ...); every one of them must become a ProtocolError, never escape.
+    except Exception as exc:  # noqa: BLE001 -- any decoder failure is the peer's malformed frame
         raise ProtocolError("malformed", f"undecodable frame: {type(exc).__name__}: {exc}") from None
     if not isinstance(message, dict):
         raise ProtocolError("malformed", f"frame holds a {type(message).__name__}, not a map")
@@ -66,10 +74,10 @@ class FrameDecoder:
         self.last_size = 0  # bytes (header included) of the frame last returned
         self._buffer = bytearray()
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | bytearray) -> None:
         self._buffer += data
 
-    def next_message(self) -> dict | None:
+    def next_message(self) -> Message | None:
         """Return the next complete message, or None if more bytes are needed."""
         if len(self._buffer) < HEADER_SIZE:
             return None
@@ -86,7 +94,7 @@ class FrameDecoder:
         self.last_size = end
         return decode_payload(payload)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Message]:
         while (message := self.next_message()) is not None:
             yield message
 

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -277,3 +278,30 @@ def test_a_checkpoint_on_a_nearly_full_checkpoint_disk_is_refused_with_the_reaso
             _remove_cgroups(LocalCluster(directory, 1))
         subprocess.run(["umount", str(disk)], check=False)
         shutil.rmtree(directory.parent, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- 5: user lookups at launch
+
+
+def test_the_owners_identity_is_looked_up_off_the_event_loop_and_cached():
+    from gangd.daemon.ranks import Identities, LaunchError, _identity
+
+    calls: list[int] = []
+
+    def lookup(uid: int, gid: int):
+        calls.append(threading.get_ident())
+        return _identity(uid, gid)
+
+    async def main():
+        ids = Identities(lookup)
+        first = await ids.get(NOBODY, NOBODY)
+        again = await ids.get(NOBODY, NOBODY)
+        hung = Identities(lambda uid, gid: time.sleep(3))
+        hung.TIMEOUT = 0.2
+        with pytest.raises(LaunchError, match=r"took over 0\.2 s"):
+            await hung.get(NOBODY, NOBODY)
+        return first, again
+
+    first, again = trio.run(main)
+    assert first == again and first[0]["USER"] == "nobody"
+    assert len(calls) == 1 and calls[0] != threading.get_ident()  # once, in a worker thread

@@ -177,7 +177,7 @@ def up(
             switch_lead=switch_lead,
             checkpoint_timeout=checkpoint_timeout,
             **({"output_limit": output_limit} if output_limit is not None else {}),
-            **({"checkpoint_max_rank_bytes": checkpoint_max_rank_bytes} if checkpoint_max_rank_bytes is not None else {}),
+            checkpoint_max_rank_bytes=Config.checkpoint_max_rank_bytes if checkpoint_max_rank_bytes is None else checkpoint_max_rank_bytes,
             output_dir=Path(output_dir).absolute() if output_dir else None,
             limits=tuple(limits),
             checkpoint_dir=Path(checkpoint_dir).absolute() if checkpoint_dir else None,

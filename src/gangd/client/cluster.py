@@ -134,6 +134,8 @@ def up(
     checkpoint_dir: Path | None = None,
     log_level: str = "info",
     output_limit: int | None = None,
+    output_dir: Path | None = None,
+    checkpoint_max_rank_bytes: int | None = None,
     timeout: float = 30.0,
     progress=None,
 ) -> list[NodeFiles]:
@@ -175,6 +177,8 @@ def up(
             switch_lead=switch_lead,
             checkpoint_timeout=checkpoint_timeout,
             **({"output_limit": output_limit} if output_limit is not None else {}),
+            checkpoint_max_rank_bytes=Config.checkpoint_max_rank_bytes if checkpoint_max_rank_bytes is None else checkpoint_max_rank_bytes,
+            output_dir=Path(output_dir).absolute() if output_dir else None,
             limits=tuple(limits),
             checkpoint_dir=Path(checkpoint_dir).absolute() if checkpoint_dir else None,
             runtime_dir=nf.runtime,

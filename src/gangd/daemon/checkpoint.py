@@ -29,6 +29,19 @@ mount a disk there later), always through directory descriptors
 (:mod:`gangd.safefs`); every file the daemon writes is root's, and the
 files it reads back are read in a thread, without following links, to a
 size limit (see :mod:`gangd.ckptstore`).
+
+What a rank reports is hostile until checked (:class:`WriteReport`): its
+state file may be at most ``checkpoint_max_rank_bytes``, because every
+restart checksums it whole — a rank that truncates its file to 16 TiB
+(sparse, no disk used) and reports that size would otherwise make each
+``gang restart`` read 16 TiB. Those checksums run in a few threads of their
+own (:data:`VERIFY_THREADS`) at normal scheduling, nice 10: the daemon's
+real-time priority is for gang switches and the table, not for reading a
+user's file. A round does not start on a checkpoint disk that is nearly
+full, and a commit that left it nearly full is aborted (its files removed):
+by default checkpoints share the state directory's disk, and the job table
+must always find room there (the reserve is ``output_reserve``, as for rank
+output; see :mod:`gangd.daemon.outputlog`).
 """
 
 from __future__ import annotations
@@ -37,6 +50,7 @@ import logging
 import math
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +71,75 @@ RESTORED_REPEAT = 1.0  # seconds between reports that this node's ranks of a res
 AGREE_TIMEOUT = 30.0  # every rank reports within this after SIGQUIT (its thread answers at once)
 EXIT_REPORT_GRACE = 2.0  # s a rank's write report may trail its exit
 RESTORE_TIMEOUT = 600.0
+VERIFY_THREADS = 2  # checksumming threads per daemon (restarts beyond that wait their turn)
+VERIFY_NICE = 10
+MAX_DIGEST = 128  # characters of a rank's reported checksum (XXH3-128 hex has 32)
+
+
+class NoRoom(Exception):
+    """The checkpoint disk is (nearly) full; the message says how full."""
+
+
+@dataclass(frozen=True)
+class WriteReport:
+    """What a rank says it wrote: checked before anything uses it."""
+
+    size: int
+    digest: str
+    seconds: float
+
+    @classmethod
+    def parse(cls, result: dict, max_size: int) -> WriteReport:
+        """Raises ValueError with a sentence saying what is wrong."""
+        size, digest, seconds = result.get("size"), result.get("digest"), result.get("seconds", 0.0)
+        if type(size) is not int or size < 0:
+            raise ValueError(f"a state size that is not a byte count ({text.printable(repr(size))[:40]})")
+        if size > max_size:
+            raise ValueError(f"a state file of {size} bytes, more than the {max_size} bytes one rank may commit (checkpoint_max_rank_bytes)")
+        if not isinstance(digest, str) or not 0 < len(digest) <= MAX_DIGEST:
+            raise ValueError("a malformed checksum")
+        if type(seconds) not in (int, float) or not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(f"a write time that is not a number of seconds ({text.printable(repr(seconds))[:40]})")
+        return cls(size, digest, float(seconds))
+
+
+def room_left(fd: int, reserve: int, where: Path | str) -> None:
+    """Raise :class:`NoRoom` if the file system of ``fd`` has less than
+    ``reserve`` bytes free (at most a quarter of it: a small disk still
+    takes checkpoints)."""
+    vfs = os.fstatvfs(fd)
+    reserve = min(reserve, vfs.f_blocks * vfs.f_frsize // 4)
+    free = vfs.f_bavail * vfs.f_frsize
+    if free < reserve:
+        raise NoRoom(
+            f"the checkpoint disk ({where}) has {free} bytes free, less than the {reserve} bytes gangd keeps free "
+            "there for the job table (output_reserve); free space, or give checkpoint_dir a file system of its own"
+        )
+
+
+def _at_low_priority(fn, *args):
+    """``fn(*args)`` in this worker thread at SCHED_OTHER and nice
+    :data:`VERIFY_NICE`, restored afterwards (trio reuses its threads, and
+    they inherit the daemon's real-time policy). As another user than root
+    there is no real-time policy to leave, nor a way back from nice 10."""
+    if os.geteuid() != 0:
+        return fn(*args)
+    tid = threading.get_native_id()
+    policy, param = os.sched_getscheduler(tid), os.sched_getparam(tid)
+    nice = os.getpriority(os.PRIO_PROCESS, tid)
+    try:
+        os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, tid, max(nice, VERIFY_NICE))
+    except OSError:
+        pass
+    try:
+        return fn(*args)
+    finally:
+        try:
+            os.sched_setscheduler(tid, policy, param)
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except OSError as exc:
+            log.warning("could not restore a worker thread's priority: %s", exc.strerror)
 
 
 @dataclass
@@ -94,7 +177,7 @@ class Pending:
     released: bool = False
     ended: dict[int, dict] = field(default_factory=dict)  # rank -> ckpt_end arguments
     resumed: bool = False
-    written: dict[int, dict] = field(default_factory=dict)  # rank -> {"size", "digest", "seconds"}
+    written: dict[int, WriteReport] = field(default_factory=dict)  # rank -> what it wrote
     files: dict[str, list] = field(default_factory=dict)  # name -> [size, digest] written by the daemon
     failed: str | None = None
     times: dict[str, float] = field(default_factory=dict)
@@ -130,6 +213,7 @@ class NodeCheckpoints:
         self.restarts: dict[int, dict] = {}  # job -> {"gen", "lineage", "directory", "manifest", "ranks"}
         self.aborted: set[tuple[int, int]] = set()  # (job, gen): a begin arriving after its abort refuses
         self._requesting: set[int] = set()  # jobs whose ranks asked for a checkpoint just now
+        self._verify_threads: trio.CapacityLimiter | None = None  # (made in trio's run)
 
     # ------------------------------------------------------------ the directories
 
@@ -176,9 +260,11 @@ class NodeCheckpoints:
 
     def _make_dirs(self, directory: Path, owner: tuple[int, int] | None) -> None:
         """The generation's directory (the daemon's; a leftover of an attempt that
-        died with its coordinator is replaced) and the owner's ``ranks/`` in it."""
+        died with its coordinator is replaced) and the owner's ``ranks/`` in it.
+        Raises :class:`NoRoom` first if the disk is nearly full."""
         root = safefs.open_trusted_dir(self.root)
         try:
+            room_left(root, self.daemon.config.output_reserve, self.root)
             job = safefs.open_dir_at(root, directory.parent.name, self.root, create_mode=0o711)
         finally:
             os.close(root)
@@ -320,16 +406,22 @@ class NodeCheckpoints:
         finally:
             self._requesting.discard(job_id)
 
-    def _written(self, pending: Pending, rank: int, result: dict) -> None:
-        if result.get("error"):
-            pending.fail(f"rank {rank} on {self.daemon.node} could not write its state: {text.printable(result['error'])}")
-        elif isinstance(result.get("size"), int) and isinstance(result.get("digest"), str):
-            pending.written[rank] = {"size": result["size"], "digest": result["digest"], "seconds": result.get("seconds", 0.0)}
-            if set(pending.written) >= set(pending.ranks):
-                pending.times["written"] = time.time()  # the last rank's state is on disk
-            pending.poke()
-        else:
+    def _written(self, pending: Pending, rank: int, result) -> None:
+        if not isinstance(result, dict):
             pending.fail(f"rank {rank} on {self.daemon.node} reported a malformed write result")
+            return
+        if result.get("error"):
+            pending.fail(f"rank {rank} on {self.daemon.node} could not write its state: {text.printable(str(result['error']))}")
+            return
+        try:
+            report = WriteReport.parse(result, self.daemon.config.checkpoint_max_rank_bytes)
+        except ValueError as exc:
+            pending.fail(f"rank {rank} on {self.daemon.node} reported {exc}")
+            return
+        pending.written[rank] = report
+        if set(pending.written) >= set(pending.ranks):
+            pending.times["written"] = time.time()  # the last rank's state is on disk
+        pending.poke()
 
     async def _bounded_note(self, agent: RankAgent, op: str, args: dict) -> None:
         """A note to a rank, in order; a rank that stopped reading its connection loses it."""
@@ -402,6 +494,8 @@ class NodeCheckpoints:
         self.pending[job_id] = pending  # before any await: an abort meanwhile must find it
         try:
             await trio.to_thread.run_sync(self._make_dirs, directory, owner)
+        except NoRoom as exc:
+            raise RemoteError("no_space", f"{self.daemon.node}: {exc}") from None
         except (UnsafePath, OSError) as exc:
             raise RemoteError("write_failed", f"{self.daemon.node}: cannot create {directory}: {getattr(exc, 'strerror', None) or exc}") from None
         if pending.failed:
@@ -490,19 +584,21 @@ class NodeCheckpoints:
         pending = self._pending(args)
         await pending.until(lambda: set(pending.written) >= set(pending.ranks), float(args.get("timeout") or self.daemon.config.checkpoint_timeout), "the ranks did not finish writing")
         files = dict(pending.files)
-        for rank, result in pending.written.items():
-            files[ckptstore.cluster_rank_file(rank)] = [result["size"], result["digest"]]
+        for rank, report in pending.written.items():
+            files[ckptstore.cluster_rank_file(rank)] = [report.size, report.digest]
         manifest = ckptstore.Manifest(int(args["lineage"]), pending.gen, self.daemon.node, pending.cut, files, pending.ranks, time.time())
         try:
             await trio.to_thread.run_sync(self._check_and_commit, pending, manifest)
         except StoreError as exc:
             raise RemoteError("write_failed", f"{self.daemon.node}: {exc}") from None
+        except NoRoom as exc:
+            raise RemoteError("no_space", f"{self.daemon.node}: after the ranks wrote, {exc}") from None
         pending.times["committed"] = time.time()
         self.pending.pop(pending.job_id, None)
         result = self._times(pending)
         result["bytes"] = sum(size for size, _ in files.values())
-        result["state_bytes"] = sum(r["size"] for r in pending.written.values())
-        result["rank_write_seconds"] = max((r["seconds"] for r in pending.written.values()), default=0.0)
+        result["state_bytes"] = sum(r.size for r in pending.written.values())
+        result["rank_write_seconds"] = max((r.seconds for r in pending.written.values()), default=0.0)
         return result
 
     def _check_and_commit(self, pending: Pending, manifest: ckptstore.Manifest) -> None:
@@ -511,8 +607,12 @@ class NodeCheckpoints:
         except (UnsafePath, OSError) as exc:
             raise StoreError(f"{pending.directory}: {getattr(exc, 'strerror', None) or exc}") from None
         try:
+            room_left(gen, self.daemon.config.output_reserve, self.root)
+            cap = self.daemon.config.checkpoint_max_rank_bytes
             for name, (size, _) in manifest.files.items():
                 path = pending.directory / name
+                if size > cap:  # (a report past the cap never gets here; the check is where the manifest is made)
+                    raise StoreError(f"{path} is {size} bytes, more than the {cap} bytes one rank may commit (checkpoint_max_rank_bytes)")
                 try:
                     fd = ckptstore.open_in(gen, name, pending.directory)  # (ranks/ is the owner's: no links)
                     try:
@@ -606,7 +706,9 @@ class NodeCheckpoints:
             finally:
                 os.close(gen)
 
-        return await trio.to_thread.run_sync(check)
+        if self._verify_threads is None:
+            self._verify_threads = trio.CapacityLimiter(VERIFY_THREADS)
+        return await trio.to_thread.run_sync(_at_low_priority, check, limiter=self._verify_threads)
 
     # ------------------------------------------------------------ restart
 

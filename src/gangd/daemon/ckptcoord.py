@@ -51,6 +51,11 @@ class CheckpointCoordinator:
         # lineage -> the last generation number handed out: a refused round
         # leaves no entry, but its number is spent (the nodes remember it aborted).
         self.issued: dict[int, int] = {}
+        # Lineages a restart is under way for: between its check that no job
+        # of the lineage is alive and the submission of the new one it
+        # verifies the files (seconds, for large states) — a second restart
+        # meanwhile would pass the same check and start a second job.
+        self.restarting: set[int] = set()
 
     # ------------------------------------------------------------ lineage
 
@@ -236,6 +241,16 @@ class CheckpointCoordinator:
         permission_check(record, cred, "restart")
         if not jobs.is_terminal(record):
             raise RemoteError("bad_state", f"job {job_id} is {record['state']}; kill it first (`gang kill {job_id}`) to restart it from a checkpoint")
+        lineage = record.get("lineage") or job_id
+        if lineage in self.restarting:
+            raise RemoteError("busy", f"a restart from job {job_id}'s checkpoints is already under way; one job of a lineage runs at a time")
+        self.restarting.add(lineage)
+        try:
+            return await self._restart(job_id, record, lineage, gen)
+        finally:
+            self.restarting.discard(lineage)
+
+    async def _restart(self, job_id: int, record: dict, lineage: int, gen: int | None) -> dict:
         alive = [r["id"] for r in self.lineage_records(record) if not jobs.is_terminal(r)]
         if alive:
             raise RemoteError("bad_state", f"job {alive[0]}, restarted from the same checkpoints, is {self.daemon.table.get(alive[0])['state']}; one job of a lineage runs at a time")
@@ -250,7 +265,6 @@ class CheckpointCoordinator:
             complete = chosen
         if not complete:
             raise RemoteError("no_checkpoint", f"job {job_id} has no complete checkpoint to restart from")
-        lineage = record.get("lineage") or job_id
         skipped: list[str] = []
         for entry in complete:
             damaged, unreachable = await self._verify(lineage, entry)

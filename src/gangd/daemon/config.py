@@ -25,6 +25,7 @@ Example (``/etc/gangd/gangd.toml``)::
     max_slots = 4                    # multiprogramming degree: jobs beyond it wait
     checkpoint_keep = 2              # complete generations kept per job
     checkpoint_timeout = 600         # seconds ranks may take to reach the cut / write their state
+    checkpoint_max_rank_bytes = 68719476736  # largest state file one rank may commit (a restart checksums it)
 
     [limits]                         # optional; what no job may exceed (per job and node)
     pids_max = 4096                  # processes+threads (cgroup pids controller)
@@ -95,6 +96,7 @@ class Config:
     checkpoint_dir: Path | None = None  # node-local disk for checkpoints (default: state_dir/checkpoints)
     checkpoint_keep: int = 2  # complete generations kept per job (the previous one stays until a newer is complete)
     checkpoint_timeout: float = 600.0  # seconds ranks may take to reach the cut, or to write their state
+    checkpoint_max_rank_bytes: int = 64 << 30  # a rank's state file larger than this is refused at the commit
     output_dir: Path | None = None  # rank output (default: state_dir/output)
     runtime_dir: Path | None = None  # rank sockets and counters, in memory (default: the socket's directory/jobs)
     output_limit: int = 1 << 30  # bytes of output a job may leave on this node; the rest is dropped with a notice
@@ -246,6 +248,7 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         "checkpoint_dir": Path(node["checkpoint_dir"]) if node.get("checkpoint_dir") else None,
         "checkpoint_keep": int(cluster.get("checkpoint_keep", 2)),
         "checkpoint_timeout": float(cluster.get("checkpoint_timeout", 600.0)),
+        "checkpoint_max_rank_bytes": int(cluster.get("checkpoint_max_rank_bytes", 64 << 30)),
         "output_dir": Path(node["output_dir"]) if node.get("output_dir") else None,
         "output_limit": int(node.get("output_limit", 1 << 30)),
         "output_reserve": int(node.get("output_reserve", 64 << 20)),
@@ -274,6 +277,8 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         raise ConfigError(f"realtime_priority must be between 0 (off) and 99, not {config.realtime_priority}")
     if config.checkpoint_keep < 1:
         raise ConfigError(f"checkpoint_keep must be at least 1 (the newest complete generation), not {config.checkpoint_keep}")
+    if config.checkpoint_max_rank_bytes < 0:
+        raise ConfigError(f"checkpoint_max_rank_bytes is a byte count and cannot be negative, not {config.checkpoint_max_rank_bytes}")
     if config.output_limit < 0 or config.output_reserve < 0:
         raise ConfigError("output_limit and output_reserve are byte counts and cannot be negative")
     if config.max_slots < 1:
@@ -346,6 +351,7 @@ def render(config: Config) -> str:
         f"switch_lead = {config.switch_lead}",
         f"checkpoint_keep = {config.checkpoint_keep}",
         f"checkpoint_timeout = {config.checkpoint_timeout}",
+        f"checkpoint_max_rank_bytes = {config.checkpoint_max_rank_bytes}",
     ]
     if config.limits:
         lines += ["", "[limits]"] + [f"{key} = {value}" for key, value in config.limits]

@@ -284,10 +284,17 @@ class JobNet:
         except OSError as exc:
             raise RemoteError("bad_request", f"cannot open the counters file {path}: {exc.strerror}") from None
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid not in (record["owner_uid"], os.geteuid()) or info.st_size < 24 * record["nranks"]:
+        # As root: the owner's own file, with no other name — where hard links
+        # to others' files are allowed (fs.protected_hardlinks=0) the owner
+        # could link a file of root's here, and `gang net` would show its
+        # first bytes. (A daemon that is not root reads only what it may anyway.)
+        owners = (record["owner_uid"],) if os.geteuid() == 0 else (record["owner_uid"], os.geteuid())
+        if (not stat.S_ISREG(info.st_mode) or info.st_uid not in owners or info.st_size < 24 * record["nranks"]
+                or (os.geteuid() == 0 and info.st_nlink != 1)):
             os.close(fd)
             raise RemoteError("bad_request",
-                              f"{path} is not a counters file of job {record['id']} (a regular file of its owner, {24 * record['nranks']} bytes)")
+                              f"{path} is not a counters file of job {record['id']} "
+                              f"(a regular file of its owner with one name, {24 * record['nranks']} bytes)")
         return fd
 
     def _maybe_report(self, record: dict, state: JobNetState) -> None:

@@ -23,7 +23,11 @@ Why it is shaped like this:
   held, and a rank writing faster than the disk takes is slowed down by its
   full pipe (backpressure) rather than buffered. Dropped output is drained at
   a bounded rate, so ``yes`` cannot keep a real-time daemon busy either.
-* The files are root's. The output directory and each job's directory are
+* The files are root's. The output directory is reached from ``/`` at
+  start-up without following a link, every component checked (root's,
+  writable by no one else: :func:`gangd.safefs.open_trusted_dir`), and used
+  through that descriptor from then on — a user who owns a directory above
+  it, or a link planted on the way, cannot redirect it. It and each job's directory are
   root's and 0700, the logs root's and 0600: no user can reach, replace or
   grow them, so what root parses back is what it wrote. Owners read their
   output through ``gang logs`` (which checks who asks), as they always had to:
@@ -45,7 +49,7 @@ from pathlib import Path
 
 import trio
 
-from .store import UnsafePath, check_private_dir
+from .. import safefs
 
 log = logging.getLogger("gangd.outputlog")
 
@@ -71,7 +75,7 @@ def _size(n: int) -> str:
     raise AssertionError
 
 
-def _open_dir(name: str | Path, dir_fd: int | None = None, create: bool = False) -> int:
+def _open_dir(name: str, dir_fd: int, create: bool = False) -> int:
     if create:
         try:
             os.mkdir(name, 0o700, dir_fd=dir_fd)
@@ -111,16 +115,33 @@ class OutputStore:
         self.limit = limit
         self.reserve = reserve
         self.quotas: dict[int, JobQuota] = {}
+        self.root_fd: int | None = None
 
     def prepare(self) -> None:
-        """At start-up: the output directory exists, is root's and private."""
+        """At start-up: the output directory exists, is root's and private,
+        every directory on the way to it too; kept open from here on."""
         try:
-            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-            check_private_dir(self.root)
+            fd = safefs.open_trusted_dir(self.root, create_mode=0o700)
+        except safefs.UnsafePath as exc:
+            raise OutputError(f"refusing the output directory (output_dir): {exc}") from None
+        try:
+            os.fchmod(fd, 0o700)
         except OSError as exc:
+            os.close(fd)
             raise OutputError(f"output directory {self.root} is not usable: {exc.strerror or exc}") from None
-        except UnsafePath as exc:
-            raise OutputError(f"refusing the output directory: {exc}") from None
+        if self.root_fd is not None:
+            os.close(self.root_fd)
+        self.root_fd = fd
+
+    def close(self) -> None:
+        if self.root_fd is not None:
+            os.close(self.root_fd)
+            self.root_fd = None
+
+    def _root(self) -> int:
+        if self.root_fd is None:
+            raise OutputError(f"the output directory {self.root} is not open")
+        return self.root_fd
 
     def path(self, job_id: int, rank: int) -> Path:
         return self.root / str(job_id) / f"rank-{rank}.log"
@@ -135,11 +156,7 @@ class OutputStore:
         return OutputLog(self, job_id, rank, fd, quota)
 
     def _open_sync(self, job_id: int, rank: int) -> int:
-        root = _open_dir(self.root)
-        try:
-            job = _open_dir(str(job_id), root, create=True)
-        finally:
-            os.close(root)
+        job = _open_dir(str(job_id), self._root(), create=True)
         try:
             fd = os.open(f"rank-{rank}.log", os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600, dir_fd=job)
         finally:
@@ -153,11 +170,7 @@ class OutputStore:
 
     def open_for_read(self, job_id: int, rank: int) -> int:
         """A read descriptor of a rank's log (blocking: call in a thread)."""
-        root = _open_dir(self.root)
-        try:
-            job = _open_dir(str(job_id), root)
-        finally:
-            os.close(root)
+        job = _open_dir(str(job_id), self._root())
         try:
             fd = os.open(f"rank-{rank}.log", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=job)
         finally:

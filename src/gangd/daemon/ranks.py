@@ -19,6 +19,8 @@ import pwd
 import resource as resource_mod
 import signal
 import subprocess
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,10 +92,24 @@ class RankProcess:
 
     async def wait(self) -> int:
         await trio.lowlevel.wait_readable(self._pidfd)
+        # Exited, not reaped: the zombie still holds the pid, so its process
+        # group cannot be anyone else's yet — what the rank left in it dies now.
+        self.kill_group()
         code = self.popen.wait()
         os.close(self._pidfd)
         self._pidfd = -1
         return code
+
+    def kill_group(self) -> None:
+        """SIGKILL the rank's process group (its session's, see spawn) —
+        only while the rank is not reaped: after that its pid, and a group
+        of that number, may be someone else's."""
+        if self.popen.returncode is not None:
+            return
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     async def aclose(self) -> None:
         await self.stdout.aclose()
@@ -161,6 +177,42 @@ def _identity(uid: int, gid: int) -> tuple[dict, list[int]]:
     except OSError:
         groups = [gid]
     return {"HOME": entry.pw_dir, "USER": entry.pw_name, "LOGNAME": entry.pw_name}, groups
+
+
+class Identities:
+    """(uid, gid) -> :func:`_identity`, looked up in a worker thread and
+    cached for a while: NSS (LDAP, sssd) can take seconds, and the event
+    loop must not wait for it at every launch."""
+
+    TTL = 60.0  # s a found user is kept
+    NEGATIVE_TTL = 5.0  # s an unknown uid is kept
+    TIMEOUT = 10.0  # s a lookup may take before the launch fails
+    SIZE = 1024  # users kept
+    THREADS = 2  # lookups at once (one hung NSS server holds these, not trio's pool)
+
+    def __init__(self, lookup=_identity):
+        self.lookup = lookup
+        self._cache: OrderedDict[tuple[int, int], tuple[tuple[dict, list[int]], float]] = OrderedDict()
+        self._threads: trio.CapacityLimiter | None = None  # (made in trio's run)
+
+    async def get(self, uid: int, gid: int) -> tuple[dict, list[int]]:
+        key = (uid, gid)
+        hit = self._cache.get(key)
+        if hit is not None and hit[1] > time.monotonic():
+            self._cache.move_to_end(key)
+            return hit[0]
+        if self._threads is None:
+            self._threads = trio.CapacityLimiter(self.THREADS)
+        found = None
+        with trio.move_on_after(self.TIMEOUT):
+            found = await trio.to_thread.run_sync(self.lookup, uid, gid, limiter=self._threads, abandon_on_cancel=True)
+        if found is None:
+            raise LaunchError(f"looking up user {uid} (its home and groups) took over {self.TIMEOUT:g} s; is the user database (NSS) slow?")
+        self._cache[key] = (found, time.monotonic() + (self.TTL if found[0] else self.NEGATIVE_TTL))
+        self._cache.move_to_end(key)
+        while len(self._cache) > self.SIZE:
+            self._cache.popitem(last=False)
+        return found
 
 
 class LaunchFailed:
@@ -259,6 +311,7 @@ class LocalRanks:
         self.ranks: dict[tuple[int, int], Rank] = {}
         self.logs: dict[tuple[int, int], OutputLog] = {}
         self._running_as_root = os.geteuid() == 0
+        self.identities = Identities()
 
     # ------------------------------------------------------------ queries
 
@@ -365,7 +418,7 @@ class LocalRanks:
             raise LaunchError(f"gangd on {self.node} runs as uid {os.geteuid()} and cannot start ranks for uid {uid}")
         else:
             drop = None
-        extra_env, groups = _identity(uid, gid) if drop else ({}, [])
+        extra_env, groups = await self.identities.get(uid, gid) if drop else ({}, [])
         limits = rlimits_mod.effective(record.get("rlimits"), self.rlimit_caps, self._default_rlimits) if self._running_as_root else []
         await trio.to_thread.run_sync(lambda: job_dir.mkdir(parents=True, exist_ok=True))
         base_env = scrub_environ(record["env"])
@@ -493,10 +546,7 @@ class LocalRanks:
             if self.cgroups.pids(entry.cgroup):
                 self.cgroups.kill(entry.cgroup)
         if entry.proc is not None:
-            try:
-                os.killpg(entry.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            entry.proc.kill_group()  # (a no-op once reaped: the pid may be reused)
 
     # ------------------------------------------------------------ kill
 

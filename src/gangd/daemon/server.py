@@ -187,6 +187,7 @@ class Daemon:
             except OSError:
                 pass
             self.cgroups.close()
+            self.outputs.close()
             self.jobnet.close_runtime()
             self.checkpoints.close_root()
             log.info("gangd %s stopped", self.node)

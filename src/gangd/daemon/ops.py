@@ -111,7 +111,7 @@ class Ops:
     async def handle(self, channel: Channel, message):
         if isinstance(message, Note):
             if channel.context.get("peer") and message.op == "table":
-                await self._apply_table(message.args.get("records"))
+                await self._apply_table(message.args.get("records"), message.args.get("since"), message.args.get("through"))
             elif not channel.context.get("peer"):
                 if message.op.startswith("ckpt_"):
                     self.daemon.checkpoints.on_note(channel, message.op, message.args)
@@ -134,12 +134,16 @@ class Ops:
             raise RemoteError("unknown_op", f"unknown peer operation {op!r}")
         return await handler(args, from_node, channel)
 
-    async def _apply_table(self, records) -> None:
+    async def _apply_table(self, records, since=None, through=None) -> None:
+        """A pushed change, or a batch of the catch-up covering (``since``, ``through``]."""
         if not isinstance(records, list):
             return
+        table = self.daemon.table
         for record in records:
             if isinstance(record, dict) and isinstance(record.get("id"), int):
-                await self.daemon.table.apply(record)
+                await table.apply(record)  # (a failed save raises: the batch does not count, it comes again)
+        if isinstance(since, int) and isinstance(through, int):
+            table.caught_up(since, through)
 
     async def to_coordinator(self, op: str, **args):
         """Run ``op`` on the coordinator, riding out a coordinator change."""
@@ -485,7 +489,10 @@ class Ops:
         return info
 
     async def table_since(self, args, from_node, channel):
-        return self.daemon.table.since(_int(args, "seq"))
+        """One batch of the records newer than ``seq`` (see JobTable.batch_since); ``more``: ask again from ``through``."""
+        table = self.daemon.table
+        records, through = table.batch_since(_int(args, "seq"))
+        return {"records": records, "through": through, "more": through < table.seq}
 
     async def launch(self, args, from_node, channel):
         record = args.get("record")

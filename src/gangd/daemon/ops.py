@@ -190,6 +190,10 @@ class Ops:
         spec = args.get("spec")
         if not isinstance(spec, dict):
             raise RemoteError("bad_request", "submit needs a job spec")
+        try:  # refused here, before it travels to the coordinator (which checks it again: it also takes restarts)
+            jobs.JobSpec.from_wire(spec, [n.name for n in self.daemon.config.nodes])
+        except jobs.BadSpec as exc:
+            raise RemoteError(exc.code, exc.message) from None
         # The client's own rlimits, from the kernel (never the wire): its ranks get these, not the daemon's.
         pid = channel.context.get("pid")
         rlimits = await trio.to_thread.run_sync(read_process_limits, pid, cred["uid"]) if isinstance(pid, int) and pid > 0 else None

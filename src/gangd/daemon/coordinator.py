@@ -55,7 +55,10 @@ def _check_may_resume(record: dict, cred: dict) -> None:
     """A job root suspended stays suspended until root resumes it: the owner's
     resume would undo an administrator's decision (a job stopped to free the
     machine, or under investigation)."""
-    if record.get("held_uid") == 0 and cred["uid"] != 0:
+    held_uid = record.get("held_uid")
+    if held_uid is None and record.get("held") == "root":  # (suspended before gangd recorded the uid)
+        held_uid = 0
+    if held_uid == 0 and cred["uid"] != 0:
         raise RemoteError(
             "permission_denied",
             f"job {record['id']} was suspended by root ({record.get('held') or 'root'}); only root may resume it",

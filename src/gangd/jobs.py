@@ -10,6 +10,7 @@ from __future__ import annotations
 import secrets
 import signal
 import time
+from dataclasses import dataclass, field
 
 from . import text
 
@@ -27,6 +28,189 @@ TERMINAL_STATES = (DONE, FAILED, KILLED)
 # Exit codes of `gang run` / `gang wait` beyond the ranks' own codes.
 EXIT_KILLED = 128 + signal.SIGKILL  # the job was killed by its owner or root
 EXIT_FAILED_NO_RANK = 1  # failed for a reason that is not a rank's exit code
+
+
+#: Bytes of a job's command line and environment together, counted as the
+#: kernel counts them (each string and its NUL): Linux refuses an exec past its
+#: ARG_MAX (2 MiB with the usual 8 MiB stack), so no runnable job needs more.
+#: The record holding them is kept by every node for as long as the job is,
+#: and goes whole into the table's catch-up notes.
+MAX_ARGV_ENV_BYTES = 2 * 1024 * 1024
+MAX_CWD_BYTES = 4096  # PATH_MAX
+MAX_NAME_CHARS = 1024  # (shown cut to text.MAX_NAME)
+MAX_NRANKS = 1 << 20  # far beyond any cluster; the coordinator checks the real capacity
+#: A network context (the messages a captured job had in flight, see
+#: gangd.comm.context) is held by the coordinator until the job launches.
+MAX_CONTEXT_RANK_BYTES = 4 * 1024 * 1024
+MAX_CONTEXT_JOB_BYTES = 8 * 1024 * 1024
+
+
+class BadSpec(Exception):
+    """A job spec that cannot be a job: ``code`` (bad_request) and a sentence for the user."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _encoded(value: str) -> int:
+    return len(value.encode("utf-8", "surrogatepass"))
+
+
+def _positive(spec: dict, key: str, what: str) -> int | None:
+    value = spec.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise BadSpec("bad_request", f"{what} must be a positive integer, not {value!r}")
+    return value
+
+
+def _number(spec: dict, key: str, low: float, high: float, message: str) -> float | None:
+    value = spec.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not low <= value <= high:
+        raise BadSpec("bad_request", message.format(value=value))
+    return value
+
+
+def _flag(spec: dict, key: str, default: bool) -> bool:
+    value = spec.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, (bool, int)):
+        raise BadSpec("bad_request", f"{key!r} must be true or false, not {value!r}")
+    return bool(value)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a client asks to run, checked once where it comes in (the coordinator's submit).
+
+    Everything here is bounded: a record is kept by every node, on disk and in
+    memory, for as long as the cluster keeps the job, and travels whole in
+    the table's replication; its size must not be the submitter's choice."""
+
+    argv: tuple[str, ...]
+    nranks: int
+    name: str | None = None
+    cwd: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    per_node: int | None = None
+    nodes: int | None = None
+    nodelist: tuple[str, ...] | None = None
+    kill_on_bad_exit: bool = True
+    priority: int | None = None
+    slice: float | None = None
+    ckpt_every: float | None = None
+    mpi: bool = False
+    net_context: dict[str, bytes] | None = None
+
+    @classmethod
+    def from_wire(cls, spec: object, node_names: list[str]) -> JobSpec:
+        """``spec`` as it came over the wire, checked; raises :class:`BadSpec` saying what is wrong."""
+        if not isinstance(spec, dict):
+            raise BadSpec("bad_request", "submit needs a job spec (a map)")
+        argv = spec.get("argv")
+        if not isinstance(argv, (list, tuple)) or not argv or not all(isinstance(a, str) for a in argv):
+            raise BadSpec("bad_request", "a job needs a command to run (a list of strings)")
+        if not argv[0]:
+            raise BadSpec("bad_request", "the job's command is empty")
+        if any("\0" in a for a in argv):
+            raise BadSpec("bad_request", "the job's command line holds a NUL character, which no program can be given")
+        env = spec.get("env")
+        if env is None:
+            env = {}
+        if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            raise BadSpec("bad_request", "the environment must map strings to strings")
+        for key, value in env.items():
+            if not key or "=" in key or "\0" in key or "\0" in value:
+                raise BadSpec("bad_request", f"bad environment variable {text.printable(key, 64)!r}: a name must be non-empty, without '=' or NUL")
+        size = sum(_encoded(a) + 1 for a in argv) + sum(_encoded(k) + _encoded(v) + 2 for k, v in env.items())
+        if size > MAX_ARGV_ENV_BYTES:
+            raise BadSpec(
+                "bad_request",
+                f"the job's command line and environment take {size} bytes; at most {MAX_ARGV_ENV_BYTES} are allowed "
+                "(as Linux allows a program: pass large inputs in a file)",
+            )
+        for key, limit in (("name", MAX_NAME_CHARS), ("cwd", MAX_CWD_BYTES)):
+            value = spec.get(key)
+            if value is not None and not isinstance(value, str):
+                raise BadSpec("bad_request", f"{key!r} must be a string")
+            if value is not None and (len(value) > limit or _encoded(value) > limit):
+                raise BadSpec("bad_request", f"the job's {key} is longer than {limit} characters")
+        cwd = spec.get("cwd")
+        if cwd is not None and "\0" in cwd:
+            raise BadSpec("bad_request", "the working directory holds a NUL character")
+        nranks = spec.get("nranks")
+        if not isinstance(nranks, int) or isinstance(nranks, bool) or not 1 <= nranks <= MAX_NRANKS:
+            raise BadSpec("bad_request", f"the number of ranks must be a positive integer (at most {MAX_NRANKS}), not {nranks!r}")
+        per_node = _positive(spec, "per_node", "'per_node'")
+        nodes = _positive(spec, "nodes", "'nodes'")
+        if nodes is not None and nodes > len(node_names):
+            raise BadSpec("bad_request", f"--nodes must be between 1 and {len(node_names)}, not {nodes}")
+        nodelist = spec.get("nodelist")
+        if nodelist is not None:
+            if not isinstance(nodelist, (list, tuple)) or not all(isinstance(n, str) for n in nodelist):
+                raise BadSpec("bad_request", "'nodelist' must be a list of node names")
+            if len(nodelist) > len(node_names) or len(set(nodelist)) != len(nodelist):
+                raise BadSpec("bad_request", f"--nodelist names {len(nodelist)} nodes, some twice or more: the cluster has {len(node_names)}")
+            for name in nodelist:
+                if name not in node_names:
+                    raise BadSpec("bad_request", f"unknown node {text.printable(name, 64)!r} in --nodelist (nodes: {', '.join(node_names)})")
+            nodelist = tuple(nodelist)
+        if nodes and per_node and nodes * per_node < nranks:
+            raise BadSpec("bad_request", f"{nranks} ranks do not fit on {nodes} node(s) with {per_node} per node")
+        priority = spec.get("priority")
+        if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool) or abs(priority) > 1 << 31):
+            raise BadSpec("bad_request", f"'priority' must be an integer, not {priority!r}")
+        slice_ = _number(spec, "slice", 0.001, 3600, "the time slice must be between 0.001 and 3600 seconds, not {value!r}")
+        every = _number(spec, "ckpt_every", 1, 10**7, "the checkpoint period must be between 1 second and 115 days, not {value!r}")
+        contexts = spec.get("net_context")
+        if contexts is not None:
+            if not isinstance(contexts, dict) or not all(
+                isinstance(k, str) and k.isdigit() and int(k) < nranks and isinstance(v, bytes) for k, v in contexts.items()
+            ):
+                raise BadSpec(
+                    "bad_request", "'net_context' must map rank numbers (as strings, below the number of ranks) to the bytes of their network context"
+                )
+            biggest = max((len(v) for v in contexts.values()), default=0)
+            if biggest > MAX_CONTEXT_RANK_BYTES:
+                raise BadSpec("bad_request", f"a rank's network context may hold at most {MAX_CONTEXT_RANK_BYTES} bytes, not {biggest}")
+            total = sum(len(v) for v in contexts.values())
+            if total > MAX_CONTEXT_JOB_BYTES:
+                raise BadSpec("bad_request", f"a job's network context may hold at most {MAX_CONTEXT_JOB_BYTES} bytes, not {total}")
+        return cls(
+            argv=tuple(argv),
+            nranks=nranks,
+            name=spec.get("name"),
+            cwd=cwd,
+            env=dict(env),
+            per_node=per_node,
+            nodes=nodes,
+            nodelist=nodelist,
+            kill_on_bad_exit=_flag(spec, "kill_on_bad_exit", True),
+            priority=priority,
+            slice=slice_,
+            ckpt_every=every,
+            mpi=_flag(spec, "mpi", False),
+            net_context=dict(contexts) if contexts else None,
+        )
+
+    @property
+    def context_bytes(self) -> int:
+        return sum(len(v) for v in (self.net_context or {}).values())
+
+    def as_spec(self) -> dict:
+        """The spec as :func:`new_record` and placement read it (no network context: it is not kept in records)."""
+        return {
+            "argv": list(self.argv), "nranks": self.nranks, "name": self.name, "cwd": self.cwd, "env": dict(self.env),
+            "per_node": self.per_node, "nodes": self.nodes, "nodelist": list(self.nodelist) if self.nodelist is not None else None,
+            "kill_on_bad_exit": self.kill_on_bad_exit, "priority": self.priority, "slice": self.slice,
+            "ckpt_every": self.ckpt_every, "mpi": self.mpi,
+        }
 
 
 def new_record(*, job_id: int, spec: dict, owner_uid: int, owner_name: str, owner_gid: int) -> dict:
@@ -47,6 +231,7 @@ def new_record(*, job_id: int, spec: dict, owner_uid: int, owner_name: str, owne
         "priority": int(spec.get("priority") or 0),  # higher goes first in the queue
         "slice": spec.get("slice"),  # seconds per gang time slice, None: the cluster's
         "held": None,  # who suspended it (gang suspend), while suspended
+        "held_uid": None,  # their uid: a job root suspended only root resumes
         "token": secrets.token_hex(16),  # ranks present it to each other: no stranger joins the job's network
         "placement": [],  # node name of each rank
         "state": QUEUED,

@@ -26,6 +26,7 @@ Example (``/etc/gangd/gangd.toml``)::
     checkpoint_keep = 2              # complete generations kept per job
     checkpoint_timeout = 600         # seconds ranks may take to reach the cut / write their state
     checkpoint_max_rank_bytes = 68719476736  # largest state file one rank may commit (a restart checksums it)
+    max_queued_per_user = 1000       # jobs one user may have waiting to start (root: no limit)
 
     [limits]                         # optional; what no job may exceed (per job and node)
     pids_max = 4096                  # processes+threads (cgroup pids controller)
@@ -101,6 +102,7 @@ class Config:
     runtime_dir: Path | None = None  # rank sockets and counters, in memory (default: the socket's directory/jobs)
     output_limit: int = 1 << 30  # bytes of output a job may leave on this node; the rest is dropped with a notice
     output_reserve: int = 64 << 20  # bytes rank output leaves free on its file system (room for the job table)
+    max_queued_per_user: int = 1000  # jobs a user (not root) may have queued, not yet started: every node keeps each
     limits: tuple[tuple[str, int], ...] = ()  # [limits]: pids_max, memory_max, rlimit caps (name, value)
 
     @property
@@ -253,6 +255,7 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         "output_limit": int(node.get("output_limit", 1 << 30)),
         "output_reserve": int(node.get("output_reserve", 64 << 20)),
         "runtime_dir": Path(node["runtime_dir"]) if node.get("runtime_dir") else None,
+        "max_queued_per_user": int(cluster.get("max_queued_per_user", 1000)),
     }
     settings["limits"] = _limits(data.get("limits", {}))
     for key, value in overrides.items():
@@ -283,6 +286,8 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         raise ConfigError("output_limit and output_reserve are byte counts and cannot be negative")
     if config.max_slots < 1:
         raise ConfigError(f"max_slots must be at least 1, not {config.max_slots}")
+    if config.max_queued_per_user < 1:
+        raise ConfigError(f"max_queued_per_user must be at least 1, not {config.max_queued_per_user}")
     if config.heartbeat_timeout <= config.heartbeat_interval:
         raise ConfigError("heartbeat_timeout must be larger than heartbeat_interval")
     return config
@@ -352,6 +357,7 @@ def render(config: Config) -> str:
         f"checkpoint_keep = {config.checkpoint_keep}",
         f"checkpoint_timeout = {config.checkpoint_timeout}",
         f"checkpoint_max_rank_bytes = {config.checkpoint_max_rank_bytes}",
+        f"max_queued_per_user = {config.max_queued_per_user}",
     ]
     if config.limits:
         lines += ["", "[limits]"] + [f"{key} = {value}" for key, value in config.limits]

@@ -36,6 +36,10 @@ KILL_REPORT_WAIT = 10.0
 #: coordinator stops waiting for the node and goes on.
 KILL_WAIT = KILL_DEADLINE + 5.0
 SWITCH_TIMEOUT = 5.0  # a node that does not confirm a switch by then is re-sent it
+#: Bytes of network contexts (see jobs.MAX_CONTEXT_JOB_BYTES) the coordinator
+#: holds for one user's jobs that have not launched yet: they live in its
+#: memory only, so their sum is bounded per user, not just per job.
+MAX_HELD_CONTEXT_BYTES_PER_USER = 64 * 1024 * 1024
 
 
 def permission_check(record: dict, cred: dict, action: str) -> None:
@@ -45,6 +49,20 @@ def permission_check(record: dict, cred: dict, action: str) -> None:
         "permission_denied",
         f"job {record['id']} belongs to {record['owner']}; only its owner or root may {action} it",
     )
+
+
+def _check_may_resume(record: dict, cred: dict) -> None:
+    """A job root suspended stays suspended until root resumes it: the owner's
+    resume would undo an administrator's decision (a job stopped to free the
+    machine, or under investigation)."""
+    held_uid = record.get("held_uid")
+    if held_uid is None and record.get("held") == "root":  # (suspended before gangd recorded the uid)
+        held_uid = 0
+    if held_uid == 0 and cred["uid"] != 0:
+        raise RemoteError(
+            "permission_denied",
+            f"job {record['id']} was suspended by root ({record.get('held') or 'root'}); only root may resume it",
+        )
 
 
 def place(record: dict, free: dict[str, int]) -> list[str] | None:
@@ -160,12 +178,11 @@ class Coordinator:
             if node == self.daemon.node:
                 continue
             try:
-                records = await peers.call(node, "table_since", seq=0)
+                await self._pull_table(node)
             except RemoteError as exc:
                 log.warning("could not pull the job table from %s: %s", node, exc)
                 continue
-            for record in records:
-                await self.table.apply(record)
+        self.table.mark_complete()
         self._rebuild_matrix()
         # Continue numbering after everything anybody has seen.
         self.active = True
@@ -180,7 +197,14 @@ class Coordinator:
                 self.ckpt.job_started(record)
         # Bring every node up to date with the merged table, and collect the
         # exits the previous coordinator may have taken to its grave.
-        self.daemon.peers.broadcast("table", records=self.table.since(0))
+        # In batches (table.BATCH_BYTES): a long history is never one frame.
+        seq = 0
+        while True:
+            records, through = self.table.batch_since(seq)
+            self.daemon.peers.broadcast("table", records=records, since=seq, through=through)
+            if through >= self.table.seq or through <= seq:
+                break
+            seq = through
         for node in self.daemon.peers.up_nodes():
             try:
                 await self.daemon.call(node, "resend_exits")
@@ -191,6 +215,21 @@ class Coordinator:
             except RemoteError as exc:
                 log.warning("could not ask %s to resend rank exits: %s", node, exc)
         self.kick()
+
+    async def _pull_table(self, node: str) -> None:
+        """Every record ``node`` holds, batch by batch (see JobTable.batch_since)."""
+        seq = 0
+        while True:
+            reply = await self.daemon.peers.call(node, "table_since", seq=seq)
+            if not isinstance(reply, dict) or not isinstance(reply.get("records"), list):
+                raise RemoteError("bad_reply", f"{node} answered table_since with a {type(reply).__name__}")
+            for record in reply["records"]:
+                if isinstance(record, dict) and isinstance(record.get("id"), int):
+                    await self.table.apply(record)
+            through = reply.get("through")
+            if not reply.get("more") or not isinstance(through, int) or through <= seq:
+                return
+            seq = through
 
     # ------------------------------------------------------------ submit
 
@@ -209,59 +248,22 @@ class Coordinator:
 
     async def submit(self, spec: dict, cred: dict, internal: dict | None = None) -> dict:
         """A new job. ``internal``: fields only the daemons set (a restart's lineage, origin and nodes)."""
-        argv = spec.get("argv")
-        if not argv or not all(isinstance(a, str) for a in argv):
-            raise RemoteError("bad_request", "a job needs a command to run")
-        for key, kind in (("name", str), ("cwd", str), ("env", dict)):
-            if spec.get(key) is not None and not isinstance(spec[key], kind):
-                raise RemoteError("bad_request", f"{key!r} must be a {kind.__name__}")
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in (spec.get("env") or {}).items()):
-            raise RemoteError("bad_request", "the environment must map strings to strings")
-        for key in ("per_node", "nodes"):
-            value = spec.get(key)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise RemoteError("bad_request", f"{key!r} must be a positive integer, not {value!r}")
-        if spec.get("nodelist") is not None and not (
-            isinstance(spec["nodelist"], list) and all(isinstance(n, str) for n in spec["nodelist"])
-        ):
-            raise RemoteError("bad_request", "'nodelist' must be a list of node names")
-        priority = spec.get("priority")
-        if priority is not None:
-            if not isinstance(priority, int) or isinstance(priority, bool):
-                raise RemoteError("bad_request", f"'priority' must be an integer, not {priority!r}")
-            if priority > 0 and cred["uid"] != 0:
-                raise RemoteError("permission_denied", "only root may raise a job's priority above 0 (use a negative one to go last)")
-        slice_ = spec.get("slice")
-        if slice_ is not None and (not isinstance(slice_, (int, float)) or isinstance(slice_, bool) or not 0.001 <= slice_ <= 3600):
-            raise RemoteError("bad_request", f"the time slice must be between 0.001 and 3600 seconds, not {slice_!r}")
+        try:
+            checked = jobs.JobSpec.from_wire(spec, [n.name for n in self.daemon.config.nodes])
+        except jobs.BadSpec as exc:
+            raise RemoteError(exc.code, exc.message) from None
+        if checked.priority is not None and checked.priority > 0 and cred["uid"] != 0:
+            raise RemoteError("permission_denied", "only root may raise a job's priority above 0 (use a negative one to go last)")
+        slice_ = checked.slice
         if slice_ is not None and slice_ > self.daemon.config.time_slice and cred["uid"] != 0:
             # A longer slice would make every other slot, other users' jobs, wait longer.
             raise RemoteError(
                 "permission_denied",
                 f"only root may ask for a time slice longer than the cluster's ({self.daemon.config.time_slice:g} s), not {slice_:g} s",
             )
-        every = spec.get("ckpt_every")
-        if every is not None and (not isinstance(every, (int, float)) or isinstance(every, bool) or not 1 <= every <= 10**7):
-            raise RemoteError("bad_request", f"the checkpoint period must be between 1 second and 115 days, not {every!r}")
-        contexts = spec.get("net_context")
-        if contexts is not None and not (
-            isinstance(contexts, dict) and all(isinstance(k, str) and k.isdigit() and isinstance(v, bytes) for k, v in contexts.items())
-        ):
-            raise RemoteError("bad_request", "'net_context' must map rank numbers (as strings) to the bytes of their network context")
-        nranks = spec.get("nranks")
-        if not isinstance(nranks, int) or isinstance(nranks, bool) or nranks < 1:
-            raise RemoteError("bad_request", f"the number of ranks must be a positive integer, not {nranks!r}")
-        names = [n.name for n in self.daemon.config.nodes]
-        for name in spec.get("nodelist") or []:
-            if name not in names:
-                raise RemoteError("bad_request", f"unknown node {name!r} in --nodelist (nodes: {', '.join(names)})")
-        if spec.get("nodes") is not None and not (1 <= spec["nodes"] <= len(names)):
-            raise RemoteError("bad_request", f"--nodes must be between 1 and {len(names)}, not {spec['nodes']}")
-        if spec.get("nodes") and spec.get("per_node") and spec["nodes"] * spec["per_node"] < nranks:
-            raise RemoteError(
-                "bad_request",
-                f"{nranks} ranks do not fit on {spec['nodes']} node(s) with {spec['per_node']} per node",
-            )
+        contexts = checked.net_context
+        spec = checked.as_spec()
+        nranks = checked.nranks
         capacity, how = self.capacity(spec)
         if nranks > capacity:
             raise RemoteError(
@@ -274,6 +276,7 @@ class Coordinator:
                 f"gangd runs as uid {os.geteuid()} (not root) and can only run jobs for that user",
             )
         async with self._lock:
+            self._check_user_room(cred["uid"], checked.context_bytes)
             job_id = max(self.table.next_job_id(), 1)
             record = jobs.new_record(
                 job_id=job_id, spec=spec, owner_uid=cred["uid"], owner_name=cred["user"], owner_gid=cred["gid"]
@@ -290,6 +293,29 @@ class Coordinator:
         log.info("job %d (%s) submitted by %s: %d ranks", job_id, record["name"], cred["user"], nranks)
         self.kick()
         return record
+
+    def _check_user_room(self, uid: int, context_bytes: int) -> None:
+        """Refuse a job past what one user may have waiting: jobs queued (every
+        node keeps their records) and network contexts held for them (in this
+        daemon's memory until they launch). Root is not limited."""
+        if uid == 0:
+            return
+        limit = self.daemon.config.max_queued_per_user
+        queued = [r["id"] for r in self.table.active() if r["state"] == jobs.QUEUED and r["owner_uid"] == uid]
+        if len(queued) >= limit:
+            raise RemoteError(
+                "too_many_jobs",
+                f"you have {len(queued)} jobs waiting to start, the most this cluster queues for one user "
+                f"(max_queued_per_user = {limit}); submit more once some have started",
+            )
+        if context_bytes:
+            held = sum(sum(len(b) for b in self._contexts.get(job_id, {}).values()) for job_id in queued)
+            if held + context_bytes > MAX_HELD_CONTEXT_BYTES_PER_USER:
+                raise RemoteError(
+                    "too_many_jobs",
+                    f"your queued jobs hold {held} bytes of network context already; with this job's {context_bytes} that would pass "
+                    f"the {MAX_HELD_CONTEXT_BYTES_PER_USER} bytes one user may have waiting; submit it once some have started",
+                )
 
     # ------------------------------------------------------------ placement
 
@@ -755,12 +781,17 @@ class Coordinator:
             raise RemoteError("bad_state", f"job {job_id} is {record['state']}; only a running job can be suspended")
         if not hold and record["state"] != jobs.SUSPENDED:
             raise RemoteError("bad_state", f"job {job_id} is {record['state']}, not suspended")
+        if not hold:
+            _check_may_resume(record, cred)
 
         def change(r):
             if r["state"] != (jobs.RUNNING if hold else jobs.SUSPENDED):
                 return False
+            if not hold:
+                _check_may_resume(r, cred)  # (suspended again by root since the check above)
             r["state"] = jobs.SUSPENDED if hold else jobs.RUNNING
             r["held"] = cred["user"] if hold else None
+            r["held_uid"] = cred["uid"] if hold else None
 
         record = await self.update(job_id, change)
         # Answer once the processes really are stopped (or resumed, if its slot is the active one).

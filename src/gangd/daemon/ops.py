@@ -111,7 +111,7 @@ class Ops:
     async def handle(self, channel: Channel, message):
         if isinstance(message, Note):
             if channel.context.get("peer") and message.op == "table":
-                await self._apply_table(message.args.get("records"))
+                await self._apply_table(message.args.get("records"), message.args.get("since"), message.args.get("through"))
             elif not channel.context.get("peer"):
                 if message.op.startswith("ckpt_"):
                     self.daemon.checkpoints.on_note(channel, message.op, message.args)
@@ -134,12 +134,16 @@ class Ops:
             raise RemoteError("unknown_op", f"unknown peer operation {op!r}")
         return await handler(args, from_node, channel)
 
-    async def _apply_table(self, records) -> None:
+    async def _apply_table(self, records, since=None, through=None) -> None:
+        """A pushed change, or a batch of the catch-up covering (``since``, ``through``]."""
         if not isinstance(records, list):
             return
+        table = self.daemon.table
         for record in records:
             if isinstance(record, dict) and isinstance(record.get("id"), int):
-                await self.daemon.table.apply(record)
+                await table.apply(record)  # (a failed save raises: the batch does not count, it comes again)
+        if isinstance(since, int) and isinstance(through, int):
+            table.caught_up(since, through)
 
     async def to_coordinator(self, op: str, **args):
         """Run ``op`` on the coordinator, riding out a coordinator change."""
@@ -186,6 +190,10 @@ class Ops:
         spec = args.get("spec")
         if not isinstance(spec, dict):
             raise RemoteError("bad_request", "submit needs a job spec")
+        try:  # refused here, before it travels to the coordinator (which checks it again: it also takes restarts)
+            jobs.JobSpec.from_wire(spec, [n.name for n in self.daemon.config.nodes])
+        except jobs.BadSpec as exc:
+            raise RemoteError(exc.code, exc.message) from None
         # The client's own rlimits, from the kernel (never the wire): its ranks get these, not the daemon's.
         pid = channel.context.get("pid")
         rlimits = await trio.to_thread.run_sync(read_process_limits, pid, cred["uid"]) if isinstance(pid, int) and pid > 0 else None
@@ -485,7 +493,10 @@ class Ops:
         return info
 
     async def table_since(self, args, from_node, channel):
-        return self.daemon.table.since(_int(args, "seq"))
+        """One batch of the records newer than ``seq`` (see JobTable.batch_since); ``more``: ask again from ``through``."""
+        table = self.daemon.table
+        records, through = table.batch_since(_int(args, "seq"))
+        return {"records": records, "through": through, "more": through < table.seq}
 
     async def launch(self, args, from_node, channel):
         record = args.get("record")

@@ -55,6 +55,7 @@ class Daemon:
         self.node = config.node_name
         self.secret = config.read_secret()
         self.table = JobTable(config.state_dir)
+        self._catchup: dict[str, tuple[int, float]] = {}  # node -> (seq, when) of the last catch-up batch sent to it
         self.peers = Peers(self)
         self.coordinator = Coordinator(self)
         tag = hashlib.sha1(str(config.state_dir.resolve()).encode(), usedforsecurity=False).hexdigest()[:8]
@@ -121,11 +122,21 @@ class Daemon:
         }
 
     def on_heartbeat(self, node: str, info: dict) -> None:
-        # The coordinator pushes what a node missed while it was away.
-        if self.coordinator.active and isinstance(info.get("seq"), int) and info["seq"] < self.table.seq:
-            missing = self.table.since(info["seq"])
-            if missing:
-                self.peers.send_note(node, "table", records=missing)
+        # The coordinator pushes what a node missed while it was away, one
+        # bounded batch per heartbeat (table.BATCH_BYTES): the node's next
+        # heartbeat says how far it got. The same batch is not sent again
+        # while it may still be on its way.
+        seq = info.get("seq")
+        if not (self.coordinator.active and isinstance(seq, int) and not isinstance(seq, bool) and seq < self.table.seq):
+            self._catchup.pop(node, None)
+            return
+        now = trio.current_time()
+        last = self._catchup.get(node)
+        if last is not None and last[0] == seq and now - last[1] < self.config.heartbeat_timeout:
+            return
+        records, through = self.table.batch_since(seq)
+        self._catchup[node] = (seq, now)
+        self.peers.send_note(node, "table", records=records, since=seq, through=through)
 
     def membership_changed(self) -> None:
         self._membership.set()

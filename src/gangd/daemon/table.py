@@ -4,7 +4,7 @@ The coordinator is the only writer: it stamps each changed record with the
 next sequence number and pushes it to every node. A node applies a record only
 if its ``seq`` is newer than what it holds, so repeated or reordered pushes
 are harmless, and a node that was away catches up by asking for everything
-newer than its highest ``seq``. Because every node holds (and fsyncs) the
+newer than what it holds. Because every node holds (and fsyncs) the
 whole table, a restarted daemon knows its jobs' history and any node can take
 over as coordinator.
 
@@ -43,6 +43,10 @@ from .store import UnsafePath, check_private_dir, pack
 log = logging.getLogger("gangd.table")
 
 MAX_RECORD_BYTES = 64 * 1024 * 1024  # a record holds the job's argv and env: far below this
+#: Most bytes of records in one catch-up note or ``table_since`` answer (at
+#: least one record goes in each): a long history travels in several, each far
+#: below the wire's frame limit, so no history is too large to replicate.
+BATCH_BYTES = 4 * 1024 * 1024
 RECORD = "job.msgpack"
 
 
@@ -88,6 +92,11 @@ class JobTable:
         self.dir = state_dir / "jobs"
         self.records: dict[int, dict] = {}
         self.seq = 0
+        #: The seq through which this replica is known complete: every record
+        #: stamped up to it that still exists is here. ``seq`` itself may be
+        #: ahead (a newer record pushed while a catch-up is under way); the
+        #: heartbeat reports this one, so the catch-up never skips a record.
+        self.synced = 0
         self._failing: set[int] = set()  # jobs whose last save failed (for the log)
         self._unsaved: dict[int, int] = {}  # job id -> lowest seq pushed to us that we failed to save
         self._changed = trio.Event()
@@ -127,6 +136,7 @@ class JobTable:
                 self._save_sync(record["id"], pack(jobs.at_rest(record)))  # (kept by an older gangd)
             self.records[record["id"]] = record
             self.seq = max(self.seq, record.get("seq", 0))
+        self.synced = self.seq
 
     def get(self, job_id: int) -> dict | None:
         return self.records.get(job_id)
@@ -137,6 +147,35 @@ class JobTable:
     def since(self, seq: int) -> list[dict]:
         return sorted((r for r in self.records.values() if r.get("seq", 0) > seq), key=lambda r: r["seq"])
 
+    def batch_since(self, seq: int, max_bytes: int = BATCH_BYTES) -> tuple[list[dict], int]:
+        """The records newer than ``seq``, oldest first, as many as fit in
+        ``max_bytes`` packed (at least one), and the seq the batch covers
+        through: every record stamped in (``seq``, through] is in it."""
+        batch: list[dict] = []
+        size = 0
+        for record in self.since(seq):
+            length = len(pack(record))
+            if batch and size + length > max_bytes:
+                return batch, batch[-1]["seq"]
+            batch.append(record)
+            size += length
+        return batch, self.seq
+
+    def caught_up(self, since: int, through: int) -> None:
+        """Every record stamped in (``since``, ``through``] was applied (a
+        catch-up batch): if that starts where this replica is complete, it is
+        complete through ``through`` now."""
+        if since <= self.synced < through:
+            self.synced = through
+
+    def mark_complete(self) -> None:
+        """This replica is the whole table (the coordinator, after its takeover merged every node's)."""
+        self.synced = self.seq
+
+    def _advance(self, seq: int) -> None:
+        if seq == self.synced + 1:  # the next one in line: pushes arrive in order
+            self.synced = seq
+
     def active(self) -> list[dict]:
         return [r for r in self.records.values() if r["state"] in jobs.ACTIVE_STATES]
 
@@ -145,8 +184,8 @@ class JobTable:
         was sent: what heartbeats report, so the coordinator re-sends a record
         this node could not save (its disk was full) until it can."""
         if not self._unsaved:
-            return self.seq
-        return min(self.seq, min(self._unsaved.values()) - 1)
+            return self.synced
+        return min(self.synced, min(self._unsaved.values()) - 1)
 
     async def apply(self, record: dict) -> bool:
         """Store ``record`` if it is newer than ours; True if it changed anything.
@@ -157,9 +196,11 @@ class JobTable:
         async with self._save_lock:
             current = self.records.get(record["id"])
             if current is not None and current.get("seq", 0) >= record.get("seq", 0):
+                self._advance(record.get("seq", 0))
                 return False
             await self._save(record, pushed=True)
             self._take(record)
+            self._advance(record.get("seq", 0))
         return True
 
     async def commit(self, record: dict) -> dict:
@@ -172,6 +213,7 @@ class JobTable:
             record["seq"] = self.seq + 1
             await self._save(record)
             self._take(record)
+            self._advance(record["seq"])
         return record
 
     async def _save(self, record: dict, pushed: bool = False) -> None:

@@ -52,6 +52,10 @@ from .protocol import (
 log = logging.getLogger("gangd.rpc")
 
 HANDSHAKE_TIMEOUT = 5.0
+#: How long a listener waits for an unauthenticated TCP connection's handshake:
+#: a real peer's takes milliseconds, and a silent connection holds one of its
+#: address's few handshake slots until then.
+LISTENER_HANDSHAKE_TIMEOUT = 1.0
 READ_SIZE = 256 * 1024
 #: Read size before the handshake is done (a hello is far smaller).
 HANDSHAKE_READ_SIZE = 2 * HANDSHAKE_MAX_FRAME
@@ -117,8 +121,10 @@ class Channel:
         label: str = "?",
         window: int = DEFAULT_WINDOW,
         max_notes: int = DEFAULT_MAX_NOTES,
+        read_size: int = READ_SIZE,
     ):
         self.transport = stream
+        self.read_size = read_size
         self.conn = conn
         self.label = label
         self.remote_node: str | None = None
@@ -135,8 +141,10 @@ class Channel:
 
     # ------------------------------------------------------------ handshake
 
-    async def handshake(self) -> Ready:
-        with trio.fail_after(HANDSHAKE_TIMEOUT):
+    async def handshake(self, timeout: float = HANDSHAKE_TIMEOUT) -> Ready:
+        """Complete the handshake; raises ProtocolError, RemoteError, or
+        trio.TooSlowError after ``timeout`` seconds."""
+        with trio.fail_after(timeout):
             await self._flush()
             while True:
                 event = await self._next_event()
@@ -270,11 +278,15 @@ class Channel:
             event = self.conn.next_event()  # raises ProtocolError
             if event is not None:
                 return event
-            # The state machine may have queued a reply of its own (handshake).
+            # The state machine may have queued a reply of its own (handshake,
+            # busy answers): written out before reading on, so a client that
+            # never reads them stalls its own connection, not the daemon's memory.
             await self._flush()
+            if self.conn.backlogged:
+                continue  # (it stopped for its outbox) frames still buffered come before new bytes
             # Small reads until the handshake is done: what an unauthenticated
             # connection can make us hold is a few KiB, not READ_SIZE.
-            size = READ_SIZE if self.conn.state is State.READY else HANDSHAKE_READ_SIZE
+            size = self.read_size if self.conn.state is State.READY else HANDSHAKE_READ_SIZE
             try:
                 data = await self.transport.receive_some(size)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
@@ -315,6 +327,7 @@ class Channel:
                             pass
         finally:
             self._mark_closed(self.close_reason or "closed")
+            self.conn.release_all()  # requests cut off by the close no longer count against their user
             with trio.CancelScope(shield=True):
                 await self.transport.aclose()
 
@@ -358,6 +371,7 @@ class Channel:
         except Exception:
             log.exception("note %r from %s failed", note.op, self.label)
         finally:
+            self.conn.note_done(note)
             self._note_slots.release()
 
     async def _emit(self, rid: int, item: object) -> None:

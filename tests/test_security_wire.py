@@ -761,3 +761,90 @@ def test_requests_carrying_megabytes_in_flight_are_bounded_per_connection_and_pe
     # The daemon serves nobody and everyone else still.
     assert cluster.gang_json("nodes")["nodes"][0]["state"] == "up"
     cluster.gang("kill", job, check=True)
+
+
+def test_busy_answers_a_flooding_client_never_reads_do_not_grow_the_daemon(make_cluster):
+    cluster = make_cluster(1)
+    path = str(cluster.files["n1"].socket)
+    job = _nobody_submits(path)
+    cluster.wait_state(job, "RUNNING")
+    pid = cluster.daemon_pid("n1")
+    limit = Limits().client_in_flight
+    connections = 160
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    done_r, done_w = os.pipe()
+    release_r, release_w = os.pipe()
+    result: dict = {}
+
+    def flood():
+        clients = [RawClient(path, "flood") for _ in range(connections)]
+        for client in clients:  # every request slot taken: what follows is answered busy
+            for _ in range(limit):
+                client.send("wait", job=job)
+        os.write(ready_w, b"x")
+        os.read(go_r, 1)
+        pushed = 0
+        for client in clients:
+            frames = b"".join(client.conn.send_request("job", {"job": job})[1] for _ in range(20000))
+            client.sock.setblocking(False)
+            view = memoryview(frames)
+            stuck_since = None
+            while view:
+                try:
+                    sent = client.sock.send(view[:65536])
+                    view = view[sent:]
+                    pushed += sent
+                    stuck_since = None
+                except BlockingIOError:  # the daemon stopped reading us
+                    stuck_since = stuck_since or time.monotonic()
+                    if time.monotonic() - stuck_since > 0.2:
+                        break
+                    time.sleep(0.01)
+        os.write(done_w, b"x")
+        os.read(release_r, 1)  # nobody never reads a single answer
+        return {"pushed": pushed}
+
+    thread = threading.Thread(target=lambda: result.update(as_uid(NOBODY, flood)))
+    thread.start()
+    try:
+        os.read(ready_r, 1)
+        time.sleep(2)  # (the waits are being served)
+        baseline = rss(pid)
+        os.write(go_w, b"x")
+        os.read(done_r, 1)
+        time.sleep(1)
+        grown = rss(pid) - baseline
+    finally:
+        os.write(release_w, b"x")
+        thread.join(120)
+    assert result.get("pushed"), result
+    # Each connection may owe at most DEFAULT_MAX_OUTBOX (64 KiB) of busy answers
+    # beyond what the kernel buffers, and hold a frame and a read (64 KiB each):
+    # 160 x 192 KiB = 30 MiB. (Before: ~600 KiB each, 94 MiB.)
+    assert grown < connections * 256 * 1024, f"gangd grew by {grown / MiB:.0f} MiB answering busy to {result['pushed']} bytes of requests nobody never read"
+    assert cluster.gang_json("nodes")["nodes"][0]["state"] == "up"
+    cluster.gang("kill", job, check=True)
+
+
+def test_a_users_connection_limit_grows_with_its_ranks_running_on_the_node(make_cluster):
+    """Each rank holds a link for its messaging and one for its checkpoint agent:
+    on a node of more than 128 cores a fixed 256 would refuse the user's own job."""
+    cluster = make_cluster(1, cores=8)
+    path = str(cluster.files["n1"].socket)
+    job = _nobody_submits(path, nranks=8)
+    cluster.wait_state(job, "RUNNING")
+    per_rank = 4  # Limits.connections_per_rank
+    allowed = Limits().connections_per_uid + per_rank * 8
+
+    def connect_many():
+        held = [RawClient(path, "rank-ish") for _ in range(allowed)]
+        refused = [c.refused.message for c in held if c.refused is not None]
+        extra = RawClient(path, "one-too-many")
+        return {"refused": refused, "extra": None if extra.refused is None else extra.refused.message}
+
+    result = as_uid(NOBODY, connect_many)
+    assert result.get("refused") == [], f"uid {NOBODY} with 8 ranks here was refused below {allowed} connections: {result}"
+    assert result["extra"] is not None and str(allowed) in result["extra"], result
+    assert Limits().connections_per_rank == per_rank
+    cluster.gang("kill", job, check=True)

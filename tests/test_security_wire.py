@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import msgpack
 import psutil
 import trio
 from conftest import as_uid
@@ -848,3 +849,101 @@ def test_a_users_connection_limit_grows_with_its_ranks_running_on_the_node(make_
     assert result["extra"] is not None and str(allowed) in result["extra"], result
     assert Limits().connections_per_rank == per_rank
     cluster.gang("kill", job, check=True)
+
+
+def test_a_client_frame_beyond_the_limit_is_refused_with_the_reason_and_a_maximal_submit_fits(make_cluster):
+    cluster = make_cluster(1)
+    path = str(cluster.files["n1"].socket)
+    limit = Limits().client_max_frame
+    # What Linux lets one exec carry: argv and environment together ~2 MiB (ARG_MAX with an 8 MiB stack).
+    env = {"PATH": "/usr/bin:/bin"} | {f"V{i}": "x" * 1000 for i in range(2000)}
+
+    async def submit(env):
+        async with connect(sockets=[path]) as gang:
+            return await gang.submit(["true"], 1, cwd="/", env=env)
+
+    record = trio.run(submit, env)
+    assert record["state"] in ("QUEUED", "RUNNING", "DONE"), record
+    huge = {"PATH": "/usr/bin:/bin", "PAD": "x" * limit}
+    try:
+        trio.run(submit, huge)
+        raise AssertionError("a submit larger than the client frame limit was accepted")
+    except (RemoteError, BaseExceptionGroup) as caught:
+        exc = leaf_error(caught)
+        assert isinstance(exc, RemoteError), repr(exc)
+        message = exc.message
+    assert f"(limit {limit})" in message, message  # said by the client library, before sending
+    # A client that sends it anyway is cut off with the reason.
+    client = RawClient(path)
+    frame = msgpack.packb({"t": "req", "id": 1, "op": "submit", "args": {"spec": {"argv": ["true"], "env": huge}}, "win": 1}, use_bin_type=True)
+    client.sock.sendall(len(frame).to_bytes(4, "big") + frame[:65536])
+    event = client.next_event()
+    assert isinstance(event, RemoteClosed) and event.code == "oversized" and f"{limit}-byte limit" in event.message, event
+    client.close()
+    assert cluster.gang_json("nodes")["nodes"][0]["state"] == "up"
+
+
+def test_the_machine_charges_request_bytes_refuses_big_frames_before_reading_them_and_bounds_its_outbox():
+    """Sans-I/O: the bounds of gangd.protocol.connection on their own."""
+    from gangd.daemon.admission import SharedBytes
+
+    shared = SharedBytes(limit=3000)
+    dialer = Connection(dialer=True, node="c", role=Role.CLIENT)
+    listener = Connection(
+        dialer=False, node="d", max_request_frame=200 * 1024, max_in_flight_bytes=2000, budget=shared.budget(7), max_outbox=1000,
+    )
+    listener.receive_data(dialer.data_to_send())
+    assert isinstance(listener.next_event(), Ready)
+    dialer.receive_data(listener.data_to_send())
+    assert isinstance(dialer.next_event(), Ready)
+    # Small requests: charged when decoded, busy beyond the connection's bytes.
+    _, frame = dialer.send_request("a", {"pad": b"x" * 900})
+    listener.receive_data(frame + dialer.send_request("b", {"pad": b"x" * 900})[1] + dialer.send_request("c", {"pad": b"x" * 900})[1])
+    first, second = listener.next_event(), listener.next_event()
+    assert [first.op, second.op] == ["a", "b"] and listener.held_bytes > 1800
+    assert listener.next_event() is None and listener.refused_busy == 1  # c: busy
+    dialer.receive_data(listener.data_to_send())
+    busy = dialer.next_event()
+    assert not busy.ok and busy.error["code"] == "busy" and "in flight hold" in busy.error["message"]
+    assert shared.held[7] == listener.held_bytes
+    listener.send_reply(first.id)  # answered: its bytes are free again
+    assert listener.held_bytes < 1000 and shared.held[7] == listener.held_bytes
+    # A big frame is charged from its header, before its payload is read.
+    _, big = dialer.send_request("d", {"pad": b"x" * 100 * 1024})
+    listener.receive_data(big[:8])
+    try:
+        listener.next_event()
+        raise AssertionError("a 100 KiB request beyond the byte limits was taken")
+    except ProtocolError as exc:
+        assert exc.code == "too_much_in_flight"
+    listener.release_all()
+    assert 7 not in shared.held
+    # Replies to our own requests may be larger than what the other side may send of its own accord.
+    a = Connection(dialer=True, node="c", role=Role.CLIENT)
+    b = Connection(dialer=False, node="d", max_request_frame=1024)
+    b.receive_data(a.data_to_send())
+    b.next_event()
+    a.receive_data(b.data_to_send())
+    a.next_event()
+    rid, frame = b.send_request("capture")
+    a.receive_data(frame)
+    a.next_event()
+    b.receive_data(a.send_reply(rid, b"c" * 100_000))
+    assert b.next_event().result == b"c" * 100_000
+    b.receive_data(a.send_request("x", {"pad": b"x" * 2000})[1])
+    try:
+        b.next_event()
+        raise AssertionError("a request beyond max_request_frame was taken")
+    except ProtocolError as exc:
+        assert exc.code == "oversized"
+    # The outbox: past max_outbox no more events until it is written out.
+    c = Connection(dialer=True, node="c", role=Role.CLIENT)
+    d = Connection(dialer=False, node="d", max_in_flight=0, max_outbox=1000)
+    d.receive_data(c.data_to_send())
+    d.next_event()
+    c.receive_data(d.data_to_send())
+    c.next_event()
+    d.receive_data(b"".join(c.send_request("x")[1] for _ in range(100)))
+    assert d.next_event() is None and d.backlogged
+    assert 1000 < len(d.data_to_send()) < 1000 + 300  # (one busy answer past the limit at most)
+    assert d.next_event() is None and d.refused_busy < 100

@@ -196,7 +196,7 @@ class Channel:
                     if isinstance(event, Reply):
                         return _result(event)
                     await self._grant(rid, event.size, at_once=True)  # an item nobody wants
-                raise Disconnected(f"connection to {self.label} closed before {op!r} was answered")
+                raise Disconnected(f"connection to {self.label} closed before {op!r} was answered{self._why_closed()}")
 
             yield reply
 
@@ -219,7 +219,7 @@ class Channel:
                         done = True
                         _result(event)
                         return
-                raise Disconnected(f"connection to {self.label} closed during {op!r}")
+                raise Disconnected(f"connection to {self.label} closed during {op!r}{self._why_closed()}")
 
             try:
                 yield items()
@@ -235,7 +235,10 @@ class Channel:
     async def _open_request(self, op: str, args: dict):
         if self.closed:
             raise Disconnected(f"connection to {self.label} is closed: {self.close_reason}")
-        rid, frame = self.conn.send_request(op, args, window=self.window)
+        try:
+            rid, frame = self.conn.send_request(op, args, window=self.window)
+        except ProtocolError as exc:  # larger than the other side takes: say so here, not by a cut connection
+            raise RemoteError("too_large", f"the {op!r} request is too large: {exc.message}") from None
         # Unbounded in type only: the machine refuses items beyond the credit
         # granted, so this holds at most window + one frame (and the reply).
         send, receive = trio.open_memory_channel(math.inf)
@@ -422,6 +425,10 @@ class Channel:
         finally:
             self._serving.pop(request.id, None)
             self._credit_wakeups.pop(request.id, None)
+
+    def _why_closed(self) -> str:
+        """The reason the connection closed, as a suffix for error messages (empty if none is known)."""
+        return f": {self.close_reason}" if self.close_reason and self.close_reason != "closed by the other side" else ""
 
     def _mark_closed(self, reason: str) -> None:
         if self.closed:

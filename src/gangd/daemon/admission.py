@@ -67,6 +67,8 @@ from dataclasses import dataclass
 
 import trio
 
+from ..protocol import MAX_CLIENT_REQUEST
+
 log = logging.getLogger("gangd.admission")
 
 
@@ -94,7 +96,7 @@ class Limits:
     #: bytes per string), so 4 MiB admits any job that can start at all.
     #: Peers keep the protocol's 16 MiB (table records, network contexts);
     #: replies to the daemon's own requests (a rank's network context) too.
-    client_max_frame: int = 4 * 1024 * 1024
+    client_max_frame: int = MAX_CLIENT_REQUEST
     #: Bytes of request and note frames one client connection may have in
     #: flight, and one uid across its connections (root: per connection only).
     client_in_flight_bytes: int = 8 * 1024 * 1024

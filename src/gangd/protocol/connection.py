@@ -80,6 +80,11 @@ HANDSHAKE_MAX_FRAME = 4096
 DEFAULT_WINDOW = 256 * 1024
 #: Requests of the other side served at once, unless configured otherwise.
 DEFAULT_MAX_IN_FLIGHT = 64
+#: Largest request or note a local client may send a daemon (what a daemon
+#: takes from its Unix socket; see gangd.daemon.admission.Limits.client_max_frame).
+#: A client connection refuses to send more, with a clear error, rather than
+#: having the daemon cut it off mid-frame.
+MAX_CLIENT_REQUEST = 4 * 1024 * 1024
 #: Most bytes of the machine's own unsent output (``busy`` answers) before it stops handing up events.
 DEFAULT_MAX_OUTBOX = 64 * 1024
 #: Frames above this size are charged against the in-flight byte limits when
@@ -346,7 +351,8 @@ class Connection:
         if not 0 <= window <= MAX_CREDIT:
             raise ValueError(f"window {window} out of range")
         rid = self._next_id
-        frame = encode_frame({"t": "req", "id": rid, "op": op, "args": args or {}, "win": window}, self.max_frame)
+        limit = min(self.max_frame, MAX_CLIENT_REQUEST) if self.dialer and self.role is Role.CLIENT else self.max_frame
+        frame = encode_frame({"t": "req", "id": rid, "op": op, "args": args or {}, "win": window}, limit)
         self._next_id += 1
         self._awaiting[rid] = window
         self._set_frame_limit()

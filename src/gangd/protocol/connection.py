@@ -307,6 +307,8 @@ class Connection:
     @property
     def backlogged(self) -> bool:
         """A complete frame is buffered already: handle it before reading more."""
+        if self.state is State.CLOSED:
+            return False  # (nothing more is handed up: there is no backlog to work off)
         length = self._decoder.pending_length()
         return length is not None and self._decoder.buffered >= length
 
@@ -461,6 +463,8 @@ class Connection:
 
     def _take(self, n: int) -> str | None:
         """Charge ``n`` bytes; None if they fit, else why not."""
+        if self.max_in_flight_bytes is None and self.budget is None:
+            return None  # nothing to account against (peers, and the clients' own side)
         if self.max_in_flight_bytes is not None and self.held_bytes + n > self.max_in_flight_bytes:
             return (
                 f"requests of this connection in flight hold {self.held_bytes} bytes already"

@@ -15,9 +15,11 @@ nursery in an async generator is not cancellation-safe in trio.
 Memory stays bounded whatever the other side does: ``emit`` waits for the
 requester's credit (see :mod:`gangd.protocol.connection`), a requester
 grants credit only as its consumer takes items, the machine answers
-requests beyond ``max_in_flight`` with ``busy``, and at most ``max_notes``
-note handlers run at once (beyond that the channel stops reading: note
-handlers never wait on this connection, so that cannot deadlock).
+requests beyond ``max_in_flight`` (or beyond the bytes it may hold) with
+``busy``, at most ``max_notes`` note handlers run at once (beyond that the
+channel stops reading: note handlers never wait on this connection, so that
+cannot deadlock), and the machine's own unsent answers are written out
+before more is read (a client that never reads them stalls only itself).
 """
 
 from __future__ import annotations
@@ -52,10 +54,6 @@ from .protocol import (
 log = logging.getLogger("gangd.rpc")
 
 HANDSHAKE_TIMEOUT = 5.0
-#: How long a listener waits for an unauthenticated TCP connection's handshake:
-#: a real peer's takes milliseconds, and a silent connection holds one of its
-#: address's few handshake slots until then.
-LISTENER_HANDSHAKE_TIMEOUT = 1.0
 READ_SIZE = 256 * 1024
 #: Read size before the handshake is done (a hello is far smaller).
 HANDSHAKE_READ_SIZE = 2 * HANDSHAKE_MAX_FRAME

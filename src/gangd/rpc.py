@@ -15,9 +15,11 @@ nursery in an async generator is not cancellation-safe in trio.
 Memory stays bounded whatever the other side does: ``emit`` waits for the
 requester's credit (see :mod:`gangd.protocol.connection`), a requester
 grants credit only as its consumer takes items, the machine answers
-requests beyond ``max_in_flight`` with ``busy``, and at most ``max_notes``
-note handlers run at once (beyond that the channel stops reading: note
-handlers never wait on this connection, so that cannot deadlock).
+requests beyond ``max_in_flight`` (or beyond the bytes it may hold) with
+``busy``, at most ``max_notes`` note handlers run at once (beyond that the
+channel stops reading: note handlers never wait on this connection, so that
+cannot deadlock), and the machine's own unsent answers are written out
+before more is read (a client that never reads them stalls only itself).
 """
 
 from __future__ import annotations
@@ -117,8 +119,10 @@ class Channel:
         label: str = "?",
         window: int = DEFAULT_WINDOW,
         max_notes: int = DEFAULT_MAX_NOTES,
+        read_size: int = READ_SIZE,
     ):
         self.transport = stream
+        self.read_size = read_size
         self.conn = conn
         self.label = label
         self.remote_node: str | None = None
@@ -135,8 +139,10 @@ class Channel:
 
     # ------------------------------------------------------------ handshake
 
-    async def handshake(self) -> Ready:
-        with trio.fail_after(HANDSHAKE_TIMEOUT):
+    async def handshake(self, timeout: float = HANDSHAKE_TIMEOUT) -> Ready:
+        """Complete the handshake; raises ProtocolError, RemoteError, or
+        trio.TooSlowError after ``timeout`` seconds."""
+        with trio.fail_after(timeout):
             await self._flush()
             while True:
                 event = await self._next_event()
@@ -188,7 +194,7 @@ class Channel:
                     if isinstance(event, Reply):
                         return _result(event)
                     await self._grant(rid, event.size, at_once=True)  # an item nobody wants
-                raise Disconnected(f"connection to {self.label} closed before {op!r} was answered")
+                raise Disconnected(f"connection to {self.label} closed before {op!r} was answered{self._why_closed()}")
 
             yield reply
 
@@ -211,7 +217,7 @@ class Channel:
                         done = True
                         _result(event)
                         return
-                raise Disconnected(f"connection to {self.label} closed during {op!r}")
+                raise Disconnected(f"connection to {self.label} closed during {op!r}{self._why_closed()}")
 
             try:
                 yield items()
@@ -227,7 +233,10 @@ class Channel:
     async def _open_request(self, op: str, args: dict):
         if self.closed:
             raise Disconnected(f"connection to {self.label} is closed: {self.close_reason}")
-        rid, frame = self.conn.send_request(op, args, window=self.window)
+        try:
+            rid, frame = self.conn.send_request(op, args, window=self.window)
+        except ProtocolError as exc:  # larger than the other side takes: say so here, not by a cut connection
+            raise RemoteError("too_large", f"the {op!r} request is too large: {exc.message}") from None
         # Unbounded in type only: the machine refuses items beyond the credit
         # granted, so this holds at most window + one frame (and the reply).
         send, receive = trio.open_memory_channel(math.inf)
@@ -270,11 +279,15 @@ class Channel:
             event = self.conn.next_event()  # raises ProtocolError
             if event is not None:
                 return event
-            # The state machine may have queued a reply of its own (handshake).
+            # The state machine may have queued a reply of its own (handshake,
+            # busy answers): written out before reading on, so a client that
+            # never reads them stalls its own connection, not the daemon's memory.
             await self._flush()
+            if self.conn.backlogged:
+                continue  # (it stopped for its outbox) frames still buffered come before new bytes
             # Small reads until the handshake is done: what an unauthenticated
             # connection can make us hold is a few KiB, not READ_SIZE.
-            size = READ_SIZE if self.conn.state is State.READY else HANDSHAKE_READ_SIZE
+            size = self.read_size if self.conn.state is State.READY else HANDSHAKE_READ_SIZE
             try:
                 data = await self.transport.receive_some(size)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
@@ -315,6 +328,7 @@ class Channel:
                             pass
         finally:
             self._mark_closed(self.close_reason or "closed")
+            self.conn.release_all()  # requests cut off by the close no longer count against their user
             with trio.CancelScope(shield=True):
                 await self.transport.aclose()
 
@@ -358,6 +372,7 @@ class Channel:
         except Exception:
             log.exception("note %r from %s failed", note.op, self.label)
         finally:
+            self.conn.note_done(note)
             self._note_slots.release()
 
     async def _emit(self, rid: int, item: object) -> None:
@@ -408,6 +423,10 @@ class Channel:
         finally:
             self._serving.pop(request.id, None)
             self._credit_wakeups.pop(request.id, None)
+
+    def _why_closed(self) -> str:
+        """The reason the connection closed, as a suffix for error messages (empty if none is known)."""
+        return f": {self.close_reason}" if self.close_reason and self.close_reason != "closed by the other side" else ""
 
     def _mark_closed(self, reason: str) -> None:
         if self.closed:

@@ -4,9 +4,30 @@ The daemon runs as root on every node and answers anybody who can reach its
 TCP port or its Unix socket, so nothing about a connection may cost it
 unbounded memory, tasks or event-loop time:
 
-* :class:`Counter` — connections per key (a remote address before it has
-  authenticated, a local uid); beyond the limit a connection is refused with
-  a ``bye`` that says why (the client shows it).
+* :class:`Handshakes` — TCP connections still in their handshake, per
+  source address and in total. A new one beyond a limit is never refused:
+  it *evicts* the oldest unauthenticated connection of its address (of the
+  address holding the most, when the total is full) — the oldest that has
+  not even sent a hello, if any. A local user can open
+  connections from any node's address (the node it is logged in on, or any
+  127.x on the node itself); were the newest refused, holding 16 silent
+  connections would keep that node's daemon from re-dialling and make it
+  declare this one down. Evicting the oldest lets the attacker only churn:
+  a real peer's handshake takes milliseconds, and the listener gives an
+  unauthenticated connection ``peer_handshake_timeout`` (1 s). A real
+  peer's hello arrives with its first packet, so silent connections go
+  first: each one evicted and re-opened lands behind the peer's.
+* :class:`Counter` — connections per local uid, refused beyond the limit
+  with a ``bye`` that says why (the client shows it). The limit grows by
+  ``connections_per_rank`` for every rank of that uid running on the node:
+  each rank holds a link for its messaging and one for its checkpoint
+  agent, so a fixed limit would refuse a user's own full-node job on a node
+  of more than 128 cores. (Rather than exempting rank processes by pid: a
+  rank may fork, and its children would need the same walk of the cgroup.)
+* :class:`SharedBytes` — bytes of request (and note) frames a uid has in
+  flight across all its connections; beyond it requests are answered
+  ``busy``, a large frame is refused before its payload is read (see
+  :mod:`gangd.protocol.connection`, "Bounds").
 * :class:`TokenBucket` — requests per uid and second; beyond it a request is
   answered ``busy`` (the client may retry). Root is exempt: the admin's
   tools and the daemons' own cluster start-up must never be throttled.
@@ -18,6 +39,21 @@ unbounded memory, tasks or event-loop time:
 
 All of it is plain state driven by the server; the numbers live in
 :class:`Limits`.
+
+Worst case per local uid
+------------------------
+What one user's connections can make the daemon hold, with the defaults:
+``uid_in_flight_bytes`` (64 MiB) of request and note frames being served,
+plus per connection at most one small frame being received
+(:data:`~gangd.protocol.connection.BIG_FRAME`, 64 KiB; bigger ones are
+charged to the 64 MiB before they are read), one read (``client_read_size``,
+64 KiB) and the unsent ``busy`` answers
+(:data:`~gangd.protocol.connection.DEFAULT_MAX_OUTBOX`, 64 KiB): ~192 KiB.
+With ``connections_per_uid`` (256) connections that is 64 + 48 = 112 MiB,
+and 4 x 192 KiB more per rank of theirs running here. (Bytes of frames:
+decoded msgpack objects are larger, by a small factor for real arguments.)
+Root is not held to the per-uid byte budget (the daemons' own tools), only
+to the per-connection one.
 """
 
 from __future__ import annotations
@@ -26,9 +62,12 @@ import logging
 import pwd
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
+
+from ..protocol import MAX_CLIENT_REQUEST
 
 log = logging.getLogger("gangd.admission")
 
@@ -39,14 +78,31 @@ class Limits:
     handshakes_per_address: int = 16
     #: Connections in their handshake from all addresses together.
     handshakes_total: int = 128
-    #: Unix-socket connections of one uid (each rank holds one or two).
+    #: How long an unauthenticated TCP connection may take for its handshake.
+    peer_handshake_timeout: float = 1.0
+    #: Unix-socket connections of one uid, and how many more per rank of that
+    #: uid running on this node (each rank holds one or two).
     connections_per_uid: int = 256
+    connections_per_rank: int = 4
     #: ... of root (the daemons' tools, the admin).
     connections_root: int = 4096
     #: Requests of one client connection in flight at once.
     client_in_flight: int = 64
     #: Requests of one peer connection in flight at once (the coordinator fans out).
     peer_in_flight: int = 1024
+    #: Largest frame a local client may send. The largest legitimate one is a
+    #: submit: argv and environment, which Linux caps at ~2 MiB together for an
+    #: exec (a quarter of the default 8 MiB stack limit; msgpack adds a few
+    #: bytes per string), so 4 MiB admits any job that can start at all.
+    #: Peers keep the protocol's 16 MiB (table records, network contexts);
+    #: replies to the daemon's own requests (a rank's network context) too.
+    client_max_frame: int = MAX_CLIENT_REQUEST
+    #: Bytes of request and note frames one client connection may have in
+    #: flight, and one uid across its connections (root: per connection only).
+    client_in_flight_bytes: int = 8 * 1024 * 1024
+    uid_in_flight_bytes: int = 64 * 1024 * 1024
+    #: Bytes read from a client connection at a time.
+    client_read_size: int = 64 * 1024
     #: Client requests per uid and second (sustained), and the burst allowed.
     requests_per_second: float = 200.0
     request_burst: float = 1000.0
@@ -66,6 +122,110 @@ class Refused(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+class Handshake:
+    """One connection in its handshake; ``close()`` once it is done (or gone)."""
+
+    def __init__(self, owner: Handshakes, address: str, on_evict: Callable[[], None], silent: Callable[[], bool]):
+        self._owner: Handshakes | None = owner
+        self.address = address
+        self.evicted = False
+        self.silent = silent
+        self._on_evict = on_evict
+
+    def close(self) -> None:
+        if self._owner is not None:
+            self._owner._forget(self)
+            self._owner = None
+
+    def evict(self) -> None:
+        self.close()
+        self.evicted = True
+        self._on_evict()
+
+    def __enter__(self) -> Handshake:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Handshakes:
+    """Connections in their handshake, oldest first, per source address (see the module docstring)."""
+
+    def __init__(self, per_address: int, total: int):
+        self.per_address = per_address
+        self.total = total
+        self._by_address: dict[str, OrderedDict[Handshake, None]] = {}
+        self.count = 0
+        self.evictions = 0
+
+    def admit(self, address: str, on_evict: Callable[[], None], silent: Callable[[], bool] = lambda: True) -> Handshake:
+        """A new connection from ``address``; may evict an older one (``on_evict`` of that one runs).
+        ``silent()`` says whether it has sent nothing useful yet (no hello)."""
+        mine = self._by_address.get(address)
+        if mine is not None and len(mine) >= self.per_address:
+            self._evict_oldest(mine)
+        elif self.count >= self.total:
+            self._evict_oldest(max(self._by_address.values(), key=len))
+        handshake = Handshake(self, address, on_evict, silent)
+        self._by_address.setdefault(address, OrderedDict())[handshake] = None
+        self.count += 1
+        return handshake
+
+    def held(self, address: str) -> int:
+        return len(self._by_address.get(address, ()))
+
+    def _evict_oldest(self, queue: OrderedDict[Handshake, None]) -> None:
+        self.evictions += 1
+        victim = next((h for h in queue if h.silent()), None) or next(iter(queue))
+        victim.evict()
+
+    def _forget(self, handshake: Handshake) -> None:
+        queue = self._by_address.get(handshake.address)
+        if queue is not None and queue.pop(handshake, False) is None:
+            self.count -= 1
+            if not queue:
+                del self._by_address[handshake.address]
+
+
+class SharedBytes:
+    """Bytes held per key (a uid) across its connections, up to ``limit``."""
+
+    def __init__(self, limit: int, what: str = "uid"):
+        self.limit = limit
+        self.what = what
+        self.held: dict[object, int] = {}
+
+    def budget(self, key) -> KeyBytes:
+        return KeyBytes(self, key)
+
+
+class KeyBytes:
+    """One key's share of a :class:`SharedBytes` (a :class:`gangd.protocol.connection.ByteBudget`)."""
+
+    def __init__(self, shared: SharedBytes, key):
+        self.shared = shared
+        self.key = key
+
+    def take(self, n: int) -> bool:
+        held = self.shared.held.get(self.key, 0)
+        if held + n > self.shared.limit:
+            return False
+        self.shared.held[self.key] = held + n
+        return True
+
+    def release(self, n: int) -> None:
+        held = self.shared.held.get(self.key, 0) - n
+        if held > 0:
+            self.shared.held[self.key] = held
+        else:
+            self.shared.held.pop(self.key, None)
+
+    def describe(self) -> str:
+        held = self.shared.held.get(self.key, 0)
+        return f"requests of {self.shared.what} {self.key} in flight hold {held} bytes (limit {self.shared.limit} across its connections)"
 
 
 class Counter:

@@ -26,9 +26,10 @@ import trio
 
 from .. import jobs, safefs
 from ..protocol import Connection, ProtocolError, Request, Role
-from ..rpc import Channel, RemoteError, peer_credentials
+from ..protocol import State as ConnState
+from ..rpc import HANDSHAKE_TIMEOUT, Channel, RemoteError, peer_credentials
 from ..safefs import UnsafePath
-from .admission import Counter, Limits, Refused, TokenBucket, UserNames
+from .admission import Counter, Handshakes, Limits, Refused, SharedBytes, TokenBucket, UserNames
 from .cgroup import CgroupTree
 from .checkpoint import NodeCheckpoints
 from .config import Config
@@ -323,7 +324,8 @@ class Daemon:
         Limits are checked before anything else is spent on it: a TCP
         connection takes a handshake slot of its address (released once it
         authenticated: then it holds the cluster secret, and is trusted as a
-        node), a Unix connection a slot of its uid for its whole life.
+        node; a newer connection from a full address evicts the oldest), a
+        Unix connection a slot of its uid for its whole life.
         """
         guard = self._guard
         limits = guard.limits
@@ -339,13 +341,22 @@ class Daemon:
             else:
                 pid, uid, gid = peer_credentials(stream)
                 label = f"client pid {pid} uid {uid}"
-                conn = Connection(dialer=False, node=self.node, accept=frozenset({Role.CLIENT}), max_in_flight=limits.client_in_flight)
+                conn = Connection(
+                    dialer=False, node=self.node, accept=frozenset({Role.CLIENT}), max_in_flight=limits.client_in_flight,
+                    max_request_frame=limits.client_max_frame, max_in_flight_bytes=limits.client_in_flight_bytes,
+                    budget=None if uid == 0 else guard.in_flight_bytes.budget(uid),
+                )
         except OSError:  # gone before we looked at it
             with trio.CancelScope(shield=True):
                 await stream.aclose()
             return
+        # Cancelled when a newer connection from the same address evicts this one.
+        evictable = trio.CancelScope()
         try:
-            slot = guard.hold_handshake(host) if role is Role.PEER else guard.hold_uid(uid)
+            if role is Role.PEER:
+                slot: Any = guard.handshakes.admit(host, evictable.cancel, lambda: conn.state is ConnState.HELLO)
+            else:
+                slot = guard.hold_uid(uid, self._local_ranks_of(uid))
         except Refused as refused:
             log.warning("refused %s: %s", label, refused.message)
             await _refuse(stream, conn, refused)
@@ -353,15 +364,23 @@ class Daemon:
         with slot:
             if role is Role.CLIENT:
                 context: dict[str, Any] = {"peer": False, "cred": await self._credentials(uid, gid), "pid": pid}
-                channel = Channel(stream, conn, label=label)
+                channel = Channel(stream, conn, label=label, read_size=limits.client_read_size)
+                timeout = HANDSHAKE_TIMEOUT
             else:
                 context = {"peer": True}
                 channel = Channel(stream, conn, label=label, max_notes=limits.peer_in_flight)
+                timeout = limits.peer_handshake_timeout
             channel.context = context
+            ready = None
             try:
-                ready = await channel.handshake()
+                with evictable:
+                    ready = await channel.handshake(timeout)
             except (ProtocolError, trio.TooSlowError, RemoteError) as exc:
-                log.warning("refused %s: %s", label, exc)
+                why = f"no handshake within {timeout:g} s" if isinstance(exc, trio.TooSlowError) else str(exc)
+                log.warning("refused %s: %s", label, why)
+            if ready is None:
+                if evictable.cancelled_caught:
+                    guard.log_eviction(label, host)
                 with trio.CancelScope(shield=True), trio.move_on_after(0.5):
                     try:
                         await stream.send_all(conn.data_to_send())
@@ -384,6 +403,15 @@ class Daemon:
             finally:
                 self.jobnet.detached(channel)
                 self.checkpoints.detached(channel)
+
+    def _local_ranks_of(self, uid: int) -> int:
+        """Ranks of ``uid``'s jobs running on this node (each may hold a few connections)."""
+        count = 0
+        for (job_id, _), entry in self.ranks.ranks.items():
+            record = self.table.get(job_id)
+            if entry.status is None and record is not None and record["owner_uid"] == uid:
+                count += 1
+        return count
 
     async def _credentials(self, uid: int, gid: int) -> dict:
         """Who a local client is: the kernel's uid/gid, the name from NSS (off the loop, cached)."""
@@ -536,27 +564,32 @@ class _ConnectionGuard:
 
     def __init__(self, limits: Limits):
         self.limits = limits
-        self.by_address = Counter(limits.handshakes_per_address, "address")
-        self.all_handshakes = Counter(
-            limits.handshakes_total, "", "{held} connections are in their handshake already (limit {limit}); try again shortly"
+        self.handshakes = Handshakes(limits.handshakes_per_address, limits.handshakes_total)
+        self.by_uid = Counter(
+            limits.connections_per_uid, "uid",
+            "{what} {key} has {held} connections to this daemon already (limit {limit}, with its ranks running here)",
         )
-        self.by_uid = Counter(limits.connections_per_uid, "uid")
+        self.in_flight_bytes = SharedBytes(limits.uid_in_flight_bytes)
+        self._evicted = 0
+        self._evicted_logged = -math.inf
         self.requests = TokenBucket(limits.requests_per_second, limits.request_burst)
         self.names = UserNames(limits)
 
-    def hold_handshake(self, host: str) -> _Slot:
-        self.by_address.take(host)
-        try:
-            self.all_handshakes.take("connections in their handshake")
-        except Refused:
-            self.by_address.release(host)
-            raise
-        address = _Slot(self.by_address, host)
-        total = _Slot(self.all_handshakes, "connections in their handshake")
-        return _Pair(address, total)
+    def log_eviction(self, label: str, host: str) -> None:
+        """Log an evicted handshake, at most once a second (a churning attacker must not flood the log)."""
+        self._evicted += 1
+        now = time.monotonic()
+        if now - self._evicted_logged >= 1.0:
+            log.warning(
+                "dropped %s: still in its handshake when a newer connection from %s needed its slot (%d per address;"
+                " %d dropped since the last such message)", label, host, self.limits.handshakes_per_address, self._evicted,
+            )
+            self._evicted_logged, self._evicted = now, 0
 
-    def hold_uid(self, uid: int) -> _Slot:
-        self.by_uid.take(uid, self.limits.connections_root if uid == 0 else None)
+    def hold_uid(self, uid: int, local_ranks: int = 0) -> _Slot:
+        limits = self.limits
+        limit = limits.connections_root if uid == 0 else limits.connections_per_uid + limits.connections_per_rank * local_ranks
+        self.by_uid.take(uid, limit)
         return _Slot(self.by_uid, uid)
 
     def rate_limited(self, uid: int, handle):
@@ -575,15 +608,6 @@ class _ConnectionGuard:
             return await handle(channel, message)
 
         return limited
-
-
-class _Pair(_Slot):
-    def __init__(self, first: _Slot, second: _Slot):
-        self._slots = (first, second)
-
-    def close(self) -> None:
-        for slot in self._slots:
-            slot.close()
 
 
 async def _refuse(stream, conn: Connection, refused: Refused) -> None:

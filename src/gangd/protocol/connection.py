@@ -36,11 +36,27 @@ Nothing the other side sends may grow this side without limit:
   ``credit{id, n}`` frames as it consumes items. An item beyond the credit
   is a protocol violation. So a requester that stops reading stalls only its
   own stream, and its buffer stays under ``win + max_frame``.
-* At most ``max_in_flight`` requests of the other side are served at once.
-  Beyond that, requests are answered ``busy`` at once (by the machine
-  itself) rather than by no longer reading the socket: the frames behind
-  them may be the credits and cancels that let requests in flight finish,
-  and a reader that stopped would deadlock on them.
+* At most ``max_in_flight`` requests of the other side are served at once,
+  and their frames (with the notes handed up and not yet done) hold at most
+  ``max_in_flight_bytes`` — and, across all connections of one local user,
+  what the shared ``budget`` allows (a request's arguments live as long as
+  it is served: 64 ``wait`` requests each carrying 4 MiB would otherwise pin
+  256 MiB per connection). Beyond either, requests are answered ``busy`` at
+  once (by the machine itself) rather than by no longer reading the socket:
+  the frames behind them may be the credits and cancels that let requests in
+  flight finish, and a reader that stopped would deadlock on them. A frame
+  larger than :data:`BIG_FRAME` is charged when its header arrives, before
+  its payload is buffered; if it does not fit, the connection is closed with
+  a ``bye`` (``too_much_in_flight``) instead of buffering it.
+* Frames of requests and notes are limited to ``max_request_frame`` (a
+  daemon gives local clients less than the ``max_frame`` of its peers);
+  replies and items to our own requests may use all of ``max_frame``.
+* What the machine writes on its own (``busy`` answers) is bounded too:
+  while more than ``max_outbox`` bytes of it are unsent, :meth:`next_event`
+  hands up nothing more, and the I/O side must write them out before it
+  reads again. A client that floods requests and never reads its answers
+  therefore stalls its own connection instead of growing the daemon by a
+  ``busy`` reply (~150 bytes) for every ~40-byte request.
 """
 
 from __future__ import annotations
@@ -51,7 +67,7 @@ import hmac
 import os
 import reprlib
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from .frames import DEFAULT_MAX_FRAME, FrameDecoder, Message, ProtocolError, encode_frame
 
@@ -64,9 +80,30 @@ HANDSHAKE_MAX_FRAME = 4096
 DEFAULT_WINDOW = 256 * 1024
 #: Requests of the other side served at once, unless configured otherwise.
 DEFAULT_MAX_IN_FLIGHT = 64
+#: Largest request or note a local client may send a daemon (what a daemon
+#: takes from its Unix socket; see gangd.daemon.admission.Limits.client_max_frame).
+#: A client connection refuses to send more, with a clear error, rather than
+#: having the daemon cut it off mid-frame.
+MAX_CLIENT_REQUEST = 4 * 1024 * 1024
+#: Most bytes of the machine's own unsent output (``busy`` answers) before it stops handing up events.
+DEFAULT_MAX_OUTBOX = 64 * 1024
+#: Frames above this size are charged against the in-flight byte limits when
+#: their header arrives (smaller ones when they are decoded): at most this much
+#: is buffered for a frame before the connection knows it may take it.
+BIG_FRAME = 64 * 1024
 #: Largest window or credit grant a frame may carry, and the most credit a
 #: stream may accumulate (so a generous peer cannot make counters grow forever).
 MAX_CREDIT = 1 << 40
+
+
+class ByteBudget(Protocol):
+    """Bytes shared by several connections (one local user's): ``take`` says whether ``n`` more fit."""
+
+    def take(self, n: int) -> bool: ...
+
+    def release(self, n: int) -> None: ...
+
+    def describe(self) -> str: ...
 
 
 class Role(enum.StrEnum):
@@ -140,10 +177,15 @@ class Cancel:
 
 @dataclass(frozen=True)
 class Note:
-    """A one-way message; no reply is expected."""
+    """A one-way message; no reply is expected.
+
+    ``size`` is the frame's size, held against the in-flight byte limits
+    until the handler gives it back with :meth:`Connection.note_done`.
+    """
 
     op: str
     args: dict[str, Any] = field(default_factory=dict)
+    size: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -195,7 +237,11 @@ class Connection:
     what the dialer is (a listener accepts either role unless ``accept`` says
     otherwise). ``secret`` is required for peer connections. ``max_frame``
     applies once the handshake is done (:data:`HANDSHAKE_MAX_FRAME` before);
-    ``max_in_flight`` bounds the other side's requests served at once.
+    ``max_request_frame`` (default ``max_frame``) to the other side's
+    requests and notes. ``max_in_flight`` bounds the other side's requests
+    served at once, ``max_in_flight_bytes`` (default: unbounded) the bytes of
+    their frames, and ``budget`` the bytes shared with other connections.
+    ``max_outbox`` bounds the machine's own unsent output.
     """
 
     def __init__(
@@ -208,6 +254,10 @@ class Connection:
         accept: frozenset[Role] = frozenset(Role),
         max_frame: int = DEFAULT_MAX_FRAME,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        max_request_frame: int | None = None,
+        max_in_flight_bytes: int | None = None,
+        budget: ByteBudget | None = None,
+        max_outbox: int = DEFAULT_MAX_OUTBOX,
     ):
         self.dialer = dialer
         self.node = node
@@ -218,6 +268,15 @@ class Connection:
         self.state = State.HELLO
         self.peer_node: str | None = None
         self.max_in_flight = max_in_flight
+        self.max_request_frame = max_frame if max_request_frame is None else min(max_request_frame, max_frame)
+        self.max_in_flight_bytes = max_in_flight_bytes
+        self.budget = budget
+        self.max_outbox = max_outbox
+        # Bytes held against the limits: frames of requests being served and
+        # notes handed up, and a big frame charged while it arrives.
+        self._held: dict[int, int] = {}  # rid -> bytes of its request frame
+        self.held_bytes = 0
+        self._reserved = 0
         self._decoder = FrameDecoder(min(max_frame, HANDSHAKE_MAX_FRAME))
         self._outbox = bytearray()
         # Requests of ours awaiting their reply: rid -> bytes of items the other side may still send.
@@ -245,6 +304,14 @@ class Connection:
         self.state = State.CLOSED
         self._decoder.check_eof()
 
+    @property
+    def backlogged(self) -> bool:
+        """A complete frame is buffered already: handle it before reading more."""
+        if self.state is State.CLOSED:
+            return False  # (nothing more is handed up: there is no backlog to work off)
+        length = self._decoder.pending_length()
+        return length is not None and self._decoder.buffered >= length
+
     def data_to_send(self) -> bytes:
         data = bytes(self._outbox)
         self._outbox.clear()
@@ -258,11 +325,19 @@ class Connection:
         message for the other side) and close.
         """
         while self.state is not State.CLOSED:
+            if len(self._outbox) > self.max_outbox:
+                return None  # write out what we owe first (see the module's "Bounds")
             try:
+                self._reserve_big_frame()
                 message = self._decoder.next_message()
                 if message is None:
                     return None
-                event = self._handle(message)
+                try:
+                    event = self._handle(message)
+                finally:
+                    if self._reserved:  # not taken over by a request or note: give it back
+                        self._give(self._reserved)
+                        self._reserved = 0
             except ProtocolError as exc:
                 self._fail(exc)
                 raise
@@ -278,15 +353,17 @@ class Connection:
         if not 0 <= window <= MAX_CREDIT:
             raise ValueError(f"window {window} out of range")
         rid = self._next_id
-        frame = encode_frame({"t": "req", "id": rid, "op": op, "args": args or {}, "win": window}, self.max_frame)
+        limit = min(self.max_frame, MAX_CLIENT_REQUEST) if self.dialer and self.role is Role.CLIENT else self.max_frame
+        frame = encode_frame({"t": "req", "id": rid, "op": op, "args": args or {}, "win": window}, limit)
         self._next_id += 1
         self._awaiting[rid] = window
+        self._set_frame_limit()
         return rid, frame
 
     def send_reply(self, rid: int, result: object = None) -> bytes:
         self._check_ready()
         frame = encode_frame({"t": "rep", "id": rid, "ok": True, "result": result}, self.max_frame)
-        self._serving.pop(rid, None)
+        self._served(rid)
         return frame
 
     def send_error(self, rid: int, code: str, message: str) -> bytes:
@@ -294,8 +371,18 @@ class Connection:
         frame = encode_frame(
             {"t": "rep", "id": rid, "ok": False, "error": {"code": code, "message": message}}, self.max_frame
         )
-        self._serving.pop(rid, None)
+        self._served(rid)
         return frame
+
+    def note_done(self, note: Note) -> None:
+        """The handler of ``note`` finished: its bytes no longer count."""
+        self._give(note.size)
+
+    def release_all(self) -> None:
+        """The connection is gone: give back every byte it held (idempotent)."""
+        self._give(self.held_bytes)
+        self._held.clear()
+        self._reserved = 0
 
     def serving(self, rid: int) -> bool:
         """True while request ``rid`` of the other side waits for its reply from us."""
@@ -354,7 +441,7 @@ class Connection:
         # Stop, then tell the other side why where that is useful. The bye is
         # best effort: with a tiny max_frame even a short reason may not fit.
         self.state = State.CLOSED
-        if exc.code in ("auth_failed", "version_mismatch", "role_refused", "malformed", "oversized", "flow_control"):
+        if exc.code in ("auth_failed", "version_mismatch", "role_refused", "malformed", "oversized", "flow_control", "too_much_in_flight"):
             try:
                 self._outbox += encode_frame(
                     {"t": "bye", "code": exc.code, "message": exc.message[:_MAX_BYE_MESSAGE]}, self.max_frame
@@ -364,11 +451,69 @@ class Connection:
 
     def _ready(self) -> None:
         self.state = State.READY
-        self._decoder.max_frame = self.max_frame
+        self._set_frame_limit()
+
+    def _set_frame_limit(self) -> None:
+        # Replies to our requests may be large (a rank's network context);
+        # what the other side sends of its own accord is limited further.
+        if self.state is State.READY:
+            self._decoder.max_frame = self.max_frame if self._awaiting else self.max_request_frame
+
+    # -------- in-flight bytes
+
+    def _take(self, n: int) -> str | None:
+        """Charge ``n`` bytes; None if they fit, else why not."""
+        if self.max_in_flight_bytes is None and self.budget is None:
+            return None  # nothing to account against (peers, and the clients' own side)
+        if self.max_in_flight_bytes is not None and self.held_bytes + n > self.max_in_flight_bytes:
+            return (
+                f"requests of this connection in flight hold {self.held_bytes} bytes already"
+                f" (limit {self.max_in_flight_bytes}); retry when one is answered"
+            )
+        if self.budget is not None and not self.budget.take(n):
+            return f"{self.budget.describe()}; retry when one is answered"
+        self.held_bytes += n
+        return None
+
+    def _give(self, n: int) -> None:
+        n = min(n, self.held_bytes)
+        if n > 0:
+            self.held_bytes -= n
+            if self.budget is not None:
+                self.budget.release(n)
+
+    def _served(self, rid: int) -> None:
+        self._serving.pop(rid, None)
+        self._give(self._held.pop(rid, 0))
+
+    def _reserve_big_frame(self) -> None:
+        """Charge a big frame when its header arrives, before its payload is buffered."""
+        if self.state is not State.READY or self._reserved or self._awaiting:
+            return  # (frames while we await replies: limited by max_frame, checked when decoded)
+        length = self._decoder.pending_length()
+        if length is None or length <= BIG_FRAME or length - 4 > self._decoder.max_frame:
+            return  # (an oversized one is refused by the decoder)
+        why = self._take(length)
+        if why is not None:
+            raise ProtocolError("too_much_in_flight", f"a {length}-byte frame does not fit: {why}")
+        self._reserved = length
+
+    def _charge(self, size: int) -> str | None:
+        """Charge a request's or note's frame (already charged if it was big)."""
+        if self._reserved:
+            self._reserved = 0  # taken over
+            return None
+        return self._take(size)
 
     def _check_ready(self) -> None:
         if self.state is not State.READY:
             raise ProtocolError("not_ready", f"cannot send in state {self.state.value}")
+
+    def _check_request_size(self, what: str) -> int:
+        size = self._decoder.last_size
+        if size - 4 > self.max_request_frame:
+            raise ProtocolError("oversized", f"{what} frame of {size - 4} bytes exceeds the {self.max_request_frame}-byte limit")
+        return size
 
     def _handle(self, message: Message) -> Event | None:
         kind = message.get("t")
@@ -458,20 +603,18 @@ class Connection:
                 raise ProtocolError("malformed", f"request: window {_show(window)} out of range")
             if rid in self._serving:
                 raise ProtocolError("malformed", f"request id {_show(rid)} is already in flight")
+            size = self._check_request_size("request")
             if len(self._serving) >= self.max_in_flight:
+                why: str | None = f"{self.max_in_flight} requests of this connection are in flight already; retry when one is answered"
+            else:
+                why = self._charge(size)
+            if why is not None:
                 # Answered here, not handed up: no task, no memory beyond this frame.
                 self.refused_busy += 1
-                self._emit(
-                    {
-                        "t": "rep", "id": rid, "ok": False,
-                        "error": {
-                            "code": "busy",
-                            "message": f"busy: {self.max_in_flight} requests of this connection are in flight already; retry when one is answered",
-                        },
-                    }
-                )
+                self._emit({"t": "rep", "id": rid, "ok": False, "error": {"code": "busy", "message": f"busy: {why}"}})
                 return None
             self._serving[rid] = window
+            self._held[rid] = size
             return Request(rid, op, args)
         if kind == "credit":
             rid = _require(message, "id", int, "credit")
@@ -496,6 +639,7 @@ class Connection:
             rid = _require(message, "id", int, "reply")
             if self._awaiting.pop(rid, None) is None:
                 raise ProtocolError("malformed", f"reply to request {_show(rid)}, which is not awaiting one")
+            self._set_frame_limit()
             ok = message.get("ok")
             if not isinstance(ok, bool):
                 raise ProtocolError("malformed", "reply: field 'ok' missing or not bool")
@@ -511,5 +655,10 @@ class Connection:
             args = message.get("args", {})
             if not isinstance(args, dict):
                 raise ProtocolError("malformed", "note: args is not a map")
-            return Note(_require(message, "op", str, "note"), args)
+            op = _require(message, "op", str, "note")
+            size = self._check_request_size("note")
+            why = self._charge(size)
+            if why is not None:  # one-way: nobody to say busy to
+                raise ProtocolError("too_much_in_flight", f"note {_show(op)} does not fit: {why}")
+            return Note(op, args, size)
         raise ProtocolError("malformed", f"unknown message type {_show(kind)}")

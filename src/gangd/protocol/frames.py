@@ -77,6 +77,13 @@ class FrameDecoder:
     def feed(self, data: bytes | bytearray) -> None:
         self._buffer += data
 
+    def pending_length(self) -> int | None:
+        """Bytes (header included) of the frame being received, once its header is in."""
+        if len(self._buffer) < HEADER_SIZE:
+            return None
+        (length,) = _HEADER.unpack_from(self._buffer)
+        return HEADER_SIZE + int(length)
+
     def next_message(self) -> Message | None:
         """Return the next complete message, or None if more bytes are needed."""
         if len(self._buffer) < HEADER_SIZE:

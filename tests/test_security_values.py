@@ -22,9 +22,8 @@ from pathlib import Path
 import msgpack
 import pytest
 from ckpthelpers import checkpoint, gen_dir, kill_what_is_left, wait_running_a_bit
-from conftest import _world_traversable_tmpdir, as_uid, shared_cluster
-
 from click.testing import CliRunner
+from conftest import _world_traversable_tmpdir, as_uid, shared_cluster
 
 from gangd.client import cluster as local
 from gangd.client.cli import main as cli_main
@@ -298,7 +297,7 @@ from gangd import comm
 w = comm.world()
 go = Path(sys.argv[1])
 if w.rank == 0:
-    tcp = [s for s in w._engine._listeners if s.family != __import__("socket").AF_UNIX][0]
+    tcp = [s for s in w._engine._listeners.values() if s.family != __import__("socket").AF_UNIX][0]
     print("LISTEN " + json.dumps({"tcp": list(tcp.getsockname()[:2]), "unix": w._engine.unix_path, "token": w._engine.token.decode()}), flush=True)
     obj, st = w.recv(status=True)
     print("GOT " + json.dumps({"obj": repr(obj), "source": st.source}), flush=True)

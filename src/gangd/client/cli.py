@@ -19,6 +19,8 @@ import json
 import signal
 import sys
 import time
+from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
 import click
 import trio
@@ -77,13 +79,13 @@ def _json_default(obj):
     raise TypeError(type(obj).__name__)
 
 
-def table(rows: list[list[str]], headers: list[str]) -> str:
-    """Aligned columns; every cell shown as printable text (job names and reasons are other users')."""
-    rows = [[text.printable(c, 256) for c in row] for row in rows]
-    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
-    lines = ["  ".join(str(h).ljust(w) for h, w in zip(headers, widths)).rstrip()]
-    for row in rows:
-        lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+def table(rows: Sequence[Sequence[object]], headers: list[str]) -> str:
+    """Aligned columns, one cell per header in every row; every cell shown as printable text (job names and reasons are other users')."""
+    cells = [[text.printable(c, 256) for c in row] for row in rows]
+    widths = [max(len(x) for x in col) for col in zip(headers, *cells, strict=True)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    for row in cells:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
     return "\n".join(lines)
 
 
@@ -91,7 +93,10 @@ def table(rows: list[list[str]], headers: list[str]) -> str:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog="\b\n" + __doc__.split("\n", 2)[2])
-@click.option("--cluster", "cluster", metavar="DIR", envvar="GANGD_CLUSTER", help="Local cluster directory (default: $GANGD_CLUSTER, else ~/.gangd/cluster, else /run/gangd/gangd.sock).")
+@click.option(
+    "--cluster", "cluster", metavar="DIR", envvar="GANGD_CLUSTER",
+    help="Local cluster directory (default: $GANGD_CLUSTER, else ~/.gangd/cluster, else /run/gangd/gangd.sock).",
+)
 @click.version_option(package_name="gangd")
 @click.pass_context
 def main(ctx, cluster):
@@ -116,9 +121,13 @@ def job_options(fn):
     fn = click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)(fn)
     fn = click.option("--no-kill-on-bad-exit", is_flag=True, help="Keep the other ranks running when one fails.")(fn)
     fn = click.option("--mpi", is_flag=True, help="An MPI program (MPICH, e.g. mpi4py): the daemons serve it PMI-1, no mpiexec needed.")(fn)
-    fn = click.option("--ckpt-every", type=Duration(), metavar="DURATION", help="Checkpoint the job periodically, e.g. 30s, 5m, 1h (its ranks use gangd.ckptlib).")(fn)
+    fn = click.option(
+        "--ckpt-every", type=Duration(), metavar="DURATION", help="Checkpoint the job periodically, e.g. 30s, 5m, 1h (its ranks use gangd.ckptlib)."
+    )(fn)
     fn = click.option("--priority", type=int, help="Queue priority: higher starts first (only root may go above 0).")(fn)
-    fn = click.option("--slice", "time_slice", type=click.FloatRange(0.001, 3600), metavar="SECONDS", help="Gang time slice for this job (default: the cluster's).")(fn)
+    fn = click.option(
+        "--slice", "time_slice", type=click.FloatRange(0.001, 3600), metavar="SECONDS", help="Gang time slice for this job (default: the cluster's)."
+    )(fn)
     fn = click.option("-w", "--nodelist", metavar="N1,N2", help="Run only on these nodes.")(fn)
     fn = click.option("-N", "--nodes", type=click.IntRange(min=1), help="Spread the ranks over exactly this many nodes.")(fn)
     fn = click.option("--per-node", type=click.IntRange(min=1), help="Put this many ranks on each node in turn (Slurm's --ntasks-per-node).")(fn)
@@ -131,7 +140,7 @@ class Duration(click.ParamType):
     """30, 30s, 5m, 2h, 1d -> seconds."""
 
     name = "duration"
-    UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    UNITS: ClassVar[Mapping[str, int]] = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
     def convert(self, value, param, ctx):
         if isinstance(value, (int, float)):
@@ -184,7 +193,10 @@ def describe_generation(job_id: int, result: dict) -> str:
     if result["state"] == "complete":
         size = sum(n["bytes"] for n in result["nodes"].values())
         took = result["ended"] - result["started"]
-        return f"job {job_id}: checkpoint generation {result['gen']} complete at iteration {result['iteration']} ({_size(size)} on {len(result['nodes'])} node(s) in {took:.2f} s)"
+        return (
+            f"job {job_id}: checkpoint generation {result['gen']} complete at iteration {result['iteration']} "
+            f"({_size(size)} on {len(result['nodes'])} node(s) in {took:.2f} s)"
+        )
     return f"job {job_id}: checkpoint generation {result['gen']} {result['state']}: {text.printable(result.get('reason', ''))}"
 
 
@@ -279,8 +291,8 @@ async def _run(cluster, spec, label, verbose) -> int:
     final: dict = {}
     interrupted = False
     async with connect(cluster) as gang:
-        record = await _submit(gang, spec)
-        job_id = record["id"]
+        submitted = await _submit(gang, spec)
+        job_id = submitted["id"]
         if verbose:
             click.echo(f"gang: job {job_id} submitted ({spec['nranks']} ranks)", err=True)
 

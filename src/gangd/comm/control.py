@@ -132,7 +132,8 @@ class DaemonLink:
             if isinstance(event, Reply) and event.id == rid:
                 if event.ok:
                     return event.result
-                raise CommError(f"gangd refused {op}: {event.error['message']}", event.error["code"])
+                error = event.error or {}  # (never empty: the connection checks that a refusal has its code and message)
+                raise CommError(f"gangd refused {op}: {error.get('message')}", error.get("code"))
             self.backlog.append(event)
 
     def take_pending(self) -> list:

@@ -36,6 +36,7 @@ import socket
 import threading
 import time
 from collections import deque
+from typing import Any
 
 import numpy as np
 
@@ -68,6 +69,7 @@ _pack_header = HEADER.pack
 _POLLIN = select.POLLIN
 _POLLOUT = select.POLLOUT
 _NOSIGNAL = socket.MSG_NOSIGNAL  # EPIPE, never SIGPIPE, whatever the program did with the signal
+_NO_VIEW = memoryview(b"")  # Msg.view of a message that is not arriving
 
 
 class Msg:
@@ -75,7 +77,7 @@ class Msg:
 
     __slots__ = ("claimed", "done", "got", "kind", "meta", "nbytes", "payload", "seq", "src", "tag", "view")
 
-    def __init__(self, src, tag, seq, kind, meta, payload, nbytes, done=True):
+    def __init__(self, src: int, tag: int, seq: int, kind: int, meta: bytes, payload: Any, nbytes: int, done: bool = True) -> None:
         self.src = src
         self.tag = tag
         self.seq = seq
@@ -83,7 +85,7 @@ class Msg:
         self.meta = meta
         self.payload = payload
         self.nbytes = nbytes
-        self.view = None  # writable bytes of the payload while it arrives
+        self.view = _NO_VIEW  # writable bytes of the payload while it arrives (kept once arrived if claimed), else empty
         self.got = 0
         self.done = done
         self.claimed = False  # arriving straight into the buffer of a waiting recv_into
@@ -98,7 +100,7 @@ class Incoming:
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.fd = sock.fileno()
-        self.src = None
+        self.src: int | None = None
         self.claimed = -1
         self.expect: bytes | None = None
         self.buf = bytearray(READ_BUFFER)
@@ -113,7 +115,7 @@ class Want:
 
     __slots__ = ("buf", "source", "tag", "view")
 
-    def __init__(self, source, tag, buf, view):
+    def __init__(self, source: int, tag: int, buf: object, view: memoryview) -> None:
         self.source = source
         self.tag = tag
         self.buf = buf
@@ -137,7 +139,7 @@ class Engine:
         self.lock = threading.Lock()
         self.send_lock = threading.Lock()  # held around each whole message send (the gate waits for it)
         self.token = b""
-        self.peers: list = [None] * size
+        self.peers: list[dict[str, Any] | None] = [None] * size
         self.gate_enabled = gate
         self.spin = spin  # seconds a receive polls before it sleeps (see _spin)
         self.gate_open = True
@@ -152,9 +154,10 @@ class Engine:
         self._set_counters(np.zeros((3, size), np.uint64))
         self.queue: deque[Msg] = deque()  # arrived, not yet delivered, in arrival order
         self._poll = select.poll()
-        self._net: dict[int, Incoming | socket.socket] = {}  # fd -> incoming connection or listener
-        self._listeners: list[socket.socket] = []
-        self._incoming: dict[int, Incoming] = {}
+        # fd -> incoming connection: the one lookup per poll event on the data path. Listeners are
+        # apart (fd -> listener), looked up only for an fd that is none of ours.
+        self._net: dict[int, Incoming] = {}
+        self._listeners: dict[int, socket.socket] = {}
         self._from: dict[int, Incoming] = {}  # src -> its connection to us
         self._out: list[socket.socket | None] = [None] * size
         self._cut: dict[int, tuple] = {}  # dest -> (exception class, message) sends to it raise: its channel broke
@@ -209,11 +212,11 @@ class Engine:
         for listener in (unix, tcp):
             listener.listen(socket.SOMAXCONN)
             listener.setblocking(False)
-            self._listeners.append(listener)
-            self._add(listener.fileno(), listener)
+            self._listeners[listener.fileno()] = listener
+            self._watch(listener.fileno())
         return path, [address, tcp.getsockname()[1]]
 
-    def start(self, peers: list, token: bytes, gate: dict) -> None:
+    def start(self, peers: list[dict[str, Any] | None], token: bytes, gate: dict) -> None:
         if len(peers) != self.size:
             raise CommError(f"the daemon sent {len(peers)} peer addresses for a job of {self.size} ranks")
         self.peers = peers
@@ -227,8 +230,7 @@ class Engine:
         self.counters[:] = [sent, received, delivered]
         self.queue = deque(messages)
 
-    def _add(self, fd: int, what: Incoming | socket.socket) -> None:
-        self._net[fd] = what
+    def _watch(self, fd: int) -> None:
         self._poll.register(fd, _POLLIN)
         self._fds_changed()
 
@@ -267,10 +269,7 @@ class Engine:
         for fd, _ in events:
             what = net.get(fd)
             if what is not None:
-                if what.__class__ is Incoming:
-                    self._read(what)
-                else:
-                    self._accept(what)
+                self._read(what)
             elif fd == self._out_fd:
                 self._writable = True
             elif fd == self.wake_main:
@@ -278,6 +277,8 @@ class Engine:
                     os.eventfd_read(fd)
                 except BlockingIOError:
                     pass
+            else:
+                self._accept(fd)
 
     def _spin(self) -> list:
         """Poll without sleeping for up to ``self.spin`` seconds (lock released).
@@ -296,29 +297,27 @@ class Engine:
 
     def watch_fds(self) -> list[int]:
         """Listeners and incoming connections: what the control thread drains while the gate is closed."""
-        return list(self._net)
+        return [*self._listeners, *self._net]
 
     def handshake_fds(self) -> list[int]:
         """Listeners and connections whose handshake is not done: what the control
         thread serves while the gate is open. A dialer waits for our answer to its
         hello; it must get it while this rank computes, as its bytes would have
         gone into the socket buffers without us."""
-        return [s.fileno() for s in self._listeners] + [fd for fd, c in self._incoming.items() if c.src is None]
+        return [*self._listeners, *(fd for fd, c in self._net.items() if c.src is None)]
 
     def on_fd(self, fd: int) -> None:
         """``fd`` is readable: read the connection or accept on the listener (lock held)."""
         what = self._net.get(fd)
-        if what is None:
-            return
-        if what.__class__ is Incoming:
+        if what is not None:
             self._read(what)
         else:
-            self._accept(what)
+            self._accept(fd)
 
     def drain_until(self, expect: list[int], timeout: float) -> None:
         """Control thread, lock held: read incoming connections until ``received >= expect``."""
         deadline = time.monotonic() + timeout
-        poll, gen = None, None
+        poll, gen = select.poll(), -1  # (fd_gen counts up from 0)
         while True:
             short = [src for src in range(self.size) if self.n_recv[src] < expect[src]]
             if not short:
@@ -329,7 +328,7 @@ class Engine:
                 raise CommError(f"messages the daemon counted as sent never arrived within {timeout:.0f} s ({detail})")
             if gen != self.fd_gen:
                 poll, gen = select.poll(), self.fd_gen
-                for fd in self._net:
+                for fd in self.watch_fds():
                     poll.register(fd, _POLLIN)
             self.lock.release()
             try:
@@ -341,7 +340,11 @@ class Engine:
 
     # ------------------------------------------------------------ receiving: network side
 
-    def _accept(self, listener: socket.socket) -> None:
+    def _accept(self, fd: int) -> None:
+        """Accept what waits on listener ``fd`` (an fd that is no longer ours: nothing)."""
+        listener = self._listeners.get(fd)
+        if listener is None:
+            return
         while True:
             try:
                 sock, _ = listener.accept()
@@ -353,8 +356,8 @@ class Engine:
             if sock.family != socket.AF_UNIX:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = Incoming(sock)
-            self._incoming[conn.fd] = conn
-            self._add(conn.fd, conn)
+            self._net[conn.fd] = conn
+            self._watch(conn.fd)
 
     def _read(self, c: Incoming) -> None:
         """Read what one connection has, never blocking, and turn it into messages.
@@ -372,7 +375,7 @@ class Engine:
         view = c.view
         while True:
             if c.cur is not None:
-                self._read_payload(c)  # then back to poll, which says whether the next message is there already
+                self._read_payload(c, c.cur)  # then back to poll, which says whether the next message is there already
                 return
             pos, end = c.start, c.end
             if pos:
@@ -430,7 +433,7 @@ class Engine:
                         arrived.view, arrived.claimed = want.view[:plen], True
                 if arrived is None:
                     if kind == BYTES or kind == PICKLE:
-                        payload = bytes(view[pstart:stop])
+                        payload: object = bytes(view[pstart:stop])
                     else:
                         try:
                             payload = wire.materialize(kind, meta, buf, pstart, plen)
@@ -448,9 +451,8 @@ class Engine:
             if n < space and c.cur is None:
                 return  # drained: poll is level-triggered, no need to read on to EAGAIN
 
-    def _read_payload(self, c: Incoming) -> None:
-        """Read more of the payload of ``c.cur``, straight into its buffer."""
-        msg = c.cur
+    def _read_payload(self, c: Incoming, msg: Msg) -> None:
+        """Read more of the payload of ``msg``, the one arriving on ``c`` (``c.cur``), straight into its buffer."""
         want = msg.nbytes - msg.got
         try:
             n = c.sock.recv_into(msg.view[msg.got :], want)
@@ -536,7 +538,6 @@ class Engine:
 
     def _drop(self, c: Incoming, why: str | None) -> None:
         self._remove(c.fd)
-        self._incoming.pop(c.fd, None)
         c.sock.close()
         if c.src is None:
             return
@@ -576,7 +577,7 @@ class Engine:
         self._c_recv[src] = n
         if msg.claimed:
             return  # already queued
-        msg.view = None
+        msg.view = _NO_VIEW
         self.queue.append(msg)
         want = self._want
         if want is not None and _matches(want.source, want.tag, src, msg.tag):
@@ -633,15 +634,15 @@ class Engine:
                 lock.acquire()
             for fd, _ in events:
                 what = self._net.get(fd)
-                if what.__class__ is Incoming:
+                if what is not None:
                     self._read(what)
-                elif what is not None:
-                    self._accept(what)
                 elif fd == self.wake_main:
                     try:
                         os.eventfd_read(fd)
                     except BlockingIOError:
                         pass
+                else:
+                    self._accept(fd)
 
     def take_into(self, buf, view: memoryview, source: int, tag: int) -> Msg:
         """Like take, but a message still to arrive may be read straight into ``view``.
@@ -716,7 +717,7 @@ class Engine:
             return True
         if r not in self._exited:
             return False
-        if (r in self._from or any(c.src is None for c in self._incoming.values())) and (
+        if (r in self._from or any(c.src is None for c in self._net.values())) and (
             time.monotonic() - self._exited_at[r] < EXIT_GRACE
         ):
             return False  # its connection (or one not yet identified) may still hold its last messages
@@ -740,6 +741,7 @@ class Engine:
     # (GANGD_COMM_GATE=0). They share everything but the few lines that put a
     # message on the socket, which are repeated rather than called: a Python
     # call costs as much here as the gate check itself.
+    # (*) An ndarray exports the buffer protocol, but numpy's stubs declare it (``__buffer__``) for Python 3.12+ only.
 
     def _send_gated(self, dest: int, tag: int, kind: int, meta: bytes, payload, nbytes: int) -> None:
         """Send one encoded message; returns once all of it is in the kernel (lock held).
@@ -762,7 +764,7 @@ class Engine:
             if meta:
                 header += meta
             if nbytes <= SMALL:
-                data = header + payload if payload.__class__ is not _ndarray else b"".join((header, payload))
+                data = header + payload if payload.__class__ is not _ndarray else b"".join((header, payload))  # type: ignore[arg-type]  # (*)
                 try:
                     n = sock.send(data, _NOSIGNAL)
                 except OSError as exc:
@@ -791,7 +793,7 @@ class Engine:
         if meta:
             header += meta
         if nbytes <= SMALL:
-            data = header + payload if payload.__class__ is not _ndarray else b"".join((header, payload))
+            data = header + payload if payload.__class__ is not _ndarray else b"".join((header, payload))  # type: ignore[arg-type]  # (*)
             try:
                 n = sock.send(data, _NOSIGNAL)
             except OSError as exc:
@@ -864,7 +866,7 @@ class Engine:
         hlen = len(header)
         total = hlen + nbytes
         hview = memoryview(header)
-        pview = wire.byte_view(payload) if nbytes else None
+        pview = wire.byte_view(payload) if nbytes else _NO_VIEW
         fd = sock.fileno()
         self._poll.register(fd, _POLLOUT)
         self._out_fd = fd
@@ -877,7 +879,7 @@ class Engine:
                         raise PeerExited(f"rank {dest} {self._why(dest)} while a message to it was being sent", dest)
                     self.wait()
                 if sent < hlen:
-                    buffers = (hview[sent:], pview) if pview is not None else (hview[sent:],)
+                    buffers: tuple[memoryview, ...] = (hview[sent:], pview)
                 else:
                     buffers = (pview[sent - hlen :],)
                 try:
@@ -916,20 +918,20 @@ class Engine:
 
     def _dial(self, dest: int) -> socket.socket:
         peer = self.peers[dest] or {}
-        same_node = peer.get("node") == self.node and peer.get("unix")
-        where = peer.get("unix") if same_node else peer.get("tcp")
+        unix = peer.get("unix") if peer.get("node") == self.node else None  # same node: AF_UNIX
+        where = unix or peer.get("tcp")
         sock = None
         try:
-            if same_node:
+            if unix:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 sock.settimeout(CONNECT_TIMEOUT)
-                sock.connect(where)
+                sock.connect(unix)
             else:
                 if not where:
                     raise CommError(f"the daemon gave no address for rank {dest}")
                 sock = socket.create_connection((where[0], where[1]), timeout=CONNECT_TIMEOUT)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if same_node and SOCKET_BUFFER:
+            if unix and SOCKET_BUFFER:
                 try:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
                 except OSError:
@@ -1025,10 +1027,9 @@ class Engine:
             if self.closed:
                 return
             self.closed = True
-            for sock in [*self._listeners, *(c.sock for c in self._incoming.values()), *(s for s in self._out if s)]:
+            for sock in [*self._listeners.values(), *(c.sock for c in self._net.values()), *(s for s in self._out if s)]:
                 sock.close()
             self._listeners.clear()
-            self._incoming.clear()
             self._from.clear()
             self._net.clear()
             self._out = [None] * self.size

@@ -176,7 +176,9 @@ class Config:
             if not stat.S_ISREG(info.st_mode):
                 raise ConfigError(f"cluster secret file {path} is not a regular file")
             if info.st_uid != me:
-                raise ConfigError(f"cluster secret file {path} is owned by uid {info.st_uid}, not {who}: its owner could impersonate any node; refusing it {fix}")
+                raise ConfigError(
+                    f"cluster secret file {path} is owned by uid {info.st_uid}, not {who}: its owner could impersonate any node; refusing it {fix}"
+                )
             if info.st_mode & 0o077:
                 raise ConfigError(
                     f"cluster secret file {path} has mode {stat.S_IMODE(info.st_mode):04o}: other users can read or change it; refusing it {fix}"
@@ -303,7 +305,8 @@ def _limits(section) -> tuple[tuple[str, int], ...]:
         raise ConfigError("[limits] must be a table")
     known = {"pids_max", "memory_max", *RLIMIT_NAMES}
     found = []
-    for key, value in section.items():
+    for key, given in section.items():
+        value = given
         if key not in known:
             raise ConfigError(f"unknown setting [limits] {key} (known: {', '.join(sorted(known))})")
         if isinstance(value, str) and key == "memory_max":

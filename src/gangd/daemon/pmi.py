@@ -84,7 +84,7 @@ class PmiServer:
 
     def forget(self, job_id: int) -> None:
         self.jobs.pop(job_id, None)
-        self.fences.forget(lambda key: key[0] == job_id)
+        self.fences.forget(lambda key: isinstance(key, tuple) and key[0] == job_id)  # (keys are (job, barrier number))
 
     # ------------------------------------------------------------ launch
 
@@ -117,17 +117,18 @@ class PmiServer:
                     return
                 for fields in lines:
                     log.debug("job %d rank %d PMI: %s", state.job_id, rank, fields)
+                    command: pmi.Command | None = None
                     try:
-                        command = pmi.command(fields)
+                        parsed = pmi.command(fields)
                     except pmi.Refused as exc:
                         reply: bytes | None = exc.reply()
-                        command = None
                     else:
-                        if isinstance(command, pmi.BarrierIn):
+                        command = parsed
+                        if isinstance(parsed, pmi.BarrierIn):
                             barriers += 1
                             reply = await self._barrier(state, record, rank, barriers)
                         else:
-                            reply = self._answer(state, record, rank, command)
+                            reply = self._answer(state, record, rank, parsed)
                     if reply:
                         try:
                             await stream.send_all(reply)
@@ -212,13 +213,16 @@ class PmiServer:
         await done.wait()
         return pmi.line("barrier_out", rc=0)
 
-    async def fence(self, job_id: int, number: int, node: str, puts: dict) -> dict:
+    async def fence(self, job_id: int, number: int, node: str, puts: object) -> dict[str, str]:
         """Leader side: wait for every node of the job at barrier ``number``; return all puts."""
         record = self.daemon.table.get(job_id)
         if record is None:
             raise RemoteError("no_such_job", f"no job {job_id}")
+        if not isinstance(puts, dict) or not all(type(k) is str and type(v) is str for k, v in puts.items()):
+            raise RemoteError("bad_request", f"PMI puts for job {job_id} must map text keys to text values")
         table = await self.fences.gather((job_id, number), node, dict(puts), jobs.nodes_of(record))
         merged: dict[str, str] = {}
         for node_puts in table.values():
-            merged.update(node_puts)
+            if isinstance(node_puts, dict):  # (always: each came through the check above)
+                merged.update(node_puts)
         return merged

@@ -74,8 +74,8 @@ def parse(text: str) -> dict[str, str]:
 def line(cmd: str, **fields: object) -> bytes:
     """A reply line; values must not contain spaces or newlines (PMI-1 has no quoting)."""
     parts = [f"cmd={cmd}"]
-    for key, value in fields.items():
-        value = str(value)
+    for key, given in fields.items():
+        value = str(given)
         if any(c in value for c in " \n"):
             raise PMIError(f"PMI-1 cannot carry {key}={value[:40]!r}: it has a space or a newline")
         parts.append(f"{key}={value}")

@@ -60,8 +60,8 @@ import trio
 
 from .. import ckptstore, jobs, safefs, text
 from ..ckptstore import StoreError
-from ..safefs import UnsafePath
 from ..rpc import Channel, RemoteError
+from ..safefs import UnsafePath
 from .jobnet import caller_rank
 
 log = logging.getLogger("gangd.checkpoint")

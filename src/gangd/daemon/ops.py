@@ -466,7 +466,7 @@ class Ops:
             while key not in daemon.ranks.logs:
                 record = daemon.table.get(job_id)
                 # (record None while following: its replica has not reached this node yet)
-                if not follow or record is not None and (jobs.is_terminal(record) or record["ranks"][rank] is not None):
+                if not follow or (record is not None and (jobs.is_terminal(record) or record["ranks"][rank] is not None)):
                     break
                 await daemon.table.wait_changed()
             log_ = daemon.ranks.logs.get(key)

@@ -370,8 +370,8 @@ def compress_nodes(names: list[str]) -> str:
         else:
             plain.append(name)
     parts = list(plain)
-    for prefix, numbers in groups.items():
-        numbers = sorted(set(numbers))
+    for prefix, found in groups.items():
+        numbers = sorted(set(found))
         if len(numbers) == 1:
             parts.append(f"{prefix}{numbers[0]}")
             continue

@@ -211,7 +211,7 @@ class NodeCheckpoints:
         self.agents: dict[tuple[int, int], RankAgent] = {}
         self.pending: dict[int, Pending] = {}
         self.restarts: dict[int, dict] = {}  # job -> {"gen", "lineage", "directory", "manifest", "ranks"}
-        self.aborted: set[tuple[int, int]] = set()  # (job, gen): a begin arriving after its abort refuses
+        self.aborted: set[tuple[int, int | None]] = set()  # (job, gen): a begin arriving after its abort refuses
         self._requesting: set[int] = set()  # jobs whose ranks asked for a checkpoint just now
         self._verify_threads: trio.CapacityLimiter | None = None  # (made in trio's run)
 
@@ -440,7 +440,7 @@ class NodeCheckpoints:
     def _pending_of(self, channel: Channel, args: dict) -> tuple[Pending, int]:
         key = channel.context.get("ckpt_of")
         pending = self.pending.get(key[0]) if key else None
-        if pending is None or args.get("gen") != pending.gen:
+        if key is None or pending is None or args.get("gen") != pending.gen:
             raise RemoteError("no_checkpoint", f"checkpoint {args.get('gen')} is not under way (it was aborted)")
         return pending, key[1]
 
@@ -511,7 +511,8 @@ class NodeCheckpoints:
                 pending.fail(f"cannot signal rank {rank} on {self.daemon.node}: {exc.strerror}")
             # The note reaches the rank's thread even while its main thread is in a long C call.
             await self._bounded_note(agent, "ckpt_begin", {"gen": gen})
-        await pending.until(lambda: set(pending.reports) >= set(mine), AGREE_TIMEOUT, f"ranks {sorted(set(mine) - set(pending.reports))} did not answer SIGQUIT")
+        silent = f"ranks {sorted(set(mine) - set(pending.reports))} did not answer SIGQUIT"
+        await pending.until(lambda: set(pending.reports) >= set(mine), AGREE_TIMEOUT, silent)
         pending.times["reported"] = time.time()
         return {"iteration": max(pending.reports.values()) if pending.reports else None}
 
@@ -524,7 +525,7 @@ class NodeCheckpoints:
             if agent is not None:  # (in order after its ckpt_begin: same connection, same task)
                 await self._bounded_note(agent, "ckpt_cut", {"gen": pending.gen, "iteration": pending.cut})
         mine = set(pending.ranks)
-        await pending.until(lambda: set(pending.arrived) >= mine, float(args.get("timeout") or self.daemon.config.checkpoint_timeout), "the ranks did not reach the cut")
+        await pending.until(lambda: set(pending.arrived) >= mine, self._timeout(args), "the ranks did not reach the cut")
         pending.times["at_cut"] = max(pending.arrived.values(), default=time.time())
         jobnet = self.daemon.jobnet
         await jobnet.hold_gate(pending.job_id, "checkpoint", True)
@@ -548,7 +549,7 @@ class NodeCheckpoints:
         pending.released = True
         pending.times["released"] = time.time()
         pending.poke()
-        await pending.until(lambda: set(pending.ended) >= set(pending.ranks), float(args.get("timeout") or self.daemon.config.checkpoint_timeout), "the ranks did not save their state")
+        await pending.until(lambda: set(pending.ended) >= set(pending.ranks), self._timeout(args), "the ranks did not save their state")
         pending.times["saved"] = time.time()
         return self._times(pending)
 
@@ -582,7 +583,9 @@ class NodeCheckpoints:
 
     async def commit(self, args: dict) -> dict:
         pending = self._pending(args)
-        await pending.until(lambda: set(pending.written) >= set(pending.ranks), float(args.get("timeout") or self.daemon.config.checkpoint_timeout), "the ranks did not finish writing")
+        await pending.until(lambda: set(pending.written) >= set(pending.ranks), self._timeout(args), "the ranks did not finish writing")
+        if pending.cut is None:  # (the coordinator commits only after the cut)
+            raise RemoteError("no_checkpoint", f"checkpoint {pending.gen} of job {pending.job_id} has no cut on {self.daemon.node}")
         files = dict(pending.files)
         for rank, report in pending.written.items():
             files[ckptstore.cluster_rank_file(rank)] = [report.size, report.digest]
@@ -669,8 +672,13 @@ class NodeCheckpoints:
             raise RemoteError("no_such_job", f"job {args.get('job')} is unknown on {self.daemon.node}")
         return record
 
+    def _timeout(self, args: dict) -> float:
+        """A round's deadline: the coordinator's, else checkpoint_timeout."""
+        return float(args.get("timeout") or self.daemon.config.checkpoint_timeout)
+
     def _pending(self, args: dict) -> Pending:
-        pending = self.pending.get(args.get("job"))
+        job = args.get("job")
+        pending = self.pending.get(job) if isinstance(job, int) else None
         if pending is None or pending.gen != args.get("gen"):
             raise RemoteError("no_checkpoint", f"checkpoint {args.get('gen')} of job {args.get('job')} is not under way on {self.daemon.node}")
         return pending

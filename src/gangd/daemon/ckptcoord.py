@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import trio
 
@@ -112,7 +113,7 @@ class CheckpointCoordinator:
 
     # ------------------------------------------------------------ one generation
 
-    async def _all(self, record: dict, op: str, **args) -> dict[str, object]:
+    async def _all(self, record: dict, op: str, **args) -> dict[str, Any]:
         """``op`` for this job on every node of it at once (one error naming the nodes if any fails)."""
         return await self.daemon.ops.on_job_nodes(record, op, job=record["id"], **args)
 
@@ -176,7 +177,10 @@ class CheckpointCoordinator:
                     log.warning("job %d: checkpoint %d aborted: %s", job_id, gen, entry["reason"])
                 else:
                     total = sum(s["bytes"] for s in entry["nodes"].values())
-                    log.info("job %d: checkpoint %d complete at iteration %d: %d bytes in %.3f s", job_id, gen, entry["iteration"], total, entry["ended"] - entry["started"])
+                    log.info(
+                        "job %d: checkpoint %d complete at iteration %d: %d bytes in %.3f s",
+                        job_id, gen, entry["iteration"], total, entry["ended"] - entry["started"],
+                    )
                 await self._record(job_id, entry)
                 if entry["state"] == "complete":
                     await self._prune(record)
@@ -253,7 +257,8 @@ class CheckpointCoordinator:
     async def _restart(self, job_id: int, record: dict, lineage: int, gen: int | None) -> dict:
         alive = [r["id"] for r in self.lineage_records(record) if not jobs.is_terminal(r)]
         if alive:
-            raise RemoteError("bad_state", f"job {alive[0]}, restarted from the same checkpoints, is {self.daemon.table.get(alive[0])['state']}; one job of a lineage runs at a time")
+            state = self.daemon.table.get(alive[0])["state"]
+            raise RemoteError("bad_state", f"job {alive[0]}, restarted from the same checkpoints, is {state}; one job of a lineage runs at a time")
         generations = self.generations(record)
         complete = [e for e in reversed(generations) if e["state"] == "complete"]
         if gen is not None:
@@ -261,7 +266,8 @@ class CheckpointCoordinator:
             if not chosen:
                 raise RemoteError("no_checkpoint", f"job {job_id} has no checkpoint generation {gen}")
             if chosen[0]["state"] != "complete":
-                raise RemoteError("no_checkpoint", f"generation {gen} of job {job_id} is {chosen[0]['state']}, not complete: {chosen[0].get('reason') or ''}".rstrip(": "))
+                why = f"generation {gen} of job {job_id} is {chosen[0]['state']}, not complete: {chosen[0].get('reason') or ''}"
+                raise RemoteError("no_checkpoint", why.rstrip(": "))
             complete = chosen
         if not complete:
             raise RemoteError("no_checkpoint", f"job {job_id} has no complete checkpoint to restart from")

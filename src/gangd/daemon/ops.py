@@ -22,6 +22,7 @@ import os
 import signal
 import stat
 import time
+from typing import Any
 
 import msgpack
 import trio
@@ -325,7 +326,7 @@ class Ops:
                 await self.on_job_nodes(record, "net_gate", job=job_id, open=True, wait=False)
         return {rank: blob for per_node in contexts.values() for rank, blob in per_node.items()}
 
-    async def on_job_nodes(self, record: dict, op: str, **args) -> dict[str, object]:
+    async def on_job_nodes(self, record: dict, op: str, **args) -> dict[str, Any]:
         """Peer ``op`` on every node of the job at once, {node: result}; any
         failure raises one error naming the nodes (``not_ready`` wins: a
         checkpoint refused before it began is not a failure)."""
@@ -360,6 +361,7 @@ class Ops:
         coordinator = peers.coordinator()
         rows = []
         for spec in sorted(daemon.config.nodes, key=lambda n: natural_key(n.name)):
+            heartbeat: float | None
             if spec.name == daemon.node:
                 running, heartbeat, why = daemon.ranks.running(), 0.0, ""
                 offset = {"offset": 0.0, "error": 0.0}
@@ -698,7 +700,7 @@ def _read_small_msgpack(path, limit: int):
         raise ValueError(f"more than {limit} bytes")
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 -- msgpack raises many unrelated types on hostile bytes; each becomes one ValueError
         raise ValueError(f"not msgpack ({exc})") from None
 
 

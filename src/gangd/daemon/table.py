@@ -129,7 +129,7 @@ class JobTable:
                     raise ValueError(f"holds job {record['id']}, not job {name}")
             except FileNotFoundError:
                 continue
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 -- one damaged record is skipped, never the daemon's start
                 log.error("ignoring unreadable job record %s: %s", path, exc)
                 continue
             if jobs.is_terminal(record) and any(k in record for k in jobs.PRIVATE_FIELDS):

@@ -41,8 +41,10 @@ MAX_NAME_CHARS = 1024  # (shown cut to text.MAX_NAME)
 MAX_NRANKS = 1 << 20  # far beyond any cluster; the coordinator checks the real capacity
 #: A network context (the messages a captured job had in flight, see
 #: gangd.comm.context) is held by the coordinator until the job launches.
-MAX_CONTEXT_RANK_BYTES = 4 * 1024 * 1024
-MAX_CONTEXT_JOB_BYTES = 8 * 1024 * 1024
+# A context handed over at submit travels in one client request (at most
+# protocol.MAX_CLIENT_REQUEST, 4 MiB), so a job's contexts stay below that.
+MAX_CONTEXT_RANK_BYTES = 1 * 1024 * 1024
+MAX_CONTEXT_JOB_BYTES = 3 * 1024 * 1024
 
 
 class BadSpec(Exception):

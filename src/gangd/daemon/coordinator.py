@@ -39,7 +39,7 @@ SWITCH_TIMEOUT = 5.0  # a node that does not confirm a switch by then is re-sent
 #: Bytes of network contexts (see jobs.MAX_CONTEXT_JOB_BYTES) the coordinator
 #: holds for one user's jobs that have not launched yet: they live in its
 #: memory only, so their sum is bounded per user, not just per job.
-MAX_HELD_CONTEXT_BYTES_PER_USER = 64 * 1024 * 1024
+MAX_HELD_CONTEXT_BYTES_PER_USER = 16 * 1024 * 1024
 
 
 def permission_check(record: dict, cred: dict, action: str) -> None:

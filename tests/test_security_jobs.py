@@ -203,9 +203,9 @@ def test_queued_jobs_and_their_network_contexts_are_bounded_per_user(make_cluste
         out: dict = {}
         filler = await gang.submit(["sleep", "300"], 2, cwd="/", env=ENV)  # takes the one slot: the rest queue
         out["filler"] = filler["id"]
-        # One rank's context over 1 MiB: refused outright.
-        out["rank_too_big"] = await _outcome(gang.submit(["true"], 2, cwd="/", env=ENV, network_context={0: b"x" * (2 * MiB)}))
-        # 3 MiB per job is allowed, 16 MiB held for one user's queued jobs: with 2 MiB each, the ninth is refused.
+        # One rank's context over 3.5 MiB: refused outright.
+        out["rank_too_big"] = await _outcome(gang.submit(["true"], 2, cwd="/", env=ENV, network_context={0: b"x" * (3840 * 1024)}))
+        # 3.5 MiB per job is allowed, 16 MiB held for one user's queued jobs: with 2 MiB each, the ninth is refused.
         with_context = []
         for _ in range(9):
             got = await _outcome(gang.submit(["true"], 2, cwd="/", env=ENV, network_context={0: b"x" * MiB, 1: b"y" * MiB}))
@@ -220,7 +220,7 @@ def test_queued_jobs_and_their_network_contexts_are_bounded_per_user(make_cluste
         return out
 
     out = _as_nobody(cluster, body)
-    assert _refused(out["rank_too_big"], "bad_request") and "at most 1048576 bytes" in out["rank_too_big"][1], out
+    assert _refused(out["rank_too_big"], "bad_request") and "at most 3670016 bytes" in out["rank_too_big"][1], out
     assert out["with_context"][:8] == ["QUEUED"] * 8, out
     assert _refused(out["with_context"][8], "too_many_jobs") and "network context" in out["with_context"][8][1], out
     assert out["plain"][:4] == ["QUEUED"] * 4, out

@@ -43,8 +43,8 @@ MAX_NRANKS = 1 << 20  # far beyond any cluster; the coordinator checks the real 
 #: gangd.comm.context) is held by the coordinator until the job launches.
 # A context handed over at submit travels in one client request (at most
 # protocol.MAX_CLIENT_REQUEST, 4 MiB), so a job's contexts stay below that.
-MAX_CONTEXT_RANK_BYTES = 1 * 1024 * 1024
-MAX_CONTEXT_JOB_BYTES = 3 * 1024 * 1024
+MAX_CONTEXT_RANK_BYTES = 3584 * 1024
+MAX_CONTEXT_JOB_BYTES = 3584 * 1024
 
 
 class BadSpec(Exception):

@@ -14,9 +14,7 @@ applies what the daemon says:
 While the gate is closed the thread also drains the rank's incoming
 connections itself: a peer blocked sending to this rank (which may be busy
 computing) must be able to finish its send, or that peer could never confirm
-the close. While it is open the thread still accepts connections and answers
-their handshakes (see :mod:`.wire`): a peer dialling this rank waits for that
-answer before its first message, whatever this rank is doing.
+the close.
 """
 
 from __future__ import annotations
@@ -132,8 +130,7 @@ class DaemonLink:
             if isinstance(event, Reply) and event.id == rid:
                 if event.ok:
                     return event.result
-                error = event.error or {}  # (never empty: the connection checks that a refusal has its code and message)
-                raise CommError(f"gangd refused {op}: {error.get('message')}", error.get("code"))
+                raise CommError(f"gangd refused {op}: {event.error['message']}", event.error["code"])
             self.backlog.append(event)
 
     def take_pending(self) -> list:
@@ -219,21 +216,21 @@ class ControlThread(threading.Thread):
         poll.register(link.fd, select.POLLIN)
         poll.register(engine.wake_ctl, select.POLLIN)
         watched: set[int] = set()
-        gen, draining = None, None
+        gen = None
         while not self._stopping:
-            # Gate closed: drain every connection. Gate open: only answer
-            # handshakes (listeners, unproven connections); the program's
-            # thread reads its connections itself when it calls in.
-            if gen != engine.fd_gen or draining != (not engine.gate_open):
-                with engine.lock:
-                    draining = not engine.gate_open
-                    fds = set(engine.watch_fds() if draining else engine.handshake_fds())
-                    gen = engine.fd_gen
-                for fd in watched - fds:
+            if not engine.gate_open:
+                if gen != engine.fd_gen:
+                    with engine.lock:
+                        fds, gen = set(engine.watch_fds()), engine.fd_gen
+                    for fd in watched - fds:
+                        poll.unregister(fd)
+                    for fd in fds - watched:
+                        poll.register(fd, select.POLLIN)
+                    watched = fds
+            elif watched:
+                for fd in watched:
                     poll.unregister(fd)
-                for fd in fds - watched:
-                    poll.register(fd, select.POLLIN)
-                watched = fds
+                watched, gen = set(), None
             self._maybe_ack()
             for fd, _ in poll.poll():
                 if fd == link.fd:
@@ -254,10 +251,6 @@ class ControlThread(threading.Thread):
                             engine.on_fd(fd)
                     except CommError as exc:  # a peer broke the protocol; its connection is dropped
                         print(f"gangd.comm rank {engine.rank}: {exc}", file=sys.stderr)
-                    if not draining:
-                        # A poll under way in the program's thread polls the fds it started
-                        # with: wake it, so it polls the connection that just came in.
-                        os.eventfd_write(engine.wake_main, 1)
 
     def _maybe_ack(self) -> None:
         if self._ack_epoch is None or self.engine.gate_open:

@@ -36,7 +36,6 @@ import socket
 import threading
 import time
 from collections import deque
-from typing import Any
 
 import numpy as np
 
@@ -69,7 +68,6 @@ _pack_header = HEADER.pack
 _POLLIN = select.POLLIN
 _POLLOUT = select.POLLOUT
 _NOSIGNAL = socket.MSG_NOSIGNAL  # EPIPE, never SIGPIPE, whatever the program did with the signal
-_NO_VIEW = memoryview(b"")  # Msg.view of a message that is not arriving
 
 
 class Msg:
@@ -77,7 +75,7 @@ class Msg:
 
     __slots__ = ("claimed", "done", "got", "kind", "meta", "nbytes", "payload", "seq", "src", "tag", "view")
 
-    def __init__(self, src: int, tag: int, seq: int, kind: int, meta: bytes, payload: Any, nbytes: int, done: bool = True) -> None:
+    def __init__(self, src, tag, seq, kind, meta, payload, nbytes, done=True):
         self.src = src
         self.tag = tag
         self.seq = seq
@@ -85,24 +83,21 @@ class Msg:
         self.meta = meta
         self.payload = payload
         self.nbytes = nbytes
-        self.view = _NO_VIEW  # writable bytes of the payload while it arrives (kept once arrived if claimed), else empty
+        self.view = None  # writable bytes of the payload while it arrives
         self.got = 0
         self.done = done
         self.claimed = False  # arriving straight into the buffer of a waiting recv_into
 
 
 class Incoming:
-    """An accepted connection; ``src`` is None until its handshake proved the job token
-    (see :mod:`.wire`): ``claimed`` and ``expect`` hold the hello's rank and the MAC due from it."""
+    """An accepted connection; ``src`` is None until its hello proved the job token."""
 
-    __slots__ = ("buf", "claimed", "cur", "end", "expect", "fd", "sock", "src", "start", "view")
+    __slots__ = ("buf", "cur", "end", "fd", "sock", "src", "start", "view")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.fd = sock.fileno()
-        self.src: int | None = None
-        self.claimed = -1
-        self.expect: bytes | None = None
+        self.src = None
         self.buf = bytearray(READ_BUFFER)
         self.view = memoryview(self.buf)
         self.start = 0  # unparsed bytes are buf[start:end]
@@ -115,7 +110,7 @@ class Want:
 
     __slots__ = ("buf", "source", "tag", "view")
 
-    def __init__(self, source: int, tag: int, buf: object, view: memoryview) -> None:
+    def __init__(self, source, tag, buf, view):
         self.source = source
         self.tag = tag
         self.buf = buf
@@ -139,7 +134,7 @@ class Engine:
         self.lock = threading.Lock()
         self.send_lock = threading.Lock()  # held around each whole message send (the gate waits for it)
         self.token = b""
-        self.peers: list[dict[str, Any] | None] = [None] * size
+        self.peers: list = [None] * size
         self.gate_enabled = gate
         self.spin = spin  # seconds a receive polls before it sleeps (see _spin)
         self.gate_open = True
@@ -154,10 +149,9 @@ class Engine:
         self._set_counters(np.zeros((3, size), np.uint64))
         self.queue: deque[Msg] = deque()  # arrived, not yet delivered, in arrival order
         self._poll = select.poll()
-        # fd -> incoming connection: the one lookup per poll event on the data path. Listeners are
-        # apart (fd -> listener), looked up only for an fd that is none of ours.
-        self._net: dict[int, Incoming] = {}
-        self._listeners: dict[int, socket.socket] = {}
+        self._net: dict[int, Incoming | socket.socket] = {}  # fd -> incoming connection or listener
+        self._listeners: list[socket.socket] = []
+        self._incoming: dict[int, Incoming] = {}
         self._from: dict[int, Incoming] = {}  # src -> its connection to us
         self._out: list[socket.socket | None] = [None] * size
         self._cut: dict[int, tuple] = {}  # dest -> (exception class, message) sends to it raise: its channel broke
@@ -212,11 +206,11 @@ class Engine:
         for listener in (unix, tcp):
             listener.listen(socket.SOMAXCONN)
             listener.setblocking(False)
-            self._listeners[listener.fileno()] = listener
-            self._watch(listener.fileno())
+            self._listeners.append(listener)
+            self._add(listener.fileno(), listener)
         return path, [address, tcp.getsockname()[1]]
 
-    def start(self, peers: list[dict[str, Any] | None], token: bytes, gate: dict) -> None:
+    def start(self, peers: list, token: bytes, gate: dict) -> None:
         if len(peers) != self.size:
             raise CommError(f"the daemon sent {len(peers)} peer addresses for a job of {self.size} ranks")
         self.peers = peers
@@ -230,7 +224,8 @@ class Engine:
         self.counters[:] = [sent, received, delivered]
         self.queue = deque(messages)
 
-    def _watch(self, fd: int) -> None:
+    def _add(self, fd: int, what: Incoming | socket.socket) -> None:
+        self._net[fd] = what
         self._poll.register(fd, _POLLIN)
         self._fds_changed()
 
@@ -244,9 +239,8 @@ class Engine:
 
     def _fds_changed(self) -> None:
         self.fd_gen += 1
-        # The control thread must poll the new set: all of it while draining
-        # (gate closed), the handshake fds always (see handshake_fds).
-        os.eventfd_write(self.wake_ctl, 1)
+        if not self.gate_open:
+            os.eventfd_write(self.wake_ctl, 1)  # the draining control thread must poll the new set
 
     # ------------------------------------------------------------ waiting
 
@@ -269,7 +263,10 @@ class Engine:
         for fd, _ in events:
             what = net.get(fd)
             if what is not None:
-                self._read(what)
+                if what.__class__ is Incoming:
+                    self._read(what)
+                else:
+                    self._accept(what)
             elif fd == self._out_fd:
                 self._writable = True
             elif fd == self.wake_main:
@@ -277,8 +274,6 @@ class Engine:
                     os.eventfd_read(fd)
                 except BlockingIOError:
                     pass
-            else:
-                self._accept(fd)
 
     def _spin(self) -> list:
         """Poll without sleeping for up to ``self.spin`` seconds (lock released).
@@ -297,27 +292,22 @@ class Engine:
 
     def watch_fds(self) -> list[int]:
         """Listeners and incoming connections: what the control thread drains while the gate is closed."""
-        return [*self._listeners, *self._net]
-
-    def handshake_fds(self) -> list[int]:
-        """Listeners and connections whose handshake is not done: what the control
-        thread serves while the gate is open. A dialer waits for our answer to its
-        hello; it must get it while this rank computes, as its bytes would have
-        gone into the socket buffers without us."""
-        return [*self._listeners, *(fd for fd, c in self._net.items() if c.src is None)]
+        return list(self._net)
 
     def on_fd(self, fd: int) -> None:
         """``fd`` is readable: read the connection or accept on the listener (lock held)."""
         what = self._net.get(fd)
-        if what is not None:
+        if what is None:
+            return
+        if what.__class__ is Incoming:
             self._read(what)
         else:
-            self._accept(fd)
+            self._accept(what)
 
     def drain_until(self, expect: list[int], timeout: float) -> None:
         """Control thread, lock held: read incoming connections until ``received >= expect``."""
         deadline = time.monotonic() + timeout
-        poll, gen = select.poll(), -1  # (fd_gen counts up from 0)
+        poll, gen = None, None
         while True:
             short = [src for src in range(self.size) if self.n_recv[src] < expect[src]]
             if not short:
@@ -328,7 +318,7 @@ class Engine:
                 raise CommError(f"messages the daemon counted as sent never arrived within {timeout:.0f} s ({detail})")
             if gen != self.fd_gen:
                 poll, gen = select.poll(), self.fd_gen
-                for fd in self.watch_fds():
+                for fd in self._net:
                     poll.register(fd, _POLLIN)
             self.lock.release()
             try:
@@ -340,11 +330,7 @@ class Engine:
 
     # ------------------------------------------------------------ receiving: network side
 
-    def _accept(self, fd: int) -> None:
-        """Accept what waits on listener ``fd`` (an fd that is no longer ours: nothing)."""
-        listener = self._listeners.get(fd)
-        if listener is None:
-            return
+    def _accept(self, listener: socket.socket) -> None:
         while True:
             try:
                 sock, _ = listener.accept()
@@ -356,8 +342,8 @@ class Engine:
             if sock.family != socket.AF_UNIX:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = Incoming(sock)
-            self._net[conn.fd] = conn
-            self._watch(conn.fd)
+            self._incoming[conn.fd] = conn
+            self._add(conn.fd, conn)
 
     def _read(self, c: Incoming) -> None:
         """Read what one connection has, never blocking, and turn it into messages.
@@ -369,13 +355,10 @@ class Engine:
         is the small-message latency path); a message that did not fit is
         read straight into its own payload buffer.
         """
-        if c.src is None:
-            self._handshake(c)
-            return
         view = c.view
         while True:
             if c.cur is not None:
-                self._read_payload(c, c.cur)  # then back to poll, which says whether the next message is there already
+                self._read_payload(c)  # then back to poll, which says whether the next message is there already
                 return
             pos, end = c.start, c.end
             if pos:
@@ -404,6 +387,11 @@ class Engine:
                     return
                 if pstart > end:
                     break
+                if src is None:
+                    if not self._hello(c, kind, tag, view[pos + HEADER_SIZE : pstart], plen):
+                        return
+                    pos, src = pstart, c.src
+                    continue
                 if seq != n_recv[src] or kind not in wire.KINDS:
                     what = f"a message of unknown kind {kind}" if kind not in wire.KINDS else ""
                     self._violation(c, what or f"message number {seq} where {n_recv[src]} was due (lost or repeated message)")
@@ -433,7 +421,7 @@ class Engine:
                         arrived.view, arrived.claimed = want.view[:plen], True
                 if arrived is None:
                     if kind == BYTES or kind == PICKLE:
-                        payload: object = bytes(view[pstart:stop])
+                        payload = bytes(view[pstart:stop])
                     else:
                         try:
                             payload = wire.materialize(kind, meta, buf, pstart, plen)
@@ -451,8 +439,9 @@ class Engine:
             if n < space and c.cur is None:
                 return  # drained: poll is level-triggered, no need to read on to EAGAIN
 
-    def _read_payload(self, c: Incoming, msg: Msg) -> None:
-        """Read more of the payload of ``msg``, the one arriving on ``c`` (``c.cur``), straight into its buffer."""
+    def _read_payload(self, c: Incoming) -> None:
+        """Read more of the payload of ``c.cur``, straight into its buffer."""
+        msg = c.cur
         want = msg.nbytes - msg.got
         try:
             n = c.sock.recv_into(msg.view[msg.got :], want)
@@ -469,65 +458,20 @@ class Engine:
             c.cur = None
             self._complete(msg)
 
-    def _handshake(self, c: Incoming) -> None:
-        """Read one handshake frame of an unproven connection, and not a byte more.
-
-        Nothing after the proof is taken off the socket here: messages stay
-        in the kernel for the program's thread (the control thread may be
-        the one reading a handshake, and must not take a message for it —
-        poll would not say it is there)."""
-        need = HEADER_SIZE + (wire.HELLO_META if c.expect is None else wire.MAC)
-        try:
-            n = c.sock.recv_into(c.view[c.end : need], need - c.end)
-        except BlockingIOError:
-            return
-        except OSError:
-            self._drop(c, None)
-            return
-        if n == 0:
-            self._drop(c, None)
-            return
-        c.end += n
-        if c.end < HEADER_SIZE:
-            return
-        kind, tag, _, mlen, plen = _unpack_header(c.buf, 0)
-        if kind != wire.HELLO or mlen != need - HEADER_SIZE or plen != 0:
-            self._drop(c, None)  # an old-style token hello, a message, garbage: refused unread
-            return
-        if c.end < need:
-            return
-        c.start = c.end = 0
-        self._hello(c, kind, tag, bytes(c.view[HEADER_SIZE:need]), plen)
-
-    def _hello(self, c: Incoming, kind: int, tag: int, meta, plen: int) -> bool:
-        """One handshake frame of an unproven connection (see :mod:`.wire`).
-
-        A stranger (another user's process, a wrong job, an old-style token
-        hello, garbage) is dropped unanswered and learns nothing."""
-        if kind != wire.HELLO or plen != 0 or not 0 <= tag < self.size or tag == self.rank or tag in self._from:
+    def _hello(self, c: Incoming, kind: int, tag: int, token, plen: int) -> bool:
+        # A stranger (another user's process, a wrong job) learns nothing and injects nothing.
+        if (
+            kind != wire.HELLO
+            or plen != 0
+            or not hmac.compare_digest(bytes(token), self.token)
+            or not 0 <= tag < self.size
+            or tag == self.rank
+            or tag in self._from
+        ):
             self._drop(c, None)
             return False
-        if c.expect is None:  # the dialer's hello: MAGIC + its nonce; answer with ours and our proof
-            if len(meta) != wire.HELLO_META or bytes(meta[: len(wire.MAGIC)]) != wire.MAGIC:
-                self._drop(c, None)
-                return False
-            nonce_d, nonce_l = bytes(meta[len(wire.MAGIC) :]), os.urandom(wire.NONCE)
-            answer = nonce_l + wire.handshake_mac(self.token, b"listener", tag, self.rank, nonce_d, nonce_l)
-            try:
-                sent = c.sock.send(answer, _NOSIGNAL)  # (a fresh socket's buffer always has room for it)
-            except OSError:
-                sent = 0
-            if sent != len(answer):
-                self._drop(c, None)
-                return False
-            c.claimed, c.expect = tag, wire.handshake_mac(self.token, b"dialer", tag, self.rank, nonce_d, nonce_l)
-            return True
-        if tag != c.claimed or len(meta) != wire.MAC or not hmac.compare_digest(bytes(meta), c.expect):
-            self._drop(c, None)
-            return False
-        c.src, c.expect = tag, None
+        c.src = tag
         self._from[tag] = c
-        self._fds_changed()  # (no longer a handshake fd: the control thread lets go of it)
         return True
 
     def _violation(self, c: Incoming, what: str) -> None:
@@ -538,6 +482,7 @@ class Engine:
 
     def _drop(self, c: Incoming, why: str | None) -> None:
         self._remove(c.fd)
+        self._incoming.pop(c.fd, None)
         c.sock.close()
         if c.src is None:
             return
@@ -577,7 +522,7 @@ class Engine:
         self._c_recv[src] = n
         if msg.claimed:
             return  # already queued
-        msg.view = _NO_VIEW
+        msg.view = None
         self.queue.append(msg)
         want = self._want
         if want is not None and _matches(want.source, want.tag, src, msg.tag):
@@ -634,15 +579,15 @@ class Engine:
                 lock.acquire()
             for fd, _ in events:
                 what = self._net.get(fd)
-                if what is not None:
+                if what.__class__ is Incoming:
                     self._read(what)
+                elif what is not None:
+                    self._accept(what)
                 elif fd == self.wake_main:
                     try:
                         os.eventfd_read(fd)
                     except BlockingIOError:
                         pass
-                else:
-                    self._accept(fd)
 
     def take_into(self, buf, view: memoryview, source: int, tag: int) -> Msg:
         """Like take, but a message still to arrive may be read straight into ``view``.
@@ -717,7 +662,7 @@ class Engine:
             return True
         if r not in self._exited:
             return False
-        if (r in self._from or any(c.src is None for c in self._net.values())) and (
+        if (r in self._from or any(c.src is None for c in self._incoming.values())) and (
             time.monotonic() - self._exited_at[r] < EXIT_GRACE
         ):
             return False  # its connection (or one not yet identified) may still hold its last messages
@@ -741,7 +686,6 @@ class Engine:
     # (GANGD_COMM_GATE=0). They share everything but the few lines that put a
     # message on the socket, which are repeated rather than called: a Python
     # call costs as much here as the gate check itself.
-    # (*) An ndarray exports the buffer protocol, but numpy's stubs declare it (``__buffer__``) for Python 3.12+ only.
 
     def _send_gated(self, dest: int, tag: int, kind: int, meta: bytes, payload, nbytes: int) -> None:
         """Send one encoded message; returns once all of it is in the kernel (lock held).
@@ -764,7 +708,7 @@ class Engine:
             if meta:
                 header += meta
             if nbytes <= SMALL:
-                data = header + payload if payload.__class__ is not _ndarray else b"".join((header, payload))  # type: ignore[arg-type]  # (*)
+                data = header + payload if payload.__class__ is not _ndarray else b"".join((header, payload))
                 try:
                     n = sock.send(data, _NOSIGNAL)
                 except OSError as exc:
@@ -793,7 +737,7 @@ class Engine:
         if meta:
             header += meta
         if nbytes <= SMALL:
-            data = header + payload if payload.__class__ is not _ndarray else b"".join((header, payload))  # type: ignore[arg-type]  # (*)
+            data = header + payload if payload.__class__ is not _ndarray else b"".join((header, payload))
             try:
                 n = sock.send(data, _NOSIGNAL)
             except OSError as exc:
@@ -866,7 +810,7 @@ class Engine:
         hlen = len(header)
         total = hlen + nbytes
         hview = memoryview(header)
-        pview = wire.byte_view(payload) if nbytes else _NO_VIEW
+        pview = wire.byte_view(payload) if nbytes else None
         fd = sock.fileno()
         self._poll.register(fd, _POLLOUT)
         self._out_fd = fd
@@ -879,7 +823,7 @@ class Engine:
                         raise PeerExited(f"rank {dest} {self._why(dest)} while a message to it was being sent", dest)
                     self.wait()
                 if sent < hlen:
-                    buffers: tuple[memoryview, ...] = (hview[sent:], pview)
+                    buffers = (hview[sent:], pview) if pview is not None else (hview[sent:],)
                 else:
                     buffers = (pview[sent - hlen :],)
                 try:
@@ -918,34 +862,25 @@ class Engine:
 
     def _dial(self, dest: int) -> socket.socket:
         peer = self.peers[dest] or {}
-        unix = peer.get("unix") if peer.get("node") == self.node else None  # same node: AF_UNIX
-        where = unix or peer.get("tcp")
+        same_node = peer.get("node") == self.node and peer.get("unix")
+        where = peer.get("unix") if same_node else peer.get("tcp")
         sock = None
         try:
-            if unix:
+            if same_node:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 sock.settimeout(CONNECT_TIMEOUT)
-                sock.connect(unix)
+                sock.connect(where)
             else:
                 if not where:
                     raise CommError(f"the daemon gave no address for rank {dest}")
                 sock = socket.create_connection((where[0], where[1]), timeout=CONNECT_TIMEOUT)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if unix and SOCKET_BUFFER:
+            if same_node and SOCKET_BUFFER:
                 try:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
                 except OSError:
                     pass
-            nonce_d = os.urandom(wire.NONCE)
-            sock.sendall(HEADER.pack(wire.HELLO, self.rank, 0, wire.HELLO_META, 0) + wire.MAGIC + nonce_d)
-            sock.setblocking(False)
-            nonce_l, proof = self._challenge(dest, sock, where)
-            if not hmac.compare_digest(proof, wire.handshake_mac(self.token, b"listener", self.rank, dest, nonce_d, nonce_l)):
-                raise CommError(f"the process at {where} is not rank {dest} of this job (it could not prove it holds the job's token)")
-            mac = wire.handshake_mac(self.token, b"dialer", self.rank, dest, nonce_d, nonce_l)
-            proof_frame = HEADER.pack(wire.HELLO, self.rank, 1, wire.MAC, 0) + mac
-            if sock.send(proof_frame, _NOSIGNAL) != len(proof_frame):  # (a fresh socket: always room)
-                raise CommError(f"cannot finish the handshake with rank {dest} at {where}: its socket took part of 57 bytes")
+            sock.sendall(HEADER.pack(wire.HELLO, self.rank, 0, len(self.token), 0) + self.token)
         except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, BrokenPipeError) as exc:
             if sock is not None:
                 sock.close()
@@ -956,48 +891,10 @@ class Engine:
             if sock is not None:
                 sock.close()
             raise CommError(f"cannot connect to rank {dest} at {where}: {exc}") from None
-        except BaseException:
-            if sock is not None:
-                sock.close()
-            raise
+        sock.setblocking(False)
         self._out[dest] = sock
         self._fds_changed()
         return sock
-
-    def _challenge(self, dest: int, sock: socket.socket, where) -> tuple[bytes, bytes]:
-        """The listener's answer to our hello: (its nonce, its MAC). Our own incoming
-        connections are read meanwhile, as in a blocked send: ``dest`` may be
-        dialling us at this very moment, and it answers only from its own poll."""
-        got = b""
-        deadline = time.monotonic() + CONNECT_TIMEOUT
-        fd = sock.fileno()
-        self._poll.register(fd, _POLLIN)
-        self._out_fd = fd
-        try:
-            while len(got) < wire.CHALLENGE:
-                try:
-                    chunk = sock.recv(wire.CHALLENGE - len(got))
-                except BlockingIOError:
-                    chunk = None
-                if chunk == b"":
-                    why = self._exited.get(dest)
-                    raise PeerExited(f"rank {dest} at {where} closed the connection during the handshake" + (f" ({why})" if why else ""), dest)
-                if chunk:
-                    got += chunk
-                    continue
-                if dest in self._exited:
-                    raise PeerExited(f"cannot send to rank {dest}: it {self._why(dest)}", dest)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise CommError(f"rank {dest} at {where} did not answer the handshake within {CONNECT_TIMEOUT:.0f} s")
-                self.wait(int(min(remaining, 1.0) * 1000) + 1)
-        finally:
-            self._out_fd = -1
-            try:
-                self._poll.unregister(fd)
-            except KeyError:
-                pass
-        return got[: wire.NONCE], got[wire.NONCE :]
 
     # ------------------------------------------------------------ the control thread's side
 
@@ -1027,9 +924,10 @@ class Engine:
             if self.closed:
                 return
             self.closed = True
-            for sock in [*self._listeners.values(), *(c.sock for c in self._net.values()), *(s for s in self._out if s)]:
+            for sock in [*self._listeners, *(c.sock for c in self._incoming.values()), *(s for s in self._out if s)]:
                 sock.close()
             self._listeners.clear()
+            self._incoming.clear()
             self._from.clear()
             self._net.clear()
             self._out = [None] * self.size

@@ -170,13 +170,56 @@ def test_the_command_is_looked_up_as_the_user(pc):
 # ---------------------------------------------------------------- finding 7: the freezer
 
 
-def test_a_suspended_rank_does_not_compute_when_its_user_continues_it(pc):
+@pytest.fixture(
+    params=[
+        "v2",
+        "v1",
+        # Proof the test can fail: SIGSTOP alone is undone by the user's SIGCONT.
+        pytest.param("signals", marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason="signals are the user's to undo")),
+    ]
+)
+def freezer_pc(request, monkeypatch, make_cluster):
+    """A 1-node cluster whose daemon is told (``GANGD_FREEZER``) which freezer to use."""
+    if request.param == "v1":
+        v1_freezer_mount()  # skips where there is none
+    with monkeypatch.context() as env:
+        env.setenv("GANGD_FREEZER", request.param)  # the daemons inherit the environment of `up`
+        cluster = make_cluster(1, cores=2, max_slots=2, time_slice=TIME_SLICE)
+    return cluster, request.param
+
+
+def v1_freezer_mount() -> Path:
+    for line in Path("/proc/mounts").read_text().splitlines():
+        fields = line.split()
+        if fields[2] == "cgroup" and "freezer" in fields[3].split(","):
+            return Path(fields[1])
+    pytest.skip("no cgroup v1 freezer on this machine")
+
+
+def v1_freezer_cgroup(pid: int) -> str:
+    """The rank's cgroup in the v1 freezer hierarchy ("/" when it was never put in one)."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "freezer" in controllers.split(","):
+            return path
+    return ""
+
+
+def test_a_suspended_rank_does_not_compute_when_its_user_continues_it(freezer_pc):
+    pc, freezer = freezer_pc
     job = as_nobody(pc, lambda g: g.submit(BUSY, 1, cwd="/", env=PATH_ENV, nodelist=["n1"]))["ok"]["id"]
     try:
         proc = rank_process(pc, job)
         wait_for(lambda: cpu(proc) > 0.05, 20, "the busy rank to compute")
+        v1_path = v1_freezer_cgroup(proc.pid)
+        # The forced freezer is the one in use: only v1 puts the rank in a v1 freezer cgroup.
+        assert v1_path.endswith(f"/job-{job}/rank-0") == (freezer == "v1"), v1_path
         assert as_nobody(pc, lambda g: g.suspend(job))["ok"]["state"] == "SUSPENDED"
         assert pc.job(job)["state"] == "SUSPENDED"
+        if freezer == "v1":
+            # v1 freezing is asynchronous: FREEZING until the task has stopped.
+            state = v1_freezer_mount() / v1_path.lstrip("/") / "freezer.state"
+            wait_for(lambda: state.read_text().strip() == "FROZEN", 20, "the v1 freezer to read FROZEN")
         # Its own user sends SIGCONT, as any process of theirs could.
         assert as_uid(NOBODY, lambda: os.kill(proc.pid, signal.SIGCONT)) is None
         before = cpu(proc)

@@ -4,7 +4,8 @@ A process group alone is not enough: a rank can call ``setsid`` and escape it.
 A cgroup cannot be escaped by an unprivileged process, ``cgroup.procs`` lists
 every member, and ``cgroup.kill`` (Linux 5.14+) kills them all at once.
 Where cgroup v2 is not mounted or not writable (not root, no delegation) the
-daemon falls back to process groups plus a psutil sweep of descendants.
+rank cgroups go in the v1 freezer hierarchy if there is one (see below), else
+the daemon falls back to process groups plus a psutil sweep of descendants.
 
 Gang scheduling stops a job by freezing its cgroups (``cgroup.freeze``, a
 core v2 file on Linux 5.2+), not by SIGSTOP: any process of the job's owner
@@ -20,8 +21,10 @@ v1 differences matter: freezing is asynchronous (the state reads FREEZING
 until every task has stopped, so ``gang suspend`` may answer a moment before
 the last task is frozen), and SIGKILL does not take effect on a v1-frozen
 task, so ``kill()`` thaws before it kills (for v2 too, so nothing killed
-stays frozen). Without any v2 hierarchy the ranks have no cgroup path at
-all and suspension uses signals (the v1 freezer is only used alongside v2).
+stays frozen). Where there is no usable v2 hierarchy at all, the v1 freezer
+hierarchy itself holds the rank cgroups (same layout): its ``cgroup.procs``
+tracks every fork as well; there is no ``cgroup.kill`` (each member gets
+SIGKILL, after the thaw) nor ``cpu.stat`` (CPU time is read from /proc).
 
 ``GANGD_FREEZER`` (environment of the daemon, read once at start) chooses
 the freezer, for diagnosis and tests: ``auto`` (default: v2, else v1, else
@@ -126,22 +129,32 @@ class CgroupTree:
         self.limits = {k: v for k, v in (limits or {}).items() if v is not None}
         self._v2_limits: dict[str, int] = {}  # set in the v2 job cgroup
         self._v1_limits: dict[Path, tuple[str, int]] = {}  # v1 hierarchy base -> (file, value)
+        self._base_is_v1 = False  # no usable v2: the rank cgroups are in the v1 freezer hierarchy
         root = find_cgroup2_root()
+        base = root / name if root is not None else None
         if root is None:
-            log.info("no cgroup v2 hierarchy: tracking ranks by process group only")
-            self._warn_unenforced(self.limits)
-            return
-        base = root / name
-        try:
-            base.mkdir(exist_ok=True)
-            (base / "cgroup.procs").stat()
-        except OSError as exc:
-            log.info("cannot create cgroups under %s (%s): tracking ranks by process group only", root, exc)
+            log.info("no cgroup v2 hierarchy")
+        elif base is not None:
+            try:
+                base.mkdir(exist_ok=True)
+                (base / "cgroup.procs").stat()
+            except OSError as exc:
+                log.info("cannot create cgroups under %s (%s)", root, exc)
+                base = None
+        if base is None and self.freezer in ("auto", "v1") and self._v1_freezer is not None:
+            try:
+                self._v1_freezer.mkdir(exist_ok=True)
+                base, self._base_is_v1 = self._v1_freezer, True
+                log.info("rank cgroups in the v1 freezer hierarchy %s", base)
+            except OSError as exc:
+                log.warning("cannot create %s: %s", self._v1_freezer, exc)
+        if base is None:
+            log.info("tracking ranks by process group only")
             self._warn_unenforced(self.limits)
             return
         self.base = base
         self._place_limits(base)
-        if self.freezer in ("auto", "v1") and self._v1_freezer is not None:
+        if not self._base_is_v1 and self.freezer in ("auto", "v1") and self._v1_freezer is not None:
             try:
                 self._v1_freezer.mkdir(exist_ok=True)
             except OSError as exc:
@@ -204,6 +217,12 @@ class CgroupTree:
         except OSError:
             self.remove(path)
             raise
+        if self._base_is_v1:
+            try:
+                self._freeze[path] = (os.open(path / "freezer.state", os.O_WRONLY | os.O_CLOEXEC), b"FROZEN", b"THAWED")
+            except OSError as exc:
+                log.warning("cannot use the v1 freezer %s (%s): suspending by signals", path, exc)
+            return path
         if self.freezer in ("auto", "v2"):
             try:
                 self._freeze[path] = (os.open(path / "cgroup.freeze", os.O_WRONLY | os.O_CLOEXEC), b"1", b"0")
@@ -316,7 +335,7 @@ class CgroupTree:
     def _v1_bases(self) -> list[Path]:
         """Our directories in the v1 hierarchies (limits, freezer) in use."""
         bases = list(self._v1_limits)
-        if self._v1_freezer is not None and self.freezer in ("auto", "v1"):
+        if self._v1_freezer is not None and self.freezer in ("auto", "v1") and not self._base_is_v1:
             bases.append(self._v1_freezer)
         return bases
 
@@ -335,7 +354,7 @@ class CgroupTree:
             _rmdir(job)
         _rmdir(self.base)
         v1_bases = list(self._v1_limits)
-        if self._v1_freezer is not None and self._v1_freezer.is_dir():
+        if self._v1_freezer is not None and self._v1_freezer.is_dir() and not self._base_is_v1:
             v1_bases.append(self._v1_freezer)
         for v1_base in v1_bases:
             for job in v1_base.glob("job-*"):
@@ -352,7 +371,7 @@ class CgroupTree:
         for job in self.base.glob("job-*"):
             for rank_dir in job.glob("rank-*"):
                 v1_rank = self._v1_freezer / job.name / rank_dir.name if self._v1_freezer is not None else None
-                if v1_rank is not None and v1_rank.is_dir():
+                if v1_rank is not None and v1_rank.is_dir():  # (rank_dir itself where _base_is_v1)
                     # A v1-frozen leftover would never act on the SIGKILL below.
                     try:
                         (v1_rank / "freezer.state").write_text("THAWED")

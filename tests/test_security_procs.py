@@ -23,7 +23,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -31,7 +30,7 @@ from pathlib import Path
 import psutil
 import pytest
 import trio
-from conftest import LocalCluster, _remove_cgroups, as_uid, shared_cluster
+from conftest import LocalCluster, _remove_cgroups, _world_traversable_tmpdir, as_uid, shared_cluster
 
 from gangd.client import cluster as local
 from gangd.client.api import connect
@@ -199,8 +198,7 @@ def freezer_pc(request, monkeypatch, make_cluster):
     cgroup2 = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines() if line.split()[2] == "cgroup2"]
     if not cgroup2 or shutil.which("unshare") is None:
         pytest.skip("needs a cgroup2 mount to hide and unshare(1)")
-    directory = Path(tempfile.mkdtemp(prefix="gangd-test-")) / "cluster"
-    os.chmod(directory.parent, 0o755)
+    directory = _world_traversable_tmpdir() / "cluster"
     up = f"umount {cgroup2[0]} && exec {sys.executable} -m gangd.client.cli cluster up --dir {directory} -N 1 --cores 2 --max-slots 2 --time-slice {TIME_SLICE}"
     subprocess.run(["unshare", "-m", "sh", "-c", up], check=True, timeout=60, env={k: v for k, v in os.environ.items() if k != "GANGD_FREEZER"})
     cluster = LocalCluster(directory, 1)

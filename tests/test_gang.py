@@ -163,18 +163,33 @@ def _cgroup2_mount() -> str | None:
     return None
 
 
+def _freezer1_mount() -> str | None:
+    with open("/proc/self/mounts") as fh:
+        for line in fh:
+            fields = line.split()
+            if len(fields) >= 4 and fields[2] == "cgroup" and "freezer" in fields[3].split(","):
+                return fields[1]
+    return None
+
+
 CGROUP2_MOUNT = _cgroup2_mount()
+FREEZER1_MOUNT = _freezer1_mount()
 
 
 def _freezer_state(pid: int) -> str:
     """A process not stopped by signal: 'stopped' if its v2 cgroup is frozen
-    (every task in it is), 'stopping' while freezing, else 'running'."""
-    if CGROUP2_MOUNT is not None:
-        for line in _read(f"/proc/{pid}/cgroup").splitlines():
-            if line.startswith("0::"):
-                path = f"{CGROUP2_MOUNT}{line[3:]}"
-                if _read(f"{path}/cgroup.freeze") == "1":
-                    return "stopped" if "frozen 1" in _read(f"{path}/cgroup.events") else "stopping"
+    (every task in it is), or its v1 freezer cgroup reads FROZEN; 'stopping'
+    while freezing, else 'running'."""
+    for line in _read(f"/proc/{pid}/cgroup").splitlines():
+        _, controllers, cgroup = line.split(":", 2)
+        if controllers == "" and CGROUP2_MOUNT is not None:
+            path = f"{CGROUP2_MOUNT}{cgroup}"
+            if _read(f"{path}/cgroup.freeze") == "1":
+                return "stopped" if "frozen 1" in _read(f"{path}/cgroup.events") else "stopping"
+        if "freezer" in controllers.split(",") and FREEZER1_MOUNT is not None and cgroup != "/":
+            v1 = _read(f"{FREEZER1_MOUNT}{cgroup}/freezer.state")
+            if v1 in ("FROZEN", "FREEZING"):
+                return "stopped" if v1 == "FROZEN" else "stopping"
     return "running"
 
 

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 import signal
 import statistics
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -27,8 +30,9 @@ from pathlib import Path
 import psutil
 import pytest
 import trio
-from conftest import as_uid, shared_cluster
+from conftest import LocalCluster, _remove_cgroups, _world_traversable_tmpdir, as_uid, shared_cluster
 
+from gangd.client import cluster as local
 from gangd.client.api import connect
 from gangd.rpc import RemoteError
 
@@ -170,13 +174,77 @@ def test_the_command_is_looked_up_as_the_user(pc):
 # ---------------------------------------------------------------- finding 7: the freezer
 
 
-def test_a_suspended_rank_does_not_compute_when_its_user_continues_it(pc):
+@pytest.fixture(
+    params=[
+        "v2",
+        "v1",
+        "no-v2",  # a machine with only v1 hierarchies: the rank cgroups live in the v1 freezer's
+        # Proof the test can fail: SIGSTOP alone is undone by the user's SIGCONT.
+        pytest.param("signals", marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason="signals are the user's to undo")),
+    ]
+)
+def freezer_pc(request, monkeypatch, make_cluster):
+    """A 1-node cluster whose daemon is told (``GANGD_FREEZER``) which freezer
+    to use; for ``no-v2`` it is started in a mount namespace without the
+    cgroup2 mount (``unshare -m``), as on a v1-only machine."""
+    if request.param in ("v1", "no-v2"):
+        v1_freezer_mount()  # skips where there is none
+    if request.param != "no-v2":
+        with monkeypatch.context() as env:
+            env.setenv("GANGD_FREEZER", request.param)  # the daemons inherit the environment of `up`
+            cluster = make_cluster(1, cores=2, max_slots=2, time_slice=TIME_SLICE)
+        yield cluster, request.param
+        return
+    cgroup2 = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines() if line.split()[2] == "cgroup2"]
+    if not cgroup2 or shutil.which("unshare") is None:
+        pytest.skip("needs a cgroup2 mount to hide and unshare(1)")
+    directory = _world_traversable_tmpdir() / "cluster"
+    up = f"umount {cgroup2[0]} && exec {sys.executable} -m gangd.client.cli cluster up --dir {directory} -N 1 --cores 2 --max-slots 2 --time-slice {TIME_SLICE}"
+    subprocess.run(["unshare", "-m", "sh", "-c", up], check=True, timeout=60, env={k: v for k, v in os.environ.items() if k != "GANGD_FREEZER"})
+    cluster = LocalCluster(directory, 1)
+    try:
+        yield cluster, request.param
+    finally:
+        local.down(directory)
+        try:
+            cluster.wait_no_rank_processes(timeout=5)
+        finally:
+            _remove_cgroups(cluster)
+            shutil.rmtree(directory.parent, ignore_errors=True)
+
+
+def v1_freezer_mount() -> Path:
+    for line in Path("/proc/mounts").read_text().splitlines():
+        fields = line.split()
+        if fields[2] == "cgroup" and "freezer" in fields[3].split(","):
+            return Path(fields[1])
+    pytest.skip("no cgroup v1 freezer on this machine")
+
+
+def v1_freezer_cgroup(pid: int) -> str:
+    """The rank's cgroup in the v1 freezer hierarchy ("/" when it was never put in one)."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "freezer" in controllers.split(","):
+            return path
+    return ""
+
+
+def test_a_suspended_rank_does_not_compute_when_its_user_continues_it(freezer_pc):
+    pc, freezer = freezer_pc
     job = as_nobody(pc, lambda g: g.submit(BUSY, 1, cwd="/", env=PATH_ENV, nodelist=["n1"]))["ok"]["id"]
     try:
         proc = rank_process(pc, job)
         wait_for(lambda: cpu(proc) > 0.05, 20, "the busy rank to compute")
+        v1_path = v1_freezer_cgroup(proc.pid)
+        # The forced freezer is the one in use: only v1 puts the rank in a v1 freezer cgroup.
+        assert v1_path.endswith(f"/job-{job}/rank-0") == (freezer in ("v1", "no-v2")), v1_path
         assert as_nobody(pc, lambda g: g.suspend(job))["ok"]["state"] == "SUSPENDED"
         assert pc.job(job)["state"] == "SUSPENDED"
+        if freezer in ("v1", "no-v2"):
+            # v1 freezing is asynchronous: FREEZING until the task has stopped.
+            state = v1_freezer_mount() / v1_path.lstrip("/") / "freezer.state"
+            wait_for(lambda: state.read_text().strip() == "FROZEN", 20, "the v1 freezer to read FROZEN")
         # Its own user sends SIGCONT, as any process of theirs could.
         assert as_uid(NOBODY, lambda: os.kill(proc.pid, signal.SIGCONT)) is None
         before = cpu(proc)

@@ -4,14 +4,31 @@ A process group alone is not enough: a rank can call ``setsid`` and escape it.
 A cgroup cannot be escaped by an unprivileged process, ``cgroup.procs`` lists
 every member, and ``cgroup.kill`` (Linux 5.14+) kills them all at once.
 Where cgroup v2 is not mounted or not writable (not root, no delegation) the
-daemon falls back to process groups plus a psutil sweep of descendants.
+rank cgroups go in the v1 freezer hierarchy if there is one (see below), else
+the daemon falls back to process groups plus a psutil sweep of descendants.
 
 Gang scheduling stops a job by freezing its cgroups (``cgroup.freeze``, a
 core v2 file on Linux 5.2+), not by SIGSTOP: any process of the job's owner
 may send SIGCONT, which would let a suspended job compute through other
 users' slices; a frozen cgroup stays frozen until root thaws it. The freeze
-file stays open (a switch is one ``write`` per rank); where it is missing the
-daemon falls back to SIGSTOP/SIGCONT. A frozen v2 task still dies of SIGKILL.
+file stays open (a switch is one ``write`` per rank). Where the rank's v2
+cgroup has no ``cgroup.freeze`` (kernel < 5.2) but the v1 ``freezer``
+controller is mounted, each rank also joins
+``<v1 freezer mount>/<our cgroup>/<name>/job-<id>/rank-<r>`` at launch and is
+frozen by writing FROZEN/THAWED to its ``freezer.state`` (kept open too).
+Only where neither exists does the daemon fall back to SIGSTOP/SIGCONT. Two
+v1 differences matter: freezing is asynchronous (the state reads FREEZING
+until every task has stopped, so ``gang suspend`` may answer a moment before
+the last task is frozen), and SIGKILL does not take effect on a v1-frozen
+task, so ``kill()`` thaws before it kills (for v2 too, so nothing killed
+stays frozen). Where there is no usable v2 hierarchy at all, the v1 freezer
+hierarchy itself holds the rank cgroups (same layout): its ``cgroup.procs``
+tracks every fork as well; there is no ``cgroup.kill`` (each member gets
+SIGKILL, after the thaw) nor ``cpu.stat`` (CPU time is read from /proc).
+
+``GANGD_FREEZER`` (environment of the daemon, read once at start) chooses
+the freezer, for diagnosis and tests: ``auto`` (default: v2, else v1, else
+signals), ``v2`` (v2 or signals), ``v1`` (v1 or signals), ``signals``.
 
 Admin limits per job and node (``[limits] pids_max``/``memory_max``) go on
 the job's cgroup: in the v2 tree where the controller is available there,
@@ -30,6 +47,17 @@ import time
 from pathlib import Path
 
 log = logging.getLogger("gangd.cgroup")
+
+FREEZERS = ("auto", "v2", "v1", "signals")
+
+
+def freezer_choice() -> str:
+    """``GANGD_FREEZER`` if valid, else ``auto`` (said once in the log)."""
+    choice = os.environ.get("GANGD_FREEZER", "auto").strip().lower() or "auto"
+    if choice not in FREEZERS:
+        log.warning("GANGD_FREEZER=%r is not one of %s: using auto", choice, ", ".join(FREEZERS))
+        return "auto"
+    return choice
 
 
 def find_cgroup2_root() -> Path | None:
@@ -91,25 +119,48 @@ class CgroupTree:
         self.base: Path | None = None
         self.name = name
         self._procs: dict[Path, int] = {}  # open cgroup.procs files, see pids()
-        self._freeze: dict[Path, int] = {}  # open cgroup.freeze files, see freeze()
+        # rank path -> (open cgroup.freeze or v1 freezer.state fd, frozen payload, thawed payload), see freeze()
+        self._freeze: dict[Path, tuple[int, bytes, bytes]] = {}
+        self._v1_freeze_dirs: dict[Path, Path] = {}  # rank path -> its v1 freezer cgroup
+        self.freezer = freezer_choice()
+        v1_freezer = find_cgroup1_root("freezer")
+        # Known even when not used: close() removes what an earlier life made.
+        self._v1_freezer: Path | None = v1_freezer / name if v1_freezer is not None else None
         self.limits = {k: v for k, v in (limits or {}).items() if v is not None}
         self._v2_limits: dict[str, int] = {}  # set in the v2 job cgroup
         self._v1_limits: dict[Path, tuple[str, int]] = {}  # v1 hierarchy base -> (file, value)
+        self._base_is_v1 = False  # no usable v2: the rank cgroups are in the v1 freezer hierarchy
         root = find_cgroup2_root()
+        base = root / name if root is not None else None
         if root is None:
-            log.info("no cgroup v2 hierarchy: tracking ranks by process group only")
-            self._warn_unenforced(self.limits)
-            return
-        base = root / name
-        try:
-            base.mkdir(exist_ok=True)
-            (base / "cgroup.procs").stat()
-        except OSError as exc:
-            log.info("cannot create cgroups under %s (%s): tracking ranks by process group only", root, exc)
+            log.info("no cgroup v2 hierarchy")
+        elif base is not None:
+            try:
+                base.mkdir(exist_ok=True)
+                (base / "cgroup.procs").stat()
+            except OSError as exc:
+                log.info("cannot create cgroups under %s (%s)", root, exc)
+                base = None
+        if base is None and self.freezer in ("auto", "v1") and self._v1_freezer is not None:
+            try:
+                self._v1_freezer.mkdir(exist_ok=True)
+                base, self._base_is_v1 = self._v1_freezer, True
+                log.info("rank cgroups in the v1 freezer hierarchy %s", base)
+            except OSError as exc:
+                log.warning("cannot create %s: %s", self._v1_freezer, exc)
+        if base is None:
+            log.info("tracking ranks by process group only")
             self._warn_unenforced(self.limits)
             return
         self.base = base
         self._place_limits(base)
+        if not self._base_is_v1 and self.freezer in ("auto", "v1") and self._v1_freezer is not None:
+            try:
+                self._v1_freezer.mkdir(exist_ok=True)
+            except OSError as exc:
+                log.warning("cannot create %s: %s", self._v1_freezer, exc)
+                self._v1_freezer = None
+        log.info("freezer: %s", self.freezer)
 
     def _place_limits(self, base: Path) -> None:
         """Decide, per limit, where it is enforced: v2 if its controller can be
@@ -166,25 +217,49 @@ class CgroupTree:
         except OSError:
             self.remove(path)
             raise
-        try:
-            self._freeze[path] = os.open(path / "cgroup.freeze", os.O_WRONLY | os.O_CLOEXEC)
-        except OSError:
-            pass  # kernel < 5.2: signals only
+        if self._base_is_v1:
+            try:
+                self._freeze[path] = (os.open(path / "freezer.state", os.O_WRONLY | os.O_CLOEXEC), b"FROZEN", b"THAWED")
+            except OSError as exc:
+                log.warning("cannot use the v1 freezer %s (%s): suspending by signals", path, exc)
+            return path
+        if self.freezer in ("auto", "v2"):
+            try:
+                self._freeze[path] = (os.open(path / "cgroup.freeze", os.O_WRONLY | os.O_CLOEXEC), b"1", b"0")
+            except OSError:
+                pass  # kernel < 5.2: the v1 freezer, else signals
+        if path not in self._freeze and self.freezer in ("auto", "v1") and self._v1_freezer is not None:
+            v1_rank = self._v1_freezer / job.name / path.name
+            try:
+                v1_rank.mkdir(parents=True, exist_ok=True)
+                fd = os.open(v1_rank / "freezer.state", os.O_WRONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                log.warning("cannot use the v1 freezer %s (%s): suspending by signals", v1_rank, exc)
+                _rmdir(v1_rank)
+            else:
+                self._freeze[path] = (fd, b"FROZEN", b"THAWED")
+                self._v1_freeze_dirs[path] = v1_rank
         return path
 
     def join_files(self, path: Path) -> list[str]:
         """The ``cgroup.procs`` files a rank's process writes itself into
         before exec: its v2 cgroup, then its job's cgroups of v1 hierarchies."""
-        return [str(path / "cgroup.procs")] + [str(v1 / path.parent.name / "cgroup.procs") for v1 in self._v1_limits]
+        files = [str(path / "cgroup.procs")] + [str(v1 / path.parent.name / "cgroup.procs") for v1 in self._v1_limits]
+        if path in self._v1_freeze_dirs:
+            files.append(str(self._v1_freeze_dirs[path] / "cgroup.procs"))
+        return files
 
     def freeze(self, path: Path, frozen: bool) -> bool:
         """Freeze (or thaw) every process of the cgroup: one write to a kept
-        fd, fast enough for the gang switch. False if there is no freezer."""
-        fd = self._freeze.get(path)
-        if fd is None:
+        fd, fast enough for the gang switch. False if there is no freezer.
+        Where the v1 freezer is used the write starts the freeze (FREEZING);
+        its tasks stop a moment later, and new forks are born frozen."""
+        entry = self._freeze.get(path)
+        if entry is None:
             return False
+        fd, on, off = entry
         try:
-            os.write(fd, b"1" if frozen else b"0")
+            os.pwrite(fd, on if frozen else off, 0)
             return True
         except OSError:
             return False
@@ -222,8 +297,9 @@ class CgroupTree:
 
     def kill(self, path: Path) -> None:
         """Kill every process in the cgroup (cgroup.kill, else SIGKILL each).
-        It is thawed too: a v2-frozen task dies of SIGKILL, but nothing of a
-        killed job should stay frozen waiting for it."""
+        It is thawed first: a v1-frozen task does not act on SIGKILL until
+        thawed (a v2-frozen one does, but nothing of a killed job should stay
+        frozen waiting for it)."""
         self.freeze(path, False)
         try:
             (path / "cgroup.kill").write_text("1")
@@ -239,32 +315,51 @@ class CgroupTree:
     def remove(self, path: Path) -> None:
         """Remove a rank's cgroup, and its job's once that is empty. Blocking:
         call through ``trio.to_thread``."""
-        for fds in (self._procs, self._freeze):
-            fd = fds.pop(path, None)
-            if fd is not None:
-                os.close(fd)
+        fd = self._procs.pop(path, None)
+        if fd is not None:
+            os.close(fd)
+        freeze = self._freeze.pop(path, None)
+        if freeze is not None:
+            os.close(freeze[0])
         _rmdir(path)
+        v1_rank = self._v1_freeze_dirs.pop(path, None)
+        if v1_rank is not None:
+            _rmdir(v1_rank)
         try:
             path.parent.rmdir()
         except OSError:
             return  # other ranks of the job still run here
-        for v1_base in self._v1_limits:
+        for v1_base in self._v1_bases():
             _rmdir(v1_base / path.parent.name)
+
+    def _v1_bases(self) -> list[Path]:
+        """Our directories in the v1 hierarchies (limits, freezer) in use."""
+        bases = list(self._v1_limits)
+        if self._v1_freezer is not None and self.freezer in ("auto", "v1") and not self._base_is_v1:
+            bases.append(self._v1_freezer)
+        return bases
 
     def close(self) -> None:
         """On a clean stop: remove what is left of our (by now empty) subtree."""
         if self.base is None:
             return
-        for fds in (self._procs, self._freeze):
-            while fds:
-                os.close(fds.popitem()[1])
+        while self._procs:
+            os.close(self._procs.popitem()[1])
+        while self._freeze:
+            os.close(self._freeze.popitem()[1][0])
+        self._v1_freeze_dirs.clear()
         for job in self.base.glob("job-*"):
             for rank_dir in job.glob("rank-*"):
                 _rmdir(rank_dir)
             _rmdir(job)
         _rmdir(self.base)
-        for v1_base in self._v1_limits:
+        v1_bases = list(self._v1_limits)
+        if self._v1_freezer is not None and self._v1_freezer.is_dir() and not self._base_is_v1:
+            v1_bases.append(self._v1_freezer)
+        for v1_base in v1_bases:
             for job in v1_base.glob("job-*"):
+                for rank_dir in job.glob("rank-*"):
+                    _rmdir(rank_dir)
                 _rmdir(job)
             _rmdir(v1_base)
 
@@ -275,6 +370,14 @@ class CgroupTree:
         found = []
         for job in self.base.glob("job-*"):
             for rank_dir in job.glob("rank-*"):
+                v1_rank = self._v1_freezer / job.name / rank_dir.name if self._v1_freezer is not None else None
+                if v1_rank is not None and v1_rank.is_dir():  # (rank_dir itself where _base_is_v1)
+                    # A v1-frozen leftover would never act on the SIGKILL below.
+                    try:
+                        (v1_rank / "freezer.state").write_text("THAWED")
+                    except OSError:
+                        pass
+                    self._v1_freeze_dirs[rank_dir] = v1_rank  # remove() removes it
                 if self.pids(rank_dir):
                     self.kill(rank_dir)
                     found.append(int(job.name.split("-", 1)[1]))

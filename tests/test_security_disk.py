@@ -289,7 +289,7 @@ def test_the_job_table_refuses_a_directory_others_can_write_and_links_in_it(make
     os.chmod(jobs_dir, 0o777)
     with pytest.raises(local.ClusterError) as failed:
         local.up(cluster.dir, 1, cores=2, timeout=20)
-    assert "may be written by others" in str(failed.value)
+    assert "writable by other users" in str(failed.value)
 
 
 # ---------------------------------------------------------------- the table on a full disk, directly

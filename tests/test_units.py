@@ -21,8 +21,8 @@ from gangd.daemon import config as cfg
 from gangd.daemon import outputlog
 from gangd.daemon.coordinator import place
 from gangd.daemon.outputlog import STDERR, STDOUT, OutputStore, read_records
-from gangd.daemon.store import pack, read_msgpack, write_atomic_sync
-from gangd.daemon.table import JobTable
+from gangd.daemon.store import pack
+from gangd.daemon.table import JobTable, read_record_file
 
 # ====================================================================== config
 
@@ -688,7 +688,7 @@ async def test_table_commit_stamps_increasing_seq(tmp_path):
     assert table.get(1)["state"] == jobs.RUNNING
     assert table.get(3) is None
     assert table.next_job_id() == 3
-    assert read_msgpack(table.job_dir(1) / "job.msgpack") == a2
+    assert read_record_file(table.job_dir(1) / "job.msgpack") == a2
 
 
 async def test_table_apply_ignores_older_or_equal_seq(tmp_path):
@@ -704,13 +704,13 @@ async def test_table_apply_ignores_older_or_equal_seq(tmp_path):
     same["seq"] = 10
     assert await table.apply(same) is False
     assert table.get(5)["state"] == jobs.RUNNING
-    assert read_msgpack(table.job_dir(5) / "job.msgpack")["state"] == jobs.RUNNING
+    assert read_record_file(table.job_dir(5) / "job.msgpack")["state"] == jobs.RUNNING
     assert table.seq == 10
     newest = table_record(5, jobs.DONE)
     newest["seq"] = 11
     assert await table.apply(newest) is True
     assert table.get(5)["state"] == jobs.DONE
-    assert read_msgpack(table.job_dir(5) / "job.msgpack")["state"] == jobs.DONE
+    assert read_record_file(table.job_dir(5) / "job.msgpack")["state"] == jobs.DONE
 
 
 async def test_table_commit_continues_after_applied_seq(tmp_path):
@@ -799,48 +799,6 @@ async def test_table_wait_changed_not_woken_by_stale_apply(tmp_path):
             await trio.testing.wait_all_tasks_blocked()
             assert woke == []
             nursery.cancel_scope.cancel()
-
-
-# ====================================================================== atomic files
-
-
-def test_write_atomic_sync_content_mode_and_no_temp(tmp_path):
-    path = tmp_path / "job.msgpack"
-    write_atomic_sync(path, b"payload" * 1000)
-    assert path.read_bytes() == b"payload" * 1000
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert os.listdir(tmp_path) == ["job.msgpack"]
-
-
-def test_write_atomic_sync_custom_mode(tmp_path):
-    old = os.umask(0o022)
-    try:
-        write_atomic_sync(tmp_path / "f", b"x", mode=0o640)
-    finally:
-        os.umask(old)
-    assert stat.S_IMODE((tmp_path / "f").stat().st_mode) == 0o640
-
-
-def test_write_atomic_sync_overwrites_atomically(tmp_path):
-    path = tmp_path / "job.msgpack"
-    path.write_bytes(b"old content")
-    os.chmod(path, 0o644)
-    with open(path, "rb") as reader:
-        write_atomic_sync(path, b"new")
-        # a reader holding the old file still sees all of the old content: the
-        # file was replaced by rename, not rewritten in place
-        assert reader.read() == b"old content"
-    assert path.read_bytes() == b"new"
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert os.listdir(tmp_path) == ["job.msgpack"]
-
-
-def test_write_atomic_sync_empty_and_msgpack_roundtrip(tmp_path):
-    write_atomic_sync(tmp_path / "empty", b"")
-    assert (tmp_path / "empty").read_bytes() == b""
-    obj = {"id": 3, 1: b"\x00bytes", "nested": [None, 1.5, "x"]}
-    write_atomic_sync(tmp_path / "obj", pack(obj))
-    assert read_msgpack(tmp_path / "obj") == obj
 
 
 # ====================================================================== output printer

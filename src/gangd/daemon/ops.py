@@ -20,14 +20,13 @@ import itertools
 import logging
 import os
 import signal
-import stat
 import time
 from typing import Any
 
 import msgpack
 import trio
 
-from .. import ckptstore, jobs
+from .. import ckptstore, jobs, safefs
 from ..protocol import Note, Request
 from ..rpc import Channel, RemoteError, Stream
 from . import clock
@@ -686,18 +685,10 @@ MAX_SAVED_RECORD = 16 << 20
 
 def _read_small_msgpack(path, limit: int):
     """A msgpack file a user's directory may hold: no links followed, at most ``limit`` bytes."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError("not a regular file")
-        if info.st_size > limit:
-            raise ValueError(f"{info.st_size} bytes, more than {limit}")
-        data = os.read(fd, limit + 1)
-    finally:
-        os.close(fd)
-    if len(data) > limit:
-        raise ValueError(f"more than {limit} bytes")
+        data = safefs.read_bounded_at(None, str(path), limit, path)
+    except safefs.UnsafePath as exc:
+        raise ValueError(str(exc)) from None
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception as exc:  # noqa: BLE001 -- msgpack raises many unrelated types on hostile bytes; each becomes one ValueError

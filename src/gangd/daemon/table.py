@@ -30,13 +30,12 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import stat
 from pathlib import Path
 
 import msgpack
 import trio
 
-from .. import jobs
+from .. import jobs, safefs
 from ..rpc import RemoteError
 from .store import UnsafePath, check_private_dir, pack
 
@@ -57,23 +56,10 @@ class TableError(Exception):
 def read_record_file(path: Path, dir_fd: int | None = None) -> dict:
     """One record file: not a link, a regular file, at most MAX_RECORD_BYTES, a
     map with an integer id and seq. Raises ValueError/OSError saying why not."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError("not a regular file")
-        if st.st_size > MAX_RECORD_BYTES:
-            raise ValueError(f"{st.st_size} bytes, more than a record may hold ({MAX_RECORD_BYTES})")
-        data = b""
-        while len(data) <= MAX_RECORD_BYTES:
-            chunk = os.read(fd, MAX_RECORD_BYTES + 1 - len(data))
-            if not chunk:
-                break
-            data += chunk
-        if len(data) > MAX_RECORD_BYTES:
-            raise ValueError("grew past the size a record may hold while being read")
-    finally:
-        os.close(fd)
+        data = safefs.read_bounded_at(dir_fd, str(path), MAX_RECORD_BYTES, "" if dir_fd is None else "<job table>")
+    except safefs.UnsafePath as exc:
+        raise ValueError(str(exc)) from None
     record = msgpack.unpackb(data, raw=False, strict_map_key=False)
     if not isinstance(record, dict):
         raise ValueError("not a map")

@@ -720,6 +720,10 @@ def test_requests_carrying_megabytes_in_flight_are_bounded_per_connection_and_pe
                         break
                     if isinstance(event, Reply) and not event.ok and event.error["code"] == "busy":
                         outcome["busy"] += 1
+            except ConnectionResetError:
+                # The daemon closed on the rest of an unread frame: the kernel may
+                # reset the connection and throw away the bye it had sent.
+                outcome["reset"] = True
             except (OSError, ProtocolError):
                 pass
         os.write(done_w, b"x")
@@ -750,7 +754,7 @@ def test_requests_carrying_megabytes_in_flight_are_bounded_per_connection_and_pe
     assert outcomes, result
     limits = Limits()
     for outcome in outcomes:
-        assert outcome["busy"] or outcome.get("bye", [None])[0] == "too_much_in_flight", outcomes
+        assert outcome["busy"] or outcome.get("bye", [None])[0] == "too_much_in_flight" or outcome.get("reset"), outcomes
         assert outcome["sent"] < 10
     byes = " ".join(o["bye"][1] for o in outcomes if "bye" in o)
     assert f"(limit {limits.client_in_flight_bytes})" in byes, byes  # per connection...

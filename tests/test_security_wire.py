@@ -693,24 +693,39 @@ def test_requests_carrying_megabytes_in_flight_are_bounded_per_connection_and_pe
     result: dict = {}
 
     def attack():
-        # The review's attack: connections x 64 'wait' requests, each padded with
-        # as much as a client frame takes (3 MiB; 4 MiB is refused as oversized).
-        # First two on each of 12 connections (what one connection may hold: 72 MiB
-        # together, more than one user may), then eight more on each.
+        # The review's attack: 'wait' requests (they stay in flight) padded with as
+        # much as a client frame takes (3 MiB; 4 MiB is refused as oversized).
+        # First one connection alone sends three: more than a connection may hold.
+        # Then two on each of 12 others (72 MiB together, more than one user may
+        # hold, while no connection goes past its own limit): the user's limit.
         pad = b"x" * (3 * MiB)
-        clients = [RawClient(path, "inflight") for _ in range(12)]
+        clients = [RawClient(path, "inflight") for _ in range(13)]
         outcomes: list[dict] = [{"sent": 0} for _ in clients]
-        for batch in (2, 8):
-            for client, outcome in zip(clients, outcomes, strict=True):
-                try:
-                    for _ in range(batch):
-                        if "error" not in outcome:
-                            client.send("wait", job=job, pad=pad)
-                            outcome["sent"] += 1
-                except OSError as exc:  # closed by the daemon
-                    outcome["error"] = type(exc).__name__
+
+        def send(client, outcome, count):
+            try:
+                for _ in range(count):
+                    if "error" not in outcome:
+                        client.send("wait", job=job, pad=pad)
+                        outcome["sent"] += 1
+            except OSError as exc:  # closed by the daemon
+                outcome["error"] = type(exc).__name__
+
+        send(clients[0], outcomes[0], 3)
+        clients[0].sock.settimeout(5)
+        try:  # its refusal comes before the others start
+            while (event := clients[0].next_event()) is not None and not isinstance(event, RemoteClosed):
+                pass
+            if isinstance(event, RemoteClosed):
+                outcomes[0]["bye"] = [event.code, event.message]
+        except ConnectionResetError:
+            outcomes[0]["reset"] = True
+        except (OSError, ProtocolError):
+            pass
+        for client, outcome in zip(clients[1:], outcomes[1:], strict=True):
+            send(client, outcome, 2)
         # What each connection heard: busy answers, or a bye saying why it was closed.
-        for client, outcome in zip(clients, outcomes, strict=True):
+        for client, outcome in zip(clients[1:], outcomes[1:], strict=True):
             client.sock.settimeout(5)
             outcome["busy"] = 0
             try:
@@ -753,12 +768,16 @@ def test_requests_carrying_megabytes_in_flight_are_bounded_per_connection_and_pe
     outcomes = result.get("outcomes")
     assert outcomes, result
     limits = Limits()
-    for outcome in outcomes:
-        assert outcome["busy"] or outcome.get("bye", [None])[0] == "too_much_in_flight" or outcome.get("reset"), outcomes
-        assert outcome["sent"] < 10
-    byes = " ".join(o["bye"][1] for o in outcomes if "bye" in o)
-    assert f"(limit {limits.client_in_flight_bytes})" in byes, byes  # per connection...
-    assert f"uid {NOBODY}" in byes, byes  # ... and per user
+    # A refusal closes the connection on the rest of an unread 3 MiB frame, and
+    # the kernel may then reset it before the client read the bye: a reset
+    # counts as refused; a bye that was read must name the right limit.
+    first, others = outcomes[0], outcomes[1:]
+    assert first.get("bye", [None])[0] == "too_much_in_flight" or first.get("reset"), outcomes  # per connection...
+    if "bye" in first:
+        assert f"(limit {limits.client_in_flight_bytes})" in first["bye"][1], first
+    refused = [o for o in others if o.get("bye", [None])[0] == "too_much_in_flight" or o.get("reset")]
+    byes = " ".join(o["bye"][1] for o in others if "bye" in o)
+    assert refused and (f"uid {NOBODY}" in byes or all("bye" not in o for o in refused)), outcomes  # ... and per user
     # The stated bound (gangd.daemon.admission): what one uid may have in flight,
     # plus the copies of the one frame being decoded at a time.
     bound = limits.uid_in_flight_bytes + 16 * MiB

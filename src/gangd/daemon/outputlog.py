@@ -156,23 +156,18 @@ class OutputStore:
         return OutputLog(self, job_id, rank, fd, quota)
 
     def _open_sync(self, job_id: int, rank: int) -> int:
-        job = _open_dir(str(job_id), self._root(), create=True)
-        try:
-            fd = os.open(f"rank-{rank}.log", os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600, dir_fd=job)
-        finally:
-            os.close(job)
-        try:
-            _check_log_fd(fd, str(self.path(job_id, rank)))
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        return self._open_log(job_id, rank, os.O_RDWR | os.O_CREAT | os.O_APPEND, create=True)
 
     def open_for_read(self, job_id: int, rank: int) -> int:
         """A read descriptor of a rank's log (blocking: call in a thread)."""
-        job = _open_dir(str(job_id), self._root())
+        return self._open_log(job_id, rank, os.O_RDONLY, create=False)
+
+    def _open_log(self, job_id: int, rank: int, flags: int, *, create: bool) -> int:
+        """Rank ``rank``'s log of job ``job_id``, opened relative to the job's
+        directory, never through a link, and checked to be root's regular file."""
+        job = _open_dir(str(job_id), self._root(), create=create)
         try:
-            fd = os.open(f"rank-{rank}.log", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=job)
+            fd = os.open(f"rank-{rank}.log", flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600, dir_fd=job)
         finally:
             os.close(job)
         try:

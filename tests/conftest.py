@@ -127,6 +127,28 @@ def _remove_cgroups(cluster: LocalCluster) -> None:
         CgroupTree(f"gangd-{nf.name}-{tag}").close()
 
 
+def wait_for(predicate, timeout: float, what: str):
+    """``predicate()``'s first true value, polled until ``timeout`` seconds passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def forget_cluster(cluster: LocalCluster) -> None:
+    """After ``local.down``: fail if a rank of the cluster lives on; remove its
+    cgroups and its directory either way."""
+    try:
+        cluster.wait_no_rank_processes(timeout=5)
+    finally:
+        _remove_cgroups(cluster)
+        shutil.rmtree(cluster.dir.parent, ignore_errors=True)
+
+
 def _world_traversable_tmpdir() -> Path:
     path = Path(tempfile.mkdtemp(prefix="gangd-test-"))
     os.chmod(path, 0o755)
@@ -149,11 +171,7 @@ def make_cluster():
     for cluster in started:
         local.down(cluster.dir)
     for cluster in started:
-        try:
-            cluster.wait_no_rank_processes(timeout=5)
-        finally:
-            _remove_cgroups(cluster)
-            shutil.rmtree(cluster.dir.parent, ignore_errors=True)
+        forget_cluster(cluster)
 
 
 @contextlib.contextmanager
@@ -167,11 +185,7 @@ def shared_cluster(nodes: int = 4, **options):
         yield cluster
     finally:
         local.down(directory)
-        try:
-            cluster.wait_no_rank_processes(timeout=5)
-        finally:
-            _remove_cgroups(cluster)
-            shutil.rmtree(directory.parent, ignore_errors=True)
+        forget_cluster(cluster)
 
 
 @pytest.fixture(scope="module")

@@ -14,30 +14,18 @@ import shutil
 import stat
 import struct
 import subprocess
-import time
 from pathlib import Path
 
 import msgpack
 import pytest
 import trio
-from conftest import LocalCluster, _remove_cgroups, _world_traversable_tmpdir, as_uid
+from conftest import LocalCluster, _remove_cgroups, _world_traversable_tmpdir, as_uid, wait_for
 
 from gangd.client import cluster as local
 from gangd.client.api import connect
 
 NOBODY = 65534
 MiB = 1024 * 1024
-
-
-def _wait_for(what, predicate, timeout: float = 60):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen within {timeout} s")
-        time.sleep(0.1)
 
 
 @pytest.fixture
@@ -140,10 +128,7 @@ def test_a_job_end_that_cannot_be_saved_is_retried_not_half_applied(tmpfs_cluste
     assert _free(state) < 64 * 1024
     gate.touch()
     cluster.wait_no_rank_processes(job, timeout=30)
-    _wait_for(
-        "the job's end to be handled",
-        lambda: f"cannot save job {job}" in cluster.log("n1") or cluster.job(job)["state"] != "RUNNING",
-    )
+    wait_for(lambda: f"cannot save job {job}" in cluster.log("n1") or cluster.job(job)["state"] != "RUNNING", 60, "the job's end to be handled")
     # Memory follows the disk: the job is not shown as ended while its end is not saved...
     assert cluster.job(job)["state"] == "RUNNING"
     # ...and a change that cannot be saved is refused with a clear sentence.
@@ -170,7 +155,7 @@ def test_a_replica_that_could_not_save_a_record_is_sent_it_again(tmpfs_cluster):
     result = cluster.gang("run", "-n", 1, "-w", "n1", "--", "echo", "hi", timeout=60)
     assert result.returncode == 0, result.stderr
     # (today's message, or the failed note handler's of before: either way n2 had the records and no room)
-    _wait_for("n2's failed save", lambda: "cannot save job 1" in cluster.log("n2") or "note 'table' from" in cluster.log("n2"))
+    wait_for(lambda: "cannot save job 1" in cluster.log("n2") or "note 'table' from" in cluster.log("n2"), 60, "n2's failed save")
     filler.unlink()
     # Room again: n2 gets the job's final record through the heartbeat catch-up, on disk.
     record_file = state / "jobs" / "1" / "job.msgpack"
@@ -181,7 +166,7 @@ def test_a_replica_that_could_not_save_a_record_is_sent_it_again(tmpfs_cluster):
         except (OSError, ValueError):
             return False
 
-    _wait_for("n2 saving job 1's end", saved_done)
+    wait_for(saved_done, 60, "n2 saving job 1's end")
 
 
 # ---------------------------------------------------------------- finding 5: the per-job output limit

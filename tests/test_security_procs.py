@@ -30,7 +30,7 @@ from pathlib import Path
 import psutil
 import pytest
 import trio
-from conftest import LocalCluster, _remove_cgroups, _world_traversable_tmpdir, as_uid, shared_cluster
+from conftest import LocalCluster, _world_traversable_tmpdir, as_uid, forget_cluster, shared_cluster, wait_for
 
 from gangd.client import cluster as local
 from gangd.client.api import connect
@@ -88,17 +88,6 @@ async def output_of(gang, job_id: int) -> str:
         async for item in chunks:
             text += item["data"]
     return text.decode(errors="replace")
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def rank_process(cluster, job_id: int, node: str | None = None) -> psutil.Process:
@@ -206,11 +195,7 @@ def freezer_pc(request, monkeypatch, make_cluster):
         yield cluster, request.param
     finally:
         local.down(directory)
-        try:
-            cluster.wait_no_rank_processes(timeout=5)
-        finally:
-            _remove_cgroups(cluster)
-            shutil.rmtree(directory.parent, ignore_errors=True)
+        forget_cluster(cluster)
 
 
 def v1_freezer_mount() -> Path:

@@ -94,7 +94,7 @@ class CheckpointCoordinator:
         if live is None:
             live = {"gen": self._next_gen(record), "trigger": trigger, "started": time.time(), "phase": "begin", "done": trio.Event(), "result": None}
             self.live[job_id] = live
-            self.daemon.spawn(self._run, job_id, live)
+            self.co.spawn(self._run, job_id, live)
         if not wait:
             return {"job": job_id, "gen": live["gen"], "state": "running", "trigger": live["trigger"]}
         await live["done"].wait()
@@ -115,7 +115,7 @@ class CheckpointCoordinator:
 
     async def _all(self, record: dict, op: str, **args) -> dict[str, Any]:
         """``op`` for this job on every node of it at once (one error naming the nodes if any fails)."""
-        return await self.daemon.ops.on_job_nodes(record, op, job=record["id"], **args)
+        return await self.daemon.ops.on_job_nodes(record, op, job=record["id"], term=self.co._fence().term, **args)
 
     async def _run(self, job_id: int, live: dict) -> None:
         record = self.daemon.table.get(job_id)
@@ -217,9 +217,9 @@ class CheckpointCoordinator:
             for node in dict.fromkeys(e["placement"]):
                 by_node.setdefault(node, []).append(e["gen"])
         for node, node_gens in by_node.items():
-            if self.daemon.peers.is_up(node) or node == self.daemon.node:
+            if self.daemon.membership.is_up(node) or node == self.daemon.node:
                 try:
-                    await self.daemon.call(node, "ckpt_prune", lineage=lineage, gens=node_gens)
+                    await self.co.call(node, "ckpt_prune", lineage=lineage, gens=node_gens)
                 except RemoteError as exc:
                     log.warning("could not remove old checkpoints on %s: %s", node, exc)
         if not doomed:
@@ -318,11 +318,11 @@ class CheckpointCoordinator:
             by_node.setdefault(node, []).append(rank)
 
         async def one(node: str, ranks: list[int]) -> None:
-            if node != self.daemon.node and not self.daemon.peers.is_up(node):
+            if node != self.daemon.node and not self.daemon.membership.is_up(node):
                 unreachable.append(f"node {node}, which holds ranks {ranks}, is down")
                 return
             try:
-                problems.extend(await self.daemon.call(node, "ckpt_verify", lineage=lineage, gen=entry["gen"], ranks=ranks))
+                problems.extend(await self.co.call(node, "ckpt_verify", lineage=lineage, gen=entry["gen"], ranks=ranks))
             except RemoteError as exc:
                 unreachable.append(f"{node}: {exc.message}")
 
@@ -351,7 +351,7 @@ class CheckpointCoordinator:
     def job_started(self, record: dict) -> None:
         if record.get("ckpt_every") and record["id"] not in self.periodic:
             self.periodic.add(record["id"])
-            self.daemon.spawn(self._periodic, record["id"])
+            self.co.spawn(self._periodic, record["id"])
 
     async def _periodic(self, job_id: int) -> None:
         try:

@@ -1,11 +1,14 @@
 """The coordinator: sole writer of the job table, placement and job lifecycle.
 
-Exactly one daemon acts as coordinator at a time (the configured master,
-else the lowest-named live node). Every change to a job goes through
-:meth:`Coordinator.update`, which serialises read-modify-write, stamps the
-record with the next sequence number, persists it and replicates it to every
-node. A node that becomes coordinator first pulls what the others know, so a
-takeover loses nothing that any live node saw.
+Exactly one daemon acts as coordinator at a time: the winner of etcd's
+election (see :mod:`gangd.daemon.controlplane`). Everything it does lives in
+its *term* (:meth:`Coordinator.serve_term`): a nursery that is cancelled the
+moment the term ends, so no task of a deposed coordinator outlives it. Every
+change to a job is one fenced etcd transaction (:meth:`Coordinator.update`,
+:class:`gangd.daemon.store.JobTable`): a deposed coordinator cannot write,
+and a new one reads the table from etcd, so it sees every commit its
+predecessor made. Every command it sends a node carries its term
+(:meth:`Coordinator.call`); a node refuses a term older than one it has seen.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from . import clock
 from .gang import Matrix
 from .peers import natural_key
 from .ranks import KILL_DEADLINE
+from .store import Deposed, Fence
 
 log = logging.getLogger("gangd.coordinator")
 
@@ -112,8 +116,11 @@ class Coordinator:
     def __init__(self, daemon):
         self.daemon = daemon
         self.table = daemon.table
-        self.active = False
-        self._lock = trio.Lock()
+        self.fence: Fence | None = None  # this node's term as coordinator, while it lasts
+        self._lease = None
+        self._nursery: trio.Nursery | None = None  # the term's
+        self._create_lock = trio.Lock()
+        self._job_locks: dict[int, trio.Lock] = {}
         self._kick = trio.Event()
         # Gang scheduling (soft state, rebuilt from the table on takeover).
         config = daemon.config
@@ -132,21 +139,44 @@ class Coordinator:
 
     # ------------------------------------------------------------ plumbing
 
+    @property
+    def active(self) -> bool:
+        return self.fence is not None
+
+    @property
+    def term(self) -> int:
+        return self.fence.term if self.fence is not None else 0
+
+    def _fence(self) -> Fence:
+        fence = self.fence
+        if fence is None or (self._lease is not None and self._lease.remaining() <= 0):
+            raise Deposed(f"{self.daemon.node} is no longer the coordinator")
+        return fence
+
+    def spawn(self, fn, *args) -> None:
+        """Start a task owned by the term: it ends when the term does."""
+        if self._nursery is None:
+            raise Deposed(f"{self.daemon.node} is no longer the coordinator")
+        self._nursery.start_soon(self.daemon._contained, fn, args, name=getattr(fn, "__qualname__", repr(fn)))
+
+    async def call(self, node: str, op: str, **args):
+        """A command to ``node``, carrying this term (a node refuses an older one)."""
+        return await self.daemon.call(node, op, term=self._fence().term, **args)
+
     async def update(self, job_id: int, change) -> dict:
-        """Apply ``change(record)`` to a copy of the record and commit it everywhere."""
-        async with self._lock:
-            if not self.active:
-                raise RemoteError("not_coordinator", f"{self.daemon.node} is no longer the coordinator")
-            current = self.table.get(job_id)
-            if current is None:
-                raise RemoteError("no_such_job", f"no job {job_id}")
-            record = copy.deepcopy(current)
-            if change(record) is False:
-                return current
-            await self.table.commit(record)
-        self.daemon.peers.broadcast("table", records=[record])
+        """Apply ``change(record)`` to a copy of the record and commit it in etcd (fenced by the term).
+
+        Changes to one job are serialised here; ``change`` may still run
+        twice if the record changed in etcd meanwhile, so it must only
+        change the record."""
+        lock = self._job_locks.setdefault(job_id, trio.Lock())
+        async with lock:
+            record = await self.table.update(self._fence(), job_id, change)
+        if not lock.locked() and not lock.statistics().tasks_waiting:
+            self._job_locks.pop(job_id, None)
         if jobs.is_terminal(record):
             self._contexts.pop(record["id"], None)
+            self.acct.pop(record["id"], None)
             if record["id"] in self.matrix.usage:
                 self._leave_matrix(record["id"])
         return record
@@ -163,73 +193,78 @@ class Coordinator:
         while True:
             await self._kick.wait()
             self._kick = trio.Event()
-            if self.active:
-                try:
-                    await self._schedule()
-                except Exception:  # e.g. the state disk is full: log, retry on the next kick
-                    log.exception("scheduling pass failed")
+            try:
+                await self._schedule()
+            except Deposed:
+                raise
+            except Exception:  # e.g. etcd unreachable for a moment: log, retry on the next kick
+                log.exception("scheduling pass failed")
+                self.spawn(self._retry_kick)
 
-    # ------------------------------------------------------------ takeover
+    # ------------------------------------------------------------ the term
+
+    async def serve_term(self, fence: Fence, lease) -> None:
+        """Coordinate until the term ends (this is cancelled then): everything
+        the coordinator does runs in this nursery, and stops with it."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self.fence, self._lease = fence, lease
+                await self.take_over()
+                nursery.start_soon(self.run)
+                nursery.start_soon(self.run_gang)
+                nursery.start_soon(self._retire_ended)
+                await trio.sleep_forever()
+        finally:
+            self.fence, self._lease, self._nursery = None, None, None
+            self.running = None
+            self._job_locks.clear()
 
     async def take_over(self) -> None:
-        """Called when this node becomes coordinator."""
-        peers = self.daemon.peers
-        for node in peers.up_nodes():
-            if node == self.daemon.node:
-                continue
-            try:
-                await self._pull_table(node)
-            except RemoteError as exc:
-                log.warning("could not pull the job table from %s: %s", node, exc)
-                continue
-        self.table.mark_complete()
+        """The term begins: read the table from etcd (every commit of the
+        previous coordinator is in it), rebuild the soft state, finish what
+        the predecessor left half-done."""
+        await self.table.load()
         self._rebuild_matrix()
-        # Continue numbering after everything anybody has seen.
-        self.active = True
-        log.info("this node is now the coordinator (%d jobs known, seq %d)", len(self.table.records), self.table.seq)
+        log.info("this node is now the coordinator, term %d (%d jobs in the table, revision %d)", self.term, len(self.table.records), self.table.revision)
         await self.check_nodes()
         for record in self.table.active():
             if record["state"] == jobs.QUEUED and record["placement"]:
                 # The previous coordinator died while launching it; launch is idempotent per rank.
                 log.info("job %d was being launched by the previous coordinator; launching again", record["id"])
-                self.daemon.spawn(self._start, record["id"])
+                self.spawn(self._start, record["id"])
             elif record["state"] in (jobs.RUNNING, jobs.SUSPENDED):
                 self.ckpt.job_started(record)
-        # Bring every node up to date with the merged table, and collect the
-        # exits the previous coordinator may have taken to its grave.
-        # In batches (table.BATCH_BYTES): a long history is never one frame.
-        seq = 0
-        while True:
-            records, through = self.table.batch_since(seq)
-            self.daemon.peers.broadcast("table", records=records, since=seq, through=through)
-            if through >= self.table.seq or through <= seq:
-                break
-            seq = through
-        for node in self.daemon.peers.up_nodes():
+        # Collect the exits the previous coordinator may have taken to its grave.
+        for node in self.daemon.membership.up_nodes():
             try:
-                await self.daemon.call(node, "resend_exits")
+                await self.call(node, "resend_exits")
                 # Checkpoints the previous coordinator was running cannot finish: release their ranks.
-                aborted = await self.daemon.call(node, "ckpt_abort_all", why=f"the coordinator changed to {self.daemon.node} during the checkpoint")
+                aborted = await self.call(node, "ckpt_abort_all", why=f"the coordinator changed to {self.daemon.node} during the checkpoint")
                 if aborted:
                     log.warning("aborted the checkpoints of jobs %s on %s, left by the previous coordinator", aborted, node)
             except RemoteError as exc:
+                if isinstance(exc, Deposed):
+                    raise
                 log.warning("could not ask %s to resend rank exits: %s", node, exc)
         self.kick()
 
-    async def _pull_table(self, node: str) -> None:
-        """Every record ``node`` holds, batch by batch (see JobTable.batch_since)."""
-        seq = 0
+    async def _retire_ended(self) -> None:
+        """Move jobs ended longer than ``job_retention`` ago to the history:
+        the hot table (what every node holds, what a submit reads) stays the
+        size of what is going on, whatever the cluster's past."""
+        retention = self.daemon.config.job_retention
         while True:
-            reply = await self.daemon.peers.call(node, "table_since", seq=seq)
-            if not isinstance(reply, dict) or not isinstance(reply.get("records"), list):
-                raise RemoteError("bad_reply", f"{node} answered table_since with a {type(reply).__name__}")
-            for record in reply["records"]:
-                if isinstance(record, dict) and isinstance(record.get("id"), int):
-                    await self.table.apply(record)
-            through = reply.get("through")
-            if not reply.get("more") or not isinstance(through, int) or through <= seq:
-                return
-            seq = through
+            await trio.sleep(min(max(retention / 4, 0.5), 30))
+            cutoff = time.time() - retention
+            ended = sorted(
+                # (a job with checkpoints stays: a restart reads its lineage from the hot table)
+                (r for r in self.table.records.values() if jobs.is_terminal(r) and (r.get("ended") or 0) <= cutoff and not r.get("checkpoints")),
+                key=lambda r: r["id"],
+            )
+            if ended:
+                moved = await self.table.retire(self._fence(), ended)
+                log.debug("moved %d ended jobs to the history", moved)
 
     # ------------------------------------------------------------ submit
 
@@ -275,9 +310,7 @@ class Coordinator:
                 "permission_denied",
                 f"gangd runs as uid {os.geteuid()} (not root) and can only run jobs for that user",
             )
-        async with self._lock:
-            self._check_user_room(cred["uid"], checked.context_bytes)
-            job_id = max(self.table.next_job_id(), 1)
+        def build(job_id: int) -> dict:
             record = jobs.new_record(
                 job_id=job_id, spec=spec, owner_uid=cred["uid"], owner_name=cred["user"], owner_gid=cred["gid"]
             )
@@ -285,11 +318,15 @@ class Coordinator:
             # The submitting user's rlimits, read from the kernel by the node
             # the client is connected to (see limits.py); the ranks get them.
             record["rlimits"] = cred.get("rlimits")
-            await self.table.commit(record)
+            return record
+
+        async with self._create_lock:  # (the id counter: one creation at a time)
+            self._check_user_room(cred["uid"], checked.context_bytes)
+            record = await self.table.create(self._fence(), build, dict(spec.get("env") or {}))
+        job_id = record["id"]
         if contexts:
             # Handed to the nodes with the launch, not kept in the (replicated) record.
             self._contexts[job_id] = contexts
-        self.daemon.peers.broadcast("table", records=[record])
         log.info("job %d (%s) submitted by %s: %d ranks", job_id, record["name"], cred["user"], nranks)
         self.kick()
         return record
@@ -321,7 +358,7 @@ class Coordinator:
 
     async def _schedule(self) -> None:
         """Admit queued jobs into the matrix, highest priority first, then first come first served."""
-        up = {name for name in self.matrix.cores if self.daemon.peers.is_up(name)}
+        up = {name for name in self.matrix.cores if self.daemon.membership.is_up(name)}
         waiting = [r for r in self.table.active() if r["state"] == jobs.QUEUED and not r["placement"]]
         for record in sorted(waiting, key=lambda r: (-r.get("priority", 0), r["id"])):
             try:
@@ -345,9 +382,9 @@ class Coordinator:
                 self._gang_changed.set()
                 log.warning("job %d not placed: %s", record["id"], exc.message)
                 if exc.code == "state_disk":
-                    self.daemon.spawn(self._retry_kick)
+                    self.spawn(self._retry_kick)
                 return
-            self.daemon.spawn(self._start, record["id"])
+            self.spawn(self._start, record["id"])
 
     async def _retry_kick(self) -> None:
         await trio.sleep(self.daemon.config.heartbeat_interval)
@@ -361,7 +398,7 @@ class Coordinator:
             try:
                 return await self.update(job_id, change)
             except RemoteError as exc:
-                if exc.code != "state_disk":
+                if exc.code != "etcd_unavailable" or isinstance(exc, Deposed):
                     raise
                 log.warning("job %d: %s", job_id, exc.message)
             await trio.sleep(self.daemon.config.heartbeat_interval)
@@ -371,11 +408,13 @@ class Coordinator:
         nodes = jobs.nodes_of(record)
         failures: list[str] = []
         contexts = self._contexts.pop(job_id, {})
+        # The environment travels with the launch only (its key in etcd goes when the job ends).
+        launching = {**record, "env": await self.table.env(job_id)}
 
         async def launch_on(node: str) -> None:
             try:
                 mine = {str(r): contexts[str(r)] for r in jobs.ranks_on(record, node) if str(r) in contexts}
-                await self.daemon.call(node, "launch", record=record, contexts=mine)
+                await self.call(node, "launch", record=launching, contexts=mine)
             except RemoteError as exc:
                 failures.append(f"{node}: {exc.message}")
             except Exception as exc:  # e.g. this node's own disk failing
@@ -445,7 +484,7 @@ class Coordinator:
         record = await self.update(job_id, change)
         if culprit and not jobs.is_terminal(record):
             log.info("job %d: %s; killing the other ranks", job_id, record["reason"])
-            self.daemon.spawn(self._kill_everywhere, job_id)
+            self.spawn(self._kill_everywhere, job_id)
         if jobs.is_terminal(record):
             self.kick()
 
@@ -459,7 +498,7 @@ class Coordinator:
         else:
             record["state"] = jobs.DONE
         record["ended"] = time.time()
-        acct = self.acct.pop(record["id"], None)
+        acct = copy.deepcopy(self.acct.get(record["id"]))  # (popped once the change is committed: update())
         if acct is not None:
             self._account(acct, record["ended"], acct["on"])
             record["run_seconds"] = round(acct["run"], 3)
@@ -498,11 +537,11 @@ class Coordinator:
         record = self.table.get(job_id)
 
         async def kill_on(node):
-            if not self.daemon.peers.is_up(node):
+            if not self.daemon.membership.is_up(node):
                 return
             with trio.move_on_after(KILL_WAIT) as scope:
                 try:
-                    await self.daemon.call(node, "kill_ranks", job=job_id)
+                    await self.call(node, "kill_ranks", job=job_id)
                 except RemoteError as exc:
                     log.warning("job %d: could not kill ranks on %s: %s", job_id, node, exc)
             if scope.cancelled_caught:
@@ -541,14 +580,27 @@ class Coordinator:
         await self._kill_everywhere(job_id)
         self.kick()
 
+    def nodes_changed(self) -> None:
+        """etcd says a node came or went: fail what it took down, place what now fits."""
+        if self._nursery is not None:
+            self.spawn(self._on_nodes_changed)
+
+    async def _on_nodes_changed(self) -> None:
+        await self.check_nodes()
+        self.kick()
+
     async def check_nodes(self) -> None:
         """Fail every active job that has ranks on a node that is down."""
-        peers = self.daemon.peers
+        membership = self.daemon.membership
+        ttl = self.daemon.config.etcd.lease_ttl
         for record in list(self.table.active()):
-            down = sorted({n for n in record["placement"] if not peers.is_up(n)}, key=natural_key)
+            down = sorted({n for n in record["placement"] if not membership.is_up(n)}, key=natural_key)
             if not down:
                 continue
-            why = "; ".join(f"node {n} ({self.daemon.config.spec(n).endpoint}) went down: {peers.links[n].why_down}" for n in down)
+            why = "; ".join(
+                f"node {n} ({self.daemon.config.spec(n).endpoint}) went down: its lease in etcd expired "
+                f"(no keep-alive for {ttl} s: a crash, a stall or a partition)" for n in down
+            )
             log.warning("job %d fails: %s", record["id"], why)
             await self.fail(record["id"], why, frozenset(down))
 
@@ -684,7 +736,7 @@ class Coordinator:
                     continue
                 timing = {} if at is None else {"at": at + offset[node]}
                 try:
-                    replies[node] = await stack.enter_async_context(self.daemon.peers.channel(node).pending("switch", **lists, **timing))
+                    replies[node] = await stack.enter_async_context(self.daemon.peers.channel(node).pending("switch", term=self._fence().term, **lists, **timing))
                 except RemoteError as exc:  # node down: check_nodes fails its jobs
                     log.warning("switch on %s failed: %s", node, exc)
             if me in per_node:
@@ -706,7 +758,7 @@ class Coordinator:
             # Some node may not have switched: forget what runs where, so the
             # next pass sends every job's stop or cont to every node again.
             self.running = None
-            self.daemon.spawn(self._retry_gang)
+            self.spawn(self._retry_gang)
         for job_id in stop:
             if job_id in self.acct:
                 self._account(self.acct[job_id], when, False)

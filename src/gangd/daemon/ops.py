@@ -34,9 +34,17 @@ from .coordinator import permission_check
 from .jobnet import expected_deliveries
 from .limits import read_process_limits
 from .peers import natural_key
+from .store.jobtable import decode_record, pack
 
 #: Most job summaries in one answer to ``jobs`` (the client pages through more).
 LIST_PAGE = 500
+
+#: What only the coordinator commands, each carrying its term: a node refuses
+#: a term older than the highest it has seen (see controlplane.check_term).
+FENCED_OPS = frozenset({
+    "launch", "kill_ranks", "switch", "resend_exits", "ckpt_begin", "ckpt_cut", "ckpt_capture", "ckpt_resume",
+    "ckpt_commit", "ckpt_abort", "ckpt_prune", "ckpt_verify", "ckpt_open", "ckpt_abort_all",
+})
 
 #: After a switch stops a job, how long before its processes forked during
 #: the slice are looked for (and stopped): after every node's part.
@@ -77,14 +85,12 @@ class Ops:
         }
         self.peer_ops = {
             "ping": self.ping,
-            "table_since": self.table_since,
             "launch": self.launch,
             "kill_ranks": self.kill_ranks,
             "ranks_exited": self.ranks_exited,
             "coord_submit": self.coord_submit,
             "coord_kill": self.coord_kill,
             "output_local": self.output_local,
-            "job_record": self.job_record,
             "resend_exits": self.resend_exits,
             "coord_suspend": self.coord_suspend,
             "coord_schedule": self.coord_schedule,
@@ -110,9 +116,7 @@ class Ops:
 
     async def handle(self, channel: Channel, message):
         if isinstance(message, Note):
-            if channel.context.get("peer") and message.op == "table":
-                await self._apply_table(message.args.get("records"), message.args.get("since"), message.args.get("through"))
-            elif not channel.context.get("peer"):
+            if not channel.context.get("peer"):
                 if message.op.startswith("ckpt_"):
                     self.daemon.checkpoints.on_note(channel, message.op, message.args)
                 else:
@@ -132,43 +136,39 @@ class Ops:
         handler = self.peer_ops.get(op)
         if handler is None:
             raise RemoteError("unknown_op", f"unknown peer operation {op!r}")
+        if op in FENCED_OPS:
+            args = dict(args)
+            self.daemon.membership.check_term(args.pop("term", None), op, from_node)
         return await handler(args, from_node, channel)
 
-    async def _apply_table(self, records, since=None, through=None) -> None:
-        """A pushed change, or a batch of the catch-up covering (``since``, ``through``]."""
-        if not isinstance(records, list):
-            return
-        table = self.daemon.table
-        for record in records:
-            if isinstance(record, dict) and isinstance(record.get("id"), int):
-                await table.apply(record)  # (a failed save raises: the batch does not count, it comes again)
-        if isinstance(since, int) and isinstance(through, int):
-            table.caught_up(since, through)
-
     async def to_coordinator(self, op: str, **args):
-        """Run ``op`` on the coordinator, riding out a coordinator change."""
+        """Run ``op`` on the coordinator, riding out a coordinator change
+        (an election takes up to the lease TTL when the coordinator died)."""
         daemon = self.daemon
-        deadline = trio.current_time() + 2 * daemon.config.heartbeat_timeout
+        membership = daemon.membership
+        membership.refuse_if_isolated()
+        patience = daemon.config.etcd.lease_ttl + 2 * daemon.config.heartbeat_timeout
+        deadline = trio.current_time() + patience
         while True:
-            with trio.move_on_after(daemon.config.heartbeat_timeout):
-                await daemon.peers.settled.wait()
-            try:
-                return await daemon.call(daemon.peers.coordinator(), op, **args)
-            except RemoteError as exc:
-                if exc.code not in ("not_coordinator", "node_down", "disconnected") or trio.current_time() > deadline:
-                    raise
+            leader = membership.coordinator()
+            if leader is None:
+                if trio.current_time() > deadline:
+                    raise RemoteError("no_coordinator", f"the cluster has had no coordinator for {patience:g} s (see `gang nodes`)")
+            else:
+                try:
+                    return await daemon.call(leader, op, **args)
+                except RemoteError as exc:
+                    if exc.code not in ("not_coordinator", "node_down", "disconnected") or trio.current_time() > deadline:
+                        raise
+            membership.refuse_if_isolated()
             await trio.sleep(0.1)
 
     async def _record(self, args: dict, cred: dict, action: str) -> dict:
         job_id = _int(args, "job")
         table = self.daemon.table
-        record = table.get(job_id)
-        if record is None:
-            # Maybe submitted a moment ago through another node, its replica
-            # still on the way: the coordinator has the final word.
-            record = await self.to_coordinator("job_record", job=job_id)
-            if record is not None:
-                await table.apply(record)
+        # (from etcd if not cached: submitted a moment ago through another
+        # node, or ended long ago and in the history)
+        record = await table.fetch(job_id)
         if record is None:
             raise RemoteError("no_such_job", f"no job {job_id}")
         permission_check(record, cred, action)
@@ -180,7 +180,7 @@ class Ops:
         daemon = self.daemon
         return {
             "node": daemon.node,
-            "coordinator": daemon.peers.coordinator(),
+            "coordinator": daemon.membership.coordinator(),
             "nodes": [n.name for n in daemon.config.nodes],
             "uid": cred["uid"],
             "user": cred["user"],
@@ -204,9 +204,10 @@ class Ops:
         return await self.to_coordinator("coord_kill", job=job_id, cred=cred)
 
     def _job_ids(self) -> list[int]:
-        """Every job id of the table, ascending: built once, then kept up to
-        date record by record, so a listing never sorts the whole table."""
-        if self._ids is None:
+        """Every job id of the hot table, ascending: built once, then kept up
+        to date record by record, so a listing never sorts the whole table
+        (rebuilt when many ids left for the history)."""
+        if self._ids is None or len(self._ids) > 2 * len(self.daemon.table.records) + 64:
             self._ids = sorted(self.daemon.table.records)
             self._id_set = set(self._ids)
         return self._ids
@@ -225,14 +226,23 @@ class Ops:
             raise RemoteError("bad_request", "'after' and 'limit' must be integers")
         limit = max(1, min(limit, LIST_PAGE))
         ids, table = self._job_ids(), self.daemon.table.records
-        cutoff = None if args.get("all") else time.time() - 3600
+        everything = bool(args.get("all"))
+        cutoff = None if everything else time.time() - 3600
         records = []
         for job_id in itertools.islice(ids, bisect.bisect_right(ids, after), None):
-            record = table[job_id]
+            record = table.get(job_id)
+            if record is None:
+                continue  # (moved to the history)
             if cutoff is None or not jobs.is_terminal(record) or (record.get("ended") or 0) > cutoff:
                 records.append(record)
                 if len(records) >= limit:
                     break
+        if everything:
+            # The history too (ended jobs past the retention period), merged in id order.
+            past = await self.daemon.table.history(after, limit)
+            merged = {r["id"]: r for r in past}
+            merged.update({r["id"]: r for r in records})
+            records = [merged[job_id] for job_id in sorted(merged)[:limit]]
         summaries = [_summary(r) for r in records]
         live = [s for s in summaries if s["state"] in (jobs.RUNNING, jobs.SUSPENDED)]
         if live:
@@ -259,7 +269,7 @@ class Ops:
         cpu: dict[int, float] = {}
 
         async def ask(node: str, ids: list[int]) -> None:
-            if not self.daemon.peers.is_up(node):
+            if not self.daemon.membership.is_up(node):
                 return
             try:
                 for job_id, used in (await self.daemon.call(node, "job_usage", jobs=ids)).items():
@@ -357,24 +367,29 @@ class Ops:
         daemon = self.daemon
         peers = daemon.peers
         now = time.time()
-        coordinator = peers.coordinator()
+        membership = daemon.membership
+        coordinator = membership.coordinator()
         rows = []
         for spec in sorted(daemon.config.nodes, key=lambda n: natural_key(n.name)):
             heartbeat: float | None
             if spec.name == daemon.node:
-                running, heartbeat, why = daemon.ranks.running(), 0.0, ""
+                running, heartbeat = daemon.ranks.running(), 0.0
+                why = "" if membership.connected else f"cannot reach etcd: {membership.why_isolated}"
                 offset = {"offset": 0.0, "error": 0.0}
             else:
                 link = peers.links[spec.name]
                 running = link.info.get("running", 0) if link.up else 0
                 heartbeat = now - link.last_ok_wall if link.last_ok_wall else None
-                why = "" if link.up else link.why_down
+                if not membership.is_up(spec.name):
+                    why = "no lease in etcd (stopped, stalled or cut off from etcd)"
+                else:
+                    why = "" if link.up else f"up in etcd, but {daemon.node}'s link to it is down: {link.why_down}"
                 offset = {"offset": link.clock.offset, "error": link.clock.error}
             rows.append(
                 {
                     "name": spec.name,
                     "address": spec.endpoint,
-                    "state": "up" if peers.is_up(spec.name) else "down",
+                    "state": "up" if membership.is_up(spec.name) else "down",
                     "cores": spec.cores,
                     "running": running,
                     "heartbeat": heartbeat,
@@ -493,19 +508,23 @@ class Ops:
         info["clock"] = [came, time.time(), link.clock.ours if link is not None else None]
         return info
 
-    async def table_since(self, args, from_node, channel):
-        """One batch of the records newer than ``seq`` (see JobTable.batch_since); ``more``: ask again from ``through``."""
-        table = self.daemon.table
-        records, through = table.batch_since(_int(args, "seq"))
-        return {"records": records, "through": through, "more": through < table.seq}
-
     async def launch(self, args, from_node, channel):
         record = args.get("record")
         if not isinstance(record, dict):
             raise RemoteError("bad_request", "launch needs a job record")
         daemon = self.daemon
+        daemon.membership.refuse_if_isolated()
         try:
-            await daemon.table.apply(record)
+            try:
+                cached = decode_record(pack({k: v for k, v in record.items() if k not in ("env", "seq")}))
+            except ValueError as exc:
+                raise RemoteError("bad_request", f"launch: bad job record: {exc}") from None
+            seq = record.get("seq")
+            if not isinstance(seq, int) or isinstance(seq, bool) or seq < 1:
+                raise RemoteError("bad_request", "launch: the job record has no revision")
+            if not isinstance(record.get("env"), dict):
+                raise RemoteError("bad_request", "launch: the job's environment is missing")
+            daemon.table.take(cached, seq)
             current = daemon.table.get(record["id"])
             if jobs.is_terminal(current) or current.get("kill_requested"):
                 # A kill overtook this launch: starting ranks now would orphan them.
@@ -517,7 +536,7 @@ class Ops:
             if args.get("contexts"):
                 daemon.jobnet.set_context(record["id"], args["contexts"])
             rank_setup = (lambda rank: daemon.pmi.prepare(record, rank, daemon.spawn)) if record.get("mpi") else None
-            pids = await daemon.ranks.launch(daemon.spawn, record, daemon.table.job_dir(record["id"]), extra, rank_setup)
+            pids = await daemon.ranks.launch(daemon.spawn, record, daemon.config.state_dir / "jobs" / str(record["id"]), extra, rank_setup)
         except RemoteError:
             raise
         except Exception as exc:
@@ -542,10 +561,6 @@ class Ops:
 
     async def resend_exits(self, args, from_node, channel):
         return self.daemon.resend_exits()
-
-    async def job_record(self, args, from_node, channel):
-        self._coordinator()
-        return self.daemon.table.get(_int(args, "job"))
 
     async def coord_submit(self, args, from_node, channel):
         return await self._coordinator().submit(args["spec"], args["cred"])

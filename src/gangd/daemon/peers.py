@@ -1,11 +1,13 @@
-"""Links to the other daemons: connection, authentication, heartbeats, membership.
+"""Links to the other daemons: connection, authentication, heartbeats, clocks.
 
 Each daemon dials every other daemon (so each pair has two TCP connections,
 one per direction) and sends its requests on the link it dialed; requests
-from a peer arrive on the connection that peer dialed. A peer is *up* while
-its link is connected and answered a heartbeat within ``heartbeat_timeout``.
-Membership changes are reported to the daemon, whose coordinator fails jobs
-on nodes that went down.
+from a peer arrive on the connection that peer dialed. These links carry
+what must be fast (gang switches, checkpoint rounds, launches, output);
+their heartbeats estimate the peers' clock offsets and say whether a link
+works (``link.up``). Whether a *node* is alive is not theirs to judge: that
+is etcd's, the same for every node at the same moment
+(:mod:`gangd.daemon.controlplane`).
 """
 
 from __future__ import annotations
@@ -24,9 +26,8 @@ from .config import NodeSpec
 
 log = logging.getLogger("gangd.peers")
 
-#: Notes queued for one peer before more are dropped. Notes are table
-#: updates only, and a peer that missed some is caught up by sequence number
-#: at its next heartbeat, so a slow or stopped peer costs a bounded queue.
+#: Notes queued for one peer before more are dropped: a slow or stopped
+#: peer costs a bounded queue.
 OUTBOX_NOTES = 1024
 
 
@@ -60,27 +61,16 @@ class Peers:
         self.links: dict[str, PeerLink] = {spec.name: PeerLink(spec) for spec in self.config.peers}
         for link in self.links.values():
             link.outbox = trio.open_memory_channel(OUTBOX_NOTES)
-        self.settled = trio.Event()  # first round of contacts done (or timed out)
 
     # ------------------------------------------------------------ queries
 
-    def is_up(self, name: str) -> bool:
+    def link_up(self, name: str) -> bool:
         return name == self.config.node_name or (name in self.links and self.links[name].up)
-
-    def up_nodes(self) -> list[str]:
-        names = [self.config.node_name] + [n for n, link in self.links.items() if link.up]
-        return sorted(names, key=natural_key)
 
     def clock_offset(self, name: str) -> float:
         """How far node ``name``'s wall clock is ahead of ours (seconds, estimated; 0 for this node)."""
         link = self.links.get(name)
         return link.clock.offset if link is not None else 0.0
-
-    def coordinator(self) -> str:
-        master = self.config.master
-        if master and self.is_up(master):
-            return master
-        return self.up_nodes()[0]
 
     # ------------------------------------------------------------ calls
 
@@ -112,7 +102,7 @@ class Peers:
         try:
             link.outbox[0].send_nowait((op, args))
         except trio.WouldBlock:
-            log.warning("node %s is not taking notes (%d queued); dropped a %r note, its heartbeat catches it up", link.spec.name, OUTBOX_NOTES, op)
+            log.warning("node %s is not taking notes (%d queued); dropped a %r note", link.spec.name, OUTBOX_NOTES, op)
 
     # ------------------------------------------------------------ the links
 
@@ -120,18 +110,6 @@ class Peers:
         async with trio.open_nursery() as nursery:
             for link in self.links.values():
                 nursery.start_soon(self._maintain, link, handler)
-            nursery.start_soon(self._settle)
-
-    async def _settle(self) -> None:
-        # A daemon that just started must not crown itself coordinator before
-        # it had a chance to hear from the others.
-        with trio.move_on_after(self.config.heartbeat_timeout):
-            # Polled: a link comes up in _maintain, goes down in _mark_down and from heartbeats; an Event
-            # set when the last one comes up would need every one of those paths to check all links.
-            while not all(link.up for link in self.links.values()):  # noqa: ASYNC110 -- bounded poll of several links' state
-                await trio.sleep(0.05)
-        self.settled.set()
-        self.daemon.membership_changed()
 
     async def _maintain(self, link: PeerLink, handler) -> None:
         # This loop must outlive anything a peer does to us: a bug here would
@@ -208,7 +186,7 @@ class Peers:
                 with trio.fail_after(timeout):
                     info = await channel.request("ping", **self.daemon.heartbeat_info())
             except (RemoteError, trio.TooSlowError) as exc:
-                why = f"no heartbeat answer for {timeout:.1f} s" if isinstance(exc, trio.TooSlowError) else str(exc)
+                why = f"no heartbeat answer on the link for {timeout:.1f} s" if isinstance(exc, trio.TooSlowError) else str(exc)
                 self._mark_down(link, why)
                 scope.cancel()  # drop the connection and dial again
                 return
@@ -222,9 +200,7 @@ class Peers:
             if not link.up:
                 link.up = True
                 link.why_down = ""
-                log.info("node %s (%s) is up", link.spec.name, link.spec.endpoint)
-                self.daemon.membership_changed()
-            self.daemon.on_heartbeat(link.spec.name, link.info)
+                log.info("link to node %s (%s) is up", link.spec.name, link.spec.endpoint)
             await trio.sleep_until(sent + interval)
 
     def _mark_down(self, link: PeerLink, why: str, grace: bool = False) -> None:
@@ -239,8 +215,7 @@ class Peers:
             self.daemon.spawn(self._expire, link)
             return
         link.up = False
-        log.warning("node %s (%s) is down: %s", link.spec.name, link.spec.endpoint, why)
-        self.daemon.membership_changed()
+        log.info("link to node %s (%s) is down: %s", link.spec.name, link.spec.endpoint, why)
 
     async def _expire(self, link: PeerLink) -> None:
         deadline = (link.last_ok or 0) + self.config.heartbeat_timeout
@@ -249,5 +224,4 @@ class Peers:
             link.up = False
             why = f"no heartbeat for {self.config.heartbeat_timeout:.1f} s ({link.why_down})"
             link.why_down = why
-            log.warning("node %s (%s) is down: %s", link.spec.name, link.spec.endpoint, why)
-            self.daemon.membership_changed()
+            log.info("link to node %s (%s) is down: %s", link.spec.name, link.spec.endpoint, why)

@@ -1,8 +1,10 @@
 """The node daemon: owns this node's ranks, talks to its peers and its users.
 
 One trio task tree per process. The root nursery holds the listeners, the
-peer links, the coordinator loop, the exit reporter and the rank watchers;
-nothing runs outside it. Requests from local users arrive on a Unix socket
+peer links, this node's session with etcd (which runs the coordinator's
+term when this node wins the election, see :mod:`.controlplane`), the exit
+reporter and the rank watchers; nothing runs outside it. This class is
+where the components are built and wired: each gets what it uses. Requests from local users arrive on a Unix socket
 (their uid comes from SO_PEERCRED, never from the wire); requests from peers
 arrive on TCP after the HMAC handshake. See :mod:`gangd.daemon.ops` for what
 each request does.
@@ -25,6 +27,7 @@ from typing import Any
 import trio
 
 from .. import jobs, safefs
+from ..etcd.client import Etcd
 from ..protocol import Connection, ProtocolError, Request, Role
 from ..protocol import State as ConnState
 from ..rpc import HANDSHAKE_TIMEOUT, Channel, RemoteError, peer_credentials
@@ -33,6 +36,7 @@ from .admission import Counter, Handshakes, Limits, Refused, SharedBytes, TokenB
 from .cgroup import CgroupTree
 from .checkpoint import NodeCheckpoints
 from .config import Config
+from .controlplane import ControlPlane
 from .coordinator import Coordinator
 from .jobnet import JobNet
 from .notify import SystemdNotifier, watchdog_loop
@@ -41,7 +45,7 @@ from .outputlog import OutputError, OutputStore
 from .peers import Peers
 from .pmi import PmiServer
 from .ranks import LocalRanks, Rank
-from .table import JobTable, TableError
+from .store import JobTable, Keys
 
 log = logging.getLogger("gangd.daemon")
 
@@ -55,10 +59,16 @@ class Daemon:
         self.config = config
         self.node = config.node_name
         self.secret = config.read_secret()
-        self.table = JobTable(config.state_dir)
-        self._catchup: dict[str, tuple[int, float]] = {}  # node -> (seq, when) of the last catch-up batch sent to it
+        self.etcd = _etcd_client(config)
+        self.table = JobTable(self.etcd, Keys(config.etcd.prefix))
         self.peers = Peers(self)
         self.coordinator = Coordinator(self)
+        self.membership = ControlPlane(
+            etcd=self.etcd, keys=self.table.keys, node=self.node, node_info=self._node_info, ttl=config.etcd.lease_ttl,
+            grace=config.etcd.grace, table=self.table, serve_term=self.coordinator.serve_term,
+            on_session=self._session_started, on_nodes_changed=self._nodes_changed, on_grace_over=self._grace_over,
+        )
+        self._sessions = 0
         tag = hashlib.sha1(str(config.state_dir.resolve()).encode(), usedforsecurity=False).hexdigest()[:8]
         instance = f"gangd-{self.node}-{tag}"
         self.cgroups = CgroupTree(instance, config.cgroup_limits)
@@ -72,6 +82,7 @@ class Daemon:
         # a predictable name in a world-writable one such as /dev/shm.
         self.jobnet = JobNet(self, config.runtime_root)
         self.table.listeners.append(self.jobnet.on_record)
+        self.table.listeners.append(self._kill_if_ended)
         self.checkpoints = NodeCheckpoints(self)
         self.pmi = PmiServer(self)
         self.ops = Ops(self)
@@ -117,33 +128,49 @@ class Daemon:
             "node": self.node,
             "cores": self.config.node.cores,
             "running": self.ranks.running(),
-            "seq": self.table.held_seq(),
-            "coordinator": self.peers.coordinator(),
             "started": self.started,
         }
 
-    def on_heartbeat(self, node: str, info: dict) -> None:
-        # The coordinator pushes what a node missed while it was away, one
-        # bounded batch per heartbeat (table.BATCH_BYTES): the node's next
-        # heartbeat says how far it got. The same batch is not sent again
-        # while it may still be on its way.
-        seq = info.get("seq")
-        if not (self.coordinator.active and isinstance(seq, int) and not isinstance(seq, bool) and seq < self.table.seq):
-            self._catchup.pop(node, None)
-            return
-        now = trio.current_time()
-        last = self._catchup.get(node)
-        if last is not None and last[0] == seq and now - last[1] < self.config.heartbeat_timeout:
-            return
-        records, through = self.table.batch_since(seq)
-        self._catchup[node] = (seq, now)
-        self.peers.send_note(node, "table", records=records, since=seq, through=through)
+    def _node_info(self) -> dict:
+        """What this node's key in etcd says about it."""
+        return {"cores": self.config.node.cores, "endpoint": self.config.node.endpoint, "started": self.started, "pid": os.getpid()}
 
-    def membership_changed(self) -> None:
-        self._membership.set()
+    # ------------------------------------------------------------ the session with etcd
 
-    def is_coordinator(self) -> bool:
-        return self.peers.settled.is_set() and self.peers.coordinator() == self.node
+    async def _session_started(self) -> None:
+        """A session with etcd began (the table is read): bring this node's
+        ranks in line with it. A node back from a stall or a partition kills
+        every rank of a job the table no longer runs here, so nothing is
+        orphaned; a daemon that restarted reports the ranks it lost."""
+        self._sessions += 1
+        if self._sessions == 1:
+            self._lost_ranks_from_previous_life()
+        orphans = set()
+        for (job_id, rank), entry in list(self.ranks.ranks.items()):
+            if entry.status is not None:
+                continue
+            record = self.table.get(job_id)
+            if record is None or jobs.is_terminal(record) or rank >= len(record["placement"]) or record["placement"][rank] != self.node:
+                orphans.add(job_id)
+        for job_id in sorted(orphans):
+            record = self.table.get(job_id)
+            log.warning("killing this node's ranks of job %d: the job is %s", job_id, record["state"] if record else "no longer in the table")
+            self.spawn(self.ranks.kill_job, job_id)
+        self.resend_exits()
+
+    def _kill_if_ended(self, record: dict) -> None:
+        """An ended job's ranks go, here too, even if the coordinator's kill never reached this node."""
+        if jobs.is_terminal(record) and any(r.status is None for r in self.ranks.of_job(record["id"])):
+            self.spawn(self.ranks.kill_job, record["id"])
+
+    def _nodes_changed(self) -> None:
+        if self.coordinator.active:
+            self.coordinator.nodes_changed()
+
+    async def _grace_over(self, why: str) -> None:
+        if self.ranks.running():
+            log.error("%s: killing this node's %d running ranks (their jobs were failed when its lease expired)", why, self.ranks.running())
+            await self.ranks.kill_all()
 
     # ------------------------------------------------------------ main
 
@@ -152,9 +179,8 @@ class Daemon:
         self._prepare_state_dir()
         self._raise_priority()
         try:
-            self.table.load()
             self.outputs.prepare()
-        except (TableError, OutputError) as exc:
+        except OutputError as exc:
             raise StartupError(str(exc)) from None
         # Both checked from / (owner root, no links, writable by no one
         # else) and used through their fds from here on (gangd.safefs).
@@ -183,12 +209,9 @@ class Daemon:
                 for listener in tcp_listeners:
                     nursery.start_soon(self._serve_listeners, listener, Role.PEER)
                 nursery.start_soon(self.peers.run, self.ops.handle)
-                nursery.start_soon(self.coordinator.run)
-                nursery.start_soon(self.coordinator.run_gang)
-                nursery.start_soon(self._watch_membership)
+                nursery.start_soon(self.membership.run)
                 nursery.start_soon(self._report_exits)
                 nursery.start_soon(self._handle_signals, nursery.cancel_scope, notifier)
-                await self._lost_ranks_from_previous_life()
                 if notifier:
                     nursery.start_soon(watchdog_loop, notifier)
                     notifier.ready(f"serving {len(config.nodes)}-node cluster as {self.node}")
@@ -202,6 +225,8 @@ class Daemon:
             self.outputs.close()
             self.jobnet.close_runtime()
             self.checkpoints.close_root()
+            with trio.CancelScope(shield=True):
+                await self.etcd.aclose()
             log.info("gangd %s stopped", self.node)
 
     def _prepare_state_dir(self) -> None:
@@ -417,30 +442,6 @@ class Daemon:
         """Who a local client is: the kernel's uid/gid, the name from NSS (off the loop, cached)."""
         return {"uid": uid, "gid": gid, "user": await self._guard.names.name(uid)}
 
-    async def _watch_membership(self) -> None:
-        was = False
-        while True:
-            await self._membership.wait()
-            self._membership = trio.Event()
-            now = self.is_coordinator()
-            try:
-                if now and not was:
-                    await self.coordinator.take_over()
-                elif not now and was:
-                    log.info("node %s is now the coordinator", self.peers.coordinator())
-                    self.coordinator.active = False
-                elif now:
-                    await self.coordinator.check_nodes()
-                    self.coordinator.kick()
-                was = now
-            except Exception:  # `was` stays, so the retry redoes the whole transition
-                log.exception("handling a membership change failed; retrying")
-                self.spawn(self._retry_membership)
-
-    async def _retry_membership(self) -> None:
-        await trio.sleep(self.config.heartbeat_interval)
-        self.membership_changed()
-
     # ------------------------------------------------------------ rank exits
 
     def _rank_exited(self, entry: Rank) -> None:
@@ -478,8 +479,11 @@ class Daemon:
                 exits = [e for e in exits if record["ranks"][e[0]] is None]
                 if jobs.is_terminal(record) or not exits:
                     return
+            leader = self.membership.coordinator()
             try:
-                await self.call(self.peers.coordinator(), "ranks_exited", job=job_id, exits=exits)
+                if leader is None:
+                    raise RemoteError("no_coordinator", "no coordinator right now")
+                await self.call(leader, "ranks_exited", job=job_id, exits=exits)
                 return
             except Exception as exc:  # noqa: BLE001 -- RemoteError, the coordinator's disk failing, a link down: retried until delivered
                 log.debug("reporting exits of job %d failed (%s); retrying", job_id, exc)
@@ -496,7 +500,7 @@ class Daemon:
                 count += 1
         return count
 
-    async def _lost_ranks_from_previous_life(self) -> None:
+    def _lost_ranks_from_previous_life(self) -> None:
         """Ranks this node ran before a restart are gone (they die with the
         daemon): report them so their jobs end instead of waiting forever."""
         for record in self.table.active():
@@ -623,3 +627,12 @@ async def _refuse(stream, conn: Connection, refused: Refused) -> None:
             except Exception:  # noqa: BLE001, S110 -- best effort: the bye to a refused client that may be gone
                 pass
         await stream.aclose()
+
+
+def _etcd_client(config: Config) -> Etcd:
+    settings = config.etcd
+    password = settings.read_password() if getattr(settings, "password_file", None) else None
+    return Etcd(
+        list(settings.endpoints), ca=settings.ca_file, cert=settings.cert_file, key=settings.key_file,
+        user=settings.user, password=password,
+    )

@@ -1,0 +1,49 @@
+"""Where gangd keeps what in etcd, under one prefix per gangd cluster.
+
+``PREFIX/leader/<lease>``  the election (gangd.etcd.election): the coordinator
+``PREFIX/nodes/<name>``    a node is alive while its key (on its lease) exists
+``PREFIX/ids``             the last job id handed out (a counter moved by txn)
+``PREFIX/jobs/<id>``       the hot job table: queued, running and recently ended jobs
+``PREFIX/env/<id>``        a job's environment, apart: written once, dropped when it ends
+``PREFIX/history/<id>``    ended jobs past the retention period (append-only)
+
+Job ids are zero-padded so that etcd's byte order is id order: a page of
+jobs or history is one range read.
+"""
+
+from __future__ import annotations
+
+ID_DIGITS = 12
+
+
+class Keys:
+    def __init__(self, prefix: str):
+        prefix = "/" + prefix.strip("/") if prefix.strip("/") else ""
+        self.prefix = prefix
+        self.leader = f"{prefix}/leader/"
+        self.nodes = f"{prefix}/nodes/"
+        self.ids = f"{prefix}/ids"
+        self.jobs = f"{prefix}/jobs/"
+        self.env_prefix = f"{prefix}/env/"
+        self.history = f"{prefix}/history/"
+
+    def node(self, name: str) -> str:
+        return self.nodes + name
+
+    def job(self, job_id: int) -> str:
+        return f"{self.jobs}{job_id:0{ID_DIGITS}d}"
+
+    def env(self, job_id: int) -> str:
+        return f"{self.env_prefix}{job_id:0{ID_DIGITS}d}"
+
+    def past(self, job_id: int) -> str:
+        return f"{self.history}{job_id:0{ID_DIGITS}d}"
+
+    @staticmethod
+    def job_id(key: bytes | str, prefix: str) -> int | None:
+        """The id in a job/env/history key, or None if the key is not one."""
+        text = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+        if not text.startswith(prefix):
+            return None
+        tail = text[len(prefix):]
+        return int(tail) if tail.isdigit() and len(tail) == ID_DIGITS else None

@@ -344,3 +344,61 @@ def test_find_binary_and_check_version(tmp_path):
     assert find_binary(str(path)) == path
     with pytest.raises(EtcdBinaryError, match="does not exist or is not executable"):
         find_binary(str(tmp_path / "etcd"))
+
+
+# ------------------------------------------------------------------------------------------------ election
+
+
+async def test_election_second_campaigner_leads_only_after_the_first_resigns_with_a_higher_term(etcd):
+    from contextlib import aclosing
+
+    from gangd.etcd.election import Election
+
+    election = Election(etcd, unique("election"))
+    assert await election.leader() is None
+    observed: list = []
+
+    async def observe():
+        async with aclosing(election.observe()) as it:
+            async for leader in it:
+                observed.append(leader)
+
+    async with trio.open_nursery() as nursery, open_lease(etcd, 10) as la, open_lease(etcd, 10) as lb:
+        nursery.start_soon(observe)
+        await wait_until(lambda: _true(bool(observed)), 30, "observe to report no leader")
+        a = await election.campaign(la, b"node-a")
+        assert await election.leader() == (b"node-a", a.term)
+        b_result: list = []
+
+        async def campaign_b():
+            b_result.append(await election.campaign(lb, b"node-b"))
+
+        nursery.start_soon(campaign_b)
+        # B's key exists (it is waiting) while A still leads.
+        await wait_until(lambda: _exists(etcd, f"{election.prefix}{lb.id:x}"), 30, "B's candidacy key")
+        assert not b_result and await election.leader() == (b"node-a", a.term)
+        await election.resign(a)
+        await wait_until(lambda: _true(bool(b_result)), 30, "B to become leader")
+        b = b_result[0]
+        assert b.term > a.term and await election.leader() == (b"node-b", b.term)
+        await wait_until(lambda: _true((b"node-b", b.term) in observed), 30, "observe to see B")
+        assert observed[0] is None and (b"node-a", a.term) in observed
+        assert observed.index((b"node-a", a.term)) < observed.index((b"node-b", b.term))
+        nursery.cancel_scope.cancel()
+
+
+async def test_election_a_leader_whose_lease_expires_loses_to_the_next_campaigner(etcd):
+    from gangd.etcd.election import Election
+
+    election = Election(etcd, unique("election-expiry"))
+    async with open_lease(etcd, 3) as la, open_lease(etcd, 10) as lb:
+        a = await election.campaign(la, b"a")
+        la.stop_keepalive()  # A stalls
+        with trio.fail_after(60):
+            b = await election.campaign(lb, b"b")
+        assert la.lost.is_set()  # A's own view ended no later than etcd's
+        assert b.term > a.term and await election.leader() == (b"b", b.term)
+
+
+async def _exists(etcd, key):
+    return await etcd.get(key) is not None

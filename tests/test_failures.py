@@ -318,7 +318,7 @@ def test_daemon_speaks_sd_notify_to_a_real_socket(tmp_path):
     import subprocess
     import sys
 
-    from gangd.daemon.config import Config, NodeSpec, render
+    from gangd.daemon.config import Config, EtcdSettings, NodeSpec, render
 
     notify_path = tmp_path / "notify.sock"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -334,6 +334,7 @@ def test_daemon_speaks_sd_notify_to_a_real_socket(tmp_path):
         state_dir=tmp_path / "state",
         socket=tmp_path / "gangd.sock",
         secret_file=secret,
+        etcd=EtcdSettings(endpoints=("http://127.0.0.1:9",)),  # TODO(lead): a real etcd once the daemon uses it
     )
     (tmp_path / "gangd.toml").write_text(render(config))
     env = {**os.environ, "NOTIFY_SOCKET": str(notify_path), "WATCHDOG_USEC": "200000"}

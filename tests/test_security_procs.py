@@ -435,7 +435,7 @@ def test_an_unkillable_rank_does_not_stop_the_handling_of_a_node_failure(make_cl
 def test_limits_section_is_validated_and_round_trips(tmp_path):
     from gangd.daemon import config as cfg
 
-    base = '[node]\nname = "n1"\n[[nodes]]\nname = "n1"\naddress = "127.0.0.1"\n'
+    base = '[node]\nname = "n1"\n[etcd]\nendpoints = ["http://127.0.0.1:2379"]\n[[nodes]]\nname = "n1"\naddress = "127.0.0.1"\n'
     path = tmp_path / "gangd.toml"
     path.write_text(base + '[limits]\npids_max = 100\nmemory_max = "2G"\nnofile = 4096\ncore = 0\n')
     config = cfg.load(path)

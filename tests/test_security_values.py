@@ -25,7 +25,7 @@ from conftest import _world_traversable_tmpdir, as_uid, shared_cluster
 from gangd.client import cluster as local
 from gangd.client.cli import main as cli_main
 from gangd.comm import wire
-from gangd.daemon.config import Config, NodeSpec, render
+from gangd.daemon.config import Config, EtcdSettings, NodeSpec, render
 
 PY = sys.executable
 NOBODY = 65534
@@ -187,6 +187,7 @@ def start_daemon(tmp_path: Path, secret: Path) -> subprocess.CompletedProcess:
         state_dir=tmp_path / "state",
         socket=tmp_path / "gangd.sock",
         secret_file=secret,
+        etcd=EtcdSettings(endpoints=("http://127.0.0.1:9",)),  # never reached: the secret is refused first
     )
     (tmp_path / "gangd.toml").write_text(render(config))
     daemon = subprocess.Popen([PY, "-m", "gangd.daemon.main", "--config", str(tmp_path / "gangd.toml")], stderr=subprocess.PIPE, text=True)

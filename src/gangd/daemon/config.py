@@ -27,6 +27,7 @@ Example (``/etc/gangd/gangd.toml``)::
     checkpoint_timeout = 600         # seconds ranks may take to reach the cut / write their state
     checkpoint_max_rank_bytes = 68719476736  # largest state file one rank may commit (a restart checksums it)
     max_queued_per_user = 1000       # jobs one user may have waiting to start (root: no limit)
+    job_retention = 3600             # seconds an ended job stays in the hot job table, then the history
 
     [limits]                         # optional; what no job may exceed (per job and node)
     pids_max = 4096                  # processes+threads (cgroup pids controller)
@@ -232,6 +233,7 @@ class Config:
     output_limit: int = 1 << 30  # bytes of output a job may leave on this node; the rest is dropped with a notice
     output_reserve: int = 64 << 20  # bytes rank output leaves free on its file system (room for the job table)
     max_queued_per_user: int = 1000  # jobs a user (not root) may have queued, not yet started: every node keeps each
+    job_retention: float = 3600.0  # ended jobs move from the hot table to the history after this (s)
     limits: tuple[tuple[str, int], ...] = ()  # [limits]: pids_max, memory_max, rlimit caps (name, value)
     etcd: EtcdSettings = field(default_factory=EtcdSettings)  # [etcd]: where the cluster's state lives
 
@@ -399,6 +401,7 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         "output_reserve": int(node.get("output_reserve", 64 << 20)),
         "runtime_dir": Path(node["runtime_dir"]) if node.get("runtime_dir") else None,
         "max_queued_per_user": int(cluster.get("max_queued_per_user", 1000)),
+        "job_retention": float(cluster.get("job_retention", 3600.0)),
     }
     settings["limits"] = _limits(data.get("limits", {}))
     etcd_section = data.get("etcd", {})
@@ -438,6 +441,8 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         raise ConfigError("output_limit and output_reserve are byte counts and cannot be negative")
     if config.max_slots < 1:
         raise ConfigError(f"max_slots must be at least 1, not {config.max_slots}")
+    if not 0 <= config.job_retention <= 365 * 86400:
+        raise ConfigError(f"job_retention must be seconds from 0 to a year, not {config.job_retention}")
     if config.max_queued_per_user < 1:
         raise ConfigError(f"max_queued_per_user must be at least 1, not {config.max_queued_per_user}")
     if config.heartbeat_timeout <= config.heartbeat_interval:
@@ -544,6 +549,7 @@ def render(config: Config) -> str:
         f"checkpoint_timeout = {config.checkpoint_timeout}",
         f"checkpoint_max_rank_bytes = {config.checkpoint_max_rank_bytes}",
         f"max_queued_per_user = {config.max_queued_per_user}",
+        f"job_retention = {config.job_retention}",
     ]
     if config.limits:
         lines += ["", "[limits]"] + [f"{key} = {value}" for key, value in config.limits]

@@ -736,7 +736,8 @@ class Coordinator:
                     continue
                 timing = {} if at is None else {"at": at + offset[node]}
                 try:
-                    replies[node] = await stack.enter_async_context(self.daemon.peers.channel(node).pending("switch", term=self._fence().term, **lists, **timing))
+                    pending = self.daemon.peers.channel(node).pending("switch", term=self._fence().term, **lists, **timing)
+                    replies[node] = await stack.enter_async_context(pending)
                 except RemoteError as exc:  # node down: check_nodes fails its jobs
                     log.warning("switch on %s failed: %s", node, exc)
             if me in per_node:

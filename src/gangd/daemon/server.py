@@ -631,8 +631,11 @@ async def _refuse(stream, conn: Connection, refused: Refused) -> None:
 
 def _etcd_client(config: Config) -> Etcd:
     settings = config.etcd
-    password = settings.read_password() if getattr(settings, "password_file", None) else None
     return Etcd(
-        list(settings.endpoints), ca=settings.ca_file, cert=settings.cert_file, key=settings.key_file,
-        user=settings.user, password=password,
+        list(settings.endpoints), ca=_str(settings.ca_file), cert=_str(settings.cert_file), key=_str(settings.key_file),
+        user=settings.user, password=settings.read_password(),
     )
+
+
+def _str(path) -> str | None:
+    return None if path is None else str(path)

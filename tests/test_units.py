@@ -21,8 +21,6 @@ from gangd.daemon import config as cfg
 from gangd.daemon import outputlog
 from gangd.daemon.coordinator import place
 from gangd.daemon.outputlog import STDERR, STDOUT, OutputStore, read_records
-from gangd.daemon.store import pack
-from gangd.daemon.table import JobTable, read_record_file
 
 # ====================================================================== config
 
@@ -372,7 +370,7 @@ def test_new_record_defaults():
     assert rec["kill_requested"] is None
     assert rec["seq"] == 0
     # it must travel over msgpack as is
-    assert msgpack.unpackb(pack(rec), raw=False, strict_map_key=False) == rec
+    assert msgpack.unpackb(msgpack.packb(rec, use_bin_type=True), raw=False, strict_map_key=False) == rec
 
 
 def test_new_record_takes_spec_values():
@@ -670,140 +668,6 @@ async def test_outputlog_reopened_after_restart_keeps_old_output(tmp_path):
     second.close()
     with trio.fail_after(5):
         assert await collect(second.follow()) == [(STDOUT, b"before restart\n"), (STDERR, b"after restart\n")]
-
-
-# ====================================================================== job table
-
-
-def table_record(job_id, state=jobs.QUEUED):
-    rec = jobs.new_record(job_id=job_id, spec={"argv": ["app"], "nranks": 2}, owner_uid=0, owner_name="root", owner_gid=0)
-    rec["state"] = state
-    return rec
-
-
-async def test_table_commit_stamps_increasing_seq(tmp_path):
-    table = JobTable(tmp_path)
-    table.load()
-    a = await table.commit(table_record(1))
-    b = await table.commit(table_record(2))
-    a2 = dict(a, state=jobs.RUNNING)
-    a2 = await table.commit(a2)
-    assert (a["seq"], b["seq"], a2["seq"]) == (1, 2, 3)
-    assert table.seq == 3
-    assert table.get(1)["state"] == jobs.RUNNING
-    assert table.get(3) is None
-    assert table.next_job_id() == 3
-    assert read_record_file(table.job_dir(1) / "job.msgpack") == a2
-
-
-async def test_table_apply_ignores_older_or_equal_seq(tmp_path):
-    table = JobTable(tmp_path)
-    table.load()
-    newer = table_record(5, jobs.RUNNING)
-    newer["seq"] = 10
-    assert await table.apply(newer) is True
-    older = table_record(5, jobs.DONE)
-    older["seq"] = 9
-    assert await table.apply(older) is False
-    same = table_record(5, jobs.FAILED)
-    same["seq"] = 10
-    assert await table.apply(same) is False
-    assert table.get(5)["state"] == jobs.RUNNING
-    assert read_record_file(table.job_dir(5) / "job.msgpack")["state"] == jobs.RUNNING
-    assert table.seq == 10
-    newest = table_record(5, jobs.DONE)
-    newest["seq"] = 11
-    assert await table.apply(newest) is True
-    assert table.get(5)["state"] == jobs.DONE
-    assert read_record_file(table.job_dir(5) / "job.msgpack")["state"] == jobs.DONE
-
-
-async def test_table_commit_continues_after_applied_seq(tmp_path):
-    table = JobTable(tmp_path)
-    pushed = table_record(1)
-    pushed["seq"] = 41
-    await table.apply(pushed)
-    assert (await table.commit(table_record(2)))["seq"] == 42
-
-
-async def test_table_since(tmp_path):
-    table = JobTable(tmp_path)
-    for job_id in (1, 2, 3):
-        await table.commit(table_record(job_id))
-    await table.commit(dict(table.get(1), state=jobs.RUNNING))  # seq 4
-    assert [(r["id"], r["seq"]) for r in table.since(0)] == [(2, 2), (3, 3), (1, 4)]
-    assert [r["id"] for r in table.since(2)] == [3, 1]
-    assert table.since(4) == []
-
-
-async def test_table_active(tmp_path):
-    table = JobTable(tmp_path)
-    for job_id, state in [(1, jobs.DONE), (2, jobs.RUNNING), (3, jobs.QUEUED), (4, jobs.KILLED), (5, jobs.SUSPENDED)]:
-        await table.commit(table_record(job_id, state))
-    assert sorted(r["id"] for r in table.active()) == [2, 3, 5]
-
-
-async def test_table_load_restores_records_and_seq(tmp_path):
-    table = JobTable(tmp_path)
-    table.load()
-    for job_id in (1, 2, 3):
-        await table.commit(table_record(job_id))
-    await table.commit(dict(table.get(2), state=jobs.DONE))
-    restarted = JobTable(tmp_path)
-    restarted.load()
-    assert restarted.records == table.records
-    assert restarted.seq == 4
-    assert restarted.next_job_id() == 4
-    assert (await restarted.commit(table_record(4)))["seq"] == 5
-
-
-async def test_table_load_skips_corrupt_records(tmp_path):
-    table = JobTable(tmp_path)
-    await table.commit(table_record(1))
-    await table.commit(table_record(2))
-    for name, junk in [("98", b"\x85\xa2id"), ("99", b"\xc1\xc1\xc1"), ("97", b"")]:
-        (table.dir / name).mkdir()
-        (table.dir / name / "job.msgpack").write_bytes(junk)
-    restarted = JobTable(tmp_path)
-    restarted.load()
-    assert sorted(restarted.records) == [1, 2]
-    assert restarted.seq == 2
-
-
-async def test_table_wait_changed_wakes_on_commit(tmp_path):
-    table = JobTable(tmp_path)
-    woke = []
-
-    async def waiter():
-        await table.wait_changed()
-        woke.append(table.seq)
-
-    with trio.fail_after(5):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(waiter)
-            await trio.testing.wait_all_tasks_blocked()
-            assert woke == []
-            await table.commit(table_record(1))
-    assert woke == [1]
-
-
-async def test_table_wait_changed_not_woken_by_stale_apply(tmp_path):
-    table = JobTable(tmp_path)
-    rec = await table.commit(table_record(1))
-    woke = []
-
-    async def waiter():
-        await table.wait_changed()
-        woke.append(True)
-
-    with trio.fail_after(5):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(waiter)
-            await trio.testing.wait_all_tasks_blocked()
-            assert await table.apply(dict(rec)) is False
-            await trio.testing.wait_all_tasks_blocked()
-            assert woke == []
-            nursery.cancel_scope.cancel()
 
 
 # ====================================================================== output printer

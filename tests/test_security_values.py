@@ -18,6 +18,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+import trio
 from ckpthelpers import checkpoint, gen_dir, kill_what_is_left, wait_running_a_bit
 from click.testing import CliRunner
 from conftest import _world_traversable_tmpdir, as_uid, shared_cluster
@@ -46,8 +47,20 @@ def _leave_it_empty(request):
         kill_what_is_left(request.getfixturevalue("vc"))
 
 
-def on_disk(cluster, node: str, job: int) -> dict:
-    return msgpack.unpackb((cluster.dir / node / "state" / "jobs" / str(job) / "job.msgpack").read_bytes(), strict_map_key=False)
+def in_etcd(cluster, job: int) -> tuple[bytes, bool]:
+    """The job's record as etcd holds it (raw, hot table or history), and whether its environment key exists."""
+    from gangd.daemon.store import Keys
+    from gangd.etcd.client import Etcd
+    from gangd.etcd.server import LocalEtcd
+
+    keys = Keys(EtcdSettings.prefix)
+
+    async def read():
+        async with Etcd(LocalEtcd.load(cluster.dir / "etcd").endpoints) as etcd:
+            kv = await etcd.get(keys.job(job)) or await etcd.get(keys.past(job))
+            return (kv.value if kv else b""), (await etcd.get(keys.env(job))) is not None
+
+    return trio.run(read)
 
 
 def gang_as_this_user(cluster, *args):
@@ -56,16 +69,15 @@ def gang_as_this_user(cluster, *args):
 
 
 def wait_on_every_node(cluster, job: int, timeout: float = 30) -> dict[str, dict]:
-    """The job's record as each node stores it, once every node has it terminal."""
+    """The job's record in etcd (the one every node follows), once it is terminal there."""
     deadline = time.monotonic() + timeout
     while True:
-        try:
-            records = {node: on_disk(cluster, node, job) for node in cluster.files}
-            if all(r["state"] in TERMINAL for r in records.values()):
-                return records
-        except (OSError, ValueError):
-            pass
-        assert time.monotonic() < deadline, f"job {job} did not end on every node"
+        raw, _ = in_etcd(cluster, job)
+        if raw:
+            record = msgpack.unpackb(raw, strict_map_key=False)
+            if record["state"] in TERMINAL:
+                return {"etcd": record}
+        assert time.monotonic() < deadline, f"job {job} did not end in etcd"
         time.sleep(0.1)
 
 
@@ -263,9 +275,9 @@ def test_a_jobs_environment_is_gone_from_every_replica_once_it_ends_and_restart_
     assert gen["state"] == "complete", gen
     assert all(token.encode() in (gen_dir(vc, node, job, gen["gen"]) / "job.msgpack").read_bytes() for node in ("n1", "n2"))
     vc.gang("kill", job, check=True)
-    for node, record in wait_on_every_node(vc, job).items():
-        raw = (vc.dir / node / "state" / "jobs" / str(job) / "job.msgpack").read_bytes()
-        assert token.encode() not in raw and "env" not in record, f"{node} keeps the environment of ended job {job}"
+    wait_on_every_node(vc, job)
+    raw, env_kept = in_etcd(vc, job)
+    assert token.encode() not in raw and not env_kept, f"etcd keeps the environment of ended job {job}"
 
     def look():
         out = gang_as_this_user(vc, "ps", "--all", "--json")
@@ -281,8 +293,9 @@ def test_a_jobs_environment_is_gone_from_every_replica_once_it_ends_and_restart_
         time.sleep(0.2)
     assert logs.count(f"TOKEN={token} restart={gen['gen']}") == 2, logs
     vc.gang("kill", restarted, check=True)
-    for node, record in wait_on_every_node(vc, restarted).items():
-        assert "env" not in record and token.encode() not in (vc.dir / node / "state" / "jobs" / str(restarted) / "job.msgpack").read_bytes()
+    wait_on_every_node(vc, restarted)
+    raw, env_kept = in_etcd(vc, restarted)
+    assert token.encode() not in raw and not env_kept
 
 
 # ---------------------------------------------------------------- gangd.comm's handshake (finding 9)

@@ -878,8 +878,8 @@ def test_a_client_frame_beyond_the_limit_is_refused_with_the_reason_and_a_maxima
     cluster = make_cluster(1)
     path = str(cluster.files["n1"].socket)
     limit = Limits().client_max_frame
-    # What Linux lets one exec carry: argv and environment together ~2 MiB (ARG_MAX with an 8 MiB stack).
-    env = {"PATH": "/usr/bin:/bin"} | {f"V{i}": "x" * 1000 for i in range(2000)}
+    # What gangd lets one job carry: argv and environment together just under 1 MiB (jobs.MAX_ARGV_ENV_BYTES).
+    env = {"PATH": "/usr/bin:/bin"} | {f"V{i}": "x" * 1000 for i in range(1030)}
 
     async def submit(env):
         async with connect(sockets=[path]) as gang:

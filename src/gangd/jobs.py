@@ -31,11 +31,12 @@ EXIT_FAILED_NO_RANK = 1  # failed for a reason that is not a rank's exit code
 
 
 #: Bytes of a job's command line and environment together, counted as the
-#: kernel counts them (each string and its NUL): Linux refuses an exec past its
-#: ARG_MAX (2 MiB with the usual 8 MiB stack), so no runnable job needs more.
-#: The record holding them is kept by every node for as long as the job is,
-#: and goes whole into the table's catch-up notes.
-MAX_ARGV_ENV_BYTES = 2 * 1024 * 1024
+#: kernel counts them (each string and its NUL). Both go into etcd in the one
+#: transaction that creates the job (the command line in the record, the
+#: environment in a key of its own), and etcd refuses a request above 1.5 MiB
+#: by default: 1 MiB leaves room for the rest and is far more than any real
+#: job passes (Linux's own ARG_MAX is 2 MiB).
+MAX_ARGV_ENV_BYTES = 1024 * 1024
 MAX_CWD_BYTES = 4096  # PATH_MAX
 MAX_NAME_CHARS = 1024  # (shown cut to text.MAX_NAME)
 MAX_NRANKS = 1 << 20  # far beyond any cluster; the coordinator checks the real capacity

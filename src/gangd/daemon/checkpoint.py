@@ -537,7 +537,8 @@ class NodeCheckpoints:
         pending = self._pending(args)
         pending.times["capture"] = time.time()
         contexts = await self.daemon.jobnet.capture(pending.job_id, args.get("expect") or {})
-        record = self.daemon.table.get(pending.job_id)
+        # With its environment (etcd keeps none for ended jobs; a restart takes it from here).
+        record = {**self.daemon.table.get(pending.job_id), "env": self.daemon.ranks.envs.get(pending.job_id, {})}
         job_blob = msgpack.packb({"record": record, "gen": pending.gen, "iteration": pending.cut, "node": self.daemon.node}, use_bin_type=True)
         try:
             files = await trio.to_thread.run_sync(self._write_daemon_files, pending, contexts, job_blob)

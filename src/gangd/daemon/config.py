@@ -17,7 +17,7 @@ Example (``/etc/gangd/gangd.toml``)::
 
     [cluster]
     secret_file = "/etc/gangd/secret"  # same bytes on every node, mode 0600
-    master = "n1"                    # coordinator; default: the lowest-named live node
+    master = "n1"                    # preferred coordinator (it campaigns first); default: the election decides
     heartbeat_interval = 1.0
     heartbeat_timeout = 5.0
     time_slice = 0.3                 # seconds each gang slot runs before the next

@@ -64,6 +64,7 @@ class ControlPlane:
         on_session: Callable[[], Awaitable[None]],
         on_nodes_changed: Callable[[], None],
         on_grace_over: Callable[[str], Awaitable[None]],
+        preferred: str | None = None,
     ):
         self.etcd = etcd
         self.keys = keys
@@ -76,6 +77,7 @@ class ControlPlane:
         self._on_session = on_session
         self._on_nodes_changed = on_nodes_changed
         self._on_grace_over = on_grace_over
+        self.preferred = preferred  # the configured master: others let it campaign first
         self.election = Election(etcd, keys.leader)
         self.up: set[str] = set()  # nodes whose key exists in etcd
         self.node_info: dict[str, dict] = {}
@@ -232,6 +234,8 @@ class ControlPlane:
                 task_status.started()
 
     async def _campaign(self, lease: Lease) -> None:
+        if self.preferred and self.preferred != self.node and self.preferred in self.up and self.leader is None:
+            await trio.sleep(min(2.0, self.ttl / 2))  # the configured master first, if it is alive
         while not lease.lost.is_set():
             leadership = await self.election.campaign(lease, self.node.encode())
             fence = Fence(leadership.key, leadership.term)

@@ -281,8 +281,17 @@ class Coordinator:
         how = f"{len(nodes)} node(s) x " + (f"{per_node} per node" if per_node else "their cores")
         return total, how
 
-    async def submit(self, spec: dict, cred: dict, internal: dict | None = None) -> dict:
-        """A new job. ``internal``: fields only the daemons set (a restart's lineage, origin and nodes)."""
+    async def submit(self, spec: dict, cred: dict, internal: dict | None = None, token: str | None = None) -> dict:
+        """A new job. ``internal``: fields only the daemons set (a restart's lineage, origin and nodes).
+
+        ``token``: the submission's own, chosen by the node the client came
+        through. A node retries a submit whose answer it lost (its
+        coordinator died after the commit); the token makes the retry return
+        the job the first attempt created instead of creating a second one."""
+        if token is not None:
+            existing = self.table.by_token.get(token)
+            if existing is not None and (record := self.table.get(existing)) is not None:
+                return record
         try:
             checked = jobs.JobSpec.from_wire(spec, [n.name for n in self.daemon.config.nodes])
         except jobs.BadSpec as exc:
@@ -318,9 +327,13 @@ class Coordinator:
             # The submitting user's rlimits, read from the kernel by the node
             # the client is connected to (see limits.py); the ranks get them.
             record["rlimits"] = cred.get("rlimits")
+            if token is not None:
+                record["submit_token"] = token
             return record
 
         async with self._create_lock:  # (the id counter: one creation at a time)
+            if token is not None and (existing := self.table.by_token.get(token)) is not None and (record := self.table.get(existing)):
+                return record  # (created while this one waited for the lock)
             self._check_user_room(cred["uid"], checked.context_bytes)
             record = await self.table.create(self._fence(), build, dict(spec.get("env") or {}))
         job_id = record["id"]

@@ -62,6 +62,9 @@ def main(config_path: str | None, name: str | None, state_dir: str | None, socke
             format=f"%(asctime)s {config.node_name} %(levelname)s %(name)s: %(message)s",
             stream=sys.stderr,
         )
+        # httpx logs every etcd request at INFO: thousands a minute.
+        logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+        logging.getLogger("httpcore").setLevel(max(logging.WARNING, logging.getLogger().level))
         daemon = Daemon(config)
         trio.run(daemon.run)
     except (ConfigError, StartupError) as exc:

@@ -19,6 +19,7 @@ import bisect
 import itertools
 import logging
 import os
+import secrets
 import signal
 import time
 from typing import Any
@@ -197,7 +198,8 @@ class Ops:
         # The client's own rlimits, from the kernel (never the wire): its ranks get these, not the daemon's.
         pid = channel.context.get("pid")
         rlimits = await trio.to_thread.run_sync(read_process_limits, pid, cred["uid"]) if isinstance(pid, int) and pid > 0 else None
-        return await self.to_coordinator("coord_submit", spec=spec, cred=dict(cred, rlimits=rlimits))
+        # One token per submission: a retry after a lost answer gets the same job, not a second one.
+        return await self.to_coordinator("coord_submit", spec=spec, cred=dict(cred, rlimits=rlimits), token=secrets.token_hex(16))
 
     async def kill(self, cred, args, channel):
         job_id = _int(args, "job")
@@ -563,7 +565,8 @@ class Ops:
         return self.daemon.resend_exits()
 
     async def coord_submit(self, args, from_node, channel):
-        return await self._coordinator().submit(args["spec"], args["cred"])
+        token = args.get("token")
+        return await self._coordinator().submit(args["spec"], args["cred"], token=token if isinstance(token, str) and len(token) <= 64 else None)
 
     async def coord_kill(self, args, from_node, channel):
         return await self._coordinator().kill(_int(args, "job"), args["cred"])

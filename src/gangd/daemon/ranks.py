@@ -308,6 +308,7 @@ class LocalRanks:
         self.socket_path = socket_path
         self.cgroups = cgroups
         self.on_exit = on_exit
+        self.envs: dict[int, dict[str, str]] = {}  # job -> its environment, while it has ranks here
         self.ranks: dict[tuple[int, int], Rank] = {}
         self.logs: dict[tuple[int, int], OutputLog] = {}
         self._running_as_root = os.geteuid() == 0
@@ -421,6 +422,8 @@ class LocalRanks:
         extra_env, groups = await self.identities.get(uid, gid) if drop else ({}, [])
         limits = rlimits_mod.effective(record.get("rlimits"), self.rlimit_caps, self._default_rlimits) if self._running_as_root else []
         await trio.to_thread.run_sync(lambda: job_dir.mkdir(parents=True, exist_ok=True))
+        # Kept while the job has ranks here: its checkpoints save it (a record carries no environment).
+        self.envs[record["id"]] = dict(record["env"])
         base_env = scrub_environ(record["env"])
         base_env.update(extra_env)
         base_env.update(

@@ -67,6 +67,7 @@ class Daemon:
             etcd=self.etcd, keys=self.table.keys, node=self.node, node_info=self._node_info, ttl=config.etcd.lease_ttl,
             grace=config.etcd.grace, table=self.table, serve_term=self.coordinator.serve_term,
             on_session=self._session_started, on_nodes_changed=self._nodes_changed, on_grace_over=self._grace_over,
+            preferred=config.master,
         )
         self._sessions = 0
         tag = hashlib.sha1(str(config.state_dir.resolve()).encode(), usedforsecurity=False).hexdigest()[:8]
@@ -446,6 +447,8 @@ class Daemon:
 
     def _rank_exited(self, entry: Rank) -> None:
         self._reports_send.send_nowait((entry.job_id, entry.rank, entry.status))
+        if all(r.status is not None for r in self.ranks.of_job(entry.job_id)):
+            self.ranks.envs.pop(entry.job_id, None)
         # Its local peers hear at once; remote ones when the table says so.
         why = f"rank {entry.rank} on {self.node} {jobs.describe_status(entry.status)}"
         self.jobnet.rank_exited(entry.job_id, entry.rank, why)

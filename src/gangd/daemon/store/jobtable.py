@@ -39,6 +39,7 @@ import trio
 
 from ... import jobs
 from ...etcd.client import Compacted, Compare, Etcd, EtcdError, KeyValue, Op, Unavailable
+from ...failpoint import failpoint
 from ...rpc import RemoteError
 from .keys import Keys
 
@@ -125,6 +126,7 @@ class JobTable:
         self.listeners: list[Callable[[dict], None]] = []  # called with each record that changed
         self._changed = trio.Event()
         self._counter: tuple[int, int] | None = None  # (last id handed out, the counter's mod revision), coordinator only
+        self.by_token: dict[str, int] = {}  # a submission's token -> its job (see Coordinator.submit)
 
     # ------------------------------------------------------------ reads (cache)
 
@@ -154,6 +156,9 @@ class JobTable:
             return False
         record["seq"] = revision
         self.records[record["id"]] = record
+        token = record.get("submit_token")
+        if isinstance(token, str):
+            self.by_token[token] = record["id"]
         self.notify_changed()
         for listener in self.listeners:
             try:
@@ -161,6 +166,11 @@ class JobTable:
             except Exception:
                 log.exception("table listener failed for job %d", record["id"])
         return True
+
+    def _forget(self, job_id: int) -> None:
+        record = self.records.pop(job_id, None)
+        if record is not None and isinstance(record.get("submit_token"), str):
+            self.by_token.pop(record["submit_token"], None)
 
     def _take_kv(self, kv: KeyValue) -> None:
         try:
@@ -193,7 +203,7 @@ class JobTable:
                 break
             start = page.kvs[-1].key + b"\0"
         for job_id in [j for j in self.records if j not in seen and self.records[j].get("seq", 0) <= revision]:
-            del self.records[job_id]  # retired to the history meanwhile
+            self._forget(job_id)  # retired to the history meanwhile
         self.revision = max(self.revision, revision)
         self.notify_changed()
 
@@ -225,7 +235,7 @@ class JobTable:
         else:
             current = self.records.get(job_id)
             if current is not None and current.get("seq", 0) < event.kv.mod_revision:
-                del self.records[job_id]  # moved to the history
+                self._forget(job_id)  # moved to the history
                 self.notify_changed()
 
     async def fetch(self, job_id: int) -> dict | None:
@@ -312,6 +322,7 @@ class JobTable:
                 self._counter = None
                 raise self._write_error(exc) from None
             if result.succeeded:
+                failpoint("jobtable.created")
                 self._counter = (job_id, result.revision)
                 self.take(record, result.revision)
                 return record
@@ -351,12 +362,13 @@ class JobTable:
             except EtcdError as exc:
                 raise self._write_error(exc) from None
             if result.succeeded:
+                failpoint("jobtable.updated")
                 self.take(record, result.revision)
                 return record
             self._check_fence(fence, result.responses[0])
             found = result.responses[1].kvs
             if not found:
-                self.records.pop(job_id, None)
+                self._forget(job_id)
                 raise RemoteError("no_such_job", f"job {job_id} is no longer in the hot job table")
             self._take_kv(found[0])
 
@@ -383,7 +395,7 @@ class JobTable:
                 continue  # one of them changed meanwhile: the next round sees it
             for r in batch:
                 if self.records.get(r["id"]) is not None and self.records[r["id"]].get("seq", 0) <= r.get("seq", 0):
-                    del self.records[r["id"]]
+                    self._forget(r["id"])
             moved += len(batch)
         if moved:
             self.notify_changed()

@@ -1,0 +1,178 @@
+"""The job table on a real etcd: ids, fenced writes, the watch-fed cache, the history.
+
+These are the guarantees the control plane stands on: a job id is never
+handed out twice, a deposed coordinator cannot write, no update is lost or
+applied to a record it was not computed from, and every node's cache ends
+up with what etcd holds, whatever it missed.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import trio
+
+from gangd import jobs
+from gangd.daemon.store import Deposed, Fence, JobTable, Keys
+from gangd.etcd.client import Etcd
+from gangd.etcd.election import Election
+from gangd.etcd.lease import open_lease
+from gangd.etcd.server import LocalEtcd
+from gangd.rpc import RemoteError
+
+
+@pytest.fixture(scope="module")
+def etcd_endpoints():
+    directory = Path(tempfile.mkdtemp(prefix="gangd-jobtable-"))
+    server = LocalEtcd(directory / "etcd")
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+_prefixes = iter(range(1, 1 << 30))
+
+
+@pytest.fixture
+def keys():
+    return Keys(f"/test-jobtable/{next(_prefixes)}")
+
+
+def build(job_id: int, nranks: int = 1) -> dict:
+    return jobs.new_record(job_id=job_id, spec={"argv": ["app"], "nranks": nranks}, owner_uid=0, owner_name="root", owner_gid=0)
+
+
+async def leader(etcd: Etcd, keys: Keys, lease) -> Fence:
+    won = await Election(etcd, keys.leader).campaign(lease, b"test")
+    return Fence(won.key, won.term)
+
+
+async def test_ids_are_never_handed_out_twice_even_by_concurrent_coordinators(etcd_endpoints, keys):
+    async with Etcd(etcd_endpoints) as etcd, open_lease(etcd, 10) as lease:
+        fence = await leader(etcd, keys, lease)
+        tables = [JobTable(etcd, keys) for _ in range(3)]  # three writers, each with its own idea of the counter
+        created: list[int] = []
+
+        async def submit(table: JobTable) -> None:
+            for _ in range(10):
+                created.append((await table.create(fence, build, {"HOME": "/root"}))["id"])
+
+        async with trio.open_nursery() as nursery:
+            for table in tables:
+                nursery.start_soon(submit, table)
+        assert sorted(created) == list(range(1, 31))
+        # The environment is a key of its own, not in the record.
+        reader = JobTable(etcd, keys)
+        await reader.load()
+        assert sorted(reader.records) == list(range(1, 31))
+        assert all("env" not in r for r in reader.records.values())
+        assert await reader.env(5) == {"HOME": "/root"}
+
+
+async def test_a_deposed_coordinator_cannot_write(etcd_endpoints, keys):
+    async with Etcd(etcd_endpoints) as etcd:
+        async with open_lease(etcd, 10) as first_lease:
+            old = await leader(etcd, keys, first_lease)
+            table = JobTable(etcd, keys)
+            record = await table.create(old, build, {})
+            await etcd.lease_revoke(first_lease.id)  # its lease gone: its election key with it
+            async with open_lease(etcd, 10) as second_lease:
+                new = await leader(etcd, keys, second_lease)
+                assert new.term > old.term
+                with pytest.raises(Deposed):
+                    await table.update(old, record["id"], lambda r: r.update(state=jobs.FAILED))
+                with pytest.raises(Deposed):
+                    await table.create(old, build, {})
+                fresh = JobTable(etcd, keys)
+                await fresh.load()
+                assert fresh.get(record["id"])["state"] == jobs.QUEUED and sorted(fresh.records) == [record["id"]]
+                # The new term writes, and its ids go on after the old one's.
+                updated = await fresh.update(new, record["id"], lambda r: r.update(state=jobs.RUNNING))
+                assert updated["state"] == jobs.RUNNING
+                assert (await fresh.create(new, build, {}))["id"] == record["id"] + 1
+
+
+async def test_an_update_computed_from_a_stale_record_is_computed_again(etcd_endpoints, keys):
+    async with Etcd(etcd_endpoints) as etcd, open_lease(etcd, 10) as lease:
+        fence = await leader(etcd, keys, lease)
+        writer, stale = JobTable(etcd, keys), JobTable(etcd, keys)
+        job_id = (await writer.create(fence, lambda i: build(i, nranks=2), {}))["id"]
+        await stale.load()
+        await writer.update(fence, job_id, lambda r: r["ranks"].__setitem__(0, {"code": 0}))
+        seen = []
+
+        def second_exit(r):
+            seen.append(list(r["ranks"]))
+            r["ranks"][1] = {"code": 3}
+
+        result = await stale.update(fence, job_id, second_exit)
+        # The first attempt saw the stale record; the change was computed again from etcd's.
+        assert seen == [[None, None], [{"code": 0}, None]]
+        assert result["ranks"] == [{"code": 0}, {"code": 3}]
+
+
+async def test_every_cache_follows_etcd_and_a_compacted_one_reads_the_table_again(etcd_endpoints, keys):
+    async with Etcd(etcd_endpoints) as etcd, open_lease(etcd, 10) as lease:
+        fence = await leader(etcd, keys, lease)
+        writer, follower = JobTable(etcd, keys), JobTable(etcd, keys)
+        first = await writer.create(fence, build, {})
+        await follower.load()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(follower.follow)
+            done = await writer.update(fence, first["id"], lambda r: r.update(state=jobs.DONE))
+            second = await writer.create(fence, build, {})
+            with trio.fail_after(10):
+                while follower.get(second["id"]) is None or follower.get(first["id"])["state"] != jobs.DONE:
+                    await follower.wait_changed()
+            assert follower.get(first["id"])["seq"] == done["seq"]
+            nursery.cancel_scope.cancel()
+        # A cache that was away while the revisions it needs were compacted:
+        # following it from where it was cannot work; it reads the table anew.
+        behind = JobTable(etcd, keys)
+        await behind.load()
+        for _ in range(5):
+            await writer.update(fence, second["id"], lambda r: r.update(name=r["name"] + "x"))
+        await etcd.compact((await etcd.range(keys.ids)).revision)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(behind.follow)
+            with trio.fail_after(10):
+                while behind.get(second["id"])["name"] != writer.get(second["id"])["name"]:
+                    await behind.wait_changed()
+            nursery.cancel_scope.cancel()
+
+
+async def test_ended_jobs_move_to_the_history_and_stay_readable(etcd_endpoints, keys):
+    async with Etcd(etcd_endpoints) as etcd, open_lease(etcd, 10) as lease:
+        fence = await leader(etcd, keys, lease)
+        table = JobTable(etcd, keys)
+        ids = [(await table.create(fence, build, {"SECRET": "x"}))["id"] for _ in range(5)]
+        for job_id in ids[:3]:
+            await table.update(fence, job_id, lambda r: r.update(state=jobs.DONE))
+        assert await table.retire(fence, [table.get(j) for j in ids]) == 3  # only the ended ones
+        assert sorted(table.records) == ids[3:]
+        assert [r["id"] for r in await table.history(0, 10)] == ids[:3]
+        assert [r["id"] for r in await table.history(ids[0], 1)] == [ids[1]]
+        assert (await table.fetch(ids[0]))["state"] == jobs.DONE  # from the history
+        assert await table.env(ids[0]) == {}  # an ended job's environment is kept nowhere
+        fresh = JobTable(etcd, keys)
+        await fresh.load()
+        assert sorted(fresh.records) == ids[3:]
+        # The counter never goes back, history or not.
+        assert (await table.create(fence, build, {}))["id"] == ids[-1] + 1
+
+
+async def test_a_record_damaged_in_etcd_costs_that_record_only(etcd_endpoints, keys):
+    async with Etcd(etcd_endpoints) as etcd, open_lease(etcd, 10) as lease:
+        fence = await leader(etcd, keys, lease)
+        table = JobTable(etcd, keys)
+        good = await table.create(fence, build, {})
+        for junk in (b"\xc1", b"\x92\x01\x02", b"\x81\xa2id\xa1x"):
+            await etcd.put(keys.job(good["id"] + 100 + len(junk)), junk)
+        fresh = JobTable(etcd, keys)
+        await fresh.load()
+        assert sorted(fresh.records) == [good["id"]]
+        with pytest.raises(RemoteError):
+            await fresh.update(fence, 424242, lambda r: None)

@@ -164,8 +164,9 @@ def up(
     output_limit: int | None = None,
     output_dir: Path | None = None,
     checkpoint_max_rank_bytes: int | None = None,
-    etcd_members: int = 1,
+    etcd_members: int | None = None,
     etcd: str | Sequence[str] | None = None,
+    etcd_local: bool = False,
     lease_ttl: int = LOCAL_LEASE_TTL,
     grace: float | None = None,
     timeout: float = 30.0,
@@ -175,15 +176,17 @@ def up(
     one sees all the others.
 
     ``etcd_members``: members of the cluster's own etcd (each its own data
-    dir in ``DIR/etcd``); ``etcd``: the client URLs of a running etcd to use
-    instead (a list or one comma-separated string; nothing is started).
+    dir in ``DIR/etcd``; default: as many as it had, else 1); ``etcd``: the client URLs of a running etcd to use
+    instead (a list or one comma-separated string; nothing is started);
+    ``etcd_local``: that etcd is a throw-away one too (another local
+    cluster's), so the version a real cluster must avoid is accepted.
     ``checkpoint_dir``: one directory for every node's checkpoints (each
     keeps its own in ``checkpoint_dir/<node>``), as a shared file system
     would be; default: each node's state directory. On any failure nothing
     this call started is left running."""
     if not 1 <= nodes <= 250:
         raise ClusterError(f"--nodes must be between 1 and 250, not {nodes}")
-    if not 1 <= etcd_members <= 9:
+    if etcd_members is not None and not 1 <= etcd_members <= 9:
         raise ClusterError(f"--etcd-members must be between 1 and 9 (3 or 5 for high availability), not {etcd_members}")
     directory = Path(directory).absolute()
     running = [n.name for n in node_files(directory) if n.pid()]
@@ -195,12 +198,13 @@ def up(
     # state directories below are private.
     os.chmod(directory, 0o755)  # noqa: S103 -- traversable by other uids (and tests' second uid) to reach the sockets
     if etcd is not None:
-        endpoints = external_etcd(etcd, say)
-        etcd_local = False
+        endpoints = external_etcd(etcd, say, local=etcd_local)
         # Several local clusters may share one etcd: each keeps to its own
         # keys, named after its directory (the same across a down and up).
         prefix = "/gangd-" + hashlib.sha256(str(directory).encode()).hexdigest()[:12]
     else:
+        if etcd_local:
+            raise ClusterError("--etcd-local describes the etcd given with --etcd; without --etcd the cluster starts its own")
         endpoints = start_local_etcd(directory, etcd_members, say)
         etcd_local = True
         prefix = EtcdSettings.prefix
@@ -225,7 +229,7 @@ def up(
     return files
 
 
-def start_local_etcd(directory: Path, members: int, say: Callable[[str], object]) -> list[str]:
+def start_local_etcd(directory: Path, members: int | None, say: Callable[[str], object]) -> list[str]:
     """Start (or start again, on its data dirs) the cluster's own etcd in
     ``directory/etcd``; its client URLs. A ClusterError, with nothing left
     running, if it cannot start (no binary, a refused version, a port taken,
@@ -237,6 +241,7 @@ def start_local_etcd(directory: Path, members: int, say: Callable[[str], object]
     try:
         if (where / "etcd.json").exists():
             store = LocalEtcd.load(where)
+            members = members or len(store.members)
             if len(store.members) != members:
                 raise ClusterError(
                     f"the etcd in {where} has {len(store.members)} member(s), not {members}: bring the cluster up with "
@@ -244,6 +249,7 @@ def start_local_etcd(directory: Path, members: int, say: Callable[[str], object]
                 )
             say(f"starting etcd again on its data in {where} ({members} member{'s' if members > 1 else ''})")
         else:
+            members = members or 1
             store = LocalEtcd(where, members=members)
             say(f"starting etcd in {where} ({members} member{'s' if members > 1 else ''})")
         where.mkdir(parents=True, exist_ok=True)
@@ -260,10 +266,10 @@ def start_local_etcd(directory: Path, members: int, say: Callable[[str], object]
     return endpoints
 
 
-def external_etcd(urls: str | Sequence[str], say: Callable[[str], object]) -> list[str]:
+def external_etcd(urls: str | Sequence[str], say: Callable[[str], object], *, local: bool = False) -> list[str]:
     """The client URLs of an etcd we did not start, checked: valid URLs, an
     etcd answers at one of them, and its version is one a real cluster may
-    stand on (not 3.5.0 to 3.5.2)."""
+    stand on (not 3.5.0 to 3.5.2, unless ``local``: a throw-away etcd)."""
     from ..etcd.server import check_version
 
     listed = [u.strip() for u in urls.split(",")] if isinstance(urls, str) else [str(u).strip() for u in urls]
@@ -283,11 +289,12 @@ def external_etcd(urls: str | Sequence[str], say: Callable[[str], object]) -> li
         version = tuple(int(part) for part in text.split(".")[:3])
         if len(version) != 3:
             raise ValueError(text)
-        check_version((version[0], version[1], version[2]), local=False)
+        check_version((version[0], version[1], version[2]), local=local)
     except ValueError:
         raise ClusterError(f"the etcd at {', '.join(listed)} reports version {text!r}, which gangd cannot read") from None
     except RuntimeError as exc:
-        raise ClusterError(f"the etcd at {', '.join(listed)}: {exc}") from None
+        hint = "" if local else " (if it is a throw-away etcd, as another local cluster's, say so with --etcd-local)"
+        raise ClusterError(f"refusing the etcd at {', '.join(listed)}: {exc}{hint}") from None
     say(f"using etcd {text} at {', '.join(listed)} (not started here: `gang cluster down` leaves it running)")
     return listed
 
@@ -506,6 +513,7 @@ def etcd_status(directory: Path) -> list[EtcdMember]:
     store = local_etcd(directory) if info.get("etcd_local", True) else None
     if store is not None:
         named = [(m.name, m.client_url, _etcd_pid(m.pid, m.data_dir)) for m in store.members]
+        return [_member_status(name, url, pid) if pid else EtcdMember(name, url, None, False, "", "not running") for name, url, pid in named]
     else:
         urls = [str(u) for u in info.get("etcd_endpoints", [])]
         if not urls:

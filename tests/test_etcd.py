@@ -402,3 +402,62 @@ async def test_election_a_leader_whose_lease_expires_loses_to_the_next_campaigne
 
 async def _exists(etcd, key):
     return await etcd.get(key) is not None
+
+
+# ------------------------------------------------------------------------------------------------ three members
+
+
+@pytest.fixture(scope="module")
+def etcd3_server():
+    directory = Path(tempfile.mkdtemp(prefix="gangd-etcd3-"))
+    server = LocalEtcd(directory, members=3)
+    try:
+        server.start(timeout=60)
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+async def test_three_members_one_killed_the_cluster_keeps_working_all_stopped_is_unavailable(etcd3_server):
+    server = etcd3_server
+    assert len(set(server.pids)) == 3 and len(server.endpoints) == 3
+    async with Etcd(server.endpoints, timeout=10) as client:
+        assert len(await client.members()) == 3
+        key = unique("three")
+        await client.put(key, b"before")
+        # Kill the member the client is talking to (the worst case for it).
+        current = server.endpoints.index((await client.status())["endpoint"])
+        server.kill_member(current)
+
+        async def works():
+            try:
+                await client.put(key, b"after")
+            except EtcdError:
+                return False  # e.g. a leader election in progress
+            return True
+
+        await wait_until(works, 60, "a write after a member was killed")
+        assert (await client.get(key)).value == b"after"
+        counter = unique("three-counter")
+        result = await client.txn([Compare.version(counter) == 0], [Op.put(counter, b"1")])
+        assert result.succeeded
+        assert (await client.range(key)).kvs[0].value == b"after"
+        server.start_member(current)  # it comes back and catches up
+        caught_up = await client.status(endpoint=server.endpoints[current])
+        assert caught_up["leader"] != 0
+
+        # A later process finds the cluster by its directory and stops it all.
+        loaded = LocalEtcd.load(server.directory)
+        assert loaded.endpoints == server.endpoints
+        loaded.stop()
+        loaded.stop()  # idempotent
+        with pytest.raises(Unavailable) as info:
+            await client.get(key)
+        message = str(info.value)
+        assert all(e in message for e in server.endpoints), message
+
+        # Members restarted from their data: everything is still there.
+        server.start(timeout=60)
+        await wait_until(lambda: _exists(client, counter), 60, "the restarted cluster to serve the counter")
+        assert (await client.get(key)).value == b"after"

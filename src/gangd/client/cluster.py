@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import httpx
 import trio
 
 from ..daemon.config import Config, ConfigError, EtcdSettings, NodeSpec, render, toml_str
@@ -201,8 +202,11 @@ def up(
     os.chmod(directory, 0o755)  # noqa: S103 -- traversable by other uids (and tests' second uid) to reach the sockets
     if etcd is not None and (etcd_binary is not None or etcd_members is not None):
         raise ClusterError("--etcd-members and --etcd-binary describe the etcd this command starts; with --etcd none is started")
+    user: str | None
+    password_file: Path | None
     if etcd is not None:
         endpoints = external_etcd(etcd, say, local=etcd_local)
+        user, password_file = None, None  # set up by its owner: a config of one's own for an etcd with authentication
         # Several local clusters may share one etcd: each keeps to its own
         # keys, named after its directory (the same across a down and up).
         prefix = "/gangd-" + hashlib.sha256(str(directory).encode()).hexdigest()[:12]
@@ -212,11 +216,12 @@ def up(
         endpoints = start_local_etcd(directory, etcd_members, say, binary=etcd_binary)
         etcd_local = True
         prefix = EtcdSettings.prefix
+        user, password_file = "root", directory / ETCD_DIR / PASSWORD_FILE
     try:
         try:
             settings = EtcdSettings(
                 endpoints=tuple(endpoints), prefix=prefix, lease_ttl=lease_ttl, local=etcd_local,
-                binary=Path(etcd_binary).absolute() if etcd_binary else None,
+                binary=Path(etcd_binary).absolute() if etcd_binary else None, user=user, password_file=password_file,
                 grace=EtcdSettings.grace if grace is None else grace,
             )
         except ConfigError as exc:
@@ -260,17 +265,61 @@ def start_local_etcd(directory: Path, members: int | None, say: Callable[[str], 
             store = LocalEtcd(where, members=members, binary=str(Path(binary).absolute()) if binary else None)
             say(f"starting etcd in {where} ({members} member{'s' if members > 1 else ''})")
         where.mkdir(parents=True, exist_ok=True)
-        os.chmod(where, 0o700)  # the cluster's state: the daemons' (root's) alone
+        # Traversable, not listable: `gang cluster status` of any user reads
+        # etcd.json (URLs and pids); the data dirs (etcd-N, 0700) and the
+        # password are root's.
+        os.chmod(where, 0o711)  # noqa: S103 -- see above: only etcd.json is meant for other users
         endpoints = store.start(timeout=30)
-    except ClusterError:
-        raise
-    except (RuntimeError, OSError, ValueError) as exc:  # EtcdBinaryError is a RuntimeError; start() stopped what it started
+        for i, (url, pid) in enumerate(zip(store.endpoints, store.pids, strict=True)):
+            say(f"started etcd member {i} on {url} (pid {pid})")
+        _require_auth(endpoints, where / PASSWORD_FILE)
+    except BaseException as exc:
         stop_local_etcd(directory)
-        raise ClusterError(f"etcd did not start: {exc}") from None
-    for i, (url, pid) in enumerate(zip(store.endpoints, store.pids, strict=True)):
-        say(f"started etcd member {i} on {url} (pid {pid})")
-    say(f"etcd answers ({time.monotonic() - began:.1f} s)")
+        if isinstance(exc, ClusterError):
+            raise
+        if isinstance(exc, RuntimeError | OSError | ValueError | httpx.HTTPError):  # EtcdBinaryError is a RuntimeError
+            raise ClusterError(f"etcd did not start: {exc}") from None
+        raise
+    say(f"etcd answers, only to the daemons ({time.monotonic() - began:.1f} s)")
     return endpoints
+
+
+#: The local etcd's root password, in DIR/etcd (root's, mode 0600, like the cluster secret).
+PASSWORD_FILE = "root-password"  # noqa: S105 -- a file name; the password in it is random, made by write_secret
+
+
+def _require_auth(endpoints: list[str], password_file: Path) -> None:
+    """Turn on etcd's authentication, with a root user whose password only
+    the daemons read. Every local user can connect to 127.0.0.1; without
+    this any of them could read the job table (other users' environments)
+    or write a job record that root's daemons would run. Idempotent: a
+    member started again on its data has it on already."""
+    if not password_file.exists():
+        write_secret(password_file)
+    password = EtcdSettings(user="root", password_file=password_file).read_password()
+    with httpx.Client(base_url=endpoints[0], timeout=10) as http:
+
+        def call(path: str, body: dict) -> dict:
+            answer = http.post(path, json=body)
+            found = answer.json() if answer.content else {}
+            if answer.status_code != 200:
+                raise ClusterError(f"etcd refused {path}: {found.get('message') or found.get('error') or answer.status_code}")
+            return found
+
+        try:
+            call("/v3/auth/authenticate", {"name": "root", "password": password})
+            return  # on already, with our password
+        except ClusterError as exc:
+            if "authentication is not enabled" not in str(exc):
+                raise
+        try:
+            call("/v3/auth/user/add", {"name": "root", "password": password})
+        except ClusterError as exc:
+            if "already exists" not in str(exc):
+                raise
+            call("/v3/auth/user/changepw", {"name": "root", "password": password})
+        call("/v3/auth/user/grant", {"user": "root", "role": "root"})
+        call("/v3/auth/enable", {})
 
 
 def external_etcd(urls: str | Sequence[str], say: Callable[[str], object], *, local: bool = False) -> list[str]:

@@ -13,7 +13,8 @@ directory::
                           checkpoints in state/checkpoints/n1/)
     DIR/n1/jobs/          its runtime directory: the ranks' sockets and counters
     DIR/etcd/             the cluster's own etcd (etcd.json: its members'
-                          URLs and pids; etcd-N/: member N's data dir)
+                          URLs and pids; etcd-N/: member N's data dir;
+                          root-password: its root user's, mode 0600)
 
 The cluster's state (who coordinates, which nodes live, the job table) is in
 etcd, so a local cluster starts one first: one member, or three with
@@ -22,7 +23,10 @@ already running instead (a site's, or one shared by several test clusters,
 each under its own key prefix); such an etcd is never started or stopped
 here. Its endpoints go into every node's config with ``local = true`` when
 the etcd is the cluster's own: a throw-away etcd need not pass the version
-check a real cluster's must.
+check a real cluster's must. The cluster's own etcd has authentication on
+(a root user, a random password only root can read): every local user can
+connect to 127.0.0.1, and none may read the job table or forge a record
+that root's daemons would act on.
 
 The daemons and etcd's members are ordinary processes in their own sessions;
 they outlive the ``gang cluster up`` that started them until ``gang cluster

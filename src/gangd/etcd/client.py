@@ -459,6 +459,11 @@ class Etcd:
                 raise EtcdError("etcd's authentication answer carries no token", CODE_UNAUTHENTICATED)
             self._token = token
 
+    async def call(self, path: str, body: dict[str, Any], *, mutates: bool = True) -> dict[str, Any]:
+        """A gateway call this class does not wrap (user and role management, auth enable, defragment...):
+        ``path`` like ``/v3/auth/user/add``, ``body`` etcd's JSON (bytes fields base64, int64 as strings)."""
+        return await self._post(path, body, mutates=mutates)
+
     # -------------------------------------------------------------------------------------- KV
 
     async def get(self, key: Bytes) -> KeyValue | None:

@@ -8,6 +8,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -240,6 +241,20 @@ async def test_a_lease_that_is_not_renewed_expires_deletes_its_keys_and_lost_fir
         assert lease.remaining() <= 0
         await wait_until(lambda: _gone(etcd, key), 30, "the key of the expired lease to be deleted")
         assert await etcd.lease_keepalive(lease.id) == 0
+
+
+async def test_a_process_stalled_past_its_lease_never_renews_it(etcd):
+    """The whole process stops (here: its event loop blocked, as under SIGSTOP or swapping) for longer than the
+    TTL; when it runs again its deadline has passed, and no keepalive answer may revive the lease locally."""
+    key = unique("lease-frozen")
+    async with open_lease(etcd, 3) as lease:
+        await etcd.put(key, b"held", lease=lease.id)
+        time.sleep(lease.ttl + 2)  # noqa: ASYNC251 -- the point: the event loop itself is stalled
+        assert lease.remaining() < 0
+        with trio.fail_after(30):
+            await lease.lost.wait()
+        assert lease.remaining() < 0  # no renewal after the deadline
+        await wait_until(lambda: _gone(etcd, key), 30, "etcd to expire the lease's key")
 
 
 async def test_lost_fires_when_etcd_says_the_lease_is_gone(etcd):

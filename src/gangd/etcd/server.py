@@ -269,13 +269,13 @@ class LocalEtcd:
             time.sleep(0.05)
 
     def stop(self, timeout: float = 10) -> None:
-        """SIGTERM every member, SIGKILL those still alive after ``timeout``. Idempotent."""
-        for m in self.members:
+        """SIGTERM the members one after another (SIGKILL one still alive after ``timeout``). Idempotent. One at a
+        time because members stopped together each wait ~9 s for the others before exiting; in turn they take ~1 s."""
+        for i, m in enumerate(self.members):
             if _alive(m.pid, m.data_dir):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(m.pid, signal.SIGTERM)
-        for i, m in enumerate(self.members):
-            if not self._reap(i, timeout):
+            if not self._reap(i, timeout) and _alive(m.pid, m.data_dir):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(m.pid, signal.SIGKILL)
                 self._reap(i, 5)

@@ -8,6 +8,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -242,6 +243,20 @@ async def test_a_lease_that_is_not_renewed_expires_deletes_its_keys_and_lost_fir
         assert await etcd.lease_keepalive(lease.id) == 0
 
 
+async def test_a_process_stalled_past_its_lease_never_renews_it(etcd):
+    """The whole process stops (here: its event loop blocked, as under SIGSTOP or swapping) for longer than the
+    TTL; when it runs again its deadline has passed, and no keepalive answer may revive the lease locally."""
+    key = unique("lease-frozen")
+    async with open_lease(etcd, 3) as lease:
+        await etcd.put(key, b"held", lease=lease.id)
+        time.sleep(lease.ttl + 2)  # noqa: ASYNC251 -- the point: the event loop itself is stalled
+        assert lease.remaining() < 0
+        with trio.fail_after(30):
+            await lease.lost.wait()
+        assert lease.remaining() < 0  # no renewal after the deadline
+        await wait_until(lambda: _gone(etcd, key), 30, "etcd to expire the lease's key")
+
+
 async def test_lost_fires_when_etcd_says_the_lease_is_gone(etcd):
     async with open_lease(etcd, 30) as lease:
         await etcd.lease_revoke(lease.id)  # e.g. an operator, or etcd restored from an old backup
@@ -461,3 +476,34 @@ async def test_three_members_one_killed_the_cluster_keeps_working_all_stopped_is
         server.start(timeout=60)
         await wait_until(lambda: _exists(client, counter), 60, "the restarted cluster to serve the counter")
         assert (await client.get(key)).value == b"after"
+
+
+# ------------------------------------------------------------------------------------------------ authentication
+
+
+async def test_etcd_authentication_with_a_token_refreshed_when_it_expires(tmp_path):
+    # Simple tokens expire after --auth-token-ttl seconds without use: 1 s here, so the client must re-authenticate.
+    password = os.urandom(8).hex()
+    server = LocalEtcd(tmp_path / "etcd", extra_args=("--auth-token-ttl", "1"))
+    await trio.to_thread.run_sync(server.start)
+    try:
+        async with Etcd(server.endpoints) as admin:
+            await admin.call("/v3/auth/role/add", {"name": "root"})
+            await admin.call("/v3/auth/user/add", {"name": "root", "password": password})
+            await admin.call("/v3/auth/user/grant", {"user": "root", "role": "root"})
+            await admin.call("/v3/auth/enable", {})
+        async with Etcd(server.endpoints) as anonymous:
+            with pytest.raises(EtcdError) as info:
+                await anonymous.put("/auth/x", b"1")
+            assert "user name is empty" in info.value.message or info.value.code in (3, 7, 16)
+        async with Etcd(server.endpoints, user="root", password=password + "x") as wrong:
+            with pytest.raises(EtcdError, match="authentication failed"):
+                await wrong.get("/auth/x")
+        async with Etcd(server.endpoints, user="root", password=password) as client:
+            await client.put("/auth/x", b"1")
+            token = client._token
+            await trio.sleep(3)  # the token expires
+            assert (await client.get("/auth/x")).value == b"1"
+            assert client._token and client._token != token  # refreshed, not failed
+    finally:
+        await trio.to_thread.run_sync(server.stop)

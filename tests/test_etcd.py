@@ -434,6 +434,51 @@ def etcd3_server():
         shutil.rmtree(directory, ignore_errors=True)
 
 
+async def test_three_members_one_stopped_a_watch_on_it_moves_on_and_writes_go_on(etcd3_server):
+    """A member stopped with SIGSTOP keeps its connections open and answers nothing: the watch on it notices the
+    missing progress notifications and resumes on another member from where it was; the client's writes move on."""
+    import signal
+
+    server = etcd3_server
+    key = unique("stalled")
+    async with Etcd(server.endpoints, timeout=3) as client, Etcd(server.endpoints[1:], timeout=10) as others:
+        await client.put(key, b"-1")
+        assert (await client.status())["endpoint"] == server.endpoints[0]
+        async with client.watch(key + "/", prefix=True, progress_timeout=8) as w:
+            os.kill(server.pids[0], signal.SIGSTOP)
+            try:
+                for i in range(5):
+                    # If the stopped member led, writes time out until the others elect a leader: a create-if-absent
+                    # txn can be retried after an Indeterminate without writing twice.
+                    async def create(i=i):
+                        try:
+                            await others.txn([Compare.version(f"{key}/{i}") == 0], [Op.put(f"{key}/{i}", str(i))])
+                        except Unavailable:
+                            return False
+                        return True
+
+                    await wait_until(create, 60, f"write {i} with a member stopped")
+                seen: list[bytes] = []
+                with trio.fail_after(90):
+                    async for batch in w:
+                        seen.extend(e.kv.value for e in batch)
+                        if len(seen) >= 5:
+                            break
+                assert seen == [b"0", b"1", b"2", b"3", b"4"]
+
+                async def put_through_client():
+                    try:
+                        await client.put(key, b"via-client")
+                    except Unavailable:  # Indeterminate: the stalled member took the request and never answered
+                        return False
+                    return True
+
+                await wait_until(put_through_client, 60, "a write through the client with its first member stopped")
+                assert (await others.get(key)).value == b"via-client"
+            finally:
+                os.kill(server.pids[0], signal.SIGCONT)
+
+
 async def test_three_members_one_killed_the_cluster_keeps_working_all_stopped_is_unavailable(etcd3_server):
     server = etcd3_server
     assert len(set(server.pids)) == 3 and len(server.endpoints) == 3

@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import math
 import ssl
 from collections.abc import AsyncGenerator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -427,6 +428,7 @@ class Etcd:
                 continue
             except _TRANSPORT_ERRORS as e:
                 if mutates:
+                    self._current = (i + 1) % len(self.endpoints)  # this one is stalled or gone: the next call tries another
                     raise Indeterminate(
                         f"etcd at {self.endpoints[i]} did not answer a write ({_describe(e)}): it may or may not have been applied",
                         CODE_UNAVAILABLE) from e
@@ -442,6 +444,7 @@ class Etcd:
                     failures.append(f"{self.endpoints[i]}: {message}")
                     continue
                 if code == CODE_UNAVAILABLE:
+                    self._current = (i + 1) % len(self.endpoints)
                     raise Indeterminate(f"etcd at {self.endpoints[i]}: {message} (a write that may or may not have been applied)", code)
                 raise EtcdError(message, code)
             self._current = i
@@ -596,12 +599,17 @@ class Etcd:
     # -------------------------------------------------------------------------------------- watch
 
     def watch(self, key: Bytes, *, prefix: bool = False, start_revision: int = 0, prev_kv: bool = False,
-              range_end: Bytes | None = None) -> Watch:
+              range_end: Bytes | None = None, progress_timeout: float | None = None) -> Watch:
         """``async with etcd.watch(key) as w: async for batch in w:`` -- each batch a ``WatchBatch`` (a non-empty list of
         events with the response's header revision). Entering waits until etcd confirmed the watch, so every change
-        after that point is seen; with ``start_revision`` the changes since that revision come first."""
+        after that point is seen; with ``start_revision`` the changes since that revision come first.
+
+        A member that stalls (stopped, partitioned) keeps the connection open and sends nothing: with
+        ``progress_timeout`` the watch asks etcd for progress notifications and moves to another endpoint when
+        nothing came for that long. etcd sends them every ``--experimental-watch-progress-notify-interval``
+        (10 min by default; LocalEtcd sets 2 s), so ``progress_timeout`` must be comfortably longer."""
         end = prefix_end(key) if prefix else (_b(range_end) if range_end is not None else None)
-        return Watch(self, _b(key), end, start_revision, prev_kv)
+        return Watch(self, _b(key), end, start_revision, prev_kv, progress_timeout)
 
 
 def _describe(e: BaseException) -> str:
@@ -623,8 +631,11 @@ class Watch:
     """A watch that survives lost connections: it reconnects (to any endpoint) from the revision after the last
     one it delivered, so no event is lost or repeated. Raises ``Compacted`` if those revisions are gone."""
 
-    def __init__(self, etcd: Etcd, key: bytes, range_end: bytes | None, start_revision: int, prev_kv: bool) -> None:
+    def __init__(self, etcd: Etcd, key: bytes, range_end: bytes | None, start_revision: int, prev_kv: bool,
+                 progress_timeout: float | None = None) -> None:
         self._etcd = etcd
+        self._progress_timeout = progress_timeout
+        self._endpoint = etcd._current  # the endpoint the stream is on
         self._key, self._range_end = key, range_end
         self._next = start_revision  # 0 until the first creation tells the current revision
         self._prev_kv = prev_kv
@@ -684,9 +695,12 @@ class Watch:
             create["start_revision"] = str(self._next)
         if self._prev_kv:
             create["prev_kv"] = True
+        if self._progress_timeout is not None:
+            create["progress_notify"] = True
         content = json.dumps({"create_request": create}).encode()
         failures: list[str] = []
-        for i in etcd._order():
+        n = len(etcd.endpoints)
+        for i in [(self._endpoint + k) % n for k in range(n)]:
             url = etcd.endpoints[i] + "/v3/watch"
             stack = contextlib.AsyncExitStack()
             try:
@@ -719,7 +733,7 @@ class Watch:
             if not self._next:
                 self._next = _header_revision(result) + 1
             self.revision = max(self.revision, _header_revision(result))
-            etcd._current = i
+            etcd._current = self._endpoint = i
             self._stack, self._lines = stack, lines
             return
         raise Unavailable("no etcd endpoint accepted the watch: " + "; ".join(failures), CODE_UNAVAILABLE)
@@ -756,8 +770,14 @@ class Watch:
             if self._lines is None:
                 continue
             try:
-                line = await anext(self._lines)
-                result = self._result(line, self._etcd.endpoints[self._etcd._current])
+                with trio.move_on_after(self._progress_timeout if self._progress_timeout is not None else math.inf) as quiet:
+                    line = await anext(self._lines)
+                if quiet.cancelled_caught:
+                    # Not even a progress notification: that member is stalled. Resume on the next one.
+                    await self._drop()
+                    self._endpoint = (self._endpoint + 1) % len(self._etcd.endpoints)
+                    continue
+                result = self._result(line, self._etcd.endpoints[self._endpoint])
             except (*_TRANSPORT_ERRORS, StopAsyncIteration):
                 await self._drop()  # the connection went away: reconnect from self._next
                 continue

@@ -201,6 +201,8 @@ class LocalEtcd:
                 "--initial-cluster", cluster, "--initial-cluster-state", "new",
                 "--initial-cluster-token", f"gangd-{zlib.crc32(str(self.directory.resolve()).encode()):x}",
                 "--heartbeat-interval", str(self.heartbeat_ms), "--election-timeout", str(self.election_ms),
+                # Progress notifications on idle watches every 2 s (Etcd.watch(progress_timeout=...) spots a stalled member).
+                "--experimental-watch-progress-notify-interval", "2s",
                 "--log-level", "warn", *self.extra_args]
 
     def _spawn(self, i: int) -> None:

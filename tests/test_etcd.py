@@ -552,3 +552,25 @@ async def test_etcd_authentication_with_a_token_refreshed_when_it_expires(tmp_pa
             assert client._token and client._token != token  # refreshed, not failed
     finally:
         await trio.to_thread.run_sync(server.stop)
+
+
+def test_local_etcd_outlives_the_process_that_started_it_and_load_stops_it(tmp_path):
+    import subprocess
+    import sys
+
+    import psutil
+
+    directory = tmp_path / "etcd"
+    code = f"from gangd.etcd.server import LocalEtcd; print(LocalEtcd({str(directory)!r}).start()[0])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    server = LocalEtcd.load(directory)
+    try:
+        assert server.endpoints == [out.strip()]
+        (pid,) = server.pids
+        process = psutil.Process(pid)
+        assert process.is_running() and os.getsid(pid) == pid  # its own session: the starter's end did not touch it
+        assert (directory / "etcd-0").is_dir() and (directory / "etcd-0.log").is_file()
+    finally:
+        server.stop()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    server.stop()  # again: nothing to do, no error

@@ -574,3 +574,46 @@ def test_local_etcd_outlives_the_process_that_started_it_and_load_stops_it(tmp_p
         server.stop()
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     server.stop()  # again: nothing to do, no error
+
+
+# ------------------------------------------------------------------------------------------------ TLS
+
+
+def _make_certificates(d: Path) -> dict[str, str]:
+    """A CA, a certificate for 127.0.0.1 (server and client use) and a client certificate, made with openssl."""
+    import subprocess
+
+    def openssl(*args):
+        subprocess.run(["openssl", *args], cwd=d, capture_output=True, check=True, timeout=60)
+
+    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
+    (d / "client.cnf").write_text("extendedKeyUsage=clientAuth\n")
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=gangd test CA")
+    for name, ext in (("server", "ext.cnf"), ("client", "client.cnf")):
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", f"{name}.pem",
+                "-days", "2", "-extfile", ext)
+    return {n: str(d / n) for n in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make certificates")
+async def test_tls_with_client_certificates(tmp_path):
+    from gangd.etcd.server import ClientTLS
+
+    files = await trio.to_thread.run_sync(_make_certificates, tmp_path)
+    server = LocalEtcd(tmp_path / "etcd", client_tls=ClientTLS(files["server.pem"], files["server.key"], files["ca.pem"]))
+    await trio.to_thread.run_sync(server.start)
+    try:
+        assert server.endpoints[0].startswith("https://")
+        async with Etcd(server.endpoints, ca=files["ca.pem"], cert=files["client.pem"], key=files["client.key"]) as client:
+            await client.put("/tls/x", b"secret")
+            assert (await client.get("/tls/x")).value == b"secret"
+        # Without a client certificate, or without trusting the CA, nothing gets through.
+        async with Etcd(server.endpoints, ca=files["ca.pem"], timeout=3) as no_cert:
+            with pytest.raises(Unavailable):
+                await no_cert.get("/tls/x")
+        async with Etcd(server.endpoints, timeout=3) as untrusting:
+            with pytest.raises(Unavailable, match="CERTIFICATE_VERIFY_FAILED"):
+                await untrusting.get("/tls/x")
+    finally:
+        await trio.to_thread.run_sync(server.stop)

@@ -613,8 +613,18 @@ class Etcd:
 
 
 def _describe(e: BaseException) -> str:
-    text = str(e) or type(e).__name__
-    return f"{type(e).__name__}: {text}" if text != type(e).__name__ else text
+    """The exception's type and the first non-empty message along its cause chain (httpx's ConnectError around an
+    SSL error says nothing itself)."""
+    name = type(e).__name__
+    seen: BaseException | None = e
+    for _ in range(5):
+        if seen is None:
+            break
+        text = str(seen)
+        if text:
+            return f"{name}: {text}"
+        seen = seen.__cause__ or seen.__context__
+    return name
 
 
 def _parse(data: bytes, endpoint: str) -> dict[str, Any]:

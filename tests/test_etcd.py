@@ -177,6 +177,33 @@ async def test_counter_by_txn_under_20_concurrent_tasks_gives_20_distinct_ids(et
     assert (await etcd.get(counter)).value == b"20"
 
 
+async def test_sequence_hands_out_each_id_once_across_two_writers_in_one_txn_each(etcd):
+    from gangd.etcd.sequence import Sequence
+
+    key = unique("sequence")
+    first, second = Sequence(etcd, key + "/next"), Sequence(etcd, key + "/next")  # e.g. an old and a new coordinator
+    taken: list[int] = []
+
+    async def take(seq):
+        n, result = await seq.next(lambda n: [Op.put(f"{key}/job/{n}", b"record")])
+        assert result.succeeded and result.responses[0] == result.revision
+        taken.append(n)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(20):
+            nursery.start_soon(take, first if i % 2 else second)
+    assert sorted(taken) == list(range(1, 21))
+    jobs = await etcd.range(f"{key}/job/", prefix=True, keys_only=True)
+    assert sorted(int(kv.key.rsplit(b"/", 1)[1]) for kv in jobs.kvs) == list(range(1, 21))
+
+    # The caller's own compare failing takes no id.
+    n, result = await first.next(lambda n: [Op.put(f"{key}/job/{n}", b"x")], compare=[Compare.value(key + "/flag") == b"on"])
+    assert not result.succeeded and n == 0
+    await etcd.put(key + "/flag", b"on")
+    n, result = await first.next(compare=[Compare.value(key + "/flag") == b"on"])
+    assert result.succeeded and n == 21
+
+
 async def test_etcd_errors_and_bounds(etcd):
     key = unique("errors")
     with pytest.raises(EtcdError) as info:

@@ -426,6 +426,19 @@ async def test_election_second_campaigner_leads_only_after_the_first_resigns_wit
         await wait_until(lambda: _true((b"node-b", b.term) in observed), 30, "observe to see B")
         assert observed[0] is None and (b"node-a", a.term) in observed
         assert observed.index((b"node-a", a.term)) < observed.index((b"node-b", b.term))
+
+        # B learns when its key is deleted behind its back (an operator, or etcd expiring the lease).
+        deposed = trio.Event()
+
+        async def watch_b():
+            await election.wait_deposed(b)
+            deposed.set()
+
+        nursery.start_soon(watch_b)
+        await etcd.delete(b.key)
+        with trio.fail_after(30):
+            await deposed.wait()
+        await wait_until(lambda: _true(observed[-1] is None), 30, "observe to see no leader")
         nursery.cancel_scope.cancel()
 
 

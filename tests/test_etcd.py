@@ -590,6 +590,11 @@ async def test_etcd_authentication_with_a_token_refreshed_when_it_expires(tmp_pa
             await trio.sleep(3)  # the token expires
             assert (await client.get("/auth/x")).value == b"1"
             assert client._token and client._token != token  # refreshed, not failed
+            await trio.sleep(3)  # expired again: a watch refreshes it too
+            async with client.watch("/auth/x") as w:
+                await client.put("/auth/x", b"2")
+                with trio.fail_after(30):
+                    assert [e.kv.value for e in await anext(w)] == [b"2"]
     finally:
         await trio.to_thread.run_sync(server.stop)
 

@@ -45,6 +45,7 @@ DEFAULT_MAX_RESPONSE_BYTES: Final = 64 * 1024 * 1024
 CODE_NOT_FOUND: Final = 5
 CODE_UNAVAILABLE: Final = 14
 CODE_UNAUTHENTICATED: Final = 16
+CODE_PERMISSION_DENIED: Final = 7
 CODE_INVALID_ARGUMENT: Final = 3
 CODE_FAILED_PRECONDITION: Final = 9
 CODE_OUT_OF_RANGE: Final = 11
@@ -329,7 +330,8 @@ class Etcd:
 
     def __init__(self, endpoints: Sequence[str], *, timeout: float = 5.0, ca: str | None = None, cert: str | None = None,
                  key: str | None = None, user: str | None = None, password: str | None = None,
-                 max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES, max_connections: int = 64) -> None:
+                 max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES, max_connections: int = 64,
+                 max_watches: int = 256) -> None:
         if isinstance(endpoints, str):
             endpoints = [e for e in endpoints.split(",") if e]
         if not endpoints:
@@ -357,9 +359,17 @@ class Etcd:
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
             headers={"Content-Type": "application/json"},
         )
+        # Each watch holds a connection for its life: they get their own pool, so watches never starve requests.
+        self._watch_http = httpx.AsyncClient(
+            verify=verify,
+            timeout=httpx.Timeout(timeout, read=None),
+            limits=httpx.Limits(max_connections=max_watches, max_keepalive_connections=0),
+            headers={"Content-Type": "application/json"},
+        )
 
     async def aclose(self) -> None:
         await self._http.aclose()
+        await self._watch_http.aclose()
 
     async def __aenter__(self) -> Etcd:
         return self
@@ -449,7 +459,8 @@ class Etcd:
                 raise EtcdError(message, code)
             self._current = i
             return answer
-        raise Unavailable(f"no etcd endpoint answered within {self.timeout:g} s: " + "; ".join(failures), CODE_UNAVAILABLE)
+        raise Unavailable(f"etcd is unreachable: no endpoint answered (each given {self.timeout:g} s): " + "; ".join(failures),
+                          CODE_UNAVAILABLE)
 
     async def _authenticate(self, stale: str | None = None) -> None:
         async with self._auth_lock:
@@ -652,11 +663,28 @@ class Watch:
         self._stack: contextlib.AsyncExitStack | None = None
         self._lines: AsyncGenerator[bytes, None] | None = None
         self._closed = False
+        self._reauthenticated = False  # since the last successful connect
         self.revision = 0  # the header revision of the last response seen
 
     async def __aenter__(self) -> Watch:
-        await self._connect(first=True)
+        try:
+            await self._connect(first=True)
+        except EtcdError as e:
+            if not await self._reauthenticate(e):
+                raise
+            await self._connect(first=True)
         return self
+
+    async def _reauthenticate(self, e: EtcdError) -> bool:
+        """After an authentication error: a fresh token if this client has credentials (then try again, once: an
+        expired token reads as permission denied to a watch, a real denial comes back)."""
+        if self._reauthenticated or self._etcd._user is None:
+            return False
+        if e.code in (CODE_UNAUTHENTICATED, CODE_PERMISSION_DENIED) or "user name is empty" in e.message:
+            self._reauthenticated = True
+            await self._etcd._authenticate(stale=self._etcd._token)
+            return True
+        return False
 
     async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         await self.aclose()
@@ -698,6 +726,8 @@ class Watch:
     async def _connect(self, first: bool = False) -> None:
         """Open the stream on the first endpoint that answers and wait for etcd's confirmation."""
         etcd = self._etcd
+        if etcd._user is not None and etcd._token is None:
+            await etcd._authenticate()
         create: dict[str, Any] = {"key": _enc(self._key)}
         if self._range_end is not None:
             create["range_end"] = _enc(self._range_end)
@@ -715,7 +745,7 @@ class Watch:
             stack = contextlib.AsyncExitStack()
             try:
                 # No read timeout: a quiet watch is a healthy one.
-                response = await stack.enter_async_context(etcd._http.stream(
+                response = await stack.enter_async_context(etcd._watch_http.stream(
                     "POST", url, content=content, headers=etcd._headers(),
                     timeout=httpx.Timeout(etcd.timeout, read=None)))
                 if response.status_code != 200:
@@ -744,6 +774,7 @@ class Watch:
                 self._next = _header_revision(result) + 1
             self.revision = max(self.revision, _header_revision(result))
             etcd._current = self._endpoint = i
+            self._reauthenticated = False
             self._stack, self._lines = stack, lines
             return
         raise Unavailable("no etcd endpoint accepted the watch: " + "; ".join(failures), CODE_UNAVAILABLE)
@@ -762,7 +793,9 @@ class Watch:
         compact = _int(result.get("compact_revision"))
         if compact:
             raise Compacted(f"the watch's start revision {self._next} was compacted (etcd keeps revisions from {compact} on)", compact)
-        raise EtcdError(f"etcd cancelled the watch: {result.get('cancel_reason', 'no reason given')}")
+        reason = str(result.get("cancel_reason", "no reason given"))
+        code = CODE_PERMISSION_DENIED if "PermissionDenied" in reason else CODE_UNAUTHENTICATED if "Unauthenticated" in reason else None
+        raise EtcdError(f"etcd cancelled the watch: {reason}", code)
 
     async def __anext__(self) -> WatchBatch:
         backoff = 0.05
@@ -775,6 +808,10 @@ class Watch:
                 except Unavailable:
                     await trio.sleep(backoff)
                     backoff = min(1.0, backoff * 2)
+                    continue
+                except EtcdError as e:
+                    if not await self._reauthenticate(e):
+                        raise
                     continue
                 backoff = 0.05
             if self._lines is None:

@@ -1,6 +1,7 @@
 """Throughput of gangd's etcd client: txns/s serial and with N concurrent tasks, against a local etcd it starts.
 
-Each txn is what a submit costs: compare a counter's mod_revision, put the counter and a job key. Printed next
+``txn``: a create-if-absent txn. ``submit``: what a submit costs done naively (get the counter, then a txn comparing its
+mod_revision that puts the counter and a job key). ``sequence``: the same with gangd.etcd.sequence (one txn per id). Printed next
 to etcd's own tool (``etcdctl txn`` driven serially is a process per txn, so the baseline is ``etcdctl put``
 with many keys in one process: ``etcdctl check perf`` is too heavy for a shared 2-core machine).
 
@@ -27,6 +28,7 @@ from pathlib import Path
 import trio
 
 from gangd.etcd import Compare, Etcd, Op, open_lease
+from gangd.etcd.sequence import Sequence
 from gangd.etcd.server import LocalEtcd, find_binary
 
 
@@ -58,6 +60,7 @@ async def rate(etcd: Etcd, seconds: float, concurrency: int, kind: str) -> tuple
     start = time.perf_counter()
     deadline = start + seconds
     ids = iter(range(10**9))
+    sequence = Sequence(etcd, "/bench/sequence")
 
     async def worker(w: int) -> None:
         nonlocal done
@@ -65,6 +68,8 @@ async def rate(etcd: Etcd, seconds: float, concurrency: int, kind: str) -> tuple
             t = time.perf_counter()
             if kind == "submit":
                 await submit_like(etcd, f"/bench/counter/{w}", next(ids))
+            elif kind == "sequence":
+                await sequence.next(lambda n: [Op.put(f"/bench/seqjob/{n}", b"x" * 300)])
             else:
                 await plain_txn(etcd, next(ids) + int(start * 1000) * 10**6)
             latencies.append(time.perf_counter() - t)
@@ -110,7 +115,7 @@ def pct(xs: list[float], q: float) -> float:
 
 async def main_async(args: argparse.Namespace, endpoints: list[str]) -> None:
     async with Etcd(endpoints) as etcd:
-        for kind in () if args.keepalive_only else ("txn", "submit"):
+        for kind in () if args.keepalive_only else ("txn", "submit", "sequence"):
             for conc in (1, args.concurrency):
                 r, lat = await rate(etcd, args.seconds, conc, kind)
                 print(f"{kind:6s} concurrency {conc:2d}: {r:7.0f}/s  latency p50 {pct(lat, .5):6.2f} ms  p99 {pct(lat, .99):6.2f} ms")

@@ -177,6 +177,33 @@ async def test_counter_by_txn_under_20_concurrent_tasks_gives_20_distinct_ids(et
     assert (await etcd.get(counter)).value == b"20"
 
 
+async def test_sequence_hands_out_each_id_once_across_two_writers_in_one_txn_each(etcd):
+    from gangd.etcd.sequence import Sequence
+
+    key = unique("sequence")
+    first, second = Sequence(etcd, key + "/next"), Sequence(etcd, key + "/next")  # e.g. an old and a new coordinator
+    taken: list[int] = []
+
+    async def take(seq):
+        n, result = await seq.next(lambda n: [Op.put(f"{key}/job/{n}", b"record")])
+        assert result.succeeded and result.responses[0] == result.revision
+        taken.append(n)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(20):
+            nursery.start_soon(take, first if i % 2 else second)
+    assert sorted(taken) == list(range(1, 21))
+    jobs = await etcd.range(f"{key}/job/", prefix=True, keys_only=True)
+    assert sorted(int(kv.key.rsplit(b"/", 1)[1]) for kv in jobs.kvs) == list(range(1, 21))
+
+    # The caller's own compare failing takes no id.
+    n, result = await first.next(lambda n: [Op.put(f"{key}/job/{n}", b"x")], compare=[Compare.value(key + "/flag") == b"on"])
+    assert not result.succeeded and n == 0
+    await etcd.put(key + "/flag", b"on")
+    n, result = await first.next(compare=[Compare.value(key + "/flag") == b"on"])
+    assert result.succeeded and n == 21
+
+
 async def test_etcd_errors_and_bounds(etcd):
     key = unique("errors")
     with pytest.raises(EtcdError) as info:
@@ -399,6 +426,19 @@ async def test_election_second_campaigner_leads_only_after_the_first_resigns_wit
         await wait_until(lambda: _true((b"node-b", b.term) in observed), 30, "observe to see B")
         assert observed[0] is None and (b"node-a", a.term) in observed
         assert observed.index((b"node-a", a.term)) < observed.index((b"node-b", b.term))
+
+        # B learns when its key is deleted behind its back (an operator, or etcd expiring the lease).
+        deposed = trio.Event()
+
+        async def watch_b():
+            await election.wait_deposed(b)
+            deposed.set()
+
+        nursery.start_soon(watch_b)
+        await etcd.delete(b.key)
+        with trio.fail_after(30):
+            await deposed.wait()
+        await wait_until(lambda: _true(observed[-1] is None), 30, "observe to see no leader")
         nursery.cancel_scope.cancel()
 
 
@@ -432,6 +472,51 @@ def etcd3_server():
     finally:
         server.stop()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+async def test_three_members_one_stopped_a_watch_on_it_moves_on_and_writes_go_on(etcd3_server):
+    """A member stopped with SIGSTOP keeps its connections open and answers nothing: the watch on it notices the
+    missing progress notifications and resumes on another member from where it was; the client's writes move on."""
+    import signal
+
+    server = etcd3_server
+    key = unique("stalled")
+    async with Etcd(server.endpoints, timeout=3) as client, Etcd(server.endpoints[1:], timeout=10) as others:
+        await client.put(key, b"-1")
+        assert (await client.status())["endpoint"] == server.endpoints[0]
+        async with client.watch(key + "/", prefix=True, progress_timeout=8) as w:
+            os.kill(server.pids[0], signal.SIGSTOP)
+            try:
+                for i in range(5):
+                    # If the stopped member led, writes time out until the others elect a leader: a create-if-absent
+                    # txn can be retried after an Indeterminate without writing twice.
+                    async def create(i=i):
+                        try:
+                            await others.txn([Compare.version(f"{key}/{i}") == 0], [Op.put(f"{key}/{i}", str(i))])
+                        except Unavailable:
+                            return False
+                        return True
+
+                    await wait_until(create, 60, f"write {i} with a member stopped")
+                seen: list[bytes] = []
+                with trio.fail_after(90):
+                    async for batch in w:
+                        seen.extend(e.kv.value for e in batch)
+                        if len(seen) >= 5:
+                            break
+                assert seen == [b"0", b"1", b"2", b"3", b"4"]
+
+                async def put_through_client():
+                    try:
+                        await client.put(key, b"via-client")
+                    except Unavailable:  # Indeterminate: the stalled member took the request and never answered
+                        return False
+                    return True
+
+                await wait_until(put_through_client, 60, "a write through the client with its first member stopped")
+                assert (await others.get(key)).value == b"via-client"
+            finally:
+                os.kill(server.pids[0], signal.SIGCONT)
 
 
 async def test_three_members_one_killed_the_cluster_keeps_working_all_stopped_is_unavailable(etcd3_server):
@@ -505,5 +590,75 @@ async def test_etcd_authentication_with_a_token_refreshed_when_it_expires(tmp_pa
             await trio.sleep(3)  # the token expires
             assert (await client.get("/auth/x")).value == b"1"
             assert client._token and client._token != token  # refreshed, not failed
+            await trio.sleep(3)  # expired again: a watch refreshes it too
+            async with client.watch("/auth/x") as w:
+                await client.put("/auth/x", b"2")
+                with trio.fail_after(30):
+                    assert [e.kv.value for e in await anext(w)] == [b"2"]
+    finally:
+        await trio.to_thread.run_sync(server.stop)
+
+
+def test_local_etcd_outlives_the_process_that_started_it_and_load_stops_it(tmp_path):
+    import subprocess
+    import sys
+
+    import psutil
+
+    directory = tmp_path / "etcd"
+    code = f"from gangd.etcd.server import LocalEtcd; print(LocalEtcd({str(directory)!r}).start()[0])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    server = LocalEtcd.load(directory)
+    try:
+        assert server.endpoints == [out.strip()]
+        (pid,) = server.pids
+        process = psutil.Process(pid)
+        assert process.is_running() and os.getsid(pid) == pid  # its own session: the starter's end did not touch it
+        assert (directory / "etcd-0").is_dir() and (directory / "etcd-0.log").is_file()
+    finally:
+        server.stop()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    server.stop()  # again: nothing to do, no error
+
+
+# ------------------------------------------------------------------------------------------------ TLS
+
+
+def _make_certificates(d: Path) -> dict[str, str]:
+    """A CA, a certificate for 127.0.0.1 (server and client use) and a client certificate, made with openssl."""
+    import subprocess
+
+    def openssl(*args):
+        subprocess.run(["openssl", *args], cwd=d, capture_output=True, check=True, timeout=60)
+
+    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
+    (d / "client.cnf").write_text("extendedKeyUsage=clientAuth\n")
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=gangd test CA")
+    for name, ext in (("server", "ext.cnf"), ("client", "client.cnf")):
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", f"{name}.pem",
+                "-days", "2", "-extfile", ext)
+    return {n: str(d / n) for n in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make certificates")
+async def test_tls_with_client_certificates(tmp_path):
+    from gangd.etcd.server import ClientTLS
+
+    files = await trio.to_thread.run_sync(_make_certificates, tmp_path)
+    server = LocalEtcd(tmp_path / "etcd", client_tls=ClientTLS(files["server.pem"], files["server.key"], files["ca.pem"]))
+    await trio.to_thread.run_sync(server.start)
+    try:
+        assert server.endpoints[0].startswith("https://")
+        async with Etcd(server.endpoints, ca=files["ca.pem"], cert=files["client.pem"], key=files["client.key"]) as client:
+            await client.put("/tls/x", b"secret")
+            assert (await client.get("/tls/x")).value == b"secret"
+        # Without a client certificate, or without trusting the CA, nothing gets through.
+        async with Etcd(server.endpoints, ca=files["ca.pem"], timeout=3) as no_cert:
+            with pytest.raises(Unavailable):
+                await no_cert.get("/tls/x")
+        async with Etcd(server.endpoints, timeout=3) as untrusting:
+            with pytest.raises(Unavailable, match="CERTIFICATE_VERIFY_FAILED"):
+                await untrusting.get("/tls/x")
     finally:
         await trio.to_thread.run_sync(server.stop)

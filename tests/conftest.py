@@ -1,8 +1,10 @@
 """Fixtures that start real gangd clusters (real daemons on 127.0.0.x) for tests.
 
 Every cluster lives in its own world-traversable temporary directory so that
-tests can talk to it as a second, unprivileged uid. On teardown the cluster
-is stopped and the test fails if any rank process of it is still alive.
+tests can talk to it as a second, unprivileged uid, and has its own etcd
+(``cluster.up`` starts it; ``make_cluster(etcd_members=3)`` for three
+members). On teardown the cluster is stopped and the test fails if any rank,
+daemon or etcd process of it is still alive.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import pytest
 
 from gangd.client import cluster as local
 from gangd.daemon.cgroup import CgroupTree
+from gangd.daemon.config import EtcdSettings
+from gangd.daemon.config import load as load_config
 
 
 class LocalCluster:
@@ -64,6 +68,21 @@ class LocalCluster:
                 raise AssertionError(f"job {job_id} is {record['state']}, not {states}, after {timeout} s: {record}")
             time.sleep(0.1)
 
+    # ------------------------------------------------------------ etcd
+
+    @property
+    def etcd(self):
+        """The cluster's own etcd (a ``gangd.etcd.server.LocalEtcd``: ``kill_member(i)``, ``start_member(i)``, ``endpoints``, ``pids``)."""
+        store = local.local_etcd(self.dir)
+        assert store is not None, f"the cluster in {self.dir} has no etcd of its own"
+        return store
+
+    @property
+    def etcd_settings(self) -> EtcdSettings:
+        """How the daemons reach the cluster's etcd (endpoints, prefix, ``user`` and ``read_password()``: a local
+        cluster's etcd answers only to its root user)."""
+        return load_config(self.files["n1"].config).etcd
+
     # ------------------------------------------------------------ processes
 
     def daemon_pid(self, node: str) -> int:
@@ -94,6 +113,20 @@ class LocalCluster:
         while (left := self.rank_processes(job_id)) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not left, f"processes left behind: {[(p.pid, p.cmdline()) for p in left]}"
+
+    def own_processes(self) -> list[psutil.Process]:
+        """Live daemons and etcd members of this cluster: the processes whose
+        command line names a file in its directory (a daemon's config, a
+        member's data dir)."""
+        found = []
+        prefix = str(self.dir) + "/"
+        for proc in psutil.process_iter():
+            try:
+                if proc.status() != psutil.STATUS_ZOMBIE and any(arg.startswith(prefix) for arg in proc.cmdline()):
+                    found.append(proc)
+            except (psutil.Error, OSError):
+                continue
+        return found
 
 
 def as_uid(uid: int, fn):
@@ -140,10 +173,20 @@ def wait_for(predicate, timeout: float, what: str):
 
 
 def forget_cluster(cluster: LocalCluster) -> None:
-    """After ``local.down``: fail if a rank of the cluster lives on; remove its
-    cgroups and its directory either way."""
+    """After ``local.down``: fail if a rank, a daemon or an etcd member of the
+    cluster lives on; remove its cgroups and its directory either way."""
     try:
         cluster.wait_no_rank_processes(timeout=5)
+        deadline = time.monotonic() + 5
+        while (left := cluster.own_processes()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if left:
+            seen = []
+            for proc in left:  # started by this test: not left to disturb the next one
+                with contextlib.suppress(psutil.Error):
+                    seen.append((proc.pid, " ".join(proc.cmdline())))
+                    proc.kill()
+            raise AssertionError(f"daemon or etcd processes of the cluster left behind after down: {seen}")
     finally:
         _remove_cgroups(cluster)
         shutil.rmtree(cluster.dir.parent, ignore_errors=True)

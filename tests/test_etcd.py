@@ -8,6 +8,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -176,6 +177,33 @@ async def test_counter_by_txn_under_20_concurrent_tasks_gives_20_distinct_ids(et
     assert (await etcd.get(counter)).value == b"20"
 
 
+async def test_sequence_hands_out_each_id_once_across_two_writers_in_one_txn_each(etcd):
+    from gangd.etcd.sequence import Sequence
+
+    key = unique("sequence")
+    first, second = Sequence(etcd, key + "/next"), Sequence(etcd, key + "/next")  # e.g. an old and a new coordinator
+    taken: list[int] = []
+
+    async def take(seq):
+        n, result = await seq.next(lambda n: [Op.put(f"{key}/job/{n}", b"record")])
+        assert result.succeeded and result.responses[0] == result.revision
+        taken.append(n)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(20):
+            nursery.start_soon(take, first if i % 2 else second)
+    assert sorted(taken) == list(range(1, 21))
+    jobs = await etcd.range(f"{key}/job/", prefix=True, keys_only=True)
+    assert sorted(int(kv.key.rsplit(b"/", 1)[1]) for kv in jobs.kvs) == list(range(1, 21))
+
+    # The caller's own compare failing takes no id.
+    n, result = await first.next(lambda n: [Op.put(f"{key}/job/{n}", b"x")], compare=[Compare.value(key + "/flag") == b"on"])
+    assert not result.succeeded and n == 0
+    await etcd.put(key + "/flag", b"on")
+    n, result = await first.next(compare=[Compare.value(key + "/flag") == b"on"])
+    assert result.succeeded and n == 21
+
+
 async def test_etcd_errors_and_bounds(etcd):
     key = unique("errors")
     with pytest.raises(EtcdError) as info:
@@ -240,6 +268,20 @@ async def test_a_lease_that_is_not_renewed_expires_deletes_its_keys_and_lost_fir
         assert lease.remaining() <= 0
         await wait_until(lambda: _gone(etcd, key), 30, "the key of the expired lease to be deleted")
         assert await etcd.lease_keepalive(lease.id) == 0
+
+
+async def test_a_process_stalled_past_its_lease_never_renews_it(etcd):
+    """The whole process stops (here: its event loop blocked, as under SIGSTOP or swapping) for longer than the
+    TTL; when it runs again its deadline has passed, and no keepalive answer may revive the lease locally."""
+    key = unique("lease-frozen")
+    async with open_lease(etcd, 3) as lease:
+        await etcd.put(key, b"held", lease=lease.id)
+        time.sleep(lease.ttl + 2)  # noqa: ASYNC251 -- the point: the event loop itself is stalled
+        assert lease.remaining() < 0
+        with trio.fail_after(30):
+            await lease.lost.wait()
+        assert lease.remaining() < 0  # no renewal after the deadline
+        await wait_until(lambda: _gone(etcd, key), 30, "etcd to expire the lease's key")
 
 
 async def test_lost_fires_when_etcd_says_the_lease_is_gone(etcd):
@@ -384,6 +426,19 @@ async def test_election_second_campaigner_leads_only_after_the_first_resigns_wit
         await wait_until(lambda: _true((b"node-b", b.term) in observed), 30, "observe to see B")
         assert observed[0] is None and (b"node-a", a.term) in observed
         assert observed.index((b"node-a", a.term)) < observed.index((b"node-b", b.term))
+
+        # B learns when its key is deleted behind its back (an operator, or etcd expiring the lease).
+        deposed = trio.Event()
+
+        async def watch_b():
+            await election.wait_deposed(b)
+            deposed.set()
+
+        nursery.start_soon(watch_b)
+        await etcd.delete(b.key)
+        with trio.fail_after(30):
+            await deposed.wait()
+        await wait_until(lambda: _true(observed[-1] is None), 30, "observe to see no leader")
         nursery.cancel_scope.cancel()
 
 
@@ -402,3 +457,208 @@ async def test_election_a_leader_whose_lease_expires_loses_to_the_next_campaigne
 
 async def _exists(etcd, key):
     return await etcd.get(key) is not None
+
+
+# ------------------------------------------------------------------------------------------------ three members
+
+
+@pytest.fixture(scope="module")
+def etcd3_server():
+    directory = Path(tempfile.mkdtemp(prefix="gangd-etcd3-"))
+    server = LocalEtcd(directory, members=3)
+    try:
+        server.start(timeout=60)
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+async def test_three_members_one_stopped_a_watch_on_it_moves_on_and_writes_go_on(etcd3_server):
+    """A member stopped with SIGSTOP keeps its connections open and answers nothing: the watch on it notices the
+    missing progress notifications and resumes on another member from where it was; the client's writes move on."""
+    import signal
+
+    server = etcd3_server
+    key = unique("stalled")
+    async with Etcd(server.endpoints, timeout=3) as client, Etcd(server.endpoints[1:], timeout=10) as others:
+        await client.put(key, b"-1")
+        assert (await client.status())["endpoint"] == server.endpoints[0]
+        async with client.watch(key + "/", prefix=True, progress_timeout=8) as w:
+            os.kill(server.pids[0], signal.SIGSTOP)
+            try:
+                for i in range(5):
+                    # If the stopped member led, writes time out until the others elect a leader: a create-if-absent
+                    # txn can be retried after an Indeterminate without writing twice.
+                    async def create(i=i):
+                        try:
+                            await others.txn([Compare.version(f"{key}/{i}") == 0], [Op.put(f"{key}/{i}", str(i))])
+                        except Unavailable:
+                            return False
+                        return True
+
+                    await wait_until(create, 60, f"write {i} with a member stopped")
+                seen: list[bytes] = []
+                with trio.fail_after(90):
+                    async for batch in w:
+                        seen.extend(e.kv.value for e in batch)
+                        if len(seen) >= 5:
+                            break
+                assert seen == [b"0", b"1", b"2", b"3", b"4"]
+
+                async def put_through_client():
+                    try:
+                        await client.put(key, b"via-client")
+                    except Unavailable:  # Indeterminate: the stalled member took the request and never answered
+                        return False
+                    return True
+
+                await wait_until(put_through_client, 60, "a write through the client with its first member stopped")
+                assert (await others.get(key)).value == b"via-client"
+            finally:
+                os.kill(server.pids[0], signal.SIGCONT)
+
+
+async def test_three_members_one_killed_the_cluster_keeps_working_all_stopped_is_unavailable(etcd3_server):
+    server = etcd3_server
+    assert len(set(server.pids)) == 3 and len(server.endpoints) == 3
+    async with Etcd(server.endpoints, timeout=10) as client:
+        assert len(await client.members()) == 3
+        key = unique("three")
+        await client.put(key, b"before")
+        # Kill the member the client is talking to (the worst case for it).
+        current = server.endpoints.index((await client.status())["endpoint"])
+        server.kill_member(current)
+
+        async def works():
+            try:
+                await client.put(key, b"after")
+            except EtcdError:
+                return False  # e.g. a leader election in progress
+            return True
+
+        await wait_until(works, 60, "a write after a member was killed")
+        assert (await client.get(key)).value == b"after"
+        counter = unique("three-counter")
+        result = await client.txn([Compare.version(counter) == 0], [Op.put(counter, b"1")])
+        assert result.succeeded
+        assert (await client.range(key)).kvs[0].value == b"after"
+        server.start_member(current)  # it comes back and catches up
+        caught_up = await client.status(endpoint=server.endpoints[current])
+        assert caught_up["leader"] != 0
+
+        # A later process finds the cluster by its directory and stops it all.
+        loaded = LocalEtcd.load(server.directory)
+        assert loaded.endpoints == server.endpoints
+        loaded.stop()
+        loaded.stop()  # idempotent
+        with pytest.raises(Unavailable) as info:
+            await client.get(key)
+        message = str(info.value)
+        assert all(e in message for e in server.endpoints), message
+
+        # Members restarted from their data: everything is still there.
+        server.start(timeout=60)
+        await wait_until(lambda: _exists(client, counter), 60, "the restarted cluster to serve the counter")
+        assert (await client.get(key)).value == b"after"
+
+
+# ------------------------------------------------------------------------------------------------ authentication
+
+
+async def test_etcd_authentication_with_a_token_refreshed_when_it_expires(tmp_path):
+    # Simple tokens expire after --auth-token-ttl seconds without use: 1 s here, so the client must re-authenticate.
+    password = os.urandom(8).hex()
+    server = LocalEtcd(tmp_path / "etcd", extra_args=("--auth-token-ttl", "1"))
+    await trio.to_thread.run_sync(server.start)
+    try:
+        async with Etcd(server.endpoints) as admin:
+            await admin.call("/v3/auth/role/add", {"name": "root"})
+            await admin.call("/v3/auth/user/add", {"name": "root", "password": password})
+            await admin.call("/v3/auth/user/grant", {"user": "root", "role": "root"})
+            await admin.call("/v3/auth/enable", {})
+        async with Etcd(server.endpoints) as anonymous:
+            with pytest.raises(EtcdError) as info:
+                await anonymous.put("/auth/x", b"1")
+            assert "user name is empty" in info.value.message or info.value.code in (3, 7, 16)
+        async with Etcd(server.endpoints, user="root", password=password + "x") as wrong:
+            with pytest.raises(EtcdError, match="authentication failed"):
+                await wrong.get("/auth/x")
+        async with Etcd(server.endpoints, user="root", password=password) as client:
+            await client.put("/auth/x", b"1")
+            token = client._token
+            await trio.sleep(3)  # the token expires
+            assert (await client.get("/auth/x")).value == b"1"
+            assert client._token and client._token != token  # refreshed, not failed
+            await trio.sleep(3)  # expired again: a watch refreshes it too
+            async with client.watch("/auth/x") as w:
+                await client.put("/auth/x", b"2")
+                with trio.fail_after(30):
+                    assert [e.kv.value for e in await anext(w)] == [b"2"]
+    finally:
+        await trio.to_thread.run_sync(server.stop)
+
+
+def test_local_etcd_outlives_the_process_that_started_it_and_load_stops_it(tmp_path):
+    import subprocess
+    import sys
+
+    import psutil
+
+    directory = tmp_path / "etcd"
+    code = f"from gangd.etcd.server import LocalEtcd; print(LocalEtcd({str(directory)!r}).start()[0])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    server = LocalEtcd.load(directory)
+    try:
+        assert server.endpoints == [out.strip()]
+        (pid,) = server.pids
+        process = psutil.Process(pid)
+        assert process.is_running() and os.getsid(pid) == pid  # its own session: the starter's end did not touch it
+        assert (directory / "etcd-0").is_dir() and (directory / "etcd-0.log").is_file()
+    finally:
+        server.stop()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    server.stop()  # again: nothing to do, no error
+
+
+# ------------------------------------------------------------------------------------------------ TLS
+
+
+def _make_certificates(d: Path) -> dict[str, str]:
+    """A CA, a certificate for 127.0.0.1 (server and client use) and a client certificate, made with openssl."""
+    import subprocess
+
+    def openssl(*args):
+        subprocess.run(["openssl", *args], cwd=d, capture_output=True, check=True, timeout=60)
+
+    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
+    (d / "client.cnf").write_text("extendedKeyUsage=clientAuth\n")
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=gangd test CA")
+    for name, ext in (("server", "ext.cnf"), ("client", "client.cnf")):
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", f"{name}.pem",
+                "-days", "2", "-extfile", ext)
+    return {n: str(d / n) for n in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make certificates")
+async def test_tls_with_client_certificates(tmp_path):
+    from gangd.etcd.server import ClientTLS
+
+    files = await trio.to_thread.run_sync(_make_certificates, tmp_path)
+    server = LocalEtcd(tmp_path / "etcd", client_tls=ClientTLS(files["server.pem"], files["server.key"], files["ca.pem"]))
+    await trio.to_thread.run_sync(server.start)
+    try:
+        assert server.endpoints[0].startswith("https://")
+        async with Etcd(server.endpoints, ca=files["ca.pem"], cert=files["client.pem"], key=files["client.key"]) as client:
+            await client.put("/tls/x", b"secret")
+            assert (await client.get("/tls/x")).value == b"secret"
+        # Without a client certificate, or without trusting the CA, nothing gets through.
+        async with Etcd(server.endpoints, ca=files["ca.pem"], timeout=3) as no_cert:
+            with pytest.raises(Unavailable):
+                await no_cert.get("/tls/x")
+        async with Etcd(server.endpoints, timeout=3) as untrusting:
+            with pytest.raises(Unavailable, match="CERTIFICATE_VERIFY_FAILED"):
+                await untrusting.get("/tls/x")
+    finally:
+        await trio.to_thread.run_sync(server.stop)

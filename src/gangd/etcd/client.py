@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import math
 import ssl
 from collections.abc import AsyncGenerator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ DEFAULT_MAX_RESPONSE_BYTES: Final = 64 * 1024 * 1024
 CODE_NOT_FOUND: Final = 5
 CODE_UNAVAILABLE: Final = 14
 CODE_UNAUTHENTICATED: Final = 16
+CODE_PERMISSION_DENIED: Final = 7
 CODE_INVALID_ARGUMENT: Final = 3
 CODE_FAILED_PRECONDITION: Final = 9
 CODE_OUT_OF_RANGE: Final = 11
@@ -328,7 +330,8 @@ class Etcd:
 
     def __init__(self, endpoints: Sequence[str], *, timeout: float = 5.0, ca: str | None = None, cert: str | None = None,
                  key: str | None = None, user: str | None = None, password: str | None = None,
-                 max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES, max_connections: int = 64) -> None:
+                 max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES, max_connections: int = 64,
+                 max_watches: int = 256) -> None:
         if isinstance(endpoints, str):
             endpoints = [e for e in endpoints.split(",") if e]
         if not endpoints:
@@ -339,6 +342,7 @@ class Etcd:
                 raise ValueError(f"an etcd endpoint is a URL (http://host:port or https://host:port), not {e!r}")
         self.timeout = timeout
         self.max_response_bytes = max_response_bytes
+        self._urls: dict[tuple[int, str], httpx.URL] = {}
         self._current = 0  # index of the endpoint that answered last
         self._user, self._password = user, password
         self._token: str | None = None
@@ -355,9 +359,17 @@ class Etcd:
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
             headers={"Content-Type": "application/json"},
         )
+        # Each watch holds a connection for its life: they get their own pool, so watches never starve requests.
+        self._watch_http = httpx.AsyncClient(
+            verify=verify,
+            timeout=httpx.Timeout(timeout, read=None),
+            limits=httpx.Limits(max_connections=max_watches, max_keepalive_connections=0),
+            headers={"Content-Type": "application/json"},
+        )
 
     async def aclose(self) -> None:
         await self._http.aclose()
+        await self._watch_http.aclose()
 
     async def __aenter__(self) -> Etcd:
         return self
@@ -366,6 +378,12 @@ class Etcd:
         await self.aclose()
 
     # -------------------------------------------------------------------------------------- transport
+
+    def _url(self, i: int, path: str) -> httpx.URL:
+        url = self._urls.get((i, path))
+        if url is None:
+            url = self._urls[i, path] = httpx.URL(self.endpoints[i] + path)  # parsed once: a URL costs ~0.1 ms to parse
+        return url
 
     def _order(self) -> list[int]:
         n = len(self.endpoints)
@@ -376,8 +394,10 @@ class Etcd:
 
     async def _read_bounded(self, response: httpx.Response) -> bytes:
         length = response.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_response_bytes:
-            raise EtcdError(f"etcd's answer of {int(length)} bytes is larger than the limit of {self.max_response_bytes} bytes")
+        if length is not None and length.isdigit():
+            if int(length) > self.max_response_bytes:
+                raise EtcdError(f"etcd's answer of {int(length)} bytes is larger than the limit of {self.max_response_bytes} bytes")
+            return await response.aread()  # the common case, in one call: h11 stops at Content-Length
         parts: list[bytes] = []
         size = 0
         async for chunk in response.aiter_bytes():
@@ -405,16 +425,20 @@ class Etcd:
         content = json.dumps(body, separators=(",", ":")).encode()
         failures: list[str] = []
         for i in self._order():
-            url = self.endpoints[i] + path
             try:
-                async with self._http.stream("POST", url, content=content, headers=self._headers()) as response:
+                request = self._http.build_request("POST", self._url(i, path), content=content, headers=self._headers())
+                response = await self._http.send(request, stream=True)
+                try:
                     data = await self._read_bounded(response)
-                    status = response.status_code
+                finally:
+                    await response.aclose()
+                status = response.status_code
             except _CONNECT_ERRORS as e:
                 failures.append(f"{self.endpoints[i]}: {_describe(e)}")
                 continue
             except _TRANSPORT_ERRORS as e:
                 if mutates:
+                    self._current = (i + 1) % len(self.endpoints)  # this one is stalled or gone: the next call tries another
                     raise Indeterminate(
                         f"etcd at {self.endpoints[i]} did not answer a write ({_describe(e)}): it may or may not have been applied",
                         CODE_UNAVAILABLE) from e
@@ -430,11 +454,13 @@ class Etcd:
                     failures.append(f"{self.endpoints[i]}: {message}")
                     continue
                 if code == CODE_UNAVAILABLE:
+                    self._current = (i + 1) % len(self.endpoints)
                     raise Indeterminate(f"etcd at {self.endpoints[i]}: {message} (a write that may or may not have been applied)", code)
                 raise EtcdError(message, code)
             self._current = i
             return answer
-        raise Unavailable(f"no etcd endpoint answered within {self.timeout:g} s: " + "; ".join(failures), CODE_UNAVAILABLE)
+        raise Unavailable(f"etcd is unreachable: no endpoint answered (each given {self.timeout:g} s): " + "; ".join(failures),
+                          CODE_UNAVAILABLE)
 
     async def _authenticate(self, stale: str | None = None) -> None:
         async with self._auth_lock:
@@ -446,6 +472,11 @@ class Etcd:
             if not isinstance(token, str) or not token:
                 raise EtcdError("etcd's authentication answer carries no token", CODE_UNAUTHENTICATED)
             self._token = token
+
+    async def call(self, path: str, body: dict[str, Any], *, mutates: bool = True) -> dict[str, Any]:
+        """A gateway call this class does not wrap (user and role management, auth enable, defragment...):
+        ``path`` like ``/v3/auth/user/add``, ``body`` etcd's JSON (bytes fields base64, int64 as strings)."""
+        return await self._post(path, body, mutates=mutates)
 
     # -------------------------------------------------------------------------------------- KV
 
@@ -579,17 +610,32 @@ class Etcd:
     # -------------------------------------------------------------------------------------- watch
 
     def watch(self, key: Bytes, *, prefix: bool = False, start_revision: int = 0, prev_kv: bool = False,
-              range_end: Bytes | None = None) -> Watch:
+              range_end: Bytes | None = None, progress_timeout: float | None = None) -> Watch:
         """``async with etcd.watch(key) as w: async for batch in w:`` -- each batch a ``WatchBatch`` (a non-empty list of
         events with the response's header revision). Entering waits until etcd confirmed the watch, so every change
-        after that point is seen; with ``start_revision`` the changes since that revision come first."""
+        after that point is seen; with ``start_revision`` the changes since that revision come first.
+
+        A member that stalls (stopped, partitioned) keeps the connection open and sends nothing: with
+        ``progress_timeout`` the watch asks etcd for progress notifications and moves to another endpoint when
+        nothing came for that long. etcd sends them every ``--experimental-watch-progress-notify-interval``
+        (10 min by default; LocalEtcd sets 2 s), so ``progress_timeout`` must be comfortably longer."""
         end = prefix_end(key) if prefix else (_b(range_end) if range_end is not None else None)
-        return Watch(self, _b(key), end, start_revision, prev_kv)
+        return Watch(self, _b(key), end, start_revision, prev_kv, progress_timeout)
 
 
 def _describe(e: BaseException) -> str:
-    text = str(e) or type(e).__name__
-    return f"{type(e).__name__}: {text}" if text != type(e).__name__ else text
+    """The exception's type and the first non-empty message along its cause chain (httpx's ConnectError around an
+    SSL error says nothing itself)."""
+    name = type(e).__name__
+    seen: BaseException | None = e
+    for _ in range(5):
+        if seen is None:
+            break
+        text = str(seen)
+        if text:
+            return f"{name}: {text}"
+        seen = seen.__cause__ or seen.__context__
+    return name
 
 
 def _parse(data: bytes, endpoint: str) -> dict[str, Any]:
@@ -606,19 +652,39 @@ class Watch:
     """A watch that survives lost connections: it reconnects (to any endpoint) from the revision after the last
     one it delivered, so no event is lost or repeated. Raises ``Compacted`` if those revisions are gone."""
 
-    def __init__(self, etcd: Etcd, key: bytes, range_end: bytes | None, start_revision: int, prev_kv: bool) -> None:
+    def __init__(self, etcd: Etcd, key: bytes, range_end: bytes | None, start_revision: int, prev_kv: bool,
+                 progress_timeout: float | None = None) -> None:
         self._etcd = etcd
+        self._progress_timeout = progress_timeout
+        self._endpoint = etcd._current  # the endpoint the stream is on
         self._key, self._range_end = key, range_end
         self._next = start_revision  # 0 until the first creation tells the current revision
         self._prev_kv = prev_kv
         self._stack: contextlib.AsyncExitStack | None = None
         self._lines: AsyncGenerator[bytes, None] | None = None
         self._closed = False
+        self._reauthenticated = False  # since the last successful connect
         self.revision = 0  # the header revision of the last response seen
 
     async def __aenter__(self) -> Watch:
-        await self._connect(first=True)
+        try:
+            await self._connect(first=True)
+        except EtcdError as e:
+            if not await self._reauthenticate(e):
+                raise
+            await self._connect(first=True)
         return self
+
+    async def _reauthenticate(self, e: EtcdError) -> bool:
+        """After an authentication error: a fresh token if this client has credentials (then try again, once: an
+        expired token reads as permission denied to a watch, a real denial comes back)."""
+        if self._reauthenticated or self._etcd._user is None:
+            return False
+        if e.code in (CODE_UNAUTHENTICATED, CODE_PERMISSION_DENIED) or "user name is empty" in e.message:
+            self._reauthenticated = True
+            await self._etcd._authenticate(stale=self._etcd._token)
+            return True
+        return False
 
     async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         await self.aclose()
@@ -660,6 +726,8 @@ class Watch:
     async def _connect(self, first: bool = False) -> None:
         """Open the stream on the first endpoint that answers and wait for etcd's confirmation."""
         etcd = self._etcd
+        if etcd._user is not None and etcd._token is None:
+            await etcd._authenticate()
         create: dict[str, Any] = {"key": _enc(self._key)}
         if self._range_end is not None:
             create["range_end"] = _enc(self._range_end)
@@ -667,14 +735,17 @@ class Watch:
             create["start_revision"] = str(self._next)
         if self._prev_kv:
             create["prev_kv"] = True
+        if self._progress_timeout is not None:
+            create["progress_notify"] = True
         content = json.dumps({"create_request": create}).encode()
         failures: list[str] = []
-        for i in etcd._order():
+        n = len(etcd.endpoints)
+        for i in [(self._endpoint + k) % n for k in range(n)]:
             url = etcd.endpoints[i] + "/v3/watch"
             stack = contextlib.AsyncExitStack()
             try:
                 # No read timeout: a quiet watch is a healthy one.
-                response = await stack.enter_async_context(etcd._http.stream(
+                response = await stack.enter_async_context(etcd._watch_http.stream(
                     "POST", url, content=content, headers=etcd._headers(),
                     timeout=httpx.Timeout(etcd.timeout, read=None)))
                 if response.status_code != 200:
@@ -702,7 +773,8 @@ class Watch:
             if not self._next:
                 self._next = _header_revision(result) + 1
             self.revision = max(self.revision, _header_revision(result))
-            etcd._current = i
+            etcd._current = self._endpoint = i
+            self._reauthenticated = False
             self._stack, self._lines = stack, lines
             return
         raise Unavailable("no etcd endpoint accepted the watch: " + "; ".join(failures), CODE_UNAVAILABLE)
@@ -721,7 +793,9 @@ class Watch:
         compact = _int(result.get("compact_revision"))
         if compact:
             raise Compacted(f"the watch's start revision {self._next} was compacted (etcd keeps revisions from {compact} on)", compact)
-        raise EtcdError(f"etcd cancelled the watch: {result.get('cancel_reason', 'no reason given')}")
+        reason = str(result.get("cancel_reason", "no reason given"))
+        code = CODE_PERMISSION_DENIED if "PermissionDenied" in reason else CODE_UNAUTHENTICATED if "Unauthenticated" in reason else None
+        raise EtcdError(f"etcd cancelled the watch: {reason}", code)
 
     async def __anext__(self) -> WatchBatch:
         backoff = 0.05
@@ -735,12 +809,22 @@ class Watch:
                     await trio.sleep(backoff)
                     backoff = min(1.0, backoff * 2)
                     continue
+                except EtcdError as e:
+                    if not await self._reauthenticate(e):
+                        raise
+                    continue
                 backoff = 0.05
             if self._lines is None:
                 continue
             try:
-                line = await anext(self._lines)
-                result = self._result(line, self._etcd.endpoints[self._etcd._current])
+                with trio.move_on_after(self._progress_timeout if self._progress_timeout is not None else math.inf) as quiet:
+                    line = await anext(self._lines)
+                if quiet.cancelled_caught:
+                    # Not even a progress notification: that member is stalled. Resume on the next one.
+                    await self._drop()
+                    self._endpoint = (self._endpoint + 1) % len(self._etcd.endpoints)
+                    continue
+                result = self._result(line, self._etcd.endpoints[self._endpoint])
             except (*_TRANSPORT_ERRORS, StopAsyncIteration):
                 await self._drop()  # the connection went away: reconnect from self._next
                 continue

@@ -34,9 +34,10 @@ class Leadership:
 
 
 class Election:
-    def __init__(self, etcd: Etcd, prefix: str) -> None:
+    def __init__(self, etcd: Etcd, prefix: str, *, progress_timeout: float | None = None) -> None:
         self.etcd = etcd
         self.prefix = prefix.rstrip("/") + "/"
+        self.progress_timeout = progress_timeout  # for its watches: see Etcd.watch
 
     async def campaign(self, lease: Lease, value: bytes) -> Leadership:
         """Block until this lease's key is the oldest under the prefix: then this process leads. Cancelling it (or the
@@ -78,7 +79,7 @@ class Election:
             if not older.kvs:
                 return
             predecessor = older.kvs[0].key
-            async with self.etcd.watch(predecessor, start_revision=older.revision + 1) as w:
+            async with self.etcd.watch(predecessor, start_revision=older.revision + 1, progress_timeout=self.progress_timeout) as w:
                 async for batch in w:
                     if any(e.type == "DELETE" for e in batch):
                         break
@@ -86,6 +87,18 @@ class Election:
     async def resign(self, leadership: Leadership) -> None:
         """Give up leadership (or the candidacy): delete the key if it is still ours."""
         await self.etcd.txn([Compare.create_revision(leadership.key) == leadership.term], [Op.delete(leadership.key)])
+
+    async def wait_deposed(self, leadership: Leadership) -> None:
+        """Return when ``leadership``'s key is gone (resigned, deleted, or its lease expired on etcd). A leader
+        races this with its ``Lease.lost``, which fires earlier on a stalled holder."""
+        while True:
+            r = await self.etcd.range(leadership.key)
+            if not r.kvs or r.kvs[0].create_revision != leadership.term:
+                return
+            async with self.etcd.watch(leadership.key, start_revision=r.revision + 1, progress_timeout=self.progress_timeout) as w:
+                async for batch in w:
+                    if any(e.type == "DELETE" for e in batch):
+                        return
 
     async def leader(self) -> tuple[bytes, int] | None:
         """The current leader's value and term, or None."""
@@ -103,7 +116,8 @@ class Election:
         yield current
         while True:
             try:
-                async with self.etcd.watch(self.prefix, prefix=True, start_revision=revision + 1) as w:
+                async with self.etcd.watch(self.prefix, prefix=True, start_revision=revision + 1,
+                                           progress_timeout=self.progress_timeout) as w:
                     async for _batch in w:
                         now, revision = await self._leader_at()
                         if now != current:

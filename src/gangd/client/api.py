@@ -150,6 +150,18 @@ class Client:
                 return found
             after = batch[-1]["id"]
 
+    async def history(self, limit: int = 50, before: int | None = None, uid: int | None = None) -> list[dict]:
+        """Ended jobs, newest first (the cluster's history): up to ``limit`` with ids below ``before``."""
+        found: list[dict] = []
+        while len(found) < limit:
+            want = min(500, limit - len(found))
+            batch = await self.request("history", limit=want, before=before, uid=uid)
+            found += batch
+            if len(batch) < want:
+                break
+            before = batch[-1]["id"]
+        return found
+
     async def job(self, job_id: int) -> dict:
         return await self.request("job", job=job_id)
 

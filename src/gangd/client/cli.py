@@ -16,6 +16,7 @@ killed, 130 if `gang run` was interrupted.
 from __future__ import annotations
 
 import json
+import pwd
 import signal
 import sys
 import time
@@ -435,6 +436,55 @@ def ps(ctx, show_all, as_json):
             ]
         )
     click.echo(table(rows, ["JOBID", "NAME", "USER", "RANKS", "NODES", "STATE", "ELAPSED", "RUN", "SUSP", "CPU", "REASON"]))
+
+
+@main.command(epilog="""\b
+Examples:
+  gang history                  the last 20 jobs that ended
+  gang history -n 200 --user alice
+  gang history --before 5000    older ones, page by page
+  gang history --json | jq '.[] | select(.state=="FAILED") | .id'
+""")
+@click.option("-n", "--limit", type=click.IntRange(1, 100000), default=20, show_default=True, help="How many jobs to show.")
+@click.option("-u", "--user", metavar="NAME", help="Only this user's jobs (a name or a uid).")
+@click.option("--before", type=click.IntRange(1), metavar="JOBID", help="Only jobs with smaller ids (the next page).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.pass_context
+def history(ctx, limit, user, before, as_json):
+    """List jobs that ended, newest first: the cluster's job history.
+
+    \b
+    Ended jobs stay in `gang ps` for an hour; the history keeps them for
+    good (in etcd, the cluster's state), however many there are: reading it
+    costs the same with ten or a hundred thousand jobs in it.
+    """
+    uid = None
+    if user is not None:
+        if user.isdigit():
+            uid = int(user)
+        else:
+            try:
+                uid = pwd.getpwnam(user).pw_uid
+            except KeyError:
+                raise click.BadParameter(f"no user named {user!r}", param_hint="--user") from None
+
+    async def go():
+        async with connect(_cluster(ctx)) as gang:
+            return await gang.history(limit=limit, before=before, uid=uid)
+
+    records = run_async(go)
+    if as_json:
+        emit_json(records)
+        return
+    rows = [
+        [
+            r["id"], r["name"], r["owner"], r["nranks"], jobs.compress_nodes(r["nodes"]) or "-", r["state"],
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["ended"])) if r.get("ended") else "-",
+            jobs.format_duration(jobs.elapsed(r, r.get("ended") or time.time())), r["reason"] or "",
+        ]
+        for r in records
+    ]
+    click.echo(table(rows, ["JOBID", "NAME", "USER", "RANKS", "NODES", "STATE", "ENDED", "ELAPSED", "REASON"]))
 
 
 def _seconds(value) -> str:

@@ -163,6 +163,7 @@ def up(
     switch_lead: float = 0.01,
     checkpoint_timeout: float = 600.0,
     max_queued_per_user: int = 1000,
+    job_retention: float = 3600.0,
     limits: tuple[tuple[str, int], ...] = (),
     checkpoint_dir: Path | None = None,
     log_level: str = "info",
@@ -241,6 +242,7 @@ def up(
             directory, nodes, settings, say, timeout,
             cores=cores, heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout, time_slice=time_slice,
             max_slots=max_slots, switch_lead=switch_lead, checkpoint_timeout=checkpoint_timeout, max_queued_per_user=max_queued_per_user,
+            job_retention=job_retention,
             limits=limits, checkpoint_dir=checkpoint_dir, log_level=log_level, output_limit=output_limit, output_dir=output_dir,
             checkpoint_max_rank_bytes=checkpoint_max_rank_bytes,
         )
@@ -413,7 +415,7 @@ def local_etcd(directory: Path) -> LocalEtcd | None:
 def _start_daemons(
     directory: Path, nodes: int, settings: EtcdSettings, say: Callable[[str], object], timeout: float, *, cores: int,
     heartbeat_interval: float, heartbeat_timeout: float, time_slice: float, max_slots: int, switch_lead: float, checkpoint_timeout: float,
-    max_queued_per_user: int, limits: tuple[tuple[str, int], ...], checkpoint_dir: Path | None, log_level: str, output_limit: int | None,
+    max_queued_per_user: int, job_retention: float, limits: tuple[tuple[str, int], ...], checkpoint_dir: Path | None, log_level: str, output_limit: int | None,
     output_dir: Path | None, checkpoint_max_rank_bytes: int | None,
 ) -> list[NodeFiles]:
     secret = write_secret(directory / "secret")
@@ -445,6 +447,7 @@ def _start_daemons(
             switch_lead=switch_lead,
             checkpoint_timeout=checkpoint_timeout,
             max_queued_per_user=max_queued_per_user,
+            job_retention=job_retention,
             output_limit=output_limit if output_limit is not None else Config.output_limit,
             checkpoint_max_rank_bytes=Config.checkpoint_max_rank_bytes if checkpoint_max_rank_bytes is None else checkpoint_max_rank_bytes,
             output_dir=Path(output_dir).absolute() if output_dir else None,

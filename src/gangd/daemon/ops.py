@@ -73,6 +73,7 @@ class Ops:
             "submit": self.submit,
             "kill": self.kill,
             "jobs": self.list_jobs,
+            "history": self.history,
             "job": self.job,
             "nodes": self.nodes,
             "wait": self.wait,
@@ -251,6 +252,32 @@ class Ops:
             await self._overlay_live(live)
         return summaries
 
+    async def history(self, cred, args, channel):
+        """Ended jobs, newest first: ``limit`` (<= LIST_PAGE) of them with ids
+        below ``before``, of user ``uid`` only if given. Read from the hot
+        table (recently ended) and etcd's history, page by page."""
+        before, limit, uid = args.get("before"), args.get("limit", 50), args.get("uid")
+        for name, value in (("before", before), ("uid", uid)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise RemoteError("bad_request", f"{name!r} must be an integer")
+        if not isinstance(limit, int) or isinstance(limit, bool):
+            raise RemoteError("bad_request", "'limit' must be an integer")
+        limit = max(1, min(limit, LIST_PAGE))
+        table = self.daemon.table
+        found: list[dict] = []
+        cursor = before
+        for _ in range(40):  # at most 40 pages of the history per answer (a filter that matches little stops there)
+            hot = [r for r in table.records.values() if jobs.is_terminal(r) and (cursor is None or r["id"] < cursor)]
+            past = await table.history_before(cursor, LIST_PAGE)
+            merged = {r["id"]: r for r in past}
+            merged.update({r["id"]: r for r in hot})
+            page = [merged[i] for i in sorted(merged, reverse=True)][:LIST_PAGE]
+            found += [r for r in page if uid is None or r["owner_uid"] == uid]
+            if len(found) >= limit or len(page) < LIST_PAGE:
+                break
+            cursor = page[-1]["id"]
+        return [_summary(r) for r in found[:limit]]
+
     async def _overlay_live(self, summaries: list[dict]) -> None:
         """What the gang scheduler is doing right now, and CPU used so far, for launched jobs."""
         try:
@@ -418,7 +445,9 @@ class Ops:
                 last_seq = -1
                 while True:
                     changed = table.change_event()  # (a change while emit waits must not be lost)
-                    current = table.get(job_id)
+                    current = table.get(job_id) or await table.fetch(job_id)  # (in the history once retired)
+                    if current is None:
+                        raise RemoteError("no_such_job", f"no job {job_id}")
                     if current["seq"] != last_seq:
                         last_seq = current["seq"]
                         await emit(current)
@@ -427,7 +456,7 @@ class Ops:
                     await changed.wait()
             finally:
                 current = table.get(job_id)
-                if kill_on_disconnect and channel.closed and not jobs.is_terminal(current):
+                if kill_on_disconnect and channel.closed and current is not None and not jobs.is_terminal(current):
                     log.info("client of job %d went away; killing the job", job_id)
                     self.daemon.spawn(self._kill_quietly, job_id, cred)
 
@@ -450,10 +479,10 @@ class Ops:
 
         async def produce(emit):
             # Wait until the job is placed (or ended without ever running).
-            current = table.get(job_id)
+            current = table.get(job_id) or record  # (a retired job: its record from the history)
             while not current["placement"] and not jobs.is_terminal(current) and follow:
                 await table.wait_changed()
-                current = table.get(job_id)
+                current = table.get(job_id) or record
 
             async def relay(node: str, ranks: list[int]) -> None:
                 if node == self.daemon.node:
@@ -482,8 +511,8 @@ class Ops:
             key = (job_id, rank)
             # The launch may still be on its way to this node.
             while key not in daemon.ranks.logs:
-                record = daemon.table.get(job_id)
-                # (record None while following: its replica has not reached this node yet)
+                record = daemon.table.get(job_id) or await daemon.table.fetch(job_id)
+                # (record None while following: its launch has not reached this node yet)
                 if not follow or (record is not None and (jobs.is_terminal(record) or record["ranks"][rank] is not None)):
                     break
                 await daemon.table.wait_changed()

@@ -38,7 +38,7 @@ import msgpack
 import trio
 
 from ... import jobs
-from ...etcd.client import Compacted, Compare, Etcd, EtcdError, KeyValue, Op, Unavailable
+from ...etcd.client import Compacted, Compare, Etcd, EtcdError, KeyValue, Op, Range, Unavailable
 from ...failpoint import failpoint
 from ...rpc import RemoteError
 from .keys import Keys
@@ -66,7 +66,7 @@ class Deposed(RemoteError):
 class Fence:
     """A coordinator's term: its election key and that key's create revision."""
 
-    key: str
+    key: str | bytes
     term: int
 
     def compare(self):
@@ -104,6 +104,11 @@ def decode_env(value: bytes) -> dict[str, str]:
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise ValueError("not a map of strings")
     return env
+
+
+def _kvs(response: Range | int) -> list[KeyValue]:
+    """The key-values a txn's get answered (a put or delete answers an int)."""
+    return response.kvs if isinstance(response, Range) else []
 
 
 def prefix_end(prefix: str) -> bytes:
@@ -288,11 +293,30 @@ class JobTable:
             records.append(record)
         return records
 
+    async def history_before(self, before: int | None, limit: int) -> list[dict]:
+        """Up to ``limit`` jobs of the history with ids below ``before`` (all if None), newest first."""
+        end = self.keys.past(before) if before is not None else prefix_end(self.keys.history)
+        try:
+            page = await self.etcd.range(self.keys.history, range_end=end, limit=limit, sort_target="KEY", sort_order="DESCEND")
+        except EtcdError as exc:
+            raise unavailable(exc) from None
+        records = []
+        for kv in page.kvs:
+            try:
+                record = decode_record(kv.value)
+            except Exception as exc:  # noqa: BLE001 -- skipped, with a log line
+                log.error("ignoring unreadable history record %s: %s", kv.key.decode("utf-8", "replace"), exc)
+                continue
+            record["seq"] = kv.mod_revision
+            records.append(record)
+        return records
+
     # ------------------------------------------------------------ writes (the coordinator, fenced)
 
     @staticmethod
-    def _check_fence(fence: Fence, found) -> None:
-        kv = found.kvs[0] if found.kvs else None
+    def _check_fence(fence: Fence, found: Range | int) -> None:
+        kvs = _kvs(found)
+        kv = kvs[0] if kvs else None
         if kv is None or kv.create_revision != fence.term:
             raise Deposed(f"this node's term {fence.term} as coordinator is over (etcd holds another leader)")
 
@@ -327,7 +351,7 @@ class JobTable:
                 self.take(record, result.revision)
                 return record
             self._check_fence(fence, result.responses[0])
-            counter = result.responses[1].kvs
+            counter = _kvs(result.responses[1])
             now = (int(counter[0].value), counter[0].mod_revision) if counter else (0, 0)
             # The same counter and still no luck: the id's key exists (the
             # counter was reset by hand): skip past it.
@@ -366,7 +390,7 @@ class JobTable:
                 self.take(record, result.revision)
                 return record
             self._check_fence(fence, result.responses[0])
-            found = result.responses[1].kvs
+            found = _kvs(result.responses[1])
             if not found:
                 self._forget(job_id)
                 raise RemoteError("no_such_job", f"job {job_id} is no longer in the hot job table")

@@ -1,0 +1,190 @@
+"""The control plane's costs: submit throughput against history size, failover, listing.
+
+On a local cluster with its own etcd (real fsyncs, the daemons' real code):
+
+  submit       one-rank jobs (``true``) submitted through the Python API by
+               ``--clients`` concurrent clients, jobs/s accepted, with 0,
+               10 000 and 100 000 ended jobs in the history (written into
+               etcd's history keys beforehand, as a long-lived cluster's
+               would be, in batches). The jobs run too; the time until all
+               of them ended is printed beside.
+  baseline     in the same run, the same transaction a submit commits
+               (counter + record + environment), sent straight to etcd by
+               one client: what no submit can beat. Printed as a ratio.
+  failover     SIGKILL to the coordinator's daemon, then submits through
+               another node until one is accepted: the time between.
+  listing      wall time of `gang ps` and `gang ps --all` (a subprocess
+               each) with the history at its largest.
+
+Targets (issue 15): >= 300 jobs/s, the rate at 100 000 within 10 % of the
+rate at 0, failover within the lease TTL + 1 s.
+
+    python bench/control.py [--jobs 1500] [--clients 16] [--history 0,10000,100000] [--nodes 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import trio
+
+from gangd import jobs
+from gangd.client import cluster as local
+from gangd.client.api import connect
+from gangd.daemon import config as cfg
+from gangd.daemon.store import Keys
+from gangd.daemon.store.jobtable import pack
+from gangd.etcd.client import Compare, Etcd, Op
+
+ENV = {"PATH": "/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8"}
+
+
+def etcd_of(directory: Path) -> tuple[Etcd, Keys]:
+    settings = cfg.load(directory / "n1" / "gangd.toml").etcd
+    etcd = Etcd(list(settings.endpoints), user=settings.user, password=settings.read_password())
+    return etcd, Keys(settings.prefix)
+
+
+async def seed_history(directory: Path, total: int, say) -> None:
+    """Make the history hold ``total`` ended jobs (ids after the counter's), and move the counter past them."""
+    etcd, keys = etcd_of(directory)
+    async with etcd:
+        counter = await etcd.get(keys.ids)
+        first = (int(counter.value) if counter else 0) + 1
+        have = (await etcd.range(keys.history, prefix=True, count_only=True)).count
+        todo = total - have
+        if todo <= 0:
+            return
+        began = time.monotonic()
+        batch = 100
+        for start in range(first, first + todo, batch):
+            ops = []
+            for job_id in range(start, min(start + batch, first + todo)):
+                record = jobs.new_record(job_id=job_id, spec={"argv": ["true"], "nranks": 1, "name": "history"}, owner_uid=0, owner_name="root", owner_gid=0)
+                record.pop("env", None)
+                record.update(state=jobs.DONE, placement=["n1"], ranks=[{"code": 0}], started=time.time() - 60, ended=time.time() - 30)
+                ops.append(Op.put(keys.past(job_id), pack(record)))
+            await etcd.txn([], ops)
+        last = first + todo - 1
+        current = await etcd.get(keys.ids)
+        await etcd.txn([Compare.mod_revision(keys.ids) == (current.mod_revision if current else 0)], [Op.put(keys.ids, str(last))])
+        say(f"  seeded {todo} history records in {time.monotonic() - began:.1f} s")
+
+
+async def baseline_txn_rate(directory: Path, count: int) -> float:
+    """The submit's own transaction, straight to etcd, one client: txn/s."""
+    etcd, keys = etcd_of(directory)
+    base = Keys(keys.prefix + "-baseline")
+    async with etcd:
+        record = jobs.new_record(job_id=1, spec={"argv": ["true"], "nranks": 1}, owner_uid=0, owner_name="root", owner_gid=0)
+        record.pop("env", None)
+        last, counted_at = 0, 0
+        began = time.monotonic()
+        for _ in range(count):
+            job_id = last + 1
+            result = await etcd.txn(
+                [Compare.mod_revision(base.ids) == counted_at, Compare.version(base.job(job_id)) == 0],
+                [Op.put(base.ids, str(job_id)), Op.put(base.job(job_id), pack(dict(record, id=job_id))), Op.put(base.env(job_id), pack(ENV))],
+            )
+            assert result.succeeded
+            last, counted_at = job_id, result.revision
+        rate = count / (time.monotonic() - began)
+        await etcd.delete(base.prefix + "/", prefix=True)
+    return rate
+
+
+async def submit_rate(directory: Path, total: int, clients: int) -> tuple[float, float]:
+    """jobs/s accepted, and seconds until every one of them ended."""
+    ids: list[int] = []
+    remaining = [total]
+
+    async def client():
+        async with connect(directory) as gang:
+            while remaining[0] > 0:
+                remaining[0] -= 1
+                ids.append((await gang.submit(["true"], 1, cwd="/", env=ENV))["id"])
+
+    began = time.monotonic()
+    async with trio.open_nursery() as nursery:
+        for _ in range(clients):
+            nursery.start_soon(client)
+    accepted = time.monotonic() - began
+    async with connect(directory) as gang:
+        for job_id in sorted(ids, reverse=True):
+            await gang.wait_done(job_id)
+    finished = time.monotonic() - began
+    assert len(set(ids)) == len(ids) == total, "a job id was handed out twice"
+    return total / accepted, finished
+
+
+async def failover(directory: Path, ttl: int) -> tuple[float, str, str]:
+    async with connect(directory) as gang:
+        leader = next(r["name"] for r in await gang.nodes() if r["coordinator"])
+    other = next(n for n in local.node_files(directory) if n.name != leader)
+    pid = next(n for n in local.node_files(directory) if n.name == leader).pid()
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    while True:
+        try:
+            async with connect(sockets=[str(other.socket)]) as gang:
+                with trio.fail_after(ttl + 10):
+                    await gang.submit(["true"], 1, cwd="/", env=ENV)
+            break
+        except Exception:  # noqa: BLE001 -- not yet: the election is still under way
+            await trio.sleep(0.05)
+    return time.monotonic() - killed, leader, other.name
+
+
+def timed(argv: list[str]) -> float:
+    began = time.monotonic()
+    subprocess.run(argv, check=True, capture_output=True)
+    return time.monotonic() - began
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", type=int, default=1500)
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--history", default="0,10000,100000")
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--baseline", type=int, default=1000, help="transactions of the baseline")
+    args = parser.parse_args()
+    sizes = [int(x) for x in args.history.split(",")]
+    directory = Path(tempfile.mkdtemp(prefix="gangd-bench-control-")) / "cluster"
+    say = print
+    # Short retention: each round's jobs leave the hot table before the next round.
+    local.up(directory, args.nodes, cores=8, job_retention=3.0)
+    ttl = cfg.load(directory / "n1" / "gangd.toml").etcd.lease_ttl
+    try:
+        print(f"{args.nodes}-node local cluster, etcd at {', '.join(cfg.load(directory / 'n1' / 'gangd.toml').etcd.endpoints)}, lease TTL {ttl} s")
+        baseline = trio.run(baseline_txn_rate, directory, args.baseline)
+        print(f"baseline: the submit's transaction straight to etcd, one client: {baseline:.0f} txn/s")
+        rates = {}
+        for size in sizes:
+            trio.run(seed_history, directory, size, say)
+            time.sleep(5)  # the previous round's jobs retire (job_retention 3 s)
+            rate, finished = trio.run(submit_rate, directory, args.jobs, args.clients)
+            rates[size] = rate
+            print(f"history {size:>7}: {rate:7.0f} jobs/s accepted ({rate / baseline:.2f}x the baseline txn rate); "
+                  f"all {args.jobs} ended after {finished:.1f} s ({args.jobs / finished:.0f} jobs/s end to end)")
+        if 0 in rates and sizes[-1] != 0:
+            print(f"rate at {sizes[-1]} / rate at 0: {rates[sizes[-1]] / rates[0]:.2f}")
+        gang = [sys.executable, "-m", "gangd.client.cli", "--cluster", str(directory)]
+        ps, ps_all = timed([*gang, "ps"]), timed([*gang, "ps", "--all"])
+        print(f"gang ps: {ps:.2f} s; gang ps --all ({sizes[-1] + len(sizes) * args.jobs} jobs): {ps_all:.2f} s")
+        took, leader, other = trio.run(failover, directory, ttl)
+        print(f"failover: SIGKILL to the coordinator ({leader}) -> next submit accepted through {other}: {took:.2f} s "
+              f"(lease TTL {ttl} s; target <= {ttl + 1} s)")
+    finally:
+        local.down(directory)
+
+
+if __name__ == "__main__":
+    main()

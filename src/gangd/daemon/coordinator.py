@@ -21,7 +21,10 @@ import os
 import signal
 import time
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
+import msgpack
 import trio
 
 from .. import jobs
@@ -44,6 +47,35 @@ SWITCH_TIMEOUT = 5.0  # a node that does not confirm a switch by then is re-sent
 #: holds for one user's jobs that have not launched yet: they live in its
 #: memory only, so their sum is bounded per user, not just per job.
 MAX_HELD_CONTEXT_BYTES_PER_USER = 16 * 1024 * 1024
+
+
+#: Submissions committed together at most (each takes up to 3 of etcd's 128 txn
+#: ops) and their bytes (etcd refuses requests above 1.5 MiB by default).
+CREATE_BATCH = 40
+CREATE_BATCH_BYTES = 1024 * 1024
+
+
+@dataclass
+class _Creation:
+    """A submission waiting for the group commit (see Coordinator._create_jobs)."""
+
+    build: Callable[[int], dict]
+    env: dict[str, str]
+    uid: int
+    context_bytes: int
+    token: str | None
+    size: int
+    done: trio.Event = field(default_factory=trio.Event)
+    record: dict | None = None
+    error: RemoteError | None = None
+
+    def finish(self, *, record: dict | None = None, error: RemoteError | None = None) -> None:
+        self.record, self.error = record, error
+        self.done.set()
+
+
+def jobs_pack(spec: dict) -> bytes:
+    return msgpack.packb(spec, use_bin_type=True)
 
 
 def permission_check(record: dict, cred: dict, action: str) -> None:
@@ -119,7 +151,8 @@ class Coordinator:
         self.fence: Fence | None = None  # this node's term as coordinator, while it lasts
         self._lease = None
         self._nursery: trio.Nursery | None = None  # the term's
-        self._create_lock = trio.Lock()
+        self._creations: deque[_Creation] = deque()  # submissions waiting for the group commit
+        self._creations_waiting = trio.Event()
         self._job_locks: dict[int, trio.Lock] = {}
         self._kick = trio.Event()
         # Gang scheduling (soft state, rebuilt from the table on takeover).
@@ -214,9 +247,11 @@ class Coordinator:
                 nursery.start_soon(self.run)
                 nursery.start_soon(self.run_gang)
                 nursery.start_soon(self._retire_ended)
+                nursery.start_soon(self._create_jobs)
                 await trio.sleep_forever()
         finally:
             self.fence, self._lease, self._nursery = None, None, None
+            self._drop_creations()
             self.running = None
             self._job_locks.clear()
 
@@ -331,11 +366,16 @@ class Coordinator:
                 record["submit_token"] = token
             return record
 
-        async with self._create_lock:  # (the id counter: one creation at a time)
-            if token is not None and (existing := self.table.by_token.get(token)) is not None and (record := self.table.get(existing)):
-                return record  # (created while this one waited for the lock)
-            self._check_user_room(cred["uid"], checked.context_bytes)
-            record = await self.table.create(self._fence(), build, dict(spec.get("env") or {}))
+        self._fence()
+        creation = _Creation(build, dict(spec.get("env") or {}), cred["uid"], checked.context_bytes, token, len(jobs_pack(spec)))
+        self._creations.append(creation)
+        self._creations_waiting.set()
+        await creation.done.wait()
+        if creation.error is not None:
+            raise creation.error
+        record = creation.record
+        if record is None:
+            raise RemoteError("internal", "the submission was dropped without an answer (see the coordinator's log)")
         job_id = record["id"]
         if contexts:
             # Handed to the nodes with the launch, not kept in the (replicated) record.
@@ -344,7 +384,54 @@ class Coordinator:
         self.kick()
         return record
 
-    def _check_user_room(self, uid: int, context_bytes: int) -> None:
+    async def _create_jobs(self) -> None:
+        """The term's one writer of new jobs: whatever submissions wait go
+        into etcd together, in one transaction (a group commit), so many
+        clients submitting at once cost one round trip and fsync per batch,
+        not one each, and the id counter never sees two writers."""
+        while True:
+            await self._creations_waiting.wait()
+            self._creations_waiting = trio.Event()
+            while self._creations:
+                batch: list[_Creation] = []
+                size = 0
+                while self._creations and len(batch) < CREATE_BATCH and (not batch or size + self._creations[0].size <= CREATE_BATCH_BYTES):
+                    creation = self._creations.popleft()
+                    existing = self.table.by_token.get(creation.token) if creation.token else None
+                    if existing is not None and (record := self.table.get(existing)) is not None:
+                        creation.finish(record=record)  # a retried submission: the job its first attempt created
+                        continue
+                    try:
+                        self._check_user_room(creation.uid, creation.context_bytes, sum(c.uid == creation.uid for c in batch))
+                    except RemoteError as exc:
+                        creation.finish(error=exc)
+                        continue
+                    batch.append(creation)
+                    size += creation.size
+                if not batch:
+                    continue
+                try:
+                    records = await self.table.create_many(self._fence(), [(c.build, c.env) for c in batch])
+                except RemoteError as exc:
+                    for creation in batch:
+                        creation.finish(error=exc)
+                    if isinstance(exc, Deposed):
+                        raise
+                    continue
+                except Exception as exc:  # a bug: every waiting submission hears of it, the loop goes on
+                    log.exception("creating %d jobs failed", len(batch))
+                    for creation in batch:
+                        creation.finish(error=RemoteError("internal", f"creating the job failed: {type(exc).__name__}: {exc}"))
+                    continue
+                for creation, record in zip(batch, records, strict=True):
+                    creation.finish(record=record)
+
+    def _drop_creations(self) -> None:
+        """The term is over: submissions still waiting are answered (the node retries them with the next coordinator)."""
+        while self._creations:
+            self._creations.popleft().finish(error=Deposed(f"{self.daemon.node} is no longer the coordinator"))
+
+    def _check_user_room(self, uid: int, context_bytes: int, also_queued: int = 0) -> None:
         """Refuse a job past what one user may have waiting: jobs queued (every
         node keeps their records) and network contexts held for them (in this
         daemon's memory until they launch). Root is not limited."""
@@ -352,10 +439,10 @@ class Coordinator:
             return
         limit = self.daemon.config.max_queued_per_user
         queued = [r["id"] for r in self.table.active() if r["state"] == jobs.QUEUED and r["owner_uid"] == uid]
-        if len(queued) >= limit:
+        if len(queued) + also_queued >= limit:
             raise RemoteError(
                 "too_many_jobs",
-                f"you have {len(queued)} jobs waiting to start, the most this cluster queues for one user "
+                f"you have {len(queued) + also_queued} jobs waiting to start, the most this cluster queues for one user "
                 f"(max_queued_per_user = {limit}); submit more once some have started",
             )
         if context_bytes:

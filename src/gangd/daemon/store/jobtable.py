@@ -322,6 +322,11 @@ class JobTable:
 
     async def create(self, fence: Fence, build: Callable[[int], dict], env: dict[str, str]) -> dict:
         """A new job: ``build(job_id)`` with the next id, created with the counter in one transaction."""
+        return (await self.create_many(fence, [(build, env)]))[0]
+
+    async def create_many(self, fence: Fence, items: list[tuple[Callable[[int], dict], dict[str, str]]]) -> list[dict]:
+        """New jobs, consecutive ids, in one transaction (a group commit: one
+        etcd round trip and fsync for every submission that waited)."""
         keys = self.keys
         while True:
             try:
@@ -329,33 +334,34 @@ class JobTable:
                     kv = await self.etcd.get(keys.ids)
                     self._counter = (int(kv.value), kv.mod_revision) if kv is not None else (0, 0)
                 last, counted_at = self._counter
-                job_id = last + 1
-                record = build(job_id)
-                record.pop("env", None)
-                compare = [
-                    fence.compare(),
-                    Compare.mod_revision(keys.ids) == counted_at,
-                    Compare.version(keys.job(job_id)) == 0,
-                    Compare.version(keys.past(job_id)) == 0,
-                ]
-                success = [Op.put(keys.ids, str(job_id)), Op.put(keys.job(job_id), pack(record))]
-                if env:
-                    success.append(Op.put(keys.env(job_id), pack(env)))
+                records = []
+                compare = [fence.compare(), Compare.mod_revision(keys.ids) == counted_at]
+                success = [Op.put(keys.ids, str(last + len(items)))]
+                for offset, (build, env) in enumerate(items, 1):
+                    job_id = last + offset
+                    record = build(job_id)
+                    record.pop("env", None)
+                    records.append(record)
+                    compare += [Compare.version(keys.job(job_id)) == 0, Compare.version(keys.past(job_id)) == 0]
+                    success.append(Op.put(keys.job(job_id), pack(record)))
+                    if env:
+                        success.append(Op.put(keys.env(job_id), pack(env)))
                 result = await self.etcd.txn(compare, success, [Op.get(fence.key), Op.get(keys.ids)])
             except EtcdError as exc:
                 self._counter = None
                 raise self._write_error(exc) from None
             if result.succeeded:
                 failpoint("jobtable.created")
-                self._counter = (job_id, result.revision)
-                self.take(record, result.revision)
-                return record
+                self._counter = (last + len(items), result.revision)
+                for record in records:
+                    self.take(record, result.revision)
+                return records
             self._check_fence(fence, result.responses[0])
             counter = _kvs(result.responses[1])
             now = (int(counter[0].value), counter[0].mod_revision) if counter else (0, 0)
-            # The same counter and still no luck: the id's key exists (the
-            # counter was reset by hand): skip past it.
-            self._counter = (job_id, now[1]) if now == self._counter else now
+            # The same counter and still no luck: an id's key exists (the
+            # counter was reset by hand): skip past them.
+            self._counter = (last + len(items), now[1]) if now == self._counter else now
 
     async def update(self, fence: Fence, job_id: int, change: Callable[[dict], object]) -> dict:
         """Apply ``change(record)`` to a copy of the record and commit it, fenced.

@@ -298,7 +298,13 @@ class Coordinator:
                 key=lambda r: r["id"],
             )
             if ended:
-                moved = await self.table.retire(self._fence(), ended)
+                try:
+                    moved = await self.table.retire(self._fence(), ended)
+                except Deposed:
+                    raise
+                except RemoteError as exc:  # etcd busy or away for a moment: the next round tries again
+                    log.warning("could not move ended jobs to the history: %s", exc.message)
+                    continue
                 log.debug("moved %d ended jobs to the history", moved)
 
     # ------------------------------------------------------------ submit

@@ -51,8 +51,10 @@ PAGE = 500
 MAX_RECORD_BYTES = 1024 * 1024
 #: Largest environment value accepted back (jobs.MAX_ARGV_ENV_BYTES, packed).
 MAX_ENV_BYTES = 3 * 1024 * 1024
-#: Ended jobs moved to the history in one transaction (etcd allows 128 ops).
-RETIRE_BATCH = 50
+#: Ended jobs moved to the history in one transaction: three operations and
+#: one comparison each, and etcd allows 128 of either (--max-txn-ops).
+RETIRE_BATCH = 40
+RETIRE_BATCH_BYTES = 1024 * 1024  # (etcd refuses requests above 1.5 MiB by default)
 
 
 class Deposed(RemoteError):
@@ -109,6 +111,36 @@ def decode_env(value: bytes) -> dict[str, str]:
 def _kvs(response: Range | int) -> list[KeyValue]:
     """The key-values a txn's get answered (a put or delete answers an int)."""
     return response.kvs if isinstance(response, Range) else []
+
+
+def _batches(records: list[dict]):
+    """The records packed for the history, in batches etcd takes in one
+    transaction: at most RETIRE_BATCH of them and RETIRE_BATCH_BYTES."""
+    batch: list[tuple[dict, bytes]] = []
+    size = 0
+    for r in records:
+        data = pack({k: v for k, v in r.items() if k != "seq"})
+        if batch and (len(batch) >= RETIRE_BATCH or size + len(data) > RETIRE_BATCH_BYTES):
+            yield _Batch(batch)
+            batch, size = [], 0
+        batch.append((r, data))
+        size += len(data)
+    if batch:
+        yield _Batch(batch)
+
+
+class _Batch:
+    def __init__(self, pairs: list[tuple[dict, bytes]]):
+        self.pairs = pairs
+
+    def __iter__(self):
+        return (r for r, _ in self.pairs)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def items(self):
+        return iter(self.pairs)
 
 
 def prefix_end(prefix: str) -> bytes:
@@ -407,15 +439,11 @@ class JobTable:
         only if unchanged since it was read); how many moved."""
         keys = self.keys
         moved = 0
-        for start in range(0, len(records), RETIRE_BATCH):
-            batch = [r for r in records[start:start + RETIRE_BATCH] if jobs.is_terminal(r)]
-            if not batch:
-                continue
+        for batch in _batches([r for r in records if jobs.is_terminal(r)]):
             compare = [fence.compare()] + [Compare.mod_revision(keys.job(r["id"])) == r.get("seq", 0) for r in batch]
             success = []
-            for r in batch:
-                at_rest = {k: v for k, v in r.items() if k != "seq"}
-                success += [Op.put(keys.past(r["id"]), pack(at_rest)), Op.delete(keys.job(r["id"])), Op.delete(keys.env(r["id"]))]
+            for r, data in batch.items():
+                success += [Op.put(keys.past(r["id"]), data), Op.delete(keys.job(r["id"])), Op.delete(keys.env(r["id"]))]
             try:
                 result = await self.etcd.txn(compare, success, [Op.get(fence.key)])
             except EtcdError as exc:

@@ -32,6 +32,7 @@ the same moment:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -218,20 +219,24 @@ class ControlPlane:
 
     async def _observe(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         started = False
-        async for current in self.election.observe():
-            if current is None:
-                self.leader, self.leader_term = None, 0
-            else:
-                value, term = current
-                self.leader, self.leader_term = value.decode("utf-8", "replace"), term
-                self.highest_term = max(self.highest_term, term)
-                log.info("coordinator: %s (term %d)", self.leader, term)
-                if self._term_scope is not None and term != self._my_term:
-                    log.warning("another coordinator (%s, term %d) observed: ending term %d", self.leader, term, self._my_term)
-                    self._term_scope.cancel()
-            if not started:
-                started = True
-                task_status.started()
+        async with contextlib.aclosing(self.election.observe()) as leaders:
+            async for current in leaders:
+                self._observed(current)
+                if not started:
+                    started = True
+                    task_status.started()
+
+    def _observed(self, current: tuple[bytes, int] | None) -> None:
+        if current is None:
+            self.leader, self.leader_term = None, 0
+            return
+        value, term = current
+        self.leader, self.leader_term = value.decode("utf-8", "replace"), term
+        self.highest_term = max(self.highest_term, term)
+        log.info("coordinator: %s (term %d)", self.leader, term)
+        if self._term_scope is not None and term != self._my_term:
+            log.warning("another coordinator (%s, term %d) observed: ending term %d", self.leader, term, self._my_term)
+            self._term_scope.cancel()
 
     async def _campaign(self, lease: Lease) -> None:
         if self.preferred and self.preferred != self.node and self.preferred in self.up and self.leader is None:

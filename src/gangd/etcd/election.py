@@ -11,7 +11,7 @@ higher, and a node that remembers the highest term it saw can refuse a deposed l
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import trio
@@ -109,7 +109,7 @@ class Election:
         r = await self.etcd.range(self.prefix, prefix=True, sort_target="CREATE", sort_order="ASCEND", limit=1)
         return ((r.kvs[0].value, r.kvs[0].create_revision) if r.kvs else None), r.revision
 
-    async def observe(self) -> AsyncIterator[tuple[bytes, int] | None]:
+    async def observe(self) -> AsyncGenerator[tuple[bytes, int] | None, None]:
         """The current leader (value, term) or None, then again each time it changes (a new leader, or none, or
         the same leader's new value). Use as ``async with contextlib.aclosing(election.observe()) as it:``."""
         current, revision = await self._leader_at()

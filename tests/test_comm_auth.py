@@ -202,6 +202,24 @@ def test_old_token_hellos_garbage_and_wrong_proofs_are_refused_and_the_job_compl
     assert result["refused"] >= 2 * 8
 
 
+def test_connections_held_open_by_a_stranger_do_not_lock_the_ranks_out(ac, tmp_path):
+    """More idle connections than a rank keeps handshakes for: the oldest give way, the real rank 1 gets in."""
+    job = Job(ac, tmp_path)
+    held = []
+    try:
+        for i in range(handshake.MAX_PENDING + 20):
+            sock = socket.create_connection(job.tcp, timeout=30)
+            if i % 2:
+                sock.sendall(handshake.hello_frame(1, os.urandom(handshake.NONCE))[:20])  # a hello begun, never finished
+            held.append(sock)
+        result = job.finish()  # rank 1 dials rank 0 over TCP while all of them are held open
+    finally:
+        for sock in held:
+            sock.close()
+    assert_only_the_legit_messages(result)
+    assert result["refused"] >= 20
+
+
 # ---------------------------------------------------------------- a real handshake, recorded
 
 

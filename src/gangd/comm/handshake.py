@@ -61,11 +61,15 @@ HELLO_META = len(MAGIC) + NONCE
 FRAME = HEADER_SIZE + HELLO_META
 #: The listener's answer to a hello: its nonce and its MAC, raw bytes.
 CHALLENGE = NONCE + MAC
-#: Seconds a connection may take to complete its handshake (not counting
-#: time this process spent stopped: a suspended job's ranks stop together).
+#: Seconds a connection may take to complete its handshake at the listener
+#: (not counting time this process spent stopped: a suspended job's ranks
+#: stop together). A dialer waits longer for its answer (``dial``'s timeout).
 TIMEOUT = 10.0
-#: Handshakes under way at once, per rank; connections beyond are closed at once.
-MAX_PENDING = 64
+#: Handshakes under way at once, per rank. When full, a new connection
+#: evicts the oldest: a stranger holding connections open cannot lock a
+#: job's ranks out (a real dialer's handshake takes a round trip, so it
+#: would have to open this many connections within one).
+MAX_PENDING = 128
 
 
 def derive_key(token: bytes) -> bytes:
@@ -95,7 +99,7 @@ class HandshakeError(CommError):
 
 
 
-def dial(sock: socket.socket, key: bytes, me: int, dest: int, wait: Callable[[float], bool]) -> None:
+def dial(sock: socket.socket, key: bytes, me: int, dest: int, wait: Callable[[float], bool], timeout: float = 3 * TIMEOUT) -> None:
     """Prove ourselves to ``dest`` over ``sock`` (connected, blocking) and check its proof.
 
     ``wait(seconds)`` blocks until ``sock`` may be readable or ``seconds``
@@ -108,7 +112,7 @@ def dial(sock: socket.socket, key: bytes, me: int, dest: int, wait: Callable[[fl
     sock.sendall(hello_frame(me, nonce_d))
     sock.setblocking(False)
     got = b""
-    deadline = time.monotonic() + TIMEOUT
+    deadline = time.monotonic() + timeout
     while len(got) < CHALLENGE:
         try:
             chunk = sock.recv(CHALLENGE - len(got))
@@ -121,7 +125,7 @@ def dial(sock: socket.socket, key: bytes, me: int, dest: int, wait: Callable[[fl
             continue
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise HandshakeError(f"rank {dest} did not answer the handshake within {TIMEOUT:.0f} s")
+            raise HandshakeError(f"rank {dest} did not answer the handshake within {timeout:.0f} s")
         before = time.monotonic()
         if not wait(min(remaining, 1.0)):
             raise ConnectionResetError(0, "it is gone")
@@ -238,9 +242,7 @@ class Doorman(threading.Thread):
             except OSError:
                 return  # e.g. the dialer already gave up (ECONNABORTED)
             if len(self._pending) >= MAX_PENDING:
-                sock.close()
-                self.refused += 1
-                continue
+                self._refuse(min(self._pending, key=lambda fd: self._pending[fd].deadline), poll)
             sock.setblocking(False)
             fd = sock.fileno()
             self._pending[fd] = _Pending(sock, time.monotonic() + TIMEOUT)

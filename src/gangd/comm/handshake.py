@@ -98,7 +98,6 @@ class HandshakeError(CommError):
     """The other end did not prove it is the rank we dialled (or not in time)."""
 
 
-
 def dial(sock: socket.socket, key: bytes, me: int, dest: int, wait: Callable[[float], bool], timeout: float = 3 * TIMEOUT) -> None:
     """Prove ourselves to ``dest`` over ``sock`` (connected, blocking) and check its proof.
 

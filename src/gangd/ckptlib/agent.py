@@ -75,6 +75,7 @@ class DaemonAgent:
         self.reported: int | None = None  # the boundary this rank said it can still stop at
         self.cut: tuple[int, int] | None = None  # (generation, iteration) the job saves at
         self.gone: str | None = None  # why the daemon connection ended
+        self.stopping = False  # fini: the reader thread ends before its fds are closed
         self.warned: int | None = None  # the last generation whose abort this rank printed
         self.replies: dict[int, _Waiter] = {}
         self.background: dict[int, tuple[int, Written]] = {}  # pipe fd -> (generation, the write)
@@ -139,6 +140,8 @@ class DaemonAgent:
         while not self.gone:
             fds = [self.link.fd, self.wake, *self.background]
             readable, _, _ = select.select(fds, [], [])
+            if self.stopping:
+                return
             if self.wake in readable:
                 try:
                     os.eventfd_read(self.wake)
@@ -343,5 +346,13 @@ class DaemonAgent:
         with self.cond:
             while self.background and not self.gone:
                 self.cond.wait()
+        # The reader thread selects on and reads these fds by number: it must be
+        # gone before they are closed, or it reads whatever reuses the numbers
+        # next (gangd.comm's new connections: it stole their bytes).
+        self.stopping = True
+        os.eventfd_write(self.wake, 1)
+        if self.thread.ident is not None:
+            self.thread.join(timeout=10)
         self.link.close()
-        os.close(self.wake)
+        if not self.thread.is_alive():
+            os.close(self.wake)

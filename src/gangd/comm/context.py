@@ -13,8 +13,6 @@ Layout (msgpack)::
 
 from __future__ import annotations
 
-from typing import cast
-
 import msgpack
 
 from . import wire
@@ -30,7 +28,7 @@ def capture(engine: Engine) -> bytes:
     for msg in engine.queue:
         if not msg.done:
             raise CommError(f"a message from rank {msg.src} is still arriving: the network is not quiet")
-        payload = bytes(cast(memoryview, msg.view)) if msg.claimed else wire.payload_bytes(msg.payload)  # (claimed: it arrived in view)
+        payload = bytes(msg.view) if msg.claimed else wire.payload_bytes(msg.payload)  # (claimed: it arrived in view)
         messages.append([msg.src, msg.tag, msg.seq, msg.kind, msg.meta, payload])
     return msgpack.packb(
         {

@@ -14,7 +14,8 @@ applies what the daemon says:
 While the gate is closed the thread also drains the rank's incoming
 connections itself: a peer blocked sending to this rank (which may be busy
 computing) must be able to finish its send, or that peer could never confirm
-the close.
+the close. It never touches a connection whose handshake is not done: those
+are the doorman's (:mod:`.handshake`), which hands proven ones to the engine.
 """
 
 from __future__ import annotations
@@ -130,7 +131,8 @@ class DaemonLink:
             if isinstance(event, Reply) and event.id == rid:
                 if event.ok:
                     return event.result
-                raise CommError(f"gangd refused {op}: {event.error['message']}", event.error["code"])
+                error = event.error or {}  # (never empty: the connection checks that a refusal has its code and message)
+                raise CommError(f"gangd refused {op}: {error.get('message')}", error.get("code"))
             self.backlog.append(event)
 
     def take_pending(self) -> list:
@@ -178,11 +180,15 @@ class DaemonLink:
         except (OSError, ProtocolError):
             pass
 
-    def close(self) -> None:
+    def shutdown(self) -> None:
+        """End the connection but keep its fd: wakes a thread polling it, which may still use its number."""
         try:
-            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the control thread out of its poll
+            self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+
+    def close(self) -> None:
+        self.shutdown()
         self.sock.close()
 
 
@@ -194,11 +200,19 @@ class ControlThread(threading.Thread):
         self._ack_epoch: int | None = None  # a close to confirm once no send is under way
         self._stopping = False
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
+        """Stop the thread; True once it is gone. Only then are the fds it polls
+        by number closed (its link here, the engine's eventfds by the caller):
+        closed under a live thread, their numbers could be reused by a new
+        connection that thread would then read from."""
         self._stopping = True
-        self.link.close()
+        self.link.shutdown()  # wakes the thread out of its poll
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout=2)
+        if self.is_alive():
+            return False
+        self.link.close()
+        return True
 
     def run(self) -> None:
         try:
@@ -219,8 +233,8 @@ class ControlThread(threading.Thread):
         gen = None
         while not self._stopping:
             if not engine.gate_open:
-                if gen != engine.fd_gen:
-                    with engine.lock:
+                if gen != engine.fd_gen or engine.handover_waiting():
+                    with engine.lock:  # (watch_fds adopts what the doorman proved)
                         fds, gen = set(engine.watch_fds()), engine.fd_gen
                     for fd in watched - fds:
                         poll.unregister(fd)

@@ -19,6 +19,12 @@ Messages that fit in a connection's 64 KiB read buffer are parsed out of it
 the program will get (an ``np.empty`` array, a bytes object, or the buffer
 of a waiting ``recv_into``).
 
+New connections are the :class:`~.handshake.Doorman` thread's until they
+proved they belong to this job (:mod:`.handshake`): it owns the listeners
+and every connection whose handshake is under way, and hands proven ones
+over through a queue that whoever holds ``lock`` empties (:meth:`Engine.adopt`).
+Neither thread here ever reads a connection that is not yet proven.
+
 The control thread (:mod:`.control`) shares this state. ``lock`` guards it:
 the program's thread holds it for the whole of a call and releases it only
 around a blocking poll; the control thread takes it to apply what the daemon
@@ -29,17 +35,17 @@ finish, or the gate could never be confirmed closed).
 
 from __future__ import annotations
 
-import hmac
 import os
 import select
 import socket
 import threading
 import time
 from collections import deque
+from typing import Any
 
 import numpy as np
 
-from . import wire
+from . import handshake, wire
 from .errors import CommError, PeerExited
 from .wire import (
     BYTES,
@@ -68,6 +74,7 @@ _pack_header = HEADER.pack
 _POLLIN = select.POLLIN
 _POLLOUT = select.POLLOUT
 _NOSIGNAL = socket.MSG_NOSIGNAL  # EPIPE, never SIGPIPE, whatever the program did with the signal
+_NO_VIEW = memoryview(b"")  # Msg.view of a message that is not arriving
 
 
 class Msg:
@@ -75,7 +82,7 @@ class Msg:
 
     __slots__ = ("claimed", "done", "got", "kind", "meta", "nbytes", "payload", "seq", "src", "tag", "view")
 
-    def __init__(self, src, tag, seq, kind, meta, payload, nbytes, done=True):
+    def __init__(self, src: int, tag: int, seq: int, kind: int, meta: bytes, payload: Any, nbytes: int, done: bool = True) -> None:
         self.src = src
         self.tag = tag
         self.seq = seq
@@ -83,21 +90,21 @@ class Msg:
         self.meta = meta
         self.payload = payload
         self.nbytes = nbytes
-        self.view = None  # writable bytes of the payload while it arrives
+        self.view = _NO_VIEW  # writable bytes of the payload while it arrives (kept once arrived if claimed), else empty
         self.got = 0
         self.done = done
         self.claimed = False  # arriving straight into the buffer of a waiting recv_into
 
 
 class Incoming:
-    """An accepted connection; ``src`` is None until its hello proved the job token."""
+    """A connection from rank ``src`` to us, proven (see :mod:`.handshake`)."""
 
     __slots__ = ("buf", "cur", "end", "fd", "sock", "src", "start", "view")
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, src: int):
         self.sock = sock
         self.fd = sock.fileno()
-        self.src = None
+        self.src = src
         self.buf = bytearray(READ_BUFFER)
         self.view = memoryview(self.buf)
         self.start = 0  # unparsed bytes are buf[start:end]
@@ -110,7 +117,7 @@ class Want:
 
     __slots__ = ("buf", "source", "tag", "view")
 
-    def __init__(self, source, tag, buf, view):
+    def __init__(self, source: int, tag: int, buf: object, view: memoryview) -> None:
         self.source = source
         self.tag = tag
         self.buf = buf
@@ -133,8 +140,8 @@ class Engine:
         self.node = node
         self.lock = threading.Lock()
         self.send_lock = threading.Lock()  # held around each whole message send (the gate waits for it)
-        self.token = b""
-        self.peers: list = [None] * size
+        self.key = b""  # the handshake's HMAC key, derived from the job token
+        self.peers: list[dict[str, Any] | None] = [None] * size
         self.gate_enabled = gate
         self.spin = spin  # seconds a receive polls before it sleeps (see _spin)
         self.gate_open = True
@@ -149,9 +156,9 @@ class Engine:
         self._set_counters(np.zeros((3, size), np.uint64))
         self.queue: deque[Msg] = deque()  # arrived, not yet delivered, in arrival order
         self._poll = select.poll()
-        self._net: dict[int, Incoming | socket.socket] = {}  # fd -> incoming connection or listener
-        self._listeners: list[socket.socket] = []
-        self._incoming: dict[int, Incoming] = {}
+        self._net: dict[int, Incoming] = {}  # fd -> proven incoming connection
+        self._listeners: list[socket.socket] = []  # the doorman's, once it runs
+        self.doorman: handshake.Doorman | None = None
         self._from: dict[int, Incoming] = {}  # src -> its connection to us
         self._out: list[socket.socket | None] = [None] * size
         self._cut: dict[int, tuple] = {}  # dest -> (exception class, message) sends to it raise: its channel broke
@@ -207,16 +214,50 @@ class Engine:
             listener.listen(socket.SOMAXCONN)
             listener.setblocking(False)
             self._listeners.append(listener)
-            self._add(listener.fileno(), listener)
         return path, [address, tcp.getsockname()[1]]
 
-    def start(self, peers: list, token: bytes, gate: dict) -> None:
+    def start(self, peers: list[dict[str, Any] | None], token: bytes, gate: dict) -> None:
         if len(peers) != self.size:
             raise CommError(f"the daemon sent {len(peers)} peer addresses for a job of {self.size} ranks")
         self.peers = peers
-        self.token = token
+        self.key = handshake.derive_key(token)
         self.gate_open = bool(gate.get("open", True))
         self.gate_epoch = int(gate.get("epoch", 0))
+        if self._listeners:  # (connections that came meanwhile wait in the listeners' backlog)
+            self.doorman = handshake.Doorman(self.rank, self.size, self.key, self._listeners, self._on_proven)
+            self.doorman.start()
+
+    def _on_proven(self) -> None:
+        """Doorman thread: a proven connection waits in its queue; wake whoever may take it."""
+        os.eventfd_write(self.wake_main, 1)
+        os.eventfd_write(self.wake_ctl, 1)
+
+    def adopt(self) -> None:
+        """Take over the connections the doorman proved (lock held)."""
+        doorman = self.doorman
+        if doorman is None:
+            return
+        proven = doorman.proven
+        while proven:
+            sock, src = proven.popleft()
+            if self.closed or src in self._from or src in self._eof:
+                sock.close()  # a second connection from the same rank (never a legitimate one)
+                continue
+            if sock.family != socket.AF_UNIX:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            c = Incoming(sock, src)
+            self._from[src] = c
+            self._add(c.fd, c)
+
+    def handover_waiting(self) -> bool:
+        """The doorman has proven connections for us to adopt (any thread, no lock)."""
+        doorman = self.doorman
+        return doorman is not None and bool(doorman.proven)
+
+    def _unproven(self) -> bool:
+        """Connections the doorman has not handed over yet (one may hold a rank's last messages)."""
+        doorman = self.doorman
+        return doorman is not None and (doorman.pending > 0 or bool(doorman.proven))
 
     def load(self, sent: list, received: list, delivered: list, messages: list[Msg]) -> None:
         """Counters and undelivered messages of a restored network context."""
@@ -224,7 +265,7 @@ class Engine:
         self.counters[:] = [sent, received, delivered]
         self.queue = deque(messages)
 
-    def _add(self, fd: int, what: Incoming | socket.socket) -> None:
+    def _add(self, fd: int, what: Incoming) -> None:
         self._net[fd] = what
         self._poll.register(fd, _POLLIN)
         self._fds_changed()
@@ -263,10 +304,7 @@ class Engine:
         for fd, _ in events:
             what = net.get(fd)
             if what is not None:
-                if what.__class__ is Incoming:
-                    self._read(what)
-                else:
-                    self._accept(what)
+                self._read(what)
             elif fd == self._out_fd:
                 self._writable = True
             elif fd == self.wake_main:
@@ -274,6 +312,7 @@ class Engine:
                     os.eventfd_read(fd)
                 except BlockingIOError:
                     pass
+                self.adopt()
 
     def _spin(self) -> list:
         """Poll without sleeping for up to ``self.spin`` seconds (lock released).
@@ -291,23 +330,21 @@ class Engine:
         return events
 
     def watch_fds(self) -> list[int]:
-        """Listeners and incoming connections: what the control thread drains while the gate is closed."""
+        """The incoming connections (after taking over those just proven): what the
+        control thread drains while the gate is closed (lock held)."""
+        self.adopt()
         return list(self._net)
 
     def on_fd(self, fd: int) -> None:
-        """``fd`` is readable: read the connection or accept on the listener (lock held)."""
+        """``fd`` is readable: read that connection (lock held)."""
         what = self._net.get(fd)
-        if what is None:
-            return
-        if what.__class__ is Incoming:
+        if what is not None:
             self._read(what)
-        else:
-            self._accept(what)
 
     def drain_until(self, expect: list[int], timeout: float) -> None:
         """Control thread, lock held: read incoming connections until ``received >= expect``."""
         deadline = time.monotonic() + timeout
-        poll, gen = None, None
+        poll, gen = select.poll(), -1  # (fd_gen counts up from 0)
         while True:
             short = [src for src in range(self.size) if self.n_recv[src] < expect[src]]
             if not short:
@@ -316,8 +353,10 @@ class Engine:
             if remaining <= 0:
                 detail = ", ".join(f"rank {s}: {self.n_recv[s]} of {expect[s]}" for s in short)
                 raise CommError(f"messages the daemon counted as sent never arrived within {timeout:.0f} s ({detail})")
+            self.adopt()
             if gen != self.fd_gen:
                 poll, gen = select.poll(), self.fd_gen
+                poll.register(self.wake_ctl, _POLLIN)  # (the doorman's handovers)
                 for fd in self._net:
                     poll.register(fd, _POLLIN)
             self.lock.release()
@@ -326,24 +365,15 @@ class Engine:
             finally:
                 self.lock.acquire()
             for fd, _ in events:
-                self.on_fd(fd)
+                if fd == self.wake_ctl:
+                    try:
+                        os.eventfd_read(fd)
+                    except BlockingIOError:
+                        pass
+                else:
+                    self.on_fd(fd)
 
     # ------------------------------------------------------------ receiving: network side
-
-    def _accept(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                sock, _ = listener.accept()
-            except BlockingIOError:
-                return
-            except OSError:
-                return  # e.g. the dialer already gave up (ECONNABORTED)
-            sock.setblocking(False)
-            if sock.family != socket.AF_UNIX:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = Incoming(sock)
-            self._incoming[conn.fd] = conn
-            self._add(conn.fd, conn)
 
     def _read(self, c: Incoming) -> None:
         """Read what one connection has, never blocking, and turn it into messages.
@@ -358,7 +388,7 @@ class Engine:
         view = c.view
         while True:
             if c.cur is not None:
-                self._read_payload(c)  # then back to poll, which says whether the next message is there already
+                self._read_payload(c, c.cur)  # then back to poll, which says whether the next message is there already
                 return
             pos, end = c.start, c.end
             if pos:
@@ -387,11 +417,6 @@ class Engine:
                     return
                 if pstart > end:
                     break
-                if src is None:
-                    if not self._hello(c, kind, tag, view[pos + HEADER_SIZE : pstart], plen):
-                        return
-                    pos, src = pstart, c.src
-                    continue
                 if seq != n_recv[src] or kind not in wire.KINDS:
                     what = f"a message of unknown kind {kind}" if kind not in wire.KINDS else ""
                     self._violation(c, what or f"message number {seq} where {n_recv[src]} was due (lost or repeated message)")
@@ -421,7 +446,7 @@ class Engine:
                         arrived.view, arrived.claimed = want.view[:plen], True
                 if arrived is None:
                     if kind == BYTES or kind == PICKLE:
-                        payload = bytes(view[pstart:stop])
+                        payload: object = bytes(view[pstart:stop])
                     else:
                         try:
                             payload = wire.materialize(kind, meta, buf, pstart, plen)
@@ -439,9 +464,8 @@ class Engine:
             if n < space and c.cur is None:
                 return  # drained: poll is level-triggered, no need to read on to EAGAIN
 
-    def _read_payload(self, c: Incoming) -> None:
-        """Read more of the payload of ``c.cur``, straight into its buffer."""
-        msg = c.cur
+    def _read_payload(self, c: Incoming, msg: Msg) -> None:
+        """Read more of the payload of ``msg``, the one arriving on ``c`` (``c.cur``), straight into its buffer."""
         want = msg.nbytes - msg.got
         try:
             n = c.sock.recv_into(msg.view[msg.got :], want)
@@ -458,37 +482,16 @@ class Engine:
             c.cur = None
             self._complete(msg)
 
-    def _hello(self, c: Incoming, kind: int, tag: int, token, plen: int) -> bool:
-        # A stranger (another user's process, a wrong job) learns nothing and injects nothing.
-        if (
-            kind != wire.HELLO
-            or plen != 0
-            or not hmac.compare_digest(bytes(token), self.token)
-            or not 0 <= tag < self.size
-            or tag == self.rank
-            or tag in self._from
-        ):
-            self._drop(c, None)
-            return False
-        c.src = tag
-        self._from[tag] = c
-        return True
-
     def _violation(self, c: Incoming, what: str) -> None:
-        src = c.src
         self._drop(c, f"broke the message protocol ({what})")
-        if src is not None:
-            raise CommError(f"rank {src} sent {what} to rank {self.rank}: this is a bug in gangd.comm")
+        raise CommError(f"rank {c.src} sent {what} to rank {self.rank}: this is a bug in gangd.comm")
 
-    def _drop(self, c: Incoming, why: str | None) -> None:
+    def _drop(self, c: Incoming, why: str) -> None:
         self._remove(c.fd)
-        self._incoming.pop(c.fd, None)
         c.sock.close()
-        if c.src is None:
-            return
         if self._from.get(c.src) is c:
             del self._from[c.src]
-        self._eof[c.src] = why or "closed its connection"
+        self._eof[c.src] = why
         self._pending_exits.discard(c.src)
         msg = c.cur
         if msg is not None:  # half a message: it will never be complete
@@ -522,7 +525,7 @@ class Engine:
         self._c_recv[src] = n
         if msg.claimed:
             return  # already queued
-        msg.view = None
+        msg.view = _NO_VIEW
         self.queue.append(msg)
         want = self._want
         if want is not None and _matches(want.source, want.tag, src, msg.tag):
@@ -579,15 +582,14 @@ class Engine:
                 lock.acquire()
             for fd, _ in events:
                 what = self._net.get(fd)
-                if what.__class__ is Incoming:
+                if what is not None:
                     self._read(what)
-                elif what is not None:
-                    self._accept(what)
                 elif fd == self.wake_main:
                     try:
                         os.eventfd_read(fd)
                     except BlockingIOError:
                         pass
+                    self.adopt()
 
     def take_into(self, buf, view: memoryview, source: int, tag: int) -> Msg:
         """Like take, but a message still to arrive may be read straight into ``view``.
@@ -662,7 +664,7 @@ class Engine:
             return True
         if r not in self._exited:
             return False
-        if (r in self._from or any(c.src is None for c in self._incoming.values())) and (
+        if (r in self._from or self._unproven()) and (
             time.monotonic() - self._exited_at[r] < EXIT_GRACE
         ):
             return False  # its connection (or one not yet identified) may still hold its last messages
@@ -677,6 +679,7 @@ class Engine:
         return f"is gone ({self._eof.get(r, 'unknown')})"
 
     def _poll_now(self) -> None:
+        self.adopt()
         for fd, _ in self._poll.poll(0):
             self.on_fd(fd)
 
@@ -686,6 +689,8 @@ class Engine:
     # (GANGD_COMM_GATE=0). They share everything but the few lines that put a
     # message on the socket, which are repeated rather than called: a Python
     # call costs as much here as the gate check itself.
+
+    # (*) An ndarray exports the buffer protocol, but numpy's stubs declare it (``__buffer__``) for Python 3.12+ only.
 
     def _send_gated(self, dest: int, tag: int, kind: int, meta: bytes, payload, nbytes: int) -> None:
         """Send one encoded message; returns once all of it is in the kernel (lock held).
@@ -708,7 +713,7 @@ class Engine:
             if meta:
                 header += meta
             if nbytes <= SMALL:
-                data = header + payload if payload.__class__ is not _ndarray else b"".join((header, payload))
+                data = header + payload if payload.__class__ is not _ndarray else b"".join((header, payload))  # type: ignore[arg-type]  # (*)
                 try:
                     n = sock.send(data, _NOSIGNAL)
                 except OSError as exc:
@@ -737,7 +742,7 @@ class Engine:
         if meta:
             header += meta
         if nbytes <= SMALL:
-            data = header + payload if payload.__class__ is not _ndarray else b"".join((header, payload))
+            data = header + payload if payload.__class__ is not _ndarray else b"".join((header, payload))  # type: ignore[arg-type]  # (*)
             try:
                 n = sock.send(data, _NOSIGNAL)
             except OSError as exc:
@@ -810,7 +815,7 @@ class Engine:
         hlen = len(header)
         total = hlen + nbytes
         hview = memoryview(header)
-        pview = wire.byte_view(payload) if nbytes else None
+        pview = wire.byte_view(payload) if nbytes else _NO_VIEW
         fd = sock.fileno()
         self._poll.register(fd, _POLLOUT)
         self._out_fd = fd
@@ -823,7 +828,7 @@ class Engine:
                         raise PeerExited(f"rank {dest} {self._why(dest)} while a message to it was being sent", dest)
                     self.wait()
                 if sent < hlen:
-                    buffers = (hview[sent:], pview) if pview is not None else (hview[sent:],)
+                    buffers: tuple[memoryview, ...] = (hview[sent:], pview)
                 else:
                     buffers = (pview[sent - hlen :],)
                 try:
@@ -862,25 +867,25 @@ class Engine:
 
     def _dial(self, dest: int) -> socket.socket:
         peer = self.peers[dest] or {}
-        same_node = peer.get("node") == self.node and peer.get("unix")
-        where = peer.get("unix") if same_node else peer.get("tcp")
+        unix = peer.get("unix") if peer.get("node") == self.node else None  # same node: AF_UNIX
+        where = unix or peer.get("tcp")
         sock = None
         try:
-            if same_node:
+            if unix:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 sock.settimeout(CONNECT_TIMEOUT)
-                sock.connect(where)
+                sock.connect(unix)
             else:
                 if not where:
                     raise CommError(f"the daemon gave no address for rank {dest}")
                 sock = socket.create_connection((where[0], where[1]), timeout=CONNECT_TIMEOUT)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if same_node and SOCKET_BUFFER:
+            if unix and SOCKET_BUFFER:
                 try:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
                 except OSError:
                     pass
-            sock.sendall(HEADER.pack(wire.HELLO, self.rank, 0, len(self.token), 0) + self.token)
+            handshake.dial(sock, self.key, self.rank, dest, lambda seconds: self._wait_handshake(sock, dest, seconds))
         except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, BrokenPipeError) as exc:
             if sock is not None:
                 sock.close()
@@ -891,10 +896,36 @@ class Engine:
             if sock is not None:
                 sock.close()
             raise CommError(f"cannot connect to rank {dest} at {where}: {exc}") from None
+        except handshake.HandshakeError as exc:
+            if sock is not None:
+                sock.close()
+            raise CommError(f"cannot connect to rank {dest} at {where}: {exc}") from None
+        except BaseException:
+            if sock is not None:
+                sock.close()
+            raise
         sock.setblocking(False)
         self._out[dest] = sock
         self._fds_changed()
         return sock
+
+    def _wait_handshake(self, sock: socket.socket, dest: int, seconds: float) -> bool:
+        """While dialling ``dest``: wait (lock released) until ``sock`` may have its answer,
+        reading our own incoming connections meanwhile; False once ``dest`` is gone."""
+        if dest in self._exited:
+            return False
+        fd = sock.fileno()
+        self._poll.register(fd, _POLLIN)
+        self._out_fd = fd
+        try:
+            self.wait(int(seconds * 1000) + 1)
+        finally:
+            self._out_fd = -1
+            try:
+                self._poll.unregister(fd)
+            except KeyError:
+                pass
+        return dest not in self._exited
 
     # ------------------------------------------------------------ the control thread's side
 
@@ -919,15 +950,24 @@ class Engine:
 
     # ------------------------------------------------------------ teardown
 
-    def close(self) -> None:
+    def close(self, threads_stopped: bool = True) -> None:
+        """Close every socket (``threads_stopped``: the control thread is gone, so the eventfds it polls may go too)."""
         with self.lock:
             if self.closed:
                 return
             self.closed = True
-            for sock in [*self._listeners, *(c.sock for c in self._incoming.values()), *(s for s in self._out if s)]:
+            doorman = self.doorman
+            # A doorman that would not stop keeps its sockets and the eventfds it
+            # writes: closed, their numbers could be reused under it.
+            stopped = doorman is None or doorman.stop()
+            if stopped:
+                for listener in self._listeners:
+                    listener.close()
+                while doorman is not None and doorman.proven:
+                    doorman.proven.popleft()[0].close()
+            for sock in [*(c.sock for c in self._net.values()), *(s for s in self._out if s)]:
                 sock.close()
             self._listeners.clear()
-            self._incoming.clear()
             self._from.clear()
             self._net.clear()
             self._out = [None] * self.size
@@ -939,5 +979,6 @@ class Engine:
                     pass
             if isinstance(self.counters, np.memmap):
                 self.counters.flush()
-            for fd in (self.wake_main, self.wake_ctl):  # the control thread is stopped by now
-                os.close(fd)
+            if stopped and threads_stopped:  # (no thread left that could use their numbers)
+                for fd in (self.wake_main, self.wake_ctl):
+                    os.close(fd)

@@ -7,8 +7,10 @@ Every message is one frame::
 
 ``seq`` numbers the messages of one directed channel (sender -> receiver)
 from 0; the receiver checks it, so a lost or doubled message is caught at
-once instead of surfacing as wrong data later. The first frame on every
-connection is a HELLO (tag = the dialer's rank, meta = the job token).
+once instead of surfacing as wrong data later. Every connection opens with
+the handshake of :mod:`.handshake` (HELLO frames, kind 0), which proves both
+ends hold the job's token without sending it; no message frame is read
+before it is done.
 
 Payload kinds: numpy arrays travel as their raw bytes, with ``[dtype.str,
 shape]`` as meta: never pickled, and a large one is not copied either (it is
@@ -20,8 +22,10 @@ pickled.
 from __future__ import annotations
 
 import ctypes
+import enum
 import pickle
 import struct
+from typing import Final
 
 import msgpack
 import numpy as np
@@ -50,7 +54,15 @@ _CACHE_LIMIT = 512
 #: Payloads up to this size are copied next to their header and sent with one send(): the
 #: copy costs less than sendmsg() over two buffers (and, for arrays, than numpy's buffer export).
 SMALL = 8 * 1024
-_UNKNOWN = object()
+
+
+class _Missing(enum.Enum):
+    """``_UNKNOWN``: a (dtype, shape) not in ``_meta_of`` yet (None there means: pickle such arrays)."""
+
+    UNKNOWN = enum.auto()
+
+
+_UNKNOWN: Final = _Missing.UNKNOWN
 
 
 def _array_meta(dtype: np.dtype, shape: tuple) -> bytes | None:
@@ -118,7 +130,7 @@ def byte_view(payload) -> memoryview:
         # will not cast empty multi-dimensional ones: view those as bytes in numpy.
         if type(payload) is not np.ndarray or not payload.flags.c_contiguous:
             raise  # (reshape would copy a non-contiguous array: writes into the view would be lost)
-        return memoryview(payload.reshape(-1).view(np.uint8))
+        return payload.reshape(-1).view(np.uint8).data
 
 
 def allocate(kind: int, meta: bytes, nbytes: int) -> tuple[object, memoryview]:
@@ -176,11 +188,11 @@ def materialize(kind: int, meta: bytes, buf, offset: int, nbytes: int) -> object
             except ValueError:
                 raise CommError(f"array message of {nbytes} bytes claims shape {shape} of {dtype}") from None
         return allocate(kind, meta, nbytes)[0]
-    data = memoryview(buf)[offset : offset + nbytes]
+    view = memoryview(buf)[offset : offset + nbytes]
     if kind == BYTES or kind == PICKLE:
-        return bytes(data)
+        return bytes(view)
     if kind == BYTEARRAY:
-        return bytearray(data)
+        return bytearray(view)
     raise CommError(f"message of unknown kind {kind}")
 
 
@@ -191,7 +203,10 @@ def decode(kind: int, meta: bytes, payload) -> object:
     if kind == NDARRAY:
         return payload
     if kind == PICKLE:
-        return pickle.loads(payload)  # noqa: S301 -- a payload from a rank of the same job and user (the job's token admitted it); see the README's security model
+        # The connection's peer proved it holds this job's token before a byte of a message was read (the
+        # handshake): another rank of the same job and user, so this runs only that user's own code. (The frames
+        # after the handshake are not authenticated: the README's security model trusts the cluster network.)
+        return pickle.loads(payload)  # noqa: S301 -- a rank of the same job and user, proven by the HMAC handshake
     if kind == BYTEARRAY:
         return payload if type(payload) is bytearray else bytearray(payload)
     raise CommError(f"message of unknown kind {kind}")

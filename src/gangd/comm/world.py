@@ -183,9 +183,8 @@ class World:
         engine = self._engine
         if engine.closed:
             return
-        if self._control is not None:
-            self._control.stop()
-        engine.close()
+        stopped = self._control.stop() if self._control is not None else True
+        engine.close(threads_stopped=stopped)
         self._engine = cast(Engine, _ClosedEngine())  # stands in: the first thing any call touches raises
 
     def __enter__(self) -> Self:

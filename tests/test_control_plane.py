@@ -341,3 +341,32 @@ def test_a_node_cut_off_from_etcd_refuses_new_work_and_keeps_its_ranks_for_the_g
     finally:
         proxy.cut()
         local.down(cluster.dir)
+
+
+# ---------------------------------------------------------------- the history
+
+
+def test_ended_jobs_move_to_the_history_and_every_command_still_finds_them(make_cluster):
+    cluster = make_cluster(1, cores=2, job_retention=1)
+    ok = [int(cluster.gang("submit", "-n", 1, "--", "echo", f"job {i}", check=True).stdout) for i in range(3)]
+    bad = int(cluster.gang("submit", "-n", 1, "--", "sh", "-c", "exit 3", check=True).stdout)
+    for job in ok:
+        cluster.wait_state(job, "DONE")
+    cluster.wait_state(bad, "FAILED")
+    # Retired from the hot table: `ps` no longer lists them, the history does.
+    wait_for(lambda: not cluster.gang_json("ps"), 30, "the ended jobs to leave the hot table")
+    history = cluster.gang_json("history")
+    assert [r["id"] for r in history] == [bad, *reversed(ok)]
+    assert history[0]["state"] == "FAILED" and "exit 3" in history[0]["reason"]
+    assert [r["id"] for r in cluster.gang_json("history", "-n", 2)] == [bad, ok[2]]
+    assert [r["id"] for r in cluster.gang_json("history", "--before", ok[2])] == [ok[1], ok[0]]
+    assert cluster.gang_json("history", "--user", "nobody") == []
+    assert [r["id"] for r in cluster.gang_json("ps", "--all")] == [*ok, bad]
+    text = cluster.gang("history", check=True).stdout
+    assert "ENDED" in text and "FAILED" in text
+    # A retired job's output and record are still there for its owner.
+    assert cluster.gang("logs", ok[1], check=True).stdout.strip().endswith("job 1")
+    waited = cluster.gang("wait", bad)
+    assert waited.returncode == 3, (waited.returncode, waited.stderr)
+    # And ids go on after them.
+    assert int(cluster.gang("submit", "-n", 1, "--", "true", check=True).stdout) == bad + 1

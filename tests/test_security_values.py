@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,6 @@ from conftest import _world_traversable_tmpdir, as_uid, shared_cluster
 
 from gangd.client import cluster as local
 from gangd.client.cli import main as cli_main
-from gangd.comm import wire
 from gangd.daemon.config import Config, EtcdSettings, NodeSpec, render
 
 PY = sys.executable
@@ -296,36 +294,3 @@ def test_a_jobs_environment_is_gone_from_every_replica_once_it_ends_and_restart_
     wait_on_every_node(vc, restarted)
     raw, env_kept = in_etcd(vc, restarted)
     assert token.encode() not in raw and not env_kept
-
-
-# ---------------------------------------------------------------- gangd.comm's handshake (finding 9)
-
-
-class Evil:
-    """Unpickling this creates a file: proof that nothing was unpickled."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
-
-
-def refused(address, family, data: bytes, then: bytes = b"") -> bytes:
-    """Connect, send ``data`` (and ``then`` once the rank answered, if it does); what the rank said before closing."""
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.settimeout(20)
-        sock.connect(address)
-        sock.sendall(data)
-        got = b""
-        try:
-            while chunk := sock.recv(4096):
-                got += chunk
-                if then and len(got) >= wire.CHALLENGE:
-                    sock.sendall(then)
-                    then = b""
-        except (ConnectionResetError, BrokenPipeError):
-            pass
-        except TimeoutError:
-            return got + b" <the rank kept the connection open>"
-        return got

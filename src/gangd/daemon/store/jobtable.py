@@ -310,26 +310,18 @@ class JobTable:
 
     async def history(self, after: int, limit: int) -> list[dict]:
         """Up to ``limit`` jobs of the history with ids above ``after``, in id order."""
-        try:
-            page = await self.etcd.range(self.keys.past(after + 1), range_end=prefix_end(self.keys.history), limit=limit)
-        except EtcdError as exc:
-            raise unavailable(exc) from None
-        records = []
-        for kv in page.kvs:
-            try:
-                record = decode_record(kv.value)
-            except Exception as exc:  # noqa: BLE001 -- skipped, with a log line
-                log.error("ignoring unreadable history record %s: %s", kv.key.decode("utf-8", "replace"), exc)
-                continue
-            record["seq"] = kv.mod_revision
-            records.append(record)
-        return records
+        return await self._history_page(self.keys.past(after + 1), prefix_end(self.keys.history), limit)
 
     async def history_before(self, before: int | None, limit: int) -> list[dict]:
         """Up to ``limit`` jobs of the history with ids below ``before`` (all if None), newest first."""
         end = self.keys.past(before) if before is not None else prefix_end(self.keys.history)
+        return await self._history_page(self.keys.history, end, limit, newest_first=True)
+
+    async def _history_page(self, start: str, end: str | bytes, limit: int, newest_first: bool = False) -> list[dict]:
         try:
-            page = await self.etcd.range(self.keys.history, range_end=end, limit=limit, sort_target="KEY", sort_order="DESCEND")
+            page = await self.etcd.range(
+                start, range_end=end, limit=limit, sort_target="KEY" if newest_first else None, sort_order="DESCEND" if newest_first else None,
+            )
         except EtcdError as exc:
             raise unavailable(exc) from None
         records = []

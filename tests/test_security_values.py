@@ -49,12 +49,12 @@ def in_etcd(cluster, job: int) -> tuple[bytes, bool]:
     """The job's record as etcd holds it (raw, hot table or history), and whether its environment key exists."""
     from gangd.daemon.store import Keys
     from gangd.etcd.client import Etcd
-    from gangd.etcd.server import LocalEtcd
 
-    keys = Keys(EtcdSettings.prefix)
+    settings = cluster.etcd_settings
+    keys = Keys(settings.prefix)
 
     async def read():
-        async with Etcd(LocalEtcd.load(cluster.dir / "etcd").endpoints) as etcd:
+        async with Etcd(list(settings.endpoints), user=settings.user, password=settings.read_password()) as etcd:
             kv = await etcd.get(keys.job(job)) or await etcd.get(keys.past(job))
             return (kv.value if kv else b""), (await etcd.get(keys.env(job))) is not None
 

@@ -522,8 +522,11 @@ async def _wait_all_up(files: list[NodeFiles], timeout: float) -> None:
                 problems[nf.name] = f"not answering ({exc})"
                 continue
             down = sorted(names - {r["name"] for r in rows if r["state"] == "up"})
+            unlinked = sorted(r["name"] for r in rows if r["state"] == "up" and r.get("why"))  # up in etcd, no link yet
             if down:
                 problems[nf.name] = f"sees {', '.join(down)} down"
+            elif unlinked:
+                problems[nf.name] = f"has no link to {', '.join(unlinked)} yet"
             coordinators |= {r["name"] for r in rows if r["coordinator"]}
         if not problems and len(coordinators) == 1:
             return

@@ -518,14 +518,26 @@ class Coordinator:
         launching = {**record, "env": await self.table.env(job_id)}
 
         async def launch_on(node: str) -> None:
-            try:
-                mine = {str(r): contexts[str(r)] for r in jobs.ranks_on(record, node) if str(r) in contexts}
-                await self.call(node, "launch", record=launching, contexts=mine)
-            except RemoteError as exc:
-                failures.append(f"{node}: {exc.message}")
-            except Exception as exc:  # e.g. this node's own disk failing
-                log.exception("job %d: launch on %s failed", job_id, node)
-                failures.append(f"{node}: {type(exc).__name__}: {exc}")
+            # A node alive in etcd whose link from here is not up (yet: just
+            # started; or again: a dropped connection being re-dialled) gets a
+            # moment before its launch counts as failed. The request was not
+            # sent (node_down), and a launch is idempotent per rank anyway.
+            patience = trio.current_time() + self.daemon.config.heartbeat_timeout
+            while True:
+                try:
+                    mine = {str(r): contexts[str(r)] for r in jobs.ranks_on(record, node) if str(r) in contexts}
+                    await self.call(node, "launch", record=launching, contexts=mine)
+                    return
+                except RemoteError as exc:
+                    if exc.code == "node_down" and self.daemon.membership.is_up(node) and trio.current_time() < patience:
+                        await trio.sleep(0.1)
+                        continue
+                    failures.append(f"{node}: {exc.message}")
+                    return
+                except Exception as exc:  # e.g. this node's own disk failing
+                    log.exception("job %d: launch on %s failed", job_id, node)
+                    failures.append(f"{node}: {type(exc).__name__}: {exc}")
+                    return
 
         async with trio.open_nursery() as nursery:
             for node in nodes:

@@ -185,9 +185,15 @@ class Peers:
             try:
                 with trio.fail_after(timeout):
                     info = await channel.request("ping", **self.daemon.heartbeat_info())
-            except (RemoteError, trio.TooSlowError) as exc:
-                why = f"no heartbeat answer on the link for {timeout:.1f} s" if isinstance(exc, trio.TooSlowError) else str(exc)
-                self._mark_down(link, why)
+            except trio.TooSlowError:
+                # Slow, not gone: a peer busy or stalled keeps its connection
+                # (dropping it would fail every request under way on it, a
+                # launch included). Whether the node is alive is etcd's to say;
+                # a dead peer's connection closes by itself.
+                self._mark_down(link, f"no heartbeat answer on the link for {timeout:.1f} s (the peer is busy or stalled)")
+                continue
+            except RemoteError as exc:
+                self._mark_down(link, str(exc))
                 scope.cancel()  # drop the connection and dial again
                 return
             link.last_ok = time.monotonic()

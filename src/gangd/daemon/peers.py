@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -52,6 +53,7 @@ class PeerLink:
     why_down: str = "not contacted yet"
     outbox: tuple = ()
     clock: OffsetFilter = field(default_factory=OffsetFilter)  # its wall clock minus ours
+    scope: trio.CancelScope | None = None  # the connection's; cancelled to drop it
 
 
 class Peers:
@@ -61,8 +63,18 @@ class Peers:
         self.links: dict[str, PeerLink] = {spec.name: PeerLink(spec) for spec in self.config.peers}
         for link in self.links.values():
             link.outbox = trio.open_memory_channel(OUTBOX_NOTES)
+        #: Whether etcd holds a node alive: the daemon plugs its membership in
+        #: (that is not the links' to judge; every node alive until then).
+        self.is_alive: Callable[[str], bool] = lambda _name: True
 
     # ------------------------------------------------------------ queries
+
+    def drop_dead(self) -> None:
+        """Drop the connection to every node etcd no longer holds alive: requests
+        under way to it fail now (node_down) instead of waiting for a stalled peer."""
+        for name, link in self.links.items():
+            if link.scope is not None and not self.is_alive(name):
+                link.scope.cancel()
 
     def link_up(self, name: str) -> bool:
         return name == self.config.node_name or (name in self.links and self.links[name].up)
@@ -157,6 +169,7 @@ class Peers:
                 continue
             link.channel = channel
             async with trio.open_nursery() as nursery:
+                link.scope = nursery.cancel_scope
                 nursery.start_soon(self._run_channel, channel, handler, nursery.cancel_scope)
                 nursery.start_soon(self._heartbeat, link, channel, nursery.cancel_scope)
                 nursery.start_soon(self._drain_outbox, link, channel)
@@ -186,11 +199,14 @@ class Peers:
                 with trio.fail_after(timeout):
                     info = await channel.request("ping", **self.daemon.heartbeat_info())
             except trio.TooSlowError:
-                # Slow, not gone: a peer busy or stalled keeps its connection
-                # (dropping it would fail every request under way on it, a
-                # launch included). Whether the node is alive is etcd's to say;
-                # a dead peer's connection closes by itself.
+                # Slow, not gone: a peer that etcd still holds alive (busy, or
+                # stalled for less than its lease) keeps its connection:
+                # dropping it would fail every request under way on it, a
+                # launch included. Once etcd says it is down, drop_dead() drops it.
                 self._mark_down(link, f"no heartbeat answer on the link for {timeout:.1f} s (the peer is busy or stalled)")
+                if not self.is_alive(link.spec.name):
+                    scope.cancel()
+                    return
                 continue
             except RemoteError as exc:
                 self._mark_down(link, str(exc))

@@ -69,6 +69,7 @@ class Daemon:
             on_session=self._session_started, on_nodes_changed=self._nodes_changed, on_grace_over=self._grace_over,
             preferred=config.master,
         )
+        self.peers.is_alive = self.membership.is_up
         self._sessions = 0
         tag = hashlib.sha1(str(config.state_dir.resolve()).encode(), usedforsecurity=False).hexdigest()[:8]
         instance = f"gangd-{self.node}-{tag}"
@@ -165,6 +166,7 @@ class Daemon:
             self.spawn(self.ranks.kill_job, record["id"])
 
     def _nodes_changed(self) -> None:
+        self.peers.drop_dead()
         if self.coordinator.active:
             self.coordinator.nodes_changed()
 

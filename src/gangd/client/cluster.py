@@ -64,6 +64,14 @@ if TYPE_CHECKING:
 #: production default's ten; long enough that a node renewing every third of
 #: it (1.7 s) on a 2-core machine full of busy ranks is not declared dead.
 LOCAL_LEASE_TTL = 5
+#: Beyond this many nodes a local cluster's lease is twice as long: 16
+#: daemons and 128 busy ranks on one small machine (bench/switch.py --nodes
+#: 16) left a daemon's keep-alive more than 5 s late now and then.
+LOCAL_BIG_CLUSTER = 8
+
+
+def local_lease_ttl(nodes: int) -> int:
+    return LOCAL_LEASE_TTL if nodes <= LOCAL_BIG_CLUSTER else 2 * LOCAL_LEASE_TTL
 ETCD_DIR = "etcd"
 
 
@@ -174,7 +182,7 @@ def up(
     etcd: str | Sequence[str] | None = None,
     etcd_local: bool = False,
     etcd_binary: Path | None = None,
-    lease_ttl: int = LOCAL_LEASE_TTL,
+    lease_ttl: int | None = None,
     grace: float | None = None,
     timeout: float = 30.0,
     progress: Callable[[str], object] | None = None,
@@ -211,6 +219,8 @@ def up(
     if grace is None:
         grace = EtcdSettings.grace
     try:
+        if lease_ttl is None:
+            lease_ttl = local_lease_ttl(nodes)
         EtcdSettings(lease_ttl=lease_ttl, grace=grace)  # checked before anything starts
     except ConfigError as exc:
         raise ClusterError(str(exc)) from None

@@ -85,6 +85,16 @@ class LocalCluster:
 
     # ------------------------------------------------------------ processes
 
+    def start_daemon(self, node: str) -> None:
+        """Start one node's gangd again (after a test stopped it), as `gang cluster up` does."""
+        nf = self.files[node]
+        with open(nf.log, "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "gangd.daemon.main", "--config", str(nf.config)],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+            )
+        nf.pidfile.write_text(f"{proc.pid}\n")
+
     def daemon_pid(self, node: str) -> int:
         pid = self.files[node].pid()
         assert pid, f"gangd {node} is not running"

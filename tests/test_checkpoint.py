@@ -397,17 +397,6 @@ def test_restart_refusals_are_specific(gc):
     assert second.returncode != 0 and f"job {first}" in second.stderr and "one job of a lineage" in second.stderr
 
 
-def _start_daemon(cluster, node: str) -> None:
-    """Start one node's gangd again, as `gang cluster up` does."""
-    nf = cluster.files[node]
-    with open(nf.log, "ab") as log:
-        proc = subprocess.Popen(
-            [PY, "-m", "gangd.daemon.main", "--config", str(nf.config)],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-        )
-    nf.pidfile.write_text(f"{proc.pid}\n")
-
-
 def test_a_daemon_killed_mid_write_leaves_nothing_that_looks_complete(make_cluster):
     cluster = make_cluster(2, cores=2)
     env = dict(os.environ, GANGD_CKPT_BACKGROUND="0")  # ranks write while the checkpoint is under way
@@ -439,7 +428,7 @@ def test_a_daemon_killed_mid_write_leaves_nothing_that_looks_complete(make_clust
     assert entry["state"] == "aborted" and "n2" in entry["reason"], entry
     # Whatever n2 left of generation 2 was never committed.
     assert not (gen_dir(cluster, "n2", job, second) / ckptstore.MANIFEST).exists()
-    _start_daemon(cluster, "n2")
+    cluster.start_daemon("n2")
     deadline = time.monotonic() + 30
     while {r["name"]: r["state"] for r in cluster.gang_json("nodes")["nodes"]}.get("n2") != "up":
         assert time.monotonic() < deadline

@@ -309,10 +309,7 @@ def test_a_node_cut_off_from_etcd_refuses_new_work_and_keeps_its_ranks_for_the_g
         text = nf.config.read_text()
         text = re.sub(r"endpoints = \[[^\]]*\]", f'endpoints = ["http://127.0.0.1:{proxy.port}"]', text, count=1)
         nf.config.write_text(text)
-        with open(nf.log, "ab") as log:
-            proc = subprocess.Popen([PY, "-m", "gangd.daemon.main", "--config", str(nf.config)],
-                                    stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
-        nf.pidfile.write_text(f"{proc.pid}\n")
+        cluster.start_daemon("n3")
         wait_for(lambda: all(r["state"] == "up" for r in json_on(cluster, "n1", "nodes")["nodes"]), 30, "n3 back")
         job = submit_on(cluster, "n1", "-n", 2, "-w", "n1,n3", "--", "sleep", 300)
         cluster.wait_state(job, "RUNNING")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -72,17 +71,6 @@ def _as_root(cluster, body, socket: str | None = None):
             return await body(gang)
 
     return trio.run(main)
-
-
-def _start_daemon(cluster, node: str) -> None:
-    """Start one node's gangd again, as `gang cluster up` does."""
-    nf = cluster.files[node]
-    with open(nf.log, "ab") as log:
-        proc = subprocess.Popen(
-            [PY, "-m", "gangd.daemon.main", "--config", str(nf.config)],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-        )
-    nf.pidfile.write_text(f"{proc.pid}\n")
 
 
 def _wait_node_state(cluster, node: str, state: str, timeout: float = 30) -> None:
@@ -159,7 +147,7 @@ def test_a_node_restarted_after_a_long_history_catches_up_and_can_take_over(make
     ids = [_as_root(cluster, lambda gang: gang.submit(argv, 1, cwd="/", env=ENV, nodelist=["n1"]))["id"] for _ in range(12)]
     for job in ids:
         cluster.wait_state(job, "DONE", timeout=60)
-    _start_daemon(cluster, "n3")
+    cluster.start_daemon("n3")
     n3 = str(cluster.files["n3"].socket)
     deadline = time.monotonic() + 120
     while True:

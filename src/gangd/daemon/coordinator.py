@@ -24,7 +24,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import msgpack
 import trio
 
 from .. import jobs
@@ -34,6 +33,7 @@ from .gang import Matrix
 from .peers import natural_key
 from .ranks import KILL_DEADLINE
 from .store import Deposed, Fence
+from .store.jobtable import pack
 
 log = logging.getLogger("gangd.coordinator")
 
@@ -72,10 +72,6 @@ class _Creation:
     def finish(self, *, record: dict | None = None, error: RemoteError | None = None) -> None:
         self.record, self.error = record, error
         self.done.set()
-
-
-def jobs_pack(spec: dict) -> bytes:
-    return msgpack.packb(spec, use_bin_type=True)
 
 
 def permission_check(record: dict, cred: dict, action: str) -> None:
@@ -373,7 +369,7 @@ class Coordinator:
             return record
 
         self._fence()
-        creation = _Creation(build, dict(spec.get("env") or {}), cred["uid"], checked.context_bytes, token, len(jobs_pack(spec)))
+        creation = _Creation(build, dict(spec.get("env") or {}), cred["uid"], checked.context_bytes, token, len(pack(spec)))
         self._creations.append(creation)
         self._creations_waiting.set()
         await creation.done.wait()

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,34 +113,20 @@ def _kvs(response: Range | int) -> list[KeyValue]:
     return response.kvs if isinstance(response, Range) else []
 
 
-def _batches(records: list[dict]):
-    """The records packed for the history, in batches etcd takes in one
-    transaction: at most RETIRE_BATCH of them and RETIRE_BATCH_BYTES."""
+def _batches(records: list[dict]) -> Iterator[list[tuple[dict, bytes]]]:
+    """Each record with its packed form for the history, in batches etcd takes
+    in one transaction: at most RETIRE_BATCH of them and RETIRE_BATCH_BYTES."""
     batch: list[tuple[dict, bytes]] = []
     size = 0
     for r in records:
         data = pack({k: v for k, v in r.items() if k != "seq"})
         if batch and (len(batch) >= RETIRE_BATCH or size + len(data) > RETIRE_BATCH_BYTES):
-            yield _Batch(batch)
+            yield batch
             batch, size = [], 0
         batch.append((r, data))
         size += len(data)
     if batch:
-        yield _Batch(batch)
-
-
-class _Batch:
-    def __init__(self, pairs: list[tuple[dict, bytes]]):
-        self.pairs = pairs
-
-    def __iter__(self):
-        return (r for r, _ in self.pairs)
-
-    def __len__(self) -> int:
-        return len(self.pairs)
-
-    def items(self):
-        return iter(self.pairs)
+        yield batch
 
 
 def prefix_end(prefix: str) -> bytes:
@@ -432,9 +418,9 @@ class JobTable:
         keys = self.keys
         moved = 0
         for batch in _batches([r for r in records if jobs.is_terminal(r)]):
-            compare = [fence.compare()] + [Compare.mod_revision(keys.job(r["id"])) == r.get("seq", 0) for r in batch]
+            compare = [fence.compare()] + [Compare.mod_revision(keys.job(r["id"])) == r.get("seq", 0) for r, _ in batch]
             success = []
-            for r, data in batch.items():
+            for r, data in batch:
                 success += [Op.put(keys.past(r["id"]), data), Op.delete(keys.job(r["id"])), Op.delete(keys.env(r["id"]))]
             try:
                 result = await self.etcd.txn(compare, success, [Op.get(fence.key)])
@@ -443,7 +429,7 @@ class JobTable:
             if not result.succeeded:
                 self._check_fence(fence, result.responses[0])
                 continue  # one of them changed meanwhile: the next round sees it
-            for r in batch:
+            for r, _ in batch:
                 if self.records.get(r["id"]) is not None and self.records[r["id"]].get("seq", 0) <= r.get("seq", 0):
                     self._forget(r["id"])
             moved += len(batch)

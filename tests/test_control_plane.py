@@ -21,9 +21,12 @@ import time
 
 import psutil
 import trio
-from conftest import wait_for
+from click.testing import CliRunner
+from conftest import as_uid, wait_for
 
 from gangd.client import cluster as local
+from gangd.client.api import connect
+from gangd.client.cli import main as cli_main
 from gangd.daemon import config as cfg
 from gangd.etcd.server import LocalEtcd
 from gangd.rpc import RemoteError, dial_tcp
@@ -367,3 +370,31 @@ def test_ended_jobs_move_to_the_history_and_every_command_still_finds_them(make_
     assert waited.returncode == 3, (waited.returncode, waited.stderr)
     # And ids go on after them.
     assert int(cluster.gang("submit", "-n", 1, "--", "true", check=True).stdout) == bad + 1
+
+
+def test_a_history_request_with_hostile_arguments_is_refused_or_bounded(make_cluster):
+    cluster = make_cluster(1, cores=2, job_retention=1)
+    job = int(cluster.gang("submit", "-n", 1, "--", "true", check=True).stdout)
+    cluster.wait_state(job, "DONE")
+
+    async def ask(**args):
+        async with connect(cluster.dir) as gang:
+            try:
+                return await gang.request("history", **args)
+            except RemoteError as exc:
+                return exc
+
+    for args in ({"before": "7"}, {"uid": [0]}, {"limit": True}, {"before": 1.5}):
+        answer = trio.run(lambda a=args: ask(**a))
+        assert isinstance(answer, RemoteError) and answer.code == "bad_request", (args, answer)
+    assert [r["id"] for r in trio.run(lambda: ask(limit=10**12, before=2**62))] == [job]  # bounded, not refused
+    assert trio.run(lambda: ask(limit=-5, uid=-1)) == []
+    # A stranger sees the history as `ps` shows it, never another user's environment.
+    def look():
+        out = CliRunner().invoke(cli_main, ["--cluster", str(cluster.dir), "history", "--json"], catch_exceptions=False)
+        return {"code": out.exit_code, "out": out.output}
+
+    seen = as_uid(65534, look)
+    assert seen["code"] == 0 and [r["id"] for r in json.loads(seen["out"])] == [job]
+    assert "env" not in json.loads(seen["out"])[0]
+    assert cluster.gang("nodes", check=True).returncode == 0  # the daemon is unharmed

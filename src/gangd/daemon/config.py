@@ -162,6 +162,18 @@ class EtcdSettings:
         reads ``/gangd2``)."""
         return "/".join((self.prefix, *parts))
 
+    def client(self, timeout: float = 5.0):
+        """An etcd client with these endpoints, TLS files and credentials (the password read and checked now)."""
+        from ..etcd.client import Etcd
+
+        def text(path: Path | None) -> str | None:
+            return None if path is None else str(path)
+
+        return Etcd(
+            list(self.endpoints), timeout=timeout, ca=text(self.ca_file), cert=text(self.cert_file), key=text(self.key_file),
+            user=self.user, password=self.read_password(),
+        )
+
     def read_password(self) -> str | None:
         """The etcd user's password from ``password_file`` (None without
         authentication), checked as the cluster secret is: root's, mode 0600,

@@ -25,6 +25,12 @@ the same moment:
   :func:`on_session` brings its ranks in line (a rank of a job no longer
   running here is killed), so a node back from a stall never keeps orphans
   and never takes back work it lost.
+* **Its history.** Each session is a *life* of the node in etcd
+  (:class:`gangd.daemon.store.NodeLog`): the node opens it, closes it as
+  clean when it is stopped, and the coordinator closes it as *lost* when
+  the node's key goes without that (a new coordinator sweeps the lives
+  left open while nobody watched). The cluster's failure rates come from
+  there, not from any one node's memory.
 * **Isolated** (no session: etcd unreachable from here) the node accepts no
   new work and keeps its running ranks for ``grace`` seconds, then kills
   them (the coordinator failed their jobs when the lease expired).
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 
@@ -45,7 +52,7 @@ from ..etcd.election import Election
 from ..etcd.lease import Lease, open_lease
 from ..rpc import RemoteError
 from .peers import natural_key
-from .store import Fence, JobTable, Keys
+from .store import Fence, JobTable, Keys, NodeLog
 
 log = logging.getLogger("gangd.controlplane")
 
@@ -80,6 +87,9 @@ class ControlPlane:
         self._on_grace_over = on_grace_over
         self.preferred = preferred  # the configured master: others let it campaign first
         self.election = Election(etcd, keys.leader)
+        self.nodelog = NodeLog(etcd, keys)
+        # Nodes whose key went while this node coordinated: (name, lease), for the recorder.
+        self._gone_send, self._gone_recv = trio.open_memory_channel[tuple[str, int]](256)
         self.up: set[str] = set()  # nodes whose key exists in etcd
         self.node_info: dict[str, dict] = {}
         self.leader: str | None = None
@@ -153,19 +163,35 @@ class ControlPlane:
     async def _session(self) -> None:
         async with open_lease(self.etcd, self.ttl) as lease:
             await self._register(lease)
-            await self.table.load()
-            async with trio.open_nursery() as nursery:
-                await nursery.start(self.table.follow)
-                await nursery.start(self._watch_nodes)
-                await nursery.start(self._observe)
-                self.connected = True
-                self.isolated_since = None
-                log.info("node %s joined the cluster in etcd (lease %x, ttl %d s, revision %d)", self.node, lease.id, lease.ttl, self.table.revision)
-                await self._on_session()
-                self.ready.set()
-                nursery.start_soon(self._campaign, lease)
-                await lease.lost.wait()
-                nursery.cancel_scope.cancel()
+            await self.nodelog.begin(self.node, lease.id)
+            try:
+                await self._serve_session(lease)
+            finally:
+                if trio.current_effective_deadline() == -math.inf and not lease.lost.is_set():
+                    # Cancelled from outside: the daemon is being stopped. This
+                    # life ends clean (written before the lease is revoked, so
+                    # no coordinator counts a loss).
+                    with trio.CancelScope(shield=True), trio.move_on_after(2):
+                        try:
+                            await self.nodelog.end(self.node, lease.id, clean=True, reason="the daemon was stopped")
+                        except EtcdError as exc:
+                            log.info("could not record a clean stop in etcd: %s", exc.message)
+
+    async def _serve_session(self, lease: Lease) -> None:
+        await self.table.load()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._record_losses)
+            await nursery.start(self.table.follow)
+            await nursery.start(self._watch_nodes)
+            await nursery.start(self._observe)
+            self.connected = True
+            self.isolated_since = None
+            log.info("node %s joined the cluster in etcd (lease %x, ttl %d s, revision %d)", self.node, lease.id, lease.ttl, self.table.revision)
+            await self._on_session()
+            self.ready.set()
+            nursery.start_soon(self._campaign, lease)
+            await lease.lost.wait()
+            nursery.cancel_scope.cancel()
 
     async def _register(self, lease: Lease) -> None:
         key = self.keys.node(self.node)
@@ -202,9 +228,31 @@ class ControlPlane:
                                 if name in self.up:
                                     self.up.discard(name)
                                     log.warning("node %s is down: its lease in etcd expired or was revoked", name)
+                                    lease = self.node_info.get(name, {}).get("lease")
+                                    if self._term_scope is not None and isinstance(lease, int):
+                                        try:
+                                            self._gone_send.send_nowait((name, lease))
+                                        except trio.WouldBlock:  # (the next coordinator's sweep closes it)
+                                            pass
                         self._on_nodes_changed()
             except Compacted:
                 continue
+
+    async def _record_losses(self) -> None:
+        """Close the life of each node whose key went while this node coordinated (once: a CAS)."""
+        async for name, lease in self._gone_recv:
+            try:
+                await self.nodelog.end(name, lease, clean=False, reason=f"its lease in etcd expired (no keep-alive for {self.ttl} s)")
+            except EtcdError as exc:
+                log.warning("could not record the loss of node %s: %s", name, exc.message)
+
+    async def _sweep_lives(self) -> None:
+        """A new coordinator: lives left open by nodes lost while nobody coordinated are closed as lost."""
+        alive = {name: info["lease"] for name, info in self.node_info.items() if name in self.up and isinstance(info.get("lease"), int)}
+        try:
+            await self.nodelog.sweep(alive)
+        except EtcdError as exc:
+            log.warning("could not sweep the nodes' lives: %s", exc.message)
 
     def _node_put(self, key: bytes, value: bytes) -> None:
         name = key.decode("utf-8", "replace")[len(self.keys.nodes):]
@@ -249,6 +297,7 @@ class ControlPlane:
             log.info("node %s is the coordinator, term %d", self.node, fence.term)
             try:
                 with trio.CancelScope() as self._term_scope:
+                    await self._sweep_lives()
                     await self._serve_term(fence, lease)
             except RemoteError as exc:  # Deposed: etcd refused a fenced write
                 log.warning("term %d ended: %s", fence.term, exc.message)

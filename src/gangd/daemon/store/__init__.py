@@ -7,5 +7,6 @@ itself is :mod:`gangd.etcd`.
 
 from .jobtable import Deposed, Fence, JobTable
 from .keys import Keys
+from .nodelog import NodeHistory, NodeLog
 
-__all__ = ["Deposed", "Fence", "JobTable", "Keys"]
+__all__ = ["Deposed", "Fence", "JobTable", "Keys", "NodeHistory", "NodeLog"]

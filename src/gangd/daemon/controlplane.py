@@ -162,7 +162,6 @@ class ControlPlane:
 
     async def _session(self) -> None:
         async with open_lease(self.etcd, self.ttl) as lease:
-            await self._register(lease)
             await self.nodelog.begin(self.node, lease.id)
             try:
                 await self._serve_session(lease)
@@ -184,6 +183,10 @@ class ControlPlane:
             await nursery.start(self.table.follow)
             await nursery.start(self._watch_nodes)
             await nursery.start(self._observe)
+            # Up for the others only now that this node can take work: its
+            # table is read and followed (a launch sent on seeing the key is
+            # not refused for "not connected yet").
+            await self._register(lease)
             self.connected = True
             self.isolated_since = None
             log.info("node %s joined the cluster in etcd (lease %x, ttl %d s, revision %d)", self.node, lease.id, lease.ttl, self.table.revision)

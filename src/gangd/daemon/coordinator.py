@@ -268,6 +268,8 @@ class Coordinator:
                 self.ckpt.job_started(record)
         # Collect the exits the previous coordinator may have taken to its grave.
         for node in self.daemon.membership.up_nodes():
+            if node not in self.matrix.cores:
+                continue  # alive in etcd, but not a node of this configuration
             try:
                 await self.call(node, "resend_exits")
                 # Checkpoints the previous coordinator was running cannot finish: release their ranks.
@@ -470,8 +472,11 @@ class Coordinator:
                 await self.fail(record["id"], f"cannot place the job: {exc}")
                 continue
             if admitted is None:
-                if record.get("pinned"):
-                    continue  # a restart waits for its own nodes; it must not hold up the queue meanwhile
+                if record.get("pinned") or place(record, {n: self.matrix.cores[n] for n in up}) is None:
+                    # It waits for a node, not for cores (a restart for its
+                    # own nodes, a job for a node that is down): it must not
+                    # hold up the queue meanwhile.
+                    continue
                 break  # nobody overtakes the head of the queue
             slot, placement = admitted
             log.info("job %d admitted to slot %d on %s", record["id"], slot, jobs.compress_nodes(jobs.nodes_of({"placement": placement})))
@@ -518,14 +523,16 @@ class Coordinator:
             # started; or again: a dropped connection being re-dialled) gets a
             # moment before its launch counts as failed. The request was not
             # sent (node_down), and a launch is idempotent per rank anyway.
-            patience = trio.current_time() + self.daemon.config.heartbeat_timeout
+            # Likewise a node that is alive in etcd but has no session with it
+            # this instant (etcd_unavailable: its lease outlives a short cut).
+            patience = trio.current_time() + max(self.daemon.config.heartbeat_timeout, self.daemon.config.etcd.lease_ttl)
             while True:
                 try:
                     mine = {str(r): contexts[str(r)] for r in jobs.ranks_on(record, node) if str(r) in contexts}
                     await self.call(node, "launch", record=launching, contexts=mine)
                     return
                 except RemoteError as exc:
-                    if exc.code == "node_down" and self.daemon.membership.is_up(node) and trio.current_time() < patience:
+                    if exc.code in ("node_down", "etcd_unavailable") and self.daemon.membership.is_up(node) and trio.current_time() < patience:
                         await trio.sleep(0.1)
                         continue
                     failures.append(f"{node}: {exc.message}")
@@ -651,8 +658,8 @@ class Coordinator:
         record = self.table.get(job_id)
 
         async def kill_on(node):
-            if not self.daemon.membership.is_up(node):
-                return
+            if node not in self.matrix.cores or not self.daemon.membership.is_up(node):
+                return  # (down, or not a node of this configuration: nothing of ours to reach there)
             with trio.move_on_after(KILL_WAIT) as scope:
                 try:
                     await self.call(node, "kill_ranks", job=job_id)
@@ -704,19 +711,25 @@ class Coordinator:
         self.kick()
 
     async def check_nodes(self) -> None:
-        """Fail every active job that has ranks on a node that is down."""
+        """Fail every active job that has ranks on a node that is down, or
+        that the configuration no longer names (an operator took it out)."""
         membership = self.daemon.membership
         ttl = self.daemon.config.etcd.lease_ttl
+        known = self.matrix.cores
         for record in list(self.table.active()):
-            down = sorted({n for n in record["placement"] if not membership.is_up(n)}, key=natural_key)
-            if not down:
+            gone = sorted({n for n in record["placement"] if n not in known}, key=natural_key)
+            down = sorted({n for n in record["placement"] if n in known and not membership.is_up(n)}, key=natural_key)
+            if not down and not gone:
                 continue
             why = "; ".join(
-                f"node {n} ({self.daemon.config.spec(n).endpoint}) went down: its lease in etcd expired "
-                f"(no keep-alive for {ttl} s: a crash, a stall or a partition)" for n in down
+                [f"node {n} is no longer in the cluster's configuration" for n in gone]
+                + [
+                    f"node {n} ({self.daemon.config.spec(n).endpoint}) went down: its lease in etcd expired "
+                    f"(no keep-alive for {ttl} s: a crash, a stall or a partition)" for n in down
+                ]
             )
             log.warning("job %d fails: %s", record["id"], why)
-            await self.fail(record["id"], why, frozenset(down))
+            await self.fail(record["id"], why, frozenset(down + gone))
 
     # ------------------------------------------------------------ gang scheduling
 
@@ -726,8 +739,8 @@ class Coordinator:
         self.matrix = Matrix(self.matrix.cores, self.matrix.max_slots)
         self.acct = {}  # whatever an earlier term as coordinator left is stale
         for record in sorted(self.table.active(), key=lambda r: r["id"]):
-            if not record["placement"]:
-                continue
+            if not record["placement"] or not set(record["placement"]) <= self.matrix.cores.keys():
+                continue  # (not placed yet; or on a node the configuration dropped: check_nodes fails it)
             self.matrix.add(record["id"], len(self.matrix.slots), record["placement"])
             self.matrix.compact()
             if record["state"] in (jobs.RUNNING, jobs.SUSPENDED):

@@ -7,10 +7,13 @@ import itertools
 import os
 import shutil
 import socket
+import ssl
+import stat
 import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 
@@ -474,6 +477,28 @@ def etcd3_server():
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def test_a_local_etcds_peer_ports_answer_only_its_own_members(etcd3_server):
+    """Any local user can connect to 127.0.0.1: the peer ports must not serve them
+    (their /members, raft) -- only a member with a certificate of this etcd's CA."""
+    peers = [m.peer_url for m in etcd3_server.members]
+    assert all(url.startswith("https://") for url in peers)
+    for url in peers:
+        with pytest.raises(httpx.HTTPError):  # plain HTTP: a TLS port
+            httpx.get(url.replace("https://", "http://") + "/members", timeout=5)
+        with pytest.raises(httpx.HTTPError):  # TLS without a member's certificate: refused in the handshake
+            httpx.get(url + "/members", timeout=5, verify=False)
+    pki = etcd3_server.directory / "pki"
+    assert stat.S_IMODE(pki.stat().st_mode) == 0o700
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in pki.iterdir())
+    assert not any("ca" in p.name and p.suffix == ".key" for p in pki.iterdir())  # the CA key is not kept
+    # A member's own certificate does get in: the members do talk to each other.
+    files = etcd3_server.peer_tls["etcd-0"]
+    context = ssl.create_default_context(cafile=files.trusted_ca_file)
+    context.load_cert_chain(files.cert_file, files.key_file)
+    answer = httpx.get(peers[1] + "/members", timeout=5, verify=context)
+    assert answer.status_code == 200 and len(answer.json()) == 3
+
+
 async def test_three_members_one_stopped_a_watch_on_it_moves_on_and_writes_go_on(etcd3_server):
     """A member stopped with SIGSTOP keeps its connections open and answers nothing: the watch on it notices the
     missing progress notifications and resumes on another member from where it was; the client's writes move on."""
@@ -662,3 +687,4 @@ async def test_tls_with_client_certificates(tmp_path):
                 await untrusting.get("/tls/x")
     finally:
         await trio.to_thread.run_sync(server.stop)
+

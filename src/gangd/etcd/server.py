@@ -31,6 +31,8 @@ from typing import Final
 
 import httpx
 
+from .pki import PeerFiles, make_peer_certs
+
 __all__ = ["ClientTLS", "EtcdBinaryError", "LocalEtcd", "find_binary", "binary_version", "check_version", "BAD_VERSIONS"]
 
 STATE_FILE: Final = "etcd.json"
@@ -140,7 +142,7 @@ class LocalEtcd:
 
     def __init__(self, directory: Path | str, members: int = 1, host: str = "127.0.0.1", *, binary: str | None = None,
                  priority: int | None = DEFAULT_PRIORITY, realtime: int | None = None, heartbeat_ms: int = HEARTBEAT_MS, election_ms: int = ELECTION_MS,
-                 extra_args: tuple[str, ...] = (), client_tls: ClientTLS | None = None) -> None:
+                 extra_args: tuple[str, ...] = (), client_tls: ClientTLS | None = None, peer_tls: bool = True) -> None:
         if members < 1:
             raise ValueError("an etcd cluster has at least one member")
         self.directory = Path(directory)
@@ -151,6 +153,10 @@ class LocalEtcd:
         self.heartbeat_ms, self.election_ms = heartbeat_ms, election_ms
         self.extra_args = tuple(extra_args)
         self.client_tls = client_tls
+        # Members know each other by certificates made for this etcd alone
+        # (gangd.etcd.pki): nobody else can speak raft to their peer ports.
+        self.peer_tls: dict[str, PeerFiles] | None = None
+        self._want_peer_tls = peer_tls
         self.members: list[Member] = []
         self._count = members
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
@@ -169,7 +175,8 @@ class LocalEtcd:
         path = self.directory / STATE_FILE
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"binary": self.binary, "members": [asdict(m) for m in self.members],
-                                   "client_tls": asdict(self.client_tls) if self.client_tls else None}, indent=1))
+                                   "client_tls": asdict(self.client_tls) if self.client_tls else None,
+                                   "peer_tls": {k: asdict(v) for k, v in self.peer_tls.items()} if self.peer_tls else None}, indent=1))
         tmp.replace(path)
 
     @classmethod
@@ -181,6 +188,8 @@ class LocalEtcd:
         tls = state.get("client_tls")
         self = cls(directory, len(members), binary=state.get("binary"), client_tls=ClientTLS(**tls) if tls else None)
         self.members = members
+        peers = state.get("peer_tls")
+        self.peer_tls = {k: PeerFiles(**v) for k, v in peers.items()} if peers else None
         return self
 
     # ---------------------------------------------------------------------------------- start / stop
@@ -192,10 +201,14 @@ class LocalEtcd:
         check_version(binary_version(binary), local=True)
         self.directory.mkdir(parents=True, exist_ok=True)
         if not self.members:
+            names = [f"etcd-{i}" for i in range(self._count)]
+            if self._want_peer_tls:
+                self.peer_tls = make_peer_certs(self.directory / "pki", names, self.host)
+            peer = "https" if self.peer_tls else "http"
             self.members = [
-                Member(f"etcd-{i}", f"{'https' if self.client_tls else 'http'}://{self.host}:{_free_port(self.host)}", f"http://{self.host}:{_free_port(self.host)}",
-                       str(self.directory / f"etcd-{i}"), str(self.directory / f"etcd-{i}.log"))
-                for i in range(self._count)]
+                Member(name, f"{'https' if self.client_tls else 'http'}://{self.host}:{_free_port(self.host)}", f"{peer}://{self.host}:{_free_port(self.host)}",
+                       str(self.directory / name), str(self.directory / f"{name}.log"))
+                for name in names]
         try:
             for i in range(len(self.members)):
                 self._spawn(i)
@@ -217,7 +230,14 @@ class LocalEtcd:
                 "--heartbeat-interval", str(self.heartbeat_ms), "--election-timeout", str(self.election_ms),
                 # Progress notifications on idle watches every 2 s (Etcd.watch(progress_timeout=...) spots a stalled member).
                 "--experimental-watch-progress-notify-interval", "2s",
-                "--log-level", "warn", *self._tls_args(), *self.extra_args]
+                "--log-level", "warn", *self._tls_args(), *self._peer_tls_args(m.name), *self.extra_args]
+
+    def _peer_tls_args(self, name: str) -> list[str]:
+        if not self.peer_tls:
+            return []
+        f = self.peer_tls[name]
+        return ["--peer-cert-file", f.cert_file, "--peer-key-file", f.key_file, "--peer-trusted-ca-file", f.trusted_ca_file,
+                "--peer-client-cert-auth"]
 
     def _tls_args(self) -> list[str]:
         t = self.client_tls

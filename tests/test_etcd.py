@@ -482,17 +482,18 @@ def test_a_local_etcds_peer_ports_answer_only_its_own_members(etcd3_server):
     (their /members, raft) -- only a member with a certificate of this etcd's CA."""
     peers = [m.peer_url for m in etcd3_server.members]
     assert all(url.startswith("https://") for url in peers)
+    files = etcd3_server.peer_tls["etcd-0"]
+    trusting = ssl.create_default_context(cafile=files.trusted_ca_file)  # trusts the members, has no certificate of its own
     for url in peers:
         with pytest.raises(httpx.HTTPError):  # plain HTTP: a TLS port
             httpx.get(url.replace("https://", "http://") + "/members", timeout=5)
         with pytest.raises(httpx.HTTPError):  # TLS without a member's certificate: refused in the handshake
-            httpx.get(url + "/members", timeout=5, verify=False)
+            httpx.get(url + "/members", timeout=5, verify=trusting)
     pki = etcd3_server.directory / "pki"
     assert stat.S_IMODE(pki.stat().st_mode) == 0o700
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in pki.iterdir())
     assert not any("ca" in p.name and p.suffix == ".key" for p in pki.iterdir())  # the CA key is not kept
     # A member's own certificate does get in: the members do talk to each other.
-    files = etcd3_server.peer_tls["etcd-0"]
     context = ssl.create_default_context(cafile=files.trusted_ca_file)
     context.load_cert_chain(files.cert_file, files.key_file)
     answer = httpx.get(peers[1] + "/members", timeout=5, verify=context)

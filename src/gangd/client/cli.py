@@ -752,7 +752,9 @@ def cluster_up(ctx, count, cores, directory, time_slice, max_slots, log_level, e
     if etcd_local and etcd_urls is None:
         raise click.UsageError("--etcd-local describes the etcd given with --etcd; without --etcd the cluster starts its own")
     if etcd_urls is None and (etcd_user or etcd_password_file or etcd_ca or etcd_cert or etcd_key):
-        raise click.UsageError("--etcd-user, --etcd-password-file, --etcd-ca, --etcd-cert and --etcd-key go with --etcd (the etcd this command starts has its own)")
+        raise click.UsageError(
+            "--etcd-user, --etcd-password-file, --etcd-ca, --etcd-cert and --etcd-key go with --etcd (the etcd this command starts has its own)"
+        )
     if (etcd_user is None) != (etcd_password_file is None):
         raise click.UsageError("--etcd-user and --etcd-password-file go together: etcd authentication needs both")
     where = cluster_dir(directory or _cluster(ctx))

@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -230,7 +230,7 @@ def up(
             "--etcd-user, --etcd-password-file, --etcd-ca, --etcd-cert and --etcd-key say how to reach the etcd given with --etcd; "
             "the etcd this command starts has credentials of its own"
         )
-    access = {k: Path(v).absolute() if k != "user" and v is not None else v for k, v in credentials.items()}
+    access: dict[str, Any] = {k: Path(v).absolute() if k != "user" and v is not None else v for k, v in credentials.items()}
     if grace is None:
         grace = EtcdSettings.grace
     try:

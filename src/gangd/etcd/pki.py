@@ -43,7 +43,7 @@ def make_peer_certs(directory: Path, names: list[str], host: str) -> dict[str, P
 
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(directory, 0o700)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"gangd local etcd CA ({directory})"[:64])])
     ca_cert = (

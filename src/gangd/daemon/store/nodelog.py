@@ -69,9 +69,9 @@ class Life:
         if not isinstance(d, dict):
             return None
         lease, started, ended, clean, reason = d.get("lease"), d.get("started"), d.get("ended"), d.get("clean"), d.get("reason", "")
-        if not isinstance(lease, int) or not _number(started):
+        if not isinstance(lease, int) or not isinstance(started, (int, float)) or not _number(started):
             return None
-        if ended is not None and not _number(ended):
+        if ended is not None and not (isinstance(ended, (int, float)) and _number(ended)):
             return None
         if clean is not None and not isinstance(clean, bool):
             return None
@@ -191,7 +191,7 @@ class NodeLog:
         totals["exposure"] += sum(life.seconds(now) for life in old)
         totals["first_seen"] = min([old[0].started] + ([totals["first_seen"]] if totals["first_seen"] is not None else []))
         last = [life for life in old if life.lost]
-        if last and (totals["last_loss"] is None or last[-1].ended > totals["last_loss"]):  # type: ignore[operator]
+        if last and (totals["last_loss"] is None or last[-1].ended > totals["last_loss"]):
             totals["last_loss"], totals["last_reason"] = last[-1].ended, last[-1].reason
         compares = [Compare.mod_revision(life.key) == life.mod_revision for life in old]
         compares.append(Compare.mod_revision(self._sum(node)) == (sum_kv.mod_revision if sum_kv else 0))

@@ -26,7 +26,7 @@ from typing import Any
 
 import trio
 
-from .. import jobs, safefs
+from .. import safefs
 from ..etcd.client import Etcd
 from ..protocol import Connection, ProtocolError, Request, Role
 from ..protocol import State as ConnState
@@ -87,7 +87,6 @@ class Daemon:
         self.coordinator = Coordinator(
             node=self.node, config=config, table=self.table, membership=self.membership, calls=self.calls, peers=self.peers,
         )
-        self._sessions = 0
         tag = hashlib.sha1(str(config.state_dir.resolve()).encode(), usedforsecurity=False).hexdigest()[:8]
         instance = f"gangd-{self.node}-{tag}"
         self.cgroups = CgroupTree(instance, config.cgroup_limits)
@@ -104,22 +103,22 @@ class Daemon:
             tasks=self.tasks, call=self.calls.call, on_job_gone=self._job_gone,
         )
         self.table.listeners.append(self.jobnet.on_record)
-        self.table.listeners.append(self._kill_if_ended)
         # (NodeCheckpoints still takes the daemon: it is being rewritten as a state machine's shell)
         self.checkpoints = NodeCheckpoints(self)
         self.pmi = PmiServer(node=self.node, table=self.table, calls=self.calls, spawn=self.tasks.spawn)
         self.node_jobs = NodeJobs(
             node=self.node, table=self.table, ranks=self.ranks, jobnet=self.jobnet, pmi=self.pmi, checkpoints=self.checkpoints,
             outputs=self.outputs, membership=self.membership, spawn=self.tasks.spawn, jobs_dir=config.state_dir / "jobs",
-            checkpoint_root=config.checkpoint_root,
+            checkpoint_root=config.checkpoint_root, call=self.calls.call,
         )
+        self.table.listeners.append(self.node_jobs.kill_if_ended)
         self.dispatcher = Dispatcher(
             Services(
                 node=self.node, config=config, table=self.table, membership=self.membership, calls=self.calls,
                 coordinator=self.coordinator, node_jobs=self.node_jobs,
                 listing=Listing(table=self.table, calls=self.calls, membership=self.membership),
                 jobnet=self.jobnet, pmi=self.pmi, checkpoints=self.checkpoints, peers=self.peers, ranks=self.ranks,
-                spawn=self.tasks.spawn, heartbeat_info=self.heartbeat_info, resend_exits=self.resend_exits,
+                spawn=self.tasks.spawn, heartbeat_info=self.heartbeat_info, resend_exits=self.node_jobs.resend_exits,
             ),
             check_term=self.membership.check_term,
         )
@@ -128,7 +127,6 @@ class Daemon:
         #: (to_coordinator, on_job_nodes, checkpoint_env).
         self.ops = self.calls
         self.started = time.time()
-        self._reports_send, self._reports_receive = trio.open_memory_channel(math.inf)
         self._membership = trio.Event()
         self.shutting_down = False
 
@@ -161,40 +159,18 @@ class Daemon:
     # ------------------------------------------------------------ the session with etcd
 
     async def _session_started(self) -> None:
-        """A session with etcd began (the table is read): bring this node's
-        ranks in line with it. A node back from a stall or a partition kills
-        every rank of a job the table no longer runs here, so nothing is
-        orphaned; a daemon that restarted reports the ranks it lost."""
-        self._sessions += 1
-        if self._sessions == 1:
-            self._lost_ranks_from_previous_life()
-        orphans = set()
-        for (job_id, rank), entry in list(self.ranks.ranks.items()):
-            if entry.status is not None:
-                continue
-            record = self.table.get(job_id)
-            if record is None or jobs.is_terminal(record) or rank >= len(record["placement"]) or record["placement"][rank] != self.node:
-                orphans.add(job_id)
-        for job_id in sorted(orphans):
-            record = self.table.get(job_id)
-            log.warning("killing this node's ranks of job %d: the job is %s", job_id, record["state"] if record else "no longer in the table")
-            self.spawn(self.ranks.kill_job, job_id)
-        self.resend_exits()
+        await self.node_jobs.session_started()
 
-    def _kill_if_ended(self, record: dict) -> None:
-        """An ended job's ranks go, here too, even if the coordinator's kill never reached this node."""
-        if jobs.is_terminal(record) and any(r.status is None for r in self.ranks.of_job(record["id"])):
-            self.spawn(self.ranks.kill_job, record["id"])
+    async def _grace_over(self, why: str) -> None:
+        await self.node_jobs.grace_over(why)
+
+    def _rank_exited(self, entry: Rank) -> None:
+        self.node_jobs.rank_exited(entry)
 
     def _nodes_changed(self) -> None:
         self.peers.drop_dead()
         if self.coordinator.active:
             self.coordinator.nodes_changed()
-
-    async def _grace_over(self, why: str) -> None:
-        if self.ranks.running():
-            log.error("%s: killing this node's %d running ranks (their jobs were failed when its lease expired)", why, self.ranks.running())
-            await self.ranks.kill_all()
 
     # ------------------------------------------------------------ main
 
@@ -234,7 +210,7 @@ class Daemon:
                     nursery.start_soon(self._serve_listeners, listener, Role.PEER)
                 nursery.start_soon(self.peers.run, self.dispatcher.handle)
                 nursery.start_soon(self.membership.run)
-                nursery.start_soon(self._report_exits)
+                nursery.start_soon(self.node_jobs.report_exits)
                 nursery.start_soon(self._handle_signals, nursery.cancel_scope, notifier)
                 if notifier:
                     nursery.start_soon(watchdog_loop, notifier)
@@ -466,77 +442,6 @@ class Daemon:
         """Who a local client is: the kernel's uid/gid, the name from NSS (off the loop, cached)."""
         return {"uid": uid, "gid": gid, "user": await self._guard.names.name(uid)}
 
-    # ------------------------------------------------------------ rank exits
-
-    def _rank_exited(self, entry: Rank) -> None:
-        self._reports_send.send_nowait((entry.job_id, entry.rank, entry.status))
-        if all(r.status is not None for r in self.ranks.of_job(entry.job_id)):
-            self.ranks.envs.pop(entry.job_id, None)
-        # Its local peers hear at once; remote ones when the table says so.
-        why = f"rank {entry.rank} on {self.node} {jobs.describe_status(entry.status)}"
-        self.jobnet.rank_exited(entry.job_id, entry.rank, why)
-        self.checkpoints.rank_exited(entry.job_id, entry.rank, why)
-        self.table.notify_changed()
-
-    async def _report_exits(self) -> None:
-        """Deliver rank exits to whoever is coordinator, retrying until they land.
-
-        Exits that pile up while a report is in flight go together in the
-        next one, one request per job: a job of many ranks ending at once
-        costs the coordinator a few updates, not one per rank.
-        """
-        async for first in self._reports_receive:
-            batch = [first]
-            while True:
-                try:
-                    batch.append(self._reports_receive.receive_nowait())
-                except trio.WouldBlock:
-                    break
-            by_job: dict[int, list] = {}
-            for job_id, rank, status in batch:
-                by_job.setdefault(job_id, []).append([rank, status])
-            for job_id, exits in by_job.items():
-                await self._deliver_exits(job_id, exits)
-
-    async def _deliver_exits(self, job_id: int, exits: list) -> None:
-        while True:
-            record = self.table.get(job_id)
-            if record is not None:
-                exits = [e for e in exits if record["ranks"][e[0]] is None]
-                if jobs.is_terminal(record) or not exits:
-                    return
-            leader = self.membership.coordinator()
-            try:
-                if leader is None:
-                    raise RemoteError("no_coordinator", "no coordinator right now")
-                await self.calls.call(leader, "ranks_exited", job=job_id, exits=exits)
-                return
-            except Exception as exc:  # noqa: BLE001 -- RemoteError, the coordinator's disk failing, a link down: retried until delivered
-                log.debug("reporting exits of job %d failed (%s); retrying", job_id, exc)
-                await trio.sleep(0.2)
-
-    def resend_exits(self) -> int:
-        """Queue again every local rank exit the table does not show yet (a
-        coordinator may have acknowledged one and died before replicating it)."""
-        count = 0
-        for (job_id, rank), entry in self.ranks.ranks.items():
-            record = self.table.get(job_id)
-            if entry.status is not None and record is not None and not jobs.is_terminal(record) and record["ranks"][rank] is None:
-                self._reports_send.send_nowait((job_id, rank, entry.status))
-                count += 1
-        return count
-
-    def _lost_ranks_from_previous_life(self) -> None:
-        """Ranks this node ran before a restart are gone (they die with the
-        daemon): report them so their jobs end instead of waiting forever."""
-        for record in self.table.active():
-            if not record["started"]:
-                continue
-            for rank in jobs.ranks_on(record, self.node):
-                if record["ranks"][rank] is None:
-                    status = {"lost": True, "node": self.node, "why": f"gangd on {self.node} restarted"}
-                    self._reports_send.send_nowait((record["id"], rank, status))
-
     # ------------------------------------------------------------ signals
 
     async def _checkpoint_all(self) -> None:
@@ -561,10 +466,7 @@ class Daemon:
                 with trio.move_on_after(10):
                     await self.ranks.kill_all()
                     # Give the exit reports a moment to reach the coordinator.
-                    with trio.move_on_after(1):
-                        # Polled: the queue has no "drained" event, and its reader also empties it batch by batch.
-                        while self._reports_receive.statistics().current_buffer_used:  # noqa: ASYNC110 -- bounded poll (1 s) of a queue's fill
-                            await trio.sleep(0.02)
+                    await self.node_jobs.drain_reports(1)
                 scope.cancel()
                 return
 

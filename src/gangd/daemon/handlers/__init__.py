@@ -1,5 +1,6 @@
 """The daemon's request handlers: thin, declared with ``@op`` (see :mod:`.registry`)."""
 
+from . import ops_all  # noqa: F401 -- every handler module registers its operations
 from .dispatch import Dispatcher, Services
 from .registry import CLIENT, PEER, REGISTRY, Audience, Call, op
 

@@ -45,8 +45,6 @@ class Services:
 
 class Dispatcher:
     def __init__(self, services: Services, *, check_term: Callable[[object, str, str | None], None], registry: Registry = REGISTRY):
-        from . import ops_all  # noqa: F401 -- registers every operation
-
         self.services = services
         self.check_term = check_term
         self.registry = registry

@@ -212,3 +212,13 @@ def test_the_wire_keeps_every_operation_name_and_audience():
     assert REGISTRY.names(CLIENT) == client
     assert REGISTRY.names(PEER) == peer
     assert REGISTRY.fenced() == fenced
+
+
+async def test_a_call_on_many_nodes_fails_with_one_error_naming_the_node_that_failed(wired):
+    """What `gang net` and a checkpoint round show when a node of the job is away: one error, naming it."""
+    term = wired.coordinator.term
+    with pytest.raises(RemoteError) as failed:
+        await wired.calls.on_nodes(["n1", "n2"], "resend_exits", term=term)
+    assert failed.value.code == "node_down"
+    assert "n2" in failed.value.message and "n1" not in failed.value.message.replace("n2", "")
+    assert await wired.calls.on_nodes(["n1"], "resend_exits", term=term) == {"n1": 0}

@@ -20,7 +20,6 @@ import tempfile
 import textwrap
 import threading
 import time
-import types
 from pathlib import Path
 
 import pytest
@@ -185,6 +184,7 @@ def test_checkpoint_verification_runs_below_the_daemons_realtime_priority():
 
 def test_a_counters_file_that_is_a_hard_link_to_roots_file_is_refused():
     from gangd.daemon.jobnet import JobNet
+    from gangd.daemon.tasks import Tasks
 
     base = _tmpdir()
     try:
@@ -192,7 +192,7 @@ def test_a_counters_file_that_is_a_hard_link_to_roots_file_is_refused():
         secret = base / "secret-of-roots"
         secret.write_bytes(b"root's secret bytes " * 8)
         os.chmod(secret, 0o600)
-        net = JobNet(types.SimpleNamespace(node="n1"), runtime)
+        net = JobNet(node="n1", address="127.0.0.1", runtime_dir=runtime, table=None, ranks=None, tasks=Tasks(), call=None, on_job_gone=None)
         net.open_runtime()
         try:
             job_dir = runtime / "job-7"

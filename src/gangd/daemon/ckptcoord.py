@@ -34,7 +34,7 @@ import trio
 
 from .. import jobs
 from ..rpc import RemoteError
-from .coordinator import permission_check
+from .access import permission_check
 from .jobnet import expected_deliveries
 
 log = logging.getLogger("gangd.ckptcoord")

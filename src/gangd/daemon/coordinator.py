@@ -29,11 +29,14 @@ import trio
 from .. import jobs
 from ..rpc import RemoteError
 from . import clock
+from .access import check_may_resume, permission_check
+from .ckptcoord import CheckpointCoordinator
 from .gang import Matrix
 from .peers import natural_key
 from .ranks import KILL_DEADLINE
 from .store import Deposed, Fence
 from .store.jobtable import pack
+from .tasks import contained
 
 log = logging.getLogger("gangd.coordinator")
 
@@ -74,27 +77,15 @@ class _Creation:
         self.done.set()
 
 
-def permission_check(record: dict, cred: dict, action: str) -> None:
-    if cred["uid"] in (0, record["owner_uid"]):
-        return
-    raise RemoteError(
-        "permission_denied",
-        f"job {record['id']} belongs to {record['owner']}; only its owner or root may {action} it",
-    )
+@dataclass
+class CheckpointHost:
+    """The parts of the node :class:`.ckptcoord.CheckpointCoordinator` uses."""
 
-
-def _check_may_resume(record: dict, cred: dict) -> None:
-    """A job root suspended stays suspended until root resumes it: the owner's
-    resume would undo an administrator's decision (a job stopped to free the
-    machine, or under investigation)."""
-    held_uid = record.get("held_uid")
-    if held_uid is None and record.get("held") == "root":  # (suspended before gangd recorded the uid)
-        held_uid = 0
-    if held_uid == 0 and cred["uid"] != 0:
-        raise RemoteError(
-            "permission_denied",
-            f"job {record['id']} was suspended by root ({record.get('held') or 'root'}); only root may resume it",
-        )
+    node: str
+    config: object
+    table: object
+    membership: object
+    ops: object  # .calls.Calls: on_job_nodes, checkpoint_env, to_coordinator
 
 
 def place(record: dict, free: dict[str, int]) -> list[str] | None:
@@ -141,9 +132,18 @@ def place(record: dict, free: dict[str, int]) -> list[str] | None:
 
 
 class Coordinator:
-    def __init__(self, daemon):
-        self.daemon = daemon
-        self.table = daemon.table
+    """Built with what it uses: this node's name, the cluster's config, the
+    job table, who is up and who leads (``membership``), calls to the nodes
+    (``calls``: this node's own commands go the same way), and the peer links
+    for the switch's pipelined requests and the nodes' clock offsets."""
+
+    def __init__(self, *, node: str, config, table, membership, calls, peers):
+        self.node = node
+        self.config = config
+        self.table = table
+        self.membership = membership
+        self.calls = calls
+        self.peers = peers
         self.fence: Fence | None = None  # this node's term as coordinator, while it lasts
         self._lease = None
         self._nursery: trio.Nursery | None = None  # the term's
@@ -152,7 +152,6 @@ class Coordinator:
         self._job_locks: dict[int, trio.Lock] = {}
         self._kick = trio.Event()
         # Gang scheduling (soft state, rebuilt from the table on takeover).
-        config = daemon.config
         self.matrix = Matrix({n.name: n.cores for n in config.nodes}, config.max_slots)
         self.running: set[int] | None = set()  # jobs resumed right now; None = unknown (after a takeover)
         self.acct: dict[int, dict] = {}  # job id -> run/suspended seconds so far
@@ -162,8 +161,9 @@ class Coordinator:
         self._switch_lock = trio.Lock()
         self._contexts: dict[int, dict[str, bytes]] = {}  # network contexts to restore at launch
         self.pinned: set[int] = set()  # jobs that must run whatever their slot (checkpoint under way)
-        from .ckptcoord import CheckpointCoordinator
-
+        # What the checkpoint coordinator reaches through (``coordinator.daemon``)
+        # until its rewrite gives it a narrow port of its own.
+        self.daemon = CheckpointHost(node=node, config=config, table=table, membership=membership, ops=calls)
         self.ckpt = CheckpointCoordinator(self)
 
     # ------------------------------------------------------------ plumbing
@@ -179,18 +179,18 @@ class Coordinator:
     def _fence(self) -> Fence:
         fence = self.fence
         if fence is None or (self._lease is not None and self._lease.remaining() <= 0):
-            raise Deposed(f"{self.daemon.node} is no longer the coordinator")
+            raise Deposed(f"{self.node} is no longer the coordinator")
         return fence
 
     def spawn(self, fn, *args) -> None:
         """Start a task owned by the term: it ends when the term does."""
         if self._nursery is None:
-            raise Deposed(f"{self.daemon.node} is no longer the coordinator")
-        self._nursery.start_soon(self.daemon._contained, fn, args, name=getattr(fn, "__qualname__", repr(fn)))
+            raise Deposed(f"{self.node} is no longer the coordinator")
+        self._nursery.start_soon(contained, fn, args, name=getattr(fn, "__qualname__", repr(fn)))
 
     async def call(self, node: str, op: str, **args):
         """A command to ``node``, carrying this term (a node refuses an older one)."""
-        return await self.daemon.call(node, op, term=self._fence().term, **args)
+        return await self.calls.call(node, op, term=self._fence().term, **args)
 
     async def update(self, job_id: int, change) -> dict:
         """Apply ``change(record)`` to a copy of the record and commit it in etcd (fenced by the term).
@@ -267,13 +267,13 @@ class Coordinator:
             elif record["state"] in (jobs.RUNNING, jobs.SUSPENDED):
                 self.ckpt.job_started(record)
         # Collect the exits the previous coordinator may have taken to its grave.
-        for node in self.daemon.membership.up_nodes():
+        for node in self.membership.up_nodes():
             if node not in self.matrix.cores:
                 continue  # alive in etcd, but not a node of this configuration
             try:
                 await self.call(node, "resend_exits")
                 # Checkpoints the previous coordinator was running cannot finish: release their ranks.
-                aborted = await self.call(node, "ckpt_abort_all", why=f"the coordinator changed to {self.daemon.node} during the checkpoint")
+                aborted = await self.call(node, "ckpt_abort_all", why=f"the coordinator changed to {self.node} during the checkpoint")
                 if aborted:
                     log.warning("aborted the checkpoints of jobs %s on %s, left by the previous coordinator", aborted, node)
             except RemoteError as exc:
@@ -286,7 +286,7 @@ class Coordinator:
         """Move jobs ended longer than ``job_retention`` ago to the history:
         the hot table (what every node holds, what a submit reads) stays the
         size of what is going on, whatever the cluster's past."""
-        retention = self.daemon.config.job_retention
+        retention = self.config.job_retention
         while True:
             await trio.sleep(min(max(retention / 4, 0.5), 30))
             cutoff = time.time() - retention
@@ -309,7 +309,7 @@ class Coordinator:
 
     def capacity(self, spec: dict) -> tuple[int, str]:
         """Most ranks the cluster could ever hold for this job, and how that was counted."""
-        config = self.daemon.config
+        config = self.config
         nodes = list(config.nodes)
         if spec.get("nodelist"):
             nodes = [n for n in nodes if n.name in spec["nodelist"]]
@@ -332,17 +332,17 @@ class Coordinator:
             if existing is not None and (record := self.table.get(existing)) is not None:
                 return record
         try:
-            checked = jobs.JobSpec.from_wire(spec, [n.name for n in self.daemon.config.nodes])
+            checked = jobs.JobSpec.from_wire(spec, [n.name for n in self.config.nodes])
         except jobs.BadSpec as exc:
             raise RemoteError(exc.code, exc.message) from None
         if checked.priority is not None and checked.priority > 0 and cred["uid"] != 0:
             raise RemoteError("permission_denied", "only root may raise a job's priority above 0 (use a negative one to go last)")
         slice_ = checked.slice
-        if slice_ is not None and slice_ > self.daemon.config.time_slice and cred["uid"] != 0:
+        if slice_ is not None and slice_ > self.config.time_slice and cred["uid"] != 0:
             # A longer slice would make every other slot, other users' jobs, wait longer.
             raise RemoteError(
                 "permission_denied",
-                f"only root may ask for a time slice longer than the cluster's ({self.daemon.config.time_slice:g} s), not {slice_:g} s",
+                f"only root may ask for a time slice longer than the cluster's ({self.config.time_slice:g} s), not {slice_:g} s",
             )
         contexts = checked.net_context
         spec = checked.as_spec()
@@ -433,7 +433,7 @@ class Coordinator:
     def _drop_creations(self) -> None:
         """The term is over: submissions still waiting are answered (the node retries them with the next coordinator)."""
         while self._creations:
-            self._creations.popleft().finish(error=Deposed(f"{self.daemon.node} is no longer the coordinator"))
+            self._creations.popleft().finish(error=Deposed(f"{self.node} is no longer the coordinator"))
 
     def _check_user_room(self, uid: int, context_bytes: int, also_queued: int = 0) -> None:
         """Refuse a job past what one user may have waiting: jobs queued (every
@@ -441,7 +441,7 @@ class Coordinator:
         daemon's memory until they launch). Root is not limited."""
         if uid == 0:
             return
-        limit = self.daemon.config.max_queued_per_user
+        limit = self.config.max_queued_per_user
         queued = [r["id"] for r in self.table.active() if r["state"] == jobs.QUEUED and r["owner_uid"] == uid]
         if len(queued) + also_queued >= limit:
             raise RemoteError(
@@ -462,7 +462,7 @@ class Coordinator:
 
     async def _schedule(self) -> None:
         """Admit queued jobs into the matrix, highest priority first, then first come first served."""
-        up = {name for name in self.matrix.cores if self.daemon.membership.is_up(name)}
+        up = {name for name in self.matrix.cores if self.membership.is_up(name)}
         waiting = [r for r in self.table.active() if r["state"] == jobs.QUEUED and not r["placement"]]
         for record in sorted(waiting, key=lambda r: (-r.get("priority", 0), r["id"])):
             try:
@@ -494,7 +494,7 @@ class Coordinator:
             self.spawn(self._start, record["id"])
 
     async def _retry_kick(self) -> None:
-        await trio.sleep(self.daemon.config.heartbeat_interval)
+        await trio.sleep(self.config.heartbeat_interval)
         self.kick()
 
     async def _update_until_saved(self, job_id: int, change) -> dict:
@@ -508,7 +508,7 @@ class Coordinator:
                 if exc.code != "etcd_unavailable" or isinstance(exc, Deposed):
                     raise
                 log.warning("job %d: %s", job_id, exc.message)
-            await trio.sleep(self.daemon.config.heartbeat_interval)
+            await trio.sleep(self.config.heartbeat_interval)
 
     async def _start(self, job_id: int) -> None:
         record = self.table.get(job_id)
@@ -525,14 +525,14 @@ class Coordinator:
             # sent (node_down), and a launch is idempotent per rank anyway.
             # Likewise a node that is alive in etcd but has no session with it
             # this instant (etcd_unavailable: its lease outlives a short cut).
-            patience = trio.current_time() + max(self.daemon.config.heartbeat_timeout, self.daemon.config.etcd.lease_ttl)
+            patience = trio.current_time() + max(self.config.heartbeat_timeout, self.config.etcd.lease_ttl)
             while True:
                 try:
                     mine = {str(r): contexts[str(r)] for r in jobs.ranks_on(record, node) if str(r) in contexts}
                     await self.call(node, "launch", record=launching, contexts=mine)
                     return
                 except RemoteError as exc:
-                    if exc.code in ("node_down", "etcd_unavailable") and self.daemon.membership.is_up(node) and trio.current_time() < patience:
+                    if exc.code in ("node_down", "etcd_unavailable") and self.membership.is_up(node) and trio.current_time() < patience:
                         await trio.sleep(0.1)
                         continue
                     failures.append(f"{node}: {exc.message}")
@@ -658,7 +658,7 @@ class Coordinator:
         record = self.table.get(job_id)
 
         async def kill_on(node):
-            if node not in self.matrix.cores or not self.daemon.membership.is_up(node):
+            if node not in self.matrix.cores or not self.membership.is_up(node):
                 return  # (down, or not a node of this configuration: nothing of ours to reach there)
             with trio.move_on_after(KILL_WAIT) as scope:
                 try:
@@ -713,8 +713,8 @@ class Coordinator:
     async def check_nodes(self) -> None:
         """Fail every active job that has ranks on a node that is down, or
         that the configuration no longer names (an operator took it out)."""
-        membership = self.daemon.membership
-        ttl = self.daemon.config.etcd.lease_ttl
+        membership = self.membership
+        ttl = self.config.etcd.lease_ttl
         known = self.matrix.cores
         for record in list(self.table.active()):
             gone = sorted({n for n in record["placement"] if n not in known}, key=natural_key)
@@ -724,7 +724,7 @@ class Coordinator:
             why = "; ".join(
                 [f"node {n} is no longer in the cluster's configuration" for n in gone]
                 + [
-                    f"node {n} ({self.daemon.config.spec(n).endpoint}) went down: its lease in etcd expired "
+                    f"node {n} ({self.config.spec(n).endpoint}) went down: its lease in etcd expired "
                     f"(no keep-alive for {ttl} s: a crash, a stall or a partition)" for n in down
                 ]
             )
@@ -776,13 +776,13 @@ class Coordinator:
         members = [r for j in self.matrix.slots[slot] if (r := self.table.get(j))]
         owners = {r["owner_uid"] for r in members}
         asked = [r["slice"] for r in members if r.get("slice") and (r["owner_uid"] == 0 or len(owners) == 1)]
-        return min(asked) if asked else self.daemon.config.time_slice
+        return min(asked) if asked else self.config.time_slice
 
     def _lead(self, slice_: float) -> float:
         """How long before a slice ends its switch is announced: the configured
         lead, or more if requests took long to reach every node lately (twice
         that, and the nodes' hold, see ``clock``), never more than half the slice."""
-        lead = self.daemon.config.switch_lead
+        lead = self.config.switch_lead
         if lead <= 0:
             return 0.0
         return min(max(lead, 2 * max(self._delivery, default=0.0) + clock.HOLD), slice_ / 2)
@@ -824,7 +824,7 @@ class Coordinator:
                     announce = deadline - self._lead(slice_)
             except Exception:
                 log.exception("gang scheduling pass failed")
-                await trio.sleep(self.daemon.config.time_slice)
+                await trio.sleep(self.config.time_slice)
                 self._gang_changed.set()
 
     async def reconcile(self, at: float | None = None) -> None:
@@ -850,8 +850,8 @@ class Coordinator:
                 for node in jobs.nodes_of(self.table.get(job_id)):
                     per_node.setdefault(node, {"stop": [], "cont": []})[key].append(job_id)
         results: dict[str, dict] = {}
-        me = self.daemon.node
-        offset = {node: self.daemon.peers.clock_offset(node) for node in per_node}  # (0 for this node)
+        me = self.node
+        offset = {node: self.peers.clock_offset(node) for node in per_node}  # (0 for this node)
         t0 = time.time()
         when = t0 if at is None else at  # the switch's instant, by our clock
         # Every remote node's request goes on the wire before this node does
@@ -863,12 +863,12 @@ class Coordinator:
                     continue
                 timing = {} if at is None else {"at": at + offset[node]}
                 try:
-                    pending = self.daemon.peers.channel(node).pending("switch", term=self._fence().term, **lists, **timing)
+                    pending = self.peers.channel(node).pending("switch", term=self._fence().term, **lists, **timing)
                     replies[node] = await stack.enter_async_context(pending)
                 except RemoteError as exc:  # node down: check_nodes fails its jobs
                     log.warning("switch on %s failed: %s", node, exc)
             if me in per_node:
-                results[me] = await self.daemon.ops.switch({**per_node[me], "at": at}, me, None)
+                results[me] = await self.calls.call(me, "switch", term=self._fence().term, **per_node[me], at=at)
             for node, reply in replies.items():
                 with trio.move_on_after(SWITCH_TIMEOUT) as scope:
                     try:
@@ -917,7 +917,7 @@ class Coordinator:
             )
 
     async def _retry_gang(self) -> None:
-        await trio.sleep(self.daemon.config.heartbeat_interval)
+        await trio.sleep(self.config.heartbeat_interval)
         self._gang_changed.set()
 
     @staticmethod
@@ -943,7 +943,7 @@ class Coordinator:
         return {
             "active_slot": self.matrix.active,
             "max_slots": self.matrix.max_slots,
-            "time_slice": self.daemon.config.time_slice,
+            "time_slice": self.config.time_slice,
             "slots": self.matrix.table(),
             "jobs": {str(j): self.live_times(j) for j in self.matrix.usage if j in self.acct},
             "switches": len(self.switches),
@@ -962,13 +962,13 @@ class Coordinator:
         if not hold and record["state"] != jobs.SUSPENDED:
             raise RemoteError("bad_state", f"job {job_id} is {record['state']}, not suspended")
         if not hold:
-            _check_may_resume(record, cred)
+            check_may_resume(record, cred)
 
         def change(r):
             if r["state"] != (jobs.RUNNING if hold else jobs.SUSPENDED):
                 return False
             if not hold:
-                _check_may_resume(r, cred)  # (suspended again by root since the check above)
+                check_may_resume(r, cred)  # (suspended again by root since the check above)
             r["state"] = jobs.SUSPENDED if hold else jobs.RUNNING
             r["held"] = cred["user"] if hold else None
             r["held_uid"] = cred["uid"] if hold else None

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,7 +50,10 @@ CAPTURE_TIMEOUT = 30.0
 def caller_rank(daemon, cred: dict, pid: int, args: dict, op: str) -> tuple[dict, int]:
     """(record, rank) of the process calling ``op`` for ``args["job"]``/``args["rank"]``:
     the kernel's word (SO_PEERCRED pid and uid), never the caller's — the
-    pid must be a process of that rank, running here, of its owner or root."""
+    pid must be a process of that rank, running here, of its owner or root.
+
+    ``daemon``: anything with this node's ``node``, ``table`` and ``ranks``
+    (a :class:`JobNet`, or the daemon)."""
     job_id, rank = args.get("job"), args.get("rank")
     if not isinstance(job_id, int) or not isinstance(rank, int):
         raise RemoteError("bad_request", f"{op} needs integer 'job' and 'rank'")
@@ -126,8 +130,17 @@ class JobNet:
     counters. Every use goes through the directory's fd (:mod:`gangd.safefs`):
     no link planted anywhere makes root chown, open or remove another file."""
 
-    def __init__(self, daemon, runtime_dir: Path):
-        self.daemon = daemon
+    def __init__(self, *, node: str, address: str, runtime_dir: Path, table, ranks, tasks, call, on_job_gone: Callable[[int], None]):
+        """``tasks``: the daemon's (:class:`.tasks.Tasks`); ``call``: a peer
+        operation on a node (:meth:`.calls.Calls.call`); ``on_job_gone``: what
+        else forgets an ended job once its ranks here are gone."""
+        self.node = node
+        self.address = address
+        self.table = table
+        self.ranks = ranks
+        self.tasks = tasks
+        self.call = call
+        self.on_job_gone = on_job_gone
         self.runtime_dir = runtime_dir
         self.runtime_fd: int | None = None
         self.states: dict[int, JobNetState] = {}
@@ -168,7 +181,7 @@ class JobNet:
 
     def _runtime(self) -> int:
         if self.runtime_fd is None:
-            raise RemoteError("not_ready", f"the runtime directory of {self.daemon.node} is not open")
+            raise RemoteError("not_ready", f"the runtime directory of {self.node} is not open")
         return self.runtime_fd
 
     def prepare(self, record: dict, drop: bool) -> dict[str, str]:
@@ -187,7 +200,7 @@ class JobNet:
         finally:
             os.close(fd)
         self.state(record["id"])
-        return {"GANGD_COMM_DIR": str(self.comm_dir(record["id"])), "GANGD_ADDRESS": self.daemon.config.node.address}
+        return {"GANGD_COMM_DIR": str(self.comm_dir(record["id"])), "GANGD_ADDRESS": self.address}
 
     def forget(self, job_id: int) -> None:
         state = self.states.pop(job_id, None)
@@ -198,8 +211,8 @@ class JobNet:
         self._gathers.forget(lambda key: key == job_id)
         if self.runtime_fd is not None:
             # In a thread: the directory is the owner's, who may have filled it.
-            if self.daemon.nursery is not None:
-                self.daemon.spawn(trio.to_thread.run_sync, safefs.rmtree_at, self.runtime_fd, f"job-{job_id}")
+            if self.tasks.running:
+                self.tasks.spawn(trio.to_thread.run_sync, safefs.rmtree_at, self.runtime_fd, f"job-{job_id}")
             else:
                 safefs.rmtree_at(self.runtime_fd, f"job-{job_id}")
 
@@ -211,10 +224,9 @@ class JobNet:
         for rank, status in enumerate(record["ranks"]):
             if status is not None and rank not in state.exited:
                 self.rank_exited(record["id"], rank, f"rank {rank} on {status.get('node', '?')} {jobs.describe_status(status)}")
-        if jobs.is_terminal(record) and not any(r.status is None for r in self.daemon.ranks.of_job(record["id"])):
+        if jobs.is_terminal(record) and not any(r.status is None for r in self.ranks.of_job(record["id"])):
             self.forget(record["id"])
-            self.daemon.checkpoints.forget(record["id"])
-            self.daemon.pmi.forget(record["id"])
+            self.on_job_gone(record["id"])
 
     def rank_exited(self, job_id: int, rank: int, why: str) -> None:
         state = self.states.get(job_id)
@@ -225,11 +237,11 @@ class JobNet:
         if link is not None:
             link.close()
         state.poke()
-        record = self.daemon.table.get(job_id)
+        record = self.table.get(job_id)
         if record is not None and record["placement"]:
             self._maybe_report(record, state)
         for link in list(state.links.values()):
-            self.daemon.spawn(self._note, link, "peer_exited", {"rank": rank, "why": why})
+            self.tasks.spawn(self._note, link, "peer_exited", {"rank": rank, "why": why})
 
     async def _note(self, link: RankLink, op: str, args: dict) -> None:
         try:
@@ -240,13 +252,13 @@ class JobNet:
     # ------------------------------------------------------------ rendezvous
 
     async def attach(self, cred: dict, pid: int, args: dict, channel: Channel) -> dict:
-        record, rank = caller_rank(self.daemon, cred, pid, args, "comm_attach")
+        record, rank = caller_rank(self, cred, pid, args, "comm_attach")
         job_id = record["id"]
         if job_id not in self.states:
-            raise RemoteError("no_such_job", f"job {job_id} has no ranks on {self.daemon.node}")
+            raise RemoteError("no_such_job", f"job {job_id} has no ranks on {self.node}")
         state = self.states[job_id]
         counters_fd = self._open_counters(record, rank)
-        addrs = {"node": self.daemon.node, "unix": args.get("unix"), "tcp": args.get("tcp")}
+        addrs = {"node": self.node, "unix": args.get("unix"), "tcp": args.get("tcp")}
         old = state.links.get(rank)
         if old is not None:
             old.close()
@@ -259,7 +271,7 @@ class JobNet:
             raise RemoteError("job_ended", f"job {job_id} ended (or its rendezvous failed) before every rank attached")
         # An exit that happened before this rank attached.
         for gone, why in state.exited.items():
-            self.daemon.spawn(self._note, state.links[rank], "peer_exited", {"rank": gone, "why": why})
+            self.tasks.spawn(self._note, state.links[rank], "peer_exited", {"rank": gone, "why": why})
         return {
             "peers": state.peers,
             "token": record["token"],
@@ -301,15 +313,15 @@ class JobNet:
         """Once every local rank attached (or exited), report the node's addresses to the leader."""
         if state.peers is not None or state.reported:
             return
-        if all(r in state.links or r in state.exited for r in jobs.ranks_on(record, self.daemon.node)):
+        if all(r in state.links or r in state.exited for r in jobs.ranks_on(record, self.node)):
             state.reported = True
-            self.daemon.spawn(self._report_to_leader, record, state)
+            self.tasks.spawn(self._report_to_leader, record, state)
 
     async def _report_to_leader(self, record: dict, state: JobNetState) -> None:
         leader = record["placement"][0]
         mine = {str(r): link.addrs for r, link in state.links.items()}
         try:
-            peers = await self.daemon.call(leader, "comm_gather", job=record["id"], reporter=self.daemon.node, addrs=mine)
+            peers = await self.call(leader, "comm_gather", job=record["id"], reporter=self.node, addrs=mine)
         except Exception as exc:  # noqa: BLE001 -- whatever broke the rendezvous, the ranks get an error instead of waiting forever
             log.warning("job %d: rendezvous through %s failed: %s", record["id"], leader, exc)
             for link in state.links.values():
@@ -320,7 +332,7 @@ class JobNet:
 
     async def gather(self, job_id: int, node: str, addrs: dict) -> list:
         """Leader side of the rendezvous: wait for every node of the job, return the table."""
-        record = self.daemon.table.get(job_id)
+        record = self.table.get(job_id)
         if record is None:
             raise RemoteError("no_such_job", f"no job {job_id}")
         table = await self._gathers.gather(job_id, node, addrs, jobs.nodes_of(record))
@@ -392,7 +404,7 @@ class JobNet:
                     pass
             if scope.cancelled_caught:
                 log.warning("job %d rank %d does not read its daemon connection; dropping it", job_id, link.rank)
-                self.daemon.spawn(link.channel.aclose)
+                self.tasks.spawn(link.channel.aclose)
         state.poke()
         return state.epoch
 
@@ -409,7 +421,7 @@ class JobNet:
         """Until every attached rank confirmed the current close (its send under way completed)."""
         state = self.states.get(job_id)
         if state is None:
-            raise RemoteError("no_such_job", f"job {job_id} has no ranks on {self.daemon.node}")
+            raise RemoteError("no_such_job", f"job {job_id} has no ranks on {self.node}")
         with trio.move_on_after(timeout):
             while True:
                 if state.gate_open:
@@ -425,7 +437,7 @@ class JobNet:
     def counters(self, job_id: int) -> dict[str, list]:
         """{rank: [sent[], received[], delivered[]]} for this node's attached ranks."""
         state = self.states.get(job_id)
-        record = self.daemon.table.get(job_id)
+        record = self.table.get(job_id)
         if state is None or record is None:
             return {}
         rows = {str(r): link.read_counters(record["nranks"]) for r, link in state.links.items()}
@@ -434,11 +446,11 @@ class JobNet:
     async def capture(self, job_id: int, expect: dict) -> dict[str, bytes]:
         state = self.states.get(job_id)
         if state is None:
-            raise RemoteError("no_such_job", f"job {job_id} has no ranks on {self.daemon.node}")
+            raise RemoteError("no_such_job", f"job {job_id} has no ranks on {self.node}")
         if state.gate_open:
             raise RemoteError("gate_open", f"close the gate of job {job_id} before capturing its network context")
         if state.stopped:
-            raise RemoteError("job_suspended", f"job {job_id} is stopped on {self.daemon.node}; its ranks cannot answer")
+            raise RemoteError("job_suspended", f"job {job_id} is stopped on {self.node}; its ranks cannot answer")
         result: dict[str, bytes] = {}
 
         async def one(rank: int, link: RankLink) -> None:

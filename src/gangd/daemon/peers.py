@@ -57,9 +57,13 @@ class PeerLink:
 
 
 class Peers:
-    def __init__(self, daemon):
-        self.daemon = daemon
-        self.config = daemon.config
+    def __init__(self, *, config, secret: bytes, heartbeat_info: Callable[[], dict], spawn: Callable[..., None]):
+        """``heartbeat_info``: what this node says about itself in each ping;
+        ``spawn``: the daemon's contained tasks."""
+        self.config = config
+        self.secret = secret
+        self.heartbeat_info = heartbeat_info
+        self.spawn = spawn
         self.links: dict[str, PeerLink] = {spec.name: PeerLink(spec) for spec in self.config.peers}
         for link in self.links.values():
             link.outbox = trio.open_memory_channel(OUTBOX_NOTES)
@@ -144,7 +148,7 @@ class Peers:
                     spec.address,
                     spec.port,
                     node=self.config.node_name,
-                    secret=self.daemon.secret,
+                    secret=self.secret,
                     label=f"node {spec.name} ({spec.endpoint})",
                     timeout=self.config.heartbeat_timeout,
                 )
@@ -197,7 +201,7 @@ class Peers:
             sent, sent_wall = trio.current_time(), time.time()
             try:
                 with trio.fail_after(timeout):
-                    info = await channel.request("ping", **self.daemon.heartbeat_info())
+                    info = await channel.request("ping", **self.heartbeat_info())
             except trio.TooSlowError:
                 # Slow, not gone: a peer that etcd still holds alive (busy, or
                 # stalled for less than its lease) keeps its connection:
@@ -234,7 +238,7 @@ class Peers:
         if grace and link.last_ok is not None and time.monotonic() - link.last_ok < self.config.heartbeat_timeout:
             # Keep it up for now; the re-dial loop either restores the link
             # in time or the next check declares the node down.
-            self.daemon.spawn(self._expire, link)
+            self.spawn(self._expire, link)
             return
         link.up = False
         log.info("link to node %s (%s) is down: %s", link.spec.name, link.spec.endpoint, why)

@@ -68,8 +68,12 @@ class PmiJob:
 
 
 class PmiServer:
-    def __init__(self, daemon):
-        self.daemon = daemon
+    def __init__(self, *, node: str, table, calls, spawn):
+        """``calls``: :class:`.calls.Calls` (the barrier's leader, the coordinator); ``spawn``: the daemon's contained tasks."""
+        self.node = node
+        self.table = table
+        self.calls = calls
+        self.spawn = spawn
         self.jobs: dict[int, PmiJob] = {}
         self.fences = Gathers()  # leader side: (job, barrier number) -> {node: puts}
 
@@ -79,7 +83,7 @@ class PmiServer:
         if record["id"] not in self.jobs:
             # (not the token itself: kvsnames show in /dev/shm, and the token keys the job's network)
             tag = hashlib.sha256(b"gangd kvsname " + str(record["token"]).encode()).hexdigest()[:12]
-            self.jobs[record["id"]] = PmiJob(record["id"], f"gangd_{record['id']}_{tag}", jobs.ranks_on(record, self.daemon.node), nranks=int(record["nranks"]))
+            self.jobs[record["id"]] = PmiJob(record["id"], f"gangd_{record['id']}_{tag}", jobs.ranks_on(record, self.node), nranks=int(record["nranks"]))
         return self.jobs[record["id"]]
 
     def forget(self, job_id: int) -> None:
@@ -169,11 +173,11 @@ class PmiServer:
                 return pmi.line("finalize_ack", rc=0)
             case pmi.Abort(code=code, asked=asked, in_range=in_range):
                 if in_range:
-                    why = f"rank {rank} on {self.daemon.node} called MPI_Abort (exit code {code})"
+                    why = f"rank {rank} on {self.node} called MPI_Abort (exit code {code})"
                 else:
-                    why = f"rank {rank} on {self.daemon.node} called MPI_Abort with exit code {asked}, not 1..255: the job exits with {code}"
+                    why = f"rank {rank} on {self.node} called MPI_Abort with exit code {asked}, not 1..255: the job exits with {code}"
                 log.info("job %d: %s", state.job_id, why)
-                self.daemon.spawn(self._fail, state.job_id, why, code)
+                self.spawn(self._fail, state.job_id, why, code)
                 return None
             case pmi.Unsupported(cmd=cmd):
                 return pmi.line(cmd, rc=-1, msg="unsupported_by_gangd")
@@ -185,11 +189,11 @@ class PmiServer:
         takes the other ranks down and gives `gang run` its code; only if
         the rank lingers is the job killed outright."""
         try:
-            await self.daemon.ops.to_coordinator("coord_fail", job=job_id, reason=why, kill=False, code=code)
+            await self.calls.to_coordinator("coord_fail", job=job_id, reason=why, kill=False, code=code)
             await trio.sleep(ABORT_GRACE)
-            record = self.daemon.table.get(job_id)
+            record = self.table.get(job_id)
             if record is not None and not jobs.is_terminal(record):
-                await self.daemon.ops.to_coordinator("coord_fail", job=job_id, reason=why, kill=True)
+                await self.calls.to_coordinator("coord_fail", job=job_id, reason=why, kill=True)
         except RemoteError as exc:
             log.warning("job %d: could not fail the job after MPI_Abort: %s", job_id, exc)
 
@@ -203,7 +207,7 @@ class PmiServer:
             puts, state.puts = state.puts, {}
             leader = record["placement"][0]
             try:
-                everything = await self.daemon.call(leader, "pmi_fence", job=state.job_id, number=number, reporter=self.daemon.node, puts=puts)
+                everything = await self.calls.call(leader, "pmi_fence", job=state.job_id, number=number, reporter=self.node, puts=puts)
             except RemoteError as exc:
                 log.warning("job %d: PMI barrier %d through %s failed: %s", state.job_id, number, leader, exc)
                 return pmi.line("barrier_out", rc=-1, msg="the_job's_barrier_failed")
@@ -215,7 +219,7 @@ class PmiServer:
 
     async def fence(self, job_id: int, number: int, node: str, puts: object) -> dict[str, str]:
         """Leader side: wait for every node of the job at barrier ``number``; return all puts."""
-        record = self.daemon.table.get(job_id)
+        record = self.table.get(job_id)
         if record is None:
             raise RemoteError("no_such_job", f"no job {job_id}")
         if not isinstance(puts, dict) or not all(type(k) is str and type(v) is str for k, v in puts.items()):

@@ -6,7 +6,7 @@ term when this node wins the election, see :mod:`.controlplane`), the exit
 reporter and the rank watchers; nothing runs outside it. This class is
 where the components are built and wired: each gets what it uses. Requests from local users arrive on a Unix socket
 (their uid comes from SO_PEERCRED, never from the wire); requests from peers
-arrive on TCP after the HMAC handshake. See :mod:`gangd.daemon.ops` for what
+arrive on TCP after the HMAC handshake. See :mod:`gangd.daemon.handlers` for what
 each request does.
 """
 
@@ -26,26 +26,30 @@ from typing import Any
 
 import trio
 
-from .. import jobs, safefs
+from .. import safefs
 from ..etcd.client import Etcd
 from ..protocol import Connection, ProtocolError, Request, Role
 from ..protocol import State as ConnState
 from ..rpc import HANDSHAKE_TIMEOUT, Channel, RemoteError, peer_credentials
 from ..safefs import UnsafePath
 from .admission import Counter, Handshakes, Limits, Refused, SharedBytes, TokenBucket, UserNames
+from .calls import Calls
 from .cgroup import CgroupTree
 from .checkpoint import NodeCheckpoints
 from .config import Config
 from .controlplane import ControlPlane
 from .coordinator import Coordinator
+from .handlers import Dispatcher, Services
+from .handlers.jobs import Listing
 from .jobnet import JobNet
+from .node import NodeJobs
 from .notify import SystemdNotifier, watchdog_loop
-from .ops import Ops
 from .outputlog import OutputError, OutputStore
 from .peers import Peers
 from .pmi import PmiServer
 from .ranks import LocalRanks, Rank
 from .store import JobTable, Keys
+from .tasks import Tasks
 
 log = logging.getLogger("gangd.daemon")
 
@@ -55,22 +59,34 @@ class StartupError(Exception):
 
 
 class Daemon:
+    """Builds the node's components, each with what it uses, and runs their
+    tasks. Dependencies point one way: the handlers (:mod:`.handlers`) call
+    the domain (the coordinator, this node's jobs, the checkpoints), which
+    calls the infrastructure (etcd's table and membership, the peer links
+    through :mod:`.calls`, the ranks); nothing below calls back up."""
+
     def __init__(self, config: Config):
         self.config = config
         self.node = config.node_name
         self.secret = config.read_secret()
         self.etcd = _etcd_client(config)
         self.table = JobTable(self.etcd, Keys(config.etcd.prefix))
-        self.peers = Peers(self)
-        self.coordinator = Coordinator(self)
+        self.tasks = Tasks()
+        self.peers = Peers(config=config, secret=self.secret, heartbeat_info=self.heartbeat_info, spawn=self.tasks.spawn)
         self.membership = ControlPlane(
             etcd=self.etcd, keys=self.table.keys, node=self.node, node_info=self._node_info, ttl=config.etcd.lease_ttl,
-            grace=config.etcd.grace, table=self.table, serve_term=self.coordinator.serve_term,
+            grace=config.etcd.grace, table=self.table, serve_term=self._serve_term,
             on_session=self._session_started, on_nodes_changed=self._nodes_changed, on_grace_over=self._grace_over,
             preferred=config.master,
         )
         self.peers.is_alive = self.membership.is_up
-        self._sessions = 0
+        self.calls = Calls(
+            node=self.node, peers=self.peers, membership=self.membership,
+            patience=config.etcd.lease_ttl + 2 * config.heartbeat_timeout,
+        )
+        self.coordinator = Coordinator(
+            node=self.node, config=config, table=self.table, membership=self.membership, calls=self.calls, peers=self.peers,
+        )
         tag = hashlib.sha1(str(config.state_dir.resolve()).encode(), usedforsecurity=False).hexdigest()[:8]
         instance = f"gangd-{self.node}-{tag}"
         self.cgroups = CgroupTree(instance, config.cgroup_limits)
@@ -82,48 +98,51 @@ class Daemon:
         # Rank sockets and counters: in root's runtime directory (systemd's
         # RuntimeDirectory, a tmpfs; a local cluster's node directory), never
         # a predictable name in a world-writable one such as /dev/shm.
-        self.jobnet = JobNet(self, config.runtime_root)
+        self.jobnet = JobNet(
+            node=self.node, address=config.node.address, runtime_dir=config.runtime_root, table=self.table, ranks=self.ranks,
+            tasks=self.tasks, call=self.calls.call, on_job_gone=self._job_gone,
+        )
         self.table.listeners.append(self.jobnet.on_record)
-        self.table.listeners.append(self._kill_if_ended)
+        # (NodeCheckpoints still takes the daemon: it is being rewritten as a state machine's shell)
         self.checkpoints = NodeCheckpoints(self)
-        self.pmi = PmiServer(self)
-        self.ops = Ops(self)
+        self.pmi = PmiServer(node=self.node, table=self.table, calls=self.calls, spawn=self.tasks.spawn)
+        self.node_jobs = NodeJobs(
+            node=self.node, table=self.table, ranks=self.ranks, jobnet=self.jobnet, pmi=self.pmi, checkpoints=self.checkpoints,
+            outputs=self.outputs, membership=self.membership, spawn=self.tasks.spawn, jobs_dir=config.state_dir / "jobs",
+            checkpoint_root=config.checkpoint_root, call=self.calls.call,
+        )
+        self.table.listeners.append(self.node_jobs.kill_if_ended)
+        self.dispatcher = Dispatcher(
+            Services(
+                node=self.node, config=config, table=self.table, membership=self.membership, calls=self.calls,
+                coordinator=self.coordinator, node_jobs=self.node_jobs,
+                listing=Listing(table=self.table, calls=self.calls, membership=self.membership),
+                jobnet=self.jobnet, pmi=self.pmi, checkpoints=self.checkpoints, peers=self.peers, ranks=self.ranks,
+                spawn=self.tasks.spawn, heartbeat_info=self.heartbeat_info, resend_exits=self.node_jobs.resend_exits,
+            ),
+            check_term=self.membership.check_term,
+        )
+        self.calls.local = self.dispatcher.dispatch_peer
+        #: What NodeCheckpoints and CheckpointCoordinator reach as ``daemon.ops``
+        #: (to_coordinator, on_job_nodes, checkpoint_env).
+        self.ops = self.calls
         self.started = time.time()
-        self.nursery: trio.Nursery | None = None
-        self._reports_send, self._reports_receive = trio.open_memory_channel(math.inf)
         self._membership = trio.Event()
         self.shutting_down = False
 
     # ------------------------------------------------------------ helpers for the parts
 
     def spawn(self, fn, *args) -> None:
-        """Start a task owned by the daemon's root nursery.
+        """Start a task owned by the daemon's root nursery, contained (see :mod:`.tasks`)."""
+        self.tasks.spawn(fn, *args)
 
-        A bug in one task (or anything a peer or client provoked) is logged
-        and contained: it must never take the daemon, and every other job
-        and connection, down with it.
-        """
-        if self.nursery is None:
-            raise RuntimeError("Daemon.spawn() before the daemon's nursery is open")
-        self.nursery.start_soon(self._contained, fn, args, name=getattr(fn, "__qualname__", repr(fn)))
+    async def _serve_term(self, fence, lease) -> None:
+        await self.coordinator.serve_term(fence, lease)
 
-    @staticmethod
-    async def _contained(fn, args) -> None:
-        try:
-            await fn(*args)
-        except Exception:
-            log.exception("task %s failed", getattr(fn, "__qualname__", fn))
-        except BaseExceptionGroup as group:
-            rest = group.subgroup(lambda e: not isinstance(e, Exception))
-            log.error("task %s failed", getattr(fn, "__qualname__", fn), exc_info=group)
-            if rest is not None:
-                raise rest from None  # the group was logged just above, whole
-
-    async def call(self, node: str, op: str, **args):
-        """Run a peer operation on ``node``; on this node it is a direct call."""
-        if node == self.node:
-            return await self.ops.dispatch_peer(op, args, from_node=self.node)
-        return await self.peers.call(node, op, **args)
+    def _job_gone(self, job_id: int) -> None:
+        """An ended job's last rank here is gone: its checkpoint and PMI state go too."""
+        self.checkpoints.forget(job_id)
+        self.pmi.forget(job_id)
 
     def heartbeat_info(self) -> dict:
         return {
@@ -140,40 +159,18 @@ class Daemon:
     # ------------------------------------------------------------ the session with etcd
 
     async def _session_started(self) -> None:
-        """A session with etcd began (the table is read): bring this node's
-        ranks in line with it. A node back from a stall or a partition kills
-        every rank of a job the table no longer runs here, so nothing is
-        orphaned; a daemon that restarted reports the ranks it lost."""
-        self._sessions += 1
-        if self._sessions == 1:
-            self._lost_ranks_from_previous_life()
-        orphans = set()
-        for (job_id, rank), entry in list(self.ranks.ranks.items()):
-            if entry.status is not None:
-                continue
-            record = self.table.get(job_id)
-            if record is None or jobs.is_terminal(record) or rank >= len(record["placement"]) or record["placement"][rank] != self.node:
-                orphans.add(job_id)
-        for job_id in sorted(orphans):
-            record = self.table.get(job_id)
-            log.warning("killing this node's ranks of job %d: the job is %s", job_id, record["state"] if record else "no longer in the table")
-            self.spawn(self.ranks.kill_job, job_id)
-        self.resend_exits()
+        await self.node_jobs.session_started()
 
-    def _kill_if_ended(self, record: dict) -> None:
-        """An ended job's ranks go, here too, even if the coordinator's kill never reached this node."""
-        if jobs.is_terminal(record) and any(r.status is None for r in self.ranks.of_job(record["id"])):
-            self.spawn(self.ranks.kill_job, record["id"])
+    async def _grace_over(self, why: str) -> None:
+        await self.node_jobs.grace_over(why)
+
+    def _rank_exited(self, entry: Rank) -> None:
+        self.node_jobs.rank_exited(entry)
 
     def _nodes_changed(self) -> None:
         self.peers.drop_dead()
         if self.coordinator.active:
             self.coordinator.nodes_changed()
-
-    async def _grace_over(self, why: str) -> None:
-        if self.ranks.running():
-            log.error("%s: killing this node's %d running ranks (their jobs were failed when its lease expired)", why, self.ranks.running())
-            await self.ranks.kill_all()
 
     # ------------------------------------------------------------ main
 
@@ -207,13 +204,13 @@ class Daemon:
         )
         try:
             async with trio.open_nursery() as nursery:
-                self.nursery = nursery
+                self.tasks.nursery = nursery
                 nursery.start_soon(self._serve_listeners, unix_listener, Role.CLIENT)
                 for listener in tcp_listeners:
                     nursery.start_soon(self._serve_listeners, listener, Role.PEER)
-                nursery.start_soon(self.peers.run, self.ops.handle)
+                nursery.start_soon(self.peers.run, self.dispatcher.handle)
                 nursery.start_soon(self.membership.run)
-                nursery.start_soon(self._report_exits)
+                nursery.start_soon(self.node_jobs.report_exits)
                 nursery.start_soon(self._handle_signals, nursery.cancel_scope, notifier)
                 if notifier:
                     nursery.start_soon(watchdog_loop, notifier)
@@ -425,9 +422,9 @@ class Daemon:
                     await channel.aclose()
                     return
             else:
-                handler = guard.rate_limited(context["cred"]["uid"], self.ops.handle)
+                handler = guard.rate_limited(context["cred"]["uid"], self.dispatcher.handle)
             try:
-                await channel.run(self.ops.handle if role is Role.PEER else handler)
+                await channel.run(self.dispatcher.handle if role is Role.PEER else handler)
             finally:
                 self.jobnet.detached(channel)
                 self.checkpoints.detached(channel)
@@ -445,82 +442,11 @@ class Daemon:
         """Who a local client is: the kernel's uid/gid, the name from NSS (off the loop, cached)."""
         return {"uid": uid, "gid": gid, "user": await self._guard.names.name(uid)}
 
-    # ------------------------------------------------------------ rank exits
-
-    def _rank_exited(self, entry: Rank) -> None:
-        self._reports_send.send_nowait((entry.job_id, entry.rank, entry.status))
-        if all(r.status is not None for r in self.ranks.of_job(entry.job_id)):
-            self.ranks.envs.pop(entry.job_id, None)
-        # Its local peers hear at once; remote ones when the table says so.
-        why = f"rank {entry.rank} on {self.node} {jobs.describe_status(entry.status)}"
-        self.jobnet.rank_exited(entry.job_id, entry.rank, why)
-        self.checkpoints.rank_exited(entry.job_id, entry.rank, why)
-        self.table.notify_changed()
-
-    async def _report_exits(self) -> None:
-        """Deliver rank exits to whoever is coordinator, retrying until they land.
-
-        Exits that pile up while a report is in flight go together in the
-        next one, one request per job: a job of many ranks ending at once
-        costs the coordinator a few updates, not one per rank.
-        """
-        async for first in self._reports_receive:
-            batch = [first]
-            while True:
-                try:
-                    batch.append(self._reports_receive.receive_nowait())
-                except trio.WouldBlock:
-                    break
-            by_job: dict[int, list] = {}
-            for job_id, rank, status in batch:
-                by_job.setdefault(job_id, []).append([rank, status])
-            for job_id, exits in by_job.items():
-                await self._deliver_exits(job_id, exits)
-
-    async def _deliver_exits(self, job_id: int, exits: list) -> None:
-        while True:
-            record = self.table.get(job_id)
-            if record is not None:
-                exits = [e for e in exits if record["ranks"][e[0]] is None]
-                if jobs.is_terminal(record) or not exits:
-                    return
-            leader = self.membership.coordinator()
-            try:
-                if leader is None:
-                    raise RemoteError("no_coordinator", "no coordinator right now")
-                await self.call(leader, "ranks_exited", job=job_id, exits=exits)
-                return
-            except Exception as exc:  # noqa: BLE001 -- RemoteError, the coordinator's disk failing, a link down: retried until delivered
-                log.debug("reporting exits of job %d failed (%s); retrying", job_id, exc)
-                await trio.sleep(0.2)
-
-    def resend_exits(self) -> int:
-        """Queue again every local rank exit the table does not show yet (a
-        coordinator may have acknowledged one and died before replicating it)."""
-        count = 0
-        for (job_id, rank), entry in self.ranks.ranks.items():
-            record = self.table.get(job_id)
-            if entry.status is not None and record is not None and not jobs.is_terminal(record) and record["ranks"][rank] is None:
-                self._reports_send.send_nowait((job_id, rank, entry.status))
-                count += 1
-        return count
-
-    def _lost_ranks_from_previous_life(self) -> None:
-        """Ranks this node ran before a restart are gone (they die with the
-        daemon): report them so their jobs end instead of waiting forever."""
-        for record in self.table.active():
-            if not record["started"]:
-                continue
-            for rank in jobs.ranks_on(record, self.node):
-                if record["ranks"][rank] is None:
-                    status = {"lost": True, "node": self.node, "why": f"gangd on {self.node} restarted"}
-                    self._reports_send.send_nowait((record["id"], rank, status))
-
     # ------------------------------------------------------------ signals
 
     async def _checkpoint_all(self) -> None:
         try:
-            started = await self.ops.to_coordinator("coord_checkpoint_all", trigger=f"SIGUSR1 to gangd on {self.node}")
+            started = await self.calls.to_coordinator("coord_checkpoint_all", trigger=f"SIGUSR1 to gangd on {self.node}")
         except RemoteError as exc:
             log.warning("SIGUSR1: could not start the checkpoints: %s", exc)
             return
@@ -540,10 +466,7 @@ class Daemon:
                 with trio.move_on_after(10):
                     await self.ranks.kill_all()
                     # Give the exit reports a moment to reach the coordinator.
-                    with trio.move_on_after(1):
-                        # Polled: the queue has no "drained" event, and its reader also empties it batch by batch.
-                        while self._reports_receive.statistics().current_buffer_used:  # noqa: ASYNC110 -- bounded poll (1 s) of a queue's fill
-                            await trio.sleep(0.02)
+                    await self.node_jobs.drain_reports(1)
                 scope.cancel()
                 return
 

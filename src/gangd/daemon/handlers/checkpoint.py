@@ -1,0 +1,114 @@
+"""Requests about checkpoints: from users (``gang checkpoint/restart/ckpt``), from
+ranks (:mod:`gangd.ckptlib`), and between daemons (the rounds of
+:mod:`gangd.daemon.ckptcoord`, served by :mod:`gangd.daemon.checkpoint`)."""
+
+from __future__ import annotations
+
+from ...rpc import RemoteError
+from ..access import integer, job_for
+from .coord import coordinator
+from .registry import CLIENT, PEER, Call, op
+
+# ------------------------------------------------------------ users
+
+
+@op("checkpoint", audience=CLIENT)
+async def checkpoint(s, call: Call):
+    """Checkpoint a job now; with ``wait`` (default) answer when the generation is complete or aborted."""
+    cred, args = call.user, call.args
+    job_id = integer(args, "job")
+    return await s.calls.to_coordinator(
+        "coord_checkpoint", job=job_id, cred=cred, wait=bool(args.get("wait", True)),
+        trigger=str(args.get("trigger") or f"requested by {cred['user']}"),
+    )
+
+
+@op("restart", audience=CLIENT)
+async def restart(s, call: Call):
+    gen = call.args.get("gen")
+    if gen is not None and (not isinstance(gen, int) or isinstance(gen, bool)):
+        raise RemoteError("bad_request", f"'gen' must be a generation number, not {gen!r}")
+    return await s.calls.to_coordinator("coord_restart", job=integer(call.args, "job"), cred=call.user, gen=gen)
+
+
+@op("ckpt_list", audience=CLIENT)
+async def ckpt_list(s, call: Call):
+    """The generations of a job's lineage (every job restarted from it), oldest first."""
+    record = await job_for(s.table, call.args, call.user, "inspect")
+    co = s.coordinator
+    generations = co.ckpt.generations(record)
+    live = None
+    if co.active and record["id"] in co.ckpt.live:
+        entry = co.ckpt.live[record["id"]]
+        live = {"gen": entry["gen"], "phase": entry["phase"], "trigger": entry["trigger"], "started": entry["started"]}
+    return {"job": record["id"], "lineage": record.get("lineage") or record["id"], "generations": generations, "under_way": live}
+
+
+# ------------------------------------------------------------ ranks
+
+
+@op("ckpt_attach", audience=CLIENT)
+async def ckpt_attach(s, call: Call):
+    return await s.checkpoints.attach(call.user, call.channel.context.get("pid"), call.args, call.channel)
+
+
+@op("ckpt_start", audience=CLIENT)
+async def ckpt_start(s, call: Call):
+    return await s.checkpoints.rank_start(call.channel, call.args)
+
+
+@op("ckpt_end", audience=CLIENT)
+async def ckpt_end(s, call: Call):
+    return await s.checkpoints.rank_end(call.channel, call.args)
+
+
+# ------------------------------------------------------------ the coordinator
+
+
+@op("coord_checkpoint", audience=PEER)
+async def coord_checkpoint(s, call: Call):
+    args = call.args
+    return await coordinator(s).ckpt.request(integer(args, "job"), args["cred"], str(args.get("trigger")), bool(args.get("wait", True)))
+
+
+@op("coord_checkpoint_all", audience=PEER)
+async def coord_checkpoint_all(s, call: Call):
+    return await coordinator(s).ckpt.request_all(str(call.args.get("trigger") or "SIGUSR1"))
+
+
+@op("coord_restart", audience=PEER)
+async def coord_restart(s, call: Call):
+    args = call.args
+    return await coordinator(s).ckpt.restart(integer(args, "job"), args["cred"], args.get("gen"))
+
+
+@op("coord_ckpt_restored", audience=PEER)
+async def coord_ckpt_restored(s, call: Call):
+    args = call.args
+    await coordinator(s).ckpt.on_restored(integer(args, "job"), str(args.get("reporter")), args.get("error"))
+    return True
+
+
+# ------------------------------------------------------------ a node's part of a round (fenced: the coordinator's term)
+
+
+def _node_op(name: str, method: str) -> None:
+    async def handler(s, call: Call):
+        return await getattr(s.checkpoints, method)(call.args)
+
+    handler.__qualname__ = handler.__name__ = name
+    op(name, audience=PEER, fenced=True)(handler)
+
+
+for _name, _method in (
+    ("ckpt_begin", "begin"), ("ckpt_cut", "cut"), ("ckpt_capture", "capture"), ("ckpt_resume", "resume"),
+    ("ckpt_commit", "commit"), ("ckpt_abort", "abort"), ("ckpt_prune", "prune"), ("ckpt_verify", "verify"),
+    ("ckpt_open", "open_restarted"), ("ckpt_abort_all", "abort_all"),
+):
+    _node_op(_name, _method)
+
+
+@op("ckpt_job_env", audience=PEER)
+async def ckpt_job_env(s, call: Call):
+    """The environment a job had when a generation was taken, from this node's copy (see NodeJobs.saved_env)."""
+    return await s.node_jobs.saved_env(integer(call.args, "lineage"), integer(call.args, "gen"))

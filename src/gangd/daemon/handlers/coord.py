@@ -1,0 +1,63 @@
+"""Requests to the coordinator, forwarded by the node a client or a rank came through.
+
+Each runs only on the node that is coordinator right now (``not_coordinator``
+elsewhere: the sender retries with whoever leads, see :mod:`..calls`)."""
+
+from __future__ import annotations
+
+from ...rpc import RemoteError
+from ..access import integer
+from .registry import PEER, Call, op
+
+
+def coordinator(s):
+    if not s.coordinator.active:
+        raise RemoteError("not_coordinator", f"{s.node} is not the coordinator")
+    return s.coordinator
+
+
+@op("ranks_exited", audience=PEER)
+async def ranks_exited(s, call: Call):
+    args = call.args
+    exits = [(rank, status) for rank, status in args.get("exits") or [] if isinstance(rank, int) and isinstance(status, dict)]
+    await coordinator(s).ranks_exited(integer(args, "job"), exits)
+    return True
+
+
+@op("coord_submit", audience=PEER)
+async def coord_submit(s, call: Call):
+    args = call.args
+    token = args.get("token")
+    return await coordinator(s).submit(args["spec"], args["cred"], token=token if isinstance(token, str) and len(token) <= 64 else None)
+
+
+@op("coord_kill", audience=PEER)
+async def coord_kill(s, call: Call):
+    return await coordinator(s).kill(integer(call.args, "job"), call.args["cred"])
+
+
+@op("coord_suspend", audience=PEER)
+async def coord_suspend(s, call: Call):
+    args = call.args
+    return await coordinator(s).suspend(integer(args, "job"), args["cred"], bool(args.get("hold")))
+
+
+@op("coord_schedule", audience=PEER)
+async def coord_schedule(s, call: Call):
+    co = coordinator(s)
+    result = co.schedule()
+    if call.args.get("switches"):
+        result["switch_log"] = list(co.switches)
+    return result
+
+
+@op("coord_fail", audience=PEER)
+async def coord_fail(s, call: Call):
+    args = call.args
+    co = coordinator(s)
+    if args.get("kill", True):
+        await co.fail(integer(args, "job"), str(args.get("reason") or "failed"))
+    else:
+        code = args.get("code")
+        await co.set_reason(integer(args, "job"), str(args.get("reason") or "failed"), code if isinstance(code, int) else None)
+    return True

@@ -9,6 +9,7 @@ cannot break the reading.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import tempfile
 import time
@@ -141,3 +142,9 @@ def test_the_cluster_records_a_killed_node_as_lost_and_a_stopped_one_as_not(make
     cluster.start_daemon("n3")
     wait_for(lambda: _history(cluster, "n3").lives == 2, 30, "n3's second life")
     assert _history(cluster, "n3").losses == 1
+    # gang nodes shows it.
+    rows = {r["name"]: r for r in cluster.gang_json("nodes")["nodes"]}
+    assert (rows["n3"]["history"]["losses"], rows["n2"]["history"]["losses"], rows["n1"]["history"]["losses"]) == (1, 0, 0)
+    assert rows["n3"]["history"]["lives"] == 2
+    text = cluster.gang("nodes", check=True).stdout
+    assert "LOST" in text and re.search(r"^n3\s.*\s1 in \d", text, re.M), text

@@ -506,6 +506,10 @@ def nodes(ctx, as_json):
     column per node, each cell the jobs whose ranks use that node in that
     slot. The slot marked > runs now; the others wait for their turn.
 
+    LOST is how often the node was lost (its lease in etcd expired: a
+    crash, a stall, a partition; a clean stop does not count) over the time
+    it has been up, from its history in etcd.
+
     CLOCK is how far each node's wall clock is from that of the node you
     asked, as their heartbeats bound it (+0.00 when the two agree as far as
     can be measured). The rotation's switches are made at an instant each
@@ -528,8 +532,9 @@ def nodes(ctx, as_json):
     out = []
     for r in rows:
         beat = "-" if r["heartbeat"] is None else ("self" if r["heartbeat"] == 0 else f"{r['heartbeat']:.1f}s ago")
-        out.append([r["name"] + ("*" if r["coordinator"] else ""), r["address"], r["state"], r["cores"], r["running"], beat, _clock(r, beat), r["why"]])
-    click.echo(table(out, ["NODE", "ADDRESS", "STATE", "CORES", "RANKS", "HEARTBEAT", "CLOCK", "WHY"]))
+        out.append([r["name"] + ("*" if r["coordinator"] else ""), r["address"], r["state"], r["cores"], r["running"], beat, _clock(r, beat),
+                    _losses(r.get("history")), r["why"]])
+    click.echo(table(out, ["NODE", "ADDRESS", "STATE", "CORES", "RANKS", "HEARTBEAT", "CLOCK", "LOST", "WHY"]))
     click.echo("(* coordinator)")
     if schedule and schedule["slots"]:
         names = [r["name"] for r in rows]
@@ -540,6 +545,20 @@ def nodes(ctx, as_json):
         click.echo("")
         click.echo(table(slots, ["SLOT", *names]))
         click.echo(f"(> running now; {len(schedule['slots'])} of {schedule['max_slots']} slots used, time slice {schedule['time_slice']:g} s)")
+
+
+def _losses(history: dict | None) -> str:
+    """How often the node was lost, over how long it has been known (from its lives in etcd)."""
+    if not history or history.get("first_seen") is None:
+        return "-"
+    return f"{history['losses']} in {_span(history['exposure'])}"
+
+
+def _span(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
 
 
 def _clock(row: dict, beat: str) -> str:

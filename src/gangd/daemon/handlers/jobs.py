@@ -16,6 +16,7 @@ import time
 import trio
 
 from ... import jobs
+from ...etcd.client import EtcdError
 from ...rpc import RemoteError, Stream
 from ..access import integer, job_for
 from ..limits import read_process_limits
@@ -99,6 +100,10 @@ async def nodes(s, call: Call):
     membership = s.membership
     coordinator = membership.coordinator()
     rows = []
+    try:  # each node's lives in etcd: how often it was lost (an isolated node shows none)
+        histories = await membership.nodelog.histories([n.name for n in s.config.nodes]) if membership.connected else {}
+    except EtcdError:
+        histories = {}
     for spec in sorted(s.config.nodes, key=lambda n: natural_key(n.name)):
         heartbeat: float | None
         if spec.name == s.node:
@@ -125,6 +130,7 @@ async def nodes(s, call: Call):
                 "coordinator": spec.name == coordinator,
                 "clock": offset,  # its wall clock minus this node's, as estimated here (s)
                 "why": why,
+                "history": histories[spec.name].to_wire() if spec.name in histories else None,
             }
         )
     return rows

@@ -24,6 +24,7 @@ still be on its way: the machine asks the shell to wait a grace period for it
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .messages import BadMessage, RankReport, WriteReport
@@ -324,12 +325,12 @@ class NodeJobs:
     rounds: dict[int, NodeRound] = field(default_factory=dict)
     aborted: dict[int, list[int | None]] = field(default_factory=dict)
 
-    def begin(self, job: int, gen: int, lineage: int, ranks: list[int]) -> NodeRound:
+    def begin(self, job: int, gen: int, lineage: int, ranks: list[int], make: Callable[..., NodeRound] = NodeRound) -> NodeRound:
         if job in self.rounds:
             raise Refusal("busy", f"checkpoint {self.rounds[job].gen} of job {job} is still under way on {self.node}")
         if gen in self.aborted.get(job, ()):
             raise Refusal("checkpoint_failed", f"checkpoint {gen} of job {job} was aborted before it began on {self.node}")
-        rnd = NodeRound(job, gen, lineage, self.node, list(ranks), self.max_rank_bytes)
+        rnd = make(job, gen, lineage, self.node, list(ranks), self.max_rank_bytes)
         self.rounds[job] = rnd
         return rnd
 

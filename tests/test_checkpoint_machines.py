@@ -15,6 +15,7 @@ from gangd.checkpoint import rank as rk
 from gangd.checkpoint import round as rd
 
 NODES = ("n1", "n2", "n3")
+RARE = st.integers(0, 7)  # a failure rule acts only when this draws 0: rounds also get to complete
 
 
 def expect(counters: dict, nranks: int) -> dict:
@@ -318,10 +319,13 @@ class Rounds(RuleBasedStateMachine):
         self.log.append((event, out))
         return out
 
-    @rule(node=st.sampled_from(NODES), iteration=st.one_of(st.none(), st.integers(-1, 20)))
-    def answer(self, node, iteration):
+    @rule(pick=st.integers(0, 5), again=RARE, iteration=st.one_of(st.none(), st.integers(-1, 20)))
+    def answer(self, pick, again, iteration):
+        """A node answers (mostly one that has not yet: now and then one answers twice)."""
         r = self.round
         phase = r.phase
+        waiting = [n for n in NODES if n not in r.answers] if again else list(NODES)
+        node = (waiting or list(NODES))[pick % len(waiting or NODES)]
         if phase is rd.Phase.BEGIN and node not in r.answers:
             self.begin_answers[node] = iteration
         if phase is rd.Phase.COMMIT and not r.over:
@@ -338,8 +342,10 @@ class Rounds(RuleBasedStateMachine):
         assert r.handle(rd.Failed(r.gen - stale, "x", "stale")) == []
         assert (r.phase, r.answers) == before
 
-    @rule(node=st.sampled_from(NODES), code=st.sampled_from(["not_ready", "checkpoint_failed", "timeout"]))
-    def node_fails(self, node, code):
+    @rule(node=st.sampled_from(NODES), code=st.sampled_from(["not_ready", "checkpoint_failed", "timeout"]), rare=RARE)
+    def node_fails(self, node, code, rare):
+        if rare:
+            return
         r = self.round
         was = r.phase
         out = self._feed(r, rd.NodeFailed(r.gen, r.phase, node, code, "it failed"))
@@ -349,8 +355,10 @@ class Rounds(RuleBasedStateMachine):
         else:
             assert out == []
 
-    @rule(node=st.sampled_from((*NODES, "n9")))
-    def node_lost(self, node):
+    @rule(node=st.sampled_from((*NODES, "n9")), rare=RARE)
+    def node_lost(self, node, rare):
+        if rare:
+            return
         r = self.round
         was = r.phase
         self._feed(r, rd.NodeLost(node))
@@ -366,9 +374,11 @@ class Rounds(RuleBasedStateMachine):
         self._feed(r, rd.Protected(r.gen))
         assert r.phase is (rd.Phase.PROTECTED if was in (rd.Phase.COMPLETE, rd.Phase.PROTECTED) else was)
 
-    @rule()
-    def coordinator_changes(self):
+    @rule(rare=RARE)
+    def coordinator_changes(self, rare):
         """The old coordinator's round can never finish; the new one numbers past it."""
+        if rare:
+            return
         old = self.round
         was = old.phase
         out = self._feed(old, rd.Deposed(old.gen))
@@ -578,3 +588,137 @@ class Ranks(RuleBasedStateMachine):
 
 Ranks.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 test_ranks = Ranks.TestCase
+
+
+# ---------------------------------------------------------------- stateful: a coordinator and its nodes together
+
+
+class Cluster(RuleBasedStateMachine):
+    """A coordinator's rounds driving three nodes' machines (one rank each)
+    over calls that arrive in any order — an abort may overtake its begin —
+    with node losses and coordinator changes (the new one aborts every round
+    under way on every node, then numbers past the old one's generations)."""
+
+    def __init__(self):
+        super().__init__()
+        self.nodes = {n: nd.NodeJobs(n, 1000) for n in NODES}
+        self.rank_of = {n: i for i, n in enumerate(NODES)}
+        self.inflight: dict[str, list] = {n: [] for n in NODES}
+        self.gen = 0
+        self.committed: set[tuple[str, int]] = set()
+        self.aborted_at: set[tuple[str, int]] = set()
+        self.reports: dict[int, dict[str, int]] = {}
+        self.round = self._new_round()
+
+    def _new_round(self) -> rd.Round:
+        self.gen += 1
+        r = make_round(gen=self.gen)
+        self._run(r.handle(rd.Start(r.gen)))
+        return r
+
+    def _run(self, instructions):
+        for instr in instructions:
+            if isinstance(instr, rd.CallNodes):
+                for n in NODES:
+                    self.inflight[n].append(("call", self.round_gen(instr), instr))
+            elif isinstance(instr, rd.AbortNodes):
+                for n in NODES:
+                    self.inflight[n].append(("abort", instr.gen, instr))
+            elif isinstance(instr, rd.Record) and instr.entry["state"] == "complete":
+                assert all((n, instr.entry["gen"]) in self.committed for n in NODES), "complete without every node's commit"
+
+    @staticmethod
+    def round_gen(instr: rd.CallNodes) -> int:
+        return instr.args["gen"]
+
+    def _answer(self, gen: int, phase: rd.Phase, node: str, result=None, failure: str | None = None):
+        if failure is not None:
+            self._run(self.round.handle(rd.NodeFailed(gen, phase, node, "checkpoint_failed", failure)))
+        else:
+            self._run(self.round.handle(rd.Answered(gen, phase, node, result)))
+
+    @rule(node=st.sampled_from(NODES), pick=st.integers(0, 5), iteration=st.integers(0, 9))
+    def deliver(self, node, pick, iteration):
+        queue = self.inflight[node]
+        if not queue:
+            return
+        kind, gen, instr = queue.pop(pick % len(queue))
+        jobs, rank = self.nodes[node], self.rank_of[node]
+        if kind == "abort":
+            jobs.abort(7, gen, instr.why)
+            self.aborted_at.add((node, gen))
+            return
+        phase = instr.phase
+        if phase is rd.Phase.BEGIN:
+            try:
+                rnd = jobs.begin(7, gen, 7, [rank])
+            except nd.Refusal as exc:
+                assert exc.code == "busy" or (node, gen) in self.aborted_at
+                self._answer(gen, phase, node, failure=exc.message)
+                return
+            rnd.handle(nd.Reported(rank, m.RankReport(gen, iteration)))
+            self.reports.setdefault(gen, {})[node] = iteration
+            self._answer(gen, phase, node, {"iteration": rnd.cut_answer()})
+            return
+        try:
+            rnd = jobs.get(7, gen)
+        except nd.Refusal as exc:
+            self._answer(gen, phase, node, failure=exc.message)
+            return
+        if phase is rd.Phase.CUT:
+            assert instr.args["iteration"] == max(self.reports[gen].values()), "the cut is not the largest report"
+            rnd.handle(nd.CutSet(instr.args["iteration"]))
+            rnd.handle(nd.Arrived(rank, instr.args["iteration"], 0.0))
+            result: dict = {}
+        elif phase is rd.Phase.CAPTURE:
+            rnd.handle(nd.Released({rank: "x"}))
+            rnd.handle(nd.Ended(rank, {"size": 1, "digest": "ab"}))
+            result = {}
+        elif phase is rd.Phase.RESUME:
+            rnd.handle(nd.Resumed())
+            result = {}
+        else:
+            rnd.handle(nd.Committed())
+            jobs.finished(rnd)
+            if rnd.phase is not nd.NodePhase.COMMITTED:
+                self._answer(gen, phase, node, failure=rnd.failed or "not committed")
+                return
+            assert (node, gen) not in self.aborted_at, "a node committed a generation after its abort"
+            self.committed.add((node, gen))
+            result = commit_answer(node)
+        if rnd.failed:
+            self._answer(gen, phase, node, failure=rnd.failed)
+        else:
+            self._answer(gen, phase, node, result)
+
+    @rule(node=st.sampled_from(NODES), rare=RARE)
+    def node_lost(self, node, rare):
+        if rare:
+            return
+        self._run(self.round.handle(rd.NodeLost(node)))
+
+    @rule(rare=RARE)
+    def coordinator_changes(self, rare):
+        if rare:
+            return
+        self._run(self.round.handle(rd.Deposed(self.round.gen)))
+        for n, jobs in self.nodes.items():  # ckpt_abort_all on every node
+            for job, rnd in list(jobs.rounds.items()):
+                jobs.abort(job, rnd.gen, "the coordinator changed")
+                self.aborted_at.add((n, rnd.gen))
+        self.inflight = {n: [] for n in NODES}  # the old coordinator's calls die with it
+        self.round = self._new_round()
+
+    @precondition(lambda self: self.round.over)
+    @rule()
+    def next_round(self):
+        self.round = self._new_round()
+
+    @invariant()
+    def complete_means_every_node_committed(self):
+        if self.round.phase in rd.USABLE:
+            assert all((n, self.round.gen) in self.committed for n in NODES)
+
+
+Cluster.TestCase.settings = settings(max_examples=200, stateful_step_count=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+test_cluster = Cluster.TestCase

@@ -235,6 +235,7 @@ class Round:
     entry: dict = field(default_factory=dict)
     marks: dict[str, float] = field(default_factory=dict)
     started_calls: bool = False
+    expected: dict = field(default_factory=dict)  # the deliveries capture drains up to (from the cut's counters)
 
     def __post_init__(self) -> None:
         if not self.nodes:
@@ -302,7 +303,7 @@ class Round:
         if self.phase is Phase.CUT:
             base["iteration"] = self.cut
         if self.phase is Phase.CAPTURE:
-            base["expect"] = self._expect
+            base["expect"] = self.expected
         return CallNodes(self.phase, OPS[self.phase], base)
 
     def _answered(self, event: Answered) -> list[Instruction]:
@@ -337,7 +338,7 @@ class Round:
             self._to(Phase.CUT, "answered")
             return [self._call()]
         if self.phase is Phase.CUT:
-            self._expect = self.expect(dict(self.answers), self.nranks)
+            self.expected = self.expect(dict(self.answers), self.nranks)
             self.marks["cut"] = now
             self._to(Phase.CAPTURE, "answered")
             return [self._call()]
@@ -383,5 +384,3 @@ class Round:
 
     def _result(self) -> dict:
         return {"job": self.job, **self.entry}
-
-    _expect: dict = field(default_factory=dict)

@@ -624,11 +624,10 @@ class NodeCheckpoints:
     async def abort_all(self, args: dict) -> list[int]:
         """A new coordinator took over: checkpoints the old one was running can never finish."""
         why = str(args.get("why") or "the coordinator changed during the checkpoint")
-        jobs_ = list(self.pending)
-        for job_id in jobs_:
-            pending = self.pending[job_id]
-            await self.abort({"job": job_id, "gen": pending.gen, "lineage": pending.lineage, "why": why})
-        return jobs_
+        under_way = [(job_id, p.gen, p.lineage) for job_id, p in self.pending.items()]  # (the awaits below change it)
+        for job_id, gen, lineage in under_way:
+            await self.abort({"job": job_id, "gen": gen, "lineage": lineage, "why": why})
+        return [job_id for job_id, _, _ in under_way]
 
     def _times(self, pending: Pending) -> dict:
         return {"node": self.daemon.node, "times": dict(pending.times), "ranks": len(pending.ranks)}

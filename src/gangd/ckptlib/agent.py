@@ -34,6 +34,8 @@ import threading
 import time
 from pathlib import Path
 
+from ..checkpoint import messages
+from ..checkpoint.rank import Action, RankAgreement, Step
 from ..ckptstore import StoreError
 from ..client.runtime import JobInfo
 from ..comm.control import DaemonLink
@@ -71,12 +73,9 @@ class DaemonAgent:
         self.io = threading.Lock()  # the protocol machine and socket writes, shared by two threads
         self.cond = threading.Condition()
         self.wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self.gen: int | None = None  # the checkpoint under way, as the daemon numbered it
-        self.reported: int | None = None  # the boundary this rank said it can still stop at
-        self.cut: tuple[int, int] | None = None  # (generation, iteration) the job saves at
+        self.agreement = RankAgreement()  # the protocol's state (gangd.checkpoint.rank); under cond
         self.gone: str | None = None  # why the daemon connection ended
         self.stopping = False  # fini: the reader thread ends before its fds are closed
-        self.warned: int | None = None  # the last generation whose abort this rank printed
         self.replies: dict[int, _Waiter] = {}
         self.background: dict[int, tuple[int, Written]] = {}  # pipe fd -> (generation, the write)
         self.cp: Checkpointer  # set by attach(), before the thread that reads it starts
@@ -182,16 +181,21 @@ class DaemonAgent:
         """
         cp = self.cp
         with self.cond:
-            if not cp.requested or self.reported is not None or self.cut is not None:
-                return
+            done = None
             if cp.loop_done or cp.closed:
-                cp.requested = False
                 done = "it has made its last checkpoint(comm) call (ckpt.fini())" if cp.points == "mpi" else "it has left its checkpointed loop"
-                self._note("ckpt_report", {"gen": self.gen, "iteration": None, "why": done})
-                return
             # (cp.iteration is -1 until the loop runs; after a restart the loop starts at cp.start)
-            self.reported = max(cp.iteration + 1, cp.start)
-            self._note("ckpt_report", {"gen": self.gen, "iteration": self.reported})
+            self._apply(self.agreement.report(cp.requested, cp.iteration, cp.start, done))
+
+    def _apply(self, step: Step) -> Step:
+        """Carry out what the agreement decided (cond held): the request flag, reports, a warning."""
+        if step.request is not None:
+            self.cp.requested = step.request
+        for report in step.reports:
+            self._note(report.op, report.to_wire())
+        if step.warn:
+            warn(step.warn)
+        return step
 
     def _handle(self, event) -> None:
         if isinstance(event, Reply):
@@ -203,32 +207,20 @@ class DaemonAgent:
             return
         if not isinstance(event, Note):
             return
-        args, gen = event.args, event.args.get("gen")
+        note = messages.daemon_note(event.op, event.args)
+        if note is None:
+            return
         with self.cond:
-            if event.op == "ckpt_begin" and isinstance(gen, int):
-                if gen != self.gen:  # a new checkpoint: whatever an older one left is void
-                    self.gen, self.reported, self.cut = gen, None, None
-                self.cp.requested = True
-            elif event.op == "ckpt_cut" and isinstance(gen, int) and gen == self.gen and isinstance(args.get("iteration"), int):
-                self.cut = (gen, args["iteration"])
-            elif event.op == "ckpt_abort" and gen == self.gen and gen is not None:
-                if self.cut is not None:
-                    warn(f"checkpoint {gen} was aborted: {args.get('why')}")
-                    self.warned = gen
-                self._clear()
-            elif event.op == "ckpt_none" and self.gen is None:
-                self._clear()  # nothing to checkpoint after all (e.g. the job is ending)
+            self._apply(self.agreement.on_note(note))
             self.cond.notify_all()
-        if event.op == "ckpt_begin":
+        if isinstance(note, messages.BeginNote):
             self._report()
 
     def _clear(self, gen: int | None = None) -> None:
         """Forget the checkpoint under way (only ``gen``, if given: a newer
         one may have begun meanwhile, and it is not this caller's to end)."""
-        if gen is not None and self.gen not in (None, gen):
-            return
-        self.gen = self.reported = self.cut = None
-        self.cp.requested = False
+        if self.agreement.clear(gen):
+            self.cp.requested = False
 
     # ------------------------------------------------------------ the program's side
 
@@ -240,8 +232,8 @@ class DaemonAgent:
         rank's own (no generation yet) is sent again now and then: the
         daemons drop one that comes while an older checkpoint is still
         being committed, and nothing else would ever answer it."""
-        if not self.cond.wait(REQUEST_AGAIN) and self.gen is None and cp.requested and self.reported is not None:
-            self._note("ckpt_report", {"gen": None, "iteration": self.reported})
+        if not self.cond.wait(REQUEST_AGAIN):
+            self._apply(self.agreement.again(cp.requested))
 
     def at_boundary(self, cp: Checkpointer, k: int) -> None:
         with self.cond:
@@ -249,23 +241,14 @@ class DaemonAgent:
                 if self.gone:
                     cp.requested = False
                     return
-                if self.cut is not None:
-                    gen, at = self.cut
-                    if k < at:
-                        return
-                    if k == at:
-                        break
-                    self._note("ckpt_report", {"gen": gen, "iteration": None, "why": f"it is at iteration {k}, past the cut {at}"})
-                    self._clear()
+                step = self._apply(self.agreement.boundary(k, cp.requested))
+                if step.action is Action.RUN:
                     return
-                if not cp.requested:
-                    return
-                if self.reported is None:  # the signal came just now: this thread reports
-                    self.reported = k + 1
-                    self._note("ckpt_report", {"gen": self.gen, "iteration": self.reported})
-                if k < self.reported:
-                    return
+                if step.action is Action.SAVE:
+                    gen = step.gen
+                    break
                 self._wait_daemon(cp)
+        assert gen is not None  # noqa: S101 (a SAVE names its generation)
         self._checkpoint(cp, gen, k)
 
     def agree(self, cp: Checkpointer, k: int, force: bool = False) -> int | None:
@@ -283,27 +266,20 @@ class DaemonAgent:
         say) is made again for a while.
         """
         deadline = time.monotonic() + FORCE_RETRY
+        agreement = self.agreement
         with self.cond:
             while not self.gone:
-                if self.cut is not None:
-                    gen, at = self.cut
-                    if at == k:
-                        # Committed to this call: a report from now on (to a
-                        # later generation, if this one is aborted) names the next.
-                        cp.iteration = k
-                        return gen
-                    if at < k:
-                        self._note("ckpt_report", {"gen": gen, "iteration": None, "why": f"it is at call {k} of checkpoint(comm), past the cut {at}"})
-                        self._clear()
-                    break
-                if force and not cp.requested and self.gen is None and time.monotonic() < deadline:
+                if agreement.cut is None and force and not cp.requested and agreement.gen is None and time.monotonic() < deadline:
                     self.cond.wait(0.2)  # (no hurry: the "no" may be about a rank that is still starting)
-                    if self.gen is None and self.cut is None:
+                    if agreement.gen is None and agreement.cut is None:
                         cp.requested = True
-                if cp.requested and self.reported is None:  # the request or the begin note came just now
-                    self.reported = k
-                    self._note("ckpt_report", {"gen": self.gen, "iteration": k})
-                if not cp.requested or self.reported is None or self.reported > k:
+                step = self._apply(agreement.agree(k, cp.requested))
+                if step.action is Action.SAVE:
+                    # Committed to this call: a report from now on (to a
+                    # later generation, if this one is aborted) names the next.
+                    cp.iteration = k
+                    return step.gen
+                if step.action is Action.RUN:
                     break
                 self._wait_daemon(cp)  # for the cut, or for the begin note that answers this rank's own request
             cp.iteration = k
@@ -312,9 +288,10 @@ class DaemonAgent:
     def decline(self, cp: Checkpointer, gen: int, why: str) -> None:
         """This rank cannot save generation ``gen`` after all: the daemons abort it."""
         with self.cond:
-            if not self.gone:
-                self._note("ckpt_report", {"gen": gen, "iteration": None, "why": why})
-            self._clear(gen)
+            step = self.agreement.decline(gen, why)
+            if self.gone:
+                step.reports = []
+            self._apply(step)
 
     def save(self, cp: Checkpointer, gen: int, k: int, resume: int) -> int | None:
         return gen if self._checkpoint(cp, gen, k, resume) else None
@@ -335,7 +312,7 @@ class DaemonAgent:
             cp.generation = gen
             return True
         except CheckpointError as exc:
-            if not self.gone and self.warned != gen:  # (the abort note may have said it already)
+            if not self.gone and self.agreement.warned != gen:  # (the abort note may have said it already)
                 warn(f"checkpoint {gen} failed: {exc}")
             return False
         finally:

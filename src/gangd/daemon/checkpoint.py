@@ -30,7 +30,14 @@ mount a disk there later), always through directory descriptors
 files it reads back are read in a thread, without following links, to a
 size limit (see :mod:`gangd.ckptstore`).
 
-What a rank reports is hostile until checked (:class:`WriteReport`): its
+The round's state and every rule about what a rank's message means in which
+phase are the pure :class:`gangd.checkpoint.node.NodeRound` (and
+:class:`~gangd.checkpoint.node.NodeJobs`: a begin after its abort, a late
+abort of an older generation); this module is its trio shell — signals,
+notes, gates, files — that feeds it events and waits on its predicates.
+
+What a rank reports is hostile until checked
+(:class:`gangd.checkpoint.messages.WriteReport`): its
 state file may be at most ``checkpoint_max_rank_bytes``, because every
 restart checksums it whole — a rank that truncates its file to 16 TiB
 (sparse, no disk used) and reports that size would otherwise make each
@@ -54,11 +61,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import msgpack
 import trio
 
 from .. import ckptstore, jobs, safefs, text
+from ..checkpoint import node as nd
+from ..checkpoint.messages import BadMessage, RankReport, RankWritten, rank_note
 from ..ckptstore import StoreError
 from ..rpc import Channel, RemoteError
 from ..safefs import UnsafePath
@@ -73,34 +83,10 @@ EXIT_REPORT_GRACE = 2.0  # s a rank's write report may trail its exit
 RESTORE_TIMEOUT = 600.0
 VERIFY_THREADS = 2  # checksumming threads per daemon (restarts beyond that wait their turn)
 VERIFY_NICE = 10
-MAX_DIGEST = 128  # characters of a rank's reported checksum (XXH3-128 hex has 32)
 
 
 class NoRoom(Exception):
     """The checkpoint disk is (nearly) full; the message says how full."""
-
-
-@dataclass(frozen=True)
-class WriteReport:
-    """What a rank says it wrote: checked before anything uses it."""
-
-    size: int
-    digest: str
-    seconds: float
-
-    @classmethod
-    def parse(cls, result: dict, max_size: int) -> WriteReport:
-        """Raises ValueError with a sentence saying what is wrong."""
-        size, digest, seconds = result.get("size"), result.get("digest"), result.get("seconds", 0.0)
-        if type(size) is not int or size < 0:
-            raise ValueError(f"a state size that is not a byte count ({text.printable(repr(size))[:40]})")
-        if size > max_size:
-            raise ValueError(f"a state file of {size} bytes, more than the {max_size} bytes one rank may commit (checkpoint_max_rank_bytes)")
-        if not isinstance(digest, str) or not 0 < len(digest) <= MAX_DIGEST:
-            raise ValueError("a malformed checksum")
-        if type(seconds) not in (int, float) or not math.isfinite(seconds) or seconds < 0:
-            raise ValueError(f"a write time that is not a number of seconds ({text.printable(repr(seconds))[:40]})")
-        return cls(size, digest, float(seconds))
 
 
 def room_left(fd: int, reserve: int, where: Path | str) -> None:
@@ -161,36 +147,36 @@ class RankAgent:
 
 
 @dataclass
-class Pending:
-    """One checkpoint of one job on this node."""
+class Pending(nd.NodeRound):
+    """One checkpoint of one job on this node: the pure
+    :class:`~gangd.checkpoint.node.NodeRound`, and what its trio shell needs
+    besides (where, whose, the daemon's own files, timings, a wake-up)."""
 
-    job_id: int
-    gen: int
-    lineage: int
-    directory: Path
-    ranks: list[int]
-    owner: tuple[int, int] | None
-    reports: dict[int, int] = field(default_factory=dict)
-    cut: int | None = None
-    arrived: dict[int, float] = field(default_factory=dict)  # rank -> when it reached the cut
-    path: dict[int, str] = field(default_factory=dict)
-    released: bool = False
-    ended: dict[int, dict] = field(default_factory=dict)  # rank -> ckpt_end arguments
-    resumed: bool = False
-    written: dict[int, WriteReport] = field(default_factory=dict)  # rank -> what it wrote
+    directory: Path = Path()
+    owner: tuple[int, int] | None = None
     files: dict[str, list] = field(default_factory=dict)  # name -> [size, digest] written by the daemon
-    failed: str | None = None
     times: dict[str, float] = field(default_factory=dict)
     changed: trio.Event = field(default_factory=trio.Event)
+
+    @property
+    def job_id(self) -> int:
+        return self.job
+
+    def feed(self, event: nd.NodeEvent) -> list[nd.AwaitWrite]:
+        """The machine's instructions: wake the waiters; the rest for the caller."""
+        out = self.handle(event)
+        if self.all_written() and self.released and "written" not in self.times and self.failed is None:
+            self.times["written"] = time.time()  # the last rank's state is on disk
+        if out:
+            self.poke()
+        return [i for i in out if isinstance(i, nd.AwaitWrite)]
 
     def poke(self) -> None:
         self.changed.set()
         self.changed = trio.Event()
 
     def fail(self, why: str) -> None:
-        if self.failed is None:
-            self.failed = why
-        self.poke()
+        self.feed(nd.Fail(why))
 
     async def until(self, done, timeout: float, what: str) -> None:
         """Wait until ``done()``; raise with the reason if the checkpoint failed or time ran out."""
@@ -209,9 +195,9 @@ class NodeCheckpoints:
         self.daemon = daemon
         self.root = daemon.config.checkpoint_root
         self.agents: dict[tuple[int, int], RankAgent] = {}
-        self.pending: dict[int, Pending] = {}
+        self.rounds = nd.NodeJobs(daemon.node, daemon.config.checkpoint_max_rank_bytes)
+        self.pending = cast("dict[int, Pending]", self.rounds.rounds)  # (every round here is a Pending)
         self.restarts: dict[int, dict] = {}  # job -> {"gen", "lineage", "directory", "manifest", "ranks"}
-        self.aborted: set[tuple[int, int | None]] = set()  # (job, gen): a begin arriving after its abort refuses
         self._requesting: set[int] = set()  # jobs whose ranks asked for a checkpoint just now
         self._verify_threads: trio.CapacityLimiter | None = None  # (made in trio's run)
 
@@ -316,20 +302,20 @@ class NodeCheckpoints:
             return
         self.agents.pop(key).close()
         pending = self.pending.get(key[0])
-        if pending is not None and key[1] in pending.ranks and not pending.resumed:
-            pending.fail(f"rank {key[1]} on {self.daemon.node} closed its checkpoint connection (it exited or called fini)")
+        if pending is not None and not pending.resumed:
+            pending.feed(nd.RankGone(key[1], f"rank {key[1]} on {self.daemon.node} closed its checkpoint connection (it exited or called fini)"))
 
     def rank_exited(self, job_id: int, rank: int, why: str) -> None:
         pending = self.pending.get(job_id)
-        if pending is not None and rank in pending.ranks and rank not in pending.written:
-            if pending.resumed:
-                # Past the end sync, its snapshot was being written: a rank
-                # that ends there (a checkpoint at the program's last step)
-                # reports the write before it exits, but the report may
-                # still be unread on its connection (left open to be read).
-                self.daemon.spawn(self._exited_while_writing, pending, rank, why)
+        if pending is not None:
+            # Past the end sync, its snapshot was being written: a rank
+            # that ends there (a checkpoint at the program's last step)
+            # reports the write before it exits, but the report may
+            # still be unread on its connection (left open to be read).
+            grace = pending.feed(nd.RankGone(rank, why))
+            if grace:
+                self.daemon.spawn(self._exited_while_writing, pending, grace[0])
                 return
-            pending.fail(f"{why} during checkpoint {pending.gen}")
         agent = self.agents.pop((job_id, rank), None)
         if agent is not None:
             agent.close()
@@ -349,14 +335,13 @@ class NodeCheckpoints:
     async def _ended_while_writing(self, pending: Pending) -> None:
         if await self._writes_arrive(pending, pending.ranks):
             return
-        if self.pending.get(pending.job_id) is pending:
-            self.pending.pop(pending.job_id)
+        self.rounds.finished(pending)
         pending.fail(f"job {pending.job_id} ended before every rank's state was written")
 
-    async def _exited_while_writing(self, pending: Pending, rank: int, why: str) -> None:
-        if not await self._writes_arrive(pending, [rank]):
-            pending.fail(f"{why} before its state was written (checkpoint {pending.gen})")  # (no-op if it failed already)
-        agent = self.agents.pop((pending.job_id, rank), None)
+    async def _exited_while_writing(self, pending: Pending, grace: nd.AwaitWrite) -> None:
+        if not await self._writes_arrive(pending, [grace.rank]):
+            pending.fail(grace.why)  # (no-op if it failed already)
+        agent = self.agents.pop((pending.job_id, grace.rank), None)
         if agent is not None:
             agent.close()
 
@@ -365,29 +350,31 @@ class NodeCheckpoints:
         if key is None:
             return
         job_id, rank = key
+        try:
+            note = rank_note(op, args)
+        except BadMessage as exc:
+            log.info("job %d rank %d sent a malformed %s: %s", job_id, rank, text.printable(op)[:40], exc)
+            pending = self.pending.get(job_id)
+            if pending is not None and op in ("ckpt_report", "ckpt_written"):
+                pending.fail(f"rank {rank} on {self.daemon.node} sent a malformed {op}: {exc}")
+            return
         if op == "ckpt_restored":
             self._restored(job_id, rank, args)
             return
         pending = self.pending.get(job_id)
-        if op == "ckpt_report":
-            gen = args.get("gen")
+        if isinstance(note, RankReport):
             if pending is None:
-                if gen is None and args.get("iteration") is not None:
-                    # The program's own SIGQUIT or ckpt.request(): checkpoint the job.
+                what = nd.outside_round(note)
+                if what is nd.Outside.REQUEST:  # the program's own SIGQUIT or ckpt.request(): checkpoint the job
                     self._requested_by_rank(job_id, rank, channel)
-                elif gen is not None:  # a generation that is over: let the rank go
-                    self.daemon.spawn(self._note, channel, "ckpt_abort", {"gen": gen, "why": "it is over"})
+                elif what is nd.Outside.ABORT:  # a generation that is over: let the rank go
+                    self.daemon.spawn(self._note, channel, "ckpt_abort", {"gen": note.gen, "why": "it is over"})
                 else:
                     self.daemon.spawn(self._note, channel, "ckpt_none", {})
-            elif gen != pending.gen:
-                return  # its own request while one runs (the begin note reaches it), or a stale one
-            elif args.get("iteration") is None:
-                pending.fail(f"rank {rank} on {self.daemon.node} cannot take part: {text.printable(args.get('why', 'no reason given'))}")
-            elif isinstance(args["iteration"], int) and pending.cut is None:
-                pending.reports[rank] = args["iteration"]
-                pending.poke()
-        elif op == "ckpt_written" and pending is not None and args.get("gen") == pending.gen:
-            self._written(pending, rank, args)
+            else:
+                pending.feed(nd.Reported(rank, note))
+        elif isinstance(note, RankWritten) and pending is not None and note.gen == pending.gen:
+            pending.feed(nd.Written(rank, note.result))
 
     def _requested_by_rank(self, job_id: int, rank: int, channel: Channel) -> None:
         if job_id in self._requesting:
@@ -405,23 +392,6 @@ class NodeCheckpoints:
             await self._note(channel, "ckpt_none", {})
         finally:
             self._requesting.discard(job_id)
-
-    def _written(self, pending: Pending, rank: int, result) -> None:
-        if not isinstance(result, dict):
-            pending.fail(f"rank {rank} on {self.daemon.node} reported a malformed write result")
-            return
-        if result.get("error"):
-            pending.fail(f"rank {rank} on {self.daemon.node} could not write its state: {text.printable(str(result['error']))}")
-            return
-        try:
-            report = WriteReport.parse(result, self.daemon.config.checkpoint_max_rank_bytes)
-        except ValueError as exc:
-            pending.fail(f"rank {rank} on {self.daemon.node} reported {exc}")
-            return
-        pending.written[rank] = report
-        if set(pending.written) >= set(pending.ranks):
-            pending.times["written"] = time.time()  # the last rank's state is on disk
-        pending.poke()
 
     async def _bounded_note(self, agent: RankAgent, op: str, args: dict) -> None:
         """A note to a rank, in order; a rank that stopped reading its connection loses it."""
@@ -447,20 +417,18 @@ class NodeCheckpoints:
     async def rank_start(self, channel: Channel, args: dict) -> dict:
         """A rank reached the cut: block it until this node's start sync is done."""
         pending, rank = self._pending_of(channel, args)
-        if args.get("iteration") != pending.cut:
-            pending.fail(f"rank {rank} stopped at iteration {args.get('iteration')}, not at the cut {pending.cut}")
-        pending.arrived[rank] = time.time()
-        pending.poke()
+        iteration = args.get("iteration")
+        pending.feed(nd.Arrived(rank, iteration if type(iteration) is int else None, time.time()))
         await pending.until(lambda: pending.released, math.inf, "release")
         return {"path": pending.path[rank]}
 
     async def rank_end(self, channel: Channel, args: dict) -> bool:
         """A rank wrote its state (or forked the snapshot that writes it): block it until the end sync."""
         pending, rank = self._pending_of(channel, args)
-        pending.ended[rank] = args
-        if isinstance(args.get("result"), dict):
-            self._written(pending, rank, args["result"])
-        pending.poke()
+        result = args.get("result")
+        if result is not None and not isinstance(result, dict):
+            result = {"size": None}  # (a malformed report: the machine says so)
+        pending.feed(nd.Ended(rank, result))
         await pending.until(lambda: pending.resumed, math.inf, "resume")
         return True
 
@@ -482,16 +450,17 @@ class NodeCheckpoints:
     async def begin(self, args: dict) -> dict:
         record = self._record(args)
         job_id, gen = record["id"], args["gen"]
-        if job_id in self.pending:
-            raise RemoteError("busy", f"checkpoint {self.pending[job_id].gen} of job {job_id} is still under way on {self.daemon.node}")
-        if (job_id, gen) in self.aborted:
-            raise RemoteError("checkpoint_failed", f"checkpoint {gen} of job {job_id} was aborted before it began on {self.daemon.node}")
+        if type(gen) is not int or gen < 1:
+            raise RemoteError("bad_request", "'gen' must be a generation number")
         mine = self._check_ranks(record)
-        directory = ckptstore.gen_dir(self.root, int(args["lineage"]), gen)
-        owner = (record["owner_uid"], record["owner_gid"]) if os.geteuid() == 0 else None
-        pending = Pending(job_id, gen, int(args["lineage"]), directory, mine, owner)
+        lineage = int(args["lineage"])
+        try:  # before any await: an abort meanwhile must find it
+            pending = cast(Pending, self.rounds.begin(job_id, gen, lineage, mine, make=Pending))
+        except nd.Refusal as exc:
+            raise RemoteError(exc.code, exc.message) from None
+        directory = pending.directory = ckptstore.gen_dir(self.root, lineage, gen)
+        owner = pending.owner = (record["owner_uid"], record["owner_gid"]) if os.geteuid() == 0 else None
         pending.times["begin"] = time.time()
-        self.pending[job_id] = pending  # before any await: an abort meanwhile must find it
         try:
             await trio.to_thread.run_sync(self._make_dirs, directory, owner)
         except NoRoom as exc:
@@ -512,20 +481,20 @@ class NodeCheckpoints:
             # The note reaches the rank's thread even while its main thread is in a long C call.
             await self._bounded_note(agent, "ckpt_begin", {"gen": gen})
         silent = f"ranks {sorted(set(mine) - set(pending.reports))} did not answer SIGQUIT"
-        await pending.until(lambda: set(pending.reports) >= set(mine), AGREE_TIMEOUT, silent)
+        await pending.until(pending.all_reported, AGREE_TIMEOUT, silent)
         pending.times["reported"] = time.time()
-        return {"iteration": max(pending.reports.values()) if pending.reports else None}
+        return {"iteration": pending.cut_answer()}
 
     async def cut(self, args: dict) -> dict:
         pending = self._pending(args)
-        pending.cut = int(args["iteration"])
-        pending.poke()
+        pending.feed(nd.CutSet(int(args["iteration"])))
+        if pending.failed:
+            raise RemoteError("checkpoint_failed", pending.failed)
         for rank in pending.ranks:
             agent = self.agents.get((pending.job_id, rank))
             if agent is not None:  # (in order after its ckpt_begin: same connection, same task)
                 await self._bounded_note(agent, "ckpt_cut", {"gen": pending.gen, "iteration": pending.cut})
-        mine = set(pending.ranks)
-        await pending.until(lambda: set(pending.arrived) >= mine, self._timeout(args), "the ranks did not reach the cut")
+        await pending.until(pending.all_arrived, self._timeout(args), "the ranks did not reach the cut")
         pending.times["at_cut"] = max(pending.arrived.values(), default=time.time())
         jobnet = self.daemon.jobnet
         await jobnet.hold_gate(pending.job_id, "checkpoint", True)
@@ -545,12 +514,9 @@ class NodeCheckpoints:
         except StoreError as exc:
             raise RemoteError("write_failed", f"{self.daemon.node}: {exc}") from None
         pending.files.update(files)
-        for rank in pending.ranks:
-            pending.path[rank] = str(pending.directory / ckptstore.cluster_rank_file(rank))
-        pending.released = True
         pending.times["released"] = time.time()
-        pending.poke()
-        await pending.until(lambda: set(pending.ended) >= set(pending.ranks), self._timeout(args), "the ranks did not save their state")
+        pending.feed(nd.Released({rank: str(pending.directory / ckptstore.cluster_rank_file(rank)) for rank in pending.ranks}))
+        await pending.until(pending.all_ended, self._timeout(args), "the ranks did not save their state")
         pending.times["saved"] = time.time()
         return self._times(pending)
 
@@ -577,14 +543,15 @@ class NodeCheckpoints:
         pending = self._pending(args)
         pending.times["resume"] = time.time()
         await self.daemon.jobnet.hold_gate(pending.job_id, "checkpoint", False)
-        pending.resumed = True
-        pending.poke()
+        pending.feed(nd.Resumed())
+        if pending.failed:
+            raise RemoteError("checkpoint_failed", pending.failed)
         pending.times["resumed"] = time.time()
         return self._times(pending)
 
     async def commit(self, args: dict) -> dict:
         pending = self._pending(args)
-        await pending.until(lambda: set(pending.written) >= set(pending.ranks), self._timeout(args), "the ranks did not finish writing")
+        await pending.until(lambda: pending.phase is nd.NodePhase.WRITTEN, self._timeout(args), "the ranks did not finish writing")
         if pending.cut is None:  # (the coordinator commits only after the cut)
             raise RemoteError("no_checkpoint", f"checkpoint {pending.gen} of job {pending.job_id} has no cut on {self.daemon.node}")
         files = dict(pending.files)
@@ -598,7 +565,10 @@ class NodeCheckpoints:
         except NoRoom as exc:
             raise RemoteError("no_space", f"{self.daemon.node}: after the ranks wrote, {exc}") from None
         pending.times["committed"] = time.time()
-        self.pending.pop(pending.job_id, None)
+        pending.feed(nd.Committed())
+        self.rounds.finished(pending)
+        if pending.failed:  # (aborted while the manifest was written: the abort removes the directory)
+            raise RemoteError("checkpoint_failed", pending.failed)
         result = self._times(pending)
         result["bytes"] = sum(size for size, _ in files.values())
         result["state_bytes"] = sum(r.size for r in pending.written.values())
@@ -636,14 +606,12 @@ class NodeCheckpoints:
             os.close(gen)
 
     async def abort(self, args: dict) -> bool:
-        job_id, gen, why = int(args["job"]), args.get("gen"), str(args.get("why") or "aborted")
-        self.aborted.add((job_id, gen))
-        pending = self.pending.get(job_id)
-        if pending is not None and pending.gen != gen:
+        job_id, gen, why = int(args["job"]), args.get("gen"), text.printable(str(args.get("why") or "aborted"))
+        applies, ended = self.rounds.abort(job_id, gen if type(gen) is int else None, why)
+        if not applies:
             return False  # a late abort of an older generation must not touch the one under way
-        if pending is not None:
-            self.pending.pop(job_id)
-            pending.fail(why)
+        if ended is not None:
+            cast(Pending, ended).poke()  # (its waiters raise the reason)
         for (j, _), agent in list(self.agents.items()):
             if j == job_id:
                 await self._bounded_note(agent, "ckpt_abort", {"gen": gen, "why": why})
@@ -656,11 +624,10 @@ class NodeCheckpoints:
     async def abort_all(self, args: dict) -> list[int]:
         """A new coordinator took over: checkpoints the old one was running can never finish."""
         why = str(args.get("why") or "the coordinator changed during the checkpoint")
-        jobs_ = list(self.pending)
-        for job_id in jobs_:
-            pending = self.pending[job_id]
-            await self.abort({"job": job_id, "gen": pending.gen, "lineage": pending.lineage, "why": why})
-        return jobs_
+        under_way = [(job_id, p.gen, p.lineage) for job_id, p in self.pending.items()]  # (the awaits below change it)
+        for job_id, gen, lineage in under_way:
+            await self.abort({"job": job_id, "gen": gen, "lineage": lineage, "why": why})
+        return [job_id for job_id, _, _ in under_way]
 
     def _times(self, pending: Pending) -> dict:
         return {"node": self.daemon.node, "times": dict(pending.times), "ranks": len(pending.ranks)}
@@ -678,11 +645,11 @@ class NodeCheckpoints:
         return float(args.get("timeout") or self.daemon.config.checkpoint_timeout)
 
     def _pending(self, args: dict) -> Pending:
-        job = args.get("job")
-        pending = self.pending.get(job) if isinstance(job, int) else None
-        if pending is None or pending.gen != args.get("gen"):
-            raise RemoteError("no_checkpoint", f"checkpoint {args.get('gen')} of job {args.get('job')} is not under way on {self.daemon.node}")
-        return pending
+        try:
+            pending = self.rounds.get(args.get("job"), args.get("gen"))
+        except nd.Refusal as exc:
+            raise RemoteError(exc.code, exc.message) from None
+        return cast(Pending, pending)  # (every round here is one)
 
     # ------------------------------------------------------------ storage upkeep
 
@@ -813,7 +780,7 @@ class NodeCheckpoints:
     def forget(self, job_id: int) -> None:
         """The job ended on this node."""
         self.restarts.pop(job_id, None)
-        self.aborted = {(j, g) for j, g in self.aborted if j != job_id}
+        self.rounds.forget(job_id)
         pending = self.pending.get(job_id)
         if pending is not None:
             if pending.resumed:
@@ -821,7 +788,7 @@ class NodeCheckpoints:
                 # state is on disk the commit is the daemons' part alone.
                 self.daemon.spawn(self._ended_while_writing, pending)
             else:
-                self.pending.pop(job_id)
+                self.rounds.finished(pending)
                 pending.fail(f"job {job_id} ended")
         for key in [k for k in self.agents if k[0] == job_id]:
             self.agents.pop(key).close()

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import Any
 
 import trio
 
 from .. import jobs
+from ..checkpoint import round as rd
 from ..rpc import RemoteError
 from .access import permission_check
 from .jobnet import expected_deliveries
@@ -42,11 +44,25 @@ log = logging.getLogger("gangd.ckptcoord")
 ROOT = {"uid": 0, "gid": 0, "user": "root"}
 
 
+class LiveRound:
+    """A round under way and whoever waits for it. Reads as the mapping
+    ``gang ckpt ls`` shows (``gen``, ``phase``, ``trigger``, ``started``)."""
+
+    def __init__(self, rnd: rd.Round):
+        self.round = rnd
+        self.done = trio.Event()
+        self.result: dict | None = None
+
+    def __getitem__(self, key: str):
+        rnd = self.round
+        return {"gen": rnd.gen, "phase": rnd.phase.value, "trigger": rnd.trigger, "started": rnd.started}[key]
+
+
 class CheckpointCoordinator:
     def __init__(self, coordinator):
         self.co = coordinator
         self.daemon = coordinator.daemon
-        self.live: dict[int, dict] = {}  # job -> the checkpoint under way: {"gen", "phase", "done", "result", ...}
+        self.live: dict[int, LiveRound] = {}  # job -> the checkpoint under way
         self.restored: dict[int, dict] = {}  # restarted job -> {node: error or None}
         self.periodic: set[int] = set()
         # lineage -> the last generation number handed out: a refused round
@@ -92,13 +108,20 @@ class CheckpointCoordinator:
             raise RemoteError("bad_state", f"job {job_id} is {record['state']}; only a running or suspended job can be checkpointed")
         live = self.live.get(job_id)
         if live is None:
-            live = {"gen": self._next_gen(record), "trigger": trigger, "started": time.time(), "phase": "begin", "done": trio.Event(), "result": None}
+            rnd = rd.Round(
+                job=job_id, gen=self._next_gen(record), lineage=record.get("lineage") or job_id,
+                nodes=frozenset(jobs.nodes_of(record)), trigger=trigger, started=time.time(),
+                placement=list(record["placement"]), expect=expected_deliveries, nranks=record["nranks"], clock=time.time,
+            )
+            live = LiveRound(rnd)
             self.live[job_id] = live
             self.co.spawn(self._run, job_id, live)
         if not wait:
             return {"job": job_id, "gen": live["gen"], "state": "running", "trigger": live["trigger"]}
-        await live["done"].wait()
-        result = live["result"]
+        await live.done.wait()
+        result = live.result
+        if result is None:
+            raise RemoteError("internal", f"checkpoint {live['gen']} of job {job_id} ended without a result")
         if result["state"] == "refused":
             raise RemoteError(result["code"], result["reason"])
         return result
@@ -117,83 +140,106 @@ class CheckpointCoordinator:
         """``op`` for this job on every node of it at once (one error naming the nodes if any fails)."""
         return await self.daemon.ops.on_job_nodes(record, op, job=record["id"], term=self.co._fence().term, **args)
 
-    async def _run(self, job_id: int, live: dict) -> None:
+    async def _run(self, job_id: int, live: LiveRound) -> None:
+        """The trio shell of :class:`gangd.checkpoint.round.Round`: feed it
+        the nodes' answers, execute its instructions."""
         record = self.daemon.table.get(job_id)
-        lineage = record.get("lineage") or job_id
-        gen = live["gen"]
-        entry = {
-            "gen": gen, "state": "running", "trigger": live["trigger"], "started": live["started"], "ended": None,
-            "iteration": None, "reason": "", "placement": list(record["placement"]), "nodes": {},
-        }
-        marks = {"start": time.time()}
+        rnd = live.round
         co = self.co
         co.pinned.add(job_id)  # a suspended job runs for its checkpoint; no switch stops it until it is on disk
+        pinned = True
+
+        def unpin() -> None:
+            nonlocal pinned
+            if pinned:
+                pinned = False
+                co.pinned.discard(job_id)
+                co.gang_changed()
+
         try:
-            await co.reconcile()
-            live["phase"] = "begin"
-            reports = await self._all(record, "ckpt_begin", gen=gen, lineage=lineage)
-            cut = max(r["iteration"] for r in reports.values())
-            entry["iteration"] = cut
-            marks["agreed"] = time.time()
-            live["phase"] = "cut"
-            counters = await self._all(record, "ckpt_cut", gen=gen, iteration=cut)
-            marks["cut"] = time.time()
-            expect = expected_deliveries(counters, record["nranks"])
-            live["phase"] = "capture"
-            await self._all(record, "ckpt_capture", gen=gen, expect=expect)
-            marks["saved"] = time.time()
-            live["phase"] = "resume"
-            await self._all(record, "ckpt_resume", gen=gen)
-            marks["resumed"] = time.time()
-            # Still pinned: a gang switch would stop the snapshot writers
-            # (they are the job's processes) until the job's next slot.
-            live["phase"] = "commit"
-            committed = await self._all(record, "ckpt_commit", gen=gen, lineage=lineage)
-            marks["committed"] = time.time()
-            entry["nodes"] = {node: node_stats(result) for node, result in committed.items()}
-            entry["state"] = "complete"
-        except Exception as exc:  # RemoteError from a round; anything else is a bug, but must not wedge the job
-            if not isinstance(exc, RemoteError):
-                log.exception("job %d: checkpoint %d failed", job_id, gen)
-                exc = RemoteError("internal", f"{type(exc).__name__}: {exc}")
-            entry["state"] = "refused" if exc.code == "not_ready" and live["phase"] == "begin" else "aborted"
-            entry["code"] = exc.code
-            entry["reason"] = exc.message
+            try:
+                await co.reconcile()
+                queue = deque(rnd.handle(rd.Start(rnd.gen)))
+            except RemoteError as exc:
+                queue = deque(rnd.handle(rd.Failed(rnd.gen, exc.code, exc.message)))
+            while queue:
+                instruction = queue.popleft()
+                if not isinstance(instruction, (rd.CallNodes, rd.AbortNodes)):
+                    unpin()  # (the generation is decided: the job may be switched while it is recorded)
+                queue.extend(await self._execute(record, live, instruction))
+        except trio.Cancelled:
+            # This coordinator stepped down: the new one aborts the round on the nodes.
+            for instruction in rnd.handle(rd.Deposed(rnd.gen)):
+                if isinstance(instruction, rd.Finish):
+                    self._finish(job_id, live, instruction.result)
+            raise
+        finally:
+            unpin()
+            if not live.done.is_set():  # (a bug in the machine must not leave a waiter forever)
+                why = "the checkpoint ended unexpectedly"
+                self._finish(job_id, live, {"job": job_id, "gen": rnd.gen, "state": "aborted", "code": "internal", "reason": why})
+
+    async def _execute(self, record: dict, live: LiveRound, instruction: rd.Instruction) -> list[rd.Instruction]:
+        job_id, rnd = record["id"], live.round
+        if isinstance(instruction, rd.CallNodes):
+            try:
+                answers = await self._all(record, instruction.op, **instruction.args)
+            except Exception as exc:  # RemoteError from a round; anything else is a bug, but must not wedge the job
+                if not isinstance(exc, RemoteError):
+                    log.exception("job %d: checkpoint %d failed", job_id, rnd.gen)
+                    exc = RemoteError("internal", f"{type(exc).__name__}: {exc}")
+                return rnd.handle(rd.Failed(rnd.gen, exc.code, exc.message))
+            out: list[rd.Instruction] = []
+            for node, answer in answers.items():
+                out += rnd.handle(rd.Answered(rnd.gen, instruction.phase, node, answer))
+            return out
+        if isinstance(instruction, rd.AbortNodes):
             with trio.CancelScope(shield=True), trio.move_on_after(30):
                 try:
-                    await self._all(record, "ckpt_abort", gen=gen, lineage=lineage, why=exc.message)
+                    await self._all(record, "ckpt_abort", gen=instruction.gen, lineage=rnd.lineage, why=instruction.why)
                 except RemoteError as abort_exc:
-                    log.warning("job %d: aborting checkpoint %d: %s", job_id, gen, abort_exc)
-        finally:
-            co.pinned.discard(job_id)
-            co.gang_changed()
-        entry["ended"] = time.time()
-        entry["marks"] = marks
+                    log.warning("job %d: aborting checkpoint %d: %s", job_id, instruction.gen, abort_exc)
+            return []
         try:
-            if entry["state"] == "refused":
-                log.info("job %d: no checkpoint: %s", job_id, entry["reason"])
-            else:
+            if isinstance(instruction, rd.Record):
+                entry = instruction.entry
                 if entry["state"] == "aborted":
-                    log.warning("job %d: checkpoint %d aborted: %s", job_id, gen, entry["reason"])
-                else:
+                    log.warning("job %d: checkpoint %d aborted: %s", job_id, entry["gen"], entry["reason"])
+                elif entry["state"] == "complete":
                     total = sum(s["bytes"] for s in entry["nodes"].values())
                     log.info(
                         "job %d: checkpoint %d complete at iteration %d: %d bytes in %.3f s",
-                        job_id, gen, entry["iteration"], total, entry["ended"] - entry["started"],
+                        job_id, entry["gen"], entry["iteration"], total, entry["ended"] - entry["started"],
                     )
                 await self._record(job_id, entry)
-                if entry["state"] == "complete":
-                    await self._prune(record)
+            elif isinstance(instruction, rd.Prune):
+                await self._prune(record)
+            elif isinstance(instruction, rd.WriteRedundancy):
+                log.info("job %d: no redundancy writer for level %s yet; generation %d stays complete", job_id, instruction.level, instruction.gen)
+            elif isinstance(instruction, rd.Finish):
+                if instruction.result["state"] == "refused":
+                    log.info("job %d: no checkpoint: %s", job_id, instruction.result["reason"])
+                self._finish(job_id, live, instruction.result)
         except Exception:  # (recording or pruning): whoever waits must still get an answer
-            log.exception("job %d: recording checkpoint %d failed", job_id, gen)
-        finally:
-            live["result"] = {"job": job_id, **entry}
-            self.live.pop(job_id, None)
-            live["done"].set()
+            log.exception("job %d: %s of checkpoint %d failed", job_id, type(instruction).__name__, rnd.gen)
+        return []
+
+    def _finish(self, job_id: int, live: LiveRound, result: dict) -> None:
+        live.result = result
+        if self.live.get(job_id) is live:
+            self.live.pop(job_id)
+        live.done.set()
 
     async def _record(self, job_id: int, entry: dict) -> None:
+        """The generation's entry in the job's record (replacing an earlier
+        state of the same generation: complete, then protected)."""
         def change(r):
-            r.setdefault("checkpoints", []).append(entry)
+            entries = r.setdefault("checkpoints", [])
+            for i, e in enumerate(entries):
+                if e["gen"] == entry["gen"]:
+                    entries[i] = entry
+                    return
+            entries.append(entry)
 
         try:
             await self.co.update(job_id, change)
@@ -370,30 +416,3 @@ class CheckpointCoordinator:
         finally:
             self.periodic.discard(job_id)
 
-
-def node_stats(result: dict) -> dict:
-    """One node's checkpoint, broken down like paper 000's Table 4 (seconds)."""
-    t = result["times"]
-
-    def span(a: str, b: str) -> float:
-        return round(max(0.0, t.get(b, t.get(a, 0.0)) - t.get(a, 0.0)), 6)
-
-    prep_wait = span("closed", "capture")  # waiting for the other nodes' ranks to reach the cut
-    finish_wait = span("saved", "resume")  # waiting for the slowest node to save
-    prep, write, finish = span("at_cut", "released"), span("released", "saved"), span("saved", "resumed")
-    disk = span("released", "written")
-    return {
-        "ranks": result["ranks"],
-        "bytes": result["bytes"],
-        "state_bytes": result["state_bytes"],
-        "agree": span("begin", "reported"),  # ranks answering SIGQUIT (the job runs on)
-        "reach": span("reported", "at_cut"),  # ranks computing up to the cut (the job runs on)
-        "prep": prep,
-        "write": write,
-        "finish": finish,
-        "blocked": span("at_cut", "resumed"),
-        "disk": disk,  # released -> state on disk (in the background, for forked snapshots)
-        "commit": span("written", "committed"),
-        "sync_overhead": round(max(0.0, prep - prep_wait) + max(0.0, finish - finish_wait), 6),
-        "bandwidth": round(result["bytes"] / disk, 1) if disk > 0 else None,
-    }

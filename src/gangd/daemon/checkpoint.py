@@ -621,13 +621,15 @@ class NodeCheckpoints:
             await trio.to_thread.run_sync(self._remove, ckptstore.gen_dir(self.root, int(args["lineage"]), gen))
         return True
 
-    async def abort_all(self, args: dict) -> list[int]:
-        """A new coordinator took over: checkpoints the old one was running can never finish."""
+    async def abort_all(self, args: dict) -> list[dict]:
+        """A new coordinator took over: checkpoints the old one was running can
+        never finish. Returns each as ``{"job", "gen"}``, for the new
+        coordinator to record as aborted (the old one never did)."""
         why = str(args.get("why") or "the coordinator changed during the checkpoint")
         under_way = [(job_id, p.gen, p.lineage) for job_id, p in self.pending.items()]  # (the awaits below change it)
         for job_id, gen, lineage in under_way:
             await self.abort({"job": job_id, "gen": gen, "lineage": lineage, "why": why})
-        return [job_id for job_id, _, _ in under_way]
+        return [{"job": job_id, "gen": gen} for job_id, gen, _ in under_way]
 
     def _times(self, pending: Pending) -> dict:
         return {"node": self.daemon.node, "times": dict(pending.times), "ranks": len(pending.ranks)}

@@ -246,6 +246,28 @@ class CheckpointCoordinator:
         except RemoteError as exc:
             log.warning("job %d: could not record checkpoint %d: %s", job_id, entry["gen"], exc)
 
+    async def record_abandoned(self, rounds: list[dict], why: str) -> None:
+        """Rounds a previous coordinator left under way (the nodes' answers to
+        ``ckpt_abort_all``): each recorded as aborted, once, unless the
+        generation already has an entry (it completed, or was recorded)."""
+        seen: set[tuple[int, int]] = set()
+        for item in rounds:
+            job_id, gen = item.get("job") if isinstance(item, dict) else None, item.get("gen") if isinstance(item, dict) else None
+            if not isinstance(job_id, int) or not isinstance(gen, int) or (job_id, gen) in seen:
+                continue
+            seen.add((job_id, gen))
+            record = self.daemon.table.get(job_id)
+            if record is None or any(e["gen"] == gen for e in record.get("checkpoints") or []):
+                continue
+            down = sorted({n for n in record["placement"] if not self.daemon.membership.is_up(n)})
+            reason = why + (f"; node{'s' if len(down) > 1 else ''} {', '.join(down)} of the job went down" if down else "")
+            now = time.time()
+            await self._record(job_id, {
+                "job": job_id, "gen": gen, "state": "aborted", "trigger": "", "started": now, "ended": now, "iteration": None,
+                "reason": reason, "placement": list(record["placement"]), "nodes": {},
+            })
+            log.warning("job %d: checkpoint %d, left under way by the previous coordinator, aborted: %s", job_id, gen, reason)
+
     async def _prune(self, record: dict) -> None:
         """Keep the newest ``checkpoint_keep`` complete generations of the lineage; remove the rest."""
         keep = self.daemon.config.checkpoint_keep

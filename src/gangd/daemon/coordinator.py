@@ -273,9 +273,11 @@ class Coordinator:
             try:
                 await self.call(node, "resend_exits")
                 # Checkpoints the previous coordinator was running cannot finish: release their ranks.
-                aborted = await self.call(node, "ckpt_abort_all", why=f"the coordinator changed to {self.node} during the checkpoint")
+                why = f"the coordinator changed to {self.node} during the checkpoint"
+                aborted = await self.call(node, "ckpt_abort_all", why=why)
                 if aborted:
-                    log.warning("aborted the checkpoints of jobs %s on %s, left by the previous coordinator", aborted, node)
+                    log.warning("aborted the checkpoints %s on %s, left by the previous coordinator", aborted, node)
+                    await self.ckpt.record_abandoned(aborted if isinstance(aborted, list) else [], why)
             except RemoteError as exc:
                 if isinstance(exc, Deposed):
                     raise

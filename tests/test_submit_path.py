@@ -206,3 +206,35 @@ def test_concurrent_submits_get_distinct_ids_all_committed_and_ps_all_lists_ever
     listed = trio.run(listing)
     assert listed == sorted(set(listed)), "ps --all lists a job twice or out of order"
     assert set(ids) <= set(listed) and listed[-1] == last and len(listed) == last
+
+
+async def test_history_pages_cross_gaps_wider_than_a_read_and_list_each_job_once(etcd_endpoints, keys):
+    """History ids with a gap far wider than one read's span (jobs still hot,
+    or never retired), ids past the counter (set back by hand): every page
+    in both directions still lists each job once, in order."""
+    ended = [*range(1, 301), *range(5000, 5301), *range(9000, 9011)]
+    async with Etcd(etcd_endpoints) as etcd:
+        for start in range(0, len(ended), 100):
+            ops = []
+            for job_id in ended[start:start + 100]:
+                record = build(job_id)
+                record.update(state=jobs.DONE, ended=time.time())
+                ops.append(Op.put(keys.past(job_id), pack(record)))
+            await etcd.txn([], ops)
+        await etcd.put(keys.ids, "8000")  # 9000.. lie above the counter
+        table = JobTable(etcd, keys)
+        assert [r["id"] for r in await table.history(0, 10_000)] == ended
+        assert [r["id"] for r in await table.history_before(None, 10_000)] == ended[::-1]
+        forward, after = [], 0
+        while page := await table.history(after, 97):
+            forward += [r["id"] for r in page]
+            after = page[-1]["id"]
+        assert forward == ended
+        backward: list[int] = []
+        before: int | None = None
+        while page := await table.history_before(before, 97):
+            backward += [r["id"] for r in page]
+            before = page[-1]["id"]
+        assert backward == ended[::-1]
+        assert await table.history(-5, 3) == (await table.history(0, 3))
+        assert await table.history_before(1, 10) == []

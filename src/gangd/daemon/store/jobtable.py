@@ -64,6 +64,11 @@ FRESH_ENV_BYTES = 32 * 1024 * 1024
 #: to two operations and a get on failure (etcd allows 128 of each).
 UPDATE_BATCH = 40
 UPDATE_BATCH_BYTES = 1024 * 1024
+#: Ids a history page reads at first, doubled while too few are found. etcd
+#: counts every key of a range it is asked for (and sorts all of them for a
+#: newest-first read) whatever the limit: a page over the whole history would
+#: cost the whole history, so each read covers a bounded span of ids.
+HISTORY_SPAN = 1024
 
 
 class Deposed(RemoteError):
@@ -358,22 +363,53 @@ class JobTable:
 
     async def history(self, after: int, limit: int) -> list[dict]:
         """Up to ``limit`` jobs of the history with ids above ``after``, in id order."""
-        return await self._history_page(self.keys.past(after + 1), prefix_end(self.keys.history), limit)
+        try:
+            top = await self._top_id()
+            kvs: list[KeyValue] = []
+            low, span = max(after + 1, 1), max(limit, HISTORY_SPAN)
+            while len(kvs) < limit and low <= top:
+                high = min(low + span, top + 1)
+                kvs += (await self.etcd.range(self.keys.past(low), range_end=self.keys.past(high), limit=limit - len(kvs))).kvs
+                low, span = high, span * 2
+            if len(kvs) < limit:  # ids past the counter's: none, unless the counter was set back by hand
+                rest = self.keys.past(low)
+                kvs += (await self.etcd.range(rest, range_end=prefix_end(self.keys.history), limit=limit - len(kvs))).kvs
+        except EtcdError as exc:
+            raise unavailable(exc) from None
+        return self._decode_history(kvs)
 
     async def history_before(self, before: int | None, limit: int) -> list[dict]:
         """Up to ``limit`` jobs of the history with ids below ``before`` (all if None), newest first."""
-        end = self.keys.past(before) if before is not None else prefix_end(self.keys.history)
-        return await self._history_page(self.keys.history, end, limit, newest_first=True)
-
-    async def _history_page(self, start: str, end: str | bytes, limit: int, newest_first: bool = False) -> list[dict]:
         try:
-            page = await self.etcd.range(
-                start, range_end=end, limit=limit, sort_target="KEY" if newest_first else None, sort_order="DESCEND" if newest_first else None,
-            )
+            kvs: list[KeyValue] = []
+            if before is None:
+                top = await self._top_id()
+                kvs += (await self._range_newest_first(self.keys.past(top + 1), prefix_end(self.keys.history), limit)).kvs
+            else:
+                top = before - 1
+            high, span = top + 1, max(limit, HISTORY_SPAN)
+            while len(kvs) < limit and high > 1:
+                low = max(1, high - span)
+                kvs += (await self._range_newest_first(self.keys.past(low), self.keys.past(high), limit - len(kvs))).kvs
+                high, span = low, span * 2
         except EtcdError as exc:
             raise unavailable(exc) from None
+        return self._decode_history(kvs)
+
+    async def _top_id(self) -> int:
+        """The last job id handed out (the counter): no history key lies above it."""
+        kv = await self.etcd.get(self.keys.ids)
+        try:
+            return int(kv.value) if kv is not None else 0
+        except ValueError:
+            return 0
+
+    async def _range_newest_first(self, start: str, end: str | bytes, limit: int) -> Range:
+        return await self.etcd.range(start, range_end=end, limit=limit, sort_target="KEY", sort_order="DESCEND")
+
+    def _decode_history(self, kvs: list[KeyValue]) -> list[dict]:
         records = []
-        for kv in page.kvs:
+        for kv in kvs:
             try:
                 record = decode_record(kv.value)
             except Exception as exc:  # noqa: BLE001 -- skipped, with a log line

@@ -124,6 +124,11 @@ async def submit_rate(directory: Path, total: int, clients: int) -> tuple[float,
     return total / accepted, finished
 
 
+async def coordinator_of(directory: Path) -> str:
+    async with connect(directory) as gang:
+        return next((r["name"] for r in await gang.nodes() if r["coordinator"]), "none")
+
+
 async def failover(directory: Path, ttl: int) -> tuple[float, str, str]:
     async with connect(directory) as gang:
         leader = next(r["name"] for r in await gang.nodes() if r["coordinator"])
@@ -164,6 +169,7 @@ def main() -> None:
     ttl = cfg.load(directory / "n1" / "gangd.toml").etcd.lease_ttl
     try:
         print(f"{args.nodes}-node local cluster, etcd at {', '.join(cfg.load(directory / 'n1' / 'gangd.toml').etcd.endpoints)}, lease TTL {ttl} s")
+        print(f"coordinator: {trio.run(coordinator_of, directory)}; the clients connect to {local.node_files(directory)[0].name}")
         baseline = trio.run(baseline_txn_rate, directory, args.baseline)
         print(f"baseline: the submit's transaction straight to etcd, one client: {baseline:.0f} txn/s")
         rates = {}
@@ -173,7 +179,8 @@ def main() -> None:
             rate, finished = trio.run(submit_rate, directory, args.jobs, args.clients)
             rates[size] = rate
             print(f"history {size:>7}: {rate:7.0f} jobs/s accepted ({rate / baseline:.2f}x the baseline txn rate); "
-                  f"all {args.jobs} ended after {finished:.1f} s ({args.jobs / finished:.0f} jobs/s end to end)")
+                  f"all {args.jobs} ended after {finished:.1f} s ({args.jobs / finished:.0f} jobs/s end to end); "
+                  f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus")
         if 0 in rates and sizes[-1] != 0:
             print(f"rate at {sizes[-1]} / rate at 0: {rates[sizes[-1]] / rates[0]:.2f}")
         gang = [sys.executable, "-m", "gangd.client.cli", "--cluster", str(directory)]

@@ -17,13 +17,20 @@ compares the job key's mod revision with the one its change was computed
 from: a change is applied exactly once, to the record it was computed from,
 or computed again. Job ids come from a counter moved in the same
 transaction that creates the job: never handed out twice, across any
-failover.
+failover. Updates that wait at the same moment share one transaction (a
+group commit, as submissions do): each keeps its own comparison, so a batch
+costs one round trip and one fsync, and answers exactly what each update
+alone would have.
 
 A job's environment (the submitter's, up to 2 MiB) is a key of its own,
 written once with the job and deleted in the transaction that ends it: the
-record, rewritten on every change, stays small. Ended jobs move to the
+record, rewritten on every change, stays small. The node that created the job
+keeps that environment in memory until the launch takes it (bounded), so a
+launch does not read back what was just written. Ended jobs move to the
 history after the retention period (:meth:`JobTable.retire`), so the hot
-table, and what a submit costs, does not grow with the cluster's past.
+table, and what a submit costs, does not grow with the cluster's past; and a
+page of the history reads a bounded span of ids, so a listing's cost does
+not grow with it either.
 """
 
 from __future__ import annotations
@@ -300,6 +307,9 @@ class JobTable:
         if job_id is None:
             return
         if event.type == "PUT":
+            current = self.records.get(job_id)
+            if current is not None and current.get("seq", 0) >= event.kv.mod_revision:
+                return  # this node's own write, cached when it committed: not decoded again
             self._take_kv(event.kv)
         else:
             current = self.records.get(job_id)

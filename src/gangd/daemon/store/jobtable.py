@@ -549,7 +549,6 @@ class JobTable:
                     self._writes.remove(write)
 
     async def _commit_batch(self) -> None:
-        keys = self.keys
         first = self._writes[0]
         batch: list[_Write] = []
         rest: collections.deque[_Write] = collections.deque()
@@ -565,7 +564,16 @@ class JobTable:
             ids.add(w.job_id)
             size += w.size
         self._writes = rest
-        fence = first.fence
+        try:
+            await self._send_batch(first.fence, batch)
+        finally:
+            for w in batch:
+                if not w.done and w not in self._writes:  # a bug: each update of the batch hears of it, none waits for ever
+                    log.error("job %d: its batched update was left without an answer", w.job_id)
+                    w.finish(error=RemoteError("internal", f"the update of job {w.job_id} failed (see the coordinator's log)"))
+
+    async def _send_batch(self, fence: Fence, batch: list[_Write]) -> None:
+        keys = self.keys
         try:
             result = await self.etcd.txn(
                 [fence.compare()] + [Compare.mod_revision(keys.job(w.job_id)) == w.revision for w in batch],

@@ -10,7 +10,9 @@ On a local cluster with its own etcd (real fsyncs, the daemons' real code):
                of them ended is printed beside.
   baseline     in the same run, the same transaction a submit commits
                (counter + record + environment), sent straight to etcd by
-               one client: what no submit can beat. Printed as a ratio.
+               one client: what no submit can beat. Printed as a ratio, and
+               measured again before each round (the machine is shared:
+               the load average is printed beside each round too).
   failover     SIGKILL to the coordinator's daemon, then submits through
                another node until one is accepted: the time between.
   listing      wall time of `gang ps` and `gang ps --all` (a subprocess
@@ -33,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import trio
 
 from gangd import jobs
@@ -124,6 +127,11 @@ async def submit_rate(directory: Path, total: int, clients: int) -> tuple[float,
     return total / accepted, finished
 
 
+async def coordinator_of(directory: Path) -> str:
+    async with connect(directory) as gang:
+        return next((r["name"] for r in await gang.nodes() if r["coordinator"]), "none")
+
+
 async def failover(directory: Path, ttl: int) -> tuple[float, str, str]:
     async with connect(directory) as gang:
         leader = next(r["name"] for r in await gang.nodes() if r["coordinator"])
@@ -140,6 +148,22 @@ async def failover(directory: Path, ttl: int) -> tuple[float, str, str]:
         except Exception:  # noqa: BLE001 -- not yet: the election is still under way
             await trio.sleep(0.05)
     return time.monotonic() - killed, leader, other.name
+
+
+def cpu_seconds(directory: Path) -> tuple[float, float]:
+    """CPU time used so far by the cluster's daemons and by its etcd: what a
+    round costs, whatever else the (shared) machine is doing meanwhile."""
+    def used(pid: int | None) -> float:
+        try:
+            times = psutil.Process(pid).cpu_times()
+        except (psutil.Error, ValueError):
+            return 0.0
+        return times.user + times.system
+
+    daemons = sum(used(n.pid()) for n in local.node_files(directory))
+    etcd = sum(used(p.pid) for p in psutil.process_iter(["name", "cmdline"])
+               if p.info["name"] == "etcd" and str(directory) in " ".join(p.info["cmdline"] or []))
+    return daemons, etcd
 
 
 def timed(argv: list[str]) -> float:
@@ -164,16 +188,24 @@ def main() -> None:
     ttl = cfg.load(directory / "n1" / "gangd.toml").etcd.lease_ttl
     try:
         print(f"{args.nodes}-node local cluster, etcd at {', '.join(cfg.load(directory / 'n1' / 'gangd.toml').etcd.endpoints)}, lease TTL {ttl} s")
+        print(f"coordinator: {trio.run(coordinator_of, directory)}; the clients connect to {local.node_files(directory)[0].name}")
         baseline = trio.run(baseline_txn_rate, directory, args.baseline)
         print(f"baseline: the submit's transaction straight to etcd, one client: {baseline:.0f} txn/s")
         rates = {}
         for size in sizes:
             trio.run(seed_history, directory, size, say)
             time.sleep(5)  # the previous round's jobs retire (job_retention 3 s)
+            # etcd itself, now (the machine is shared, and etcd's own costs may change with its size).
+            here = trio.run(baseline_txn_rate, directory, max(100, args.baseline // 4))
+            daemons, etcd = cpu_seconds(directory)
             rate, finished = trio.run(submit_rate, directory, args.jobs, args.clients)
+            daemons, etcd = (now - before for now, before in zip(cpu_seconds(directory), (daemons, etcd), strict=True))
             rates[size] = rate
-            print(f"history {size:>7}: {rate:7.0f} jobs/s accepted ({rate / baseline:.2f}x the baseline txn rate); "
-                  f"all {args.jobs} ended after {finished:.1f} s ({args.jobs / finished:.0f} jobs/s end to end)")
+            print(f"history {size:>7}: {rate:7.0f} jobs/s accepted ({rate / baseline:.2f}x the baseline txn rate, "
+                  f"{rate / here:.2f}x this round's {here:.0f} txn/s); "
+                  f"all {args.jobs} ended after {finished:.1f} s ({args.jobs / finished:.0f} jobs/s end to end); "
+                  f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus; "
+                  f"CPU per job: daemons {1000 * daemons / args.jobs:.1f} ms, etcd {1000 * etcd / args.jobs:.1f} ms")
         if 0 in rates and sizes[-1] != 0:
             print(f"rate at {sizes[-1]} / rate at 0: {rates[sizes[-1]] / rates[0]:.2f}")
         gang = [sys.executable, "-m", "gangd.client.cli", "--cluster", str(directory)]

@@ -140,14 +140,15 @@ class Client:
         return await self.request("submit", spec=spec)
 
     async def jobs(self, all: bool = False) -> list[dict]:
-        """Every job (with ``all``) or the active and recent ones, in id order, page by page."""
+        """Every job (with ``all``) or the active and recent ones, in id order, page by page
+        (a page may be short of the limit when its jobs have many ranks: the last one is empty)."""
         found: list[dict] = []
-        after, page = 0, 500
+        after = 0
         while True:
-            batch = await self.request("jobs", all=all, after=after, limit=page)
-            found += batch
-            if len(batch) < page:
+            batch = await self.request("jobs", all=all, after=after, limit=2000)
+            if not batch:
                 return found
+            found += batch
             after = batch[-1]["id"]
 
     async def history(self, limit: int = 50, before: int | None = None, uid: int | None = None) -> list[dict]:

@@ -25,6 +25,10 @@ from .registry import CLIENT, Call, op
 
 #: Most job summaries in one answer to ``jobs`` (the client pages through more).
 LIST_PAGE = 500
+#: A page of ``gang ps`` holds at most this many jobs and, summed, this many ranks
+#: (a summary carries each rank's node and exit: bounded bytes per reply frame).
+JOBS_PAGE = 2000
+JOBS_PAGE_RANKS = 100_000
 
 log = logging.getLogger("gangd.ops")
 
@@ -246,13 +250,14 @@ class Listing:
             bisect.insort(self._ids, record["id"])
 
     async def list_jobs(self, cred, args, channel):
-        """One page of job summaries in id order: at most ``limit`` (<= LIST_PAGE)
-        jobs with ids above ``after``; the client asks for pages until one is short."""
+        """One page of job summaries in id order: at most ``limit`` (<= JOBS_PAGE)
+        jobs with ids above ``after`` (fewer when their ranks add up past
+        JOBS_PAGE_RANKS); the client asks for pages until one is empty."""
         after = args.get("after", 0)
         limit = args.get("limit", LIST_PAGE)
         if not isinstance(after, int) or not isinstance(limit, int) or isinstance(after, bool) or isinstance(limit, bool):
             raise RemoteError("bad_request", "'after' and 'limit' must be integers")
-        limit = max(1, min(limit, LIST_PAGE))
+        limit = max(1, min(limit, JOBS_PAGE))
         ids, table = self._job_ids(), self.table.records
         everything = bool(args.get("all"))
         cutoff = None if everything else time.time() - 3600
@@ -271,6 +276,8 @@ class Listing:
             merged = {r["id"]: r for r in past}
             merged.update({r["id"]: r for r in records})
             records = [merged[job_id] for job_id in sorted(merged)[:limit]]
+        ranks = list(itertools.accumulate(r["nranks"] for r in records))
+        records = records[: max(1, bisect.bisect_right(ranks, JOBS_PAGE_RANKS))]
         summaries = [_summary(r) for r in records]
         live = [s for s in summaries if s["state"] in (jobs.RUNNING, jobs.SUSPENDED)]
         if live:

@@ -17,21 +17,30 @@ compares the job key's mod revision with the one its change was computed
 from: a change is applied exactly once, to the record it was computed from,
 or computed again. Job ids come from a counter moved in the same
 transaction that creates the job: never handed out twice, across any
-failover.
+failover. Updates that wait at the same moment share one transaction (a
+group commit, as submissions do): each keeps its own comparison, so a batch
+costs one round trip and one fsync, and answers exactly what each update
+alone would have.
 
 A job's environment (the submitter's, up to 2 MiB) is a key of its own,
 written once with the job and deleted in the transaction that ends it: the
-record, rewritten on every change, stays small. Ended jobs move to the
+record, rewritten on every change, stays small. The node that created the job
+keeps that environment in memory until the launch takes it (bounded), so a
+launch does not read back what was just written. Ended jobs move to the
 history after the retention period (:meth:`JobTable.retire`), so the hot
-table, and what a submit costs, does not grow with the cluster's past.
+table, and what a submit costs, does not grow with the cluster's past; and a
+page of the history reads a bounded span of ids, so a listing's cost does
+not grow with it either.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import copy
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -55,6 +64,18 @@ MAX_ENV_BYTES = 3 * 1024 * 1024
 #: one comparison each, and etcd allows 128 of either (--max-txn-ops).
 RETIRE_BATCH = 40
 RETIRE_BATCH_BYTES = 1024 * 1024  # (etcd refuses requests above 1.5 MiB by default)
+#: Bytes of environments of jobs this node created and has not launched yet,
+#: kept in memory so the launch need not read them back from etcd (oldest dropped first: then read from etcd).
+FRESH_ENV_BYTES = 32 * 1024 * 1024
+#: Job updates committed in one transaction at most: each is a comparison, up
+#: to two operations and a get on failure (etcd allows 128 of each).
+UPDATE_BATCH = 40
+UPDATE_BATCH_BYTES = 1024 * 1024
+#: Ids a history page reads at first, doubled while too few are found. etcd
+#: counts every key of a range it is asked for (and sorts all of them for a
+#: newest-first read) whatever the limit: a page over the whole history would
+#: cost the whole history, so each read covers a bounded span of ids.
+HISTORY_SPAN = 1024
 
 
 class Deposed(RemoteError):
@@ -140,6 +161,28 @@ def unavailable(exc: EtcdError) -> RemoteError:
     return RemoteError("etcd_unavailable", f"the cluster's etcd cannot be reached: {exc.message}")
 
 
+@dataclass(eq=False)
+class _Write:
+    """One job's update waiting for the group commit (see :meth:`JobTable._commit`)."""
+
+    fence: Fence
+    job_id: int
+    revision: int  # the job key's mod revision the change was computed from
+    ops: list[Op]
+    size: int
+    done: bool = False
+    revision_written: int = 0
+    found: list[KeyValue] = field(default_factory=list)  # the job's key when it had changed meanwhile
+    error: RemoteError | None = None
+
+    @property
+    def committed(self) -> bool:
+        return self.revision_written > 0
+
+    def finish(self, *, revision: int = 0, found: list[KeyValue] | None = None, error: RemoteError | None = None) -> None:
+        self.done, self.revision_written, self.found, self.error = True, revision, found or [], error
+
+
 class JobTable:
     def __init__(self, etcd: Etcd, keys: Keys):
         self.etcd = etcd
@@ -150,6 +193,13 @@ class JobTable:
         self._changed = trio.Event()
         self._counter: tuple[int, int] | None = None  # (last id handed out, the counter's mod revision), coordinator only
         self.by_token: dict[str, int] = {}  # a submission's token -> its job (see Coordinator.submit)
+        # Environments this node committed with their jobs, until the launch takes them (see :meth:`env`).
+        self._fresh_env: dict[int, tuple[dict[str, str], int]] = {}
+        self._fresh_env_bytes = 0
+        # Updates waiting for the group commit (see :meth:`_commit`).
+        self._writes: collections.deque[_Write] = collections.deque()
+        self._writing = False
+        self._batch_done = trio.Event()
 
     # ------------------------------------------------------------ reads (cache)
 
@@ -179,6 +229,8 @@ class JobTable:
             return False
         record["seq"] = revision
         self.records[record["id"]] = record
+        if self._fresh_env and jobs.is_terminal(record):
+            self._drop_env(record["id"])
         token = record.get("submit_token")
         if isinstance(token, str):
             self.by_token[token] = record["id"]
@@ -191,6 +243,7 @@ class JobTable:
         return True
 
     def _forget(self, job_id: int) -> None:
+        self._drop_env(job_id)
         record = self.records.pop(job_id, None)
         if record is not None and isinstance(record.get("submit_token"), str):
             self.by_token.pop(record["submit_token"], None)
@@ -254,6 +307,9 @@ class JobTable:
         if job_id is None:
             return
         if event.type == "PUT":
+            current = self.records.get(job_id)
+            if current is not None and current.get("seq", 0) >= event.kv.mod_revision:
+                return  # this node's own write, cached when it committed: not decoded again
             self._take_kv(event.kv)
         else:
             current = self.records.get(job_id)
@@ -281,7 +337,28 @@ class JobTable:
             raise RemoteError("internal", f"job {job_id}'s record in etcd is damaged: {exc}") from None
         return None
 
+    def _keep_env(self, job_id: int, env: dict[str, str], size: int) -> None:
+        if size > FRESH_ENV_BYTES:
+            return
+        self._fresh_env[job_id] = (env, size)
+        self._fresh_env_bytes += size
+        while self._fresh_env_bytes > FRESH_ENV_BYTES:
+            self._drop_env(next(iter(self._fresh_env)))
+
+    def _drop_env(self, job_id: int) -> dict[str, str] | None:
+        kept = self._fresh_env.pop(job_id, None)
+        if kept is None:
+            return None
+        self._fresh_env_bytes -= kept[1]
+        return kept[0]
+
     async def env(self, job_id: int) -> dict[str, str]:
+        """The job's environment: kept from its creation on this node (taken: a
+        second launch reads etcd), else read from etcd (empty once the job ended)."""
+        kept = self._drop_env(job_id)
+        record = self.records.get(job_id)
+        if kept is not None and record is not None and not jobs.is_terminal(record):
+            return kept
         try:
             kv = await self.etcd.get(self.keys.env(job_id))
         except EtcdError as exc:
@@ -296,22 +373,53 @@ class JobTable:
 
     async def history(self, after: int, limit: int) -> list[dict]:
         """Up to ``limit`` jobs of the history with ids above ``after``, in id order."""
-        return await self._history_page(self.keys.past(after + 1), prefix_end(self.keys.history), limit)
+        try:
+            top = await self._top_id()
+            kvs: list[KeyValue] = []
+            low, span = max(after + 1, 1), max(limit, HISTORY_SPAN)
+            while len(kvs) < limit and low <= top:
+                high = min(low + span, top + 1)
+                kvs += (await self.etcd.range(self.keys.past(low), range_end=self.keys.past(high), limit=limit - len(kvs))).kvs
+                low, span = high, span * 2
+            if len(kvs) < limit:  # ids past the counter's: none, unless the counter was set back by hand
+                rest = self.keys.past(low)
+                kvs += (await self.etcd.range(rest, range_end=prefix_end(self.keys.history), limit=limit - len(kvs))).kvs
+        except EtcdError as exc:
+            raise unavailable(exc) from None
+        return self._decode_history(kvs)
 
     async def history_before(self, before: int | None, limit: int) -> list[dict]:
         """Up to ``limit`` jobs of the history with ids below ``before`` (all if None), newest first."""
-        end = self.keys.past(before) if before is not None else prefix_end(self.keys.history)
-        return await self._history_page(self.keys.history, end, limit, newest_first=True)
-
-    async def _history_page(self, start: str, end: str | bytes, limit: int, newest_first: bool = False) -> list[dict]:
         try:
-            page = await self.etcd.range(
-                start, range_end=end, limit=limit, sort_target="KEY" if newest_first else None, sort_order="DESCEND" if newest_first else None,
-            )
+            kvs: list[KeyValue] = []
+            if before is None:
+                top = await self._top_id()
+                kvs += (await self._range_newest_first(self.keys.past(top + 1), prefix_end(self.keys.history), limit)).kvs
+            else:
+                top = before - 1
+            high, span = top + 1, max(limit, HISTORY_SPAN)
+            while len(kvs) < limit and high > 1:
+                low = max(1, high - span)
+                kvs += (await self._range_newest_first(self.keys.past(low), self.keys.past(high), limit - len(kvs))).kvs
+                high, span = low, span * 2
         except EtcdError as exc:
             raise unavailable(exc) from None
+        return self._decode_history(kvs)
+
+    async def _top_id(self) -> int:
+        """The last job id handed out (the counter): no history key lies above it."""
+        kv = await self.etcd.get(self.keys.ids)
+        try:
+            return int(kv.value) if kv is not None else 0
+        except ValueError:
+            return 0
+
+    async def _range_newest_first(self, start: str, end: str | bytes, limit: int) -> Range:
+        return await self.etcd.range(start, range_end=end, limit=limit, sort_target="KEY", sort_order="DESCEND")
+
+    def _decode_history(self, kvs: list[KeyValue]) -> list[dict]:
         records = []
-        for kv in page.kvs:
+        for kv in kvs:
             try:
                 record = decode_record(kv.value)
             except Exception as exc:  # noqa: BLE001 -- skipped, with a log line
@@ -345,6 +453,7 @@ class JobTable:
                     self._counter = (int(kv.value), kv.mod_revision) if kv is not None else (0, 0)
                 last, counted_at = self._counter
                 records = []
+                envs: list[tuple[int, dict[str, str], int]] = []
                 compare = [fence.compare(), Compare.mod_revision(keys.ids) == counted_at]
                 success = [Op.put(keys.ids, str(last + len(items)))]
                 for offset, (build, env) in enumerate(items, 1):
@@ -355,7 +464,9 @@ class JobTable:
                     compare += [Compare.version(keys.job(job_id)) == 0, Compare.version(keys.past(job_id)) == 0]
                     success.append(Op.put(keys.job(job_id), pack(record)))
                     if env:
-                        success.append(Op.put(keys.env(job_id), pack(env)))
+                        packed = pack(env)
+                        envs.append((job_id, env, len(packed)))
+                        success.append(Op.put(keys.env(job_id), packed))
                 result = await self.etcd.txn(compare, success, [Op.get(fence.key), Op.get(keys.ids)])
             except EtcdError as exc:
                 self._counter = None
@@ -365,6 +476,8 @@ class JobTable:
                 self._counter = (last + len(items), result.revision)
                 for record in records:
                     self.take(record, result.revision)
+                for job_id, env, size in envs:
+                    self._keep_env(job_id, env, size)
                 return records
             self._check_fence(fence, result.responses[0])
             counter = _kvs(result.responses[1])
@@ -390,27 +503,109 @@ class JobTable:
             if change(record) is False:
                 return current
             revision = record.pop("seq", 0)
-            success = [Op.put(keys.job(job_id), pack(record))]
+            data = pack(record)
+            success = [Op.put(keys.job(job_id), data)]
             if jobs.is_terminal(record):
                 success.append(Op.delete(keys.env(job_id)))
-            try:
-                result = await self.etcd.txn(
-                    [fence.compare(), Compare.mod_revision(keys.job(job_id)) == revision],
-                    success,
-                    [Op.get(fence.key), Op.get(keys.job(job_id))],
-                )
-            except EtcdError as exc:
-                raise self._write_error(exc) from None
-            if result.succeeded:
+            write = _Write(fence, job_id, revision, success, len(data))
+            await self._commit(write)
+            if write.error is not None:
+                raise write.error
+            if write.committed:
                 failpoint("jobtable.updated")
-                self.take(record, result.revision)
+                self.take(record, write.revision_written)
                 return record
-            self._check_fence(fence, result.responses[0])
-            found = _kvs(result.responses[1])
+            found = write.found
             if not found:
                 self._forget(job_id)
                 raise RemoteError("no_such_job", f"job {job_id} is no longer in the hot job table")
             self._take_kv(found[0])
+
+    async def _commit(self, write: _Write) -> None:
+        """Commit ``write`` together with the other updates waiting meanwhile
+        (a group commit: one etcd round trip for a burst of job changes, as
+        for submissions). One waiting task at a time sends a batch; when it
+        returns, the next one sends whatever queued up behind it. Each update
+        keeps its own comparison: a batch whose transaction fails because
+        some of its jobs changed is answered for those, the others are sent again."""
+        self._writes.append(write)
+        try:
+            while not write.done:
+                if self._writing:
+                    await self._batch_done.wait()
+                    continue
+                self._writing = True
+                try:
+                    # Shielded: the batch holds other tasks' updates, which must all hear how it went.
+                    with trio.CancelScope(shield=True):
+                        await self._commit_batch()
+                finally:
+                    self._writing = False
+                    done, self._batch_done = self._batch_done, trio.Event()
+                    done.set()
+        finally:
+            if not write.done:  # cancelled while waiting its turn: it was never sent
+                with contextlib.suppress(ValueError):
+                    self._writes.remove(write)
+
+    async def _commit_batch(self) -> None:
+        first = self._writes[0]
+        batch: list[_Write] = []
+        rest: collections.deque[_Write] = collections.deque()
+        ids: set[int] = set()
+        size = 0
+        for w in self._writes:
+            # One transaction may not touch a key twice, nor mix terms; and etcd bounds its operations and bytes.
+            if (w.fence != first.fence or w.job_id in ids or len(batch) >= UPDATE_BATCH
+                    or (batch and size + w.size > UPDATE_BATCH_BYTES)):
+                rest.append(w)
+                continue
+            batch.append(w)
+            ids.add(w.job_id)
+            size += w.size
+        self._writes = rest
+        try:
+            await self._send_batch(first.fence, batch)
+        finally:
+            for w in batch:
+                if not w.done and w not in self._writes:  # a bug: each update of the batch hears of it, none waits for ever
+                    log.error("job %d: its batched update was left without an answer", w.job_id)
+                    w.finish(error=RemoteError("internal", f"the update of job {w.job_id} failed (see the coordinator's log)"))
+
+    async def _send_batch(self, fence: Fence, batch: list[_Write]) -> None:
+        keys = self.keys
+        try:
+            result = await self.etcd.txn(
+                [fence.compare()] + [Compare.mod_revision(keys.job(w.job_id)) == w.revision for w in batch],
+                [op for w in batch for op in w.ops],
+                [Op.get(fence.key)] + [Op.get(keys.job(w.job_id)) for w in batch],
+            )
+        except EtcdError as exc:
+            for w in batch:
+                w.finish(error=self._write_error(exc))
+            return
+        if result.succeeded:
+            for w in batch:
+                w.finish(revision=result.revision)
+            return
+        try:
+            self._check_fence(fence, result.responses[0])
+        except Deposed as exc:
+            for w in batch:
+                w.finish(error=exc)
+            return
+        again = []
+        for w, response in zip(batch, result.responses[1:], strict=True):
+            found = _kvs(response)
+            if found and found[0].mod_revision == w.revision:
+                again.append(w)  # not the one that changed: sent again with the next batch
+            else:
+                w.finish(found=found)
+        if len(again) == len(batch):  # cannot be (a comparison failed): answered rather than sent for ever
+            for w in again:
+                w.finish(error=RemoteError("internal", f"etcd refused the update of job {w.job_id} without saying why"))
+            return
+        self._writes.extendleft(reversed(again))
 
     async def retire(self, fence: Fence, records: list[dict]) -> int:
         """Move ended jobs to the history (one transaction per batch, each job

@@ -11,10 +11,10 @@ Levels, as in SCR (its SINGLE, PARTNER and XOR schemes):
   unless it and its partner are both lost.
 * ``xor`` — the nodes in consecutive sets of at most ``k`` (default 8, or
   the node count if smaller); in a set of ``n``, each node's data is split
-  into ``n − 1`` chunks and every node stores the XOR of one chunk of each
-  other member (reduce-scatter), i.e. ``1/(n − 1)`` of its data extra: storage
-  ``B·n/(n − 1)``. Any one lost member of a set is rebuildable from the
-  ``n − 1`` survivors; two in one set are not.
+  into ``n - 1`` chunks and every node stores the XOR of one chunk of each
+  other member (reduce-scatter), i.e. ``1/(n - 1)`` of its data extra: storage
+  ``B·n/(n - 1)``. Any one lost member of a set is rebuildable from the
+  ``n - 1`` survivors; two in one set are not.
 
 When ``N`` is not a multiple of ``k``, the nodes are split into
 ``ceil(N / k)`` consecutive sets of sizes differing by at most one (SCR

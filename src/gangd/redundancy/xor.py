@@ -2,13 +2,13 @@
 
 SCR's XOR scheme. A member's *data* is its generation's files (every file
 its MANIFEST lists, in sorted-name order) concatenated, zero-padded to
-``(n − 1) · chunk`` bytes, where ``chunk = ceil(largest member's data / (n − 1))``.
-Member ``i``'s data is ``n − 1`` chunks; its chunk ``s`` goes into the parity
+``(n - 1) · chunk`` bytes, where ``chunk = ceil(largest member's data / (n - 1))``.
+Member ``i``'s data is ``n - 1`` chunks; its chunk ``s`` goes into the parity
 of member ``(i + s + 1) mod n``, so every member ``j`` stores
 
-    P_j = XOR over i ≠ j of chunk_i[(j − i − 1) mod n]
+    P_j = XOR over i ≠ j of chunk_i[(j - i - 1) mod n]
 
-(a reduce-scatter: every member's parity is ``chunk`` bytes, ``1/(n − 1)`` of
+(a reduce-scatter: every member's parity is ``chunk`` bytes, ``1/(n - 1)`` of
 its data). A lost member ``x`` comes back from the survivors: its chunk ``s``
 is ``P_j`` (``j = (x + s + 1) mod n``) XOR the other survivors' chunks for
 ``j``, and its own parity is recomputed from their data.
@@ -90,7 +90,8 @@ class SetLayout:
 
     def slot(self, holder: int, member: int) -> int:
         """Which chunk of ``member`` is in ``holder``'s parity."""
-        assert holder != member
+        if holder == member:
+            raise ValueError("a member's own chunks are in the others' parity, not its own")
         return (holder - member - 1) % self.n
 
     def holder(self, member: int, slot: int) -> int:
@@ -280,7 +281,8 @@ class ParityFile:
         self.node = meta.nodes[meta.index]
 
     def blocks(self, start: int, length: int) -> Iterator[memoryview]:
-        assert start == 0 and length == self.meta.parity_size
+        if (start, length) != (0, self.meta.parity_size):
+            raise ValueError("a parity is read whole, in order")
         fd = _open_dir(self.gen_dir)
         try:
             try:
@@ -327,7 +329,7 @@ def xor_blocks(sources: Sequence[Iterator], length: int) -> Iterator[memoryview]
                 raise RebuildError(f"a source gave {0 if block is None else len(block)} bytes at offset {done}, expected {n}")
             np.bitwise_xor(acc[:n], np.frombuffer(block, dtype=np.uint8), out=acc[:n])
         done += n
-        yield memoryview(acc)[:n]
+        yield acc.data[:n]
     for src in sources:
         if next(src, None) is not None:
             raise RebuildError(f"a source gave more than {length} bytes")
@@ -378,7 +380,7 @@ def encode_set(dirs: Sequence[Path], nodes: Sequence[str]) -> list[XorMeta]:
     own member's parity with :func:`write_parity` over peers' streams)."""
     manifests = [ckptstore.read_manifest(Path(d)) for d in dirs]
     base = meta_for(manifests, nodes, 0)
-    readers = [NodeData(Path(d), m, node=n) for d, m, n in zip(dirs, manifests, nodes)]
+    readers = [NodeData(Path(d), m, node=n) for d, m, n in zip(dirs, manifests, nodes, strict=True)]
     try:
         return [write_parity(Path(d), _with_index(base, j), readers) for j, d in enumerate(dirs)]
     finally:

@@ -1,0 +1,399 @@
+"""Streaming checkpoint bytes between daemons: a file, or a slice of a node's data.
+
+Partner copies, XOR parity, rebuilds and restarts on other nodes all move
+generation files from one daemon to another. They ride the peers' existing
+channels (:mod:`gangd.rpc`): the receiver *pulls* with a streamed request
+(``ckpt_file_read`` for a file, ``ckpt_data_read`` for a slice of a node's
+concatenated data, the XOR scheme's unit), so flow control is the
+channel's credit: the sender emits a chunk only once the receiver has taken
+the previous ones, and the receiver holds at most ``depth`` chunks waiting
+for the disk. Memory per transfer: ``(depth + 2) · CHUNK`` on either side,
+whatever the file's size.
+
+A peer's bytes are hostile until checked. The receiver knows what it wants
+before it asks — a size and a checksum from a manifest it already holds —
+and refuses, before writing a byte past it, a chunk out of order, larger
+than ``CHUNK``, beyond the declared size, whose own xxh3-64 does not match,
+or a stream that ends short, claims another size or checksum, or goes on
+after its end. The file lands under a temporary name, fsynced, renamed, the
+directory fsynced; a refused or cut transfer leaves nothing under the final
+name. The sender opens only names of the form ``[ranks/]name`` below
+``<root>/job-<L>/gen-<G>/`` (``redundancy/`` too), each component without
+following a link, so a request cannot make it read outside the job's
+checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+import xxhash
+
+from .. import ckptstore, safefs
+from ..ckptstore import Manifest, StoreError
+from ..rpc import Channel, RemoteError, Stream, leaf_error
+from . import xor
+
+CHUNK = 1 << 20
+DEFAULT_DEPTH = 4
+#: A file name component in a generation (``ranks/rank-3.state``, ``redundancy/xor.parity``).
+_COMPONENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}\Z")
+_SUBDIRS = frozenset({ckptstore.RANKS_DIR, xor.REDUNDANCY_DIR})
+MAX_LENGTH = 1 << 50
+
+
+class TransferError(RemoteError):
+    """A transfer refused or failed; the message names the peer and the file."""
+
+    def __init__(self, message: str):
+        super().__init__("transfer_failed", message)
+
+
+def chunk_hash(data) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def check_name(name: object) -> str:
+    """``name`` if it is a file a generation may hold, else a refusal."""
+    if not isinstance(name, str):
+        raise RemoteError("bad_request", "a file name is a string")
+    parts = name.split("/")
+    if not (1 <= len(parts) <= 3 and all(_COMPONENT.match(p) for p in parts) and all(p in _SUBDIRS or p.startswith("partner-") for p in parts[:-1])):
+        raise RemoteError("bad_request", f"{name[:200]!r} is not a file of a checkpoint generation")
+    return name
+
+
+def _int(args: dict, key: str, low: int = 0, high: int = MAX_LENGTH) -> int:
+    value = args.get(key)
+    if type(value) is not int or not low <= value <= high:
+        raise RemoteError("bad_request", f"{key} must be an integer from {low} to {high}")
+    return value
+
+
+@dataclass(frozen=True)
+class Where:
+    """A generation on this node, from a request's (hostile) arguments."""
+
+    lineage: int
+    gen: int
+
+    @classmethod
+    def from_args(cls, args: dict) -> Where:
+        return cls(_int(args, "lineage"), _int(args, "gen"))
+
+    def open(self, root: Path) -> tuple[int, Path]:
+        """An fd of ``<root>/job-L/gen-G`` reached without following a link."""
+        directory = ckptstore.gen_dir(root, self.lineage, self.gen)
+        try:
+            root_fd = os.open(root, safefs.DIR_FLAGS)
+        except OSError as exc:
+            raise RemoteError("no_such_generation", f"{root}: {exc.strerror}") from None
+        try:
+            job_fd = safefs.open_dir_at(root_fd, f"job-{self.lineage}", root, trusted=False)
+            try:
+                return safefs.open_dir_at(job_fd, f"gen-{self.gen}", directory.parent, trusted=False), directory
+            finally:
+                os.close(job_fd)
+        except safefs.UnsafePath as exc:
+            raise RemoteError("no_such_generation", str(exc)) from None
+        finally:
+            os.close(root_fd)
+
+
+# ---------------------------------------------------------------- serving
+
+
+def _file_blocks(root: Path, where: Where, name: str) -> tuple[int, Iterator[memoryview]]:
+    gen_fd, directory = where.open(root)
+    try:
+        fd = ckptstore.open_in(gen_fd, name, directory)
+    except FileNotFoundError:
+        raise RemoteError("no_such_file", f"{directory / name} does not exist") from None
+    except OSError as exc:
+        raise RemoteError("no_such_file", f"cannot read {directory / name}: {exc.strerror}") from None
+    finally:
+        os.close(gen_fd)
+    size = os.fstat(fd).st_size
+
+    def blocks() -> Iterator[memoryview]:
+        try:
+            buf = memoryview(bytearray(CHUNK))
+            off = 0
+            while off < size:
+                n = os.preadv(fd, [buf[: min(CHUNK, size - off)]], off)
+                if n == 0:
+                    raise RemoteError("transfer_failed", f"{directory / name} shrank while it was sent")
+                yield buf[:n]
+                off += n
+        finally:
+            os.close(fd)
+
+    return size, blocks()
+
+
+def _data_blocks(root: Path, where: Where, start: int, length: int) -> Iterator[memoryview]:
+    gen_fd, directory = where.open(root)
+    os.close(gen_fd)
+    try:
+        manifest = ckptstore.read_manifest(directory)
+    except StoreError as exc:
+        raise RemoteError("no_such_generation", str(exc)) from None
+    data = xor.NodeData(directory, manifest)
+
+    def blocks() -> Iterator[memoryview]:
+        try:
+            yield from data.blocks(start, length)
+        finally:
+            data.close()
+
+    return blocks()
+
+
+async def _produce(emit, blocks: Iterator[memoryview], size: int) -> None:
+    digest = ckptstore.hasher()
+    off = 0
+    try:
+        while True:
+            block = await trio.to_thread.run_sync(next, blocks, None)
+            if block is None:
+                break
+            data = bytes(block)
+            digest.update(data)
+            await emit({"o": off, "d": data, "h": chunk_hash(data)})
+            off += len(data)
+    except StoreError as exc:
+        raise RemoteError("transfer_failed", str(exc)) from None
+    finally:
+        close = getattr(blocks, "close", None)
+        if close is not None:
+            await trio.to_thread.run_sync(close)
+    await emit({"end": off, "sum": digest.hexdigest()})
+
+
+async def handle_file_read(root: Path, args: dict) -> Stream:
+    """Peer op ``ckpt_file_read {lineage, gen, name}``: stream a generation's
+    file (``root``: this node's checkpoint root). Items ``{o, d, h}`` then
+    ``{end, sum}`` (size, XXH3-128)."""
+    where, name = Where.from_args(args), check_name(args.get("name"))
+    size, blocks = await trio.to_thread.run_sync(_file_blocks, root, where, name)
+    return Stream(lambda emit: _produce(emit, blocks, size))
+
+
+async def handle_data_read(root: Path, args: dict) -> Stream:
+    """Peer op ``ckpt_data_read {lineage, gen, start, length}``: stream bytes
+    ``[start, start + length)`` of this node's data of a generation (its
+    files concatenated, zeros past the end: :class:`gangd.redundancy.xor.NodeData`)."""
+    where, start, length = Where.from_args(args), _int(args, "start"), _int(args, "length")
+    blocks = await trio.to_thread.run_sync(_data_blocks, root, where, start, length)
+    return Stream(lambda emit: _produce(emit, blocks, length))
+
+
+# ---------------------------------------------------------------- receiving
+
+
+async def verified_chunks(items: AsyncIterator, size: int, checksum: str | None, what: str) -> AsyncIterator[bytes]:
+    """The chunks of a peer's stream, each checked before it is handed on:
+    in order, at most ``CHUNK``, never past ``size``, its own hash right;
+    then the end: exactly ``size`` bytes and (if given) ``checksum``, and
+    nothing after it."""
+    digest = ckptstore.hasher()
+    off = 0
+    ended = False
+    async for item in items:
+        if ended:
+            raise TransferError(f"{what}: the peer sent more after the end of the file")
+        if not isinstance(item, dict):
+            raise TransferError(f"{what}: the peer sent a malformed chunk")
+        if "end" in item:
+            end, got = item.get("end"), item.get("sum")
+            if end != off or off != size:
+                raise TransferError(f"{what}: the peer sent {off} bytes and claims {end!r}; {size} were expected")
+            mine = digest.hexdigest()
+            if got != mine or (checksum is not None and mine != checksum):
+                raise TransferError(f"{what}: checksum {mine[:16]}… of the bytes received does not match "
+                                    f"{'the manifest' if checksum is not None else 'the sender'}'s {str(checksum or got)[:16]}…")
+            ended = True
+            continue
+        o, d, h = item.get("o"), item.get("d"), item.get("h")
+        if o != off or not isinstance(d, bytes) or not 0 < len(d) <= CHUNK or type(h) is not int:
+            raise TransferError(f"{what}: the peer sent a chunk out of order or malformed at offset {off}")
+        if off + len(d) > size:
+            raise TransferError(f"{what}: the peer sent more than the {size} bytes expected")
+        if chunk_hash(d) != h:
+            raise TransferError(f"{what}: the chunk at offset {off} is corrupted (its checksum does not match)")
+        digest.update(d)
+        off += len(d)
+        yield d
+    if not ended:
+        raise TransferError(f"{what}: the stream ended after {off} of {size} bytes")
+
+
+def _check_leaf(name: str) -> str:
+    if not _COMPONENT.match(name):
+        raise TransferError(f"{name!r} is not a file name to write")
+    return name
+
+
+async def fetch_file(channel: Channel, *, lineage: int, gen: int, name: str, size: int, checksum: str,
+                     dest_dir: Path, dest_name: str | None = None, owner: tuple[int, int] | None = None,
+                     depth: int = DEFAULT_DEPTH) -> None:
+    """Pull the peer's ``job-<lineage>/gen-<gen>/<name>`` into ``dest_dir``
+    (a directory of the daemon's; its last component not followed) as
+    ``dest_name`` (default: the last component of ``name``), checked against
+    ``size`` and ``checksum`` (from a manifest this node holds). At most
+    ``depth`` chunks wait for the disk. Raises :class:`TransferError` (or the
+    peer's RemoteError) with nothing left under the final name."""
+    check_name(name)
+    leaf = _check_leaf(dest_name or name.rsplit("/", 1)[-1])
+    what = f"{name} of job-{lineage}/gen-{gen} from {channel.label}"
+    dest_dir = Path(dest_dir)
+    tmp = f".{leaf}.transfer"
+    try:
+        dir_fd = os.open(dest_dir, safefs.DIR_FLAGS)
+    except OSError as exc:
+        raise TransferError(f"{what}: cannot open {dest_dir}: {exc.strerror}") from None
+    fd = -1
+    try:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+        if owner is not None:
+            os.fchown(fd, *owner)
+        send, receive = trio.open_memory_channel[bytes](depth)
+
+        async def receive_all() -> None:
+            async with send, channel.stream("ckpt_file_read", lineage=lineage, gen=gen, name=name) as items:
+                async for chunk in verified_chunks(items, size, checksum, what):
+                    await send.send(chunk)
+
+        async def write_all() -> None:
+            async with receive:
+                async for chunk in receive:
+                    await trio.to_thread.run_sync(_write_all, fd, chunk)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(receive_all)
+                nursery.start_soon(write_all)
+        except BaseExceptionGroup as group:
+            raise leaf_error(group) from None
+        await trio.to_thread.run_sync(os.fsync, fd)
+        os.close(fd)
+        fd = -1
+        os.rename(tmp, leaf, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        await trio.to_thread.run_sync(os.fsync, dir_fd)
+    except OSError as exc:
+        raise TransferError(f"{what}: {ckptstore.describe_os_error(exc, dest_dir / leaf)}") from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+            try:
+                os.unlink(tmp, dir_fd=dir_fd)
+            except OSError:
+                pass
+        os.close(dir_fd)
+
+
+def _write_all(fd: int, chunk: bytes) -> None:
+    view = memoryview(chunk)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+async def fetch_generation(channel: Channel, manifest: Manifest, dest_dir: Path, *,
+                           owner: tuple[int, int] | None = None, depth: int = DEFAULT_DEPTH) -> None:
+    """Pull every file of the peer's generation that ``manifest`` lists into
+    ``dest_dir`` (``ranks/`` made 0700 and given to ``owner``), then write
+    the manifest there last: a partner's copy, or a rank's files moved to
+    the node it restarts on. Each file checked against ``manifest``."""
+    dest_dir = Path(dest_dir)
+    for name in sorted(manifest.files):
+        check_name(name)
+        size, checksum = manifest.files[name]
+        *parts, leaf = name.split("/")
+        target = dest_dir
+        for part in parts:
+            target = target / part
+            await trio.to_thread.run_sync(_make_subdir, target, owner)
+        await fetch_file(channel, lineage=manifest.lineage, gen=manifest.gen, name=name, size=size, checksum=checksum,
+                         dest_dir=target, dest_name=leaf, owner=owner if parts else None, depth=depth)
+    await trio.to_thread.run_sync(lambda: ckptstore.write_manifest(dest_dir, manifest))
+
+
+def _make_subdir(path: Path, owner: tuple[int, int] | None) -> None:
+    parent_fd = os.open(path.parent, safefs.DIR_FLAGS)
+    try:
+        fd = safefs.open_dir_at(parent_fd, path.name, path.parent, create_mode=0o700, trusted=False)
+        try:
+            if owner is not None:
+                os.fchown(fd, *owner)
+        finally:
+            os.close(fd)
+    finally:
+        os.close(parent_fd)
+
+
+@asynccontextmanager
+async def data_stream(channel: Channel, *, lineage: int, gen: int, start: int, length: int) -> AsyncIterator[AsyncIterator[bytes]]:
+    """``async with data_stream(...) as chunks``: the peer's data slice
+    ``[start, start + length)`` (for XOR parity and rebuilds), each chunk
+    checked; no checksum to compare the whole with (a slice is in no
+    manifest): what is built from it is checked against the manifests."""
+    what = f"data [{start}, {start + length}) of job-{lineage}/gen-{gen} from {channel.label}"
+    async with channel.stream("ckpt_data_read", lineage=lineage, gen=gen, start=start, length=length) as items:
+        yield verified_chunks(items, length, None, what)
+
+
+class RemoteData:
+    """A peer's data as a :class:`gangd.redundancy.xor.Source`, for the XOR
+    code running in a worker thread (``trio.to_thread.run_sync``): each
+    ``blocks()`` call starts a pump task in ``nursery`` that pulls the slice
+    into a channel of ``depth`` chunks; the thread takes them with
+    ``trio.from_thread.run`` and cuts them into :data:`xor.BLOCK` pieces."""
+
+    def __init__(self, nursery: trio.Nursery, channel: Channel, lineage: int, gen: int, depth: int = DEFAULT_DEPTH):
+        self.nursery, self.channel, self.lineage, self.gen, self.depth = nursery, channel, lineage, gen, depth
+
+    async def _open(self, start: int, length: int) -> trio.MemoryReceiveChannel:
+        send, receive = trio.open_memory_channel[object](self.depth)
+
+        async def pump() -> None:
+            async with send:
+                try:
+                    async with data_stream(self.channel, lineage=self.lineage, gen=self.gen, start=start, length=length) as chunks:
+                        async for chunk in chunks:
+                            await send.send(chunk)
+                except RemoteError as exc:
+                    await send.send(exc)
+
+        self.nursery.start_soon(pump)
+        return receive
+
+    def blocks(self, start: int, length: int) -> Iterator[bytes]:
+        receive = trio.from_thread.run(self._open, start, length)
+        try:
+            pending = bytearray()
+            done = 0
+            while done < length:
+                want = min(xor.BLOCK, length - done)
+                while len(pending) < want:
+                    try:
+                        chunk = trio.from_thread.run(receive.receive)
+                    except trio.EndOfChannel:
+                        raise xor.RebuildError(f"{self.channel.label} sent {done + len(pending)} of {length} bytes") from None
+                    if isinstance(chunk, RemoteError):
+                        raise xor.RebuildError(str(chunk))
+                    pending += chunk
+                block, pending = bytes(pending[:want]), pending[want:]
+                done += want
+                yield block
+        finally:
+            trio.from_thread.run_sync(receive.close)

@@ -18,7 +18,8 @@ Levels, as in SCR (its SINGLE, PARTNER and XOR schemes):
 
 When ``N`` is not a multiple of ``k``, the nodes are split into
 ``ceil(N / k)`` consecutive sets of sizes differing by at most one (SCR
-would leave a short last set; a set of one node could not protect anything).
+would leave a short last set; a set of one node could not protect anything,
+so with ``k = 2`` and odd ``N`` one set has 3).
 """
 
 from __future__ import annotations
@@ -160,8 +161,9 @@ class Plan:
 
 
 def xor_sets(nodes: Sequence[str], k: int) -> tuple[tuple[str, ...], ...]:
-    """Consecutive sets of at most ``k`` nodes, sizes differing by at most one."""
-    count = math.ceil(len(nodes) / k)
+    """Consecutive sets of at most ``k`` nodes, sizes differing by at most one
+    (with ``k = 2`` and an odd count, one set of 3: never a set of one)."""
+    count = max(1, min(math.ceil(len(nodes) / k), len(nodes) // 2))
     base, extra = divmod(len(nodes), count)
     out, start = [], 0
     for i in range(count):

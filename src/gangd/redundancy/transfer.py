@@ -25,6 +25,7 @@ checkpoint directory.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import AsyncIterator, Iterator
@@ -40,11 +41,20 @@ from ..ckptstore import Manifest, StoreError
 from ..rpc import Channel, RemoteError, Stream, leaf_error
 from . import xor
 
-CHUNK = 1 << 20
-DEFAULT_DEPTH = 4
+#: Bytes per stream item: half the channel's credit window
+#: (:data:`gangd.protocol.DEFAULT_WINDOW`), so two are in flight and the
+#: receiver's credit comes back before the sender runs dry.
+CHUNK = 128 << 10
+#: Bytes read from the disk at a time (cut into items).
+READ_BLOCK = 1 << 20
+#: Items waiting for the receiver's disk.
+DEFAULT_DEPTH = 16
+#: Bytes written in one call when items have piled up.
+WRITE_BATCH = 2 << 20
 #: A file name component in a generation (``ranks/rank-3.state``, ``redundancy/xor.parity``).
 _COMPONENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}\Z")
-_SUBDIRS = frozenset({ckptstore.RANKS_DIR, xor.REDUNDANCY_DIR})
+#: The files of a generation: ``[redundancy/partner-<node>/][ranks/]<leaf>`` or ``redundancy/<leaf>``.
+_NAME = re.compile(r"(redundancy/(partner-[A-Za-z0-9][A-Za-z0-9._-]{0,62}/)?)?(ranks/)?[A-Za-z0-9_][A-Za-z0-9._-]{0,127}\Z")
 MAX_LENGTH = 1 << 50
 
 
@@ -63,8 +73,7 @@ def check_name(name: object) -> str:
     """``name`` if it is a file a generation may hold, else a refusal."""
     if not isinstance(name, str):
         raise RemoteError("bad_request", "a file name is a string")
-    parts = name.split("/")
-    if not (1 <= len(parts) <= 3 and all(_COMPONENT.match(p) for p in parts) and all(p in _SUBDIRS or p.startswith("partner-") for p in parts[:-1])):
+    if not _NAME.match(name) or "/../" in f"/{name}/" or "/./" in f"/{name}/":
         raise RemoteError("bad_request", f"{name[:200]!r} is not a file of a checkpoint generation")
     return name
 
@@ -109,7 +118,7 @@ class Where:
 # ---------------------------------------------------------------- serving
 
 
-def _file_blocks(root: Path, where: Where, name: str) -> tuple[int, Iterator[memoryview]]:
+def _file_blocks(root: Path, where: Where, name: str) -> tuple[int, _Owned]:
     gen_fd, directory = where.open(root)
     try:
         fd = ckptstore.open_in(gen_fd, name, directory)
@@ -122,22 +131,19 @@ def _file_blocks(root: Path, where: Where, name: str) -> tuple[int, Iterator[mem
     size = os.fstat(fd).st_size
 
     def blocks() -> Iterator[memoryview]:
-        try:
-            buf = memoryview(bytearray(CHUNK))
-            off = 0
-            while off < size:
-                n = os.preadv(fd, [buf[: min(CHUNK, size - off)]], off)
-                if n == 0:
-                    raise RemoteError("transfer_failed", f"{directory / name} shrank while it was sent")
-                yield buf[:n]
-                off += n
-        finally:
-            os.close(fd)
+        buf = memoryview(bytearray(READ_BLOCK))
+        off = 0
+        while off < size:
+            n = os.preadv(fd, [buf[: min(READ_BLOCK, size - off)]], off)
+            if n == 0:
+                raise RemoteError("transfer_failed", f"{directory / name} shrank while it was sent")
+            yield buf[:n]
+            off += n
 
-    return size, blocks()
+    return size, _Owned(blocks(), lambda: os.close(fd))
 
 
-def _data_blocks(root: Path, where: Where, start: int, length: int) -> Iterator[memoryview]:
+def _data_blocks(root: Path, where: Where, start: int, length: int) -> _Owned:
     gen_fd, directory = where.open(root)
     os.close(gen_fd)
     try:
@@ -145,34 +151,70 @@ def _data_blocks(root: Path, where: Where, start: int, length: int) -> Iterator[
     except StoreError as exc:
         raise RemoteError("no_such_generation", str(exc)) from None
     data = xor.NodeData(directory, manifest)
+    return _Owned(iter(data.blocks(start, length)), data.close)
 
-    def blocks() -> Iterator[memoryview]:
+
+class _Owned:
+    """An iterator and what its ``close`` releases — even if it never started
+    (a generator's ``finally`` would not run then)."""
+
+    def __init__(self, it: Iterator[memoryview], release):
+        self.it, self.release = it, release
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> memoryview:
+        return next(self.it)
+
+    def close(self) -> None:
         try:
-            yield from data.blocks(start, length)
+            getattr(self.it, "close", lambda: None)()
         finally:
-            data.close()
-
-    return blocks()
+            self.release()
 
 
-async def _produce(emit, blocks: Iterator[memoryview], size: int) -> None:
+def _read_ahead(blocks: _Owned, digest) -> list[tuple[bytes, int]] | None:
+    """The next block, cut into items with their hashes (in a worker thread)."""
+    block = next(blocks, None)
+    if block is None:
+        return None
+    data = bytes(block)
+    digest.update(data)
+    pieces = [data[i : i + CHUNK] for i in range(0, len(data), CHUNK)]
+    return [(piece, chunk_hash(piece)) for piece in pieces]
+
+
+async def _produce(emit, blocks: _Owned, size: int) -> None:
+    """Emit ``blocks`` as items while the next block is read (one block
+    ahead): the disk and the link work at once."""
     digest = ckptstore.hasher()
     off = 0
+    send, receive = trio.open_memory_channel[list](1)
+
+    async def read() -> None:
+        async with send:
+            try:
+                while (pieces := await trio.to_thread.run_sync(_read_ahead, blocks, digest)) is not None:
+                    await send.send(pieces)
+            except StoreError as exc:
+                raise RemoteError("transfer_failed", str(exc)) from None
+            except OSError as exc:
+                raise RemoteError("transfer_failed", f"reading for the transfer: {exc.strerror or exc}") from None
+
     try:
-        while True:
-            block = await trio.to_thread.run_sync(next, blocks, None)
-            if block is None:
-                break
-            data = bytes(block)
-            digest.update(data)
-            await emit({"o": off, "d": data, "h": chunk_hash(data)})
-            off += len(data)
-    except StoreError as exc:
-        raise RemoteError("transfer_failed", str(exc)) from None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            async with receive:
+                async for pieces in receive:
+                    for data, h in pieces:
+                        await emit({"o": off, "d": data, "h": h})
+                        off += len(data)
+    except BaseExceptionGroup as group:
+        raise leaf_error(group) from None
     finally:
-        close = getattr(blocks, "close", None)
-        if close is not None:
-            await trio.to_thread.run_sync(close)
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(blocks.close)
     await emit({"end": off, "sum": digest.hexdigest()})
 
 
@@ -197,11 +239,11 @@ async def handle_data_read(root: Path, args: dict) -> Stream:
 # ---------------------------------------------------------------- receiving
 
 
-async def verified_chunks(items: AsyncIterator, size: int, checksum: str | None, what: str) -> AsyncIterator[bytes]:
+async def verified_chunks(items: AsyncIterator, size: int, checksum: str | None, what: str, *, exact: bool = True) -> AsyncIterator[bytes]:
     """The chunks of a peer's stream, each checked before it is handed on:
     in order, at most ``CHUNK``, never past ``size``, its own hash right;
-    then the end: exactly ``size`` bytes and (if given) ``checksum``, and
-    nothing after it."""
+    then the end: exactly ``size`` bytes (``exact=False``: at most) and (if
+    given) ``checksum``, and nothing after it."""
     digest = ckptstore.hasher()
     off = 0
     ended = False
@@ -212,7 +254,7 @@ async def verified_chunks(items: AsyncIterator, size: int, checksum: str | None,
             raise TransferError(f"{what}: the peer sent a malformed chunk")
         if "end" in item:
             end, got = item.get("end"), item.get("sum")
-            if end != off or off != size:
+            if end != off or (exact and off != size):
                 raise TransferError(f"{what}: the peer sent {off} bytes and claims {end!r}; {size} were expected")
             mine = digest.hexdigest()
             if got != mine or (checksum is not None and mine != checksum):
@@ -277,7 +319,15 @@ async def fetch_file(channel: Channel, *, lineage: int, gen: int, name: str, siz
         async def write_all() -> None:
             async with receive:
                 async for chunk in receive:
-                    await trio.to_thread.run_sync(_write_all, fd, chunk)
+                    batch, total = [chunk], len(chunk)
+                    while total < WRITE_BATCH:
+                        try:
+                            more = receive.receive_nowait()
+                        except (trio.WouldBlock, trio.EndOfChannel):
+                            break
+                        batch.append(more)
+                        total += len(more)
+                    await trio.to_thread.run_sync(_write_all, fd, b"".join(batch) if len(batch) > 1 else chunk)
 
         try:
             async with trio.open_nursery() as nursery:
@@ -308,22 +358,55 @@ def _write_all(fd: int, chunk: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-async def fetch_generation(channel: Channel, manifest: Manifest, dest_dir: Path, *,
+async def fetch_manifest(channel: Channel, *, lineage: int, gen: int, prefix: str = "", node: str | None = None) -> Manifest:
+    """The MANIFEST of the peer's generation (``prefix``: of the copy it
+    keeps under ``redundancy/partner-<node>/``), read to
+    :data:`ckptstore.MAX_MANIFEST` bytes and checked: its lineage, generation
+    and (``node``) node must be the ones asked for."""
+    name = check_name(f"{prefix}{ckptstore.MANIFEST}")
+    what = f"{name} of job-{lineage}/gen-{gen} from {channel.label}"
+    data = bytearray()
+    async with channel.stream("ckpt_file_read", lineage=lineage, gen=gen, name=name) as items:
+        async for chunk in verified_chunks(items, ckptstore.MAX_MANIFEST, None, what, exact=False):
+            data += chunk
+    try:
+        manifest = Manifest.unpack(bytes(data), Path(what))
+    except StoreError as exc:
+        raise TransferError(str(exc)) from None
+    if (manifest.lineage, manifest.gen) != (lineage, gen) or (node is not None and manifest.node != node):
+        raise TransferError(f"{what} is node {manifest.node}'s job-{manifest.lineage}/gen-{manifest.gen}, not the one asked for")
+    for file in manifest.files:
+        check_name(file)
+        if "/" in file and not file.startswith(f"{ckptstore.RANKS_DIR}/"):
+            raise TransferError(f"{what} lists {file!r}, not a file of a node's generation")
+    return manifest
+
+
+def partner_prefix(node: str) -> str:
+    """Where a node keeps its ring predecessor ``node``'s copy, in its own generation directory."""
+    return f"{xor.REDUNDANCY_DIR}/partner-{node}/"
+
+
+async def fetch_generation(channel: Channel, manifest: Manifest, dest_dir: Path, *, source_prefix: str = "",
                            owner: tuple[int, int] | None = None, depth: int = DEFAULT_DEPTH) -> None:
     """Pull every file of the peer's generation that ``manifest`` lists into
     ``dest_dir`` (``ranks/`` made 0700 and given to ``owner``), then write
-    the manifest there last: a partner's copy, or a rank's files moved to
-    the node it restarts on. Each file checked against ``manifest``."""
+    the manifest there last: a partner's copy (``dest_dir`` =
+    ``gen-G/`` + :func:`partner_prefix`), a lost node's files from its
+    partner's copy (``source_prefix`` = :func:`partner_prefix`), or a
+    rank's files moved to the node it restarts on. Each file checked
+    against ``manifest``; the MANIFEST written last marks the copy whole."""
     dest_dir = Path(dest_dir)
     for name in sorted(manifest.files):
         check_name(name)
+        check_name(source_prefix + name)
         size, checksum = manifest.files[name]
         *parts, leaf = name.split("/")
         target = dest_dir
         for part in parts:
             target = target / part
             await trio.to_thread.run_sync(_make_subdir, target, owner)
-        await fetch_file(channel, lineage=manifest.lineage, gen=manifest.gen, name=name, size=size, checksum=checksum,
+        await fetch_file(channel, lineage=manifest.lineage, gen=manifest.gen, name=source_prefix + name, size=size, checksum=checksum,
                          dest_dir=target, dest_name=leaf, owner=owner if parts else None, depth=depth)
     await trio.to_thread.run_sync(lambda: ckptstore.write_manifest(dest_dir, manifest))
 
@@ -363,16 +446,25 @@ class RemoteData:
         self.nursery, self.channel, self.lineage, self.gen, self.depth = nursery, channel, lineage, gen, depth
 
     async def _open(self, start: int, length: int) -> trio.MemoryReceiveChannel:
-        send, receive = trio.open_memory_channel[object](self.depth)
+        send, receive = trio.open_memory_channel[object](max(1, self.depth * CHUNK // xor.BLOCK))
 
         async def pump() -> None:
             async with send:
                 try:
+                    pending = bytearray()
                     async with data_stream(self.channel, lineage=self.lineage, gen=self.gen, start=start, length=length) as chunks:
                         async for chunk in chunks:
-                            await send.send(chunk)
+                            pending += chunk
+                            if len(pending) >= xor.BLOCK:
+                                await send.send(bytes(pending[: xor.BLOCK]))
+                                del pending[: xor.BLOCK]
+                    if pending:
+                        await send.send(bytes(pending))
                 except RemoteError as exc:
-                    await send.send(exc)
+                    with contextlib.suppress(trio.BrokenResourceError):
+                        await send.send(exc)
+                except trio.BrokenResourceError:
+                    pass  # the XOR code stopped reading (it failed): this slice is no longer wanted
 
         self.nursery.start_soon(pump)
         return receive
@@ -380,20 +472,17 @@ class RemoteData:
     def blocks(self, start: int, length: int) -> Iterator[bytes]:
         receive = trio.from_thread.run(self._open, start, length)
         try:
-            pending = bytearray()
             done = 0
             while done < length:
-                want = min(xor.BLOCK, length - done)
-                while len(pending) < want:
-                    try:
-                        chunk = trio.from_thread.run(receive.receive)
-                    except trio.EndOfChannel:
-                        raise xor.RebuildError(f"{self.channel.label} sent {done + len(pending)} of {length} bytes") from None
-                    if isinstance(chunk, RemoteError):
-                        raise xor.RebuildError(str(chunk))
-                    pending += chunk
-                block, pending = bytes(pending[:want]), pending[want:]
-                done += want
+                try:
+                    block = trio.from_thread.run(receive.receive)
+                except trio.EndOfChannel:
+                    raise xor.RebuildError(f"{self.channel.label} sent {done} of {length} bytes") from None
+                if isinstance(block, RemoteError):
+                    raise xor.RebuildError(str(block))
+                if not isinstance(block, bytes) or len(block) != min(xor.BLOCK, length - done):
+                    raise xor.RebuildError(f"{self.channel.label}: a block of the wrong size at {done}")
+                done += len(block)
                 yield block
         finally:
             trio.from_thread.run_sync(receive.close)

@@ -365,3 +365,76 @@ async def test_parity_from_peers_streams_equals_the_local_parity(tmp_path):
         nursery.cancel_scope.cancel()
     assert meta == local[0]
     assert (dirs[0] / "redundancy" / "xor.parity").read_bytes() == expected
+
+
+async def test_partner_copy_then_the_lost_node_rebuilt_from_it_on_a_new_node(tmp_path):
+    """n1 keeps n0's copy (pulled over the channel); n0's disk is lost; a
+    new node n9 rebuilds n0's generation from n1's copy, bit-identical."""
+    rng = random.Random(4)
+    files = {"ranks/rank-0.state": rng.randbytes(transfer.CHUNK * 5 + 1), "ranks/rank-1.state": b"", "net-0.ctx": rng.randbytes(77)}
+    manifest = make_gen(ckptstore.gen_dir(tmp_path / "n0", 7, 3), "n0", files)
+    n1_gen = ckptstore.gen_dir(tmp_path / "n1", 7, 3)
+    make_gen(n1_gen, "n1", {"job.msgpack": b"n1"})
+    plan = rplan.make_plan(["n0", "n1"], "partner")
+    prefix = transfer.partner_prefix("n0")
+    (n1_gen / prefix).mkdir(parents=True)
+    async with trio.open_nursery() as nursery:
+        from_n0 = await channel_pair(nursery, serving(tmp_path / "n0"))
+        got = await transfer.fetch_manifest(from_n0, lineage=7, gen=3, node="n0")
+        assert got == manifest
+        await transfer.fetch_generation(from_n0, got, n1_gen / prefix)
+        nursery.cancel_scope.cancel()
+    shutil.rmtree(tmp_path / "n0")
+    (rebuild,) = plan.recovery(["n0"]).rebuilds
+    assert rebuild.sources == ("n1",)
+    new_gen = ckptstore.gen_dir(tmp_path / "n9", 7, 3)
+    new_gen.mkdir(parents=True)
+    async with trio.open_nursery() as nursery:
+        from_n1 = await channel_pair(nursery, serving(tmp_path / rebuild.sources[0]))
+        copy = await transfer.fetch_manifest(from_n1, lineage=7, gen=3, prefix=prefix, node="n0")
+        with pytest.raises(transfer.TransferError, match="not the one asked for"):
+            await transfer.fetch_manifest(from_n1, lineage=7, gen=3, node="n0")  # n1's own manifest
+        await transfer.fetch_generation(from_n1, copy, new_gen, source_prefix=prefix, owner=(NOBODY, NOBODY))
+        nursery.cancel_scope.cancel()
+    for name, data in files.items():
+        assert (new_gen / name).read_bytes() == data
+    assert ckptstore.verify(new_gen) == []
+
+
+async def test_a_member_rebuilt_on_another_node_from_the_survivors_streams(tmp_path):
+    """The daemon's rebuild: the survivors' data and parity pulled over channels."""
+    nodes, dirs, content = make_set(tmp_path, 4, seed=21)
+    metas = xor.encode_set(dirs, nodes)
+    lost = 2
+    shutil.rmtree(dirs[lost])
+    new_gen = ckptstore.gen_dir(tmp_path / "n9", 7, 3)
+    new_gen.parent.mkdir(parents=True)
+    async with trio.open_nursery() as nursery:
+        data: list = [None] * 4
+        parity: list = [None] * 4
+        for i, node in enumerate(nodes):
+            if i == lost:
+                continue
+            channel = await channel_pair(nursery, serving(tmp_path / node))
+            data[i] = transfer.RemoteData(nursery, channel, 7, 3)
+            parity[i] = transfer.RemoteFile(nursery, channel, 7, 3, f"{xor.REDUNDANCY_DIR}/{xor.PARITY}",
+                                            metas[i].parity_size, metas[i].parity_checksum)
+        await trio.to_thread.run_sync(lambda: xor.rebuild(lost, metas[0], data, parity, new_gen))
+        nursery.cancel_scope.cancel()
+    for name, blob in content[nodes[lost]].items():
+        assert (new_gen / name).read_bytes() == blob
+    assert xor.read_meta(new_gen) == metas[lost]
+
+
+def test_a_share_counts_only_once_its_last_file_landed(tmp_path):
+    from gangd.redundancy import held
+
+    nodes, dirs, _ = make_set(tmp_path, 3, seed=2)
+    plan = rplan.make_plan(nodes)
+    assert "holds no XOR parity" in held.missing(dirs[0], plan, "n0")
+    xor.encode_set(dirs, nodes)
+    assert [held.missing(d, plan, n) for d, n in zip(dirs, nodes, strict=True)] == [None] * 3
+    os.unlink(dirs[1] / "redundancy" / "xor.meta")  # a parity write that died before its meta
+    assert "holds no XOR parity" in held.missing(dirs[1], plan, "n1")
+    assert "not n0, n1" in held.missing(dirs[0], rplan.make_plan(["n0", "n1", "n2", "n3"], "xor", 2), "n0")
+    assert "no whole copy of node n2's files" in held.missing(dirs[0], rplan.make_plan(nodes, "partner"), "n0")

@@ -452,7 +452,7 @@ class RemoteData:
             async with send:
                 try:
                     pending = bytearray()
-                    async with data_stream(self.channel, lineage=self.lineage, gen=self.gen, start=start, length=length) as chunks:
+                    async with self._stream(start, length) as chunks:
                         async for chunk in chunks:
                             pending += chunk
                             if len(pending) >= xor.BLOCK:
@@ -468,6 +468,9 @@ class RemoteData:
 
         self.nursery.start_soon(pump)
         return receive
+
+    def _stream(self, start: int, length: int):
+        return data_stream(self.channel, lineage=self.lineage, gen=self.gen, start=start, length=length)
 
     def blocks(self, start: int, length: int) -> Iterator[bytes]:
         receive = trio.from_thread.run(self._open, start, length)
@@ -486,3 +489,21 @@ class RemoteData:
                 yield block
         finally:
             trio.from_thread.run_sync(receive.close)
+
+
+class RemoteFile(RemoteData):
+    """A peer's whole file (a parity) as a :class:`gangd.redundancy.xor.Source`,
+    checked against ``size`` and ``checksum`` (from the meta this node holds)."""
+
+    def __init__(self, nursery: trio.Nursery, channel: Channel, lineage: int, gen: int, name: str, size: int, checksum: str,
+                 depth: int = DEFAULT_DEPTH):
+        super().__init__(nursery, channel, lineage, gen, depth)
+        self.name, self.size, self.checksum = check_name(name), size, checksum
+
+    @asynccontextmanager
+    async def _stream(self, start: int, length: int):
+        if (start, length) != (0, self.size):
+            raise RemoteError("bad_request", "a remote file is read whole")
+        what = f"{self.name} of job-{self.lineage}/gen-{self.gen} from {self.channel.label}"
+        async with self.channel.stream("ckpt_file_read", lineage=self.lineage, gen=self.gen, name=self.name) as items:
+            yield verified_chunks(items, self.size, self.checksum, what)

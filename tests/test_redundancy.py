@@ -438,3 +438,220 @@ def test_a_share_counts_only_once_its_last_file_landed(tmp_path):
     assert "holds no XOR parity" in held.missing(dirs[1], plan, "n1")
     assert "not n0, n1" in held.missing(dirs[0], rplan.make_plan(["n0", "n1", "n2", "n3"], "xor", 2), "n0")
     assert "no whole copy of node n2's files" in held.missing(dirs[0], rplan.make_plan(nodes, "partner"), "n0")
+
+
+# ================================================================ bulk path
+
+SECRET = b"s" * 32
+
+
+def bulk_serving(root: Path, server, send=None):
+    """A daemon's handler with the bulk op (and the channel ops, for manifests);
+    ``send``: a lying sender on the bulk socket instead of the honest one."""
+    from gangd.redundancy import bulk
+
+    channel_ops = serving(root)
+
+    async def handler(channel, request):
+        if request.op == "ckpt_bulk_read":
+            if send is None:
+                return await transfer.handle_bulk_read(server, root, request.args)
+            where = transfer.Where.from_args(request.args)
+            name = transfer.check_name(request.args["name"])
+            return await bulk.serve(server, lambda: transfer._open_file(root, where, name), name, send=send)
+        return await channel_ops(channel, request)
+
+    return handler
+
+
+async def bulk_server(nursery, secret=SECRET):
+    from gangd.redundancy import bulk
+
+    server = bulk.BulkServer(secret)
+    await nursery.start(server.run)
+    return server
+
+
+async def test_a_generation_moves_on_the_bulk_path_bit_identical(peer_gen):
+    from gangd.redundancy import bulk
+
+    root, manifest, files, dest = peer_gen
+    async with trio.open_nursery() as nursery:
+        server = await bulk_server(nursery)
+        channel = await channel_pair(nursery, bulk_serving(root, server))
+        await transfer.fetch_generation(channel, manifest, dest, owner=(NOBODY, NOBODY), bulk=bulk.Bulk.from_secret(SECRET))
+        assert server.tickets == {}  # every ticket released with its request
+        nursery.cancel_scope.cancel()
+    for name, data in files.items():
+        assert (dest / name).read_bytes() == data
+    assert ckptstore.verify(dest) == []
+    assert os.stat(dest / "ranks" / "rank-0.state").st_uid == NOBODY
+
+
+async def test_parity_and_a_rebuild_on_the_bulk_path_equal_the_local_ones(tmp_path):
+    from gangd.redundancy import bulk
+
+    nodes, dirs, content = make_set(tmp_path, 4, seed=31)
+    metas = xor.encode_set(dirs, nodes)
+    expected = (dirs[0] / "redundancy" / "xor.parity").read_bytes()
+    shutil.rmtree(dirs[0] / "redundancy")
+    manifests = [ckptstore.read_manifest(d) for d in dirs]
+    key = bulk.Bulk.from_secret(SECRET)
+    async with trio.open_nursery() as nursery:
+        channels = {}
+        for node in nodes:
+            server = await bulk_server(nursery)
+            channels[node] = await channel_pair(nursery, bulk_serving(tmp_path / node, server))
+        sources: list = [None] + [transfer.RemoteData(nursery, channels[n], 7, 3, bulk=key) for n in nodes[1:]]
+        meta = await trio.to_thread.run_sync(xor.write_parity, dirs[0], xor.meta_for(manifests, nodes, 0), sources)
+        assert meta == metas[0]
+        assert (dirs[0] / "redundancy" / "xor.parity").read_bytes() == expected
+        lost = 2
+        shutil.rmtree(dirs[lost])
+        new_gen = ckptstore.gen_dir(tmp_path / "n9", 7, 3)
+        new_gen.parent.mkdir(parents=True)
+        data: list = [None] * 4
+        parity: list = [None] * 4
+        for i, node in enumerate(nodes):
+            if i != lost:
+                data[i] = transfer.RemoteData(nursery, channels[node], 7, 3, bulk=key)
+                parity[i] = transfer.RemoteFile(nursery, channels[node], 7, 3, f"{xor.REDUNDANCY_DIR}/{xor.PARITY}",
+                                                metas[i].parity_size, metas[i].parity_checksum, bulk=key)
+        await trio.to_thread.run_sync(lambda: xor.rebuild(lost, metas[0], data, parity, new_gen))
+        nursery.cancel_scope.cancel()
+    for name, blob in content[nodes[lost]].items():
+        assert (new_gen / name).read_bytes() == blob
+    assert xor.read_meta(new_gen) == metas[lost]
+
+
+def _bulk_liar(kind):
+    """A sender that proves itself (it holds the secret) and then lies on the bulk socket."""
+    from gangd.redundancy import bulk
+
+    def send(sock, source):
+        data = bytearray(source.size)
+        source.read_into(0, memoryview(data))
+        chunks = [bytes(data[i : i + bulk.CHUNK]) for i in range(0, len(data), bulk.CHUNK)]
+        out = []
+        if kind == "flipped":  # a byte changed, its chunk hash recomputed: only the manifest's checksum can tell
+            chunks[0] = bytes([chunks[0][0] ^ 1]) + chunks[0][1:]
+        if kind == "short":
+            chunks[-1] = chunks[-1][:-1]
+        for i, chunk in enumerate(chunks):
+            h = bulk.chunk_hash(chunk)
+            if kind == "bad_hash" and i == 0:
+                h ^= 1
+            out.append(bulk.HEADER.pack(len(chunk), h) + chunk)
+        if kind == "extra_chunk":
+            out.append(bulk.HEADER.pack(10, bulk.chunk_hash(b"x" * 10)) + b"x" * 10)
+        out.append(bulk.HEADER.pack(0, 0))
+        if kind == "after_end":
+            out.append(b"more")
+        if kind == "cut":
+            out = [b"".join(out)[: bulk.CHUNK // 2]]
+        sock.sendall(b"".join(out))
+        sock.shutdown(socket.SHUT_WR)
+        return source.size
+
+    return send
+
+
+@pytest.mark.parametrize(("kind", "refusal"), [
+    ("flipped", "does not match the manifest"),
+    ("short", "chunk of .* bytes at offset"),
+    ("bad_hash", "corrupted"),
+    ("extra_chunk", "more than the"),
+    ("after_end", "more after the end"),
+    ("cut", "connection ended"),
+])
+async def test_a_liar_on_the_bulk_socket_is_refused_and_nothing_is_written(tmp_path, kind, refusal):
+    from gangd.redundancy import bulk
+
+    rng = random.Random(8)
+    blob = rng.randbytes(2 * bulk.CHUNK + 777)
+    root = tmp_path / "n2"
+    manifest = make_gen(ckptstore.gen_dir(root, 7, 3), "n2", {"ranks/rank-0.state": blob})
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    size, checksum = manifest.files["ranks/rank-0.state"]
+    async with trio.open_nursery() as nursery:
+        server = await bulk_server(nursery)
+        channel = await channel_pair(nursery, bulk_serving(root, server, send=_bulk_liar(kind)))
+        with pytest.raises(bulk.BulkError, match=refusal) as err:
+            await transfer.fetch_file(channel, lineage=7, gen=3, name="ranks/rank-0.state", size=size, checksum=checksum,
+                                      dest_dir=dest, bulk=bulk.Bulk.from_secret(SECRET))
+        assert "rank-0.state of job-7/gen-3 from node n2" in str(err.value)
+        nursery.cancel_scope.cancel()
+    assert list(dest.iterdir()) == []
+
+
+async def test_a_wrong_size_offer_or_a_listener_without_the_secret_is_refused(peer_gen):
+    from gangd.redundancy import bulk
+
+    root, manifest, _, dest = peer_gen
+    name = "ranks/rank-0.state"
+    size, checksum = manifest.files[name]
+    async with trio.open_nursery() as nursery:
+        server = await bulk_server(nursery, secret=b"another cluster's secret")
+        channel = await channel_pair(nursery, bulk_serving(root, server))
+        with pytest.raises(bulk.BulkError, match=r"offers .* bytes; .* were expected"):
+            await transfer.fetch_file(channel, lineage=7, gen=3, name=name, size=size - 1, checksum=checksum,
+                                      dest_dir=dest, bulk=bulk.Bulk.from_secret(SECRET))
+        with pytest.raises(bulk.BulkError, match="could not prove it holds the cluster secret"):
+            await transfer.fetch_file(channel, lineage=7, gen=3, name=name, size=size, checksum=checksum,
+                                      dest_dir=dest, bulk=bulk.Bulk.from_secret(SECRET))
+        nursery.cancel_scope.cancel()
+    assert list(dest.iterdir()) == []
+
+
+def _stranger(port: int, ticket: bytes, secret_file: str) -> dict:
+    """Run as uid nobody: read the cluster secret, then open a bulk transfer with a valid ticket and a guessed key."""
+    from gangd.redundancy import bulk
+
+    result: dict = {}
+    try:
+        with open(secret_file, "rb") as f:
+            result["secret"] = f.read().hex()
+    except OSError as exc:
+        result["secret"] = type(exc).__name__
+    key = bulk.bulk_key(b"guessed secret, not the cluster's")
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        nonce_d = os.urandom(bulk.NONCE)
+        sock.sendall(bulk.MAGIC + nonce_d + ticket)
+        answer = b""
+        while len(answer) < bulk.NONCE + bulk.MAC:
+            got = sock.recv(bulk.NONCE + bulk.MAC - len(answer))
+            if not got:
+                break
+            answer += got
+        sock.sendall(bulk.proof(key, b"dialer", nonce_d, answer[: bulk.NONCE], ticket))
+        rest = b""
+        while got := sock.recv(1 << 16):
+            rest += got
+        result["after_proof"] = len(rest)
+    return result
+
+
+async def test_a_stranger_uid_cannot_open_a_bulk_transfer(peer_gen, tmp_path):
+    from conftest import as_uid
+
+    from gangd.redundancy import bulk
+
+    root, manifest, files, dest = peer_gen
+    secret_file = tmp_path / "secret"
+    secret_file.write_bytes(SECRET)
+    secret_file.chmod(0o600)
+    name = "ranks/rank-0.state"
+    async with trio.open_nursery() as nursery:
+        server = await bulk_server(nursery)
+        channel = await channel_pair(nursery, bulk_serving(root, server))
+        async with channel.stream("ckpt_bulk_read", lineage=7, gen=3, name=name) as items:
+            offer = await bulk.first_item(items, name)
+            ticket, port = bulk.check_offer(offer, manifest.files[name][0], name)  # (a ticket leaked to the stranger)
+            result = await trio.to_thread.run_sync(as_uid, NOBODY, lambda: _stranger(port, ticket, str(secret_file)))
+            assert result == {"secret": "PermissionError", "after_proof": 0}, result
+            # the ticket is still the puller's: the real transfer goes through
+            sock = await trio.to_thread.run_sync(bulk.dial, "127.0.0.1", port, bulk.bulk_key(SECRET), ticket, name)
+            await bulk.run_on_socket(sock, bulk.receive_file, sock, dest, "copy", *manifest.files[name], None, name)
+        nursery.cancel_scope.cancel()
+    assert (dest / "copy").read_bytes() == files[name]

@@ -39,7 +39,12 @@ import xxhash
 from .. import ckptstore, safefs
 from ..ckptstore import Manifest, StoreError
 from ..rpc import Channel, RemoteError, Stream, leaf_error
+from . import bulk as bulkpath
 from . import xor
+from .bulk import Bulk, BulkServer
+
+if bulkpath.CHUNK != xor.BLOCK:  # RemoteData hands the bulk chunks to the XOR code as its blocks
+    raise ImportError("gangd.redundancy.bulk.CHUNK must equal gangd.redundancy.xor.BLOCK")
 
 #: Bytes per stream item: half the channel's credit window
 #: (:data:`gangd.protocol.DEFAULT_WINDOW`), so two are in flight and the
@@ -236,6 +241,53 @@ async def handle_data_read(root: Path, args: dict) -> Stream:
     return Stream(lambda emit: _produce(emit, blocks, length))
 
 
+def _open_file(root: Path, where: Where, name: str) -> bulkpath.Source:
+    gen_fd, directory = where.open(root)
+    try:
+        fd = ckptstore.open_in(gen_fd, name, directory)
+    except FileNotFoundError:
+        raise RemoteError("no_such_file", f"{directory / name} does not exist") from None
+    except OSError as exc:
+        raise RemoteError("no_such_file", f"cannot read {directory / name}: {exc.strerror}") from None
+    finally:
+        os.close(gen_fd)
+    return bulkpath.file_source(fd, os.fstat(fd).st_size, str(directory / name))
+
+
+def _open_data(root: Path, where: Where, start: int, length: int) -> bulkpath.Source:
+    gen_fd, directory = where.open(root)
+    os.close(gen_fd)
+    try:
+        manifest = ckptstore.read_manifest(directory)
+    except StoreError as exc:
+        raise RemoteError("no_such_generation", str(exc)) from None
+    data = xor.NodeData(directory, manifest)
+
+    def read_into(offset: int, view: memoryview) -> None:
+        try:
+            data.read_into(start + offset, view)
+        except StoreError as exc:
+            raise RemoteError("transfer_failed", str(exc)) from None
+
+    return bulkpath.Source(length, read_into, data.close)
+
+
+async def handle_bulk_read(server: BulkServer, root: Path, args: dict) -> Stream:
+    """Peer op ``ckpt_bulk_read {lineage, gen, name}`` or ``{lineage, gen,
+    start, length}``: what ``ckpt_file_read`` / ``ckpt_data_read`` stream,
+    sent instead on a bulk connection to ``server``
+    (:mod:`gangd.redundancy.bulk`). Items: ``{ticket, port, size}``, then
+    ``{end}`` once the bytes are sent."""
+    where = Where.from_args(args)
+    if "name" in args:
+        name = check_name(args.get("name"))
+        return await bulkpath.serve(server, lambda: _open_file(root, where, name),
+                                    f"{name} of job-{where.lineage}/gen-{where.gen}")
+    start, length = _int(args, "start"), _int(args, "length")
+    return await bulkpath.serve(server, lambda: _open_data(root, where, start, length),
+                                f"data [{start}, {start + length}) of job-{where.lineage}/gen-{where.gen}")
+
+
 # ---------------------------------------------------------------- receiving
 
 
@@ -284,17 +336,25 @@ def _check_leaf(name: str) -> str:
 
 async def fetch_file(channel: Channel, *, lineage: int, gen: int, name: str, size: int, checksum: str,
                      dest_dir: Path, dest_name: str | None = None, owner: tuple[int, int] | None = None,
-                     depth: int = DEFAULT_DEPTH) -> None:
+                     depth: int = DEFAULT_DEPTH, bulk: Bulk | None = None) -> None:
     """Pull the peer's ``job-<lineage>/gen-<gen>/<name>`` into ``dest_dir``
     (a directory of the daemon's; its last component not followed) as
     ``dest_name`` (default: the last component of ``name``), checked against
     ``size`` and ``checksum`` (from a manifest this node holds). At most
     ``depth`` chunks wait for the disk. Raises :class:`TransferError` (or the
-    peer's RemoteError) with nothing left under the final name."""
+    peer's RemoteError) with nothing left under the final name. ``bulk``:
+    the bytes move on a bulk connection (:mod:`gangd.redundancy.bulk`), not
+    the channel."""
     check_name(name)
     leaf = _check_leaf(dest_name or name.rsplit("/", 1)[-1])
     what = f"{name} of job-{lineage}/gen-{gen} from {channel.label}"
     dest_dir = Path(dest_dir)
+    if bulk is not None:
+        async with channel.stream("ckpt_bulk_read", lineage=lineage, gen=gen, name=name) as items:
+            ticket, port = bulkpath.check_offer(await bulkpath.first_item(items, what), size, what)
+            sock = await trio.to_thread.run_sync(bulkpath.dial, bulk.host_of(channel), port, bulk.key, ticket, what)
+            await bulkpath.run_on_socket(sock, bulkpath.receive_file, sock, dest_dir, leaf, size, checksum, owner, what)
+        return
     tmp = f".{leaf}.transfer"
     try:
         dir_fd = os.open(dest_dir, safefs.DIR_FLAGS)
@@ -388,7 +448,7 @@ def partner_prefix(node: str) -> str:
 
 
 async def fetch_generation(channel: Channel, manifest: Manifest, dest_dir: Path, *, source_prefix: str = "",
-                           owner: tuple[int, int] | None = None, depth: int = DEFAULT_DEPTH) -> None:
+                           owner: tuple[int, int] | None = None, depth: int = DEFAULT_DEPTH, bulk: Bulk | None = None) -> None:
     """Pull every file of the peer's generation that ``manifest`` lists into
     ``dest_dir`` (``ranks/`` made 0700 and given to ``owner``), then write
     the manifest there last: a partner's copy (``dest_dir`` =
@@ -407,7 +467,7 @@ async def fetch_generation(channel: Channel, manifest: Manifest, dest_dir: Path,
             target = target / part
             await trio.to_thread.run_sync(_make_subdir, target, owner)
         await fetch_file(channel, lineage=manifest.lineage, gen=manifest.gen, name=source_prefix + name, size=size, checksum=checksum,
-                         dest_dir=target, dest_name=leaf, owner=owner if parts else None, depth=depth)
+                         dest_dir=target, dest_name=leaf, owner=owner if parts else None, depth=depth, bulk=bulk)
     await trio.to_thread.run_sync(lambda: ckptstore.write_manifest(dest_dir, manifest))
 
 
@@ -442,8 +502,12 @@ class RemoteData:
     into a channel of ``depth`` chunks; the thread takes them with
     ``trio.from_thread.run`` and cuts them into :data:`xor.BLOCK` pieces."""
 
-    def __init__(self, nursery: trio.Nursery, channel: Channel, lineage: int, gen: int, depth: int = DEFAULT_DEPTH):
+    def __init__(self, nursery: trio.Nursery, channel: Channel, lineage: int, gen: int, depth: int = DEFAULT_DEPTH,
+                 bulk: Bulk | None = None):
         self.nursery, self.channel, self.lineage, self.gen, self.depth = nursery, channel, lineage, gen, depth
+        self.bulk = bulk
+        self.name: str | None = None
+        self.checksum: str | None = None
 
     async def _open(self, start: int, length: int) -> trio.MemoryReceiveChannel:
         send, receive = trio.open_memory_channel[object](max(1, self.depth * CHUNK // xor.BLOCK))
@@ -472,7 +536,63 @@ class RemoteData:
     def _stream(self, start: int, length: int):
         return data_stream(self.channel, lineage=self.lineage, gen=self.gen, start=start, length=length)
 
-    def blocks(self, start: int, length: int) -> Iterator[bytes]:
+    def _request_args(self, start: int, length: int) -> dict:
+        return {"start": start, "length": length}
+
+    async def _open_bulk(self, bulk: Bulk, start: int, length: int, what: str, done: trio.Event):
+        """A task holding the control request open while the worker thread
+        reads the bulk connection; returns the connection once it is proven."""
+        ready = trio.Event()
+        box: dict = {}
+
+        async def hold() -> None:
+            try:
+                async with self.channel.stream("ckpt_bulk_read", lineage=self.lineage, gen=self.gen,
+                                               **self._request_args(start, length)) as items:
+                    ticket, port = bulkpath.check_offer(await bulkpath.first_item(items, what), length, what)
+                    box["sock"] = await trio.to_thread.run_sync(bulkpath.dial, bulk.host_of(self.channel), port, bulk.key, ticket, what)
+                    ready.set()
+                    await done.wait()
+            except (RemoteError, OSError) as exc:
+                box.setdefault("error", exc)
+            finally:
+                ready.set()
+
+        self.nursery.start_soon(hold)
+        await ready.wait()
+        if "sock" not in box:
+            raise xor.RebuildError(str(box.get("error", f"{what}: the transfer was cancelled")))
+        return box["sock"]
+
+    def _bulk_blocks(self, bulk: Bulk, start: int, length: int) -> Iterator[memoryview]:
+        what = (f"{self.name} of job-{self.lineage}/gen-{self.gen} from {self.channel.label}" if self.name else
+                f"data [{start}, {start + length}) of job-{self.lineage}/gen-{self.gen} from {self.channel.label}")
+        done = trio.from_thread.run_sync(trio.Event)
+        try:
+            sock = trio.from_thread.run(self._open_bulk, bulk, start, length, what, done)
+            try:
+                digest = ckptstore.hasher() if self.checksum is not None else None
+                try:
+                    yield from bulkpath.Receiver(sock, length, what, digest=digest).chunks()
+                except bulkpath.BulkError as exc:
+                    raise xor.RebuildError(str(exc)) from None
+                want = self.checksum
+                if digest is not None and want is not None and (mine := digest.hexdigest()) != want:
+                    raise xor.RebuildError(f"{what}: checksum {mine[:16]}… of the bytes received does not match {want[:16]}…")
+            finally:
+                sock.close()
+        finally:
+            try:
+                trio.from_thread.run_sync(done.set)
+            except RuntimeError:  # (finalised on the event loop's own thread)
+                done.set()
+
+    def blocks(self, start: int, length: int) -> Iterator[bytes | memoryview]:
+        if self.bulk is not None:
+            return self._bulk_blocks(self.bulk, start, length)
+        return self._channel_blocks(start, length)
+
+    def _channel_blocks(self, start: int, length: int) -> Iterator[bytes | memoryview]:
         receive = trio.from_thread.run(self._open, start, length)
         try:
             done = 0
@@ -496,9 +616,14 @@ class RemoteFile(RemoteData):
     checked against ``size`` and ``checksum`` (from the meta this node holds)."""
 
     def __init__(self, nursery: trio.Nursery, channel: Channel, lineage: int, gen: int, name: str, size: int, checksum: str,
-                 depth: int = DEFAULT_DEPTH):
-        super().__init__(nursery, channel, lineage, gen, depth)
+                 depth: int = DEFAULT_DEPTH, bulk: Bulk | None = None):
+        super().__init__(nursery, channel, lineage, gen, depth, bulk)
         self.name, self.size, self.checksum = check_name(name), size, checksum
+
+    def _request_args(self, start: int, length: int) -> dict:
+        if (start, length) != (0, self.size):
+            raise RemoteError("bad_request", "a remote file is read whole")
+        return {"name": self.name}
 
     @asynccontextmanager
     async def _stream(self, start: int, length: int):

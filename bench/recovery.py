@@ -7,15 +7,19 @@ redundancy levels, all measured in the same run, alternating:
   local    every node writes its files (rank states + the daemon's small
            files), fsyncs them, writes its MANIFEST — what gangd does today;
   partner  local, then every node pulls its ring predecessor's generation
-           over a real peer channel (gangd.redundancy.transfer: chunked,
+           (gangd.redundancy.transfer.fetch_generation: chunked,
            checksummed, fsynced) into its own disk;
   xor      local, then every node pulls one slice of each other member's
-           data over the channels and writes the XOR (gangd.redundancy.xor,
-           one set of all nodes: B/(N-1) parity per node).
+           data and writes the XOR (gangd.redundancy.xor, one set of all
+           nodes: B/(N-1) parity per node).
 
 Each node is a process of its own (its own GIL and event loop), the links
 between them socket pairs carrying gangd's own rpc Channels with the peer
-handshake. Time: from a common start to the last node's redundancy fsynced;
+handshake. ``--transport bulk`` (default): the control on the channel, the
+bytes on a bulk TCP connection per transfer (gangd.redundancy.bulk, HMAC
+handshake keyed by the secret); ``channel``: the bytes in the channel's
+stream items (the path before the bulk one); ``both``: partner and xor
+over each, in the same run. Time: from a common start to the last node's redundancy fsynced;
 bandwidth = checkpoint bytes (N x B) / time. Ratios are against ``local``
 of the same run (SCR measured XOR ≈ 0.8x and PARTNER ≈ 0.5x of SINGLE;
 the issue's targets: xor ≥ 0.75x, partner ≥ 0.5x).
@@ -27,7 +31,7 @@ disk what that node stores (B/(N-1) for xor, B for partner) while the
 others write in parallel; here all of it queues on one disk, and the
 peers' data read for the parity comes from this machine's page cache.
 
-    python bench/recovery.py [--mib 256] [--nodes 4] [--repeats 3] [--dir DIR] [--json]
+    python bench/recovery.py [--mib 256] [--nodes 4] [--repeats 3] [--transport bulk|channel|both] [--dir DIR] [--json]
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ import trio
 
 from gangd import ckptstore
 from gangd.protocol import Connection, Role
-from gangd.redundancy import transfer, xor
+from gangd.redundancy import bulk, transfer, xor
 from gangd.rpc import Channel, RemoteError
 
 LINEAGE, GEN = 1, 1
@@ -87,8 +91,13 @@ def node_main(i: int, n: int, mode: str, base: str, mib: int, socks: dict, barri
 async def node_async(i: int, n: int, mode: str, base: Path, mib: int, socks: dict, barrier) -> dict:
     root = base / node_name(i)
     root.mkdir(parents=True, exist_ok=True)
+    level, _, transport = mode.partition("/")
+    server = bulk.BulkServer(SECRET)
+    key = bulk.Bulk.from_secret(SECRET) if transport != "channel" else None
 
     async def handler(channel, request):
+        if request.op == "ckpt_bulk_read":
+            return await transfer.handle_bulk_read(server, root, request.args)
         if request.op == "ckpt_file_read":
             return await transfer.handle_file_read(root, request.args)
         if request.op == "ckpt_data_read":
@@ -107,6 +116,7 @@ async def node_async(i: int, n: int, mode: str, base: Path, mib: int, socks: dic
             servers.append(Channel(trio.SocketStream(trio.socket.from_stdlib_socket(sock)),
                                    Connection(dialer=False, node=node_name(i), secret=SECRET), label=f"node {node_name(puller)}"))
     async with trio.open_nursery() as nursery:
+        await nursery.start(server.run)
         async with trio.open_nursery() as hs:
             for ch in (*clients.values(), *servers):
                 hs.start_soon(ch.handshake)
@@ -120,15 +130,15 @@ async def node_async(i: int, n: int, mode: str, base: Path, mib: int, socks: dic
         local_done = time.perf_counter()
         await trio.to_thread.run_sync(barrier.wait)  # the generation is complete: redundancy starts behind it
         gen = ckptstore.gen_dir(root, LINEAGE, GEN)
-        if mode == "partner":
+        if level == "partner":
             prev = (i - 1) % n
             manifest = ckptstore.read_manifest(ckptstore.gen_dir(base / node_name(prev), LINEAGE, GEN))  # (handed over with the request in gangd)
             dest = gen / xor.REDUNDANCY_DIR / f"partner-{node_name(prev)}"
             dest.mkdir(parents=True)
-            await transfer.fetch_generation(clients[prev], manifest, dest)
-        elif mode == "xor":
+            await transfer.fetch_generation(clients[prev], manifest, dest, bulk=key)
+        elif level == "xor":
             manifests = [ckptstore.read_manifest(ckptstore.gen_dir(base / node_name(j), LINEAGE, GEN)) for j in range(n)]
-            sources: list = [transfer.RemoteData(nursery, clients[j], LINEAGE, GEN) if j != i else None for j in range(n)]
+            sources: list = [transfer.RemoteData(nursery, clients[j], LINEAGE, GEN, bulk=key) if j != i else None for j in range(n)]
             await trio.to_thread.run_sync(xor.write_parity, gen, xor.meta_for(manifests, [node_name(j) for j in range(n)], i), sources)
         end = time.perf_counter()
         await trio.to_thread.run_sync(barrier.wait)  # nobody stops serving before everyone is done
@@ -137,13 +147,13 @@ async def node_async(i: int, n: int, mode: str, base: Path, mib: int, socks: dic
 
 
 def run_mode(mode: str, n: int, mib: int, workdir: Path) -> dict:
-    base = workdir / f"run-{mode}"
+    base = workdir / f"run-{mode.replace('/', '-')}"
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(mode=0o711)
     pairs = []
-    if mode == "partner":
+    if mode.startswith("partner"):
         pairs = [(i, (i - 1) % n) for i in range(n)]
-    elif mode == "xor":
+    elif mode.startswith("xor"):
         pairs = [(i, j) for i in range(n) for j in range(n) if i != j]
     socks = {}
     for p in pairs:
@@ -180,31 +190,36 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where the nodes' directories go (default: a temporary directory in $TMPDIR or /tmp)")
+    parser.add_argument("--transport", choices=["bulk", "channel", "both"], default="bulk",
+                        help="how redundancy bytes move: a bulk TCP connection, the rpc channel, or each in turn")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     out = sys.stderr if args.json else sys.stdout
     workdir = Path(tempfile.mkdtemp(prefix="gangd-recovery-", dir=args.dir))
-    modes = ["local", "partner", "xor"]
+    transports = ["bulk", "channel"] if args.transport == "both" else [args.transport]
+    modes = ["local"] + [f"{level}/{t}" for t in transports for level in ("partner", "xor")]
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     try:
         for rep in range(args.repeats):
             for mode in modes if rep % 2 == 0 else modes[::-1]:
                 r = run_mode(mode, args.nodes, args.mib, workdir)
                 runs[mode].append(r)
-                print(f"  run {rep + 1} {mode:8s} {r['seconds']:7.2f} s  {r['bandwidth_mib_s']:8.1f} MiB/s", file=out, flush=True)
+                print(f"  run {rep + 1} {mode:16s} {r['seconds']:7.2f} s  {r['bandwidth_mib_s']:8.1f} MiB/s", file=out, flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     med = {m: statistics.median(r["bandwidth_mib_s"] for r in runs[m]) for m in modes}
-    print(f"\nOne generation of {args.nodes} nodes x {args.mib} MiB; medians of {args.repeats} runs, alternating.", file=out)
+    load = os.getloadavg()
+    print(f"\nOne generation of {args.nodes} nodes x {args.mib} MiB; medians of {args.repeats} runs, alternating; "
+          f"load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs.", file=out)
     print("NOTE: every 'node' is a directory on this one machine's disk (all writes queue on one disk)", file=out)
     print("      and the links are local socket pairs; on a cluster each node writes its own disk.", file=out)
-    print(f"{'level':8s} {'MiB/s':>9s} {'x local':>8s} {'stored/B':>9s} {'target':>8s}", file=out)
+    print(f"{'level':16s} {'MiB/s':>9s} {'x local':>8s} {'stored/B':>9s} {'target':>8s}", file=out)
     targets = {"local": "", "partner": ">= 0.50", "xor": ">= 0.75"}
     for m in modes:
         stored = statistics.median(r["stored_over_data"] for r in runs[m])
-        print(f"{m:8s} {med[m]:9.1f} {med[m] / med['local']:8.2f} {stored:9.3f} {targets[m]:>8s}", file=out)
+        print(f"{m:16s} {med[m]:9.1f} {med[m] / med['local']:8.2f} {stored:9.3f} {targets[m.partition('/')[0]]:>8s}", file=out)
     if args.json:
-        print(json.dumps({"nodes": args.nodes, "mib": args.mib, "runs": runs, "median_mib_s": med,
+        print(json.dumps({"nodes": args.nodes, "mib": args.mib, "load": load, "runs": runs, "median_mib_s": med,
                           "ratio": {m: med[m] / med["local"] for m in modes}}))
 
 

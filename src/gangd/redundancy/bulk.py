@@ -217,10 +217,12 @@ class Receiver:
             raise BulkError(f"{self.what}: the peer sent more after the end of the file")
 
 
-def receive_file(sock: socket.socket, dest_dir: Path, leaf: str, size: int, checksum: str, owner: tuple[int, int] | None, what: str) -> None:
+def receive_file(sock: socket.socket, dest_dir: Path, leaf: str, size: int, checksum: str, owner: tuple[int, int] | None, what: str,
+                 durable: bool = True) -> None:
     """Receive ``size`` bytes into ``dest_dir/leaf`` (via a temporary name,
     fsynced, renamed), checked against ``checksum``; owns and closes ``sock``.
-    On any refusal nothing is left under either name."""
+    On any refusal nothing is left under either name. ``durable=False``:
+    no fsync (the caller syncs a batch of files before its manifest)."""
     tmp = f".{leaf}.transfer"
     try:
         try:
@@ -250,12 +252,14 @@ def receive_file(sock: socket.socket, dest_dir: Path, leaf: str, size: int, chec
             mine = digest.hexdigest()
             if mine != checksum:
                 raise BulkError(f"{what}: checksum {mine[:16]}… of the bytes received does not match the manifest's {checksum[:16]}…")
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
             os.close(fd)
             fd = -1
             os.rename(tmp, leaf, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             done = True
-            os.fsync(dir_fd)
+            if durable:
+                os.fsync(dir_fd)
         except OSError as exc:
             raise BulkError(f"{what}: {ckptstore.describe_os_error(exc, Path(dest_dir) / leaf)}") from None
         finally:

@@ -336,7 +336,7 @@ def _check_leaf(name: str) -> str:
 
 async def fetch_file(channel: Channel, *, lineage: int, gen: int, name: str, size: int, checksum: str,
                      dest_dir: Path, dest_name: str | None = None, owner: tuple[int, int] | None = None,
-                     depth: int = DEFAULT_DEPTH, bulk: Bulk | None = None) -> None:
+                     depth: int = DEFAULT_DEPTH, bulk: Bulk | None = None, durable: bool = True) -> None:
     """Pull the peer's ``job-<lineage>/gen-<gen>/<name>`` into ``dest_dir``
     (a directory of the daemon's; its last component not followed) as
     ``dest_name`` (default: the last component of ``name``), checked against
@@ -344,7 +344,8 @@ async def fetch_file(channel: Channel, *, lineage: int, gen: int, name: str, siz
     ``depth`` chunks wait for the disk. Raises :class:`TransferError` (or the
     peer's RemoteError) with nothing left under the final name. ``bulk``:
     the bytes move on a bulk connection (:mod:`gangd.redundancy.bulk`), not
-    the channel."""
+    the channel. ``durable=False``: neither the file nor ``dest_dir`` fsynced
+    (a caller that syncs a batch of files before it commits them)."""
     check_name(name)
     leaf = _check_leaf(dest_name or name.rsplit("/", 1)[-1])
     what = f"{name} of job-{lineage}/gen-{gen} from {channel.label}"
@@ -353,7 +354,7 @@ async def fetch_file(channel: Channel, *, lineage: int, gen: int, name: str, siz
         async with channel.stream("ckpt_bulk_read", lineage=lineage, gen=gen, name=name) as items:
             ticket, port = bulkpath.check_offer(await bulkpath.first_item(items, what), size, what)
             sock = await trio.to_thread.run_sync(bulkpath.dial, bulk.host_of(channel), port, bulk.key, ticket, what)
-            await bulkpath.run_on_socket(sock, bulkpath.receive_file, sock, dest_dir, leaf, size, checksum, owner, what)
+            await bulkpath.run_on_socket(sock, bulkpath.receive_file, sock, dest_dir, leaf, size, checksum, owner, what, durable)
         return
     tmp = f".{leaf}.transfer"
     try:
@@ -395,11 +396,13 @@ async def fetch_file(channel: Channel, *, lineage: int, gen: int, name: str, siz
                 nursery.start_soon(write_all)
         except BaseExceptionGroup as group:
             raise leaf_error(group) from None
-        await trio.to_thread.run_sync(os.fsync, fd)
+        if durable:
+            await trio.to_thread.run_sync(os.fsync, fd)
         os.close(fd)
         fd = -1
         os.rename(tmp, leaf, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        await trio.to_thread.run_sync(os.fsync, dir_fd)
+        if durable:
+            await trio.to_thread.run_sync(os.fsync, dir_fd)
     except OSError as exc:
         raise TransferError(f"{what}: {ckptstore.describe_os_error(exc, dest_dir / leaf)}") from None
     finally:
@@ -448,15 +451,21 @@ def partner_prefix(node: str) -> str:
 
 
 async def fetch_generation(channel: Channel, manifest: Manifest, dest_dir: Path, *, source_prefix: str = "",
-                           owner: tuple[int, int] | None = None, depth: int = DEFAULT_DEPTH, bulk: Bulk | None = None) -> None:
+                           owner: tuple[int, int] | None = None, depth: int = DEFAULT_DEPTH, bulk: Bulk | None = None,
+                           parallel: int = 2) -> None:
     """Pull every file of the peer's generation that ``manifest`` lists into
     ``dest_dir`` (``ranks/`` made 0700 and given to ``owner``), then write
     the manifest there last: a partner's copy (``dest_dir`` =
     ``gen-G/`` + :func:`partner_prefix`), a lost node's files from its
     partner's copy (``source_prefix`` = :func:`partner_prefix`), or a
     rank's files moved to the node it restarts on. Each file checked
-    against ``manifest``; the MANIFEST written last marks the copy whole."""
+    against ``manifest``; the MANIFEST written last marks the copy whole.
+    Up to ``parallel`` files move at once, none fsynced on its own: all of
+    them, and their directories, are synced once before the MANIFEST (as a
+    local commit does), so the disk writes back while the next bytes arrive."""
     dest_dir = Path(dest_dir)
+    jobs = []
+    subdirs: set[Path] = set()
     for name in sorted(manifest.files):
         check_name(name)
         check_name(source_prefix + name)
@@ -465,10 +474,42 @@ async def fetch_generation(channel: Channel, manifest: Manifest, dest_dir: Path,
         target = dest_dir
         for part in parts:
             target = target / part
-            await trio.to_thread.run_sync(_make_subdir, target, owner)
-        await fetch_file(channel, lineage=manifest.lineage, gen=manifest.gen, name=source_prefix + name, size=size, checksum=checksum,
-                         dest_dir=target, dest_name=leaf, owner=owner if parts else None, depth=depth, bulk=bulk)
+            if target not in subdirs:
+                await trio.to_thread.run_sync(_make_subdir, target, owner)
+                subdirs.add(target)
+        jobs.append({"name": source_prefix + name, "size": size, "checksum": checksum, "dest_dir": target, "dest_name": leaf,
+                     "owner": owner if parts else None})
+    limiter = trio.Semaphore(max(1, parallel))
+
+    async def one(job: dict) -> None:
+        async with limiter:
+            await fetch_file(channel, lineage=manifest.lineage, gen=manifest.gen, depth=depth, bulk=bulk, durable=False, **job)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            for job in jobs:
+                nursery.start_soon(one, job)
+    except BaseExceptionGroup as group:
+        raise leaf_error(group) from None
+    await trio.to_thread.run_sync(_sync_all, dest_dir, manifest, sorted(subdirs))
     await trio.to_thread.run_sync(lambda: ckptstore.write_manifest(dest_dir, manifest))
+
+
+def _sync_all(dest_dir: Path, manifest: Manifest, subdirs: list[Path]) -> None:
+    try:
+        for sub in subdirs:  # (made by _make_subdir: no link followed)
+            fd = os.open(sub, safefs.DIR_FLAGS)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        dir_fd = os.open(dest_dir, safefs.DIR_FLAGS)
+        try:
+            ckptstore.sync(dest_dir, sorted(manifest.files), dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:
+        raise TransferError(f"syncing the files copied into {dest_dir}: {ckptstore.describe_os_error(exc, dest_dir)}") from None
 
 
 def _make_subdir(path: Path, owner: tuple[int, int] | None) -> None:

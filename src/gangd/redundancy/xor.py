@@ -43,6 +43,7 @@ import numpy as np
 
 from .. import ckptstore, safefs
 from ..ckptstore import Manifest, StoreError
+from .direct import DirectFile, aligned_buffer
 
 BLOCK = 1 << 20
 REDUNDANCY_DIR = "redundancy"
@@ -318,7 +319,7 @@ class ParityFile:
 
 def xor_blocks(sources: Sequence[Iterator], length: int) -> Iterator[memoryview]:
     """XOR of equally long block streams, block by block (memory: one block per source)."""
-    acc = np.zeros(min(BLOCK, max(length, 1)), dtype=np.uint8)
+    acc = np.frombuffer(aligned_buffer(min(BLOCK, length)), dtype=np.uint8)  # (page-aligned: written O_DIRECT)
     done = 0
     while done < length:
         n = min(BLOCK, length - done)
@@ -364,7 +365,7 @@ def write_parity(gen_dir: Path, meta_base: XorMeta, data: Sequence[Source | None
             except FileNotFoundError:
                 pass
             where = gen_dir / REDUNDANCY_DIR
-            size, checksum = ckptstore.write_atomic(where / PARITY, parity_blocks(meta_base.index, meta_base.layout, data), dir_fd=sub)
+            size, checksum = _write_direct(sub, PARITY, where, parity_blocks(meta_base.index, meta_base.layout, data))
             meta = XorMeta(meta_base.lineage, meta_base.gen, meta_base.nodes, meta_base.index, meta_base.sizes, size, checksum, meta_base.manifests)
             ckptstore.write_atomic(where / META, [meta.pack()], dir_fd=sub)
             return meta
@@ -372,6 +373,42 @@ def write_parity(gen_dir: Path, meta_base: XorMeta, data: Sequence[Source | None
             os.close(sub)
     finally:
         os.close(gen_fd)
+
+
+def _write_direct(dir_fd: int, name: str, where: Path, blocks: Iterator[memoryview]) -> tuple[int, str]:
+    """Like :func:`gangd.ckptstore.write_atomic` (a temporary name, fsync,
+    rename, fsync of the directory), around the page cache
+    (:mod:`gangd.redundancy.direct`): a parity is read only if a node is lost."""
+    tmp = f".{name}.tmp"
+    digest = ckptstore.hasher()
+    out: DirectFile | None = None
+    done = False
+    try:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        out = DirectFile(tmp, dir_fd)
+        for block in blocks:
+            digest.update(block)
+            out.write(block)
+        os.fsync(out.fd)
+        size = out.off
+        out.close()
+        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        done = True
+        os.fsync(dir_fd)
+        return size, digest.hexdigest()
+    except OSError as exc:
+        raise RebuildError(ckptstore.describe_os_error(exc, where / name)) from None
+    finally:
+        if out is not None:
+            out.close()
+        if not done:
+            try:
+                os.unlink(tmp, dir_fd=dir_fd)
+            except OSError:
+                pass
 
 
 def encode_set(dirs: Sequence[Path], nodes: Sequence[str]) -> list[XorMeta]:

@@ -1,8 +1,12 @@
 """Streaming checkpoint bytes between daemons: a file, or a slice of a node's data.
 
 Partner copies, XOR parity, rebuilds and restarts on other nodes all move
-generation files from one daemon to another. They ride the peers' existing
-channels (:mod:`gangd.rpc`): the receiver *pulls* with a streamed request
+generation files from one daemon to another. The fast path (``bulk=`` on
+every function here; the peer op ``ckpt_bulk_read``) keeps the request on
+the channel and moves the bytes on a bulk connection (:mod:`.bulk`); without
+it they ride the peers' channels (:mod:`gangd.rpc`), 3-8x slower (the
+channel packs, frames and credits every 128 KiB on the daemons' event
+loops). On the channel path the receiver *pulls* with a streamed request
 (``ckpt_file_read`` for a file, ``ckpt_data_read`` for a slice of a node's
 concatenated data, the XOR scheme's unit), so flow control is the
 channel's credit: the sender emits a chunk only once the receiver has taken

@@ -605,7 +605,8 @@ async def test_a_wrong_size_offer_or_a_listener_without_the_secret_is_refused(pe
 
 
 def _stranger(port: int, ticket: bytes, secret_file: str) -> dict:
-    """Run as uid nobody: read the cluster secret, then open a bulk transfer with a valid ticket and a guessed key."""
+    """Run as uid nobody: read the cluster secret, then open a bulk transfer
+    with a made-up ticket, then with a valid ticket and a guessed key."""
     from gangd.redundancy import bulk
 
     result: dict = {}
@@ -614,6 +615,9 @@ def _stranger(port: int, ticket: bytes, secret_file: str) -> dict:
             result["secret"] = f.read().hex()
     except OSError as exc:
         result["secret"] = type(exc).__name__
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(bulk.MAGIC + os.urandom(bulk.NONCE) + os.urandom(bulk.TICKET))
+        result["unknown_ticket_answer"] = len(sock.recv(1 << 16))
     key = bulk.bulk_key(b"guessed secret, not the cluster's")
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         nonce_d = os.urandom(bulk.NONCE)
@@ -649,9 +653,27 @@ async def test_a_stranger_uid_cannot_open_a_bulk_transfer(peer_gen, tmp_path):
             offer = await bulk.first_item(items, name)
             ticket, port = bulk.check_offer(offer, manifest.files[name][0], name)  # (a ticket leaked to the stranger)
             result = await trio.to_thread.run_sync(as_uid, NOBODY, lambda: _stranger(port, ticket, str(secret_file)))
-            assert result == {"secret": "PermissionError", "after_proof": 0}, result
+            assert result == {"secret": "PermissionError", "unknown_ticket_answer": 0, "after_proof": 0}, result
             # the ticket is still the puller's: the real transfer goes through
             sock = await trio.to_thread.run_sync(bulk.dial, "127.0.0.1", port, bulk.bulk_key(SECRET), ticket, name)
             await bulk.run_on_socket(sock, bulk.receive_file, sock, dest, "copy", *manifest.files[name], None, name)
         nursery.cancel_scope.cancel()
     assert (dest / "copy").read_bytes() == files[name]
+
+
+async def test_a_ticket_nobody_claims_is_released_and_the_request_fails_clearly(peer_gen, monkeypatch):
+    from gangd.redundancy import bulk
+
+    monkeypatch.setattr(bulk, "CLAIM_TIMEOUT", 0.5)
+    root, _, _, _ = peer_gen
+    async with trio.open_nursery() as nursery:
+        server = await bulk_server(nursery)
+        channel = await channel_pair(nursery, bulk_serving(root, server))
+        with pytest.raises(RemoteError, match="did not open its bulk connection"):
+            async with channel.stream("ckpt_bulk_read", lineage=7, gen=3, name="job.msgpack") as items:
+                async for _ in items:
+                    assert len(server.tickets) == 1  # issued, never claimed
+        assert server.tickets == {}
+        with pytest.raises(RemoteError, match="not a file of a checkpoint generation"):
+            await channel.request("ckpt_bulk_read", lineage=7, gen=3, name="../../etc/passwd")
+        nursery.cancel_scope.cancel()

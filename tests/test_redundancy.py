@@ -661,11 +661,11 @@ async def test_a_stranger_uid_cannot_open_a_bulk_transfer(peer_gen, tmp_path):
     assert (dest / "copy").read_bytes() == files[name]
 
 
-async def test_a_ticket_nobody_claims_is_released_and_the_request_fails_clearly(peer_gen, monkeypatch):
+async def test_a_ticket_nobody_claims_is_released_and_a_bad_name_or_link_is_refused(peer_gen, monkeypatch):
     from gangd.redundancy import bulk
 
     monkeypatch.setattr(bulk, "CLAIM_TIMEOUT", 0.5)
-    root, _, _, _ = peer_gen
+    root, _, _, dest = peer_gen
     async with trio.open_nursery() as nursery:
         server = await bulk_server(nursery)
         channel = await channel_pair(nursery, bulk_serving(root, server))
@@ -676,4 +676,9 @@ async def test_a_ticket_nobody_claims_is_released_and_the_request_fails_clearly(
         assert server.tickets == {}
         with pytest.raises(RemoteError, match="not a file of a checkpoint generation"):
             await channel.request("ckpt_bulk_read", lineage=7, gen=3, name="../../etc/passwd")
+        os.symlink("/etc/passwd", ckptstore.gen_dir(root, 7, 3) / "ranks" / "rank-9.state")
+        with pytest.raises(RemoteError, match="symbolic link"):
+            await transfer.fetch_file(channel, lineage=7, gen=3, name="ranks/rank-9.state", size=6, checksum="0",
+                                      dest_dir=dest, bulk=bulk.Bulk.from_secret(SECRET))
+        assert list(dest.iterdir()) == []
         nursery.cancel_scope.cancel()

@@ -387,13 +387,14 @@ async def _read_exact(sock, n: int) -> bytes | None:
 
 async def serve(server: BulkServer, open_source: Callable[[], Source], what: str,
                 send: Callable[[socket.socket, Source], int] = send_source) -> Stream:
-    """A channel op's answer: open the source (a worker thread), issue a
-    ticket, tell the puller ``{ticket, port, size}``, wait for its bulk
+    """A channel op's answer: once its stream starts, open the source (a
+    worker thread), issue a ticket, tell the puller ``{ticket, port, size}``, wait for its bulk
     connection, send, then ``{end}``. Everything is released when the
     request ends, however it ends."""
-    source = await trio.to_thread.run_sync(open_source)
 
     async def produce(emit) -> None:
+        # (opened here, not before: a stream that never starts holds no fd)
+        source = await trio.to_thread.run_sync(open_source)
         ticket, slot = None, None
         try:
             ticket, slot = server.issue()

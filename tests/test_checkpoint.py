@@ -77,7 +77,8 @@ APPS = {
 def test_checkpoint_kill_restart_is_bit_identical(gc, app):
     argv = APPS[app]
     expected = reference(gc, argv)
-    job = submit(gc, [*argv, "--sleep", "0.01"])
+    # 200 steps of 30 ms: room for the checkpoint to land mid-run on a loaded machine, where starting the CLI alone takes a second
+    job = submit(gc, [*argv, "--sleep", "0.03"])
     wait_running_a_bit(gc, job)
     gen = checkpoint(gc, job)
     assert gen["state"] == "complete", gen

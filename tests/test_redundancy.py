@@ -682,3 +682,22 @@ async def test_a_ticket_nobody_claims_is_released_and_a_bad_name_or_link_is_refu
                                       dest_dir=dest, bulk=bulk.Bulk.from_secret(SECRET))
         assert list(dest.iterdir()) == []
         nursery.cancel_scope.cancel()
+
+
+async def test_a_parity_on_the_bulk_path_with_a_peer_that_lacks_its_data_fails_and_leaves_no_meta(tmp_path):
+    from gangd.redundancy import bulk, held
+
+    nodes, dirs, _ = make_set(tmp_path, 3, seed=41)
+    manifests = [ckptstore.read_manifest(d) for d in dirs]
+    shutil.rmtree(dirs[2])  # n2 lost its generation after it committed
+    key = bulk.Bulk.from_secret(SECRET)
+    async with trio.open_nursery() as nursery:
+        sources: list = [None]
+        for node in nodes[1:]:
+            server = await bulk_server(nursery)
+            sources.append(transfer.RemoteData(nursery, await channel_pair(nursery, bulk_serving(tmp_path / node, server)), 7, 3, bulk=key))
+        with pytest.raises(xor.RebuildError, match="gen-3"):
+            await trio.to_thread.run_sync(xor.write_parity, dirs[0], xor.meta_for(manifests, nodes, 0), sources)
+        nursery.cancel_scope.cancel()
+    assert "holds no XOR parity" in held.missing(dirs[0], rplan.make_plan(nodes), "n0")
+    assert not (dirs[0] / "redundancy" / ".xor.parity.tmp").exists()

@@ -323,12 +323,16 @@ def xor_blocks(sources: Sequence[Iterator], length: int) -> Iterator[memoryview]
     done = 0
     while done < length:
         n = min(BLOCK, length - done)
-        acc[:n] = 0
-        for src in sources:
+        if not sources:
+            acc[:n] = 0
+        for k, src in enumerate(sources):
             block = next(src, None)
             if block is None or len(block) != n:
                 raise RebuildError(f"a source gave {0 if block is None else len(block)} bytes at offset {done}, expected {n}")
-            np.bitwise_xor(acc[:n], np.frombuffer(block, dtype=np.uint8), out=acc[:n])
+            if k == 0:  # (the first copied, not XORed into zeros: one pass less over the block)
+                acc[:n] = np.frombuffer(block, dtype=np.uint8)
+            else:
+                np.bitwise_xor(acc[:n], np.frombuffer(block, dtype=np.uint8), out=acc[:n])
         done += n
         yield acc.data[:n]
     for src in sources:

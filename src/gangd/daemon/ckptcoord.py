@@ -408,7 +408,7 @@ class CheckpointCoordinator:
         async def one(target: str, pulls: dict[str, list[int]]) -> None:
             try:
                 with trio.fail_after(timeout + 10):
-                    await self.co.call(target, "ckpt_stage", term=self.co._fence().term, lineage=lineage, gen=entry["gen"],
+                    await self.co.call(target, "ckpt_stage", lineage=lineage, gen=entry["gen"],
                                        owner=[record["owner_uid"], record["owner_gid"]], pulls=pulls, timeout=timeout)
                 staged[target] = sorted(r for ranks in pulls.values() for r in ranks)
             except trio.TooSlowError:

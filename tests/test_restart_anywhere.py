@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+import trio
 from ckpthelpers import (
     TERMINAL,
     checkpoint,
@@ -36,6 +37,8 @@ from ckpthelpers import (
 from conftest import shared_cluster
 
 from gangd import ckptstore
+from gangd.client.api import connect
+from gangd.rpc import RemoteError
 
 PY = sys.executable
 ROOT = Path(__file__).resolve().parent.parent
@@ -196,3 +199,17 @@ def test_a_damaged_source_file_is_refused_naming_node_and_path_and_nothing_is_le
         assert [name for name in os.listdir(target / ckptstore.RANKS_DIR) if "rank-0" in name] == []
     entry = next(g for g in generations(gc, job) if g["gen"] == gen["gen"])
     assert entry["state"] == "damaged" and str(source) in entry["reason"], entry
+
+
+def test_a_client_can_neither_read_checkpoint_files_nor_stage_them(gc):
+    """The files hold the job's network contexts and token: only daemons move them."""
+    async def attempt(op: str, **args) -> str:
+        async with connect(gc.dir) as gang:
+            try:
+                await gang.request(op, **args)
+            except RemoteError as exc:
+                return exc.code
+        return "allowed"
+
+    assert trio.run(lambda: attempt("ckpt_file_read", lineage=1, gen=1, name="net-0.ctx")) == "permission_denied"
+    assert trio.run(lambda: attempt("ckpt_stage", lineage=1, gen=1, owner=[0, 0], pulls={"n1": [0]}, timeout=5)) == "permission_denied"

@@ -1,6 +1,8 @@
 """`gang restart -w/-N`: a job restarted on other nodes than those of its checkpoint (issue 16).
 
-Real daemons on a 4-node cluster (2 cores each), real ranks, real files
+The rules (where a restart runs, where each rank's files come from, and
+the recovery planner of a lost node's jobs) are pure and checked with
+hypothesis first; then real daemons on a 4-node cluster (2 cores each), real ranks, real files
 streamed between the daemons. What a user relies on: a job checkpointed on
 two nodes and restarted on two entirely different ones (or packed onto one)
 prints exactly what an uninterrupted run prints; the files that moved are
@@ -35,9 +37,14 @@ from ckpthelpers import (
     wait_running_a_bit,
 )
 from conftest import shared_cluster
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gangd import ckptstore
+from gangd.checkpoint import recovery, relocate
 from gangd.client.api import connect
+from gangd.daemon.coordinator import place
+from gangd.redundancy.plan import make_plan
 from gangd.rpc import RemoteError
 
 PY = sys.executable
@@ -47,15 +54,130 @@ ARGV = [JOB, "--steps", "250", "--mb", "0.5"]
 
 
 @pytest.fixture(scope="module")
-def gc():
+def _cluster():
     with shared_cluster(4, cores=2, time_slice=0.1, max_slots=2) as cluster:
         yield cluster
 
 
-@pytest.fixture(autouse=True)
-def _leave_it_empty(gc):
-    yield
-    kill_what_is_left(gc)
+@pytest.fixture
+def gc(_cluster):
+    """The module's cluster, left without jobs after each test."""
+    yield _cluster
+    kill_what_is_left(_cluster)
+
+
+# ---------------------------------------------------------------- the rules, pure
+
+NAMES = [f"n{i}" for i in range(1, 9)]
+
+
+@st.composite
+def clusters(draw):
+    count = draw(st.integers(1, 8))
+    names = NAMES[:count]
+    cores = {n: draw(st.integers(1, 4)) for n in names}
+    up = [n for n in names if draw(st.booleans())] or [names[0]]
+    nranks = draw(st.integers(1, sum(cores.values())))
+    old = place({"nranks": nranks}, cores)
+    assert old is not None
+    return names, cores, up, nranks, old
+
+
+@given(clusters(), st.data())
+def test_a_restart_is_placed_on_live_nodes_within_their_cores(setup, data):
+    names, cores, up, nranks, old = setup
+    how = data.draw(st.sampled_from(["default", "nodelist", "nodes"]))
+    nodelist = data.draw(st.lists(st.sampled_from(names), min_size=1, unique=True)) if how == "nodelist" else None
+    nodes = data.draw(st.integers(1, len(names) + 1)) if how == "nodes" else None
+    try:
+        new = relocate.choose_placement(nranks=nranks, old=old, up=up, cores=cores, place=place, nodelist=nodelist, nodes=nodes)
+    except relocate.Unplaceable as exc:
+        message = str(exc)
+        if nodelist is not None and any(n not in up for n in nodelist):
+            assert "down" in message and all(n in message for n in nodelist if n not in up)
+        elif nodes is not None and nodes > len(up):
+            assert f"only {len(up)}" in message
+        else:
+            assert "do not fit" in message
+            allowed = [n for n in up if nodelist is None or n in nodelist]
+            assert sum(cores[n] for n in allowed) < nranks or nodes is not None
+        return
+    assert len(new) == nranks and set(new) <= set(up)
+    assert all(new.count(n) <= cores[n] for n in set(new))
+    if nodelist is not None:
+        assert set(new) <= set(nodelist)
+    if nodes is not None:
+        assert len(set(new)) <= nodes
+    if how == "default" and set(old) <= set(up):
+        assert new == old
+
+
+@given(clusters(), st.data())
+def test_each_moved_rank_pulls_from_a_live_holder_and_the_others_stay(setup, data):
+    names, _, up, nranks, old = setup
+    new = data.draw(st.lists(st.sampled_from(up), min_size=nranks, max_size=nranks))
+    copies = data.draw(st.dictionaries(st.sampled_from(names), st.lists(st.integers(0, nranks - 1), unique=True)))
+    sources = relocate.plan_sources(new, old, copies, up)
+    holders = relocate.holders(old, copies)
+    pulled = {}
+    for target, per in sources.pulls.items():
+        for source, ranks in per.items():
+            assert source in up and source != target
+            for rank in ranks:
+                assert rank not in pulled and new[rank] == target and source in holders[rank]
+                pulled[rank] = source
+    for rank in range(nranks):
+        if new[rank] in holders[rank]:
+            assert rank not in pulled and rank not in sources.missing
+        elif any(h in up for h in holders[rank]):
+            assert rank in pulled
+        else:
+            assert sources.missing[rank] == holders[rank]
+            assert all(h in relocate.describe_missing(sources.missing) for h in holders[rank])
+
+
+@given(st.integers(2, 8), st.sampled_from(["partner", "xor"]), st.integers(1, 3), st.data())
+def test_recovery_keeps_survivors_puts_each_lost_node_on_one_replacement_spares_first(count, level, per_node, data):
+    job_nodes = NAMES[:count]
+    placement = [n for n in job_nodes for _ in range(per_node)]
+    plan = make_plan(job_nodes, level, data.draw(st.integers(2, 4)))
+    cluster = NAMES[: data.draw(st.integers(count, 8))]
+    lost = data.draw(st.lists(st.sampled_from(job_nodes), min_size=1, unique=True))
+    free = {n: data.draw(st.integers(0, 4)) for n in cluster if n not in lost}
+    spares = data.draw(st.lists(st.sampled_from(cluster), unique=True))
+    try:
+        result = recovery.plan_recovery(placement, plan, lost, free, spares)
+    except recovery.CannotRecover as exc:
+        if plan.recovery(lost).ok:
+            assert "no live node has" in str(exc)
+            assert all(free[n] < per_node for n in free) or len(lost) > 1  # (room for one lost node, not for all)
+        else:
+            assert str(exc) == plan.recovery(lost).message
+        return
+    assert plan.recovery(lost).ok
+    assert len(result.placement) == len(placement) and not set(result.placement) & set(lost)
+    used = dict.fromkeys(free, 0)
+    for new in result.replacements.values():
+        used[new] += per_node
+    assert all(used[n] <= free[n] for n in free)
+    for rank, (was, now) in enumerate(zip(placement, result.placement, strict=True)):
+        source = result.ranks[rank]
+        assert source.node == now
+        if was in lost:
+            assert now == result.replacements[was] and source.lost == was
+            rebuild = next(r for r in plan.recovery(lost).rebuilds if r.node == was)
+            assert (source.method, source.sources) == (rebuild.method, rebuild.sources)
+        else:
+            assert now == was and source.method == "local"
+    # Spares first: no replacement is a non-spare while a spare outside the job had room for it.
+    if len(lost) == 1:
+        (chosen,) = result.replacements.values()
+        spare_room = [n for n in spares if n in free and n not in job_nodes and free[n] >= per_node]
+        if spare_room:
+            assert chosen == min(spare_room, key=lambda n: int(n[1:]))
+
+
+# ---------------------------------------------------------------- real daemons
 
 
 def placement(gc, job: int) -> list[str]:

@@ -96,11 +96,13 @@ class StageRequest:
 class Stager:
     """This node's side of ``ckpt_stage``. ``channel(node)``: the peer channel to a node."""
 
-    def __init__(self, *, node: str, root: Path, channel, reserve: int):
+    def __init__(self, *, node: str, root: Path, channel, reserve: int, max_file: int):
         self.node = node
         self.root = Path(root)
         self.channel = channel
         self.reserve = reserve
+        #: A file larger than this is refused unread (a source's manifest is a peer's word: checkpoint_max_rank_bytes).
+        self.max_file = max_file
 
     async def stage(self, request: StageRequest) -> dict:
         started = time.monotonic()
@@ -139,7 +141,7 @@ class Stager:
                         except RemoteError as exc:
                             raise RemoteError(exc.code, f"node {source}'s job-{request.lineage}/gen-{request.gen}/{name}: {exc.message}") from None
 
-                await trio.to_thread.run_sync(self._room, directory)
+                await trio.to_thread.run_sync(self._room, directory, sum(size for _, _, size, _ in wanted))
                 async with trio.open_nursery() as nursery:
                     for source, name, size, checksum in wanted:
                         nursery.start_soon(one, source, name, size, checksum)
@@ -193,10 +195,13 @@ class Stager:
                         continue  # (a rank without messages in flight has no context; a file staged before is here)
                     if name in have:
                         raise RemoteError("restart_failed", f"{self.node}'s job-{request.lineage}/gen-{request.gen}/{name} differs from node {source}'s")
+                    if listed[name][0] > self.max_file:
+                        raise RemoteError("restart_failed", f"node {source}'s job-{request.lineage}/gen-{request.gen}/{name} is "
+                                          f"{listed[name][0]} bytes, more than one file may hold (checkpoint_max_rank_bytes = {self.max_file})")
                     wanted.append((source, name, *listed[name]))
         if "job.msgpack" not in have:
             for source in sorted(request.pulls):
-                if "job.msgpack" in manifests[source].files:
+                if "job.msgpack" in manifests[source].files and manifests[source].files["job.msgpack"][0] <= self.max_file:
                     wanted.append((source, "job.msgpack", *manifests[source].files["job.msgpack"]))
                     break
         return wanted
@@ -261,14 +266,20 @@ class Stager:
         finally:
             os.close(job)
 
-    def _room(self, directory: Path) -> None:
-        from .checkpoint import room_left
+    def _room(self, directory: Path, incoming: int) -> None:
+        """Raise NoRoom unless the disk takes ``incoming`` bytes and still keeps its reserve."""
+        from .checkpoint import NoRoom
 
         fd = self._gen_fd(directory)
         try:
-            room_left(fd, self.reserve, self.root)
+            vfs = os.fstatvfs(fd)
         finally:
             os.close(fd)
+        reserve = min(self.reserve, vfs.f_blocks * vfs.f_frsize // 4)
+        free = vfs.f_bavail * vfs.f_frsize
+        if free < incoming + reserve:
+            raise NoRoom(f"the checkpoint disk ({self.root}) has {free} bytes free; the files to copy need {incoming} "
+                         f"and gangd keeps {reserve} free there (output_reserve)")
 
     def _commit(self, directory: Path, manifest: Manifest, names: list[str]) -> None:
         fd = self._gen_fd(directory)

@@ -4,6 +4,7 @@ ranks (:mod:`gangd.ckptlib`), and between daemons (the rounds of
 
 from __future__ import annotations
 
+from ...redundancy.plan import NODE_NAME
 from ...rpc import RemoteError
 from ..access import integer, job_for
 from .coord import coordinator
@@ -29,8 +30,9 @@ async def restart(s, call: Call):
     if gen is not None and (not isinstance(gen, int) or isinstance(gen, bool)):
         raise RemoteError("bad_request", f"'gen' must be a generation number, not {gen!r}")
     nodelist, nodes = call.args.get("nodelist"), call.args.get("nodes")
-    if nodelist is not None and (not isinstance(nodelist, list) or not nodelist or not all(isinstance(n, str) for n in nodelist)):
-        raise RemoteError("bad_request", "'nodelist' must be a list of node names")
+    if nodelist is not None and (not isinstance(nodelist, list) or not 0 < len(nodelist) <= len(s.config.nodes)
+                                 or not all(isinstance(n, str) and NODE_NAME.match(n) for n in nodelist) or len(set(nodelist)) != len(nodelist)):
+        raise RemoteError("bad_request", f"'nodelist' must name distinct nodes of the cluster (at most {len(s.config.nodes)})")
     if nodes is not None and (type(nodes) is not int or nodes < 1):
         raise RemoteError("bad_request", f"'nodes' must be a positive number of nodes, not {nodes!r}")
     if nodelist is not None and nodes is not None:
@@ -140,5 +142,6 @@ async def ckpt_stage(s, call: Call):
     from ..staging import Stager, StageRequest
 
     request = StageRequest.from_args(call.args, [n.name for n in s.config.nodes], s.node)
-    stager = Stager(node=s.node, root=s.checkpoints.root, channel=s.peers.channel, reserve=s.config.output_reserve)
+    stager = Stager(node=s.node, root=s.checkpoints.root, channel=s.peers.channel, reserve=s.config.output_reserve,
+                    max_file=s.config.checkpoint_max_rank_bytes)
     return await stager.stage(request)

@@ -260,7 +260,7 @@ def test_restart_with_N_1_packs_every_rank_on_one_node(gc):
 def test_restart_refusals_name_the_nodes(gc):
     job, _ = checkpointed_and_killed(gc, 2, "-w", "n1,n2")
     refused = restart(gc, job, "-w", "n1,n9", check=False)
-    assert refused["returncode"] != 0 and "unknown node n9" in refused["stderr"]
+    assert refused["returncode"] == 2 and "unknown node n9" in refused["stderr"]  # (exit 2: a bad request)
     refused = restart(gc, job, "-N", 5, check=False)
     assert refused["returncode"] != 0 and "5 nodes asked for, but only 4 are up" in refused["stderr"]
     both = gc.gang("restart", job, "-w", "n3", "-N", 1)

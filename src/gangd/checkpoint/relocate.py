@@ -22,7 +22,12 @@ Place = Callable[[dict, dict[str, int]], "list[str] | None"]
 
 
 class Unplaceable(Exception):
-    """The restart cannot run where it was asked (or anywhere now); the message says why."""
+    """The restart cannot run where it was asked (or anywhere now); the message says why.
+    ``code``: ``bad_request`` for nodes the cluster does not have, else ``cannot_place``."""
+
+    def __init__(self, message: str, code: str = "cannot_place"):
+        super().__init__(message)
+        self.code = code
 
 
 def _natural(name: str):
@@ -44,7 +49,8 @@ def choose_placement(*, nranks: int, old: list[str], up: Iterable[str], cores: M
     if nodelist is not None:
         unknown = [n for n in nodelist if n not in cores]
         if unknown:
-            raise Unplaceable(f"unknown node{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} (nodes: {', '.join(sorted(cores, key=_natural))})")
+            known = ", ".join(sorted(cores, key=_natural))
+            raise Unplaceable(f"unknown node{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} (nodes: {known})", "bad_request")
         down = [n for n in nodelist if n not in live]
         if down:
             raise Unplaceable(f"node{'s' if len(down) > 1 else ''} {', '.join(down)} {'are' if len(down) > 1 else 'is'} down")

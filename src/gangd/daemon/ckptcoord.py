@@ -354,7 +354,7 @@ class CheckpointCoordinator:
                 placement = relocate.choose_placement(nranks=record["nranks"], old=list(entry["placement"]), up=up, cores=cores,
                                                       place=place, nodelist=nodelist, nodes=nodes)
             except relocate.Unplaceable as exc:
-                raise RemoteError("cannot_place", f"cannot restart job {job_id} there: {exc}") from None
+                raise RemoteError(exc.code, f"cannot restart job {job_id} there: {exc}") from None
             sources = relocate.plan_sources(placement, list(entry["placement"]), entry.get("copies"), up)
             if sources.missing:
                 problem = relocate.describe_missing(sources.missing)

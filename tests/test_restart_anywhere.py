@@ -291,7 +291,12 @@ def test_with_a_checkpoint_node_down_the_restart_runs_where_copies_are_or_names_
         assert "the files of ranks 0, 1 are only on node n1, which is down" in refused["stderr"], refused["stderr"]
         answer = restart(gc, a)
         where = answer["placement"]
-        assert "n1" not in where and answer["gen"] == a_gen["gen"], answer
+        # The job keeps its live node n2 and takes n3 for the lost n1: ranks 0, 1
+        # on n2 (pulled from their copy on n3), ranks 2, 3 on n3 (pulled from
+        # n2); each node extends the MANIFEST it had.
+        assert where == ["n2", "n2", "n3", "n3"] and answer["gen"] == a_gen["gen"], answer
+        for node in ("n2", "n3"):
+            assert ckptstore.read_manifest(gen_dir(gc, node, a, a_gen["gen"])).ranks == [0, 1, 2, 3]
         assert result_of(gc, answer["record"]["id"], timeout=120) == expected
     finally:
         gc.start_daemon("n1")

@@ -194,10 +194,13 @@ class Client:
         generation once complete or aborted (``state`` says which)."""
         return await self.request("checkpoint", job=job_id, wait=wait, trigger=trigger)
 
-    async def restart(self, job_id: int, generation: int | None = None) -> dict:
+    async def restart(self, job_id: int, generation: int | None = None, *, nodelist: list[str] | None = None,
+                      nodes: int | None = None) -> dict:
         """Restart an ended job from its newest intact complete checkpoint (or
-        ``generation``); returns {"record": the new job, "gen", "iteration", "skipped"}."""
-        return await self.request("restart", job=job_id, gen=generation)
+        ``generation``), on its checkpoint's nodes, on ``nodelist`` or on
+        ``nodes`` live nodes (the files of ranks that move are copied there
+        first); returns {"record": the new job, "gen", "iteration", "skipped", "placement"}."""
+        return await self.request("restart", job=job_id, gen=generation, nodelist=nodelist, nodes=nodes)
 
     async def checkpoints(self, job_id: int) -> dict:
         """The checkpoint generations of the job's lineage and the one under way."""

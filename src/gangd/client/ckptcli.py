@@ -44,28 +44,40 @@ def checkpoint(ctx, job, wait, as_json):
         sys.exit(EXIT_ERROR)
 
 
-@main.command(epilog="""\\b
+@main.command(epilog="""\b
 Examples:
-  gang restart 12               # newest complete, intact generation
+  gang restart 12               # newest complete, intact generation, on its nodes
   gang restart 12 -g 3          # that generation
+  gang restart 12 -w n3,n4      # on n3 and n4 (the ranks spread over them)
+  gang restart 12 -N 1          # every rank on one node
   JOB=$(gang restart 12 -q) && gang wait $JOB
 
-The restarted job is a new job on the same nodes; it continues after the
-saved iteration with the messages that were in flight. Every file is checked
-against its node's manifest first; a damaged generation is reported by node
-and path and the next older complete one is used.
+The restarted job is a new job; it continues after the saved iteration with
+the messages that were in flight. Without -w or -N it runs on the nodes of
+its checkpoint, or, if one of them is down, on nodes that are up. A rank that
+runs on another node than the one holding its files gets them copied there
+first, from node to node, each file checked against its source's manifest.
+Every file is checked first; a damaged generation is reported by node and
+path and the next older complete one is used.
 """)
 @click.argument("job", type=int)
 @click.option("-g", "--generation", type=int, help="Restart from this generation (default: the newest intact one).")
+@click.option("-w", "--nodelist", metavar="N1,N2", help="Restart on these nodes (every one must be up).")
+@click.option("-N", "--nodes", type=click.IntRange(min=1), help="Restart on this many nodes that are up.")
 @click.option("-q", "--quiet", is_flag=True, help="Print only the new job id.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.pass_context
-def restart(ctx, job, generation, quiet, as_json):
-    """Restart an ended job from its latest complete checkpoint."""
+def restart(ctx, job, generation, nodelist, nodes, quiet, as_json):
+    """Restart an ended job from its latest complete checkpoint, here or on other nodes."""
+    if nodelist is not None and nodes is not None:
+        raise click.UsageError("give the nodes (-w) or their number (-N), not both")
+    names = [n.strip() for n in nodelist.split(",") if n.strip()] if nodelist is not None else None
+    if names is not None and not names:
+        raise click.UsageError("-w needs at least one node name")
 
     async def go():
         async with connect(_cluster(ctx)) as gang:
-            return await gang.restart(job, generation)
+            return await gang.restart(job, generation, nodelist=names, nodes=nodes)
 
     result = run_async(go)
     if as_json:
@@ -77,7 +89,9 @@ def restart(ctx, job, generation, quiet, as_json):
     if quiet:
         click.echo(new)
     else:
-        click.echo(f"job {job} restarted as job {new} from generation {result['gen']} (iteration {result['iteration']})")
+        where = result.get("placement") or result["record"].get("pinned") or []
+        on = f" on {', '.join(dict.fromkeys(where))}" if where else ""
+        click.echo(f"job {job} restarted as job {new} from generation {result['gen']} (iteration {result['iteration']}){on}")
 
 
 @main.group()

@@ -724,6 +724,11 @@ class NodeCheckpoints:
             raise RemoteError("restart_failed", f"{self.daemon.node}: {exc}") from None
         except OSError as exc:
             raise RemoteError("restart_failed", f"{self.daemon.node}: cannot read {directory}: {exc.strerror or exc}") from None
+        # Every rank placed here must find its state here (a restart elsewhere
+        # staged it first: gangd.daemon.staging); say which is missing, where.
+        absent = [ckptstore.cluster_rank_file(rank) for rank in mine if ckptstore.cluster_rank_file(rank) not in manifest.files]
+        if absent:
+            raise RemoteError("restart_failed", f"{self.daemon.node}: {directory / ckptstore.MANIFEST} lists no {', '.join(absent)}")
         current = self.daemon.table.get(record["id"])
         if current is None or jobs.is_terminal(current) or current.get("kill_requested"):
             # A kill overtook the read: starting ranks now would orphan them.

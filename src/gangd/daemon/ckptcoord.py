@@ -34,6 +34,7 @@ from typing import Any
 import trio
 
 from .. import jobs
+from ..checkpoint import relocate
 from ..checkpoint import round as rd
 from ..rpc import RemoteError
 from .access import permission_check
@@ -282,7 +283,7 @@ class CheckpointCoordinator:
         lineage = record.get("lineage") or record["id"]
         by_node: dict[str, list[int]] = {}
         for e in doomed + leftovers:
-            for node in dict.fromkeys(e["placement"]):
+            for node in dict.fromkeys([*e["placement"], *(e.get("copies") or {})]):  # (copies: staged by a restart elsewhere)
                 by_node.setdefault(node, []).append(e["gen"])
         for node, node_gens in by_node.items():
             if self.daemon.membership.is_up(node) or node == self.daemon.node:
@@ -306,7 +307,10 @@ class CheckpointCoordinator:
 
     # ------------------------------------------------------------ restart
 
-    async def restart(self, job_id: int, cred: dict, gen: int | None) -> dict:
+    async def restart(self, job_id: int, cred: dict, gen: int | None, *, nodelist: list[str] | None = None, nodes: int | None = None) -> dict:
+        """A new job of the lineage from a complete generation, on the
+        generation's nodes, on ``nodelist`` (``-w``) or on ``nodes`` live
+        nodes (``-N``); files of ranks that move are staged first."""
         record = self.daemon.table.get(job_id)
         if record is None:
             raise RemoteError("no_such_job", f"no job {job_id}")
@@ -318,11 +322,12 @@ class CheckpointCoordinator:
             raise RemoteError("busy", f"a restart from job {job_id}'s checkpoints is already under way; one job of a lineage runs at a time")
         self.restarting.add(lineage)
         try:
-            return await self._restart(job_id, record, lineage, gen)
+            return await self._restart(job_id, record, lineage, gen, nodelist, nodes)
         finally:
             self.restarting.discard(lineage)
 
-    async def _restart(self, job_id: int, record: dict, lineage: int, gen: int | None) -> dict:
+    async def _restart(self, job_id: int, record: dict, lineage: int, gen: int | None,
+                       nodelist: list[str] | None = None, nodes: int | None = None) -> dict:
         alive = [r["id"] for r in self.lineage_records(record) if not jobs.is_terminal(r)]
         if alive:
             state = self.daemon.table.get(alive[0])["state"]
@@ -339,9 +344,29 @@ class CheckpointCoordinator:
             complete = chosen
         if not complete:
             raise RemoteError("no_checkpoint", f"job {job_id} has no complete checkpoint to restart from")
+        from .coordinator import place  # (coordinator imports this module)
+
+        up = [n.name for n in self.daemon.config.nodes if n.name == self.daemon.node or self.daemon.membership.is_up(n.name)]
+        cores = {n.name: n.cores for n in self.daemon.config.nodes}
         skipped: list[str] = []
         for entry in complete:
-            damaged, unreachable = await self._verify(lineage, entry)
+            try:
+                placement = relocate.choose_placement(nranks=record["nranks"], old=list(entry["placement"]), up=up, cores=cores,
+                                                      place=place, nodelist=nodelist, nodes=nodes)
+            except relocate.Unplaceable as exc:
+                raise RemoteError(exc.code, f"cannot restart job {job_id} there: {exc}") from None
+            sources = relocate.plan_sources(placement, list(entry["placement"]), entry.get("copies"), up)
+            if sources.missing:
+                problem = relocate.describe_missing(sources.missing)
+                log.warning("job %d: generation %d is unusable: %s", job_id, entry["gen"], problem)
+                skipped.append(f"generation {entry['gen']}: {problem}")
+                continue
+            # Ranks that stay are checked where they are; the files of ranks
+            # that move are checked by their transfer (against the source's manifest).
+            staying = [r for r in range(len(placement)) if r not in sources.moved]
+            damaged, unreachable = await self._verify(lineage, {**entry, "placement": placement}, staying)
+            if not damaged and not unreachable and sources.pulls:
+                damaged, unreachable = await self._stage(record, lineage, entry, sources)
             if not damaged and not unreachable:
                 break
             problems = damaged + unreachable
@@ -354,16 +379,71 @@ class CheckpointCoordinator:
             raise RemoteError("no_checkpoint", "no intact complete checkpoint: " + "; ".join(skipped))
         spec = {key: record.get(key) for key in ("argv", "cwd", "env", "nranks", "name", "kill_on_bad_exit", "priority", "slice", "ckpt_every", "mpi")}
         if spec["env"] is None:  # an ended job's record keeps no environment: the checkpoint has it
-            spec["env"] = await self.daemon.ops.checkpoint_env(lineage, entry["placement"], entry["gen"])
+            holders = [n for n in dict.fromkeys([*placement, *entry["placement"]]) if n in up]
+            spec["env"] = await self.daemon.ops.checkpoint_env(lineage, holders, entry["gen"])
         owner = {"uid": record["owner_uid"], "gid": record["owner_gid"], "user": record["owner"], "rlimits": record.get("rlimits")}
         internal = {
             "lineage": lineage,
             "restart_of": {"job": entry["job"], "gen": entry["gen"], "iteration": entry["iteration"]},
-            "pinned": list(entry["placement"]),
+            "pinned": list(placement),
         }
         new = await self.co.submit(spec, owner, internal=internal)
-        log.info("job %d restarted as job %d from generation %d (iteration %s)", job_id, new["id"], entry["gen"], entry["iteration"])
-        return {"record": new, "gen": entry["gen"], "iteration": entry["iteration"], "skipped": skipped}
+        moved = f" on {jobs.compress_nodes(list(dict.fromkeys(placement)))}" if placement != list(entry["placement"]) else ""
+        log.info("job %d restarted as job %d from generation %d (iteration %s)%s", job_id, new["id"], entry["gen"], entry["iteration"], moved)
+        return {"record": new, "gen": entry["gen"], "iteration": entry["iteration"], "skipped": skipped, "placement": placement}
+
+    async def _stage(self, record: dict, lineage: int, entry: dict, sources: relocate.Sources) -> tuple[list[str], list[str]]:
+        """Every target node pulls its moved ranks' files, all at once, within
+        ``checkpoint_timeout``; (damaged files, other failures), each a line
+        naming node and path. A transfer whose bytes do not match the source's
+        manifest is diagnosed by the source's own check (``ckpt_verify``), so a
+        damaged file is named where it lies and the generation marked. What
+        was staged is recorded in the generation's entry (``copies``: a later
+        restart pulls from them, retention removes them)."""
+        timeout = float(self.daemon.config.checkpoint_timeout)
+        failures: list[str] = []
+        suspects: dict[str, set[int]] = {}
+        staged: dict[str, list[int]] = {}
+
+        async def one(target: str, pulls: dict[str, list[int]]) -> None:
+            try:
+                with trio.fail_after(timeout + 10):
+                    await self.co.call(target, "ckpt_stage", lineage=lineage, gen=entry["gen"],
+                                       owner=[record["owner_uid"], record["owner_gid"]], pulls=pulls, timeout=timeout)
+                staged[target] = sorted(r for ranks in pulls.values() for r in ranks)
+            except trio.TooSlowError:
+                failures.append(f"{target}: staging the files of ranks {sorted(r for v in pulls.values() for r in v)} took more than {timeout + 10:.0f} s")
+            except RemoteError as exc:
+                failures.append(exc.message if exc.message.startswith(f"{target}") else f"{target}: {exc.message}")
+                if exc.code == "transfer_failed":
+                    for source, ranks in pulls.items():
+                        suspects.setdefault(source, set()).update(ranks)
+
+        async with trio.open_nursery() as nursery:
+            for target, pulls in sources.pulls.items():
+                nursery.start_soon(one, target, pulls)
+        if staged:
+            def change(r):
+                for e in r.get("checkpoints") or []:
+                    if e["gen"] == entry["gen"]:
+                        copies = e.setdefault("copies", {})
+                        for node, ranks in staged.items():
+                            copies[node] = sorted(set(copies.get(node, [])) | set(ranks))
+
+            try:
+                await self.co.update(entry["job"], change)
+            except RemoteError as exc:
+                log.warning("job %d: could not record the copies of generation %d: %s", entry["job"], entry["gen"], exc)
+        if not failures:
+            return [], []
+        damaged: list[str] = []
+        for source, ranks in suspects.items():
+            if source == self.daemon.node or self.daemon.membership.is_up(source):
+                try:
+                    damaged += await self.co.call(source, "ckpt_verify", lineage=lineage, gen=entry["gen"], ranks=sorted(ranks))
+                except RemoteError as exc:
+                    log.warning("job %d: could not check generation %d on %s: %s", record["id"], entry["gen"], source, exc)
+        return sorted(damaged), ([] if damaged else sorted(failures))
 
     async def _mark(self, entry: dict, state: str, reason: str) -> None:
         """Record a generation as unusable, so retention never keeps it over intact ones."""
@@ -377,13 +457,16 @@ class CheckpointCoordinator:
         except RemoteError as exc:
             log.warning("job %d: could not mark generation %d %s: %s", entry["job"], entry["gen"], state, exc)
 
-    async def _verify(self, lineage: int, entry: dict) -> tuple[list[str], list[str]]:
-        """(damaged files, nodes that could not check) of a generation, each a line naming node and path."""
+    async def _verify(self, lineage: int, entry: dict, ranks: list[int] | None = None) -> tuple[list[str], list[str]]:
+        """(damaged files, nodes that could not check) of a generation, each a
+        line naming node and path (``ranks``: only those ranks', each where
+        ``entry["placement"]`` puts it)."""
         problems: list[str] = []
         unreachable: list[str] = []
         by_node: dict[str, list[int]] = {}
         for rank, node in enumerate(entry["placement"]):
-            by_node.setdefault(node, []).append(rank)
+            if ranks is None or rank in ranks:
+                by_node.setdefault(node, []).append(rank)
 
         async def one(node: str, ranks: list[int]) -> None:
             if node != self.daemon.node and not self.daemon.membership.is_up(node):

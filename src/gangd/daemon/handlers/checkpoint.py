@@ -4,6 +4,7 @@ ranks (:mod:`gangd.ckptlib`), and between daemons (the rounds of
 
 from __future__ import annotations
 
+from ...redundancy.plan import NODE_NAME
 from ...rpc import RemoteError
 from ..access import integer, job_for
 from .coord import coordinator
@@ -28,7 +29,15 @@ async def restart(s, call: Call):
     gen = call.args.get("gen")
     if gen is not None and (not isinstance(gen, int) or isinstance(gen, bool)):
         raise RemoteError("bad_request", f"'gen' must be a generation number, not {gen!r}")
-    return await s.calls.to_coordinator("coord_restart", job=integer(call.args, "job"), cred=call.user, gen=gen)
+    nodelist, nodes = call.args.get("nodelist"), call.args.get("nodes")
+    if nodelist is not None and (not isinstance(nodelist, list) or not 0 < len(nodelist) <= len(s.config.nodes)
+                                 or not all(isinstance(n, str) and NODE_NAME.match(n) for n in nodelist) or len(set(nodelist)) != len(nodelist)):
+        raise RemoteError("bad_request", f"'nodelist' must name distinct nodes of the cluster (at most {len(s.config.nodes)})")
+    if nodes is not None and (type(nodes) is not int or nodes < 1):
+        raise RemoteError("bad_request", f"'nodes' must be a positive number of nodes, not {nodes!r}")
+    if nodelist is not None and nodes is not None:
+        raise RemoteError("bad_request", "give the nodes (-w) or their number (-N), not both")
+    return await s.calls.to_coordinator("coord_restart", job=integer(call.args, "job"), cred=call.user, gen=gen, nodelist=nodelist, nodes=nodes)
 
 
 @op("ckpt_list", audience=CLIENT)
@@ -79,7 +88,7 @@ async def coord_checkpoint_all(s, call: Call):
 @op("coord_restart", audience=PEER)
 async def coord_restart(s, call: Call):
     args = call.args
-    return await coordinator(s).ckpt.restart(integer(args, "job"), args["cred"], args.get("gen"))
+    return await coordinator(s).ckpt.restart(integer(args, "job"), args["cred"], args.get("gen"), nodelist=args.get("nodelist"), nodes=args.get("nodes"))
 
 
 @op("coord_ckpt_restored", audience=PEER)
@@ -112,3 +121,27 @@ for _name, _method in (
 async def ckpt_job_env(s, call: Call):
     """The environment a job had when a generation was taken, from this node's copy (see NodeJobs.saved_env)."""
     return await s.node_jobs.saved_env(integer(call.args, "lineage"), integer(call.args, "gen"))
+
+
+# ------------------------------------------------------------ restart anywhere: moving a generation's files
+# (issue 16, branch "recover": a node pulls the files of the ranks it will
+# restart from the nodes that hold them; see gangd.daemon.staging)
+
+
+@op("ckpt_file_read", audience=PEER)
+async def ckpt_file_read(s, call: Call):
+    """Stream one file of a generation on this node to a peer (never a client: the files hold network contexts)."""
+    from ...redundancy.transfer import handle_file_read
+
+    return await handle_file_read(s.checkpoints.root, call.args)
+
+
+@op("ckpt_stage", audience=PEER, fenced=True)
+async def ckpt_stage(s, call: Call):
+    """Pull the files of the ranks this node will restart from the nodes holding them (the coordinator's command)."""
+    from ..staging import Stager, StageRequest
+
+    request = StageRequest.from_args(call.args, [n.name for n in s.config.nodes], s.node)
+    stager = Stager(node=s.node, root=s.checkpoints.root, channel=s.peers.channel, reserve=s.config.output_reserve,
+                    max_file=s.config.checkpoint_max_rank_bytes)
+    return await stager.stage(request)

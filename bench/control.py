@@ -3,7 +3,8 @@
 On a local cluster with its own etcd (real fsyncs, the daemons' real code):
 
   submit       one-rank jobs (``true``) submitted through the Python API by
-               ``--clients`` concurrent clients, jobs/s accepted, with 0,
+               ``--clients`` concurrent clients spread over the nodes
+               (client i connects to node i mod nodes), jobs/s accepted, with 0,
                10 000 and 100 000 ended jobs in the history (written into
                etcd's history keys beforehand, as a long-lived cluster's
                would be, in batches). The jobs run too; the time until all
@@ -108,16 +109,20 @@ async def submit_rate(directory: Path, total: int, clients: int) -> tuple[float,
     ids: list[int] = []
     remaining = [total]
 
-    async def client():
-        async with connect(directory) as gang:
+    nodes = local.node_files(directory)
+
+    async def client(i: int):
+        # Spread over the nodes, as a cluster's users are: each node serves
+        # its clients' connections and forwards their submits to the coordinator.
+        async with connect(sockets=[str(nodes[i % len(nodes)].socket)]) as gang:
             while remaining[0] > 0:
                 remaining[0] -= 1
                 ids.append((await gang.submit(["true"], 1, cwd="/", env=ENV))["id"])
 
     began = time.monotonic()
     async with trio.open_nursery() as nursery:
-        for _ in range(clients):
-            nursery.start_soon(client)
+        for i in range(clients):
+            nursery.start_soon(client, i)
     accepted = time.monotonic() - began
     async with connect(directory) as gang:
         for job_id in sorted(ids, reverse=True):
@@ -188,7 +193,7 @@ def main() -> None:
     ttl = cfg.load(directory / "n1" / "gangd.toml").etcd.lease_ttl
     try:
         print(f"{args.nodes}-node local cluster, etcd at {', '.join(cfg.load(directory / 'n1' / 'gangd.toml').etcd.endpoints)}, lease TTL {ttl} s")
-        print(f"coordinator: {trio.run(coordinator_of, directory)}; the clients connect to {local.node_files(directory)[0].name}")
+        print(f"coordinator: {trio.run(coordinator_of, directory)}; the clients are spread over {', '.join(n.name for n in local.node_files(directory))}")
         baseline = trio.run(baseline_txn_rate, directory, args.baseline)
         print(f"baseline: the submit's transaction straight to etcd, one client: {baseline:.0f} txn/s")
         rates = {}

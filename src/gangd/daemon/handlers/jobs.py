@@ -56,8 +56,14 @@ async def submit(s, call: Call):
     except jobs.BadSpec as exc:
         raise RemoteError(exc.code, exc.message) from None
     # The client's own rlimits, from the kernel (never the wire): its ranks get these, not the daemon's.
-    pid = channel.context.get("pid")
-    rlimits = await trio.to_thread.run_sync(read_process_limits, pid, cred["uid"]) if isinstance(pid, int) and pid > 0 else None
+    # Read once per connection (the peer's pid is the connection's): a client
+    # submitting many jobs costs one read of /proc, not one thread hop each.
+    if "rlimits" not in channel.context:
+        pid = channel.context.get("pid")
+        channel.context["rlimits"] = (
+            await trio.to_thread.run_sync(read_process_limits, pid, cred["uid"]) if isinstance(pid, int) and pid > 0 else None
+        )
+    rlimits = channel.context["rlimits"]
     # One token per submission: a retry after a lost answer gets the same job, not a second one.
     return await s.calls.to_coordinator("coord_submit", spec=spec, cred=dict(cred, rlimits=rlimits), token=secrets.token_hex(16))
 

@@ -47,7 +47,7 @@ import msgpack
 import trio
 
 from ... import jobs
-from ...etcd.client import Compacted, Compare, Etcd, EtcdError, KeyValue, Op, Range, Unavailable
+from ...etcd.client import Compacted, Compare, Etcd, EtcdError, Indeterminate, KeyValue, Op, Range, Unavailable
 from ...failpoint import failpoint
 from ...rpc import RemoteError
 from .keys import Keys
@@ -76,6 +76,9 @@ UPDATE_BATCH_BYTES = 1024 * 1024
 #: newest-first read) whatever the limit: a page over the whole history would
 #: cost the whole history, so each read covers a bounded span of ids.
 HISTORY_SPAN = 1024
+#: Seconds a creation whose answer was lost keeps asking etcd whether it
+#: committed before its submitters are told it may or may not have.
+INDETERMINATE_PATIENCE = 15.0
 
 
 class Deposed(RemoteError):
@@ -468,23 +471,77 @@ class JobTable:
                         envs.append((job_id, env, len(packed)))
                         success.append(Op.put(keys.env(job_id), packed))
                 result = await self.etcd.txn(compare, success, [Op.get(fence.key), Op.get(keys.ids)])
+            except Indeterminate as exc:
+                # The answer was lost: the jobs may exist. Settle it before
+                # answering anyone (an error here made users submit twice).
+                self._counter = None
+                revision = await self._settle(fence, last, counted_at, pack(records[0]), exc)
+                if revision is None:
+                    continue  # not committed, and now it never can be: sent again (next ids)
             except EtcdError as exc:
                 self._counter = None
                 raise self._write_error(exc) from None
+            else:
+                if not result.succeeded:
+                    self._check_fence(fence, result.responses[0])
+                    counter = _kvs(result.responses[1])
+                    now = (int(counter[0].value), counter[0].mod_revision) if counter else (0, 0)
+                    # The same counter and still no luck: an id's key exists (the
+                    # counter was reset by hand): skip past them.
+                    self._counter = (last + len(items), now[1]) if now == self._counter else now
+                    continue
+                revision = result.revision
+            failpoint("jobtable.created")
+            self._counter = (last + len(items), revision)
+            for record in records:
+                self.take(record, revision)
+            for job_id, env, size in envs:
+                self._keep_env(job_id, env, size)
+            return records
+
+    async def _settle(self, fence: Fence, last: int, counted_at: int, first: bytes, lost: EtcdError) -> int | None:
+        """Whether a creation whose answer was lost committed: its revision, or None (and then it never will).
+
+        Reading the job's key alone would not settle it: a transaction still
+        on its way inside etcd may apply after the read. So the counter is
+        written again, unchanged, on the same comparisons the creation made
+        (the term and the counter's revision): if that commits, the creation
+        never can (the counter's revision moved past the one it compares);
+        if it fails, the creation committed or never will, and the first
+        job's key says which -- it holds exactly this transaction's record
+        (the record carries its submission's random token), or another's, or
+        nothing. Retried while etcd cannot be reached, for a bounded time;
+        still unknown then, the submitters are told so, and how to check."""
+        deadline = trio.current_time() + INDETERMINATE_PATIENCE
+        key = self.keys.job(last + 1)
+        while True:
+            try:
+                result = await self.etcd.txn(
+                    [fence.compare(), Compare.mod_revision(self.keys.ids) == counted_at],
+                    [Op.put(self.keys.ids, str(last))],
+                    [Op.get(key)],
+                )
+            except Unavailable as exc:  # (Indeterminate too: this write may be tried again as often as needed)
+                if trio.current_time() > deadline:
+                    log.error("jobs from %d on: whether they were created is unknown (%s; then %s)", last + 1, lost.message, exc.message)
+                    raise RemoteError(
+                        "indeterminate",
+                        f"etcd did not answer whether the job was created ({lost.message}), and could not be reached "
+                        f"for {INDETERMINATE_PATIENCE:g} s to find out: the job may or may not exist. "
+                        "Check with `gang ps` before submitting it again.",
+                    ) from None
+                await trio.sleep(0.2)
+                continue
+            except EtcdError as exc:
+                raise self._write_error(exc) from None
             if result.succeeded:
-                failpoint("jobtable.created")
-                self._counter = (last + len(items), result.revision)
-                for record in records:
-                    self.take(record, result.revision)
-                for job_id, env, size in envs:
-                    self._keep_env(job_id, env, size)
-                return records
-            self._check_fence(fence, result.responses[0])
-            counter = _kvs(result.responses[1])
-            now = (int(counter[0].value), counter[0].mod_revision) if counter else (0, 0)
-            # The same counter and still no luck: an id's key exists (the
-            # counter was reset by hand): skip past them.
-            self._counter = (last + len(items), now[1]) if now == self._counter else now
+                log.warning("jobs from %d on were not created (etcd's answer was lost: %s); sending them again", last + 1, lost.message)
+                return None
+            found = _kvs(result.responses[0])
+            if found and found[0].value == first:
+                log.warning("jobs from %d on were created although etcd's answer was lost (%s)", last + 1, lost.message)
+                return found[0].mod_revision
+            return None
 
     async def update(self, fence: Fence, job_id: int, change: Callable[[dict], object]) -> dict:
         """Apply ``change(record)`` to a copy of the record and commit it, fenced.

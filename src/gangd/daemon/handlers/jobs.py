@@ -73,9 +73,22 @@ async def kill(s, call: Call):
     return await s.calls.to_coordinator("coord_kill", job=integer(call.args, "job"), cred=call.user)
 
 
+def staleness(membership, node: str) -> dict | None:
+    """None while this node has its session with etcd; else how long it has
+    been without one: what it serves from its cache may be out of date."""
+    if membership.connected:
+        return None
+    since = membership.isolated_since
+    seconds = time.monotonic() - since if since is not None else 0.0
+    return {"node": node, "seconds": round(seconds, 1), "why": membership.why_isolated}
+
+
 @op("jobs", audience=CLIENT)
 async def list_jobs(s, call: Call):
-    return await s.listing.list_jobs(call.user, call.args, call.channel)
+    summaries = await s.listing.list_jobs(call.user, call.args, call.channel)
+    if call.args.get("freshness"):  # (asked for by newer clients: older ones get the bare list)
+        return {"jobs": summaries, "stale": staleness(s.membership, s.node)}
+    return summaries
 
 
 @op("history", audience=CLIENT)
@@ -85,7 +98,9 @@ async def history(s, call: Call):
 
 @op("job", audience=CLIENT)
 async def job(s, call: Call):
-    return await job_for(s.table, call.args, call.user, "inspect")
+    record = await job_for(s.table, call.args, call.user, "inspect")
+    stale = staleness(s.membership, s.node)
+    return dict(record, stale=stale) if stale else record
 
 
 @op("suspend", audience=CLIENT)

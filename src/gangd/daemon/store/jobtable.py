@@ -509,7 +509,7 @@ class JobTable:
         never can (the counter's revision moved past the one it compares);
         if it fails, the creation committed or never will, and the first
         job's key says which -- it holds exactly this transaction's record
-        (the record carries its submission's random token), or another's, or
+        (each record carries its job's own random token), or another's, or
         nothing. Retried while etcd cannot be reached, for a bounded time;
         still unknown then, the submitters are told so, and how to check."""
         deadline = trio.current_time() + INDETERMINATE_PATIENCE

@@ -293,8 +293,8 @@ class Coordinator:
             await trio.sleep(min(max(retention / 4, 0.5), 30))
             cutoff = time.time() - retention
             ended = sorted(
-                # (a job with checkpoints stays: a restart reads its lineage from the hot table)
-                (r for r in self.table.records.values() if jobs.is_terminal(r) and (r.get("ended") or 0) <= cutoff and not r.get("checkpoints")),
+                # (a job with checkpoints goes too: a restart finds its lineage in the history, see JobTable.lineage)
+                (r for r in self.table.records.values() if jobs.is_terminal(r) and (r.get("ended") or 0) <= cutoff),
                 key=lambda r: r["id"],
             )
             if ended:

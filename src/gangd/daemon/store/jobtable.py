@@ -60,9 +60,10 @@ PAGE = 500
 MAX_RECORD_BYTES = 1024 * 1024
 #: Largest environment value accepted back (jobs.MAX_ARGV_ENV_BYTES, packed).
 MAX_ENV_BYTES = 3 * 1024 * 1024
-#: Ended jobs moved to the history in one transaction: three operations and
-#: one comparison each, and etcd allows 128 of either (--max-txn-ops).
-RETIRE_BATCH = 40
+#: Ended jobs moved to the history in one transaction: up to four operations
+#: (a lineage's member: its index key too) and one comparison each, and etcd
+#: allows 128 of either (--max-txn-ops).
+RETIRE_BATCH = 30
 RETIRE_BATCH_BYTES = 1024 * 1024  # (etcd refuses requests above 1.5 MiB by default)
 #: Bytes of environments of jobs this node created and has not launched yet,
 #: kept in memory so the launch need not read them back from etcd (oldest dropped first: then read from etcd).
@@ -76,6 +77,12 @@ UPDATE_BATCH_BYTES = 1024 * 1024
 #: newest-first read) whatever the limit: a page over the whole history would
 #: cost the whole history, so each read covers a bounded span of ids.
 HISTORY_SPAN = 1024
+#: Checkpoint lineages whose members in the history a node keeps in memory
+#: (read by :meth:`JobTable.read_lineage`; least recently read dropped first).
+LINEAGES_KEPT = 256
+#: Members of one lineage read back from the history at most (a lineage is
+#: a job and its restarts: a few).
+LINEAGE_MEMBERS = 1000
 #: Seconds a creation whose answer was lost keeps asking etcd whether it
 #: committed before its submitters are told it may or may not have.
 INDETERMINATE_PATIENCE = 15.0
@@ -199,6 +206,8 @@ class JobTable:
         # Environments this node committed with their jobs, until the launch takes them (see :meth:`env`).
         self._fresh_env: dict[int, tuple[dict[str, str], int]] = {}
         self._fresh_env_bytes = 0
+        # Checkpoint lineage root -> {job id: record} of its members in the history (see :meth:`lineage`).
+        self._past_lineage: collections.OrderedDict[int, dict[int, dict]] = collections.OrderedDict()
         # Updates waiting for the group commit (see :meth:`_commit`).
         self._writes: collections.deque[_Write] = collections.deque()
         self._writing = False
@@ -246,10 +255,58 @@ class JobTable:
         return True
 
     def _forget(self, job_id: int) -> None:
+        """The job left the hot table (moved to the history)."""
         self._drop_env(job_id)
         record = self.records.pop(job_id, None)
-        if record is not None and isinstance(record.get("submit_token"), str):
+        if record is None:
+            return
+        if isinstance(record.get("submit_token"), str):
             self.by_token.pop(record["submit_token"], None)
+        members = self._past_lineage.get(record.get("lineage") or job_id)
+        if members is not None:  # a lineage kept here: it stays whole
+            members[job_id] = record
+
+    # ------------------------------------------------------------ checkpoint lineages
+
+    @staticmethod
+    def in_lineage(record: dict) -> bool:
+        """Whether the history must find this job by its lineage (it took checkpoints, or is a restart)."""
+        return bool(record.get("checkpoints")) or bool(record.get("lineage"))
+
+    def lineage(self, root: int) -> list[dict]:
+        """The jobs of checkpoint lineage ``root`` (the job and every restart
+        of it): those of the hot table, and those of the history as last read
+        by :meth:`read_lineage` (call it first where the answer matters)."""
+        hot = {r["id"]: r for r in self.records.values() if (r.get("lineage") or r["id"]) == root}
+        past = self._past_lineage.get(root, {})
+        return sorted([*hot.values(), *(r for job_id, r in past.items() if job_id not in hot)], key=lambda r: r["id"])
+
+    async def read_lineage(self, root: int) -> None:
+        """Read lineage ``root``'s members in the history (its index, then each record)."""
+        try:
+            found = await self.etcd.range(self.keys.lineage(root), range_end=prefix_end(self.keys.lineage(root)),
+                                          limit=LINEAGE_MEMBERS, keys_only=True)
+            members: dict[int, dict] = {}
+            for kv in found.kvs:
+                job_id = Keys.job_id(kv.key, self.keys.lineage(root))
+                if job_id is None:
+                    continue
+                past = await self.etcd.get(self.keys.past(job_id))
+                if past is None:
+                    continue
+                try:
+                    record = decode_record(past.value)
+                except ValueError as exc:
+                    log.error("ignoring unreadable history record of job %d: %s", job_id, exc)
+                    continue
+                record["seq"] = past.mod_revision
+                members[job_id] = record
+        except EtcdError as exc:
+            raise unavailable(exc) from None
+        self._past_lineage[root] = members
+        self._past_lineage.move_to_end(root)
+        while len(self._past_lineage) > LINEAGES_KEPT:
+            self._past_lineage.popitem(last=False)
 
     def _take_kv(self, kv: KeyValue) -> None:
         try:
@@ -674,6 +731,8 @@ class JobTable:
             success = []
             for r, data in batch:
                 success += [Op.put(keys.past(r["id"]), data), Op.delete(keys.job(r["id"])), Op.delete(keys.env(r["id"]))]
+                if self.in_lineage(r):  # (a restart finds its checkpoints through this)
+                    success.append(Op.put(keys.lineage_member(r.get("lineage") or r["id"], r["id"]), b""))
             try:
                 result = await self.etcd.txn(compare, success, [Op.get(fence.key)])
             except EtcdError as exc:

@@ -470,7 +470,7 @@ class Coordinator:
         wait together, so a burst of admitted jobs costs one transaction,
         not one round trip and fsync each in turn."""
         up = {name for name in self.matrix.cores if self.membership.is_up(name)}
-        waiting = [r for r in self.table.active() if r["state"] == jobs.QUEUED and not r["placement"]]
+        waiting = self.table.unplaced()
         admitted_jobs: list[tuple[int, list[str]]] = []
         for record in sorted(waiting, key=lambda r: (-r.get("priority", 0), r["id"])):
             try:

@@ -203,6 +203,7 @@ class JobTable:
         self._changed = trio.Event()
         self._counter: tuple[int, int] | None = None  # (last id handed out, the counter's mod revision), coordinator only
         self.by_token: dict[str, int] = {}  # a submission's token -> its job (see Coordinator.submit)
+        self._unplaced: set[int] = set()  # queued jobs with no placement yet (what a scheduling pass reads)
         # Environments this node committed with their jobs, until the launch takes them (see :meth:`env`).
         self._fresh_env: dict[int, tuple[dict[str, str], int]] = {}
         self._fresh_env_bytes = 0
@@ -220,6 +221,11 @@ class JobTable:
 
     def active(self) -> list[dict]:
         return [r for r in self.records.values() if r["state"] in jobs.ACTIVE_STATES]
+
+    def unplaced(self) -> list[dict]:
+        """Queued jobs not placed yet: kept as records change, so a scheduling
+        pass (one per submit and per end) does not read the whole table."""
+        return [self.records[job_id] for job_id in self._unplaced]
 
     def notify_changed(self) -> None:
         self._changed.set()
@@ -241,6 +247,10 @@ class JobTable:
             return False
         record["seq"] = revision
         self.records[record["id"]] = record
+        if record["state"] == jobs.QUEUED and not record["placement"]:
+            self._unplaced.add(record["id"])
+        else:
+            self._unplaced.discard(record["id"])
         if self._fresh_env and jobs.is_terminal(record):
             self._drop_env(record["id"])
         token = record.get("submit_token")
@@ -257,6 +267,7 @@ class JobTable:
     def _forget(self, job_id: int) -> None:
         """The job left the hot table (moved to the history)."""
         self._drop_env(job_id)
+        self._unplaced.discard(job_id)
         record = self.records.pop(job_id, None)
         if record is None:
             return

@@ -173,6 +173,35 @@ async def test_ended_jobs_move_to_the_history_and_stay_readable(etcd_endpoints, 
         assert (await table.create(fence, build, {}))["id"] == many[-1] + 1
 
 
+async def test_a_checkpoint_lineage_is_found_in_the_history_and_its_records_still_learn(etcd_endpoints, keys):
+    async with Etcd(etcd_endpoints) as etcd, open_lease(etcd, 10) as lease:
+        fence = await leader(etcd, keys, lease)
+        table = JobTable(etcd, keys)
+        entry = {"gen": 1, "state": "complete", "placement": ["n1"]}
+        root = (await table.create(fence, build, {}))["id"]
+        unrelated = (await table.create(fence, build, {}))["id"]
+        await table.update(fence, root, lambda r: r.update(state=jobs.KILLED, checkpoints=[dict(entry)]))
+        restart = (await table.create(fence, lambda i: dict(build(i), lineage=root), {}))["id"]
+        await table.update(fence, unrelated, lambda r: r.update(state=jobs.DONE))
+        await table.update(fence, restart, lambda r: r.update(state=jobs.DONE, checkpoints=[dict(entry, gen=2)]))
+        assert await table.retire(fence, [table.get(j) for j in (root, unrelated, restart)]) == 3
+        assert table.records == {}
+        # Another node (nothing cached) finds the whole lineage, and only it, in the history.
+        reader = JobTable(etcd, keys)
+        await reader.read_lineage(root)
+        assert [r["id"] for r in reader.lineage(root)] == [root, restart]
+        # An ended record there still learns what happens to its generations (fenced, compared)...
+        marked = await table.update(fence, root, lambda r: r["checkpoints"][0].update(state="removed"))
+        assert marked["checkpoints"][0]["state"] == "removed"
+        await reader.read_lineage(root)
+        assert reader.lineage(root)[0]["checkpoints"][0]["state"] == "removed"
+        # ...but never becomes a live job again.
+        with pytest.raises(RemoteError) as raised:
+            await table.update(fence, root, lambda r: r.update(state=jobs.RUNNING))
+        assert raised.value.code == "bad_state"
+        assert (await table.fetch(root))["state"] == jobs.KILLED
+
+
 async def test_a_record_damaged_in_etcd_costs_that_record_only(etcd_endpoints, keys):
     async with Etcd(etcd_endpoints) as etcd, open_lease(etcd, 10) as lease:
         fence = await leader(etcd, keys, lease)

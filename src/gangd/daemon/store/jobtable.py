@@ -622,8 +622,10 @@ class JobTable:
             current = self.records.get(job_id)
             if current is None:
                 current = await self.fetch(job_id)
-                if current is None or job_id not in self.records:
+                if current is None:
                     raise RemoteError("no_such_job", f"no job {job_id} in the cluster's job table")
+                if job_id not in self.records:  # in the history
+                    return await self._update_past(fence, job_id, current, change)
             record = copy.deepcopy(current)
             if change(record) is False:
                 return current
@@ -645,6 +647,43 @@ class JobTable:
                 self._forget(job_id)
                 raise RemoteError("no_such_job", f"job {job_id} is no longer in the hot job table")
             self._take_kv(found[0])
+
+    async def _update_past(self, fence: Fence, job_id: int, current: dict, change: Callable[[dict], object]) -> dict:
+        """:meth:`update` for a job in the history: what an ended job's record
+        may still learn (its checkpoint generations removed or found damaged),
+        fenced and compared with the revision it was computed from, as in the
+        hot table. It stays ended: a history record never becomes a live job."""
+        key = self.keys.past(job_id)
+        while True:
+            record = copy.deepcopy(current)
+            if change(record) is False:
+                return current
+            if not jobs.is_terminal(record):
+                raise RemoteError("bad_state", f"job {job_id} ended and is in the history: it cannot become {record['state']}")
+            revision = record.pop("seq", 0)
+            try:
+                result = await self.etcd.txn(
+                    [fence.compare(), Compare.mod_revision(key) == revision],
+                    [Op.put(key, pack(record))],
+                    [Op.get(fence.key), Op.get(key)],
+                )
+            except EtcdError as exc:
+                raise self._write_error(exc) from None
+            if result.succeeded:
+                record["seq"] = result.revision
+                members = self._past_lineage.get(record.get("lineage") or job_id)
+                if members is not None and job_id in members:
+                    members[job_id] = record
+                return record
+            self._check_fence(fence, result.responses[0])
+            found = _kvs(result.responses[1])
+            if not found:
+                raise RemoteError("no_such_job", f"no job {job_id} in the cluster's job table")
+            try:
+                current = decode_record(found[0].value)
+            except ValueError as exc:
+                raise RemoteError("internal", f"job {job_id}'s record in etcd is damaged: {exc}") from None
+            current["seq"] = found[0].mod_revision
 
     async def _commit(self, write: _Write) -> None:
         """Commit ``write`` together with the other updates waiting meanwhile

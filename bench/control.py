@@ -112,7 +112,7 @@ async def submit_rate(directory: Path, total: int, clients: int, to: str) -> tup
     nodes = local.node_files(directory)
     if to == "coordinator":
         leader = await coordinator_of(directory)
-        nodes = [n for n in nodes if n.name == leader]
+        nodes = [n for n in nodes if n.name == leader] or nodes  # (none yet: an election under way)
 
     async def client(i: int):
         # "spread": over the nodes, as a cluster's users are: each node serves

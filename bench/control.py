@@ -3,7 +3,9 @@
 On a local cluster with its own etcd (real fsyncs, the daemons' real code):
 
   submit       one-rank jobs (``true``) submitted through the Python API by
-               ``--clients`` concurrent clients, jobs/s accepted, with 0,
+               ``--clients`` concurrent clients spread over the nodes
+               (client i connects to node i mod nodes; all to the coordinator
+               with --clients-to coordinator), jobs/s accepted, with 0,
                10 000 and 100 000 ended jobs in the history (written into
                etcd's history keys beforehand, as a long-lived cluster's
                would be, in batches). The jobs run too; the time until all
@@ -21,7 +23,7 @@ On a local cluster with its own etcd (real fsyncs, the daemons' real code):
 Targets (issue 15): >= 300 jobs/s, the rate at 100 000 within 10 % of the
 rate at 0, failover within the lease TTL + 1 s.
 
-    python bench/control.py [--jobs 1500] [--clients 16] [--history 0,10000,100000] [--nodes 2]
+    python bench/control.py [--jobs 1500] [--clients 16] [--history 0,10000,100000] [--nodes 2] [--clients-to spread|coordinator]
 """
 
 from __future__ import annotations
@@ -103,21 +105,28 @@ async def baseline_txn_rate(directory: Path, count: int) -> float:
     return rate
 
 
-async def submit_rate(directory: Path, total: int, clients: int) -> tuple[float, float]:
+async def submit_rate(directory: Path, total: int, clients: int, to: str) -> tuple[float, float]:
     """jobs/s accepted, and seconds until every one of them ended."""
     ids: list[int] = []
     remaining = [total]
+    nodes = local.node_files(directory)
+    if to == "coordinator":
+        leader = await coordinator_of(directory)
+        nodes = [n for n in nodes if n.name == leader] or nodes  # (none yet: an election under way)
 
-    async def client():
-        async with connect(directory) as gang:
+    async def client(i: int):
+        # "spread": over the nodes, as a cluster's users are: each node serves
+        # its clients' connections and forwards their submits to the
+        # coordinator. "coordinator": all to it (no forwarding: the best case).
+        async with connect(sockets=[str(nodes[i % len(nodes)].socket)]) as gang:
             while remaining[0] > 0:
                 remaining[0] -= 1
                 ids.append((await gang.submit(["true"], 1, cwd="/", env=ENV))["id"])
 
     began = time.monotonic()
     async with trio.open_nursery() as nursery:
-        for _ in range(clients):
-            nursery.start_soon(client)
+        for i in range(clients):
+            nursery.start_soon(client, i)
     accepted = time.monotonic() - began
     async with connect(directory) as gang:
         for job_id in sorted(ids, reverse=True):
@@ -178,6 +187,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--history", default="0,10000,100000")
     parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--clients-to", choices=("spread", "coordinator"), default="spread",
+                        help="spread: client i connects to node i mod nodes; coordinator: all to the coordinator")
     parser.add_argument("--baseline", type=int, default=1000, help="transactions of the baseline")
     args = parser.parse_args()
     sizes = [int(x) for x in args.history.split(",")]
@@ -188,7 +199,8 @@ def main() -> None:
     ttl = cfg.load(directory / "n1" / "gangd.toml").etcd.lease_ttl
     try:
         print(f"{args.nodes}-node local cluster, etcd at {', '.join(cfg.load(directory / 'n1' / 'gangd.toml').etcd.endpoints)}, lease TTL {ttl} s")
-        print(f"coordinator: {trio.run(coordinator_of, directory)}; the clients connect to {local.node_files(directory)[0].name}")
+        where = "the coordinator" if args.clients_to == "coordinator" else ", ".join(n.name for n in local.node_files(directory))
+        print(f"coordinator: {trio.run(coordinator_of, directory)}; the clients connect to {where}")
         baseline = trio.run(baseline_txn_rate, directory, args.baseline)
         print(f"baseline: the submit's transaction straight to etcd, one client: {baseline:.0f} txn/s")
         rates = {}
@@ -198,7 +210,7 @@ def main() -> None:
             # etcd itself, now (the machine is shared, and etcd's own costs may change with its size).
             here = trio.run(baseline_txn_rate, directory, max(100, args.baseline // 4))
             daemons, etcd = cpu_seconds(directory)
-            rate, finished = trio.run(submit_rate, directory, args.jobs, args.clients)
+            rate, finished = trio.run(submit_rate, directory, args.jobs, args.clients, args.clients_to)
             daemons, etcd = (now - before for now, before in zip(cpu_seconds(directory), (daemons, etcd), strict=True))
             rates[size] = rate
             print(f"history {size:>7}: {rate:7.0f} jobs/s accepted ({rate / baseline:.2f}x the baseline txn rate, "

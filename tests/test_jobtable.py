@@ -8,14 +8,17 @@ up with what etcd holds, whatever it missed.
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
 import trio
 
 from gangd import jobs
-from gangd.daemon.store import Deposed, Fence, JobTable, Keys
+from gangd.daemon.store import Deposed, Fence, JobTable, Keys, jobtable
 from gangd.etcd.client import Etcd
 from gangd.etcd.election import Election
 from gangd.etcd.lease import open_lease
@@ -170,6 +173,35 @@ async def test_ended_jobs_move_to_the_history_and_stay_readable(etcd_endpoints, 
         assert (await table.create(fence, build, {}))["id"] == many[-1] + 1
 
 
+async def test_a_checkpoint_lineage_is_found_in_the_history_and_its_records_still_learn(etcd_endpoints, keys):
+    async with Etcd(etcd_endpoints) as etcd, open_lease(etcd, 10) as lease:
+        fence = await leader(etcd, keys, lease)
+        table = JobTable(etcd, keys)
+        entry = {"gen": 1, "state": "complete", "placement": ["n1"]}
+        root = (await table.create(fence, build, {}))["id"]
+        unrelated = (await table.create(fence, build, {}))["id"]
+        await table.update(fence, root, lambda r: r.update(state=jobs.KILLED, checkpoints=[dict(entry)]))
+        restart = (await table.create(fence, lambda i: dict(build(i), lineage=root), {}))["id"]
+        await table.update(fence, unrelated, lambda r: r.update(state=jobs.DONE))
+        await table.update(fence, restart, lambda r: r.update(state=jobs.DONE, checkpoints=[dict(entry, gen=2)]))
+        assert await table.retire(fence, [table.get(j) for j in (root, unrelated, restart)]) == 3
+        assert table.records == {}
+        # Another node (nothing cached) finds the whole lineage, and only it, in the history.
+        reader = JobTable(etcd, keys)
+        await reader.read_lineage(root)
+        assert [r["id"] for r in reader.lineage(root)] == [root, restart]
+        # An ended record there still learns what happens to its generations (fenced, compared)...
+        marked = await table.update(fence, root, lambda r: r["checkpoints"][0].update(state="removed"))
+        assert marked["checkpoints"][0]["state"] == "removed"
+        await reader.read_lineage(root)
+        assert reader.lineage(root)[0]["checkpoints"][0]["state"] == "removed"
+        # ...but never becomes a live job again.
+        with pytest.raises(RemoteError) as raised:
+            await table.update(fence, root, lambda r: r.update(state=jobs.RUNNING))
+        assert raised.value.code == "bad_state"
+        assert (await table.fetch(root))["state"] == jobs.KILLED
+
+
 async def test_a_record_damaged_in_etcd_costs_that_record_only(etcd_endpoints, keys):
     async with Etcd(etcd_endpoints) as etcd, open_lease(etcd, 10) as lease:
         fence = await leader(etcd, keys, lease)
@@ -182,3 +214,101 @@ async def test_a_record_damaged_in_etcd_costs_that_record_only(etcd_endpoints, k
         assert sorted(fresh.records) == [good["id"]]
         with pytest.raises(RemoteError):
             await fresh.update(fence, 424242, lambda r: None)
+
+
+class AnswerDroppingProxy:
+    """A TCP forwarder to etcd that can lose one request, or the answer to
+    one (forwarded, applied, its answer never delivered), and then refuse
+    every connection (etcd unreachable) until mended."""
+
+    def __init__(self, target: tuple[str, int]):
+        self.target = target
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.lock = threading.Lock()
+        self.drop: str | None = None  # "request" or "answer": the next one is lost (and the connection closed)
+        self.cut_after_drop = False
+        self.cut = False
+        self.dropped = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if self.cut:
+                client.close()
+                continue
+            upstream = socket.create_connection(self.target)
+            threading.Thread(target=self._pump, args=(client, upstream, "request"), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, "answer"), daemon=True).start()
+
+    def _pump(self, source, sink, what):
+        try:
+            while data := source.recv(65536):
+                with self.lock:
+                    lose = self.drop == what
+                    if lose:
+                        self.drop = None
+                        self.cut = self.cut_after_drop
+                if lose:
+                    self.dropped.set()
+                    break
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                s.close()
+
+
+@pytest.fixture
+def lossy(etcd_endpoints):
+    host, port = etcd_endpoints[0].rsplit("/", 1)[-1].rsplit(":", 1)
+    proxy = AnswerDroppingProxy((host, int(port)))
+    yield proxy
+    proxy.listener.close()
+
+
+async def created_jobs(etcd: Etcd, keys: Keys) -> list[int]:
+    found = await etcd.range(keys.jobs, prefix=True)
+    return sorted(Keys.job_id(kv.key, keys.jobs) for kv in found.kvs)
+
+
+@pytest.mark.parametrize("lost", ["answer", "request"])
+async def test_a_creation_whose_answer_was_lost_is_settled_and_reported_once(etcd_endpoints, keys, lossy, lost):
+    # The coordinator's table reaches etcd through the proxy; its term and the checks go straight.
+    async with Etcd(etcd_endpoints) as direct, open_lease(direct, 10) as lease, Etcd([f"http://127.0.0.1:{lossy.port}"]) as etcd:
+        fence = await leader(direct, keys, lease)
+        table = JobTable(etcd, keys)
+        first = await table.create_many(fence, [(build, {})])
+        lossy.drop = lost
+        # Lost after etcd applied it ("answer"), or before it got there ("request"): either way
+        # the submitter is told of exactly one job, which exists, with the id it was told.
+        created = await table.create_many(fence, [(build, {}), (build, {})])
+        assert lossy.dropped.is_set()
+        assert [r["id"] for r in created] == [first[0]["id"] + 1, first[0]["id"] + 2]
+        assert await created_jobs(direct, keys) == [first[0]["id"], *(r["id"] for r in created)]
+        # And the table goes on: the next job gets the next id.
+        assert (await table.create(fence, build, {}))["id"] == first[0]["id"] + 3
+
+
+async def test_a_creation_whose_answer_was_lost_and_etcd_stays_away_says_the_job_may_exist(etcd_endpoints, keys, lossy, monkeypatch):
+    monkeypatch.setattr(jobtable, "INDETERMINATE_PATIENCE", 1.0)
+    async with Etcd(etcd_endpoints) as direct, open_lease(direct, 10) as lease, Etcd([f"http://127.0.0.1:{lossy.port}"], timeout=1) as etcd:
+        fence = await leader(direct, keys, lease)
+        table = JobTable(etcd, keys)
+        await table.create_many(fence, [(build, {})])
+        lossy.drop, lossy.cut_after_drop = "answer", True
+        with pytest.raises(RemoteError) as raised:
+            await table.create(fence, build, {})
+        assert raised.value.code == "indeterminate"
+        assert "may or may not exist" in raised.value.message and "gang ps" in raised.value.message
+        # (it did: the answer only was lost)
+        assert len(await created_jobs(direct, keys)) == 2
+        lossy.cut = False
+        assert (await table.create(fence, build, {}))["id"] == 3

@@ -9,12 +9,18 @@ another is computed again; nothing is lost or duplicated.
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import trio
+from conftest import wait_for
 
 from gangd import jobs
 from gangd.client.api import connect
@@ -238,3 +244,77 @@ async def test_history_pages_cross_gaps_wider_than_a_read_and_list_each_job_once
         assert backward == ended[::-1]
         assert await table.history(-5, 3) == (await table.history(0, 3))
         assert await table.history_before(1, 10) == []
+
+
+def test_a_node_cut_off_from_etcd_says_its_listings_may_be_out_of_date(make_cluster):
+    from test_control_plane import CuttableProxy, gang_on, json_on, submit_on
+
+    cluster = make_cluster(2, cores=2, lease_ttl=3, grace=120)
+    endpoint = LocalEtcd.load(cluster.dir / "etcd").endpoints[0]
+    host, port = re.match(r"https?://([^:/]+):(\d+)", endpoint).groups()
+    proxy = CuttableProxy((host, int(port)))
+    try:
+        # n2 reaches etcd only through the proxy.
+        nf = cluster.files["n2"]
+        os.kill(cluster.daemon_pid("n2"), signal.SIGTERM)
+        wait_for(lambda: nf.pid() is None, 30, "n2 to stop")
+        nf.config.write_text(re.sub(r"endpoints = \[[^\]]*\]", f'endpoints = ["http://127.0.0.1:{proxy.port}"]', nf.config.read_text(), count=1))
+        cluster.start_daemon("n2")
+        wait_for(lambda: all(r["state"] == "up" for r in json_on(cluster, "n1", "nodes")["nodes"]), 30, "n2 back")
+        job = submit_on(cluster, "n1", "-n", 1, "-w", "n1", "--", "sleep", 300)
+        cluster.wait_state(job, "RUNNING")
+        wait_for(lambda: any(r["id"] == job for r in json_on(cluster, "n2", "ps")), 30, "n2 to see the job")
+        # Connected: no warning anywhere.
+        fresh = gang_on(cluster, "n2", "ps")
+        assert fresh.returncode == 0 and "out of date" not in fresh.stderr, fresh.stderr
+        assert "stale" not in json_on(cluster, "n2", "job", job)
+
+        proxy.cut()
+        wait_for(lambda: "cannot reach etcd" in next(r for r in json_on(cluster, "n2", "nodes")["nodes"] if r["name"] == "n2")["why"], 30,
+                 "n2 to know it is cut off")
+        # n2 still answers from its cache, and says the answer may be old (stderr), and how long it has been.
+        listed = gang_on(cluster, "n2", "ps")
+        assert listed.returncode == 0, listed.stderr
+        assert str(job) in listed.stdout
+        assert re.search(r"node n2 has not reached etcd for \d+ s .*this list may be out of date", listed.stderr), listed.stderr
+        as_json = gang_on(cluster, "n2", "ps", "--json")
+        records = json.loads(as_json.stdout)
+        assert records and all(r["stale"]["node"] == "n2" and r["stale"]["seconds"] >= 0 for r in records)
+        shown = gang_on(cluster, "n2", "job", job)
+        assert shown.returncode == 0 and "RUNNING" in shown.stdout, shown.stderr
+        assert "node n2 has not reached etcd" in shown.stderr and "out of date" in shown.stderr
+        assert json_on(cluster, "n2", "job", job)["stale"]["node"] == "n2"
+        # The node that still has etcd says nothing of the kind.
+        other = gang_on(cluster, "n1", "ps")
+        assert other.returncode == 0 and "out of date" not in other.stderr
+        gang_on(cluster, "n1", "kill", job)
+    finally:
+        proxy.cut()
+
+
+def test_a_checkpointed_job_moves_to_the_history_and_still_restarts_from_there(make_cluster):
+    cluster = make_cluster(1, cores=2, job_retention=1)
+    ring = [sys.executable, str(Path(__file__).resolve().parent.parent / "examples" / "ring.py"), "--steps", "200", "--size", "1024"]
+    job = int(cluster.gang("submit", "-n", 2, "--", *ring, "--sleep", "0.02", check=True).stdout)
+    cluster.wait_state(job, "RUNNING")
+    time.sleep(1)
+    gen = json.loads(cluster.gang("checkpoint", job, "--json", timeout=90, check=True).stdout)
+    assert gen["state"] == "complete", gen
+    cluster.gang("kill", job, check=True)
+    cluster.wait_state(job, "KILLED")
+    # Retired like any other job: out of the hot table, into the history.
+    wait_for(lambda: job not in [r["id"] for r in cluster.gang_json("ps")], 30, "the checkpointed job to leave the hot table")
+    assert job in [r["id"] for r in cluster.gang_json("history")]
+    # Its generations are still found, and a restart from them works.
+    listed = cluster.gang_json("ckpt", "ls", job)
+    assert [(g["gen"], g["state"], g["job"]) for g in listed["generations"]] == [(gen["gen"], "complete", job)]
+    restarted = json.loads(cluster.gang("restart", job, "--json", check=True).stdout)
+    new = restarted["record"]["id"]
+    record = cluster.wait_state(new, ("DONE", "FAILED", "KILLED"), timeout=120)
+    assert record["state"] == "DONE", record
+    assert record["restart_of"] == {"job": job, "gen": gen["gen"], "iteration": gen["iteration"]}
+    # The restart retires too; the lineage (both jobs) is found from either, in the history.
+    wait_for(lambda: new not in [r["id"] for r in cluster.gang_json("ps")], 30, "the restart to leave the hot table")
+    assert [g["gen"] for g in cluster.gang_json("ckpt", "ls", new)["generations"]] == [gen["gen"]]
+    again = cluster.gang("restart", new, "--json")
+    assert again.returncode == 0, again.stderr

@@ -82,6 +82,22 @@ def locate(cluster: str | os.PathLike | None = None) -> list[str]:
     return [DEFAULT_SOCKET]
 
 
+class JobList(list):
+    """Job summaries, and ``stale``: None, or ``{"node", "seconds", "why"}``
+    when the node that answered had no session with etcd for that long (it
+    answered from its cache, which may be out of date)."""
+
+    stale: dict | None = None
+
+
+def stale_warning(stale: dict | None) -> str | None:
+    """The sentence a user sees when a listing came from a node cut off from etcd."""
+    if not stale:
+        return None
+    return (f"warning: node {stale.get('node')} has not reached etcd for {float(stale.get('seconds') or 0):.0f} s "
+            f"({stale.get('why')}): this list may be out of date")
+
+
 class Client:
     def __init__(self, channel: Channel):
         self.channel = channel
@@ -139,13 +155,19 @@ class Client:
             spec["net_context"] = {str(rank): bytes(blob) for rank, blob in network_context.items()}
         return await self.request("submit", spec=spec)
 
-    async def jobs(self, all: bool = False) -> list[dict]:
+    async def jobs(self, all: bool = False) -> JobList:
         """Every job (with ``all``) or the active and recent ones, in id order, page by page
-        (a page may be short of the limit when its jobs have many ranks: the last one is empty)."""
-        found: list[dict] = []
+        (a page may be short of the limit when its jobs have many ranks: the last one is empty).
+        Its ``stale`` says whether the node that answered has lost etcd (see :class:`JobList`)."""
+        found = JobList()
         after = 0
         while True:
-            batch = await self.request("jobs", all=all, after=after, limit=2000)
+            reply = await self.request("jobs", all=all, after=after, limit=2000, freshness=True)
+            if isinstance(reply, dict):
+                batch, stale = reply.get("jobs") or [], reply.get("stale")
+            else:  # a daemon from before the freshness flag
+                batch, stale = reply, None
+            found.stale = found.stale or stale
             if not batch:
                 return found
             found += batch
@@ -247,4 +269,4 @@ async def connect(cluster: str | os.PathLike | None = None, sockets: list[str] |
     raise ClusterNotFound(f"cannot reach a gangd daemon ({where}). Is the cluster up? Try `gang cluster up`.")
 
 
-__all__ = ["Client", "ClusterNotFound", "RemoteError", "connect", "locate", "cluster_dir"]
+__all__ = ["Client", "JobList", "stale_warning", "ClusterNotFound", "RemoteError", "connect", "locate", "cluster_dir"]

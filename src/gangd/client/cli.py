@@ -29,7 +29,7 @@ import trio
 
 from .. import jobs, text
 from ..rpc import RemoteError, leaf_error
-from .api import ClusterNotFound, cluster_dir, connect
+from .api import ClusterNotFound, cluster_dir, connect, stale_warning
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -414,8 +414,12 @@ def ps(ctx, show_all, as_json):
             return await gang.jobs(all=show_all)
 
     records = run_async(go)
+    warning = stale_warning(records.stale)
+    if warning:  # (on stderr: a script reading stdout, or the JSON, is not disturbed)
+        click.echo(warning, err=True)
     if as_json:
-        emit_json(records)
+        # Each record says so too: a script cannot see stderr's warning in what it parses.
+        emit_json([dict(r, stale=records.stale) for r in records] if records.stale else list(records))
         return
     now = time.time()
     rows = []
@@ -436,6 +440,44 @@ def ps(ctx, show_all, as_json):
             ]
         )
     click.echo(table(rows, ["JOBID", "NAME", "USER", "RANKS", "NODES", "STATE", "ELAPSED", "RUN", "SUSP", "CPU", "REASON"]))
+
+
+@main.command(epilog="""\b
+Examples:
+  gang job 12
+  gang job 12 --json | jq .state
+""")
+@click.argument("job_id", metavar="JOB", type=int)
+@click.option("--json", "as_json", is_flag=True, help="Print the job's record as JSON.")
+@click.pass_context
+def job(ctx, job_id, as_json):
+    """Show one job: its state, owner, nodes, times and each rank's exit."""
+
+    async def go():
+        async with connect(_cluster(ctx)) as gang:
+            return await gang.job(job_id)
+
+    record = run_async(go)
+    warning = stale_warning(record.get("stale"))
+    if warning:
+        click.echo(warning.replace("this list", "this record"), err=True)
+    if as_json:
+        emit_json(record)
+        return
+    now = time.time()
+    nodes = jobs.compress_nodes(jobs.nodes_of(record)) or "-"
+    lines = [
+        ("job", f"{record['id']} ({record['name']})"),
+        ("owner", f"{record['owner']} (uid {record['owner_uid']})"),
+        ("state", record["state"] + (f": {record['reason']}" if record.get("reason") else "")),
+        ("ranks", f"{record['nranks']} on {nodes}"),
+        ("elapsed", jobs.format_duration(jobs.elapsed(record, now))),
+    ]
+    if jobs.is_terminal(record):
+        lines.append(("exits", ", ".join(f"{i}: {jobs.describe_status(st)}" for i, st in enumerate(record["ranks"]) if st) or "-"))
+    width = max(len(k) for k, _ in lines)
+    for key, value in lines:
+        click.echo(f"{key.upper():<{width}}  {value}")
 
 
 @main.command(epilog="""\b

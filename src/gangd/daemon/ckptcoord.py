@@ -78,8 +78,8 @@ class CheckpointCoordinator:
     # ------------------------------------------------------------ lineage
 
     def lineage_records(self, record: dict) -> list[dict]:
-        lineage = record.get("lineage") or record["id"]
-        return [r for r in self.daemon.table.records.values() if (r.get("lineage") or r["id"]) == lineage]
+        """The lineage's jobs in the hot table and, as last read (read_lineage), in the history."""
+        return self.daemon.table.lineage(record.get("lineage") or record["id"])
 
     def generations(self, record: dict) -> list[dict]:
         """Every recorded generation of the job's lineage, oldest first, each with the job that took it."""
@@ -107,6 +107,7 @@ class CheckpointCoordinator:
         permission_check(record, cred, "checkpoint")
         if record["state"] not in (jobs.RUNNING, jobs.SUSPENDED):
             raise RemoteError("bad_state", f"job {job_id} is {record['state']}; only a running or suspended job can be checkpointed")
+        await self.daemon.table.read_lineage(record.get("lineage") or job_id)  # (its generations in the history count too)
         live = self.live.get(job_id)
         if live is None:
             rnd = rd.Round(
@@ -272,7 +273,8 @@ class CheckpointCoordinator:
     async def _prune(self, record: dict) -> None:
         """Keep the newest ``checkpoint_keep`` complete generations of the lineage; remove the rest."""
         keep = self.daemon.config.checkpoint_keep
-        gens = self.generations(self.daemon.table.get(record["id"]))
+        await self.daemon.table.read_lineage(record.get("lineage") or record["id"])
+        gens = self.generations(self.daemon.table.get(record["id"]) or record)
         complete = [e for e in gens if e["state"] == "complete"]
         doomed = complete[:-keep]
         # Leftovers of aborted generations on a node that missed the abort
@@ -311,7 +313,7 @@ class CheckpointCoordinator:
         """A new job of the lineage from a complete generation, on the
         generation's nodes, on ``nodelist`` (``-w``) or on ``nodes`` live
         nodes (``-N``); files of ranks that move are staged first."""
-        record = self.daemon.table.get(job_id)
+        record = self.daemon.table.get(job_id) or await self.daemon.table.fetch(job_id)  # (the history too)
         if record is None:
             raise RemoteError("no_such_job", f"no job {job_id}")
         permission_check(record, cred, "restart")
@@ -322,6 +324,7 @@ class CheckpointCoordinator:
             raise RemoteError("busy", f"a restart from job {job_id}'s checkpoints is already under way; one job of a lineage runs at a time")
         self.restarting.add(lineage)
         try:
+            await self.daemon.table.read_lineage(lineage)
             return await self._restart(job_id, record, lineage, gen, nodelist, nodes)
         finally:
             self.restarting.discard(lineage)

@@ -293,8 +293,8 @@ class Coordinator:
             await trio.sleep(min(max(retention / 4, 0.5), 30))
             cutoff = time.time() - retention
             ended = sorted(
-                # (a job with checkpoints stays: a restart reads its lineage from the hot table)
-                (r for r in self.table.records.values() if jobs.is_terminal(r) and (r.get("ended") or 0) <= cutoff and not r.get("checkpoints")),
+                # (a job with checkpoints goes too: a restart finds its lineage in the history, see JobTable.lineage)
+                (r for r in self.table.records.values() if jobs.is_terminal(r) and (r.get("ended") or 0) <= cutoff),
                 key=lambda r: r["id"],
             )
             if ended:
@@ -463,9 +463,15 @@ class Coordinator:
     # ------------------------------------------------------------ placement
 
     async def _schedule(self) -> None:
-        """Admit queued jobs into the matrix, highest priority first, then first come first served."""
+        """Admit queued jobs into the matrix, highest priority first, then first come first served.
+
+        The matrix decides in order, here, at once; the placements are then
+        written to etcd concurrently: the table group-commits updates that
+        wait together, so a burst of admitted jobs costs one transaction,
+        not one round trip and fsync each in turn."""
         up = {name for name in self.matrix.cores if self.membership.is_up(name)}
-        waiting = [r for r in self.table.active() if r["state"] == jobs.QUEUED and not r["placement"]]
+        waiting = self.table.unplaced()
+        admitted_jobs: list[tuple[int, list[str]]] = []
         for record in sorted(waiting, key=lambda r: (-r.get("priority", 0), r["id"])):
             try:
                 admitted = self.matrix.admit(record, place, up)
@@ -482,18 +488,31 @@ class Coordinator:
                 break  # nobody overtakes the head of the queue
             slot, placement = admitted
             log.info("job %d admitted to slot %d on %s", record["id"], slot, jobs.compress_nodes(jobs.nodes_of({"placement": placement})))
+            admitted_jobs.append((record["id"], placement))
+        if not admitted_jobs:
+            return
+        retry = []
+
+        async def record_placement(job_id: int, placement: list[str]) -> None:
             try:
-                await self.update(record["id"], lambda r, placement=placement: r.update(placement=placement))
+                await self.update(job_id, lambda r: r.update(placement=placement))
+            except Deposed:
+                raise
             except RemoteError as exc:
-                # Not recorded (the state disk is full): the matrix must not
+                # Not recorded (etcd refused or is away): the matrix must not
                 # hold cores for it either. A later pass tries again.
-                self.matrix.remove(record["id"])
+                self.matrix.remove(job_id)
                 self._gang_changed.set()
-                log.warning("job %d not placed: %s", record["id"], exc.message)
-                if exc.code == "state_disk":
-                    self.spawn(self._retry_kick)
+                log.warning("job %d not placed: %s", job_id, exc.message)
+                retry.append(exc.code)
                 return
-            self.spawn(self._start, record["id"])
+            self.spawn(self._start, job_id)
+
+        async with trio.open_nursery() as nursery:
+            for job_id, placement in admitted_jobs:
+                nursery.start_soon(record_placement, job_id, placement)
+        if retry:
+            self.spawn(self._retry_kick)
 
     async def _retry_kick(self) -> None:
         await trio.sleep(self.config.heartbeat_interval)

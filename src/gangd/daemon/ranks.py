@@ -11,14 +11,17 @@ neither outlive the job nor keep the output pipes open.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import mmap
 import os
 import pwd
+import queue
 import resource as resource_mod
 import signal
 import subprocess
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
+import outcome
 import psutil
 import trio
 
@@ -56,9 +60,11 @@ class RankProcess:
 
     Not ``trio.lowlevel.open_process``: trio forks from a worker thread, and
     PR_SET_PDEATHSIG fires when the *thread* that forked exits — trio retires
-    idle workers after seconds, which would SIGKILL healthy ranks. Forking
-    here takes a few milliseconds; exit is awaited on a pidfd and the pipes
-    are trio FdStreams, so nothing blocks afterwards.
+    idle workers after seconds, which would SIGKILL healthy ranks. The fork
+    runs on :class:`Forker`'s one thread instead, which lives as long as the
+    daemon: the event loop does not wait the milliseconds a fork and the
+    child's way to exec take. Exit is awaited on a pidfd and the pipes are
+    trio FdStreams, so nothing blocks afterwards.
     """
 
     def __init__(self, popen: subprocess.Popen):
@@ -69,7 +75,12 @@ class RankProcess:
         self._pidfd = os.pidfd_open(popen.pid)
 
     @classmethod
-    def spawn(cls, argv, *, env, preexec_fn, pass_fds=()) -> RankProcess:
+    async def spawn(cls, argv, *, env, preexec_fn, pass_fds=()) -> RankProcess:
+        popen = await FORKER.run(cls._popen, argv, env, preexec_fn, tuple(pass_fds))
+        return cls(popen)
+
+    @staticmethod
+    def _popen(argv, env, preexec_fn, pass_fds) -> subprocess.Popen:
         # No cwd here: subprocess would chdir as root before preexec_fn drops
         # privileges; preexec_fn enters the directory as the user.
         # The argv is the user's own command, run as the user (preexec_fn drops to
@@ -86,9 +97,9 @@ class RankProcess:
             # The only hook that runs in the child between fork and exec: cgroup join, rlimits, setgroups/setgid/setuid,
             # chdir as the user, PDEATHSIG. It uses raw syscalls only (no locks, no logging; see _make_preexec).
             preexec_fn=preexec_fn,  # noqa: PLW1509 -- the only way to drop privileges in the child before exec
-            pass_fds=tuple(pass_fds),
+            pass_fds=pass_fds,
         )
-        return cls(popen)
+        return popen
 
     async def wait(self) -> int:
         await trio.lowlevel.wait_readable(self._pidfd)
@@ -114,6 +125,59 @@ class RankProcess:
     async def aclose(self) -> None:
         await self.stdout.aclose()
         await self.stderr.aclose()
+
+
+class Forker:
+    """One thread, alive as long as the daemon, that starts the ranks.
+
+    PR_SET_PDEATHSIG fires when the thread that forked a rank exits: this one
+    never does (it waits for work for ever, and dies with the process), so a
+    rank dies with the daemon and only then. Work is done one item at a time,
+    in the order asked: ranks start in the order their launches asked for
+    them, as they did on the event loop. The answer comes back to the
+    event loop through trio's token (no thread of trio's pool is held)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def _loop(self) -> None:
+        while True:
+            fn, args, deliver = self._queue.get()
+            result: outcome.Outcome
+            try:
+                result = outcome.Value(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 -- handed to the caller, as its own
+                result = outcome.Error(exc)
+            try:
+                deliver(result)
+            except trio.RunFinishedError:  # the caller's run is over: a started child must not be left
+                if isinstance(result, outcome.Value) and isinstance(result.value, subprocess.Popen):
+                    with contextlib.suppress(OSError):
+                        result.value.kill()
+
+    async def run(self, fn, *args):
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="gangd-forker", daemon=True)
+                self._thread.start()
+        token = trio.lowlevel.current_trio_token()
+        done = trio.Event()
+        box: list[outcome.Outcome] = []
+
+        def arrived(result: outcome.Outcome) -> None:
+            box.append(result)
+            done.set()
+
+        self._queue.put((fn, args, lambda result: token.run_sync_soon(arrived, result)))
+        # Not cancellable: a fork asked for is done, and its child must be owned by someone.
+        with trio.CancelScope(shield=True):
+            await done.wait()
+        return box[0].unwrap()
+
+
+FORKER = Forker()
 
 
 def _tree_cpu(pid: int | None) -> float:
@@ -309,7 +373,9 @@ class LocalRanks:
         self.cgroups = cgroups
         self.on_exit = on_exit
         self.envs: dict[int, dict[str, str]] = {}  # job -> its environment, while it has ranks here
-        self.ranks: dict[tuple[int, int], Rank] = {}
+        self.ranks: dict[tuple[int, int], Rank] = {}  # (add through _add: it keeps the index by job)
+        self._by_job: dict[int, list[Rank]] = {}
+        self._launching: dict[int, trio.Lock] = {}  # a job's launch under way here
         self.logs: dict[tuple[int, int], OutputLog] = {}
         self._running_as_root = os.geteuid() == 0
         self.identities = Identities()
@@ -320,7 +386,11 @@ class LocalRanks:
         return sum(1 for r in self.ranks.values() if r.status is None)
 
     def of_job(self, job_id: int) -> list[Rank]:
-        return [r for (j, _), r in self.ranks.items() if j == job_id]
+        return list(self._by_job.get(job_id, ()))
+
+    def _add(self, entry: Rank) -> None:
+        self.ranks[(entry.job_id, entry.rank)] = entry
+        self._by_job.setdefault(entry.job_id, []).append(entry)
 
     def rank_processes(self, job_id: int, rank: int) -> set[int]:
         """Live pids of one rank: its main process and everything it forked."""
@@ -410,7 +480,18 @@ class LocalRanks:
         """Start this node's ranks of ``record``; returns {rank: pid}.
 
         ``rank_setup(rank)`` (MPI jobs) returns the rank's own environment
-        and a file descriptor it inherits (its PMI socket)."""
+        and a file descriptor it inherits (its PMI socket). Launches of one
+        job run one at a time: a repeated request (a coordinator's retry)
+        finds the ranks the first one started, never starts them twice."""
+        lock = self._launching.setdefault(record["id"], trio.Lock())
+        try:
+            async with lock:
+                return await self._launch(spawn, record, job_dir, extra, rank_setup)
+        finally:
+            if not lock.locked() and not lock.statistics().tasks_waiting:
+                self._launching.pop(record["id"], None)
+
+    async def _launch(self, spawn, record: dict, job_dir: Path, extra: dict[str, str] | None, rank_setup) -> dict[int, int | None]:
         my_ranks = jobs.ranks_on(record, self.node)
         uid, gid = record["owner_uid"], record["owner_gid"]
         if self._running_as_root:
@@ -454,7 +535,7 @@ class LocalRanks:
                 inherited.append(fd)
             failed = LaunchFailed()
             try:
-                proc = RankProcess.spawn(
+                proc = await RankProcess.spawn(
                     record["argv"],
                     env=env,
                     preexec_fn=_make_preexec(
@@ -488,14 +569,14 @@ class LocalRanks:
                 output.append(STDERR, line.encode())
                 output.close()
                 entry = Rank(record["id"], rank, None, output, cgroup, status={"code": code, "node": self.node, "why": what})
-                self.ranks[key] = entry
+                self._add(entry)
                 entry.done.set()
                 self.on_exit(entry)
                 continue
             for fd in inherited:  # the child's end, now the child's alone
                 os.close(fd)
             entry = Rank(record["id"], rank, proc, output, cgroup)
-            self.ranks[key] = entry
+            self._add(entry)
             pids[rank] = proc.pid
             spawn(self._watch, entry, proc)
         return pids

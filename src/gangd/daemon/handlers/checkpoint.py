@@ -45,6 +45,7 @@ async def ckpt_list(s, call: Call):
     """The generations of a job's lineage (every job restarted from it), oldest first."""
     record = await job_for(s.table, call.args, call.user, "inspect")
     co = s.coordinator
+    await s.table.read_lineage(record.get("lineage") or record["id"])  # (jobs of the lineage in the history too)
     generations = co.ckpt.generations(record)
     live = None
     if co.active and record["id"] in co.ckpt.live:

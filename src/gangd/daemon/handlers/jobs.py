@@ -56,8 +56,14 @@ async def submit(s, call: Call):
     except jobs.BadSpec as exc:
         raise RemoteError(exc.code, exc.message) from None
     # The client's own rlimits, from the kernel (never the wire): its ranks get these, not the daemon's.
-    pid = channel.context.get("pid")
-    rlimits = await trio.to_thread.run_sync(read_process_limits, pid, cred["uid"]) if isinstance(pid, int) and pid > 0 else None
+    # Read once per connection (the peer's pid is the connection's): a client
+    # submitting many jobs costs one read of /proc, not one thread hop each.
+    if "rlimits" not in channel.context:
+        pid = channel.context.get("pid")
+        channel.context["rlimits"] = (
+            await trio.to_thread.run_sync(read_process_limits, pid, cred["uid"]) if isinstance(pid, int) and pid > 0 else None
+        )
+    rlimits = channel.context["rlimits"]
     # One token per submission: a retry after a lost answer gets the same job, not a second one.
     return await s.calls.to_coordinator("coord_submit", spec=spec, cred=dict(cred, rlimits=rlimits), token=secrets.token_hex(16))
 
@@ -67,9 +73,22 @@ async def kill(s, call: Call):
     return await s.calls.to_coordinator("coord_kill", job=integer(call.args, "job"), cred=call.user)
 
 
+def staleness(membership, node: str) -> dict | None:
+    """None while this node has its session with etcd; else how long it has
+    been without one: what it serves from its cache may be out of date."""
+    if membership.connected:
+        return None
+    since = membership.isolated_since
+    seconds = time.monotonic() - since if since is not None else 0.0
+    return {"node": node, "seconds": round(seconds, 1), "why": membership.why_isolated}
+
+
 @op("jobs", audience=CLIENT)
 async def list_jobs(s, call: Call):
-    return await s.listing.list_jobs(call.user, call.args, call.channel)
+    summaries = await s.listing.list_jobs(call.user, call.args, call.channel)
+    if call.args.get("freshness"):  # (asked for by newer clients: older ones get the bare list)
+        return {"jobs": summaries, "stale": staleness(s.membership, s.node)}
+    return summaries
 
 
 @op("history", audience=CLIENT)
@@ -79,7 +98,9 @@ async def history(s, call: Call):
 
 @op("job", audience=CLIENT)
 async def job(s, call: Call):
-    return await job_for(s.table, call.args, call.user, "inspect")
+    record = await job_for(s.table, call.args, call.user, "inspect")
+    stale = staleness(s.membership, s.node)
+    return dict(record, stale=stale) if stale else record
 
 
 @op("suspend", audience=CLIENT)

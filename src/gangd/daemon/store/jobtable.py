@@ -47,7 +47,7 @@ import msgpack
 import trio
 
 from ... import jobs
-from ...etcd.client import Compacted, Compare, Etcd, EtcdError, KeyValue, Op, Range, Unavailable
+from ...etcd.client import Compacted, Compare, Etcd, EtcdError, Indeterminate, KeyValue, Op, Range, Unavailable
 from ...failpoint import failpoint
 from ...rpc import RemoteError
 from .keys import Keys
@@ -60,9 +60,10 @@ PAGE = 500
 MAX_RECORD_BYTES = 1024 * 1024
 #: Largest environment value accepted back (jobs.MAX_ARGV_ENV_BYTES, packed).
 MAX_ENV_BYTES = 3 * 1024 * 1024
-#: Ended jobs moved to the history in one transaction: three operations and
-#: one comparison each, and etcd allows 128 of either (--max-txn-ops).
-RETIRE_BATCH = 40
+#: Ended jobs moved to the history in one transaction: up to four operations
+#: (a lineage's member: its index key too) and one comparison each, and etcd
+#: allows 128 of either (--max-txn-ops).
+RETIRE_BATCH = 30
 RETIRE_BATCH_BYTES = 1024 * 1024  # (etcd refuses requests above 1.5 MiB by default)
 #: Bytes of environments of jobs this node created and has not launched yet,
 #: kept in memory so the launch need not read them back from etcd (oldest dropped first: then read from etcd).
@@ -76,6 +77,15 @@ UPDATE_BATCH_BYTES = 1024 * 1024
 #: newest-first read) whatever the limit: a page over the whole history would
 #: cost the whole history, so each read covers a bounded span of ids.
 HISTORY_SPAN = 1024
+#: Checkpoint lineages whose members in the history a node keeps in memory
+#: (read by :meth:`JobTable.read_lineage`; least recently read dropped first).
+LINEAGES_KEPT = 256
+#: Members of one lineage read back from the history at most (a lineage is
+#: a job and its restarts: a few).
+LINEAGE_MEMBERS = 1000
+#: Seconds a creation whose answer was lost keeps asking etcd whether it
+#: committed before its submitters are told it may or may not have.
+INDETERMINATE_PATIENCE = 15.0
 
 
 class Deposed(RemoteError):
@@ -193,9 +203,12 @@ class JobTable:
         self._changed = trio.Event()
         self._counter: tuple[int, int] | None = None  # (last id handed out, the counter's mod revision), coordinator only
         self.by_token: dict[str, int] = {}  # a submission's token -> its job (see Coordinator.submit)
+        self._unplaced: set[int] = set()  # queued jobs with no placement yet (what a scheduling pass reads)
         # Environments this node committed with their jobs, until the launch takes them (see :meth:`env`).
         self._fresh_env: dict[int, tuple[dict[str, str], int]] = {}
         self._fresh_env_bytes = 0
+        # Checkpoint lineage root -> {job id: record} of its members in the history (see :meth:`lineage`).
+        self._past_lineage: collections.OrderedDict[int, dict[int, dict]] = collections.OrderedDict()
         # Updates waiting for the group commit (see :meth:`_commit`).
         self._writes: collections.deque[_Write] = collections.deque()
         self._writing = False
@@ -208,6 +221,11 @@ class JobTable:
 
     def active(self) -> list[dict]:
         return [r for r in self.records.values() if r["state"] in jobs.ACTIVE_STATES]
+
+    def unplaced(self) -> list[dict]:
+        """Queued jobs not placed yet: kept as records change, so a scheduling
+        pass (one per submit and per end) does not read the whole table."""
+        return [self.records[job_id] for job_id in self._unplaced]
 
     def notify_changed(self) -> None:
         self._changed.set()
@@ -229,6 +247,10 @@ class JobTable:
             return False
         record["seq"] = revision
         self.records[record["id"]] = record
+        if record["state"] == jobs.QUEUED and not record["placement"]:
+            self._unplaced.add(record["id"])
+        else:
+            self._unplaced.discard(record["id"])
         if self._fresh_env and jobs.is_terminal(record):
             self._drop_env(record["id"])
         token = record.get("submit_token")
@@ -243,10 +265,59 @@ class JobTable:
         return True
 
     def _forget(self, job_id: int) -> None:
+        """The job left the hot table (moved to the history)."""
         self._drop_env(job_id)
+        self._unplaced.discard(job_id)
         record = self.records.pop(job_id, None)
-        if record is not None and isinstance(record.get("submit_token"), str):
+        if record is None:
+            return
+        if isinstance(record.get("submit_token"), str):
             self.by_token.pop(record["submit_token"], None)
+        members = self._past_lineage.get(record.get("lineage") or job_id)
+        if members is not None:  # a lineage kept here: it stays whole
+            members[job_id] = record
+
+    # ------------------------------------------------------------ checkpoint lineages
+
+    @staticmethod
+    def in_lineage(record: dict) -> bool:
+        """Whether the history must find this job by its lineage (it took checkpoints, or is a restart)."""
+        return bool(record.get("checkpoints")) or bool(record.get("lineage"))
+
+    def lineage(self, root: int) -> list[dict]:
+        """The jobs of checkpoint lineage ``root`` (the job and every restart
+        of it): those of the hot table, and those of the history as last read
+        by :meth:`read_lineage` (call it first where the answer matters)."""
+        hot = {r["id"]: r for r in self.records.values() if (r.get("lineage") or r["id"]) == root}
+        past = self._past_lineage.get(root, {})
+        return sorted([*hot.values(), *(r for job_id, r in past.items() if job_id not in hot)], key=lambda r: r["id"])
+
+    async def read_lineage(self, root: int) -> None:
+        """Read lineage ``root``'s members in the history (its index, then each record)."""
+        try:
+            found = await self.etcd.range(self.keys.lineage(root), range_end=prefix_end(self.keys.lineage(root)),
+                                          limit=LINEAGE_MEMBERS, keys_only=True)
+            members: dict[int, dict] = {}
+            for kv in found.kvs:
+                job_id = Keys.job_id(kv.key, self.keys.lineage(root))
+                if job_id is None:
+                    continue
+                past = await self.etcd.get(self.keys.past(job_id))
+                if past is None:
+                    continue
+                try:
+                    record = decode_record(past.value)
+                except ValueError as exc:
+                    log.error("ignoring unreadable history record of job %d: %s", job_id, exc)
+                    continue
+                record["seq"] = past.mod_revision
+                members[job_id] = record
+        except EtcdError as exc:
+            raise unavailable(exc) from None
+        self._past_lineage[root] = members
+        self._past_lineage.move_to_end(root)
+        while len(self._past_lineage) > LINEAGES_KEPT:
+            self._past_lineage.popitem(last=False)
 
     def _take_kv(self, kv: KeyValue) -> None:
         try:
@@ -468,23 +539,77 @@ class JobTable:
                         envs.append((job_id, env, len(packed)))
                         success.append(Op.put(keys.env(job_id), packed))
                 result = await self.etcd.txn(compare, success, [Op.get(fence.key), Op.get(keys.ids)])
+            except Indeterminate as exc:
+                # The answer was lost: the jobs may exist. Settle it before
+                # answering anyone (an error here made users submit twice).
+                self._counter = None
+                revision = await self._settle(fence, last, counted_at, pack(records[0]), exc)
+                if revision is None:
+                    continue  # not committed, and now it never can be: sent again (next ids)
             except EtcdError as exc:
                 self._counter = None
                 raise self._write_error(exc) from None
+            else:
+                if not result.succeeded:
+                    self._check_fence(fence, result.responses[0])
+                    counter = _kvs(result.responses[1])
+                    now = (int(counter[0].value), counter[0].mod_revision) if counter else (0, 0)
+                    # The same counter and still no luck: an id's key exists (the
+                    # counter was reset by hand): skip past them.
+                    self._counter = (last + len(items), now[1]) if now == self._counter else now
+                    continue
+                revision = result.revision
+            failpoint("jobtable.created")
+            self._counter = (last + len(items), revision)
+            for record in records:
+                self.take(record, revision)
+            for job_id, env, size in envs:
+                self._keep_env(job_id, env, size)
+            return records
+
+    async def _settle(self, fence: Fence, last: int, counted_at: int, first: bytes, lost: EtcdError) -> int | None:
+        """Whether a creation whose answer was lost committed: its revision, or None (and then it never will).
+
+        Reading the job's key alone would not settle it: a transaction still
+        on its way inside etcd may apply after the read. So the counter is
+        written again, unchanged, on the same comparisons the creation made
+        (the term and the counter's revision): if that commits, the creation
+        never can (the counter's revision moved past the one it compares);
+        if it fails, the creation committed or never will, and the first
+        job's key says which -- it holds exactly this transaction's record
+        (each record carries its job's own random token), or another's, or
+        nothing. Retried while etcd cannot be reached, for a bounded time;
+        still unknown then, the submitters are told so, and how to check."""
+        deadline = trio.current_time() + INDETERMINATE_PATIENCE
+        key = self.keys.job(last + 1)
+        while True:
+            try:
+                result = await self.etcd.txn(
+                    [fence.compare(), Compare.mod_revision(self.keys.ids) == counted_at],
+                    [Op.put(self.keys.ids, str(last))],
+                    [Op.get(key)],
+                )
+            except Unavailable as exc:  # (Indeterminate too: this write may be tried again as often as needed)
+                if trio.current_time() > deadline:
+                    log.error("jobs from %d on: whether they were created is unknown (%s; then %s)", last + 1, lost.message, exc.message)
+                    raise RemoteError(
+                        "indeterminate",
+                        f"etcd did not answer whether the job was created ({lost.message}), and could not be reached "
+                        f"for {INDETERMINATE_PATIENCE:g} s to find out: the job may or may not exist. "
+                        "Check with `gang ps` before submitting it again.",
+                    ) from None
+                await trio.sleep(0.2)
+                continue
+            except EtcdError as exc:
+                raise self._write_error(exc) from None
             if result.succeeded:
-                failpoint("jobtable.created")
-                self._counter = (last + len(items), result.revision)
-                for record in records:
-                    self.take(record, result.revision)
-                for job_id, env, size in envs:
-                    self._keep_env(job_id, env, size)
-                return records
-            self._check_fence(fence, result.responses[0])
-            counter = _kvs(result.responses[1])
-            now = (int(counter[0].value), counter[0].mod_revision) if counter else (0, 0)
-            # The same counter and still no luck: an id's key exists (the
-            # counter was reset by hand): skip past them.
-            self._counter = (last + len(items), now[1]) if now == self._counter else now
+                log.warning("jobs from %d on were not created (etcd's answer was lost: %s); sending them again", last + 1, lost.message)
+                return None
+            found = _kvs(result.responses[0])
+            if found and found[0].value == first:
+                log.warning("jobs from %d on were created although etcd's answer was lost (%s)", last + 1, lost.message)
+                return found[0].mod_revision
+            return None
 
     async def update(self, fence: Fence, job_id: int, change: Callable[[dict], object]) -> dict:
         """Apply ``change(record)`` to a copy of the record and commit it, fenced.
@@ -497,8 +622,10 @@ class JobTable:
             current = self.records.get(job_id)
             if current is None:
                 current = await self.fetch(job_id)
-                if current is None or job_id not in self.records:
+                if current is None:
                     raise RemoteError("no_such_job", f"no job {job_id} in the cluster's job table")
+                if job_id not in self.records:  # in the history
+                    return await self._update_past(fence, job_id, current, change)
             record = copy.deepcopy(current)
             if change(record) is False:
                 return current
@@ -520,6 +647,43 @@ class JobTable:
                 self._forget(job_id)
                 raise RemoteError("no_such_job", f"job {job_id} is no longer in the hot job table")
             self._take_kv(found[0])
+
+    async def _update_past(self, fence: Fence, job_id: int, current: dict, change: Callable[[dict], object]) -> dict:
+        """:meth:`update` for a job in the history: what an ended job's record
+        may still learn (its checkpoint generations removed or found damaged),
+        fenced and compared with the revision it was computed from, as in the
+        hot table. It stays ended: a history record never becomes a live job."""
+        key = self.keys.past(job_id)
+        while True:
+            record = copy.deepcopy(current)
+            if change(record) is False:
+                return current
+            if not jobs.is_terminal(record):
+                raise RemoteError("bad_state", f"job {job_id} ended and is in the history: it cannot become {record['state']}")
+            revision = record.pop("seq", 0)
+            try:
+                result = await self.etcd.txn(
+                    [fence.compare(), Compare.mod_revision(key) == revision],
+                    [Op.put(key, pack(record))],
+                    [Op.get(fence.key), Op.get(key)],
+                )
+            except EtcdError as exc:
+                raise self._write_error(exc) from None
+            if result.succeeded:
+                record["seq"] = result.revision
+                members = self._past_lineage.get(record.get("lineage") or job_id)
+                if members is not None and job_id in members:
+                    members[job_id] = record
+                return record
+            self._check_fence(fence, result.responses[0])
+            found = _kvs(result.responses[1])
+            if not found:
+                raise RemoteError("no_such_job", f"no job {job_id} in the cluster's job table")
+            try:
+                current = decode_record(found[0].value)
+            except ValueError as exc:
+                raise RemoteError("internal", f"job {job_id}'s record in etcd is damaged: {exc}") from None
+            current["seq"] = found[0].mod_revision
 
     async def _commit(self, write: _Write) -> None:
         """Commit ``write`` together with the other updates waiting meanwhile
@@ -617,6 +781,8 @@ class JobTable:
             success = []
             for r, data in batch:
                 success += [Op.put(keys.past(r["id"]), data), Op.delete(keys.job(r["id"])), Op.delete(keys.env(r["id"]))]
+                if self.in_lineage(r):  # (a restart finds its checkpoints through this)
+                    success.append(Op.put(keys.lineage_member(r.get("lineage") or r["id"], r["id"]), b""))
             try:
                 result = await self.etcd.txn(compare, success, [Op.get(fence.key)])
             except EtcdError as exc:

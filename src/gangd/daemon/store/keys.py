@@ -6,6 +6,9 @@
 ``PREFIX/jobs/<id>``       the hot job table: queued, running and recently ended jobs
 ``PREFIX/env/<id>``        a job's environment, apart: written once, dropped when it ends
 ``PREFIX/history/<id>``    ended jobs past the retention period (append-only)
+``PREFIX/lineage/<root>/<id>``  job ``id`` of checkpoint lineage ``root`` is in the history
+                           (written as it moves there: a restart finds its lineage's
+                           generations without reading the whole history)
 
 Job ids are zero-padded so that etcd's byte order is id order: a page of
 jobs or history is one range read.
@@ -26,6 +29,7 @@ class Keys:
         self.jobs = f"{prefix}/jobs/"
         self.env_prefix = f"{prefix}/env/"
         self.history = f"{prefix}/history/"
+        self.lineages = f"{prefix}/lineage/"
 
     def node(self, name: str) -> str:
         return self.nodes + name
@@ -38,6 +42,13 @@ class Keys:
 
     def past(self, job_id: int) -> str:
         return f"{self.history}{job_id:0{ID_DIGITS}d}"
+
+    def lineage(self, root: int) -> str:
+        """The prefix of lineage ``root``'s members in the history."""
+        return f"{self.lineages}{root:0{ID_DIGITS}d}/"
+
+    def lineage_member(self, root: int, job_id: int) -> str:
+        return f"{self.lineage(root)}{job_id:0{ID_DIGITS}d}"
 
     @staticmethod
     def job_id(key: bytes | str, prefix: str) -> int | None:

@@ -73,6 +73,7 @@ from ..ckptstore import StoreError
 from ..rpc import Channel, RemoteError
 from ..safefs import UnsafePath
 from .jobnet import caller_rank
+from .protect import Protector
 
 log = logging.getLogger("gangd.checkpoint")
 
@@ -200,6 +201,7 @@ class NodeCheckpoints:
         self.restarts: dict[int, dict] = {}  # job -> {"gen", "lineage", "directory", "manifest", "ranks"}
         self._requesting: set[int] = set()  # jobs whose ranks asked for a checkpoint just now
         self._verify_threads: trio.CapacityLimiter | None = None  # (made in trio's run)
+        self._protector: Protector | None = None
 
     # ------------------------------------------------------------ the directories
 
@@ -661,6 +663,13 @@ class NodeCheckpoints:
         for gen in gens:
             await trio.to_thread.run_sync(self._remove, ckptstore.gen_dir(self.root, lineage, gen))
         return gens
+
+    async def protect(self, args: dict) -> dict:
+        """``ckpt_protect``: write this node's share of a complete generation's
+        redundancy (:mod:`gangd.daemon.protect`)."""
+        if self._protector is None:
+            self._protector = Protector(node=self.daemon.node, checkpoints=self, peers=self.daemon.peers)
+        return await self._protector.protect(args)
 
     async def verify(self, args: dict) -> list[str]:
         """Problems with this node's files of a generation ([] = intact)."""

@@ -4,6 +4,8 @@ ranks (:mod:`gangd.ckptlib`), and between daemons (the rounds of
 
 from __future__ import annotations
 
+from ...failpoint import failpoint
+from ...redundancy import transfer
 from ...rpc import RemoteError
 from ..access import integer, job_for
 from .coord import coordinator
@@ -112,3 +114,28 @@ for _name, _method in (
 async def ckpt_job_env(s, call: Call):
     """The environment a job had when a generation was taken, from this node's copy (see NodeJobs.saved_env)."""
     return await s.node_jobs.saved_env(integer(call.args, "lineage"), integer(call.args, "gen"))
+
+
+# ------------------------------------------------------------ redundancy (behind the job: complete -> protected)
+
+
+@op("ckpt_protect", audience=PEER, fenced=True)
+async def ckpt_protect(s, call: Call):
+    """Write this node's share of a complete generation's redundancy (see gangd.daemon.protect)."""
+    return await s.checkpoints.protect(call.args)
+
+
+@op("ckpt_file_read", audience=PEER)
+async def ckpt_file_read(s, call: Call):
+    """Stream a file of one of this node's generations to a peer (never to a
+    client: the files hold the job's network contexts and token)."""
+    if call.args.get("name") != "MANIFEST":
+        failpoint("ckpt_file_read")  # (a test's crash of the node being copied, halfway)
+    return await transfer.handle_file_read(s.checkpoints.root, call.args)
+
+
+@op("ckpt_data_read", audience=PEER)
+async def ckpt_data_read(s, call: Call):
+    """Stream a slice of this node's data of a generation to a peer (XOR parity, rebuilds)."""
+    failpoint("ckpt_data_read")
+    return await transfer.handle_data_read(s.checkpoints.root, call.args)

@@ -264,7 +264,7 @@ class CheckpointCoordinator:
         job_id, gen = record["id"], instruction.gen
         started = time.monotonic()
         try:
-            answers = await self._all(record, "ckpt_protect", lineage=rnd.lineage, gen=gen, level=instruction.level, nodes=jobs.nodes_of(record))
+            answers = await self._all(record, "ckpt_protect", lineage=rnd.lineage, gen=gen, level=instruction.level, members=jobs.nodes_of(record))
         except Exception as exc:  # RemoteError from a node; anything else is a bug, but the generation stays complete
             if not isinstance(exc, RemoteError):
                 log.exception("job %d: the redundancy write of checkpoint %d failed", job_id, gen)

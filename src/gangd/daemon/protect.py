@@ -68,11 +68,11 @@ class ProtectRequest:
             if type(value) is not int or not 0 < value < 2**62:
                 raise RemoteError("bad_request", f"'{key}' must be a positive integer")
             numbers[key] = value
-        level, nodes, set_size = args.get("level"), args.get("nodes"), args.get("set_size")
+        level, nodes, set_size = args.get("level"), args.get("members"), args.get("set_size")
         if level not in ("partner", "xor"):
             raise RemoteError("bad_request", "'level' must be partner or xor")
         if not isinstance(nodes, list) or not 2 <= len(nodes) <= MAX_NODES or not all(isinstance(n, str) and NODE_NAME.match(n) for n in nodes):
-            raise RemoteError("bad_request", "'nodes' must list the job's node names")
+            raise RemoteError("bad_request", "'members' must list the job's node names, in order")
         if set_size is not None and type(set_size) is not int:
             raise RemoteError("bad_request", "'set_size' must be an integer")
         try:
@@ -120,7 +120,7 @@ class Protector:
                     else:
                         written = await self._xor(request, directory)
                     missing = await trio.to_thread.run_sync(held.missing, directory, plan, self.node)
-                except StoreError as exc:
+                except (StoreError, safefs.UnsafePath) as exc:
                     raise RemoteError("redundancy_failed", f"{self.node}: {exc}") from None
                 except OSError as exc:
                     raise RemoteError("redundancy_failed", f"{self.node}: {ckptstore.describe_os_error(exc, directory)}") from None

@@ -21,8 +21,12 @@ answered whole. Everything lives inside the generation's own directory, so a
 prune removes a generation's redundancy with it, and a write for generation
 G can never touch generation G+1 (another directory, another request).
 
-The bytes move over the peers' channels (``ckpt_file_read`` /
-``ckpt_data_read``, peer-only: the files hold the job's network contexts).
+The bytes move on the bulk path (:mod:`gangd.redundancy.bulk`: the request
+on the peer channel, ``ckpt_bulk_read``, the bytes on a TCP connection of
+their own opened with an HMAC handshake keyed by the cluster secret; the
+listener, :class:`BulkService`, starts on the first request for it), not
+through the daemons' event loops; every op that reads a generation is
+peer-only (the files hold the job's network contexts).
 Only one write per generation runs on a node at a time, and at most
 :data:`MAX_WRITES` generations at once. A test may hold a write before it
 starts (:func:`_hold`), armed like a failpoint (:mod:`gangd.failpoint`).
@@ -41,6 +45,7 @@ import trio
 from .. import ckptstore, safefs
 from ..ckptstore import StoreError
 from ..redundancy import held, transfer, xor
+from ..redundancy.bulk import Bulk, BulkServer
 from ..redundancy.plan import NODE_NAME, Plan, PlanError, make_plan
 from ..rpc import RemoteError, leaf_error
 
@@ -87,10 +92,11 @@ class Protector:
     :class:`gangd.daemon.checkpoint.NodeCheckpoints` (its root, its safe
     opening of generation directories); ``peers``: the links to the others."""
 
-    def __init__(self, *, node: str, checkpoints, peers):
+    def __init__(self, *, node: str, checkpoints, peers, bulk: Bulk | None = None):
         self.node = node
         self.checkpoints = checkpoints
         self.peers = peers
+        self.bulk = bulk
         self.writing: set[tuple[int, int]] = set()
         self._limit: trio.Semaphore | None = None
 
@@ -165,7 +171,7 @@ class Protector:
         manifest = await transfer.fetch_manifest(channel, lineage=request.lineage, gen=request.gen, node=source)
         prefix = transfer.partner_prefix(source)
         await trio.to_thread.run_sync(self._fresh_subdir, directory, prefix.split("/")[1])
-        await transfer.fetch_generation(channel, manifest, directory / prefix)
+        await transfer.fetch_generation(channel, manifest, directory / prefix, bulk=self.bulk)
         return sum(size for size, _ in manifest.files.values())
 
     async def _xor(self, request: ProtectRequest, directory: Path) -> int:
@@ -189,7 +195,7 @@ class Protector:
         await trio.to_thread.run_sync(self._fresh_subdir, directory, None)
         async with trio.open_nursery() as nursery:
             sources: list = [
-                None if i == index else transfer.RemoteData(nursery, self.peers.channel(member), request.lineage, request.gen)
+                None if i == index else transfer.RemoteData(nursery, self.peers.channel(member), request.lineage, request.gen, bulk=self.bulk)
                 for i, member in enumerate(members)
             ]
             try:
@@ -197,6 +203,44 @@ class Protector:
             finally:
                 nursery.cancel_scope.cancel()  # (pumps of a failed parity stop with it)
         return written.parity_size
+
+
+class BulkService:
+    """This node's bulk listener (:class:`gangd.redundancy.bulk.BulkServer`)
+    on its peer address, started by the first ``ckpt_bulk_read`` and kept
+    for the daemon's life (``spawn``: a task of the daemon's root nursery)."""
+
+    def __init__(self, *, secret: bytes, host: str, spawn):
+        self.secret, self.host, self.spawn = secret, host, spawn
+        self._server: BulkServer | None = None
+        self._ready: trio.Event | None = None
+        self._error = ""
+
+    async def server(self) -> BulkServer:
+        if self._server is None:
+            if self._ready is None:
+                self._ready = trio.Event()
+                self.spawn(self._run, self._ready)
+            await self._ready.wait()
+        if self._server is None:
+            raise RemoteError("transfer_failed", f"no bulk listener on {self.host}: {self._error}")
+        return self._server
+
+    async def _run(self, ready: trio.Event) -> None:
+        server = BulkServer(self.secret, host=self.host)
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(server.run)
+                self._server = server
+                ready.set()
+        except OSError as exc:
+            self._error = exc.strerror or str(exc)
+            log.warning("the checkpoint bulk listener on %s failed: %s", self.host, self._error)
+        finally:
+            self._server = None
+            if self._ready is ready:
+                self._ready = None  # (the next request tries again)
+            ready.set()
 
 
 async def _hold() -> None:

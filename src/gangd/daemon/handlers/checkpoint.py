@@ -139,3 +139,11 @@ async def ckpt_data_read(s, call: Call):
     """Stream a slice of this node's data of a generation to a peer (XOR parity, rebuilds)."""
     failpoint("ckpt_data_read")
     return await transfer.handle_data_read(s.checkpoints.root, call.args)
+
+
+@op("ckpt_bulk_read", audience=PEER)
+async def ckpt_bulk_read(s, call: Call):
+    """A generation's file or data slice sent on a bulk connection (gangd.redundancy.bulk): the fast path of the two above."""
+    if call.args.get("name") != "MANIFEST":
+        failpoint("ckpt_file_read")
+    return await transfer.handle_bulk_read(await s.checkpoints.bulk_server(), s.checkpoints.root, call.args)

@@ -188,3 +188,34 @@ def test_the_job_runs_on_during_the_write_and_retention_keeps_the_newest_protect
     finally:
         kill_what_is_left(cluster)
 
+
+
+# ---------------------------------------------------------------- the level: per job, per cluster
+
+
+def test_the_level_is_checked_where_it_comes_in(tmp_path):
+    from gangd import jobs
+    from gangd.daemon import config as cfg
+
+    nodes = ["n1", "n2", "n3"]
+    spec = {"argv": ["x"], "nranks": 3}
+    assert jobs.JobSpec.from_wire(spec, nodes).ckpt_redundancy is None  # the cluster's default
+    assert jobs.JobSpec.from_wire({**spec, "ckpt_redundancy": "xor"}, nodes).as_spec()["ckpt_redundancy"] == "xor"
+    for bad, says in [({"ckpt_redundancy": "raid6"}, "one of local, partner, xor"),
+                      ({"ckpt_redundancy": "xor", "nodes": 1}, "--nodes is 1"),
+                      ({"ckpt_redundancy": "partner", "nranks": 1}, "one rank")]:
+        with pytest.raises(jobs.BadSpec, match=says):
+            jobs.JobSpec.from_wire({**spec, **bad}, nodes)
+    with pytest.raises(jobs.BadSpec, match="the cluster has one node"):
+        jobs.JobSpec.from_wire({**spec, "ckpt_redundancy": "xor"}, ["n1"])
+    assert jobs.JobSpec.from_wire({**spec, "ckpt_redundancy": "local", "nranks": 1}, ["n1"]).ckpt_redundancy == "local"
+
+    base = cfg.load(None, node_name="n1", nodes=(cfg.NodeSpec("n1", "127.0.0.1", 1, 1),), etcd_endpoints="http://127.0.0.1:1")
+    assert base.checkpoint_redundancy == "auto"
+    path = tmp_path / "gangd.toml"
+    path.write_text(cfg.render(base).replace("[etcd]", '[checkpoint]\nredundancy = "partner"\n\n[etcd]'))
+    assert cfg.load(path).checkpoint_redundancy == "partner"
+    assert 'redundancy = "partner"' in cfg.render(cfg.load(path))
+    path.write_text(cfg.render(base).replace("[etcd]", '[checkpoint]\nredundancy = "mirror"\n\n[etcd]'))
+    with pytest.raises(cfg.ConfigError, match=r"\[checkpoint\] redundancy must be one of auto, local, partner, xor"):
+        cfg.load(path)

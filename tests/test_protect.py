@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import sys
 import time
 from pathlib import Path
@@ -105,6 +106,10 @@ def test_xor_and_partner_generations_become_protected_with_the_files_the_plan_sa
             for name, (size, _) in theirs.files.items():
                 assert (copy / name).stat().st_size == size
             assert ckptstore.verify(copy) == []
+            # The copy holds the job's network contexts and token: root's alone, its ranks' states too.
+            for path in [copy.parent, copy, copy / "ranks", *(copy / name for name in theirs.files)]:
+                info = path.lstat()
+                assert (info.st_uid, stat.S_IMODE(info.st_mode)) == (0, 0o700 if path.is_dir() else 0o600), path
 
         listing = cluster.gang("ckpt", "ls", x, check=True).stdout
         row = next(line for line in listing.splitlines() if line.split()[:1] == ["1"])

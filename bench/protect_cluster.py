@@ -100,7 +100,7 @@ def main() -> None:
     program = base / "state_job.py"
     program.write_text(JOB)
     os.chmod(program, 0o644)
-    local.up(directory, args.nodes, cores=2)
+    local.up(directory, args.nodes, cores=len(LEVELS))  # every job in one slot: none waits for a switch
     runs: list[dict] = []
     jobs: dict[str, int] = {}
     try:

@@ -71,10 +71,26 @@ def generations(gc, job: int) -> list[dict]:
     return gc.gang_json("ckpt", "ls", job)["generations"]
 
 
+#: Generation states a restart may use: complete, and protected (its redundancy written too).
+USABLE = ("complete", "protected")
+
+
+def settled(gc, job: int, timeout: float = 60) -> list[dict]:
+    """The job's generations once no redundancy write is pending (every
+    complete one above local is protected or failed to be)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        gens = generations(gc, job)
+        if not [g for g in gens if g["state"] == "complete" and g.get("level", "local") != "local" and not g.get("redundancy")]:
+            return gens
+        assert time.monotonic() < deadline, f"job {job}: redundancy writes still pending after {timeout} s: {gens}"
+        time.sleep(0.1)
+
+
 def wait_generations(gc, job: int, count: int, timeout: float = 30) -> list[dict]:
     deadline = time.monotonic() + timeout
     while True:
-        complete = [g for g in generations(gc, job) if g["state"] == "complete"]
+        complete = [g for g in generations(gc, job) if g["state"] in USABLE]
         if len(complete) >= count:
             return complete
         assert time.monotonic() < deadline, f"job {job}: {len(complete)} complete generations after {timeout} s: {generations(gc, job)}"

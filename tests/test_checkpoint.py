@@ -27,6 +27,7 @@ import pytest
 import trio
 from ckpthelpers import (
     TERMINAL,
+    USABLE,
     checkpoint,
     gen_dir,
     generations,
@@ -34,6 +35,7 @@ from ckpthelpers import (
     kill_what_is_left,
     reference,
     result_of,
+    settled,
     submit,
     wait_generations,
     wait_running_a_bit,
@@ -143,8 +145,8 @@ def test_restart_continues_the_lineage_and_keeps_two_generations(gc):
     third = checkpoint(gc, restarted)
     assert [first["gen"], second["gen"], third["gen"]] == [1, 2, 3]
     assert first["iteration"] < second["iteration"] < third["iteration"]
-    states = {g["gen"]: g["state"] for g in generations(gc, job)}
-    assert states == {1: "removed", 2: "complete", 3: "complete"}  # the lineage, seen from the first job too
+    states = {g["gen"]: g["state"] for g in settled(gc, job)}
+    assert states == {1: "removed", 2: "protected", 3: "protected"}  # the lineage, seen from the first job too (2 nodes: partner)
     assert not gen_dir(gc, "n1", job, 1).exists() and gen_dir(gc, "n1", job, 2).exists()
     again = kill_and_restart(gc, restarted)
     assert result_of(gc, again) == expected
@@ -223,7 +225,7 @@ def test_ctrl_backslash_on_gang_run_checkpoints_the_job(gc):
             proc.kill()
         os.close(master)
     gen = generations(gc, job)
-    assert gen[0]["state"] == "complete" and "Ctrl-\\" in gen[0]["trigger"]
+    assert gen[0]["state"] in USABLE and "Ctrl-\\" in gen[0]["trigger"]
 
 
 def test_sigusr1_to_any_daemon_checkpoints_every_running_job(gc):
@@ -240,16 +242,16 @@ def test_sigusr1_to_any_daemon_checkpoints_every_running_job(gc):
 def test_periodic_checkpoints_with_ckpt_every(gc):
     job = submit(gc, [JOB, "--steps", "100000", "--sleep", "0.01"], 4, "--ckpt-every", "1s")
     deadline = time.monotonic() + 40
-    while len(taken := [g for g in generations(gc, job) if g["state"] in ("complete", "removed")]) < 3:
+    while len(taken := [g for g in generations(gc, job) if g["state"] in (*USABLE, "removed")]) < 3:
         assert time.monotonic() < deadline, generations(gc, job)
         time.sleep(0.2)
     gc.gang("kill", job, check=True)
-    taken = [g for g in generations(gc, job) if g["state"] in ("complete", "removed")]
+    taken = [g for g in settled(gc, job) if g["state"] in (*USABLE, "removed")]
     assert all("every 1 s" in g["trigger"] for g in taken)
     iterations = [g["iteration"] for g in taken]
     assert iterations == sorted(iterations) and len(set(iterations)) == len(iterations)
     # Older generations are removed once a newer one is complete: two are kept, on disk too.
-    complete = [g["gen"] for g in taken if g["state"] == "complete"]
+    complete = [g["gen"] for g in taken if g["state"] in USABLE]
     assert complete == [taken[-2]["gen"], taken[-1]["gen"]]
     for node in ("n1", "n2"):
         assert ckptstore.generations(gc.dir / node / "state" / "checkpoints" / node, job) == complete

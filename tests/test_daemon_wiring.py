@@ -201,15 +201,14 @@ def test_the_wire_keeps_every_operation_name_and_audience():
     }
     fenced = {
         "launch", "kill_ranks", "switch", "resend_exits", "ckpt_begin", "ckpt_cut", "ckpt_capture", "ckpt_resume",
-        "ckpt_commit", "ckpt_abort", "ckpt_prune", "ckpt_verify", "ckpt_open", "ckpt_abort_all",
+        "ckpt_commit", "ckpt_abort", "ckpt_prune", "ckpt_verify", "ckpt_open", "ckpt_abort_all", "ckpt_protect",
         "ckpt_stage",  # (restart anywhere: a node pulls the files of the ranks it will run)
     }
     peer = fenced | {
         "ping", "ranks_exited", "coord_submit", "coord_kill", "output_local", "coord_suspend", "coord_schedule",
         "job_usage", "comm_gather", "net_gate", "net_wait_closed", "net_counters", "net_capture_local", "net_restore",
         "pmi_fence", "coord_fail", "ckpt_job_env", "coord_checkpoint", "coord_checkpoint_all", "coord_restart",
-        "coord_ckpt_restored",
-        "ckpt_file_read",  # (a generation's file streamed to a peer; never a client's: it holds network contexts)
+        "coord_ckpt_restored", "ckpt_file_read", "ckpt_data_read", "ckpt_bulk_read",  # (peer-only: the files hold network contexts)
     }
     assert REGISTRY.names(CLIENT) == client
     assert REGISTRY.names(PEER) == peer

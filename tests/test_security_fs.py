@@ -169,6 +169,8 @@ def test_checkpoint_files_root_parses_are_roots_and_an_oversized_manifest_is_a_c
             info = entry.stat(follow_symlinks=False)
             if entry.name == ckptstore.RANKS_DIR:
                 assert info.st_uid == NOBODY and stat.S_IMODE(info.st_mode) == 0o700
+            elif entry.name == "redundancy":  # (a partner's copy: root's alone, its ranks' files too)
+                assert (info.st_uid, stat.S_IMODE(info.st_mode)) == (0, 0o700), (entry.path, info.st_uid, oct(info.st_mode))
             else:
                 assert (info.st_uid, stat.S_IMODE(info.st_mode)) == (0, 0o600), (entry.path, info.st_uid, oct(info.st_mode))
 

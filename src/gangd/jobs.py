@@ -109,6 +109,7 @@ class JobSpec:
     slice: float | None = None
     ckpt_every: float | None = None
     mpi: bool = False
+    ckpt_redundancy: str | None = None  # local, partner, xor; None: the cluster's [checkpoint] redundancy
     net_context: dict[str, bytes] | None = None
 
     @classmethod
@@ -171,6 +172,7 @@ class JobSpec:
             raise BadSpec("bad_request", f"'priority' must be an integer, not {priority!r}")
         slice_ = _number(spec, "slice", 0.001, 3600, "the time slice must be between 0.001 and 3600 seconds, not {value!r}")
         every = _number(spec, "ckpt_every", 1, 10**7, "the checkpoint period must be between 1 second and 115 days, not {value!r}")
+        redundancy = _redundancy(spec, nranks, nodelist, nodes, node_names)
         contexts = spec.get("net_context")
         if contexts is not None:
             if not isinstance(contexts, dict) or not all(
@@ -199,6 +201,7 @@ class JobSpec:
             slice=slice_,
             ckpt_every=every,
             mpi=_flag(spec, "mpi", False),
+            ckpt_redundancy=redundancy,
             net_context=dict(contexts) if contexts else None,
         )
 
@@ -212,8 +215,35 @@ class JobSpec:
             "argv": list(self.argv), "nranks": self.nranks, "name": self.name, "cwd": self.cwd, "env": dict(self.env),
             "per_node": self.per_node, "nodes": self.nodes, "nodelist": list(self.nodelist) if self.nodelist is not None else None,
             "kill_on_bad_exit": self.kill_on_bad_exit, "priority": self.priority, "slice": self.slice,
-            "ckpt_every": self.ckpt_every, "mpi": self.mpi,
+            "ckpt_every": self.ckpt_every, "mpi": self.mpi, "ckpt_redundancy": self.ckpt_redundancy,
         }
+
+
+#: What ``--ckpt-redundancy`` may ask for (:data:`gangd.redundancy.plan.LEVELS`).
+REDUNDANCY_LEVELS = ("local", "partner", "xor")
+
+
+def _redundancy(spec: dict, nranks: int, nodelist, nodes: int | None, node_names: list[str]) -> str | None:
+    """The job's checkpoint redundancy level, refused where the job can never
+    span the two nodes ``partner`` and ``xor`` need."""
+    level = spec.get("ckpt_redundancy")
+    if level is None:
+        return None
+    if level not in REDUNDANCY_LEVELS:
+        raise BadSpec("bad_request", f"the checkpoint redundancy must be one of {', '.join(REDUNDANCY_LEVELS)}, not {text.printable(str(level), 40)!r}")
+    if level == "local":
+        return level
+    span = min(nranks, len(nodelist) if nodelist else nodes if nodes else len(node_names))
+    if span < 2:
+        where = (
+            "it has one rank" if nranks < 2 else "--nodelist names one node" if nodelist else "--nodes is 1" if nodes else "the cluster has one node"
+        )
+        raise BadSpec(
+            "bad_request",
+            f"--ckpt-redundancy {level} keeps each node's checkpoint on other nodes, so the job must span at least 2 nodes; "
+            f"this one never can ({where}): use --ckpt-redundancy local",
+        )
+    return level
 
 
 def new_record(*, job_id: int, spec: dict, owner_uid: int, owner_name: str, owner_gid: int) -> dict:
@@ -246,6 +276,7 @@ def new_record(*, job_id: int, spec: dict, owner_uid: int, owner_name: str, owne
         "kill_requested": None,  # who asked, if the job was killed
         "mpi": bool(spec.get("mpi")),  # ranks get PMI-1 from their daemons (MPICH's process manager)
         "ckpt_every": spec.get("ckpt_every"),  # seconds between checkpoints, None: only on request
+        "ckpt_redundancy": spec.get("ckpt_redundancy"),  # local/partner/xor; None: the cluster's default
         "checkpoints": [],  # generations this job took: see gangd.daemon.ckptcoord
         "lineage": job_id,  # the first job of a restart chain: its checkpoints are the chain's
         "restart_of": None,  # {"job", "gen", "iteration"} this job continues from

@@ -132,6 +132,7 @@ class Client:
         network_context: dict[int, bytes] | None = None,
         ckpt_every: float | None = None,
         mpi: bool = False,
+        ckpt_redundancy: str | None = None,
     ) -> dict:
         """Submit a job. ``network_context`` ({rank: bytes}, as returned by
         :meth:`capture_network`) is handed to the ranks when they attach, so
@@ -151,6 +152,8 @@ class Client:
             "ckpt_every": ckpt_every,
             "mpi": mpi,
         }
+        if ckpt_redundancy is not None:  # (None: the cluster's [checkpoint] redundancy)
+            spec["ckpt_redundancy"] = ckpt_redundancy
         if network_context:
             spec["net_context"] = {str(rank): bytes(blob) for rank, blob in network_context.items()}
         return await self.request("submit", spec=spec)

@@ -127,15 +127,26 @@ def ckpt_ls(ctx, job, as_json):
         started = time.strftime("%H:%M:%S", time.localtime(g["started"]))
         took = f"{g['ended'] - g['started']:.2f}s" if g.get("ended") else "-"
         iteration = "-" if g["iteration"] is None else g["iteration"]
-        rows.append([g["gen"], g["job"], g["state"], iteration, started, took, per_node, g.get("reason") or g["trigger"]])
+        why = g.get("reason") or (f"redundancy {g['redundancy']}" if g.get("redundancy") else "") or g["trigger"]
+        rows.append([g["gen"], g["job"], g["state"], _level(g), iteration, started, took, per_node, why])
     live = listing["under_way"]
     if live:
         started = time.strftime("%H:%M:%S", time.localtime(live["started"]))
-        rows.append([live["gen"], job, f"running ({live['phase']})", "-", started, "-", "-", live["trigger"]])
+        rows.append([live["gen"], job, f"running ({live['phase']})", "-", "-", started, "-", "-", live["trigger"]])
     if not rows:
         click.echo(f"job {job} has no checkpoints")
         return
-    click.echo(table(rows, ["GEN", "JOB", "STATE", "ITER", "STARTED", "TOOK", "SIZE PER NODE", "TRIGGER / REASON"]))
+    click.echo(table(rows, ["GEN", "JOB", "STATE", "REDUNDANCY", "ITER", "STARTED", "TOOK", "SIZE PER NODE", "TRIGGER / REASON"]))
+
+
+def _level(g: dict) -> str:
+    """A generation's redundancy as ``ckpt ls`` shows it: the level, and for a
+    complete one whose level is not local, whether its write failed or may
+    still be under way (``protected`` in STATE: it survives a lost node)."""
+    level = g.get("level") or "local"
+    if g["state"] != "complete" or level == "local":
+        return level
+    return f"{level} (failed)" if g.get("redundancy") else f"{level} (writing)"
 
 
 @ckpt.command("stats", epilog="""\\b

@@ -126,6 +126,11 @@ def job_options(fn):
     fn = click.option(
         "--ckpt-every", type=Duration(), metavar="DURATION", help="Checkpoint the job periodically, e.g. 30s, 5m, 1h (its ranks use gangd.ckptlib)."
     )(fn)
+    fn = click.option(
+        "--ckpt-redundancy", type=click.Choice(["local", "partner", "xor"]), default=None,
+        help="Where checkpoints are kept besides each node's disk: partner (a copy on the next node) or xor (parity over "
+        "sets of nodes); default: the cluster's [checkpoint] redundancy (xor on 3+ nodes, partner on 2).",
+    )(fn)
     fn = click.option("--priority", type=int, help="Queue priority: higher starts first (only root may go above 0).")(fn)
     fn = click.option(
         "--slice", "time_slice", type=click.FloatRange(0.001, 3600), metavar="SECONDS", help="Gang time slice for this job (default: the cluster's)."
@@ -159,8 +164,10 @@ class Duration(click.ParamType):
         return seconds
 
 
-def _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice=None, priority=None, ckpt_every=None, mpi=False) -> dict:
+def _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice=None, priority=None, ckpt_every=None, mpi=False,
+          ckpt_redundancy=None) -> dict:
     return {
+        "ckpt_redundancy": ckpt_redundancy,
         "mpi": mpi,
         "ckpt_every": ckpt_every,
         "slice": time_slice,
@@ -188,6 +195,7 @@ async def _submit(gang, spec: dict) -> dict:
         time_slice=spec["slice"],
         ckpt_every=spec.get("ckpt_every"),
         mpi=spec.get("mpi", False),
+        ckpt_redundancy=spec.get("ckpt_redundancy"),
     )
 
 
@@ -281,9 +289,9 @@ is the worst rank's: its exit code, or 128+N if it died of signal N.
 @click.option("--label/--no-label", default=True, help="Prefix each output line with its rank (default: on).")
 @click.option("-v", "--verbose", is_flag=True, help="Say when the job is queued, started and finished.")
 @click.pass_context
-def run(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, ckpt_every, mpi, time_slice, priority, command, label, verbose):
+def run(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, ckpt_every, ckpt_redundancy, mpi, time_slice, priority, command, label, verbose):
     """Run a parallel job in the foreground (Ctrl-\\ checkpoints it, Ctrl-C kills it)."""
-    spec = _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice, priority, ckpt_every, mpi)
+    spec = _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice, priority, ckpt_every, mpi, ckpt_redundancy)
     code = run_async(_run, _cluster(ctx), spec, label, verbose)
     sys.exit(code)
 
@@ -372,9 +380,9 @@ Prints the job id (or the job record with --json) and returns at once.
 @job_options
 @click.option("--json", "as_json", is_flag=True, help="Print the job record as JSON.")
 @click.pass_context
-def submit(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, ckpt_every, mpi, time_slice, priority, command, as_json):
+def submit(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, ckpt_every, ckpt_redundancy, mpi, time_slice, priority, command, as_json):
     """Submit a parallel job and return at once (prints the job id)."""
-    spec = _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice, priority, ckpt_every, mpi)
+    spec = _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice, priority, ckpt_every, mpi, ckpt_redundancy)
 
     async def go():
         async with connect(_cluster(ctx)) as gang:

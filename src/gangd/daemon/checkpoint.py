@@ -70,9 +70,11 @@ from .. import ckptstore, jobs, safefs, text
 from ..checkpoint import node as nd
 from ..checkpoint.messages import BadMessage, RankReport, RankWritten, rank_note
 from ..ckptstore import StoreError
+from ..redundancy.bulk import Bulk, BulkServer
 from ..rpc import Channel, RemoteError
 from ..safefs import UnsafePath
 from .jobnet import caller_rank
+from .protect import BulkService, Protector
 
 log = logging.getLogger("gangd.checkpoint")
 
@@ -200,6 +202,8 @@ class NodeCheckpoints:
         self.restarts: dict[int, dict] = {}  # job -> {"gen", "lineage", "directory", "manifest", "ranks"}
         self._requesting: set[int] = set()  # jobs whose ranks asked for a checkpoint just now
         self._verify_threads: trio.CapacityLimiter | None = None  # (made in trio's run)
+        self._protector: Protector | None = None
+        self._bulk: BulkService | None = None
 
     # ------------------------------------------------------------ the directories
 
@@ -661,6 +665,20 @@ class NodeCheckpoints:
         for gen in gens:
             await trio.to_thread.run_sync(self._remove, ckptstore.gen_dir(self.root, lineage, gen))
         return gens
+
+    async def protect(self, args: dict) -> dict:
+        """``ckpt_protect``: write this node's share of a complete generation's
+        redundancy (:mod:`gangd.daemon.protect`)."""
+        if self._protector is None:
+            bulk = Bulk.from_secret(self.daemon.secret)
+            self._protector = Protector(node=self.daemon.node, checkpoints=self, peers=self.daemon.peers, bulk=bulk)
+        return await self._protector.protect(args)
+
+    async def bulk_server(self) -> BulkServer:
+        """This node's bulk listener for checkpoint bytes (started on first use)."""
+        if self._bulk is None:
+            self._bulk = BulkService(secret=self.daemon.secret, host=self.daemon.config.node.address, spawn=self.daemon.spawn)
+        return await self._bulk.server()
 
     async def verify(self, args: dict) -> list[str]:
         """Problems with this node's files of a generation ([] = intact)."""

@@ -36,6 +36,7 @@ import trio
 from .. import jobs
 from ..checkpoint import relocate
 from ..checkpoint import round as rd
+from ..redundancy.plan import default_level
 from ..rpc import RemoteError
 from .access import permission_check
 from .jobnet import expected_deliveries
@@ -98,6 +99,25 @@ class CheckpointCoordinator:
         self.issued[key] = gen
         return gen
 
+    def level(self, record: dict) -> tuple[str, str]:
+        """The redundancy level of the job's generations, and why it is not
+        the one asked for (or ""): the job's ``--ckpt-redundancy`` (a
+        restarted job inherits its lineage's), else the cluster's
+        ``[checkpoint] redundancy``; ``auto`` and a level the job's nodes
+        cannot have (its ranks landed on one node) follow the node count."""
+        asked = record.get("ckpt_redundancy")
+        if asked is None:
+            asked = next((r.get("ckpt_redundancy") for r in sorted(self.lineage_records(record), key=lambda r: r["id"])
+                          if r.get("ckpt_redundancy")), None)
+        count = len(jobs.nodes_of(record))
+        if asked is None:
+            asked = self.daemon.config.checkpoint_redundancy
+        if asked == "auto":
+            return default_level(count), ""
+        if asked != "local" and count < 2:
+            return "local", f"{asked} needs 2 nodes; the job's ranks are all on one"
+        return asked, ""
+
     # ------------------------------------------------------------ requests
 
     async def request(self, job_id: int, cred: dict, trigger: str, wait: bool = True) -> dict:
@@ -110,11 +130,16 @@ class CheckpointCoordinator:
         await self.daemon.table.read_lineage(record.get("lineage") or job_id)  # (its generations in the history count too)
         live = self.live.get(job_id)
         if live is None:
+            level, note = self.level(record)
             rnd = rd.Round(
                 job=job_id, gen=self._next_gen(record), lineage=record.get("lineage") or job_id,
                 nodes=frozenset(jobs.nodes_of(record)), trigger=trigger, started=time.time(),
                 placement=list(record["placement"]), expect=expected_deliveries, nranks=record["nranks"], clock=time.time,
+                redundancy=level,
             )
+            rnd.entry["level"] = level
+            if note:
+                rnd.entry["level_note"] = note
             live = LiveRound(rnd)
             self.live[job_id] = live
             self.co.spawn(self._run, job_id, live)
@@ -202,6 +227,8 @@ class CheckpointCoordinator:
                 except RemoteError as abort_exc:
                     log.warning("job %d: aborting checkpoint %d: %s", job_id, instruction.gen, abort_exc)
             return []
+        if isinstance(instruction, rd.WriteRedundancy):
+            return await self._protect(record, rnd, instruction)
         try:
             if isinstance(instruction, rd.Record):
                 entry = instruction.entry
@@ -213,11 +240,14 @@ class CheckpointCoordinator:
                         "job %d: checkpoint %d complete at iteration %d: %d bytes in %.3f s",
                         job_id, entry["gen"], entry["iteration"], total, entry["ended"] - entry["started"],
                     )
-                await self._record(job_id, entry)
+                if entry["state"] == "protected" or (entry["state"] == "complete" and "redundancy" in entry):
+                    await self._record_protection(job_id, entry)  # (the redundancy write's outcome)
+                    if entry["state"] == "protected":
+                        await self._prune(record)  # (an older protected generation may go now)
+                else:
+                    await self._record(job_id, entry)
             elif isinstance(instruction, rd.Prune):
                 await self._prune(record)
-            elif isinstance(instruction, rd.WriteRedundancy):
-                log.info("job %d: no redundancy writer for level %s yet; generation %d stays complete", job_id, instruction.level, instruction.gen)
             elif isinstance(instruction, rd.Finish):
                 if instruction.result["state"] == "refused":
                     log.info("job %d: no checkpoint: %s", job_id, instruction.result["reason"])
@@ -225,6 +255,48 @@ class CheckpointCoordinator:
         except Exception:  # (recording or pruning): whoever waits must still get an answer
             log.exception("job %d: %s of checkpoint %d failed", job_id, type(instruction).__name__, rnd.gen)
         return []
+
+    async def _protect(self, record: dict, rnd: rd.Round, instruction: rd.WriteRedundancy) -> list[rd.Instruction]:
+        """Every node of the job writes its share of the generation's
+        redundancy (``ckpt_protect``, :mod:`gangd.daemon.protect`); all whole:
+        :class:`~gangd.checkpoint.round.Protected`, else
+        :class:`~gangd.checkpoint.round.RedundancyFailed` with the reason. The
+        job runs on meanwhile (its round finished), and a next checkpoint may
+        start: this write names its generation, in its own directory."""
+        job_id, gen = record["id"], instruction.gen
+        started = time.monotonic()
+        try:
+            answers = await self._all(record, "ckpt_protect", lineage=rnd.lineage, gen=gen, level=instruction.level, members=jobs.nodes_of(record))
+        except Exception as exc:  # RemoteError from a node; anything else is a bug, but the generation stays complete
+            if not isinstance(exc, RemoteError):
+                log.exception("job %d: the redundancy write of checkpoint %d failed", job_id, gen)
+                exc = RemoteError("internal", f"{type(exc).__name__}: {exc}")
+            log.warning("job %d: checkpoint %d stays complete, not protected: its %s redundancy write failed: %s", job_id, gen, instruction.level, exc.message)
+            return rnd.handle(rd.RedundancyFailed(gen, exc.message))
+        seconds = time.monotonic() - started
+        written = sum(a.get("bytes", 0) for a in answers.values() if isinstance(a, dict))
+        log.info("job %d: checkpoint %d protected (%s, %d bytes of redundancy in %.3f s)", job_id, gen, instruction.level, written, seconds)
+        out = rnd.handle(rd.Protected(gen))
+        for instr in out:
+            if isinstance(instr, rd.Record):
+                instr.entry.update(redundancy_bytes=written, protect_seconds=round(seconds, 6))
+        return out
+
+    async def _record_protection(self, job_id: int, entry: dict) -> None:
+        """A complete generation's redundancy outcome: applied only while the
+        recorded entry is still complete (a prune may have removed it
+        meanwhile, and a removed generation must never read as protected)."""
+        fields = {k: entry[k] for k in ("state", "redundancy", "redundancy_bytes", "protect_seconds") if k in entry}
+
+        def change(r):
+            for e in r.get("checkpoints") or []:
+                if e["gen"] == entry["gen"] and e["state"] == "complete":
+                    e.update(fields)
+
+        try:
+            await self.co.update(job_id, change)
+        except RemoteError as exc:
+            log.warning("job %d: could not record the redundancy of checkpoint %d: %s", job_id, entry["gen"], exc)
 
     def _finish(self, job_id: int, live: LiveRound, result: dict) -> None:
         live.result = result
@@ -271,12 +343,19 @@ class CheckpointCoordinator:
             log.warning("job %d: checkpoint %d, left under way by the previous coordinator, aborted: %s", job_id, gen, reason)
 
     async def _prune(self, record: dict) -> None:
-        """Keep the newest ``checkpoint_keep`` complete generations of the lineage; remove the rest."""
+        """Keep the newest ``checkpoint_keep`` usable (complete or protected)
+        generations of the lineage, and the newest protected one whatever
+        its age (while newer ones are only complete, it is the one that
+        survives a lost node); remove the rest, their redundancy with them
+        (it lives in the generation's directory)."""
         keep = self.daemon.config.checkpoint_keep
         await self.daemon.table.read_lineage(record.get("lineage") or record["id"])
         gens = self.generations(self.daemon.table.get(record["id"]) or record)
-        complete = [e for e in gens if e["state"] == "complete"]
-        doomed = complete[:-keep]
+        usable = [e for e in gens if e["state"] in ("complete", "protected")]
+        doomed = usable[:-keep]
+        protected = [e for e in usable if e["state"] == "protected"]
+        if protected and protected[-1] in doomed:
+            doomed.remove(protected[-1])
         # Leftovers of aborted generations on a node that missed the abort
         # (it was down) go too; removing what is not there costs nothing.
         leftovers = [e for e in gens if e["state"] == "aborted"]
@@ -336,12 +415,12 @@ class CheckpointCoordinator:
             state = self.daemon.table.get(alive[0])["state"]
             raise RemoteError("bad_state", f"job {alive[0]}, restarted from the same checkpoints, is {state}; one job of a lineage runs at a time")
         generations = self.generations(record)
-        complete = [e for e in reversed(generations) if e["state"] == "complete"]
+        complete = [e for e in reversed(generations) if e["state"] in ("complete", "protected")]
         if gen is not None:
             chosen = [e for e in generations if e["gen"] == gen]
             if not chosen:
                 raise RemoteError("no_checkpoint", f"job {job_id} has no checkpoint generation {gen}")
-            if chosen[0]["state"] != "complete":
+            if chosen[0]["state"] not in ("complete", "protected"):
                 why = f"generation {gen} of job {job_id} is {chosen[0]['state']}, not complete: {chosen[0].get('reason') or ''}"
                 raise RemoteError("no_checkpoint", why.rstrip(": "))
             complete = chosen

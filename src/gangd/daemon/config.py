@@ -240,6 +240,7 @@ class Config:
     checkpoint_keep: int = 2  # complete generations kept per job (the previous one stays until a newer is complete)
     checkpoint_timeout: float = 600.0  # seconds ranks may take to reach the cut, or to write their state
     checkpoint_max_rank_bytes: int = 64 << 30  # a rank's state file larger than this is refused at the commit
+    checkpoint_redundancy: str = "auto"  # [checkpoint] redundancy: a job's level unless it asks (auto: xor on 3+ nodes, partner on 2)
     output_dir: Path | None = None  # rank output (default: state_dir/output)
     runtime_dir: Path | None = None  # rank sockets and counters, in memory (default: the socket's directory/jobs)
     output_limit: int = 1 << 30  # bytes of output a job may leave on this node; the rest is dropped with a notice
@@ -359,6 +360,17 @@ def read_private_file(path: Path, what: str, key: str, limit: int, risk: str) ->
     return data
 
 
+#: ``[checkpoint] redundancy``: a level, or ``auto`` (xor where a job spans 3 or more nodes, partner on 2, local on 1).
+REDUNDANCY_DEFAULTS = ("auto", "local", "partner", "xor")
+
+
+def _checkpoint_section(data: dict) -> dict:
+    section = data.get("checkpoint", {})
+    if not isinstance(section, dict):
+        raise ConfigError("[checkpoint] must be a table")
+    return section
+
+
 def load(path: str | os.PathLike | None, **overrides) -> Config:
     """Read a config file (if any) and apply non-None ``overrides``.
 
@@ -408,6 +420,7 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         "checkpoint_keep": int(cluster.get("checkpoint_keep", 2)),
         "checkpoint_timeout": float(cluster.get("checkpoint_timeout", 600.0)),
         "checkpoint_max_rank_bytes": int(cluster.get("checkpoint_max_rank_bytes", 64 << 30)),
+        "checkpoint_redundancy": _checkpoint_section(data).get("redundancy", "auto"),
         "output_dir": Path(node["output_dir"]) if node.get("output_dir") else None,
         "output_limit": int(node.get("output_limit", 1 << 30)),
         "output_reserve": int(node.get("output_reserve", 64 << 20)),
@@ -447,6 +460,8 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         raise ConfigError(f"realtime_priority must be between 0 (off) and 99, not {config.realtime_priority}")
     if config.checkpoint_keep < 1:
         raise ConfigError(f"checkpoint_keep must be at least 1 (the newest complete generation), not {config.checkpoint_keep}")
+    if config.checkpoint_redundancy not in REDUNDANCY_DEFAULTS:
+        raise ConfigError(f"[checkpoint] redundancy must be one of {', '.join(REDUNDANCY_DEFAULTS)}, not {config.checkpoint_redundancy!r}")
     if config.checkpoint_max_rank_bytes < 0:
         raise ConfigError(f"checkpoint_max_rank_bytes is a byte count and cannot be negative, not {config.checkpoint_max_rank_bytes}")
     if config.output_limit < 0 or config.output_reserve < 0:
@@ -563,6 +578,8 @@ def render(config: Config) -> str:
         f"max_queued_per_user = {config.max_queued_per_user}",
         f"job_retention = {config.job_retention}",
     ]
+    if config.checkpoint_redundancy != "auto":
+        lines += ["", "[checkpoint]", f"redundancy = {toml_str(config.checkpoint_redundancy)}"]
     if config.limits:
         lines += ["", "[limits]"] + [f"{key} = {value}" for key, value in config.limits]
     lines += ["", *render_etcd(config.etcd)]

@@ -4,6 +4,8 @@ ranks (:mod:`gangd.ckptlib`), and between daemons (the rounds of
 
 from __future__ import annotations
 
+from ...failpoint import failpoint
+from ...redundancy import transfer
 from ...redundancy.plan import NODE_NAME
 from ...rpc import RemoteError
 from ..access import integer, job_for
@@ -124,17 +126,42 @@ async def ckpt_job_env(s, call: Call):
     return await s.node_jobs.saved_env(integer(call.args, "lineage"), integer(call.args, "gen"))
 
 
-# ------------------------------------------------------------ restart anywhere: moving a generation's files
-# (issue 16, branch "recover": a node pulls the files of the ranks it will
-# restart from the nodes that hold them; see gangd.daemon.staging)
+# ------------------------------------------------------------ redundancy (behind the job: complete -> protected)
+
+
+@op("ckpt_protect", audience=PEER, fenced=True)
+async def ckpt_protect(s, call: Call):
+    """Write this node's share of a complete generation's redundancy (see gangd.daemon.protect)."""
+    return await s.checkpoints.protect(call.args)
+
+
+# ------------------------------------------------------------ moving a generation's files between nodes
+# (redundancy writes, and restart anywhere: a node pulls the files of the
+# ranks it will restart from the nodes that hold them; see gangd.daemon.staging)
 
 
 @op("ckpt_file_read", audience=PEER)
 async def ckpt_file_read(s, call: Call):
-    """Stream one file of a generation on this node to a peer (never a client: the files hold network contexts)."""
-    from ...redundancy.transfer import handle_file_read
+    """Stream a file of one of this node's generations to a peer (never to a
+    client: the files hold the job's network contexts and token)."""
+    if call.args.get("name") != "MANIFEST":
+        failpoint("ckpt_file_read")  # (a test's crash of the node being copied, halfway)
+    return await transfer.handle_file_read(s.checkpoints.root, call.args)
 
-    return await handle_file_read(s.checkpoints.root, call.args)
+
+@op("ckpt_data_read", audience=PEER)
+async def ckpt_data_read(s, call: Call):
+    """Stream a slice of this node's data of a generation to a peer (XOR parity, rebuilds)."""
+    failpoint("ckpt_data_read")
+    return await transfer.handle_data_read(s.checkpoints.root, call.args)
+
+
+@op("ckpt_bulk_read", audience=PEER)
+async def ckpt_bulk_read(s, call: Call):
+    """A generation's file or data slice sent on a bulk connection (gangd.redundancy.bulk): the fast path of the two above."""
+    if call.args.get("name") != "MANIFEST":
+        failpoint("ckpt_file_read")
+    return await transfer.handle_bulk_read(await s.checkpoints.bulk_server(), s.checkpoints.root, call.args)
 
 
 @op("ckpt_stage", audience=PEER, fenced=True)
@@ -146,3 +173,4 @@ async def ckpt_stage(s, call: Call):
     stager = Stager(node=s.node, root=s.checkpoints.root, channel=s.peers.channel, reserve=s.config.output_reserve,
                     max_file=s.config.checkpoint_max_rank_bytes)
     return await stager.stage(request)
+

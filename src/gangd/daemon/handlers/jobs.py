@@ -374,7 +374,7 @@ def _summary(record: dict) -> dict:
     )
     summary = {k: record.get(k) for k in keys}
     summary["nodes"] = jobs.nodes_of(record)
-    summary["checkpoints"] = sum(1 for e in record.get("checkpoints") or [] if e["state"] == "complete")
+    summary["checkpoints"] = sum(1 for e in record.get("checkpoints") or [] if e["state"] in ("complete", "protected"))
     summary["exit_code"] = jobs.exit_code(record) if jobs.is_terminal(record) else None
     if jobs.is_terminal(record):
         summary["cpu_seconds"] = round(sum((s or {}).get("cpu", 0.0) for s in record["ranks"]), 3)

@@ -246,3 +246,30 @@ def cluster4():
     """A 4-node cluster shared by the tests of one module (they must not break it)."""
     with shared_cluster(4) as cluster:
         yield cluster
+
+
+# ------------------------------------------------------------ a real etcd for unit tests of the store
+
+_key_prefixes = iter(range(1, 1 << 30))
+
+
+@pytest.fixture(scope="module")
+def etcd_endpoints():
+    """A real single-member etcd for one test module (its client URLs); stopped and removed after."""
+    from gangd.etcd.server import LocalEtcd
+
+    directory = Path(tempfile.mkdtemp(prefix="gangd-etcd-unit-"))
+    server = LocalEtcd(directory / "etcd")
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def keys(request):
+    """A fresh key prefix for one test, so tests sharing one etcd never see each other's keys."""
+    from gangd.daemon.store import Keys
+
+    return Keys(f"/test-{request.module.__name__.removeprefix('test_')}/{next(_key_prefixes)}")

@@ -10,8 +10,6 @@ configured; only n1 runs (n2's jobs wait for it), so nothing launches.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,7 +25,6 @@ from gangd.daemon.handlers.jobs import Listing
 from gangd.daemon.peers import Peers
 from gangd.daemon.store import JobTable, Keys
 from gangd.etcd.client import Etcd
-from gangd.etcd.server import LocalEtcd
 from gangd.protocol import Request
 from gangd.rpc import RemoteError
 
@@ -37,16 +34,6 @@ STRANGER = {"uid": 65534, "gid": 65534, "user": "nobody"}
 
 _prefixes = iter(range(1, 1 << 30))
 
-
-@pytest.fixture(scope="module")
-def etcd_endpoints():
-    directory = Path(tempfile.mkdtemp(prefix="gangd-wiring-"))
-    server = LocalEtcd(directory / "etcd")
-    try:
-        yield server.start()
-    finally:
-        server.stop()
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 class _Channel:

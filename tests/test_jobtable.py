@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import tempfile
 import threading
-from pathlib import Path
 
 import pytest
 import trio
@@ -22,26 +20,7 @@ from gangd.daemon.store import Deposed, Fence, JobTable, Keys, jobtable
 from gangd.etcd.client import Etcd
 from gangd.etcd.election import Election
 from gangd.etcd.lease import open_lease
-from gangd.etcd.server import LocalEtcd
 from gangd.rpc import RemoteError
-
-
-@pytest.fixture(scope="module")
-def etcd_endpoints():
-    directory = Path(tempfile.mkdtemp(prefix="gangd-jobtable-"))
-    server = LocalEtcd(directory / "etcd")
-    try:
-        yield server.start()
-    finally:
-        server.stop()
-
-
-_prefixes = iter(range(1, 1 << 30))
-
-
-@pytest.fixture
-def keys():
-    return Keys(f"/test-jobtable/{next(_prefixes)}")
 
 
 def build(job_id: int, nranks: int = 1) -> dict:

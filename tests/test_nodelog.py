@@ -11,9 +11,7 @@ from __future__ import annotations
 import os
 import re
 import signal
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 import trio
@@ -22,25 +20,6 @@ from conftest import wait_for
 from gangd.daemon.store import Keys, NodeLog
 from gangd.daemon.store import nodelog as nodelog_module
 from gangd.etcd.client import Etcd
-from gangd.etcd.server import LocalEtcd
-
-
-@pytest.fixture(scope="module")
-def etcd_endpoints():
-    directory = Path(tempfile.mkdtemp(prefix="gangd-nodelog-"))
-    server = LocalEtcd(directory / "etcd")
-    try:
-        yield server.start()
-    finally:
-        server.stop()
-
-
-_prefixes = iter(range(1, 1 << 30))
-
-
-@pytest.fixture
-def keys():
-    return Keys(f"/test-nodelog/{next(_prefixes)}")
 
 
 async def test_a_crash_counts_once_and_a_clean_stop_not_at_all(etcd_endpoints, keys):

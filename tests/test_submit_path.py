@@ -14,11 +14,9 @@ import os
 import re
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import pytest
 import trio
 from conftest import wait_for
 
@@ -35,22 +33,6 @@ from gangd.etcd.server import LocalEtcd
 ENV = {"PATH": "/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8"}
 
 
-@pytest.fixture(scope="module")
-def etcd_endpoints():
-    directory = Path(tempfile.mkdtemp(prefix="gangd-submitpath-"))
-    server = LocalEtcd(directory / "etcd")
-    try:
-        yield server.start()
-    finally:
-        server.stop()
-
-
-_prefixes = iter(range(1, 1 << 30))
-
-
-@pytest.fixture
-def keys():
-    return Keys(f"/test-submitpath/{next(_prefixes)}")
 
 
 def build(job_id: int) -> dict:

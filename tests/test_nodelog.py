@@ -80,6 +80,22 @@ async def test_old_lives_are_folded_into_sums_and_nothing_counted_is_lost(etcd_e
         assert history.first_seen == 0.0
 
 
+async def test_a_lagging_observer_cannot_close_a_live_nodes_life_as_lost(etcd_endpoints, keys):
+    async with Etcd(etcd_endpoints) as etcd:
+        log = NodeLog(etcd, keys)
+        lease, _ = await etcd.lease_grant(30)
+        await log.begin("n1", lease, now=100.0)
+        await etcd.put(keys.node("n1"), b"alive", lease=lease)  # the node is alive on that lease
+        [life] = await log.lives("n1")
+        assert not await log.close(life, clean=False, at=200.0, reason="a deposed coordinator's stale view")
+        await log.sweep({}, now=200.0)  # a sweep that missed the node's key: nothing closed either
+        assert (await log.history("n1", now=300.0)).losses == 0
+        await etcd.lease_revoke(lease)  # now it is gone: the loss is recorded
+        [life] = await log.lives("n1")
+        assert await log.close(life, clean=False, at=300.0, reason="its lease expired")
+        assert (await log.history("n1", now=300.0)).losses == 1
+
+
 async def test_damaged_values_are_skipped_not_trusted(etcd_endpoints, keys):
     async with Etcd(etcd_endpoints) as etcd:
         log = NodeLog(etcd, keys)

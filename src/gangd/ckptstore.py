@@ -263,7 +263,7 @@ class Manifest:
             if not (all(type(v) is int for v in ints) and isinstance(manifest.node, str)
                     and isinstance(manifest.committed, (int, float)) and isinstance(manifest.files, dict)
                     and all(isinstance(k, str) and isinstance(v, list) and len(v) == 2 and type(v[0]) is int
-                            and isinstance(v[1], str) for k, v in manifest.files.items())):
+                            and 0 <= v[0] < 1 << 50 and isinstance(v[1], str) for k, v in manifest.files.items())):
                 raise ValueError("fields of the wrong type")
             return manifest
         except StoreError:

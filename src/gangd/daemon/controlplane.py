@@ -170,7 +170,7 @@ class ControlPlane:
                     # Cancelled from outside: the daemon is being stopped. This
                     # life ends clean (written before the lease is revoked, so
                     # no coordinator counts a loss).
-                    with trio.CancelScope(shield=True), trio.move_on_after(2):
+                    with trio.CancelScope(shield=True), trio.move_on_after(5):
                         try:
                             await self.nodelog.end(self.node, lease.id, clean=True, reason="the daemon was stopped")
                         except EtcdError as exc:

@@ -114,7 +114,10 @@ def decode_record(value: bytes) -> dict:
     """A job record read from etcd, checked for shape (ValueError says why not)."""
     if len(value) > MAX_RECORD_BYTES:
         raise ValueError(f"{len(value)} bytes, more than {MAX_RECORD_BYTES}")
-    record = msgpack.unpackb(value, raw=False, strict_map_key=False)
+    try:
+        record = msgpack.unpackb(value, raw=False, strict_map_key=False)
+    except Exception as exc:  # noqa: BLE001 -- msgpack raises ValueError, TypeError (an unhashable key) and its own errors
+        raise ValueError(f"not msgpack: {type(exc).__name__}: {exc}") from None
     if not isinstance(record, dict):
         raise ValueError("not a map")
     job_id = record.get("id")
@@ -125,8 +128,15 @@ def decode_record(value: bytes) -> dict:
     nranks = record.get("nranks")
     if not isinstance(nranks, int) or not isinstance(record.get("ranks"), list) or len(record["ranks"]) != nranks:
         raise ValueError("ranks do not match nranks")
-    if not isinstance(record.get("placement"), list):
+    if not isinstance(record.get("placement"), list) or not all(isinstance(n, str) for n in record["placement"]):
         raise ValueError("bad placement")
+    lineage = record.get("lineage")
+    if lineage is not None and (not isinstance(lineage, int) or isinstance(lineage, bool) or lineage < 1):
+        raise ValueError(f"bad lineage {lineage!r}")
+    generations = record.get("checkpoints")
+    if generations is not None and (not isinstance(generations, list) or not all(
+            isinstance(e, dict) and isinstance(e.get("gen"), int) and isinstance(e.get("state"), str) for e in generations)):
+        raise ValueError("bad checkpoint entries")
     return record
 
 

@@ -139,18 +139,28 @@ class NodeLog:
         now = time.time() if now is None else now
         for life in await self.lives(node):
             if life.ended is None and life.lease != lease:
-                await self.close(life, clean=False, at=now, reason="the node came back: its previous session ended without a clean stop")
+                await self.close(life, clean=False, at=now, reason="the node came back: its previous session ended without a clean stop", own=True)
         key = f"{self._lives(node)}{int(now * 1e9):020d}"
         await self.etcd.put(key, _pack({"lease": lease, "started": now, "ended": None, "clean": None, "reason": ""}))
         await self._fold(node, now)
 
-    async def close(self, life: Life, *, clean: bool, at: float | None = None, reason: str = "") -> bool:
-        """End ``life`` once (compare-and-swap on its revision); False if someone else ended it first."""
+    async def close(self, life: Life, *, clean: bool, at: float | None = None, reason: str = "", own: bool = False) -> bool:
+        """End ``life`` once (compare-and-swap on its revision); False if
+        someone else ended it first, or (a loss seen from elsewhere) if the
+        node is still alive on that life's lease. ``own``: the node itself
+        closes a life of its own, which it knows is over."""
         if life.ended is not None:
             return False
         at = time.time() if at is None else at
         value = _pack({"lease": life.lease, "started": life.started, "ended": max(at, life.started), "clean": clean, "reason": reason[:500]})
-        result = await self.etcd.txn([Compare.mod_revision(life.key) == life.mod_revision], [Op.put(life.key, value)])
+        compares = [Compare.mod_revision(life.key) == life.mod_revision]
+        node = self._node_of(life.key)
+        if not clean and not own and node is not None:
+            # Lost only if the node's key is not alive on that life's lease
+            # (gone, or on a newer lease): a lagging observer -- a deposed
+            # coordinator, a stale sweep -- cannot close a live node's life.
+            compares.append(Compare.lease(self.keys.node(node)) != life.lease)
+        result = await self.etcd.txn(compares, [Op.put(life.key, value)])
         if result.succeeded and not clean:
             log.warning("recorded the loss of a node (lease %x): %s", life.lease, reason)
         return result.succeeded

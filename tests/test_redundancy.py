@@ -348,6 +348,26 @@ async def test_the_sender_reads_nothing_outside_the_generation(peer_gen, tmp_pat
     assert list(dest.iterdir()) == []
 
 
+async def test_a_hard_link_planted_in_ranks_is_not_sent_and_nothing_reaches_the_owner_before_it_checks_out(peer_gen, tmp_path):
+    """ranks/ is the job owner's: after the commit they may swap a rank file
+    for a hard link to a file they cannot read. The sender refuses a file with
+    other names; and a receiver gives a file to the owner only once every byte
+    matched the manifest (until then it is root's, 0600)."""
+    root, manifest, _files, dest = peer_gen
+    secret = ckptstore.gen_dir(root, 7, 3) / "secret"  # (same file system, as a hard link needs)
+    secret.write_bytes(b"root's secret")
+    rank = ckptstore.gen_dir(root, 7, 3) / "ranks" / "rank-0.state"
+    rank.unlink()
+    os.link(secret, rank)
+    async with trio.open_nursery() as nursery:
+        channel = await channel_pair(nursery, serving(root))
+        with pytest.raises(RemoteError, match="hard link"):
+            await transfer.fetch_file(channel, lineage=7, gen=3, name="ranks/rank-0.state", size=13,
+                                      checksum=manifest.files["ranks/rank-0.state"][1], dest_dir=dest, dest_name="r0", owner=(NOBODY, NOBODY))
+        nursery.cancel_scope.cancel()
+    assert list(dest.iterdir()) == []
+
+
 async def test_parity_from_peers_streams_equals_the_local_parity(tmp_path):
     """The daemon's path: member 0 computes its parity from the other
     members' data pulled over channels (RemoteData in a worker thread)."""

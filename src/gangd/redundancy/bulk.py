@@ -237,8 +237,6 @@ def receive_file(sock: socket.socket, dest_dir: Path, leaf: str, size: int, chec
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp, dir_fd=dir_fd)
             out = DirectFile(tmp, dir_fd)
-            if owner is not None:
-                os.fchown(out.fd, *owner)
             if size:
                 with contextlib.suppress(OSError):
                     os.posix_fallocate(out.fd, 0, size)
@@ -248,6 +246,8 @@ def receive_file(sock: socket.socket, dest_dir: Path, leaf: str, size: int, chec
             mine = digest.hexdigest()
             if mine != checksum:
                 raise BulkError(f"{what}: checksum {mine[:16]}… of the bytes received does not match the manifest's {checksum[:16]}…")
+            if owner is not None:  # only once every byte checked out: until then the file is root's, 0600
+                os.fchown(out.fd, *owner)
             if durable:
                 os.fsync(out.fd)
             out.close()

@@ -137,7 +137,7 @@ def _file_blocks(root: Path, where: Where, name: str) -> tuple[int, _Owned]:
         raise RemoteError("no_such_file", f"cannot read {directory / name}: {exc.strerror}") from None
     finally:
         os.close(gen_fd)
-    size = os.fstat(fd).st_size
+    size = _single_link(fd, directory / name).st_size
 
     def blocks() -> Iterator[memoryview]:
         buf = memoryview(bytearray(READ_BLOCK))
@@ -255,7 +255,18 @@ def _open_file(root: Path, where: Where, name: str) -> bulkpath.Source:
         raise RemoteError("no_such_file", f"cannot read {directory / name}: {exc.strerror}") from None
     finally:
         os.close(gen_fd)
-    return bulkpath.file_source(fd, os.fstat(fd).st_size, str(directory / name))
+    return bulkpath.file_source(fd, _single_link(fd, directory / name).st_size, str(directory / name))
+
+
+def _single_link(fd: int, path: Path) -> os.stat_result:
+    """``fd``'s stat, refused (and closed) if the file has other names: a
+    rank's ``ranks/`` directory is its owner's, and a hard link planted there
+    after the commit would have root send another file's bytes to a peer."""
+    st = os.fstat(fd)
+    if st.st_nlink != 1:
+        os.close(fd)
+        raise RemoteError("no_such_file", f"{path} has {st.st_nlink} names (a hard link): not a file the checkpoint wrote; refused")
+    return st
 
 
 def _open_data(root: Path, where: Where, start: int, length: int) -> bulkpath.Source:
@@ -372,8 +383,6 @@ async def fetch_file(channel: Channel, *, lineage: int, gen: int, name: str, siz
         except FileNotFoundError:
             pass
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
-        if owner is not None:
-            os.fchown(fd, *owner)
         send, receive = trio.open_memory_channel[bytes](depth)
 
         async def receive_all() -> None:
@@ -400,6 +409,8 @@ async def fetch_file(channel: Channel, *, lineage: int, gen: int, name: str, siz
                 nursery.start_soon(write_all)
         except BaseExceptionGroup as group:
             raise leaf_error(group) from None
+        if owner is not None:  # only once every byte checked out: until then the file is root's, 0600
+            os.fchown(fd, *owner)
         if durable:
             await trio.to_thread.run_sync(os.fsync, fd)
         os.close(fd)

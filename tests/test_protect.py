@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import stat
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -224,3 +225,28 @@ def test_the_level_is_checked_where_it_comes_in(tmp_path):
     path.write_text(cfg.render(base).replace("[etcd]", '[checkpoint]\nredundancy = "mirror"\n\n[etcd]'))
     with pytest.raises(cfg.ConfigError, match=r"\[checkpoint\] redundancy must be one of auto, local, partner, xor"):
         cfg.load(path)
+
+
+def test_a_redundancy_write_the_disk_cannot_take_is_refused_and_the_generation_stays_complete(make_cluster):
+    """A partner copy is as large as the partner's own files: on a disk that
+    takes this node's generation but not a copy of the other's beside it (and
+    the reserve gangd keeps), the write is refused before a byte lands."""
+    cluster = make_cluster(2, cores=2)
+    directory = cluster.dir / "n2" / "state" / "checkpoints" / "n2"  # (each node its own, see checkpoint_dir)
+    os.makedirs(directory, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=14m,mode=0711", "tmpfs", str(directory)], check=True)
+    try:
+        # 6 MiB of state per node: n2's own generation fits (14 MiB), a copy of n1's beside it does not with the reserve (3.5 MiB)
+        job = submit(cluster, [JOB, "--steps", "100000", "--mb", "6", "--sleep", "0.02"], 2, "--per-node", 1, "--ckpt-redundancy", "partner")
+        assert placement(cluster, job) == ["n1", "n2"]
+        time.sleep(1)
+        gen = checkpoint(cluster, job)
+        assert gen["state"] in ("complete", "protected"), gen
+        entry = wait_gen(cluster, job, gen["gen"], lambda e: str(e.get("redundancy", "")).startswith("failed") or e["state"] != "complete",
+                         "the redundancy write to end", 60)
+        assert entry["state"] == "complete", entry
+        assert "bytes free" in entry["redundancy"] and "the redundancy needs" in entry["redundancy"] and "n2" in entry["redundancy"], entry
+        assert not (gen_dir(cluster, "n2", job, gen["gen"]) / "redundancy" / "partner-n1" / "MANIFEST").exists()
+        kill_what_is_left(cluster)
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=False)

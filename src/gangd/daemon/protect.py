@@ -149,6 +149,21 @@ class Protector:
         finally:
             os.close(fd)
 
+    def _room(self, directory: Path, incoming: int) -> None:
+        """Refuse a redundancy write the disk cannot take and still keep its
+        reserve (``output_reserve``, as a commit and a restart's staging do):
+        another user's large checkpoints must not fill this node's disk."""
+        fd = self.checkpoints._gen_fd(directory)
+        try:
+            vfs = os.fstatvfs(fd)
+        finally:
+            os.close(fd)
+        reserve = min(self.checkpoints.daemon.config.output_reserve, vfs.f_blocks * vfs.f_frsize // 4)
+        free = vfs.f_bavail * vfs.f_frsize
+        if free < incoming + reserve:
+            raise StoreError(f"the checkpoint disk ({self.root}) has {free} bytes free; the redundancy needs {incoming} "
+                         f"and gangd keeps {reserve} free there (output_reserve)")
+
     def _fresh_subdir(self, directory: Path, name: str | None) -> None:
         """``gen-G/redundancy/`` (root's, 0700), and in it an empty ``name``
         (a leftover of an earlier attempt removed); no link followed."""
@@ -170,6 +185,7 @@ class Protector:
         channel = self.peers.channel(source)
         manifest = await transfer.fetch_manifest(channel, lineage=request.lineage, gen=request.gen, node=source)
         prefix = transfer.partner_prefix(source)
+        await trio.to_thread.run_sync(self._room, directory, sum(size for size, _ in manifest.files.values()))
         await trio.to_thread.run_sync(self._fresh_subdir, directory, prefix.split("/")[1])
         await transfer.fetch_generation(channel, manifest, directory / prefix, bulk=self.bulk)
         return sum(size for size, _ in manifest.files.values())
@@ -192,6 +208,7 @@ class Protector:
         except BaseExceptionGroup as group:
             raise leaf_error(group) from None
         meta = xor.meta_for(manifests, members, index)
+        await trio.to_thread.run_sync(self._room, directory, meta.parity_size)
         await trio.to_thread.run_sync(self._fresh_subdir, directory, None)
         async with trio.open_nursery() as nursery:
             sources: list = [

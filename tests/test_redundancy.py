@@ -508,6 +508,29 @@ async def test_a_generation_moves_on_the_bulk_path_bit_identical(peer_gen):
     assert os.stat(dest / "ranks" / "rank-0.state").st_uid == NOBODY
 
 
+async def test_strangers_holding_idle_connections_cannot_lock_the_peers_out_of_the_bulk_path(peer_gen):
+    """Any local user can connect to the listener: 80 connections that never
+    say a word (more than the handshakes it keeps at once) must not keep a
+    real peer's transfer from getting through."""
+    from gangd.redundancy import bulk
+
+    root, manifest, files, dest = peer_gen
+    idle = []
+    async with trio.open_nursery() as nursery:
+        server = await bulk_server(nursery)
+        for _ in range(bulk.MAX_HANDSHAKES + 16):
+            idle.append(await trio.open_tcp_stream("127.0.0.1", server.port))
+        channel = await channel_pair(nursery, bulk_serving(root, server))
+        with trio.fail_after(30):
+            await transfer.fetch_generation(channel, manifest, dest, bulk=bulk.Bulk.from_secret(SECRET))
+        assert len(server._pending) <= bulk.MAX_HANDSHAKES
+        for stream in idle:
+            await stream.aclose()
+        nursery.cancel_scope.cancel()
+    for name, data in files.items():
+        assert (dest / name).read_bytes() == data
+
+
 async def test_parity_and_a_rebuild_on_the_bulk_path_equal_the_local_ones(tmp_path):
     from gangd.redundancy import bulk
 

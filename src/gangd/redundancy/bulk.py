@@ -69,8 +69,8 @@ HELLO = len(MAGIC) + NONCE + TICKET
 #: Bytes per chunk on the wire (and per read of the disk).
 CHUNK = 1 << 20
 HEADER = struct.Struct("<IQ")
-#: Seconds for a handshake, and for any one read or write of a transfer.
-HANDSHAKE_TIMEOUT = 10.0
+#: Seconds for a handshake (a peer answers in milliseconds), and for any one read or write of a transfer.
+HANDSHAKE_TIMEOUT = 3.0
 IO_TIMEOUT = 60.0
 #: Seconds a ticket waits for its connection.
 CLAIM_TIMEOUT = 30.0
@@ -315,7 +315,12 @@ class BulkServer:
         self.key = bulk_key(secret)
         self.host, self.port = host, port
         self.tickets: dict[bytes, _Slot] = {}
-        self._handshakes = trio.Semaphore(MAX_HANDSHAKES)
+        # Handshakes under way, oldest first: when the table is full the
+        # oldest is cut off to make room (a stranger holding idle
+        # connections open cannot lock the real peers out, who need
+        # milliseconds), never the newcomer refused.
+        self._pending: dict[int, trio.CancelScope] = {}
+        self._serial = 0
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         listeners = await trio.open_tcp_listeners(self.port, host=self.host)
@@ -329,17 +334,18 @@ class BulkServer:
         async with listener, trio.open_nursery() as nursery:
             while True:
                 stream = await listener.accept()
-                try:
-                    self._handshakes.acquire_nowait()
-                except trio.WouldBlock:
-                    await stream.aclose()  # too many strangers at once: they wait for nothing
-                    continue
-                nursery.start_soon(self._admit, stream)
+                if len(self._pending) >= MAX_HANDSHAKES:
+                    oldest = next(iter(self._pending))
+                    self._pending.pop(oldest).cancel()
+                self._serial += 1
+                scope = trio.CancelScope(deadline=trio.current_time() + HANDSHAKE_TIMEOUT)
+                self._pending[self._serial] = scope
+                nursery.start_soon(self._admit, stream, self._serial, scope)
 
-    async def _admit(self, stream: trio.SocketStream) -> None:
+    async def _admit(self, stream: trio.SocketStream, serial: int, scope: trio.CancelScope) -> None:
         try:
             slot, sock = None, stream.socket
-            with trio.move_on_after(HANDSHAKE_TIMEOUT):
+            with scope:
                 hello = await _read_exact(sock, HELLO)
                 if hello is None or hello[: len(MAGIC)] != MAGIC:
                     return
@@ -363,7 +369,7 @@ class BulkServer:
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         finally:
-            self._handshakes.release()
+            self._pending.pop(serial, None)
             if sock.fileno() >= 0:
                 sock.close()
 

@@ -32,12 +32,17 @@ class DirectFile:
     """A new file ``name`` in ``dir_fd`` (O_EXCL, no link followed), written in order."""
 
     def __init__(self, name: str, dir_fd: int, mode: int = 0o600):
+        # Created first, O_DIRECT asked for after: a file system that refuses
+        # it may do so only once open(O_CREAT | O_DIRECT) has made the file,
+        # and the O_EXCL retry would then find it there.
+        self.fd, self.direct = os.open(name, CREATE, mode, dir_fd=dir_fd), True
         try:
-            self.fd, self.direct = os.open(name, CREATE | os.O_DIRECT, mode, dir_fd=dir_fd), True
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) | os.O_DIRECT)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
+                os.close(self.fd)
                 raise
-            self.fd, self.direct = os.open(name, CREATE, mode, dir_fd=dir_fd), False
+            self.direct = False  # (through the page cache, then)
         self.off = 0
 
     def write(self, view: memoryview) -> None:

@@ -180,6 +180,30 @@ def open_regular(path: Path) -> int:
     return fd
 
 
+def open_generation(root: Path, directory: Path) -> int:
+    """An fd of a generation's directory ``<root>/job-L/gen-G`` (root's):
+    each component opened from the trusted root down, no link followed."""
+    root_fd = safefs.open_trusted_dir(root)
+    try:
+        job = safefs.open_dir_at(root_fd, directory.parent.name, root)
+    finally:
+        os.close(root_fd)
+    try:
+        return safefs.open_dir_at(job, directory.name, directory.parent)
+    finally:
+        os.close(job)
+
+
+def room_for(fd: int, incoming: int, reserve: int) -> tuple[bool, int, int]:
+    """Whether the file system of ``fd`` takes ``incoming`` more bytes and
+    still keeps ``reserve`` free (at most a quarter of it: a small disk still
+    takes checkpoints); also the bytes free and the reserve applied."""
+    vfs = os.fstatvfs(fd)
+    reserve = min(reserve, vfs.f_blocks * vfs.f_frsize // 4)
+    free = vfs.f_bavail * vfs.f_frsize
+    return free >= incoming + reserve, free, reserve
+
+
 def open_in(dir_fd: int | None, name: str, directory: Path) -> int:
     """An fd of the regular file ``name`` (may have a subdirectory: ``ranks/...``)
     under ``dir_fd`` — no component followed through a link, no FIFO opened.

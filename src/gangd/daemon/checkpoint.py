@@ -95,10 +95,8 @@ def room_left(fd: int, reserve: int, where: Path | str) -> None:
     """Raise :class:`NoRoom` if the file system of ``fd`` has less than
     ``reserve`` bytes free (at most a quarter of it: a small disk still
     takes checkpoints)."""
-    vfs = os.fstatvfs(fd)
-    reserve = min(reserve, vfs.f_blocks * vfs.f_frsize // 4)
-    free = vfs.f_bavail * vfs.f_frsize
-    if free < reserve:
+    enough, free, reserve = ckptstore.room_for(fd, 0, reserve)
+    if not enough:
         raise NoRoom(
             f"the checkpoint disk ({where}) has {free} bytes free, less than the {reserve} bytes gangd keeps free "
             "there for the job table (output_reserve); free space, or give checkpoint_dir a file system of its own"
@@ -221,15 +219,7 @@ class NodeCheckpoints:
 
     def _gen_fd(self, directory: Path) -> int:
         """An fd of a generation's directory ``<root>/job-L/gen-G`` (in a thread)."""
-        root = safefs.open_trusted_dir(self.root)
-        try:
-            job = safefs.open_dir_at(root, directory.parent.name, self.root)
-        finally:
-            os.close(root)
-        try:
-            return safefs.open_dir_at(job, directory.name, directory.parent)
-        finally:
-            os.close(job)
+        return ckptstore.open_generation(self.root, directory)
 
     def _remove(self, directory: Path) -> None:
         """Remove a generation's directory, never following a link (in a thread)."""

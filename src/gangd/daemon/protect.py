@@ -155,12 +155,10 @@ class Protector:
         another user's large checkpoints must not fill this node's disk."""
         fd = self.checkpoints._gen_fd(directory)
         try:
-            vfs = os.fstatvfs(fd)
+            enough, free, reserve = ckptstore.room_for(fd, incoming, self.checkpoints.daemon.config.output_reserve)
         finally:
             os.close(fd)
-        reserve = min(self.checkpoints.daemon.config.output_reserve, vfs.f_blocks * vfs.f_frsize // 4)
-        free = vfs.f_bavail * vfs.f_frsize
-        if free < incoming + reserve:
+        if not enough:
             raise StoreError(f"the checkpoint disk ({self.root}) has {free} bytes free; the redundancy needs {incoming} "
                          f"and gangd keeps {reserve} free there (output_reserve)")
 

@@ -256,15 +256,7 @@ class Stager:
         return local
 
     def _gen_fd(self, directory: Path) -> int:
-        root = safefs.open_trusted_dir(self.root)
-        try:
-            job = safefs.open_dir_at(root, directory.parent.name, self.root)
-        finally:
-            os.close(root)
-        try:
-            return safefs.open_dir_at(job, directory.name, directory.parent)
-        finally:
-            os.close(job)
+        return ckptstore.open_generation(self.root, directory)
 
     def _room(self, directory: Path, incoming: int) -> None:
         """Raise NoRoom unless the disk takes ``incoming`` bytes and still keeps its reserve."""
@@ -272,12 +264,10 @@ class Stager:
 
         fd = self._gen_fd(directory)
         try:
-            vfs = os.fstatvfs(fd)
+            enough, free, reserve = ckptstore.room_for(fd, incoming, self.reserve)
         finally:
             os.close(fd)
-        reserve = min(self.reserve, vfs.f_blocks * vfs.f_frsize // 4)
-        free = vfs.f_bavail * vfs.f_frsize
-        if free < incoming + reserve:
+        if not enough:
             raise NoRoom(f"the checkpoint disk ({self.root}) has {free} bytes free; the files to copy need {incoming} "
                          f"and gangd keeps {reserve} free there (output_reserve)")
 

@@ -127,7 +127,9 @@ class Where:
 # ---------------------------------------------------------------- serving
 
 
-def _file_blocks(root: Path, where: Where, name: str) -> tuple[int, _Owned]:
+def _open_sendable(root: Path, where: Where, name: str) -> tuple[int, int, Path]:
+    """(fd, size, path) of a generation's file ``name`` that may be sent to a
+    peer: inside the generation, no link followed, no other names."""
     gen_fd, directory = where.open(root)
     try:
         fd = ckptstore.open_in(gen_fd, name, directory)
@@ -137,7 +139,11 @@ def _file_blocks(root: Path, where: Where, name: str) -> tuple[int, _Owned]:
         raise RemoteError("no_such_file", f"cannot read {directory / name}: {exc.strerror}") from None
     finally:
         os.close(gen_fd)
-    size = _single_link(fd, directory / name).st_size
+    return fd, _single_link(fd, directory / name).st_size, directory / name
+
+
+def _file_blocks(root: Path, where: Where, name: str) -> tuple[int, _Owned]:
+    fd, size, path = _open_sendable(root, where, name)
 
     def blocks() -> Iterator[memoryview]:
         buf = memoryview(bytearray(READ_BLOCK))
@@ -145,7 +151,7 @@ def _file_blocks(root: Path, where: Where, name: str) -> tuple[int, _Owned]:
         while off < size:
             n = os.preadv(fd, [buf[: min(READ_BLOCK, size - off)]], off)
             if n == 0:
-                raise RemoteError("transfer_failed", f"{directory / name} shrank while it was sent")
+                raise RemoteError("transfer_failed", f"{path} shrank while it was sent")
             yield buf[:n]
             off += n
 
@@ -246,16 +252,8 @@ async def handle_data_read(root: Path, args: dict) -> Stream:
 
 
 def _open_file(root: Path, where: Where, name: str) -> bulkpath.Source:
-    gen_fd, directory = where.open(root)
-    try:
-        fd = ckptstore.open_in(gen_fd, name, directory)
-    except FileNotFoundError:
-        raise RemoteError("no_such_file", f"{directory / name} does not exist") from None
-    except OSError as exc:
-        raise RemoteError("no_such_file", f"cannot read {directory / name}: {exc.strerror}") from None
-    finally:
-        os.close(gen_fd)
-    return bulkpath.file_source(fd, _single_link(fd, directory / name).st_size, str(directory / name))
+    fd, size, path = _open_sendable(root, where, name)
+    return bulkpath.file_source(fd, size, str(path))
 
 
 def _single_link(fd: int, path: Path) -> os.stat_result:

@@ -199,7 +199,8 @@ def forget_cluster(cluster: LocalCluster) -> None:
             raise AssertionError(f"daemon or etcd processes of the cluster left behind after down: {seen}")
     finally:
         _remove_cgroups(cluster)
-        shutil.rmtree(cluster.dir.parent, ignore_errors=True)
+        if not os.environ.get("GANGD_TEST_KEEP_CLUSTERS"):  # (to read a failed test's logs)
+            shutil.rmtree(cluster.dir.parent, ignore_errors=True)
 
 
 def _world_traversable_tmpdir() -> Path:
@@ -208,9 +209,30 @@ def _world_traversable_tmpdir() -> Path:
     return path
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keep each phase's report on the test item, for fixtures that explain a failure."""
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"report_{report.when}", report)
+
+
+def _print_cluster_logs(cluster: LocalCluster, lines: int = 60) -> None:
+    """The tail of every daemon's log (and etcd's), printed into a failed test's report."""
+    for name, nf in sorted(cluster.files.items()):
+        with contextlib.suppress(OSError):
+            tail = nf.log.read_text(errors="replace").splitlines()[-lines:]
+            print(f"----- {name} log (last {len(tail)} lines) -----", *tail, sep="\n")
+    for path in sorted(cluster.dir.glob("etcd/**/*.log")):
+        with contextlib.suppress(OSError):
+            tail = path.read_text(errors="replace").splitlines()[-20:]
+            print(f"----- {path.relative_to(cluster.dir)} (last {len(tail)} lines) -----", *tail, sep="\n")
+
+
 @pytest.fixture
-def make_cluster():
-    """Factory: ``make_cluster(nodes=4)`` starts a fresh cluster for this test."""
+def make_cluster(request):
+    """Factory: ``make_cluster(nodes=4)`` starts a fresh cluster for this test
+    (whose daemons' logs are printed if the test fails)."""
     started: list[LocalCluster] = []
 
     def make(nodes: int = 4, **options) -> LocalCluster:
@@ -221,6 +243,10 @@ def make_cluster():
         return cluster
 
     yield make
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        for cluster in started:
+            _print_cluster_logs(cluster)
     for cluster in started:
         local.down(cluster.dir)
     for cluster in started:

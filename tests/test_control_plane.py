@@ -300,7 +300,7 @@ class CuttableProxy:
 
 def test_a_node_cut_off_from_etcd_refuses_new_work_and_keeps_its_ranks_for_the_grace_period(make_cluster):
     grace = 12
-    cluster = make_cluster(3, lease_ttl=3, grace=grace)
+    cluster = make_cluster(3, lease_ttl=5, grace=grace)
     endpoint = LocalEtcd.load(cluster.dir / "etcd").endpoints[0]
     host, port = re.match(r"https?://([^:/]+):(\d+)", endpoint).groups()
     proxy = CuttableProxy((host, int(port)))
@@ -313,7 +313,7 @@ def test_a_node_cut_off_from_etcd_refuses_new_work_and_keeps_its_ranks_for_the_g
         text = re.sub(r"endpoints = \[[^\]]*\]", f'endpoints = ["http://127.0.0.1:{proxy.port}"]', text, count=1)
         nf.config.write_text(text)
         cluster.start_daemon("n3")
-        wait_for(lambda: all(r["state"] == "up" for r in json_on(cluster, "n1", "nodes")["nodes"]), 30, "n3 back")
+        wait_for(lambda: all(r["state"] == "up" for r in json_on(cluster, "n1", "nodes")["nodes"]), 60, "n3 back")
         job = submit_on(cluster, "n1", "-n", 2, "-w", "n1,n3", "--", "sleep", 300)
         cluster.wait_state(job, "RUNNING")
         assert ranks_on_node(cluster, job, "n3")

@@ -119,7 +119,7 @@ def _history(cluster, node: str):
 
 
 def test_the_cluster_records_a_killed_node_as_lost_and_a_stopped_one_as_not(make_cluster):
-    cluster = make_cluster(3, lease_ttl=3)
+    cluster = make_cluster(3, lease_ttl=5)
     # A clean stop and start of n2: a life that ended clean.
     os.kill(cluster.daemon_pid("n2"), signal.SIGTERM)
     wait_for(lambda: _history(cluster, "n2").lives == 1 and not cluster.files["n2"].pid(), 30, "n2 to stop")

@@ -282,6 +282,43 @@ class CheckpointCoordinator:
                 instr.entry.update(redundancy_bytes=written, protect_seconds=round(seconds, 6))
         return out
 
+    def resume_protection(self, record: dict) -> None:
+        """A new coordinator: the job's newest usable generation, if it is
+        complete with no redundancy outcome recorded (the previous
+        coordinator stepped down while its redundancy was being written), has
+        its redundancy written now, behind the job, in this term."""
+        usable = [e for e in self.generations(record) if e["state"] in ("complete", "protected")]
+        if not usable or usable[-1]["state"] != "complete" or "redundancy" in usable[-1] or usable[-1].get("job") != record["id"]:
+            return
+        level, _ = self.level(record)
+        if level != "local":
+            self.co.spawn(self._protect_again, record["id"], usable[-1]["gen"])
+
+    async def _protect_again(self, job_id: int, gen: int) -> None:
+        record = self.daemon.table.get(job_id)
+        if record is None or jobs.is_terminal(record):
+            return
+        level, _ = self.level(record)
+        lineage = record.get("lineage") or job_id
+        started = time.monotonic()
+        for attempt in range(10):  # (a node may still be finishing the write the previous coordinator asked for)
+            try:
+                answers = await self._all(record, "ckpt_protect", lineage=lineage, gen=gen, level=level, members=jobs.nodes_of(record))
+                break
+            except RemoteError as exc:
+                if exc.code == "busy" and attempt < 9:
+                    await trio.sleep(1.0)
+                    continue
+                log.warning("job %d: checkpoint %d stays complete, not protected: its %s redundancy write, resumed after "
+                            "the coordinator changed, failed: %s", job_id, gen, level, exc.message)
+                await self._record_protection(job_id, {"gen": gen, "state": "complete", "redundancy": f"failed: {exc.message}"})
+                return
+        written = sum(a.get("bytes", 0) for a in answers.values() if isinstance(a, dict))
+        seconds = time.monotonic() - started
+        log.info("job %d: checkpoint %d protected (%s, resumed after the coordinator changed; %d bytes in %.3f s)", job_id, gen, level, written, seconds)
+        await self._record_protection(job_id, {"gen": gen, "state": "protected", "redundancy_bytes": written, "protect_seconds": round(seconds, 6)})
+        await self._prune(self.daemon.table.get(job_id) or record)
+
     async def _record_protection(self, job_id: int, entry: dict) -> None:
         """A complete generation's redundancy outcome: applied only while the
         recorded entry is still complete (a prune may have removed it

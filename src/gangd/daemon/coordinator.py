@@ -266,6 +266,7 @@ class Coordinator:
                 self.spawn(self._start, record["id"])
             elif record["state"] in (jobs.RUNNING, jobs.SUSPENDED):
                 self.ckpt.job_started(record)
+                self.ckpt.resume_protection(record)
         # Collect the exits the previous coordinator may have taken to its grave.
         for node in self.membership.up_nodes():
             if node not in self.matrix.cores:

@@ -818,6 +818,7 @@ def test_a_daemon_config_without_etcd_endpoints_names_the_section(tmp_path):
         ('endpoints = "http://a:2379"\nca_file = "/ca.pem"', "TLS settings, but the endpoints are http://"),
         ('endpoints = "https://a:2379"\nkey_file = "/k.pem"', "key_file is set without cert_file"),
         ('endpoints = "https://a:2379"\nuser = "gangd"', "user and password_file go together"),
+        ('endpoints = "http://etcd1:2379"\nuser = "gangd"\npassword_file = "/p"', "password would cross the network in clear text"),
         ('endpoints = 2379', "endpoints must be a list of URLs"),
     ],
 )

@@ -95,6 +95,20 @@ DEFAULT_ETCD_PREFIX = "/gangd"
 MAX_ETCD_ENDPOINTS = 32
 
 
+def _loopback_url(url: str) -> bool:
+    """Whether ``url``'s host is this machine's loopback (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 @dataclass(frozen=True)
 class EtcdSettings:
     """The ``[etcd]`` section: how this node reaches the cluster's etcd.
@@ -130,6 +144,13 @@ class EtcdSettings:
             raise ConfigError("[etcd] key_file is set without cert_file: the key belongs to a client certificate")
         if (self.user is None) != (self.password_file is None):
             raise ConfigError("[etcd] user and password_file go together: etcd authentication needs both")
+        if self.user is not None and schemes == {"http"}:
+            remote = [url for url in self.endpoints if not _loopback_url(url)]
+            if remote:
+                raise ConfigError(
+                    f"[etcd] user is set but {remote[0]} is plain http://: the password would cross the network in clear text. "
+                    "Use https:// endpoints (with ca_file), or an etcd reached on this host's loopback"
+                )
         user = self.user
         if user is not None and not (isinstance(user, str) and 0 < len(user) <= 128 and user.isprintable() and user.strip() == user):
             raise ConfigError(f"[etcd] user must be an etcd user name (printable, at most 128 characters), not {self.user!r}")

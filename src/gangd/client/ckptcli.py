@@ -144,9 +144,10 @@ def _level(g: dict) -> str:
     complete one whose level is not local, whether its write failed or may
     still be under way (``protected`` in STATE: it survives a lost node)."""
     level = g.get("level") or "local"
+    flushed = "+flushed" if g.get("flushed") else ""
     if g["state"] != "complete" or level == "local":
-        return level
-    return f"{level} (failed)" if g.get("redundancy") else f"{level} (writing)"
+        return level + flushed
+    return (f"{level} (failed)" if g.get("redundancy") else f"{level} (writing)") + flushed
 
 
 @ckpt.command("stats", epilog="""\\b

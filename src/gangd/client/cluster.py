@@ -178,6 +178,7 @@ def up(
     output_limit: int | None = None,
     output_dir: Path | None = None,
     checkpoint_max_rank_bytes: int | None = None,
+    flush_dir: Path | None = None,
     etcd_members: int | None = None,
     etcd: str | Sequence[str] | None = None,
     etcd_local: bool = False,
@@ -205,6 +206,8 @@ def up(
     ``etcd_user``/``etcd_password_file`` and ``etcd_ca``/``etcd_cert``/
     ``etcd_key``: how the daemons authenticate to the etcd at ``etcd`` (the
     password file must be root's, mode 0600, like the cluster secret).
+    ``flush_dir``: the shared directory every node also flushes its
+    checkpoints to (``[checkpoint] flush_dir``: the third level).
     ``checkpoint_dir``: one directory for every node's checkpoints (each
     keeps its own in ``checkpoint_dir/<node>``), as a shared file system
     would be; default: each node's state directory. On any failure nothing
@@ -222,6 +225,8 @@ def up(
     # Traversable by everyone so other users can reach the sockets; the
     # state directories below are private.
     os.chmod(directory, 0o755)  # noqa: S103 -- traversable by other uids (and tests' second uid) to reach the sockets
+    if flush_dir is not None:
+        Path(flush_dir).absolute().mkdir(mode=0o700, parents=True, exist_ok=True)  # (the daemons write there as root)
     if etcd is not None and (etcd_binary is not None or etcd_members is not None):
         raise ClusterError("--etcd-members and --etcd-binary describe the etcd this command starts; with --etcd none is started")
     credentials = {"user": etcd_user, "password_file": etcd_password_file, "ca_file": etcd_ca, "cert_file": etcd_cert, "key_file": etcd_key}
@@ -265,7 +270,7 @@ def up(
             max_slots=max_slots, switch_lead=switch_lead, checkpoint_timeout=checkpoint_timeout, max_queued_per_user=max_queued_per_user,
             job_retention=job_retention,
             limits=limits, checkpoint_dir=checkpoint_dir, log_level=log_level, output_limit=output_limit, output_dir=output_dir,
-            checkpoint_max_rank_bytes=checkpoint_max_rank_bytes,
+            checkpoint_max_rank_bytes=checkpoint_max_rank_bytes, flush_dir=flush_dir,
         )
     except BaseException:
         down(directory)
@@ -460,7 +465,7 @@ def _start_daemons(
     directory: Path, nodes: int, settings: EtcdSettings, say: Callable[[str], object], timeout: float, *, cores: int,
     heartbeat_interval: float, heartbeat_timeout: float, time_slice: float, max_slots: int, switch_lead: float, checkpoint_timeout: float,
     max_queued_per_user: int, job_retention: float, limits: tuple[tuple[str, int], ...], checkpoint_dir: Path | None, log_level: str, output_limit: int | None,
-    output_dir: Path | None, checkpoint_max_rank_bytes: int | None,
+    output_dir: Path | None, checkpoint_max_rank_bytes: int | None, flush_dir: Path | None = None,
 ) -> list[NodeFiles]:
     secret = write_secret(directory / "secret")
     addresses = [f"127.0.0.{i}" for i in range(1, nodes + 1)]
@@ -497,6 +502,7 @@ def _start_daemons(
             output_dir=Path(output_dir).absolute() if output_dir else None,
             limits=tuple(limits),
             checkpoint_dir=Path(checkpoint_dir).absolute() if checkpoint_dir else None,
+            checkpoint_flush_dir=Path(flush_dir).absolute() if flush_dir else None,
             runtime_dir=nf.runtime,
             etcd=settings,
         )

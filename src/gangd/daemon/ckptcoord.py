@@ -244,8 +244,11 @@ class CheckpointCoordinator:
                     await self._record_protection(job_id, entry)  # (the redundancy write's outcome)
                     if entry["state"] == "protected":
                         await self._prune(record)  # (an older protected generation may go now)
+                    self._maybe_flush(job_id, entry["gen"])
                 else:
                     await self._record(job_id, entry)
+                    if entry["state"] == "complete" and self.level(record)[0] == "local":
+                        self._maybe_flush(job_id, entry["gen"])  # (no redundancy write comes)
             elif isinstance(instruction, rd.Prune):
                 await self._prune(record)
             elif isinstance(instruction, rd.Finish):
@@ -318,6 +321,87 @@ class CheckpointCoordinator:
         log.info("job %d: checkpoint %d protected (%s, resumed after the coordinator changed; %d bytes in %.3f s)", job_id, gen, level, written, seconds)
         await self._record_protection(job_id, {"gen": gen, "state": "protected", "redundancy_bytes": written, "protect_seconds": round(seconds, 6)})
         await self._prune(self.daemon.table.get(job_id) or record)
+        self._maybe_flush(job_id, gen)
+
+    # ------------------------------------------------------------ the flush directory (gangd.daemon.flush)
+
+    def _maybe_flush(self, job_id: int, gen: int) -> None:
+        """Every ``flush_every``-th generation goes to ``[checkpoint] flush_dir`` too, behind the job."""
+        config = self.daemon.config
+        if config.checkpoint_flush_dir is not None and gen % config.checkpoint_flush_every == 0:
+            self.co.spawn(self._flush, job_id, gen)
+
+    async def _flush(self, job_id: int, gen: int) -> None:
+        """Every node of the job copies its files of generation ``gen`` to the
+        flush directory (``ckpt_flush``); all done: the generation is recorded
+        *flushed* (a restart may then take any rank's files from there)."""
+        record = self.daemon.table.get(job_id)
+        entry = next((e for e in self.generations(record) if e["gen"] == gen), None) if record is not None else None
+        if record is None or entry is None or entry["state"] not in ("complete", "protected"):
+            return
+        config = self.daemon.config
+        rate = int(config.checkpoint_flush_mib_per_s * (1 << 20))
+        largest = max([s.get("bytes", 0) for s in (entry.get("nodes") or {}).values() if isinstance(s, dict)] or [0])
+        timeout = float(config.checkpoint_timeout) + (2 * largest / rate if rate else 0.0)
+        started = time.monotonic()
+        try:
+            answers = await self._all(record, "ckpt_flush", lineage=record.get("lineage") or job_id, gen=gen, rate=rate, timeout=timeout)
+        except RemoteError as exc:
+            log.warning("job %d: checkpoint %d was not flushed to %s: %s", job_id, gen, config.checkpoint_flush_dir, exc.message)
+            fields: dict[str, Any] = {"flush": f"failed: {exc.message}"}
+        else:
+            written = sum(a.get("bytes", 0) for a in answers.values() if isinstance(a, dict))
+            seconds = time.monotonic() - started
+            log.info("job %d: checkpoint %d flushed to %s (%d bytes in %.2f s)", job_id, gen, config.checkpoint_flush_dir, written, seconds)
+            fields = {"flushed": {"at": time.time(), "bytes": written, "seconds": round(seconds, 3)}}
+
+        def change(r):
+            for e in r.get("checkpoints") or []:
+                if e["gen"] == gen and e["state"] in ("complete", "protected"):
+                    e.update(fields)
+                    return None
+            return False
+
+        try:
+            await self.co.update(job_id, change)
+        except RemoteError as exc:
+            log.warning("job %d: could not record the flush of checkpoint %d: %s", job_id, gen, exc)
+
+    async def _unflush(self, record: dict, lineage: int, entry: dict, placement: list[str], ranks: list[int]) -> list[str]:
+        """The files of ``ranks`` (on no live node) copied from the flush
+        directory onto the nodes they restart on; failures, each a line naming the node."""
+        pulls: dict[str, dict[str, list[int]]] = {}
+        for rank in ranks:
+            pulls.setdefault(placement[rank], {}).setdefault(entry["placement"][rank], []).append(rank)
+        timeout = float(self.daemon.config.checkpoint_timeout)
+        failures: list[str] = []
+
+        async def one(target: str, from_nodes: dict[str, list[int]]) -> None:
+            try:
+                with trio.fail_after(timeout + 10):
+                    await self.co.call(target, "ckpt_unflush", lineage=lineage, gen=entry["gen"], owner=[record["owner_uid"], record["owner_gid"]],
+                                       pulls=from_nodes, timeout=timeout)
+            except trio.TooSlowError:
+                failures.append(f"{target}: restoring from the flush directory took more than {timeout + 10:.0f} s")
+            except RemoteError as exc:
+                failures.append(exc.message if exc.message.startswith(f"{target}") else f"{target}: {exc.message}")
+
+        async with trio.open_nursery() as nursery:
+            for target, from_nodes in pulls.items():
+                nursery.start_soon(one, target, from_nodes)
+        return sorted(failures)
+
+    async def _record_copies(self, entry: dict, copies: dict[str, list[int]]) -> None:
+        """Where a generation's files now also are (a later restart uses them, retention removes them)."""
+        def change(r):
+            for e in r.get("checkpoints") or []:
+                if e["gen"] == entry["gen"]:
+                    e["copies"] = copies
+
+        try:
+            await self.co.update(entry["job"], change)
+        except RemoteError as exc:
+            log.warning("job %d: could not record the copies of generation %d: %s", entry["job"], entry["gen"], exc)
 
     async def _record_protection(self, job_id: int, entry: dict) -> None:
         """A complete generation's redundancy outcome: applied only while the
@@ -393,6 +477,9 @@ class CheckpointCoordinator:
         protected = [e for e in usable if e["state"] == "protected"]
         if protected and protected[-1] in doomed:
             doomed.remove(protected[-1])
+        flushed = [e for e in usable if e.get("flushed")]
+        if flushed and flushed[-1] in doomed:
+            doomed.remove(flushed[-1])  # (it is what survives the loss of more nodes than the redundancy covers)
         # Leftovers of aborted generations on a node that missed the abort
         # (it was down) go too; removing what is not there costs nothing.
         leftovers = [e for e in gens if e["state"] == "aborted"]
@@ -411,6 +498,12 @@ class CheckpointCoordinator:
                     log.warning("could not remove old checkpoints on %s: %s", node, exc)
         if not doomed:
             return
+        for e in doomed:
+            if e.get("flushed"):
+                try:
+                    await self.co.call(self.daemon.node, "ckpt_flush_remove", lineage=lineage, gen=e["gen"])
+                except RemoteError as exc:
+                    log.warning("could not remove the flushed copy of job-%d/gen-%d: %s", lineage, e["gen"], exc)
         removed = {(e["job"], e["gen"]) for e in doomed}
         for job in {j for j, _ in removed}:
             def change(r, job=job):
@@ -475,6 +568,18 @@ class CheckpointCoordinator:
             except relocate.Unplaceable as exc:
                 raise RemoteError(exc.code, f"cannot restart job {job_id} there: {exc}") from None
             sources = relocate.plan_sources(placement, list(entry["placement"]), entry.get("copies"), up)
+            if sources.missing and entry.get("flushed"):
+                failures = await self._unflush(record, lineage, entry, placement, sorted(sources.missing))
+                if failures:
+                    skipped += [f"generation {entry['gen']} (from the flush directory): {p}" for p in failures]
+                    continue
+                log.info("job %d: ranks %s of generation %d restored from the flush directory", job_id, sorted(sources.missing), entry["gen"])
+                copies = {**(entry.get("copies") or {})}
+                for rank in sources.missing:
+                    copies[placement[rank]] = sorted({*copies.get(placement[rank], []), rank})
+                await self._record_copies(entry, copies)
+                entry["copies"] = copies  # (a fresh dict per restart: generations() copies every entry)
+                sources = relocate.plan_sources(placement, list(entry["placement"]), copies, up)
             if sources.missing:
                 problem = relocate.describe_missing(sources.missing)
                 log.warning("job %d: generation %d is unusable: %s", job_id, entry["gen"], problem)

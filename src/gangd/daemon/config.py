@@ -29,6 +29,12 @@ Example (``/etc/gangd/gangd.toml``)::
     max_queued_per_user = 1000       # jobs one user may have waiting to start (root: no limit)
     job_retention = 3600             # seconds an ended job stays in the hot job table, then the history
 
+    [checkpoint]                     # optional
+    redundancy = "auto"              # a job's level unless it asks: local, partner, xor (auto: xor on 3+ nodes, partner on 2)
+    flush_dir = "/lustre/gangd"      # a shared directory (same path on every node): generations copied there too...
+    flush_every = 10                 # ...every 10th generation of a job (default 1)...
+    flush_mib_per_s = 200            # ...at most this fast per node (0: unthrottled), behind the job
+
     [limits]                         # optional; what no job may exceed (per job and node)
     pids_max = 4096                  # processes+threads (cgroup pids controller)
     memory_max = "64G"               # bytes, or with K/M/G/T (cgroup memory controller)
@@ -262,6 +268,9 @@ class Config:
     checkpoint_timeout: float = 600.0  # seconds ranks may take to reach the cut, or to write their state
     checkpoint_max_rank_bytes: int = 64 << 30  # a rank's state file larger than this is refused at the commit
     checkpoint_redundancy: str = "auto"  # [checkpoint] redundancy: a job's level unless it asks (auto: xor on 3+ nodes, partner on 2)
+    checkpoint_flush_dir: Path | None = None  # [checkpoint] flush_dir: shared directory generations are also copied to
+    checkpoint_flush_every: int = 1  # [checkpoint] flush_every: every Nth generation of a job is flushed
+    checkpoint_flush_mib_per_s: float = 0.0  # [checkpoint] flush_mib_per_s: per node (0: unthrottled)
     output_dir: Path | None = None  # rank output (default: state_dir/output)
     runtime_dir: Path | None = None  # rank sockets and counters, in memory (default: the socket's directory/jobs)
     output_limit: int = 1 << 30  # bytes of output a job may leave on this node; the rest is dropped with a notice
@@ -442,6 +451,9 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         "checkpoint_timeout": float(cluster.get("checkpoint_timeout", 600.0)),
         "checkpoint_max_rank_bytes": int(cluster.get("checkpoint_max_rank_bytes", 64 << 30)),
         "checkpoint_redundancy": _checkpoint_section(data).get("redundancy", "auto"),
+        "checkpoint_flush_dir": Path(_checkpoint_section(data)["flush_dir"]) if _checkpoint_section(data).get("flush_dir") else None,
+        "checkpoint_flush_every": _checkpoint_section(data).get("flush_every", 1),
+        "checkpoint_flush_mib_per_s": _checkpoint_section(data).get("flush_mib_per_s", 0.0),
         "output_dir": Path(node["output_dir"]) if node.get("output_dir") else None,
         "output_limit": int(node.get("output_limit", 1 << 30)),
         "output_reserve": int(node.get("output_reserve", 64 << 20)),
@@ -483,6 +495,14 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         raise ConfigError(f"checkpoint_keep must be at least 1 (the newest complete generation), not {config.checkpoint_keep}")
     if config.checkpoint_redundancy not in REDUNDANCY_DEFAULTS:
         raise ConfigError(f"[checkpoint] redundancy must be one of {', '.join(REDUNDANCY_DEFAULTS)}, not {config.checkpoint_redundancy!r}")
+    if config.checkpoint_flush_dir is not None and not config.checkpoint_flush_dir.is_absolute():
+        raise ConfigError(f"[checkpoint] flush_dir must be an absolute path (the same on every node), not {str(config.checkpoint_flush_dir)!r}")
+    every = config.checkpoint_flush_every
+    if not isinstance(every, int) or isinstance(every, bool) or not 1 <= every <= 1_000_000:
+        raise ConfigError(f"[checkpoint] flush_every must be a whole number of generations from 1, not {every!r}")
+    rate = config.checkpoint_flush_mib_per_s
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not math.isfinite(rate) or not 0 <= rate <= 1 << 20:
+        raise ConfigError(f"[checkpoint] flush_mib_per_s must be MiB per second (0: unthrottled), not {rate!r}")
     if config.checkpoint_max_rank_bytes < 0:
         raise ConfigError(f"checkpoint_max_rank_bytes is a byte count and cannot be negative, not {config.checkpoint_max_rank_bytes}")
     if config.output_limit < 0 or config.output_reserve < 0:
@@ -599,8 +619,14 @@ def render(config: Config) -> str:
         f"max_queued_per_user = {config.max_queued_per_user}",
         f"job_retention = {config.job_retention}",
     ]
+    section = []
     if config.checkpoint_redundancy != "auto":
-        lines += ["", "[checkpoint]", f"redundancy = {toml_str(config.checkpoint_redundancy)}"]
+        section.append(f"redundancy = {toml_str(config.checkpoint_redundancy)}")
+    if config.checkpoint_flush_dir is not None:
+        section += [f"flush_dir = {toml_str(str(config.checkpoint_flush_dir))}", f"flush_every = {config.checkpoint_flush_every}",
+                    f"flush_mib_per_s = {config.checkpoint_flush_mib_per_s}"]
+    if section:
+        lines += ["", "[checkpoint]", *section]
     if config.limits:
         lines += ["", "[limits]"] + [f"{key} = {value}" for key, value in config.limits]
     lines += ["", *render_etcd(config.etcd)]

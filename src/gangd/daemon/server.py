@@ -39,6 +39,7 @@ from .checkpoint import NodeCheckpoints
 from .config import Config
 from .controlplane import ControlPlane
 from .coordinator import Coordinator
+from .flush import Flusher
 from .handlers import Dispatcher, Services
 from .handlers.jobs import Listing
 from .jobnet import JobNet
@@ -118,6 +119,8 @@ class Daemon:
                 coordinator=self.coordinator, node_jobs=self.node_jobs,
                 listing=Listing(table=self.table, calls=self.calls, membership=self.membership),
                 jobnet=self.jobnet, pmi=self.pmi, checkpoints=self.checkpoints, peers=self.peers, ranks=self.ranks,
+                flusher=Flusher(node=self.node, root=self.checkpoints.root, flush_dir=config.checkpoint_flush_dir,
+                                max_file=config.checkpoint_max_rank_bytes),
                 spawn=self.tasks.spawn, heartbeat_info=self.heartbeat_info, resend_exits=self.node_jobs.resend_exits,
             ),
             check_term=self.membership.check_term,

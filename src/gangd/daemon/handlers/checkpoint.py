@@ -174,3 +174,33 @@ async def ckpt_stage(s, call: Call):
                     max_file=s.config.checkpoint_max_rank_bytes)
     return await stager.stage(request)
 
+
+
+# ------------------------------------------------------------ the flush directory (the third level; see gangd.daemon.flush)
+
+
+@op("ckpt_flush", audience=PEER, fenced=True)
+async def ckpt_flush(s, call: Call):
+    """Copy this node's files of a complete generation to the shared flush directory, behind the job."""
+    from ..flush import FlushRequest
+
+    return await s.flusher.flush(FlushRequest.from_args(call.args))
+
+
+@op("ckpt_unflush", audience=PEER, fenced=True)
+async def ckpt_unflush(s, call: Call):
+    """Copy the files of the ranks this node will restart from the flush directory (the coordinator's command)."""
+    from ..flush import UnflushRequest
+    from ..staging import Stager
+
+    request = UnflushRequest.from_args(call.args, [n.name for n in s.config.nodes])
+    stager = Stager(node=s.node, root=s.checkpoints.root, channel=s.peers.channel, reserve=s.config.output_reserve,
+                    max_file=s.config.checkpoint_max_rank_bytes)
+    return await s.flusher.unflush(request, stager)
+
+
+@op("ckpt_flush_remove", audience=PEER, fenced=True)
+async def ckpt_flush_remove(s, call: Call):
+    """Remove a generation's flushed copy (retention)."""
+    await s.flusher.remove(integer(call.args, "lineage"), integer(call.args, "gen"))
+    return None

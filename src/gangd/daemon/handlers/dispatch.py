@@ -36,6 +36,7 @@ class Services:
     jobnet: Any = None
     pmi: Any = None
     checkpoints: Any = None  # .checkpoint.NodeCheckpoints
+    flusher: Any = None  # .flush.Flusher
     peers: Any = None
     ranks: Any = None
     spawn: Callable[..., None] | None = None

@@ -772,6 +772,7 @@ Examples:
   gang cluster up --nodes 4
   gang cluster up --nodes 8 --cores 8 --dir /tmp/c8
   gang cluster up --etcd-members 3              # etcd with three members: one may fail
+  gang cluster up --flush-dir /tmp/shared       # checkpoints also flushed there (a parallel file system's stand-in)
   gang cluster up --etcd http://10.0.0.5:2379   # an etcd already running (not started or stopped here)
   gang cluster up --dir /tmp/c2 --etcd http://127.0.0.1:2379 --etcd-local   # another local cluster's etcd
   gang cluster up --etcd https://10.0.0.5:2379 --etcd-ca ca.pem \\
@@ -808,9 +809,14 @@ Examples:
 @click.option("--etcd-ca", type=click.Path(dir_okay=False, exists=True), metavar="PEM", help="CA that signed the etcd's certificate (https:// URLs).")
 @click.option("--etcd-cert", type=click.Path(dir_okay=False, exists=True), metavar="PEM", help="Client certificate, for an etcd that asks for one.")
 @click.option("--etcd-key", type=click.Path(dir_okay=False, exists=True), metavar="PEM", help="Key of --etcd-cert.")
+@click.option(
+    "--flush-dir", type=click.Path(file_okay=False), metavar="DIR",
+    help="A directory every node also copies its jobs' checkpoints to, behind the jobs ([checkpoint] flush_dir): "
+         "a restart takes them from there when more nodes are lost than the redundancy survives.",
+)
 @click.pass_context
 def cluster_up(ctx, count, cores, directory, time_slice, max_slots, log_level, etcd_members, etcd_urls, etcd_local, etcd_binary,
-               etcd_user, etcd_password_file, etcd_ca, etcd_cert, etcd_key):
+               etcd_user, etcd_password_file, etcd_ca, etcd_cert, etcd_key, flush_dir):
     """Start an etcd, then N gangd daemons on 127.0.0.1..N, each with its own state dir."""
     from . import cluster as local
 
@@ -835,7 +841,8 @@ def cluster_up(ctx, count, cores, directory, time_slice, max_slots, log_level, e
             etcd_binary=Path(etcd_binary) if etcd_binary else None, etcd_user=etcd_user,
             etcd_password_file=Path(etcd_password_file) if etcd_password_file else None,
             etcd_ca=Path(etcd_ca) if etcd_ca else None, etcd_cert=Path(etcd_cert) if etcd_cert else None,
-            etcd_key=Path(etcd_key) if etcd_key else None, progress=lambda m: click.echo(m, err=True),
+            etcd_key=Path(etcd_key) if etcd_key else None, flush_dir=Path(flush_dir) if flush_dir else None,
+            progress=lambda m: click.echo(m, err=True),
         )
     except local.ClusterError as exc:
         click.echo(f"gang: {exc}", err=True)

@@ -12,6 +12,7 @@ on the shared file system is refused naming it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -21,12 +22,13 @@ import time
 from pathlib import Path
 
 import pytest
-from ckpthelpers import TERMINAL, checkpoint, gen_dir, generations, reference, result_of, submit, wait_running_a_bit
+import trio
+from ckpthelpers import TERMINAL, USABLE, checkpoint, gen_dir, generations, reference, result_of, submit, wait_running_a_bit
 from conftest import wait_for
 
 from gangd import ckptstore
 from gangd.daemon import config as cfg
-from gangd.daemon.flush import Cancelled, FlushRequest, Throttle, UnflushRequest
+from gangd.daemon.flush import Cancelled, Flusher, FlushRequest, Throttle, UnflushRequest
 from gangd.rpc import RemoteError
 
 JOB = str(Path(__file__).resolve().parent / "jobs" / "ckptjob.py")
@@ -107,6 +109,87 @@ def test_a_flushed_file_damaged_on_the_shared_file_system_is_refused_naming_it(m
     for node in ("n1", "n3"):
         directory = gen_dir(cluster, node, job, gen["gen"])
         assert not (directory / ckptstore.MANIFEST).exists() or ckptstore.verify(directory) == []
+
+
+# ---------------------------------------------------------------- the throttle is per node, not per flush
+
+
+def _generation(root: Path, lineage: int, gen: int, size: int) -> None:
+    """A committed generation on a node's disk: one root-owned file of ``size`` bytes and its MANIFEST."""
+    directory = ckptstore.gen_dir(root, lineage, gen)
+    directory.mkdir(parents=True, mode=0o711)
+    size_, checksum = ckptstore.write_atomic(directory / "job.msgpack", [os.urandom(size)])
+    manifest = ckptstore.Manifest(lineage, gen, "n1", 1, {"job.msgpack": [size_, checksum]}, [], time.time())
+    ckptstore.write_manifest(directory, manifest)
+
+
+def test_two_flushes_on_one_node_keep_together_to_flush_mib_per_s(tmp_path):
+    """README: 'at most flush_mib_per_s per node'. Two generations (or two
+    jobs) flushing at once on a node must share the rate, not get it each."""
+    root, shared = tmp_path / "ckpt", tmp_path / "shared"
+    root.mkdir(mode=0o700)
+    shared.mkdir(mode=0o700)
+    size, rate = 2 << 20, 1 << 20  # 2 MiB per generation at 1 MiB/s per node
+    for gen in (1, 2):
+        _generation(root, 1, gen, size)
+    flusher = Flusher(node="n1", root=root, flush_dir=shared, max_file=1 << 30)
+
+    async def main() -> float:
+        started = time.monotonic()
+        async with trio.open_nursery() as nursery:
+            for gen in (1, 2):
+                nursery.start_soon(flusher.flush, FlushRequest(lineage=1, gen=gen, rate=rate, timeout=120))
+        return time.monotonic() - started
+
+    elapsed = trio.run(main)
+    # 4 MiB at 1 MiB/s takes at least ~4 s (a lower bound: the machine can only be slower).
+    assert elapsed >= 0.9 * 2 * size / rate, f"4 MiB flushed by one node in {elapsed:.1f} s at a 1 MiB/s limit"
+
+
+# ---------------------------------------------------------------- retention and a flush under way: nothing left unrecorded
+
+
+def _restart_all_with(cluster, **changes) -> None:
+    for node in cluster.files:
+        os.kill(cluster.daemon_pid(node), signal.SIGKILL)
+    for node in cluster.files:
+        path = cluster.files[node].config
+        path.write_text(cfg.render(dataclasses.replace(cfg.load(path), **changes)))
+        cluster.start_daemon(node)
+    wait_for(lambda: cluster.gang("nodes").returncode == 0 and
+             all(n["state"] == "up" for n in cluster.gang_json("nodes")["nodes"]), 60, "the daemons up again")
+
+
+def test_the_flush_directory_holds_only_generations_recorded_flushed(make_cluster, tmp_path):
+    """A throttled flush of generation 1 is still under way when generations 2
+    and 3 complete (keep = 2): retention removes generation 1's local files
+    under the flush, and the flush's outcome is then never recorded, so
+    whatever it left in the flush directory (a whole node copy or a .part) is
+    never removed by retention: root-owned bytes on the shared file system,
+    outside every user's quota, forever."""
+    shared = tmp_path / "shared"
+    cluster = make_cluster(2, cores=2, time_slice=0.1, lease_ttl=5, flush_dir=shared)
+    _restart_all_with(cluster, checkpoint_flush_mib_per_s=1.0)
+    job = submit(cluster, [JOB, "--steps", "1000000", "--mb", "4", "--sleep", "0.01"], 4, "-w", "n1,n2", "--ckpt-redundancy", "local")
+    wait_running_a_bit(cluster, job)
+    for _ in range(3):
+        assert checkpoint(cluster, job)["state"] == "complete"
+
+    def flush_of_gen1_over() -> bool:
+        logs = cluster.log("n1") + cluster.log("n2")
+        return f"job {job}: checkpoint 1 was not flushed" in logs or f"job {job}: checkpoint 1 flushed to" in logs
+
+    wait_for(flush_of_gen1_over, 120, "the flush of generation 1 to end")
+    # The generations completed during that flush waited; the newest of them is flushed next.
+    wait_for(lambda: (lambda u: u[-1].get("flushed") or u[-1].get("flush"))([g for g in generations(cluster, job) if g["state"] in USABLE]),
+             120, "the newest generation's flush")
+    cluster.gang("kill", job, check=True)
+    cluster.wait_state(job, TERMINAL)
+    gens = generations(cluster, job)
+    recorded = sorted(f"gen-{g['gen']}" for g in gens if g["state"] in USABLE and g.get("flushed"))
+    on_disk = sorted(p.name for p in (shared / f"job-{job}").iterdir())
+    assert on_disk == recorded, f"flush directory holds {on_disk}; recorded flushed: {recorded}; generations: " + \
+        str([(g["gen"], g["state"], bool(g.get("flushed")), g.get("flush")) for g in gens])
 
 
 # ---------------------------------------------------------------- the edges, without a cluster

@@ -144,7 +144,7 @@ def _level(g: dict) -> str:
     complete one whose level is not local, whether its write failed or may
     still be under way (``protected`` in STATE: it survives a lost node)."""
     level = g.get("level") or "local"
-    flushed = "+flushed" if g.get("flushed") else ""
+    flushed = "+flushed" if g.get("flushed") else " (flush failed)" if g.get("flush") else ""
     if g["state"] != "complete" or level == "local":
         return level + flushed
     return (f"{level} (failed)" if g.get("redundancy") else f"{level} (writing)") + flushed

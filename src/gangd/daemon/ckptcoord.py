@@ -75,6 +75,10 @@ class CheckpointCoordinator:
         # verifies the files (seconds, for large states) — a second restart
         # meanwhile would pass the same check and start a second job.
         self.restarting: set[int] = set()
+        # lineage -> the generation being flushed (one at a time per lineage;
+        # retention never removes it meanwhile), and flushed copies being removed.
+        self.flushing: dict[int, int] = {}
+        self.unflushing: set[tuple[int, int]] = set()
 
     # ------------------------------------------------------------ lineage
 
@@ -326,70 +330,134 @@ class CheckpointCoordinator:
     # ------------------------------------------------------------ the flush directory (gangd.daemon.flush)
 
     def _maybe_flush(self, job_id: int, gen: int) -> None:
-        """Every ``flush_every``-th generation goes to ``[checkpoint] flush_dir`` too, behind the job."""
+        """A generation goes to ``[checkpoint] flush_dir`` too, behind the job,
+        when ``flush_every`` generations passed since the lineage's last
+        flushed one (aborted rounds spend numbers: they do not delay it), and
+        no flush of the lineage is under way (its next generation waits for the next chance)."""
         config = self.daemon.config
-        if config.checkpoint_flush_dir is not None and gen % config.checkpoint_flush_every == 0:
-            self.co.spawn(self._flush, job_id, gen)
+        record = self.daemon.table.get(job_id)
+        if config.checkpoint_flush_dir is None or record is None:
+            return
+        lineage = record.get("lineage") or job_id
+        if lineage in self.flushing:
+            return
+        last = max([e["gen"] for e in self.generations(record) if e.get("flushed")] or [0])
+        if gen - last >= config.checkpoint_flush_every:
+            self.flushing[lineage] = gen
+            self.co.spawn(self._flush, job_id, lineage, gen)
 
-    async def _flush(self, job_id: int, gen: int) -> None:
+    def _transfer_timeout(self, nbytes: int, rate: int) -> float:
+        """What moving ``nbytes`` may take: the checkpoint timeout, plus the
+        time at the throttle's rate (else at a slow 20 MiB/s), twice over."""
+        return float(self.daemon.config.checkpoint_timeout) + 2 * nbytes / (rate or 20 << 20)
+
+    async def _flush(self, job_id: int, lineage: int, gen: int) -> None:
         """Every node of the job copies its files of generation ``gen`` to the
         flush directory (``ckpt_flush``); all done: the generation is recorded
-        *flushed* (a restart may then take any rank's files from there)."""
+        *flushed* (a restart may then take any rank's files from there). A
+        flush that fails, or whose generation is gone meanwhile, has its copy
+        removed: nothing stays on the shared file system unrecorded."""
+        try:
+            record = self.daemon.table.get(job_id)
+            entry = next((e for e in self.generations(record) if e["gen"] == gen), None) if record is not None else None
+            if record is None or entry is None or entry["state"] not in ("complete", "protected"):
+                return
+            config = self.daemon.config
+            rate = int(config.checkpoint_flush_mib_per_s * (1 << 20))
+            largest = max([v.get("bytes", 0) for v in (entry.get("nodes") or {}).values() if isinstance(v, dict)] or [0])
+            started = time.monotonic()
+            try:
+                answers = await self._all(record, "ckpt_flush", lineage=lineage, gen=gen, rate=rate, timeout=self._transfer_timeout(largest, rate))
+            except RemoteError as exc:
+                log.warning("job %d: checkpoint %d was not flushed to %s: %s", job_id, gen, config.checkpoint_flush_dir, exc.message)
+                fields: dict[str, Any] = {"flush": f"failed: {exc.message}"}
+            else:
+                written = sum(a.get("bytes", 0) for a in answers.values() if isinstance(a, dict))
+                seconds = time.monotonic() - started
+                log.info("job %d: checkpoint %d flushed to %s (%d bytes in %.2f s)", job_id, gen, config.checkpoint_flush_dir, written, seconds)
+                fields = {"flushed": {"at": time.time(), "bytes": written, "seconds": round(seconds, 3)}}
+            recorded = False
+
+            def change(r):
+                nonlocal recorded
+                for e in r.get("checkpoints") or []:
+                    if e["gen"] == gen and e["state"] in ("complete", "protected"):
+                        e.update(fields)
+                        recorded = "flushed" in fields
+                        return None
+                return False
+
+            try:
+                await self.co.update(job_id, change)
+            except RemoteError as exc:
+                log.warning("job %d: could not record the flush of checkpoint %d: %s", job_id, gen, exc)
+            if not recorded:
+                await self._remove_flushed(lineage, gen, job_id)
+        finally:
+            if self.flushing.get(lineage) == gen:
+                del self.flushing[lineage]
+        # Generations completed meanwhile waited: the newest of them goes now, if due.
         record = self.daemon.table.get(job_id)
-        entry = next((e for e in self.generations(record) if e["gen"] == gen), None) if record is not None else None
-        if record is None or entry is None or entry["state"] not in ("complete", "protected"):
+        newest = [e for e in self.generations(record) if e["state"] in ("complete", "protected")] if record is not None else []
+        if newest and newest[-1]["gen"] > gen and not newest[-1].get("flushed") and not newest[-1].get("flush"):
+            self._maybe_flush(newest[-1]["job"], newest[-1]["gen"])
+
+    async def _remove_flushed(self, lineage: int, gen: int, job_id: int | None = None) -> None:
+        """Remove a generation's copy in the flush directory (any node sees it:
+        this one asks its own daemon), then forget it was flushed."""
+        if (lineage, gen) in self.unflushing:
             return
-        config = self.daemon.config
-        rate = int(config.checkpoint_flush_mib_per_s * (1 << 20))
-        largest = max([s.get("bytes", 0) for s in (entry.get("nodes") or {}).values() if isinstance(s, dict)] or [0])
-        timeout = float(config.checkpoint_timeout) + (2 * largest / rate if rate else 0.0)
-        started = time.monotonic()
+        self.unflushing.add((lineage, gen))
         try:
-            answers = await self._all(record, "ckpt_flush", lineage=record.get("lineage") or job_id, gen=gen, rate=rate, timeout=timeout)
-        except RemoteError as exc:
-            log.warning("job %d: checkpoint %d was not flushed to %s: %s", job_id, gen, config.checkpoint_flush_dir, exc.message)
-            fields: dict[str, Any] = {"flush": f"failed: {exc.message}"}
-        else:
-            written = sum(a.get("bytes", 0) for a in answers.values() if isinstance(a, dict))
-            seconds = time.monotonic() - started
-            log.info("job %d: checkpoint %d flushed to %s (%d bytes in %.2f s)", job_id, gen, config.checkpoint_flush_dir, written, seconds)
-            fields = {"flushed": {"at": time.time(), "bytes": written, "seconds": round(seconds, 3)}}
+            try:
+                await self.co.call(self.daemon.node, "ckpt_flush_remove", lineage=lineage, gen=gen)
+            except RemoteError as exc:
+                log.warning("could not remove job-%d/gen-%d from the flush directory (retried at the next prune): %s", lineage, gen, exc)
+                return
+            if job_id is None:
+                return
 
-        def change(r):
-            for e in r.get("checkpoints") or []:
-                if e["gen"] == gen and e["state"] in ("complete", "protected"):
-                    e.update(fields)
-                    return None
-            return False
+            def change(r):
+                for e in r.get("checkpoints") or []:
+                    if e["gen"] == gen and e.get("flushed"):
+                        del e["flushed"]
+                        return None
+                return False
 
-        try:
-            await self.co.update(job_id, change)
-        except RemoteError as exc:
-            log.warning("job %d: could not record the flush of checkpoint %d: %s", job_id, gen, exc)
+            try:
+                await self.co.update(job_id, change)
+            except RemoteError as exc:
+                log.warning("job %d: could not record that generation %d left the flush directory: %s", job_id, gen, exc)
+        finally:
+            self.unflushing.discard((lineage, gen))
 
-    async def _unflush(self, record: dict, lineage: int, entry: dict, placement: list[str], ranks: list[int]) -> list[str]:
+    async def _unflush(self, record: dict, lineage: int, entry: dict, placement: list[str], ranks: list[int]) -> tuple[list[str], list[str]]:
         """The files of ``ranks`` (on no live node) copied from the flush
-        directory onto the nodes they restart on; failures, each a line naming the node."""
+        directory onto the nodes they restart on: (failures, each a line
+        naming the node; the nodes that restored theirs)."""
         pulls: dict[str, dict[str, list[int]]] = {}
         for rank in ranks:
             pulls.setdefault(placement[rank], {}).setdefault(entry["placement"][rank], []).append(rank)
-        timeout = float(self.daemon.config.checkpoint_timeout)
+        largest = max([v.get("bytes", 0) for v in (entry.get("nodes") or {}).values() if isinstance(v, dict)] or [0])
+        timeout = self._transfer_timeout(largest * len(pulls), 0)
         failures: list[str] = []
+        done: list[str] = []
 
         async def one(target: str, from_nodes: dict[str, list[int]]) -> None:
             try:
                 with trio.fail_after(timeout + 10):
                     await self.co.call(target, "ckpt_unflush", lineage=lineage, gen=entry["gen"], owner=[record["owner_uid"], record["owner_gid"]],
                                        pulls=from_nodes, timeout=timeout)
+                done.append(target)
             except trio.TooSlowError:
                 failures.append(f"{target}: restoring from the flush directory took more than {timeout + 10:.0f} s")
             except RemoteError as exc:
-                failures.append(exc.message if exc.message.startswith(f"{target}") else f"{target}: {exc.message}")
+                failures.append(exc.message if exc.message.startswith(f"{target}:") else f"{target}: {exc.message}")
 
         async with trio.open_nursery() as nursery:
             for target, from_nodes in pulls.items():
                 nursery.start_soon(one, target, from_nodes)
-        return sorted(failures)
+        return sorted(failures), done
 
     async def _record_copies(self, entry: dict, copies: dict[str, list[int]]) -> None:
         """Where a generation's files now also are (a later restart uses them, retention removes them)."""
@@ -480,12 +548,16 @@ class CheckpointCoordinator:
         flushed = [e for e in usable if e.get("flushed")]
         if flushed and flushed[-1] in doomed:
             doomed.remove(flushed[-1])  # (it is what survives the loss of more nodes than the redundancy covers)
+        lineage = record.get("lineage") or record["id"]
+        doomed = [e for e in doomed if self.flushing.get(lineage) != e["gen"]]  # (its flush reads it now)
+        for e in gens:
+            if e["state"] == "removed" and e.get("flushed"):  # (a removal from the flush directory that failed before)
+                self.co.spawn(self._remove_flushed, lineage, e["gen"], e["job"])
         # Leftovers of aborted generations on a node that missed the abort
         # (it was down) go too; removing what is not there costs nothing.
         leftovers = [e for e in gens if e["state"] == "aborted"]
         if not doomed and not leftovers:
             return
-        lineage = record.get("lineage") or record["id"]
         by_node: dict[str, list[int]] = {}
         for e in doomed + leftovers:
             for node in dict.fromkeys([*e["placement"], *(e.get("copies") or {})]):  # (copies: staged by a restart elsewhere)
@@ -499,11 +571,8 @@ class CheckpointCoordinator:
         if not doomed:
             return
         for e in doomed:
-            if e.get("flushed"):
-                try:
-                    await self.co.call(self.daemon.node, "ckpt_flush_remove", lineage=lineage, gen=e["gen"])
-                except RemoteError as exc:
-                    log.warning("could not remove the flushed copy of job-%d/gen-%d: %s", lineage, e["gen"], exc)
+            if e.get("flushed"):  # (in the background: a checkpoint never waits on the shared file system)
+                self.co.spawn(self._remove_flushed, lineage, e["gen"], e["job"])
         removed = {(e["job"], e["gen"]) for e in doomed}
         for job in {j for j, _ in removed}:
             def change(r, job=job):
@@ -569,15 +638,17 @@ class CheckpointCoordinator:
                 raise RemoteError(exc.code, f"cannot restart job {job_id} there: {exc}") from None
             sources = relocate.plan_sources(placement, list(entry["placement"]), entry.get("copies"), up)
             if sources.missing and entry.get("flushed"):
-                failures = await self._unflush(record, lineage, entry, placement, sorted(sources.missing))
+                failures, restored = await self._unflush(record, lineage, entry, placement, sorted(sources.missing))
+                copies = {node: list(ranks) for node, ranks in (entry.get("copies") or {}).items()}
+                for rank in sources.missing:
+                    if placement[rank] in restored:
+                        copies[placement[rank]] = sorted({*copies.get(placement[rank], []), rank})
+                if restored:
+                    await self._record_copies(entry, copies)  # (retention removes them, even from a restart that failed)
                 if failures:
                     skipped += [f"generation {entry['gen']} (from the flush directory): {p}" for p in failures]
                     continue
                 log.info("job %d: ranks %s of generation %d restored from the flush directory", job_id, sorted(sources.missing), entry["gen"])
-                copies = {**(entry.get("copies") or {})}
-                for rank in sources.missing:
-                    copies[placement[rank]] = sorted({*copies.get(placement[rank], []), rank})
-                await self._record_copies(entry, copies)
                 entry["copies"] = copies  # (a fresh dict per restart: generations() copies every entry)
                 sources = relocate.plan_sources(placement, list(entry["placement"]), copies, up)
             if sources.missing:

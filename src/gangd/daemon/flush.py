@@ -176,7 +176,15 @@ class Flusher:
         self.root = Path(root)
         self.flush_dir = Path(flush_dir) if flush_dir is not None else None
         self.max_file = max_file
+        #: Generations whose flush runs (until its thread has ended, even one abandoned by a timeout).
         self.busy: set[tuple[int, int]] = set()
+        # Threads of their own, so a hung shared file system holds only these,
+        # never the default limiter the checkpoint commits use: flushes one at
+        # a time (so flush_mib_per_s bounds the node, not each flush), restores
+        # (a restart waits on them) and removals apart.
+        self._flushes = trio.CapacityLimiter(1)
+        self._restores = trio.CapacityLimiter(2)
+        self._removals = trio.CapacityLimiter(1)
 
     def _require(self) -> Path:
         if self.flush_dir is None:
@@ -186,16 +194,29 @@ class Flusher:
     def _where(self, lineage: int, gen: int) -> Path:
         return self._require() / f"job-{lineage}" / f"gen-{gen}"
 
-    async def _in_thread(self, fn, timeout: float, what: str):
-        """``fn(stop)`` in a thread, abandoned (told to stop) on cancellation or after ``timeout``."""
-        stop = threading.Event()
+    async def _in_thread(self, fn, timeout: float, what: str, limiter: trio.CapacityLimiter, key: tuple[int, int] | None = None):
+        """``fn(stop)`` in a thread of ``limiter``, abandoned (told to stop) on
+        cancellation or after ``timeout``; ``key`` leaves :attr:`busy` only
+        when the thread has ended (an abandoned thread may still be writing)."""
+        stop, started = threading.Event(), threading.Event()
+
+        def run(stop: threading.Event):
+            started.set()
+            try:
+                return fn(stop)
+            finally:
+                if key is not None:
+                    self.busy.discard(key)
+
         try:
             with trio.fail_after(timeout):
-                return await trio.to_thread.run_sync(fn, stop, abandon_on_cancel=True)
+                return await trio.to_thread.run_sync(run, stop, abandon_on_cancel=True, limiter=limiter)
         except trio.TooSlowError:
             raise RemoteError("timeout", f"{self.node}: {what} took more than {timeout:.0f} s") from None
         finally:
             stop.set()
+            if key is not None and not started.is_set():
+                self.busy.discard(key)  # (never started: cancelled while waiting for its turn)
 
     # ------------------------------------------------------------ flush
 
@@ -207,12 +228,13 @@ class Flusher:
         self.busy.add(key)
         started = time.monotonic()
         try:
-            size, files = await self._in_thread(lambda stop: self._flush(request, stop), request.timeout, f"flushing to {where}")
-        except (StoreError, UnsafePath, OSError) as exc:
-            text = ckptstore.describe_os_error(exc, where) if isinstance(exc, OSError) else str(exc)
+            size, files = await self._in_thread(lambda stop: self._flush(request, stop), request.timeout, f"flushing to {where}",
+                                                self._flushes, key)
+        except (StoreError, UnsafePath, OSError, Cancelled) as exc:
+            text = ckptstore.describe_os_error(exc, where) if isinstance(exc, OSError) else str(exc) or "stopped"
             raise RemoteError("flush_failed", f"{self.node}: flushing job-{request.lineage}/gen-{request.gen} to {where}: {text}") from None
-        finally:
-            self.busy.discard(key)
+        except RemoteError as exc:
+            raise RemoteError(exc.code, exc.message if exc.message.startswith(f"{self.node}:") else f"{self.node}: {exc.message}") from None
         seconds = time.monotonic() - started
         log.info("flushed job-%d/gen-%d (%d files, %d bytes) to %s in %.2f s", request.lineage, request.gen, files, size, where, seconds)
         return {"node": self.node, "bytes": size, "files": files, "seconds": seconds}
@@ -287,10 +309,15 @@ class Flusher:
         top = safefs.open_trusted_dir(flush_dir)
         try:
             job = safefs.open_dir_at(top, f"job-{lineage}", flush_dir, create_mode=0o700 if create else None)
+            if create:
+                os.fsync(top)  # (the new directory's entry, before anything in it is taken for flushed)
         finally:
             os.close(top)
         try:
-            return safefs.open_dir_at(job, f"gen-{gen}", flush_dir / f"job-{lineage}", create_mode=0o700 if create else None)
+            gen_fd = safefs.open_dir_at(job, f"gen-{gen}", flush_dir / f"job-{lineage}", create_mode=0o700 if create else None)
+            if create:
+                os.fsync(job)
+            return gen_fd
         finally:
             os.close(job)
 
@@ -310,7 +337,8 @@ class Flusher:
             raise RemoteError("restart_failed", f"{where}: {getattr(exc, 'strerror', None) or exc}") from None
         copied: list[str] = []
         try:
-            size, manifest = await self._in_thread(lambda stop: self._unflush(request, directory, local, copied, stop), request.timeout, where)
+            size, manifest = await self._in_thread(lambda stop: self._unflush(request, directory, local, copied, stop, stager.reserve),
+                                                   request.timeout, where, self._restores)
             await trio.to_thread.run_sync(stager._commit, directory, manifest, list(copied))
         except BaseException as exc:
             with trio.CancelScope(shield=True):
@@ -328,7 +356,7 @@ class Flusher:
         return {"node": self.node, "files": copied, "bytes": size, "seconds": seconds}
 
     def _unflush(self, request: UnflushRequest, directory: Path, local: Manifest | None, copied: list[str],
-                 stop: threading.Event) -> tuple[int, Manifest]:
+                 stop: threading.Event, reserve: int) -> tuple[int, Manifest]:
         flushed = self._where(request.lineage, request.gen)
         gen_flush = self._open_flush_gen(request.lineage, request.gen, create=False)
         gen_fd = ckptstore.open_generation(self.root, directory)
@@ -355,6 +383,11 @@ class Flusher:
                         names += [n for n in (state, ckptstore.net_file(rank)) if n in theirs.files]
                     if "job.msgpack" not in files and "job.msgpack" in theirs.files:
                         names.append("job.msgpack")
+                    incoming = sum(theirs.files[n][0] for n in names if files.get(n) != theirs.files[n])
+                    enough, free, kept = ckptstore.room_for(gen_fd, incoming, reserve)
+                    if not enough:
+                        raise StoreError(f"the checkpoint disk has {free} bytes free; the files to restore need {incoming} "
+                                         f"and gangd keeps {kept} free there (output_reserve)")
                     for name in names:
                         size, checksum = theirs.files[name]
                         if files.get(name) == [size, checksum]:
@@ -432,6 +465,9 @@ class Flusher:
                 os.close(top)
 
         try:
-            await trio.to_thread.run_sync(remove)
+            with trio.fail_after(600):
+                await trio.to_thread.run_sync(remove, abandon_on_cancel=True, limiter=self._removals)
+        except trio.TooSlowError:
+            raise RemoteError("timeout", f"{self.node}: removing job-{lineage}/gen-{gen} from {self.flush_dir} took more than 600 s") from None
         except (UnsafePath, OSError) as exc:
             raise RemoteError("flush_failed", f"{self.node}: removing job-{lineage}/gen-{gen} from {self.flush_dir}: {exc}") from None

@@ -293,8 +293,12 @@ class CheckpointCoordinator:
         """A new coordinator: the job's newest usable generation, if it is
         complete with no redundancy outcome recorded (the previous
         coordinator stepped down while its redundancy was being written), has
-        its redundancy written now, behind the job, in this term."""
+        its redundancy written now, behind the job, in this term; one whose
+        flush the previous coordinator left unrecorded is flushed (again)."""
         usable = [e for e in self.generations(record) if e["state"] in ("complete", "protected")]
+        if usable and (usable[-1]["state"] == "protected" or "redundancy" in usable[-1] or self.level(record)[0] == "local") \
+                and not usable[-1].get("flushed") and not usable[-1].get("flush"):
+            self._maybe_flush(usable[-1]["job"], usable[-1]["gen"])  # (a flush the previous coordinator left, or never began)
         if not usable or usable[-1]["state"] != "complete" or "redundancy" in usable[-1] or usable[-1].get("job") != record["id"]:
             return
         level, _ = self.level(record)

@@ -46,7 +46,7 @@ def checkpoint(ctx, job, wait, as_json):
 
 @main.command(epilog="""\b
 Examples:
-  gang restart 12               # newest complete, intact generation, on its nodes
+  gang restart 12               # newest usable (complete or protected), intact generation, on its nodes
   gang restart 12 -g 3          # that generation
   gang restart 12 -w n3,n4      # on n3 and n4 (the ranks spread over them)
   gang restart 12 -N 1          # every rank on one node
@@ -57,8 +57,11 @@ the messages that were in flight. Without -w or -N it runs on the nodes of
 its checkpoint, or, if one of them is down, on nodes that are up. A rank that
 runs on another node than the one holding its files gets them copied there
 first, from node to node, each file checked against its source's manifest.
+When the node holding them is lost (down, or its disk gone), a protected
+generation's files are rebuilt on a replacement node from the partner copy or
+the XOR set, and a flushed one's are taken from the flush directory.
 Every file is checked first; a damaged generation is reported by node and
-path and the next older complete one is used.
+path and the next older usable one is used.
 """)
 @click.argument("job", type=int)
 @click.option("-g", "--generation", type=int, help="Restart from this generation (default: the newest intact one).")
@@ -68,7 +71,7 @@ path and the next older complete one is used.
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.pass_context
 def restart(ctx, job, generation, nodelist, nodes, quiet, as_json):
-    """Restart an ended job from its latest complete checkpoint, here or on other nodes."""
+    """Restart an ended job from its newest usable checkpoint, here or on other nodes."""
     if nodelist is not None and nodes is not None:
         raise click.UsageError("give the nodes (-w) or their number (-N), not both")
     names = [n.strip() for n in nodelist.split(",") if n.strip()] if nodelist is not None else None

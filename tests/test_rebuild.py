@@ -236,6 +236,7 @@ def test_a_damaged_parity_is_refused_naming_the_file_and_nothing_is_left_listed(
     assert refused["returncode"] != 0, refused
     assert "n4" in refused["stderr"] and victim in refused["stderr"], refused["stderr"]
     assert "redundancy/xor.parity" in refused["stderr"] and f"node {holder}" in refused["stderr"], refused["stderr"]
+    assert "does not match" in refused["stderr"] and refused["stderr"].count("job-") <= 3, refused["stderr"]
     target = gen_dir(gc, "n4", job, entry["gen"])
     listed = set(ckptstore.read_manifest(target).files) if (target / ckptstore.MANIFEST).exists() else set()
     lost_ranks = [r for r, n in enumerate(entry["placement"]) if n == victim]

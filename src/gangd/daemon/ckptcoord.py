@@ -462,18 +462,29 @@ class CheckpointCoordinator:
         rebuilt: dict[str, str] = {}
         for candidate in complete:
             entry = candidate  # (with the copies a rebuild adds)
+            rebuilt = {}
             down = [n for n in dict.fromkeys(entry["placement"]) if n not in up]
             protected = entry["state"] == "protected" and entry.get("level") in ("partner", "xor") and bool(down)
+            default = nodelist is None and nodes is None
             try:
-                placement = None
-                if protected and nodelist is None and nodes is None:
-                    placement = self._recovery_placement(entry, down, up, cores)
-                if placement is None:
-                    placement = relocate.choose_placement(nranks=record["nranks"], old=list(entry["placement"]), up=up, cores=cores,
-                                                          place=place, nodelist=nodelist, nodes=nodes)
+                placement = relocate.choose_placement(nranks=record["nranks"], old=list(entry["placement"]), up=up, cores=cores,
+                                                      place=place, nodelist=nodelist, nodes=nodes)
             except relocate.Unplaceable as exc:
-                raise RemoteError(exc.code, f"cannot restart job {job_id} there: {exc}") from None
+                recovered = self._recovery_placement(entry, down, up, cores) if protected and default else None
+                if recovered is None:
+                    unrebuildable = self._unrebuildable(entry, down, up) if protected else ""
+                    if unrebuildable:  # (its lost files are the problem, not where it would run)
+                        skipped.append(f"generation {entry['gen']}: {unrebuildable}")
+                        continue
+                    raise RemoteError(exc.code, f"cannot restart job {job_id} there: {exc}") from None
+                placement = recovered
             sources = relocate.plan_sources(placement, list(entry["placement"]), entry.get("copies"), up)
+            if sources.missing and protected and default:
+                # Files to rebuild: the survivors' ranks stay, each lost node's go to one replacement, spares first.
+                recovered = self._recovery_placement(entry, down, up, cores)
+                if recovered is not None and recovered != placement:
+                    placement = recovered
+                    sources = relocate.plan_sources(placement, list(entry["placement"]), entry.get("copies"), up)
             if sources.missing and protected:
                 try:
                     steps = relocate.plan_rebuilds(placement, list(entry["placement"]), sources.missing,
@@ -529,6 +540,18 @@ class CheckpointCoordinator:
                      ", ".join(rebuilt), ", ".join(rebuilt.values()))
         return {"record": new, "gen": entry["gen"], "iteration": entry["iteration"], "skipped": skipped, "placement": placement,
                 "rebuilt": rebuilt}
+
+    def _unrebuildable(self, entry: dict, down: list[str], up: list[str]) -> str:
+        """The sentence naming the down nodes of a protected generation whose
+        files its redundancy cannot rebuild and no live node holds, or ""."""
+        placement = list(entry["placement"])
+        try:
+            result = make_plan(placement, entry["level"]).recovery(down)
+        except PlanError as exc:
+            return str(exc)
+        have = relocate.holders(placement, entry.get("copies"))
+        lost = [n for n in down if any(not set(have[r]) & set(up) for r, p in enumerate(placement) if p == n)]
+        return "; ".join(p for p in result.unrecoverable if any(p.startswith(f"node {n}'s ") for n in lost))
 
     def _recovery_placement(self, entry: dict, down: list[str], up: list[str], cores: dict[str, int]) -> list[str] | None:
         """Where a protected generation with ``down`` nodes restarts by

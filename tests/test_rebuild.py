@@ -247,3 +247,25 @@ def test_a_damaged_parity_is_refused_naming_the_file_and_nothing_is_left_listed(
         assert os.listdir(target / "redundancy") == []
     recorded = next(g for g in generations(gc, job) if g["gen"] == entry["gen"])
     assert "n4" not in (recorded.get("copies") or {}), recorded
+
+
+def test_restarted_with_w_on_the_partner_of_the_lost_node_its_files_come_from_the_copy_there(gc):
+    """The node that takes the lost node's ranks holds its partner copy: the files are copied on its own disk, checked as they are."""
+    expected = reference(gc, ARGV, 2)
+    leader = coordinator_seen_by(gc, "n1")
+    victim, holder = ("n3", "n2") if leader == "n2" else ("n2", "n1")  # (a ring of two: each holds the other's copy)
+    job = submit(gc, [*ARGV, "--sleep", "0.05"], 2, "-w", f"{holder},{victim}", "--ckpt-redundancy", "partner")
+    gc.wait_state(job, ("RUNNING", "SUSPENDED"))
+    time.sleep(1)
+    gen = checkpoint(gc, job)
+    entry = next(g for g in settled(gc, job) if g["gen"] == gen["gen"])
+    assert entry["state"] == "protected" and entry["level"] == "partner", entry
+    gc.gang("kill", job, check=True)
+    gc.wait_state(job, TERMINAL)
+    lose(gc, victim)
+    answer = restart(gc, job, "-w", holder)
+    assert answer["placement"] == [holder, holder] and answer["rebuilt"] == {victim: holder}, answer
+    assert result_of(gc, answer["record"]["id"], timeout=180) == expected
+    assert_laid_out_as_a_checkpoint(gen_dir(gc, holder, job, entry["gen"]), holder, [0, 1], entry["iteration"])
+    # Its partner copy stays as it was.
+    assert ckptstore.verify(gen_dir(gc, holder, job, entry["gen"]) / "redundancy" / f"partner-{victim}") == []

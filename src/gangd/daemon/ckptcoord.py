@@ -569,7 +569,7 @@ class CheckpointCoordinator:
 
     async def _rebuild(self, record: dict, lineage: int, entry: dict, steps: list[relocate.RebuildStep]) -> tuple[dict, list[str]]:
         """Each lost node's files rebuilt on its replacement (``ckpt_rebuild``,
-        :mod:`gangd.daemon.rebuild`), all at once, within ``checkpoint_timeout``;
+        :mod:`gangd.daemon.rebuild`), the nodes at once, within ``checkpoint_timeout``;
         the entry with the rebuilt files among its ``copies`` (recorded as a
         staging records them), and a line per failure naming node and file."""
         timeout = float(self.daemon.config.checkpoint_timeout)
@@ -595,9 +595,14 @@ class CheckpointCoordinator:
             done[step.target] = sorted(set(done.get(step.target, [])) | set(step.ranks))
             log.info("job %d: node %s's files of generation %d rebuilt on %s (%s)", record["id"], step.lost, entry["gen"], step.target, step.method)
 
-        async with trio.open_nursery() as nursery:
+        async def on(target: str) -> None:  # (one at a time per node: each rewrites that node's MANIFEST)
             for step in steps:
-                nursery.start_soon(one, step)
+                if step.target == target:
+                    await one(step)
+
+        async with trio.open_nursery() as nursery:
+            for target in dict.fromkeys(step.target for step in steps):
+                nursery.start_soon(on, target)
         if done:
             copies = entry.get("copies")
             for node, ranks in done.items():

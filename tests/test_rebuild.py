@@ -269,3 +269,38 @@ def test_restarted_with_w_on_the_partner_of_the_lost_node_its_files_come_from_th
     assert_laid_out_as_a_checkpoint(gen_dir(gc, holder, job, entry["gen"]), holder, [0, 1], entry["iteration"])
     # Its partner copy stays as it was.
     assert ckptstore.verify(gen_dir(gc, holder, job, entry["gen"]) / "redundancy" / f"partner-{victim}") == []
+
+
+@pytest.fixture
+def points(tmp_path, monkeypatch):
+    """The failpoint directory the daemons are started with (GANGD_FAILPOINTS)."""
+    directory = tmp_path / "failpoints"
+    directory.mkdir()
+    monkeypatch.setenv("GANGD_FAILPOINTS", str(directory))
+    return directory
+
+
+def test_a_node_lost_during_a_redundancy_write_restarts_from_the_previous_protected_generation(make_cluster, points):
+    cluster = make_cluster(4, cores=2, time_slice=0.1)
+    try:
+        expected = reference(cluster, ARGV, NRANKS)
+        job = submit(cluster, [*ARGV, "--sleep", "0.05"], NRANKS, "-w", "n1,n2,n3", "--ckpt-redundancy", "xor")
+        cluster.wait_state(job, ("RUNNING", "SUSPENDED"))
+        time.sleep(1)
+        first = checkpoint(cluster, job)
+        g1 = next(g for g in settled(cluster, job) if g["gen"] == first["gen"])
+        assert g1["state"] == "protected", g1
+        (points / "protect.hold").touch()  # generation 2's redundancy write waits: it is lost with the node
+        second = checkpoint(cluster, job)
+        assert second["state"] == "complete" and second["iteration"] > g1["iteration"], second
+        cluster.gang("kill", job, check=True)
+        cluster.wait_state(job, TERMINAL)
+        _, (victim,) = job_nodes_and_victims(cluster, 1)
+        lose(cluster, victim)
+        answer = restart(cluster, job)
+        assert answer["gen"] == g1["gen"] and answer["rebuilt"] == {victim: "n4"}, answer
+        assert any(s.startswith(f"generation {second['gen']}: ") and victim in s for s in answer["skipped"]), answer["skipped"]
+        assert result_of(cluster, answer["record"]["id"], timeout=180) == expected
+    finally:
+        (points / "protect.hold").unlink(missing_ok=True)
+        kill_what_is_left(cluster)

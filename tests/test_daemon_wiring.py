@@ -191,6 +191,7 @@ def test_the_wire_keeps_every_operation_name_and_audience():
         "ckpt_commit", "ckpt_abort", "ckpt_prune", "ckpt_verify", "ckpt_open", "ckpt_abort_all", "ckpt_protect",
         "ckpt_stage",  # (restart anywhere: a node pulls the files of the ranks it will run)
         "ckpt_rebuild",  # (a lost node's files rebuilt from its partner's copy or its XOR set)
+        "ckpt_flush", "ckpt_unflush", "ckpt_flush_remove",  # (the flush directory: copies there, restores, retention)
     }
     peer = fenced | {
         "ping", "ranks_exited", "coord_submit", "coord_kill", "output_local", "coord_suspend", "coord_schedule",

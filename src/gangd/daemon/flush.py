@@ -24,8 +24,9 @@ A restart whose ranks' files are on no live node takes them from there
 (``ckpt_unflush``): each node copies the files of its ranks from the
 flushed directories of the nodes that held them into its own generation
 directory, checked against the flushed MANIFEST, laid out as a checkpoint
-lays them out (:class:`gangd.daemon.staging.Stager` does the directories,
-the commit and the undo), so the restore reads its own disk as always.
+lays them out (:class:`gangd.daemon.staging.TargetGeneration` does the
+directories, the commit and the undo, as for a staging or a rebuild), so the
+restore reads its own disk as always.
 
 Everything here is reached from the trusted ``flush_dir`` down through
 descriptors, never through a link; the flush directory itself must be
@@ -49,6 +50,7 @@ from ..redundancy import transfer
 from ..redundancy.plan import NODE_NAME
 from ..rpc import RemoteError
 from ..safefs import UnsafePath
+from .staging import TargetGeneration, merged
 
 log = logging.getLogger("gangd.flush")
 
@@ -323,26 +325,25 @@ class Flusher:
 
     # ------------------------------------------------------------ unflush (a restart's files)
 
-    async def unflush(self, request: UnflushRequest, stager) -> dict:
+    async def unflush(self, request: UnflushRequest, target: TargetGeneration) -> dict:
         """Copy the files of ``request``'s ranks from the flushed directories
-        into this node's generation directory (``stager``: a
-        :class:`gangd.daemon.staging.Stager` of this node, for the directories,
-        the commit and the undo)."""
+        into this node's generation directory (``target``: this node's
+        checkpoint root, for the directories, the commit and the undo)."""
         started = time.monotonic()
         directory = ckptstore.gen_dir(self.root, request.lineage, request.gen)
         where = f"{self.node}: restoring {directory} from {self._where(request.lineage, request.gen)}"
         try:
-            local = await trio.to_thread.run_sync(stager._open_dirs, directory, request.owner)
+            local = await trio.to_thread.run_sync(target.open_dirs, directory, request.owner)
         except (UnsafePath, OSError, StoreError) as exc:
             raise RemoteError("restart_failed", f"{where}: {getattr(exc, 'strerror', None) or exc}") from None
         copied: list[str] = []
         try:
-            size, manifest = await self._in_thread(lambda stop: self._unflush(request, directory, local, copied, stop, stager.reserve),
+            size, manifest = await self._in_thread(lambda stop: self._unflush(request, directory, local, copied, stop, target.reserve),
                                                    request.timeout, where, self._restores)
-            await trio.to_thread.run_sync(stager._commit, directory, manifest, list(copied))
+            await trio.to_thread.run_sync(target.commit, directory, manifest, list(copied))
         except BaseException as exc:
             with trio.CancelScope(shield=True):
-                await stager._undo(directory, list(copied))
+                await target.undo(directory, list(copied))
             if isinstance(exc, RemoteError):
                 raise
             if isinstance(exc, (StoreError, UnsafePath)):
@@ -362,7 +363,8 @@ class Flusher:
         gen_fd = ckptstore.open_generation(self.root, directory)
         throttle = Throttle(0, stop)
         files = dict(local.files) if local is not None else {}
-        ranks = set(local.ranks) if local is not None else set()
+        landed: dict[str, list] = {}
+        ranks: set[int] = set()
         iteration = local.iteration if local is not None else None
         total = 0
         try:
@@ -399,7 +401,7 @@ class Flusher:
                                              f"(checkpoint_max_rank_bytes = {self.max_file})")
                         self._copy_in(flushed / source, node_fd, name, size, checksum, directory, gen_fd,
                                       request.owner if name.startswith(f"{ckptstore.RANKS_DIR}/") else None, throttle, copied)
-                        files[name] = [size, checksum]
+                        files[name] = landed[name] = [size, checksum]
                         total += size
                     ranks |= set(wanted_ranks)
                 finally:
@@ -409,7 +411,7 @@ class Flusher:
             os.close(gen_fd)
         if iteration is None:  # (pulls is never empty: the request says so)
             raise StoreError("nothing to restore")
-        return total, Manifest(request.lineage, request.gen, self.node, iteration, files, sorted(ranks), time.time())
+        return total, merged(local, request.lineage, request.gen, self.node, iteration, landed, ranks)
 
     def _copy_in(self, source_dir: Path, source_fd: int, name: str, size: int, checksum: str, directory: Path, gen_fd: int,
                  owner: tuple[int, int] | None, throttle: Throttle, copied: list[str]) -> None:

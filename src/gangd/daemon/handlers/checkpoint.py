@@ -203,12 +203,10 @@ async def ckpt_flush(s, call: Call):
 async def ckpt_unflush(s, call: Call):
     """Copy the files of the ranks this node will restart from the flush directory (the coordinator's command)."""
     from ..flush import UnflushRequest
-    from ..staging import Stager
+    from ..staging import TargetGeneration
 
     request = UnflushRequest.from_args(call.args, [n.name for n in s.config.nodes])
-    stager = Stager(node=s.node, root=s.checkpoints.root, channel=s.peers.channel, reserve=s.config.output_reserve,
-                    max_file=s.config.checkpoint_max_rank_bytes)
-    return await s.flusher.unflush(request, stager)
+    return await s.flusher.unflush(request, TargetGeneration(s.checkpoints.root, s.config.output_reserve))
 
 
 @op("ckpt_flush_remove", audience=PEER, fenced=True)

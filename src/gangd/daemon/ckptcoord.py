@@ -34,9 +34,9 @@ from typing import Any
 import trio
 
 from .. import jobs
-from ..checkpoint import relocate
+from ..checkpoint import recovery, relocate
 from ..checkpoint import round as rd
-from ..redundancy.plan import default_level
+from ..redundancy.plan import PlanError, default_level, make_plan
 from ..rpc import RemoteError
 from .access import permission_check
 from .jobnet import expected_deliveries
@@ -408,9 +408,35 @@ class CheckpointCoordinator:
         finally:
             self.restarting.discard(lineage)
 
+    async def recover(self, record: dict, lost: set[str]) -> dict:
+        """Restart ``record``'s job from its newest usable generation, on
+        behalf of the system (no user's permission asked, and the job need not
+        have ended: the caller, recovering the jobs of ``lost`` nodes, decides
+        what becomes of it). ``lost``: nodes taken as gone whatever the
+        membership says. A protected generation whose files were on a lost
+        node has them rebuilt on the node that replaces it (spares first)
+        from its partner's copy or its XOR set; an unusable generation is
+        skipped for an older one, as ``gang restart`` does.
+
+        Returns what :meth:`restart` returns: ``record`` (the new job of the
+        lineage), ``gen``, ``iteration``, ``placement``, ``skipped`` (a
+        sentence per generation passed over) and ``rebuilt`` (lost node ->
+        the node that rebuilt its files). Raises :class:`RemoteError`
+        (``no_checkpoint`` naming what cannot be rebuilt, ``busy``, ...)."""
+        lineage = record.get("lineage") or record["id"]
+        if lineage in self.restarting:
+            raise RemoteError("busy", f"a restart from job {record['id']}'s checkpoints is already under way")
+        self.restarting.add(lineage)
+        try:
+            await self.daemon.table.read_lineage(lineage)
+            return await self._restart(record["id"], record, lineage, None, lost=set(lost), system=True)
+        finally:
+            self.restarting.discard(lineage)
+
     async def _restart(self, job_id: int, record: dict, lineage: int, gen: int | None,
-                       nodelist: list[str] | None = None, nodes: int | None = None) -> dict:
-        alive = [r["id"] for r in self.lineage_records(record) if not jobs.is_terminal(r)]
+                       nodelist: list[str] | None = None, nodes: int | None = None, *,
+                       lost: set[str] | None = None, system: bool = False) -> dict:
+        alive = [r["id"] for r in self.lineage_records(record) if not jobs.is_terminal(r) and not (system and r["id"] == job_id)]
         if alive:
             state = self.daemon.table.get(alive[0])["state"]
             raise RemoteError("bad_state", f"job {alive[0]}, restarted from the same checkpoints, is {state}; one job of a lineage runs at a time")
@@ -428,16 +454,42 @@ class CheckpointCoordinator:
             raise RemoteError("no_checkpoint", f"job {job_id} has no complete checkpoint to restart from")
         from .coordinator import place  # (coordinator imports this module)
 
-        up = [n.name for n in self.daemon.config.nodes if n.name == self.daemon.node or self.daemon.membership.is_up(n.name)]
+        gone = lost or set()
+        up = [n.name for n in self.daemon.config.nodes
+              if n.name not in gone and (n.name == self.daemon.node or self.daemon.membership.is_up(n.name))]
         cores = {n.name: n.cores for n in self.daemon.config.nodes}
         skipped: list[str] = []
-        for entry in complete:
+        rebuilt: dict[str, str] = {}
+        for candidate in complete:
+            entry = candidate  # (with the copies a rebuild adds)
+            down = [n for n in dict.fromkeys(entry["placement"]) if n not in up]
+            protected = entry["state"] == "protected" and entry.get("level") in ("partner", "xor") and bool(down)
             try:
-                placement = relocate.choose_placement(nranks=record["nranks"], old=list(entry["placement"]), up=up, cores=cores,
-                                                      place=place, nodelist=nodelist, nodes=nodes)
+                placement = None
+                if protected and nodelist is None and nodes is None:
+                    placement = self._recovery_placement(entry, down, up, cores)
+                if placement is None:
+                    placement = relocate.choose_placement(nranks=record["nranks"], old=list(entry["placement"]), up=up, cores=cores,
+                                                          place=place, nodelist=nodelist, nodes=nodes)
             except relocate.Unplaceable as exc:
                 raise RemoteError(exc.code, f"cannot restart job {job_id} there: {exc}") from None
             sources = relocate.plan_sources(placement, list(entry["placement"]), entry.get("copies"), up)
+            if sources.missing and protected:
+                try:
+                    steps = relocate.plan_rebuilds(placement, list(entry["placement"]), sources.missing,
+                                                   make_plan(entry["placement"], entry["level"]), up)
+                except (relocate.CannotRebuild, PlanError) as exc:
+                    log.warning("job %d: generation %d cannot be rebuilt: %s", job_id, entry["gen"], exc)
+                    skipped.append(f"generation {entry['gen']}: {exc}")
+                    continue
+                entry, failures = await self._rebuild(record, lineage, entry, steps)
+                if failures:
+                    for problem in failures:
+                        log.warning("job %d: generation %d is unusable: %s", job_id, entry["gen"], problem)
+                    skipped += [f"generation {entry['gen']}: {p}" for p in failures]
+                    continue
+                rebuilt = {step.lost: step.target for step in steps}
+                sources = relocate.plan_sources(placement, list(entry["placement"]), entry.get("copies"), up)
             if sources.missing:
                 problem = relocate.describe_missing(sources.missing)
                 log.warning("job %d: generation %d is unusable: %s", job_id, entry["gen"], problem)
@@ -472,7 +524,75 @@ class CheckpointCoordinator:
         new = await self.co.submit(spec, owner, internal=internal)
         moved = f" on {jobs.compress_nodes(list(dict.fromkeys(placement)))}" if placement != list(entry["placement"]) else ""
         log.info("job %d restarted as job %d from generation %d (iteration %s)%s", job_id, new["id"], entry["gen"], entry["iteration"], moved)
-        return {"record": new, "gen": entry["gen"], "iteration": entry["iteration"], "skipped": skipped, "placement": placement}
+        if rebuilt:
+            log.info("job %d: the files of lost node%s %s rebuilt on %s", job_id, "s" if len(rebuilt) > 1 else "",
+                     ", ".join(rebuilt), ", ".join(rebuilt.values()))
+        return {"record": new, "gen": entry["gen"], "iteration": entry["iteration"], "skipped": skipped, "placement": placement,
+                "rebuilt": rebuilt}
+
+    def _recovery_placement(self, entry: dict, down: list[str], up: list[str], cores: dict[str, int]) -> list[str] | None:
+        """Where a protected generation with ``down`` nodes restarts by
+        default: its ranks on live nodes stay, each down node's ranks go to one
+        replacement (spares first: :func:`gangd.checkpoint.recovery.plan_recovery`);
+        None if it has no answer (the usual placement is tried then)."""
+        placement = list(entry["placement"])
+        try:
+            plan = make_plan(placement, entry["level"])
+            free = {n: cores[n] - placement.count(n) for n in up if n in cores}
+            spares = [n.name for n in self.daemon.config.nodes if getattr(n, "spare", False)]
+            return list(recovery.plan_recovery(placement, plan, down, free, spares).placement)
+        except (recovery.CannotRecover, PlanError):
+            return None
+
+    async def _rebuild(self, record: dict, lineage: int, entry: dict, steps: list[relocate.RebuildStep]) -> tuple[dict, list[str]]:
+        """Each lost node's files rebuilt on its replacement (``ckpt_rebuild``,
+        :mod:`gangd.daemon.rebuild`), all at once, within ``checkpoint_timeout``;
+        the entry with the rebuilt files among its ``copies`` (recorded as a
+        staging records them), and a line per failure naming node and file."""
+        timeout = float(self.daemon.config.checkpoint_timeout)
+        failures: list[str] = []
+        done: dict[str, list[int]] = {}
+
+        async def one(step: relocate.RebuildStep) -> None:
+            try:
+                with trio.fail_after(timeout + 10):
+                    answer = await self.co.call(step.target, "ckpt_rebuild", lineage=lineage, gen=entry["gen"],
+                                                owner=[record["owner_uid"], record["owner_gid"]], lost=step.lost, method=step.method,
+                                                sources=list(step.sources), timeout=timeout)
+            except trio.TooSlowError:
+                failures.append(f"{step.target}: rebuilding node {step.lost}'s files took more than {timeout + 10:.0f} s")
+                return
+            except RemoteError as exc:
+                failures.append(exc.message if exc.message.startswith(step.target) else f"{step.target}: {exc.message}")
+                return
+            got = set(answer.get("ranks") or []) if isinstance(answer, dict) else set()
+            if not set(step.ranks) <= got:
+                failures.append(f"{step.target}: node {step.lost}'s rebuilt files hold ranks {sorted(got)}, not {list(step.ranks)}")
+                return
+            done[step.target] = sorted(set(done.get(step.target, [])) | set(step.ranks))
+            log.info("job %d: node %s's files of generation %d rebuilt on %s (%s)", record["id"], step.lost, entry["gen"], step.target, step.method)
+
+        async with trio.open_nursery() as nursery:
+            for step in steps:
+                nursery.start_soon(one, step)
+        if done:
+            copies = entry.get("copies")
+            for node, ranks in done.items():
+                copies = relocate.with_copies(copies, node, ranks)
+            entry = {**entry, "copies": copies}
+
+            def change(r):
+                for e in r.get("checkpoints") or []:
+                    if e["gen"] == entry["gen"]:
+                        mine = e.setdefault("copies", {})
+                        for node, ranks in done.items():
+                            mine[node] = sorted(set(mine.get(node, [])) | set(ranks))
+
+            try:
+                await self.co.update(entry["job"], change)
+            except RemoteError as exc:
+                log.warning("job %d: could not record the rebuilt copies of generation %d: %s", entry["job"], entry["gen"], exc)
+        return entry, failures
 
     async def _stage(self, record: dict, lineage: int, entry: dict, sources: relocate.Sources) -> tuple[list[str], list[str]]:
         """Every target node pulls its moved ranks' files, all at once, within

@@ -100,7 +100,7 @@ class Stager:
         self.node = node
         self.root = Path(root)
         self.channel = channel
-        self.reserve = reserve
+        self.target = TargetGeneration(self.root, reserve)
         #: A file larger than this is refused unread (a source's manifest is a peer's word: checkpoint_max_rank_bytes).
         self.max_file = max_file
 
@@ -109,7 +109,7 @@ class Stager:
         directory = ckptstore.gen_dir(self.root, request.lineage, request.gen)
         where = f"{self.node}: staging {directory}"
         try:
-            local = await trio.to_thread.run_sync(self._open_dirs, directory, request.owner)
+            local = await trio.to_thread.run_sync(self.target.open_dirs, directory, request.owner)
         except (UnsafePath, OSError, StoreError) as exc:
             raise RemoteError("restart_failed", f"{where}: {getattr(exc, 'strerror', None) or exc}") from None
         from .checkpoint import NoRoom  # (checkpoint imports nothing of this module)
@@ -141,25 +141,21 @@ class Stager:
                         except RemoteError as exc:
                             raise RemoteError(exc.code, f"node {source}'s job-{request.lineage}/gen-{request.gen}/{name}: {exc.message}") from None
 
-                await trio.to_thread.run_sync(self._room, directory, sum(size for _, _, size, _ in wanted))
+                await trio.to_thread.run_sync(self.target.room, directory, sum(size for _, _, size, _ in wanted))
                 async with trio.open_nursery() as nursery:
                     for source, name, size, checksum in wanted:
                         nursery.start_soon(one, source, name, size, checksum)
-                files = dict(local.files) if local is not None else {}
-                ranks = set(local.ranks) if local is not None else set()
-                for _, name, size, checksum in wanted:
-                    files[name] = [size, checksum]
-                for ranks_of in request.pulls.values():
-                    ranks |= set(ranks_of)
                 iteration = next(iter(manifests.values())).iteration
-                manifest = Manifest(request.lineage, request.gen, self.node, iteration, files, sorted(ranks), time.time())
-                await trio.to_thread.run_sync(self._commit, directory, manifest, [name for _, name, _, _ in wanted])
+                manifest = merged(local, request.lineage, request.gen, self.node, iteration,
+                                  {name: [size, checksum] for _, name, size, checksum in wanted},
+                                  {r for ranks_of in request.pulls.values() for r in ranks_of})
+                await trio.to_thread.run_sync(self.target.commit, directory, manifest, [name for _, name, _, _ in wanted])
         except trio.TooSlowError:
-            await self._undo(directory, pulled)
+            await self.target.undo(directory, pulled)
             raise RemoteError("timeout", f"{where}: the files did not arrive within {request.timeout:.0f} s") from None
         except BaseException as exc:
             with trio.CancelScope(shield=True):
-                await self._undo(directory, pulled)
+                await self.target.undo(directory, pulled)
             if isinstance(exc, BaseExceptionGroup):
                 exc = leaf_error(exc)
             if isinstance(exc, RemoteError):
@@ -206,9 +202,29 @@ class Stager:
                     break
         return wanted
 
-    # ------------------------------------------------------------ the disk (in threads)
 
-    def _open_dirs(self, directory: Path, owner: tuple[int, int]) -> Manifest | None:
+
+def merged(local: Manifest | None, lineage: int, gen: int, node: str, iteration: int, files: dict[str, list], ranks: set[int]) -> Manifest:
+    """This node's MANIFEST of the generation once ``files`` (name -> [size,
+    checksum]) of ``ranks`` landed: the union with what it listed (``local``)."""
+    union = dict(local.files) if local is not None else {}
+    union.update(files)
+    return Manifest(lineage, gen, node, iteration, union, sorted(set(local.ranks if local is not None else ()) | ranks), time.time())
+
+
+class TargetGeneration:
+    """A node's generation directory that files of other nodes land in (a
+    staging, a rebuild: :mod:`gangd.daemon.rebuild`), and the commit that
+    lists them: made as a checkpoint makes it, filled under the final names
+    but unlisted until :meth:`commit` rewrites the MANIFEST with the union, and
+    emptied of what a failed attempt wrote (:meth:`undo`). Blocking: run in
+    threads (``trio.to_thread.run_sync``), but for :meth:`undo`."""
+
+    def __init__(self, root: Path, reserve: int):
+        self.root = Path(root)
+        self.reserve = reserve
+
+    def open_dirs(self, directory: Path, owner: tuple[int, int]) -> Manifest | None:
         """``job-L/gen-G/ranks`` made (or found) as a checkpoint makes them;
         this node's manifest of the generation if it has one. A generation
         directory without a manifest is a leftover (an aborted staging or
@@ -255,14 +271,14 @@ class Stager:
             os.close(gen)
         return local
 
-    def _gen_fd(self, directory: Path) -> int:
+    def gen_fd(self, directory: Path) -> int:
         return ckptstore.open_generation(self.root, directory)
 
-    def _room(self, directory: Path, incoming: int) -> None:
+    def room(self, directory: Path, incoming: int) -> None:
         """Raise NoRoom unless the disk takes ``incoming`` bytes and still keeps its reserve."""
         from .checkpoint import NoRoom
 
-        fd = self._gen_fd(directory)
+        fd = self.gen_fd(directory)
         try:
             enough, free, reserve = ckptstore.room_for(fd, incoming, self.reserve)
         finally:
@@ -271,8 +287,8 @@ class Stager:
             raise NoRoom(f"the checkpoint disk ({self.root}) has {free} bytes free; the files to copy need {incoming} "
                          f"and gangd keeps {reserve} free there (output_reserve)")
 
-    def _commit(self, directory: Path, manifest: Manifest, names: list[str]) -> None:
-        fd = self._gen_fd(directory)
+    def commit(self, directory: Path, manifest: Manifest, names: list[str]) -> None:
+        fd = self.gen_fd(directory)
         try:
             ckptstore.sync(directory, names, dir_fd=fd)
             if any(n.startswith(f"{ckptstore.RANKS_DIR}/") for n in names):
@@ -285,11 +301,11 @@ class Stager:
         finally:
             os.close(fd)
 
-    async def _undo(self, directory: Path, names: list[str]) -> None:
+    async def undo(self, directory: Path, names: list[str]) -> None:
         """Remove what a failed staging pulled (not in the manifest: never taken for staged)."""
         def remove() -> None:
             try:
-                fd = self._gen_fd(directory)
+                fd = self.gen_fd(directory)
             except (UnsafePath, OSError):
                 return
             try:

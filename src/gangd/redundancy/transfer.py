@@ -458,6 +458,26 @@ async def fetch_manifest(channel: Channel, *, lineage: int, gen: int, prefix: st
     return manifest
 
 
+async def fetch_meta(channel: Channel, *, lineage: int, gen: int, node: str) -> xor.XorMeta:
+    """The peer's ``redundancy/xor.meta`` of a generation (its XOR set, its
+    parity's size and checksum, every member's manifest), read to
+    :data:`xor.MAX_META` bytes and checked: it must be ``node``'s own of
+    ``job-<lineage>/gen-<gen>``."""
+    name = check_name(f"{xor.REDUNDANCY_DIR}/{xor.META}")
+    what = f"{name} of job-{lineage}/gen-{gen} from {channel.label}"
+    data = bytearray()
+    async with channel.stream("ckpt_file_read", lineage=lineage, gen=gen, name=name) as items:
+        async for chunk in verified_chunks(items, xor.MAX_META, None, what, exact=False):
+            data += chunk
+    try:
+        meta = xor.XorMeta.unpack(bytes(data), what)
+    except StoreError as exc:
+        raise TransferError(str(exc)) from None
+    if (meta.lineage, meta.gen) != (lineage, gen) or meta.nodes[meta.index] != node:
+        raise TransferError(f"{what} is node {meta.nodes[meta.index]}'s of job-{meta.lineage}/gen-{meta.gen}, not the one asked for")
+    return meta
+
+
 def partner_prefix(node: str) -> str:
     """Where a node keeps its ring predecessor ``node``'s copy, in its own generation directory."""
     return f"{xor.REDUNDANCY_DIR}/partner-{node}/"

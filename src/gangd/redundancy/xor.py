@@ -480,15 +480,17 @@ class _Take:
 
 
 def rebuild(lost: int, meta: XorMeta, data: Sequence[Source | None], parity: Sequence[Source | None], dest: Path,
-            *, owner: tuple[int, int] | None = None) -> Manifest:
+            *, owner: tuple[int, int] | None = None, own_parity: bool = True) -> Manifest:
     """Rebuild member ``lost`` of the set ``meta`` (any survivor's) into the
     new directory ``dest``: its files, its MANIFEST (last) and its parity and
     meta, each checked (files against the lost member's manifest, every
     parity read against its own checksum). ``data[i]``/``parity[i]``: the
     survivors' (None for ``lost``). ``owner``: of ``ranks/`` and the rank
     files in it (the job's user). Written under ``.<dest>.partial`` and
-    renamed: ``dest`` appears whole or not at all. Raises :class:`RebuildError`
-    naming what failed."""
+    renamed: ``dest`` appears whole or not at all. ``own_parity=False``: not
+    the lost member's parity and meta (a second pass over every survivor's
+    data; a restart that moves the files into a live generation needs only
+    them). Raises :class:`RebuildError` naming what failed."""
     manifest = meta.manifest(lost)
     node = meta.nodes[lost]
     dest = Path(dest)
@@ -500,7 +502,7 @@ def rebuild(lost: int, meta: XorMeta, data: Sequence[Source | None], parity: Seq
         gen_fd = os.open(partial.name, safefs.DIR_FLAGS, dir_fd=parent_fd)
         try:
             try:
-                _rebuild_into(gen_fd, partial, lost, meta, manifest, data, parity, owner)
+                _rebuild_into(gen_fd, partial, lost, meta, manifest, data, parity, owner, own_parity)
             except RebuildError as exc:
                 raise RebuildError(f"cannot rebuild node {node}'s job-{meta.lineage}/gen-{meta.gen}: {exc}") from None
             except OSError as exc:
@@ -520,7 +522,8 @@ def rebuild(lost: int, meta: XorMeta, data: Sequence[Source | None], parity: Seq
 
 
 def _rebuild_into(gen_fd: int, where: Path, lost: int, meta: XorMeta, manifest: Manifest,
-                  data: Sequence[Source | None], parity: Sequence[Source | None], owner: tuple[int, int] | None) -> None:
+                  data: Sequence[Source | None], parity: Sequence[Source | None], owner: tuple[int, int] | None,
+                  own_parity: bool = True) -> None:
     layout = meta.layout
     n, c = layout.n, layout.chunk
     survivors = [i for i in range(n) if i != lost]
@@ -557,7 +560,8 @@ def _rebuild_into(gen_fd: int, where: Path, lost: int, meta: XorMeta, manifest: 
     if problems:
         raise RebuildError("the rebuilt files do not match the lost node's manifest (" + "; ".join(problems) + ")")
     # Its own parity, from the survivors' data, and its meta; then the MANIFEST last.
-    write_parity(where, _with_index(meta, lost), data)
+    if own_parity:
+        write_parity(where, _with_index(meta, lost), data)
     ckptstore.write_manifest(where, manifest, dir_fd=gen_fd)
 
 

@@ -176,3 +176,15 @@ async def ckpt_stage(s, call: Call):
                     max_file=s.config.checkpoint_max_rank_bytes)
     return await stager.stage(request)
 
+
+
+@op("ckpt_rebuild", audience=PEER, fenced=True)
+async def ckpt_rebuild(s, call: Call):
+    """Rebuild a lost node's files of a protected generation here, from its partner's copy or its XOR set (see gangd.daemon.rebuild)."""
+    from ...redundancy.bulk import Bulk
+    from ..rebuild import Rebuilder, RebuildRequest
+
+    request = RebuildRequest.from_args(call.args, [n.name for n in s.config.nodes], s.node)
+    rebuilder = Rebuilder(node=s.node, root=s.checkpoints.root, channel=s.peers.channel, reserve=s.config.output_reserve,
+                          max_file=s.config.checkpoint_max_rank_bytes, bulk=Bulk.from_secret(s.peers.secret))
+    return await rebuilder.rebuild(request)

@@ -436,7 +436,9 @@ def ps(ctx, show_all, as_json):
     \b
     STATE is what the gang scheduler is doing right now: RUNNING jobs are in
     the active time slot, SUSPENDED ones are stopped (their slot is waiting
-    for its turn, or `gang suspend` holds them). ELAPSED is wall time since
+    for its turn, or `gang suspend` holds them). RECOVERING jobs lost a node
+    and are being restarted from their checkpoint on live nodes; REQUEUED
+    ones were, as the job their REASON names. ELAPSED is wall time since
     the job started, RUN and SUSP split it into time running and time
     stopped, CPU is the CPU time all its processes used on every node.
     """

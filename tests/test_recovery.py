@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from ckpthelpers import checkpoint, generations, kill_what_is_left, reference, result_of, submit
+from ckpthelpers import checkpoint, generations, kill_what_is_left, reference, result_line, result_of, submit
 from conftest import wait_for
 from hypothesis import given
 from hypothesis import strategies as st
@@ -233,7 +233,12 @@ def spare_cluster(make_cluster):
 def test_a_job_whose_node_and_disk_are_lost_comes_back_by_itself_bit_identical(spare_cluster, level):
     cluster = spare_cluster
     expected = reference(cluster, ARGV, 3, "--per-node", "1")
-    job = submit(cluster, SLOW, 3, "--per-node", "1", "--ckpt-redundancy", level)
+    runner = None
+    if level == "xor":  # `gang run` in the foreground follows the recovery too, output and exit code
+        runner = cluster.popen_gang("run", "-n", 3, "--per-node", 1, "--ckpt-redundancy", level, "--", PY, *SLOW)
+        job = wait_for(lambda: next((r["id"] for r in cluster.gang_json("ps") if r["state"] not in ENDED), None), 60, "the job of gang run")
+    else:
+        job = submit(cluster, SLOW, 3, "--per-node", "1", "--ckpt-redundancy", level)
     first = running(cluster, job)
     assert "n4" not in first["placement"], first["placement"]  # (the spare is held back)
     nodes = cluster.gang("nodes", check=True).stdout
@@ -255,6 +260,11 @@ def test_a_job_whose_node_and_disk_are_lost_comes_back_by_itself_bit_identical(s
     assert again["lineage"] == job and again["restart_of"]["gen"] == taken["gen"]
     assert victim not in again["placement"] and "n4" in again["placement"], again["placement"]  # the spare replaced the lost node
     assert result_of(cluster, new, timeout=240) == expected
+    if runner is not None:
+        out, err = runner.communicate(timeout=120)
+        assert runner.returncode == 0, err
+        assert result_line(out) == expected
+        assert f"following job {new}" in err, err
 
     out, err = waiter.communicate(timeout=120)
     assert waiter.returncode == 0, err
@@ -376,5 +386,32 @@ def test_a_node_lost_during_the_redundancy_write_leaves_the_previous_protected_g
         new = cluster.job(old["requeued_as"])
         assert new["restart_of"]["gen"] == first["gen"], new
         assert result_of(cluster, new["id"], timeout=300) == expected
+    finally:
+        kill_what_is_left(cluster)
+
+
+def test_a_new_coordinator_finds_the_job_recovering_and_finishes_it_with_one_restart(make_cluster, points):
+    cluster = make_cluster(5, cores=2, time_slice=0.1, spares=("n5",))
+    try:
+        expected = reference(cluster, ARGV, 3, "--per-node", "1")
+        lead = coordinator(cluster)
+        nodes = [n for n in ("n1", "n2", "n3", "n4") if n != lead][:3]
+        job = submit(cluster, SLOW, 3, "--per-node", "1", "-w", ",".join(nodes), "--ckpt-redundancy", "partner")
+        running(cluster, job)
+        taken = checkpoint(cluster, job)
+        wait_protected(cluster, job, taken["gen"])
+        (points / "recover.hold").touch()  # the recovery stops after killing the survivors, before the restart
+        lose(cluster, nodes[-1])
+        held = cluster.wait_state(job, "RECOVERING", timeout=60)
+        assert held["reason"] == f"node {nodes[-1]} lost; recovering from generation {taken['gen']}", held["reason"]
+        assert cluster.gang_json("ps")  # (visible in gang ps)
+        os.kill(cluster.daemon_pid(lead), signal.SIGKILL)  # the coordinator dies mid-recovery
+        wait_for(lambda: coordinator(cluster) != lead, 60, "a new coordinator")
+        os.unlink(points / "recover.hold")
+        old = cluster.wait_state(job, ENDED, timeout=120)
+        assert old["state"] == "REQUEUED", old
+        lineage = [r for r in cluster.gang_json("ps", "--all") if r.get("lineage") == job and r["id"] != job]
+        assert [r["id"] for r in lineage] == [old["requeued_as"]], lineage  # one restart, never two
+        assert result_of(cluster, old["requeued_as"], timeout=240) == expected
     finally:
         kill_what_is_left(cluster)

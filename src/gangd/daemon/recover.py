@@ -48,6 +48,7 @@ and the rule that one job of a lineage is alive at a time.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -56,6 +57,7 @@ import trio
 from .. import jobs
 from ..rpc import RemoteError
 from .peers import natural_key
+from .store import Deposed
 
 log = logging.getLogger("gangd.recover")
 
@@ -163,6 +165,23 @@ def describe_lost(lost: list[str]) -> str:
 # ------------------------------------------------------------ the orchestration
 
 
+#: A test's hold point (see :func:`_hold`).
+HOLD = "recover.hold"
+
+
+async def _hold() -> None:
+    """A test's hold point: while ``$GANGD_FAILPOINTS/recover.hold`` exists
+    (root's directory, armed only by root, as a failpoint), a recovery waits
+    after killing the survivors, before the restart: a test can depose the
+    coordinator while a job is RECOVERING."""
+    directory = os.environ.get("GANGD_FAILPOINTS")
+    if not directory:
+        return
+    path = os.path.join(directory, HOLD)
+    while await trio.to_thread.run_sync(os.path.exists, path):  # noqa: ASYNC110 -- a file a test removes: no event to wait on
+        await trio.sleep(0.05)
+
+
 class Recoveries:
     """The recoveries under way, run in the coordinator's term (``co.spawn``)."""
 
@@ -222,7 +241,7 @@ class Recoveries:
         if newer:  # the recovery got as far as the new job: only the link is missing
             new = min(newer, key=lambda r: r["id"])
             log.info("job %d: its recovery, left by the previous coordinator, had started job %d", job_id, new["id"])
-            await self._link(job_id, new, (record.get("recovery") or {}).get("gen"))
+            await self._link(job_id, new, (new.get("restart_of") or {}).get("gen"))
             return
         log.info("job %d: resuming its recovery, left by the previous coordinator", job_id)
         self.start(job_id)
@@ -231,7 +250,7 @@ class Recoveries:
         try:
             await self._recover(job_id)
         except RemoteError as exc:
-            if exc.code == "deposed" or not self.co.active:
+            if isinstance(exc, Deposed) or not self.co.active:
                 raise
             log.warning("job %d: recovery failed: %s", job_id, exc.message)
             await self._end(job_id, jobs.FAILED, f"not recovered: {exc.message}")
@@ -254,6 +273,7 @@ class Recoveries:
             with trio.move_on_after(float(co.config.checkpoint_timeout) + 30):
                 await live.done.wait()
         await co.kill_everywhere(job_id)
+        await _hold()
         lineage = record.get("lineage") or job_id
         with trio.move_on_after(RESTART_WAIT):
             while lineage in ckpt.restarting:  # noqa: ASYNC110 -- a set of ckptcoord's, no event to wait on
@@ -295,7 +315,7 @@ class Recoveries:
         try:
             await self.co.update(new["id"], on_new)
         except RemoteError as exc:
-            if exc.code == "deposed":
+            if isinstance(exc, Deposed):
                 raise
             log.warning("job %d: could not record that it recovers job %d: %s", new["id"], job_id, exc.message)
         if record.get("kill_requested"):
@@ -306,6 +326,9 @@ class Recoveries:
         where = f" on {jobs.compress_nodes(jobs.nodes_of({'placement': result['placement']}))}" if result and result.get("placement") else ""
         reason = f"{describe_lost(lost)} lost; requeued as job {new['id']} from generation {gen}{where}"
         await self._end(job_id, jobs.REQUEUED, reason, requeued_as=new["id"])
+        after = self.table.get(job_id)
+        if after is not None and after["state"] == jobs.KILLED:  # (killed between the check above and the end)
+            await self.co.kill(new["id"], ROOT)
 
     async def _end(self, job_id: int, state: str, reason: str, **fields) -> None:
         """End a RECOVERING job: ``state``, ``reason`` prefixed with the loss, every rank accounted."""

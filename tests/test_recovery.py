@@ -412,6 +412,7 @@ def test_a_new_coordinator_finds_the_job_recovering_and_finishes_it_with_one_res
         assert old["state"] == "REQUEUED", old
         lineage = [r for r in cluster.gang_json("ps", "--all") if r.get("lineage") == job and r["id"] != job]
         assert [r["id"] for r in lineage] == [old["requeued_as"]], lineage  # one restart, never two
+        assert f"job {job}: resuming its recovery, left by the previous coordinator" in cluster.log(coordinator(cluster))
         assert result_of(cluster, old["requeued_as"], timeout=240) == expected
     finally:
         kill_what_is_left(cluster)

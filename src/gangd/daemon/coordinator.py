@@ -791,7 +791,7 @@ class Coordinator:
                     f"(no keep-alive for {ttl} s: a crash, a stall or a partition)" for n in down
                 ]
             )
-            await self.ckpt_node_lost(record["id"], down + gone)
+            self.spawn(self.ckpt_node_lost, record["id"], down + gone)
             await self.recoveries.node_lost(record, down + gone, why)
 
     async def ckpt_node_lost(self, job_id: int, lost: list[str]) -> None:

@@ -236,6 +236,7 @@ def test_a_damaged_parity_is_refused_naming_the_file_and_nothing_is_left_listed(
     assert refused["returncode"] != 0, refused
     assert "n4" in refused["stderr"] and victim in refused["stderr"], refused["stderr"]
     assert "redundancy/xor.parity" in refused["stderr"] and f"node {holder}" in refused["stderr"], refused["stderr"]
+    assert "does not match" in refused["stderr"] and refused["stderr"].count("job-") <= 3, refused["stderr"]
     target = gen_dir(gc, "n4", job, entry["gen"])
     listed = set(ckptstore.read_manifest(target).files) if (target / ckptstore.MANIFEST).exists() else set()
     lost_ranks = [r for r, n in enumerate(entry["placement"]) if n == victim]
@@ -246,3 +247,60 @@ def test_a_damaged_parity_is_refused_naming_the_file_and_nothing_is_left_listed(
         assert os.listdir(target / "redundancy") == []
     recorded = next(g for g in generations(gc, job) if g["gen"] == entry["gen"])
     assert "n4" not in (recorded.get("copies") or {}), recorded
+
+
+def test_restarted_with_w_on_the_partner_of_the_lost_node_its_files_come_from_the_copy_there(gc):
+    """The node that takes the lost node's ranks holds its partner copy: the files are copied on its own disk, checked as they are."""
+    expected = reference(gc, ARGV, 2)
+    leader = coordinator_seen_by(gc, "n1")
+    victim, holder = ("n3", "n2") if leader == "n2" else ("n2", "n1")  # (a ring of two: each holds the other's copy)
+    job = submit(gc, [*ARGV, "--sleep", "0.05"], 2, "-w", f"{holder},{victim}", "--ckpt-redundancy", "partner")
+    gc.wait_state(job, ("RUNNING", "SUSPENDED"))
+    time.sleep(1)
+    gen = checkpoint(gc, job)
+    entry = next(g for g in settled(gc, job) if g["gen"] == gen["gen"])
+    assert entry["state"] == "protected" and entry["level"] == "partner", entry
+    gc.gang("kill", job, check=True)
+    gc.wait_state(job, TERMINAL)
+    lose(gc, victim)
+    answer = restart(gc, job, "-w", holder)
+    assert answer["placement"] == [holder, holder] and answer["rebuilt"] == {victim: holder}, answer
+    assert result_of(gc, answer["record"]["id"], timeout=180) == expected
+    assert_laid_out_as_a_checkpoint(gen_dir(gc, holder, job, entry["gen"]), holder, [0, 1], entry["iteration"])
+    # Its partner copy stays as it was.
+    assert ckptstore.verify(gen_dir(gc, holder, job, entry["gen"]) / "redundancy" / f"partner-{victim}") == []
+
+
+@pytest.fixture
+def points(tmp_path, monkeypatch):
+    """The failpoint directory the daemons are started with (GANGD_FAILPOINTS)."""
+    directory = tmp_path / "failpoints"
+    directory.mkdir()
+    monkeypatch.setenv("GANGD_FAILPOINTS", str(directory))
+    return directory
+
+
+def test_a_node_lost_during_a_redundancy_write_restarts_from_the_previous_protected_generation(make_cluster, points):
+    cluster = make_cluster(4, cores=2, time_slice=0.1)
+    try:
+        expected = reference(cluster, ARGV, NRANKS)
+        job = submit(cluster, [*ARGV, "--sleep", "0.05"], NRANKS, "-w", "n1,n2,n3", "--ckpt-redundancy", "xor")
+        cluster.wait_state(job, ("RUNNING", "SUSPENDED"))
+        time.sleep(1)
+        first = checkpoint(cluster, job)
+        g1 = next(g for g in settled(cluster, job) if g["gen"] == first["gen"])
+        assert g1["state"] == "protected", g1
+        (points / "protect.hold").touch()  # generation 2's redundancy write waits: it is lost with the node
+        second = checkpoint(cluster, job)
+        assert second["state"] == "complete" and second["iteration"] > g1["iteration"], second
+        cluster.gang("kill", job, check=True)
+        cluster.wait_state(job, TERMINAL)
+        _, (victim,) = job_nodes_and_victims(cluster, 1)
+        lose(cluster, victim)
+        answer = restart(cluster, job)
+        assert answer["gen"] == g1["gen"] and answer["rebuilt"] == {victim: "n4"}, answer
+        assert any(s.startswith(f"generation {second['gen']}: ") and victim in s for s in answer["skipped"]), answer["skipped"]
+        assert result_of(cluster, answer["record"]["id"], timeout=180) == expected
+    finally:
+        (points / "protect.hold").unlink(missing_ok=True)
+        kill_what_is_left(cluster)

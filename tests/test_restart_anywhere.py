@@ -282,7 +282,7 @@ def test_with_a_checkpoint_node_down_the_restart_runs_where_copies_are_or_names_
     first = restart(gc, a, "-w", "n3,n4")["record"]["id"]
     gc.gang("kill", first, check=True)
     gc.wait_state(first, TERMINAL)
-    b, _ = checkpointed_and_killed(gc, 4, "-w", "n1,n2")
+    b, _ = checkpointed_and_killed(gc, 4, "-w", "n1,n2", "--ckpt-redundancy", "local")  # (no partner copy to rebuild from: test_rebuild.py)
     os.kill(gc.daemon_pid("n1"), signal.SIGKILL)
     try:
         wait_node(gc, "n1", "down")

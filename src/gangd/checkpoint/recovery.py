@@ -1,4 +1,4 @@
-"""Where a job lost with a node comes back, and where each rank's files come from (pure; not wired yet).
+"""Where a job lost with a node comes back, and where each rank's files come from (pure).
 
 When a node is lost, a job with ranks there that has a protected generation
 is restarted from it on live nodes (issue 16). This is the decision, from
@@ -17,9 +17,10 @@ plain values, so that every rule is testable without a cluster:
   free cores the lost node's ranks need; in node-name order within each
   class, so the choice is predictable.
 
-The daemon side (the rebuild on the replacement, then a restart pinned to
-the placement, as :mod:`gangd.daemon.staging` does for ``gang restart -w``)
-is not part of this module.
+The daemon side executes it: :meth:`gangd.daemon.ckptcoord.CheckpointCoordinator.restart`
+and ``recover`` take this placement when a protected generation's files
+must be rebuilt, :func:`gangd.checkpoint.relocate.plan_rebuilds` says which
+node rebuilds what, and ``ckpt_rebuild`` (:mod:`gangd.daemon.rebuild`) does it.
 """
 
 from __future__ import annotations

@@ -21,7 +21,12 @@ ones are removed (``checkpoint_keep``).
 A restart (``gang restart``) is a new job in the same *lineage*, pinned to
 the nodes of the generation, which every node first verifies against its
 manifest (sizes and checksums). The new job's gates stay closed until
-every rank has loaded its state.
+every rank has loaded its state. A restart elsewhere first moves the files
+of ranks that move (:mod:`gangd.daemon.staging`); files that are only on
+nodes that are down are rebuilt, if the generation is *protected*, from its
+redundancy on the node replacing each lost one (:mod:`gangd.daemon.rebuild`);
+:meth:`CheckpointCoordinator.recover` does the same for the system, when
+a node is lost under a running job.
 """
 
 from __future__ import annotations
@@ -462,18 +467,29 @@ class CheckpointCoordinator:
         rebuilt: dict[str, str] = {}
         for candidate in complete:
             entry = candidate  # (with the copies a rebuild adds)
+            rebuilt = {}
             down = [n for n in dict.fromkeys(entry["placement"]) if n not in up]
             protected = entry["state"] == "protected" and entry.get("level") in ("partner", "xor") and bool(down)
+            default = nodelist is None and nodes is None
             try:
-                placement = None
-                if protected and nodelist is None and nodes is None:
-                    placement = self._recovery_placement(entry, down, up, cores)
-                if placement is None:
-                    placement = relocate.choose_placement(nranks=record["nranks"], old=list(entry["placement"]), up=up, cores=cores,
-                                                          place=place, nodelist=nodelist, nodes=nodes)
+                placement = relocate.choose_placement(nranks=record["nranks"], old=list(entry["placement"]), up=up, cores=cores,
+                                                      place=place, nodelist=nodelist, nodes=nodes)
             except relocate.Unplaceable as exc:
-                raise RemoteError(exc.code, f"cannot restart job {job_id} there: {exc}") from None
+                recovered = self._recovery_placement(entry, down, up, cores) if protected and default else None
+                if recovered is None:
+                    unrebuildable = self._unrebuildable(entry, down, up) if protected else ""
+                    if unrebuildable:  # (its lost files are the problem, not where it would run)
+                        skipped.append(f"generation {entry['gen']}: {unrebuildable}")
+                        continue
+                    raise RemoteError(exc.code, f"cannot restart job {job_id} there: {exc}") from None
+                placement = recovered
             sources = relocate.plan_sources(placement, list(entry["placement"]), entry.get("copies"), up)
+            if sources.missing and protected and default:
+                # Files to rebuild: the survivors' ranks stay, each lost node's go to one replacement, spares first.
+                recovered = self._recovery_placement(entry, down, up, cores)
+                if recovered is not None and recovered != placement:
+                    placement = recovered
+                    sources = relocate.plan_sources(placement, list(entry["placement"]), entry.get("copies"), up)
             if sources.missing and protected:
                 try:
                     steps = relocate.plan_rebuilds(placement, list(entry["placement"]), sources.missing,
@@ -530,6 +546,18 @@ class CheckpointCoordinator:
         return {"record": new, "gen": entry["gen"], "iteration": entry["iteration"], "skipped": skipped, "placement": placement,
                 "rebuilt": rebuilt}
 
+    def _unrebuildable(self, entry: dict, down: list[str], up: list[str]) -> str:
+        """The sentence naming the down nodes of a protected generation whose
+        files its redundancy cannot rebuild and no live node holds, or ""."""
+        placement = list(entry["placement"])
+        try:
+            result = make_plan(placement, entry["level"]).recovery(down)
+        except PlanError as exc:
+            return str(exc)
+        have = relocate.holders(placement, entry.get("copies"))
+        lost = [n for n in down if any(not set(have[r]) & set(up) for r, p in enumerate(placement) if p == n)]
+        return "; ".join(p for p in result.unrecoverable if any(p.startswith(f"node {n}'s ") for n in lost))
+
     def _recovery_placement(self, entry: dict, down: list[str], up: list[str], cores: dict[str, int]) -> list[str] | None:
         """Where a protected generation with ``down`` nodes restarts by
         default: its ranks on live nodes stay, each down node's ranks go to one
@@ -546,7 +574,7 @@ class CheckpointCoordinator:
 
     async def _rebuild(self, record: dict, lineage: int, entry: dict, steps: list[relocate.RebuildStep]) -> tuple[dict, list[str]]:
         """Each lost node's files rebuilt on its replacement (``ckpt_rebuild``,
-        :mod:`gangd.daemon.rebuild`), all at once, within ``checkpoint_timeout``;
+        :mod:`gangd.daemon.rebuild`), the nodes at once, within ``checkpoint_timeout``;
         the entry with the rebuilt files among its ``copies`` (recorded as a
         staging records them), and a line per failure naming node and file."""
         timeout = float(self.daemon.config.checkpoint_timeout)
@@ -572,9 +600,14 @@ class CheckpointCoordinator:
             done[step.target] = sorted(set(done.get(step.target, [])) | set(step.ranks))
             log.info("job %d: node %s's files of generation %d rebuilt on %s (%s)", record["id"], step.lost, entry["gen"], step.target, step.method)
 
-        async with trio.open_nursery() as nursery:
+        async def on(target: str) -> None:  # (one at a time per node: each rewrites that node's MANIFEST)
             for step in steps:
-                nursery.start_soon(one, step)
+                if step.target == target:
+                    await one(step)
+
+        async with trio.open_nursery() as nursery:
+            for target in dict.fromkeys(step.target for step in steps):
+                nursery.start_soon(on, target)
         if done:
             copies = entry.get("copies")
             for node, ranks in done.items():

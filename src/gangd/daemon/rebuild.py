@@ -148,7 +148,8 @@ class Rebuilder:
                 code = exc.code if exc.code in ("transfer_failed", "bad_request", "no_such_node") else "rebuild_failed"
                 raise RemoteError(code, exc.message if exc.message.startswith(f"{self.node}:") else f"{where}: {exc.message}") from None
             if isinstance(exc, NoRoom | StoreError | UnsafePath):
-                raise RemoteError("rebuild_failed", f"{where}: {exc}") from None
+                said = str(exc).removeprefix(f"cannot rebuild node {request.lost}'s job-{request.lineage}/gen-{request.gen}: ")
+                raise RemoteError("rebuild_failed", f"{where}: {said}") from None
             if isinstance(exc, OSError):
                 raise RemoteError("rebuild_failed", f"{where}: {ckptstore.describe_os_error(exc, directory)}") from None
             raise

@@ -416,3 +416,26 @@ def test_a_new_coordinator_finds_the_job_recovering_and_finishes_it_with_one_res
         assert result_of(cluster, old["requeued_as"], timeout=240) == expected
     finally:
         kill_what_is_left(cluster)
+
+
+def test_two_nodes_of_one_xor_set_lost_fail_the_job_naming_what_cannot_be_rebuilt(make_cluster):
+    cluster = make_cluster(4, cores=2, time_slice=0.1, spares=("n4",))
+    try:
+        job = submit(cluster, SLOW, 3, "--per-node", "1", "--ckpt-redundancy", "xor")
+        running(cluster, job)
+        taken = checkpoint(cluster, job)
+        wait_protected(cluster, job, taken["gen"])
+        lead = coordinator(cluster)
+        doomed = [n for n in jobs.nodes_of(cluster.job(job)) if n != lead]
+        assert len(doomed) == 2, doomed
+        for node in doomed:
+            lose(cluster, node)
+        record_ = cluster.wait_state(job, ENDED, timeout=120)
+        assert record_["state"] == "FAILED", record_
+        reason = record_["reason"]
+        # Whichever lease expired first, both nodes are counted lost, and the reason is the rebuild's sentence.
+        assert reason.startswith(f"nodes {', '.join(doomed)} lost; not recovered: "), reason
+        assert any(f"node {n}'s" in reason for n in doomed), reason
+        assert [r for r in cluster.gang_json("ps", "--all") if r.get("lineage") == job and r["id"] != job] == []  # no restart left behind
+    finally:
+        kill_what_is_left(cluster)

@@ -274,6 +274,7 @@ class Recoveries:
                 await live.done.wait()
         await co.kill_everywhere(job_id)
         await _hold()
+        lost = await self._settle(record, lost)
         lineage = record.get("lineage") or job_id
         with trio.move_on_after(RESTART_WAIT):
             while lineage in ckpt.restarting:  # noqa: ASYNC110 -- a set of ckptcoord's, no event to wait on
@@ -293,6 +294,33 @@ class Recoveries:
         new = result["record"]
         log.info("job %d recovered as job %d from generation %s in %.1f s", job_id, new["id"], result.get("gen"), time.monotonic() - started)
         await self._link(job_id, new, result.get("gen"), result)
+
+    async def _settle(self, record: dict, lost: list[str]) -> list[str]:
+        """The job's lost nodes once the others are known good: nodes fail
+        together (a rack, a switch), and a node this coordinator cannot reach
+        while its lease still runs is waited for until etcd says it is down
+        or its link is back (at most a lease and a heartbeat timeout); still
+        unreachable then, it is taken as lost too, never as a source or a
+        target of the rebuild. Recorded with the recovery."""
+        co = self.co
+        membership, peers = co.membership, co.peers
+        patience = float(co.config.etcd.lease_ttl) + float(co.config.heartbeat_timeout)
+        nodes = jobs.nodes_of(record)
+        known = {n.name for n in co.config.nodes}
+        with trio.move_on_after(patience):
+            while [n for n in nodes if n not in lost and n in known and membership.is_up(n) and not peers.link_up(n)]:  # noqa: ASYNC110 -- two sources (etcd, the links), no one event
+                await trio.sleep(0.1)
+        gone = [n for n in nodes if n in lost or n not in known or not membership.is_up(n) or not peers.link_up(n)]
+        if set(gone) != set(lost):
+            log.warning("job %d: %s lost too", record["id"], describe_lost([n for n in gone if n not in lost]))
+
+            def change(r):
+                if r["state"] != jobs.RECOVERING:
+                    return False
+                r["recovery"] = {**(r.get("recovery") or {}), "lost": gone}
+
+            await self.co.update(record["id"], change)
+        return gone
 
     async def _link(self, job_id: int, new: dict, gen: int | None, result: dict | None = None) -> None:
         """Record the recovery on both jobs; a job killed meanwhile takes its successor with it."""

@@ -439,3 +439,31 @@ def test_two_nodes_of_one_xor_set_lost_fail_the_job_naming_what_cannot_be_rebuil
         assert [r for r in cluster.gang_json("ps", "--all") if r.get("lineage") == job and r["id"] != job] == []  # no restart left behind
     finally:
         kill_what_is_left(cluster)
+
+
+def test_a_coordinator_that_dies_right_after_submitting_the_restart_leaves_only_the_link_to_make(make_cluster, points):
+    cluster = make_cluster(5, cores=2, time_slice=0.1, spares=("n5",))
+    try:
+        expected = reference(cluster, ARGV, 3, "--per-node", "1")
+        lead = coordinator(cluster)
+        nodes = [n for n in ("n1", "n2", "n3", "n4") if n != lead][:3]
+        job = submit(cluster, SLOW, 3, "--per-node", "1", "-w", ",".join(nodes), "--ckpt-redundancy", "partner")
+        running(cluster, job)
+        taken = checkpoint(cluster, job)
+        wait_protected(cluster, job, taken["gen"])
+        (points / "recover.hold").touch()
+        lose(cluster, nodes[-1])
+        cluster.wait_state(job, "RECOVERING", timeout=60)
+        (points / "jobtable.created").touch()  # the coordinator crashes once the restart's job is in etcd
+        os.unlink(points / "recover.hold")
+        wait_for(lambda: coordinator(cluster) != lead, 60, "a new coordinator")
+        assert "failpoint jobtable.created reached" in cluster.log(lead)
+        old = cluster.wait_state(job, ENDED, timeout=120)
+        assert old["state"] == "REQUEUED", old
+        lineage = [r for r in cluster.gang_json("ps", "--all") if r.get("lineage") == job and r["id"] != job]
+        assert [r["id"] for r in lineage] == [old["requeued_as"]], lineage
+        assert f"job {job}: its recovery, left by the previous coordinator, had started job {old['requeued_as']}" in cluster.log(coordinator(cluster))
+        assert cluster.job(old["requeued_as"])["recovery_of"]["job"] == job
+        assert result_of(cluster, old["requeued_as"], timeout=240) == expected
+    finally:
+        kill_what_is_left(cluster)

@@ -396,7 +396,9 @@ class CheckpointCoordinator:
     async def restart(self, job_id: int, cred: dict, gen: int | None, *, nodelist: list[str] | None = None, nodes: int | None = None) -> dict:
         """A new job of the lineage from a complete generation, on the
         generation's nodes, on ``nodelist`` (``-w``) or on ``nodes`` live
-        nodes (``-N``); files of ranks that move are staged first."""
+        nodes (``-N``); files of ranks that move are staged first, and files
+        only on nodes that are down rebuilt first from a protected
+        generation's redundancy (:meth:`_rebuild`)."""
         record = self.daemon.table.get(job_id) or await self.daemon.table.fetch(job_id)  # (the history too)
         if record is None:
             raise RemoteError("no_such_job", f"no job {job_id}")

@@ -316,7 +316,7 @@ class Rebuilder:
                     data[i], parity[i] = reader, xor.ParityFile(directory, metas[member])
                 else:
                     channel = self.channel(member)
-                    data[i] = transfer.RemoteData(nursery, channel, request.lineage, request.gen, bulk=self.bulk)
+                    data[i] = transfer.RemoteData(nursery, channel, request.lineage, request.gen, bulk=self.bulk, protected=True)
                     parity[i] = transfer.RemoteFile(nursery, channel, request.lineage, request.gen, f"{xor.REDUNDANCY_DIR}/{xor.PARITY}",
                                                     metas[member].parity_size, metas[member].parity_checksum, bulk=self.bulk)
             try:

@@ -158,14 +158,31 @@ def _file_blocks(root: Path, where: Where, name: str) -> tuple[int, _Owned]:
     return size, _Owned(blocks(), lambda: os.close(fd))
 
 
-def _data_blocks(root: Path, where: Where, start: int, length: int) -> _Owned:
-    gen_fd, directory = where.open(root)
-    os.close(gen_fd)
+def _data_manifest(directory: Path, as_protected: bool) -> Manifest:
+    """The manifest whose files make this node's data of a generation: its
+    MANIFEST, or (``as_protected``: a rebuild reading a survivor of an XOR
+    set) the one its ``xor.meta`` keeps — the files its parity was computed
+    over, even if a restart has added files to the MANIFEST since."""
     try:
-        manifest = ckptstore.read_manifest(directory)
+        if as_protected:
+            meta = xor.read_meta(directory)
+            return meta.manifest(meta.index)
+        return ckptstore.read_manifest(directory)
     except StoreError as exc:
         raise RemoteError("no_such_generation", str(exc)) from None
-    data = xor.NodeData(directory, manifest)
+
+
+def _protected(args: dict) -> bool:
+    value = args.get("protected", False)
+    if type(value) is not bool:
+        raise RemoteError("bad_request", "'protected' must be true or false")
+    return value
+
+
+def _data_blocks(root: Path, where: Where, start: int, length: int, as_protected: bool = False) -> _Owned:
+    gen_fd, directory = where.open(root)
+    os.close(gen_fd)
+    data = xor.NodeData(directory, _data_manifest(directory, as_protected))
     return _Owned(iter(data.blocks(start, length)), data.close)
 
 
@@ -247,7 +264,7 @@ async def handle_data_read(root: Path, args: dict) -> Stream:
     ``[start, start + length)`` of this node's data of a generation (its
     files concatenated, zeros past the end: :class:`gangd.redundancy.xor.NodeData`)."""
     where, start, length = Where.from_args(args), _int(args, "start"), _int(args, "length")
-    blocks = await trio.to_thread.run_sync(_data_blocks, root, where, start, length)
+    blocks = await trio.to_thread.run_sync(_data_blocks, root, where, start, length, _protected(args))
     return Stream(lambda emit: _produce(emit, blocks, length))
 
 
@@ -267,14 +284,10 @@ def _single_link(fd: int, path: Path) -> os.stat_result:
     return st
 
 
-def _open_data(root: Path, where: Where, start: int, length: int) -> bulkpath.Source:
+def _open_data(root: Path, where: Where, start: int, length: int, as_protected: bool = False) -> bulkpath.Source:
     gen_fd, directory = where.open(root)
     os.close(gen_fd)
-    try:
-        manifest = ckptstore.read_manifest(directory)
-    except StoreError as exc:
-        raise RemoteError("no_such_generation", str(exc)) from None
-    data = xor.NodeData(directory, manifest)
+    data = xor.NodeData(directory, _data_manifest(directory, as_protected))
 
     def read_into(offset: int, view: memoryview) -> None:
         try:
@@ -296,8 +309,8 @@ async def handle_bulk_read(server: BulkServer, root: Path, args: dict) -> Stream
         name = check_name(args.get("name"))
         return await bulkpath.serve(server, lambda: _open_file(root, where, name),
                                     f"{name} of job-{where.lineage}/gen-{where.gen}")
-    start, length = _int(args, "start"), _int(args, "length")
-    return await bulkpath.serve(server, lambda: _open_data(root, where, start, length),
+    start, length, as_protected = _int(args, "start"), _int(args, "length"), _protected(args)
+    return await bulkpath.serve(server, lambda: _open_data(root, where, start, length, as_protected),
                                 f"data [{start}, {start + length}) of job-{where.lineage}/gen-{where.gen}")
 
 
@@ -559,13 +572,15 @@ def _make_subdir(path: Path, owner: tuple[int, int] | None) -> None:
 
 
 @asynccontextmanager
-async def data_stream(channel: Channel, *, lineage: int, gen: int, start: int, length: int) -> AsyncIterator[AsyncIterator[bytes]]:
+async def data_stream(channel: Channel, *, lineage: int, gen: int, start: int, length: int,
+                      protected: bool = False) -> AsyncIterator[AsyncIterator[bytes]]:
     """``async with data_stream(...) as chunks``: the peer's data slice
     ``[start, start + length)`` (for XOR parity and rebuilds), each chunk
     checked; no checksum to compare the whole with (a slice is in no
     manifest): what is built from it is checked against the manifests."""
     what = f"data [{start}, {start + length}) of job-{lineage}/gen-{gen} from {channel.label}"
-    async with channel.stream("ckpt_data_read", lineage=lineage, gen=gen, start=start, length=length) as items:
+    extra = {"protected": True} if protected else {}  # (older peers know no such argument)
+    async with channel.stream("ckpt_data_read", lineage=lineage, gen=gen, start=start, length=length, **extra) as items:
         yield verified_chunks(items, length, None, what)
 
 
@@ -574,12 +589,15 @@ class RemoteData:
     code running in a worker thread (``trio.to_thread.run_sync``): each
     ``blocks()`` call starts a pump task in ``nursery`` that pulls the slice
     into a channel of ``depth`` chunks; the thread takes them with
-    ``trio.from_thread.run`` and cuts them into :data:`xor.BLOCK` pieces."""
+    ``trio.from_thread.run`` and cuts them into :data:`xor.BLOCK` pieces.
+    ``protected``: the data the peer's parity was computed over (the files
+    its ``xor.meta`` lists), for a rebuild."""
 
     def __init__(self, nursery: trio.Nursery, channel: Channel, lineage: int, gen: int, depth: int = DEFAULT_DEPTH,
-                 bulk: Bulk | None = None):
+                 bulk: Bulk | None = None, protected: bool = False):
         self.nursery, self.channel, self.lineage, self.gen, self.depth = nursery, channel, lineage, gen, depth
         self.bulk = bulk
+        self.protected = protected
         self.name: str | None = None
         self.checksum: str | None = None
 
@@ -608,10 +626,10 @@ class RemoteData:
         return receive
 
     def _stream(self, start: int, length: int):
-        return data_stream(self.channel, lineage=self.lineage, gen=self.gen, start=start, length=length)
+        return data_stream(self.channel, lineage=self.lineage, gen=self.gen, start=start, length=length, protected=self.protected)
 
     def _request_args(self, start: int, length: int) -> dict:
-        return {"start": start, "length": length}
+        return {"start": start, "length": length, **({"protected": True} if self.protected else {})}
 
     async def _open_bulk(self, bulk: Bulk, start: int, length: int, what: str, done: trio.Event):
         """A task holding the control request open while the worker thread

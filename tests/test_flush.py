@@ -242,3 +242,12 @@ def _write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "rendered.toml"
     path.write_text(text)
     return path
+
+
+def test_a_flushed_generation_is_one_a_recovery_can_start_from_whatever_was_lost():
+    from gangd.daemon.recover import usable_generation
+
+    complete = {"gen": 2, "state": "complete", "placement": ["n1", "n2"], "level": "local"}
+    assert usable_generation([complete], {"n1", "n2"})[0] is None
+    flushed = {**complete, "flushed": {"at": 1.0, "bytes": 10, "seconds": 0.1}}
+    assert usable_generation([flushed], {"n1", "n2"}) == (flushed, "")

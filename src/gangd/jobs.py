@@ -18,12 +18,19 @@ QUEUED = "QUEUED"
 RUNNING = "RUNNING"
 SUSPENDED = "SUSPENDED"
 CHECKPOINTING = "CHECKPOINTING"
+#: A node of the job was lost and the job is being restarted from its newest
+#: usable checkpoint on live nodes (see :mod:`gangd.daemon.recover`): its ranks
+#: are gone, its computation goes on in a new job of its lineage.
+RECOVERING = "RECOVERING"
 DONE = "DONE"
 FAILED = "FAILED"
 KILLED = "KILLED"
+#: Ended by a recovery: the computation goes on in the job ``requeued_as``
+#: names (`gang wait` and `gang run` follow it there).
+REQUEUED = "REQUEUED"
 
-ACTIVE_STATES = (QUEUED, RUNNING, SUSPENDED, CHECKPOINTING)
-TERMINAL_STATES = (DONE, FAILED, KILLED)
+ACTIVE_STATES = (QUEUED, RUNNING, SUSPENDED, CHECKPOINTING, RECOVERING)
+TERMINAL_STATES = (DONE, FAILED, KILLED, REQUEUED)
 
 # Exit codes of `gang run` / `gang wait` beyond the ranks' own codes.
 EXIT_KILLED = 128 + signal.SIGKILL  # the job was killed by its owner or root
@@ -110,6 +117,7 @@ class JobSpec:
     ckpt_every: float | None = None
     mpi: bool = False
     ckpt_redundancy: str | None = None  # local, partner, xor; None: the cluster's [checkpoint] redundancy
+    requeue: bool | None = None  # restarted by itself when a node is lost; None: when it has checkpoints (see gangd.daemon.recover)
     net_context: dict[str, bytes] | None = None
 
     @classmethod
@@ -202,6 +210,7 @@ class JobSpec:
             ckpt_every=every,
             mpi=_flag(spec, "mpi", False),
             ckpt_redundancy=redundancy,
+            requeue=None if spec.get("requeue") is None else _flag(spec, "requeue", True),
             net_context=dict(contexts) if contexts else None,
         )
 
@@ -216,6 +225,7 @@ class JobSpec:
             "per_node": self.per_node, "nodes": self.nodes, "nodelist": list(self.nodelist) if self.nodelist is not None else None,
             "kill_on_bad_exit": self.kill_on_bad_exit, "priority": self.priority, "slice": self.slice,
             "ckpt_every": self.ckpt_every, "mpi": self.mpi, "ckpt_redundancy": self.ckpt_redundancy,
+            "requeue": self.requeue,
         }
 
 
@@ -278,6 +288,7 @@ def new_record(*, job_id: int, spec: dict, owner_uid: int, owner_name: str, owne
         "ckpt_every": spec.get("ckpt_every"),  # seconds between checkpoints, None: only on request
         "ckpt_redundancy": spec.get("ckpt_redundancy"),  # local/partner/xor; None: the cluster's default
         "checkpoints": [],  # generations this job took: see gangd.daemon.ckptcoord
+        "requeue": spec.get("requeue"),  # True/False: --requeue/--no-requeue; None: requeue when it has checkpoints
         "lineage": job_id,  # the first job of a restart chain: its checkpoints are the chain's
         "restart_of": None,  # {"job", "gen", "iteration"} this job continues from
         "pinned": None,  # placement a restart must have (where its checkpoint is)
@@ -287,6 +298,12 @@ def new_record(*, job_id: int, spec: dict, owner_uid: int, owner_name: str, owne
 
 def is_terminal(record: dict) -> bool:
     return record["state"] in TERMINAL_STATES
+
+
+def successor(record: dict) -> int | None:
+    """The job a recovery requeued this one as (its computation goes on there), or None."""
+    new = record.get("requeued_as") if record.get("state") == REQUEUED else None
+    return new if isinstance(new, int) and not isinstance(new, bool) and new > record.get("id", 0) else None
 
 
 #: Fields of a record only its running ranks need: the submitter's environment

@@ -27,12 +27,15 @@ from pathlib import Path
 
 import trio
 
+from .. import jobs
 from ..daemon.config import DEFAULT_SOCKET
 from ..protocol import ProtocolError
 from ..rpc import Channel, RemoteError, dial_unix, running
 
 CLUSTER_FILE = "cluster.toml"
 #: Handshake refusals that mean "reached, but not now / not you" rather than "not there".
+#: Recoveries a wait follows at most (each lineage's are bounded by [checkpoint] max_recoveries anyway).
+MAX_FOLLOW = 1000
 REFUSALS = frozenset({"too_many_connections", "busy"})
 
 
@@ -133,6 +136,7 @@ class Client:
         ckpt_every: float | None = None,
         mpi: bool = False,
         ckpt_redundancy: str | None = None,
+        requeue: bool | None = None,
     ) -> dict:
         """Submit a job. ``network_context`` ({rank: bytes}, as returned by
         :meth:`capture_network`) is handed to the ranks when they attach, so
@@ -154,6 +158,8 @@ class Client:
         }
         if ckpt_redundancy is not None:  # (None: the cluster's [checkpoint] redundancy)
             spec["ckpt_redundancy"] = ckpt_redundancy
+        if requeue is not None:  # (None: requeued when it checkpoints, see gangd.daemon.recover)
+            spec["requeue"] = requeue
         if network_context:
             spec["net_context"] = {str(rank): bytes(blob) for rank, blob in network_context.items()}
         return await self.request("submit", spec=spec)
@@ -235,14 +241,22 @@ class Client:
         """``async with gang.wait(id) as updates``: the record at every change, until it ends."""
         return self.channel.stream("wait", job=job_id, kill_on_disconnect=kill_on_disconnect)
 
-    async def wait_done(self, job_id: int) -> dict:
-        record = None
-        async with self.wait(job_id) as updates:
-            async for update in updates:
-                record = update
-        if record is None:  # the daemon streams the record at least once, before any change
-            raise RemoteError("malformed", f"the wait for job {job_id} ended without the job's record")
-        return record
+    async def wait_done(self, job_id: int, *, follow: bool = True) -> dict:
+        """The job's final record; with ``follow``, a job a recovery requeued
+        as a new one (REQUEUED, ``requeued_as``) is followed to the job that
+        carries its computation on, and that one's final record returned."""
+        for _ in range(MAX_FOLLOW):
+            record = None
+            async with self.wait(job_id) as updates:
+                async for update in updates:
+                    record = update
+            if record is None:  # the daemon streams the record at least once, before any change
+                raise RemoteError("malformed", f"the wait for job {job_id} ended without the job's record")
+            following = jobs.successor(record)
+            if not follow or following is None:
+                return record
+            job_id = following
+        raise RemoteError("malformed", f"job {job_id} was requeued more than {MAX_FOLLOW} times")
 
     def output(self, job_id: int, *, follow: bool = True, ranks: list[int] | None = None):
         """``async with gang.output(id) as chunks``: ``{"rank", "stream", "data"}`` items."""

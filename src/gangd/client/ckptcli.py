@@ -7,6 +7,7 @@ import time
 
 import click
 
+from .. import text
 from .api import connect
 from .cli import EXIT_ERROR, _cluster, _size, describe_generation, emit_json, main, run_async, table
 
@@ -136,10 +137,15 @@ def ckpt_ls(ctx, job, as_json):
     if live:
         started = time.strftime("%H:%M:%S", time.localtime(live["started"]))
         rows.append([live["gen"], job, f"running ({live['phase']})", "-", "-", started, "-", "-", live["trigger"]])
-    if not rows:
+    recovered = listing.get("recoveries") or []
+    if not rows and not recovered:
         click.echo(f"job {job} has no checkpoints")
         return
-    click.echo(table(rows, ["GEN", "JOB", "STATE", "REDUNDANCY", "ITER", "STARTED", "TOOK", "SIZE PER NODE", "TRIGGER / REASON"]))
+    if rows:
+        click.echo(table(rows, ["GEN", "JOB", "STATE", "REDUNDANCY", "ITER", "STARTED", "TOOK", "SIZE PER NODE", "TRIGGER / REASON"]))
+    for r in recovered:  # (a lost node's job restarted by itself: gangd.daemon.recover)
+        lost = ", ".join(text.name(n) for n in r.get("lost") or []) or "a node"
+        click.echo(f"recovery: job {r['job']} lost {lost}; requeued as job {r.get('as')} from generation {r.get('gen')}")
 
 
 def _level(g: dict) -> str:

@@ -29,7 +29,7 @@ import trio
 
 from .. import jobs, text
 from ..rpc import RemoteError, leaf_error
-from .api import ClusterNotFound, cluster_dir, connect, stale_warning
+from .api import MAX_FOLLOW, ClusterNotFound, cluster_dir, connect, stale_warning
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -131,6 +131,11 @@ def job_options(fn):
         help="Where checkpoints are kept besides each node's disk: partner (a copy on the next node) or xor (parity over "
         "sets of nodes); default: the cluster's [checkpoint] redundancy (xor on 3+ nodes, partner on 2).",
     )(fn)
+    fn = click.option(
+        "--requeue/--no-requeue", default=None,
+        help="When a node of the job is lost, restart it by itself from its newest protected checkpoint on live nodes "
+        "(spares first), as a new job that `gang wait` follows; --no-requeue: fail it. Default: requeue when the job checkpoints.",
+    )(fn)
     fn = click.option("--priority", type=int, help="Queue priority: higher starts first (only root may go above 0).")(fn)
     fn = click.option(
         "--slice", "time_slice", type=click.FloatRange(0.001, 3600), metavar="SECONDS", help="Gang time slice for this job (default: the cluster's)."
@@ -165,8 +170,9 @@ class Duration(click.ParamType):
 
 
 def _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice=None, priority=None, ckpt_every=None, mpi=False,
-          ckpt_redundancy=None) -> dict:
+          ckpt_redundancy=None, requeue=None) -> dict:
     return {
+        "requeue": requeue,
         "ckpt_redundancy": ckpt_redundancy,
         "mpi": mpi,
         "ckpt_every": ckpt_every,
@@ -196,6 +202,7 @@ async def _submit(gang, spec: dict) -> dict:
         ckpt_every=spec.get("ckpt_every"),
         mpi=spec.get("mpi", False),
         ckpt_redundancy=spec.get("ckpt_redundancy"),
+        requeue=spec.get("requeue"),
     )
 
 
@@ -289,9 +296,10 @@ is the worst rank's: its exit code, or 128+N if it died of signal N.
 @click.option("--label/--no-label", default=True, help="Prefix each output line with its rank (default: on).")
 @click.option("-v", "--verbose", is_flag=True, help="Say when the job is queued, started and finished.")
 @click.pass_context
-def run(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, ckpt_every, ckpt_redundancy, mpi, time_slice, priority, command, label, verbose):
+def run(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, ckpt_every, ckpt_redundancy, requeue, mpi, time_slice, priority, command,
+        label, verbose):
     """Run a parallel job in the foreground (Ctrl-\\ checkpoints it, Ctrl-C kills it)."""
-    spec = _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice, priority, ckpt_every, mpi, ckpt_redundancy)
+    spec = _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice, priority, ckpt_every, mpi, ckpt_redundancy, requeue)
     code = run_async(_run, _cluster(ctx), spec, label, verbose)
     sys.exit(code)
 
@@ -303,22 +311,25 @@ async def _run(cluster, spec, label, verbose) -> int:
     async with connect(cluster) as gang:
         submitted = await _submit(gang, spec)
         job_id = submitted["id"]
+        current = {"id": job_id}  # the job carrying the computation (a recovery moves it on)
         if verbose:
             click.echo(f"gang: job {job_id} submitted ({spec['nranks']} ranks)", err=True)
 
         async def watch_state(cancel_scope):
             said_queued = False
-            async with gang.wait(job_id, kill_on_disconnect=True) as updates:
-                async for current in updates:
-                    final["record"] = current
-                    if current["state"] == jobs.QUEUED and not said_queued and verbose:
-                        click.echo(f"gang: job {job_id} queued: waiting for free cores", err=True)
+            async with gang.wait(current["id"], kill_on_disconnect=True) as updates:
+                async for record in updates:
+                    final["record"] = record
+                    if record["state"] == jobs.QUEUED and not said_queued and verbose:
+                        click.echo(f"gang: job {record['id']} queued: waiting for free cores", err=True)
                         said_queued = True
-                    if current["state"] == jobs.RUNNING and verbose:
-                        click.echo(f"gang: job {job_id} running on {jobs.compress_nodes(jobs.nodes_of(current))}", err=True)
+                    if record["state"] == jobs.RUNNING and verbose:
+                        click.echo(f"gang: job {record['id']} running on {jobs.compress_nodes(jobs.nodes_of(record))}", err=True)
+                    if record["state"] == jobs.RECOVERING:
+                        click.echo(f"gang: job {record['id']} {jobs.RECOVERING}: {text.printable(record['reason'])}", err=True)
 
         async def stream_output():
-            async with gang.output(job_id, follow=True) as chunks:
+            async with gang.output(current["id"], follow=True) as chunks:
                 async for item in chunks:
                     printer.feed(item)
 
@@ -330,34 +341,44 @@ async def _run(cluster, spec, label, verbose) -> int:
                         scope.cancel()
                         return
                     interrupted = True
-                    click.echo(f"\ngang: {signal.Signals(signum).name}: killing job {job_id}", err=True)
-                    await gang.kill(job_id)
+                    click.echo(f"\ngang: {signal.Signals(signum).name}: killing job {current['id']}", err=True)
+                    await gang.kill(current["id"])
 
         async def checkpoint_now():
             try:
-                result = await gang.checkpoint(job_id, trigger="Ctrl-\\ on gang run")
+                result = await gang.checkpoint(current["id"], trigger="Ctrl-\\ on gang run")
             except RemoteError as exc:
-                click.echo(f"gang: no checkpoint of job {job_id}: {exc.message}", err=True)
+                click.echo(f"gang: no checkpoint of job {current['id']}: {exc.message}", err=True)
                 return
-            click.echo(f"gang: {describe_generation(job_id, result)}", err=True)
+            click.echo(f"gang: {describe_generation(current['id'], result)}", err=True)
 
         async def on_quit(nursery):
             with trio.open_signal_receiver(signal.SIGQUIT) as signals:
                 async for _ in signals:
-                    click.echo(f"\ngang: SIGQUIT: checkpointing job {job_id}", err=True)
+                    click.echo(f"\ngang: SIGQUIT: checkpointing job {current['id']}", err=True)
                     nursery.start_soon(checkpoint_now)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(on_signals, nursery.cancel_scope)
             nursery.start_soon(on_quit, nursery)
-            async with trio.open_nursery() as work:
-                work.start_soon(watch_state, work.cancel_scope)
-                work.start_soon(stream_output)
+            # A job a lost node took down may be recovered as a new job
+            # (REQUEUED, requeued_as): its output and its end are followed there.
+            for _ in range(MAX_FOLLOW):
+                async with trio.open_nursery() as work:
+                    work.start_soon(watch_state, work.cancel_scope)
+                    work.start_soon(stream_output)
+                printer.flush()
+                following = jobs.successor(final.get("record") or {})
+                if following is None or interrupted:
+                    break
+                click.echo(f"gang: job {current['id']} {text.printable(final['record']['reason'])}: following job {following}", err=True)
+                current["id"] = following
             nursery.cancel_scope.cancel()
     printer.flush()
     record = final.get("record")
     if record is None:
         raise Fail(f"lost track of job {job_id}")
+    job_id = record["id"]
     if interrupted:
         return EXIT_INTERRUPTED
     if record["state"] != jobs.DONE:
@@ -371,6 +392,8 @@ SUBMIT_EPILOG = """\b
 Examples:
   gang submit -n 8 --name sweep -- python app.py
   JOB=$(gang submit -n 4 -- ./solver) && gang wait $JOB
+  gang submit -n 12 --ckpt-every 5m --ckpt-redundancy xor -- ./solver   # a lost node: it comes back by itself
+  gang submit -n 4 --ckpt-every 5m --no-requeue -- ./solver             # a lost node: it fails
 
 Prints the job id (or the job record with --json) and returns at once.
 """
@@ -380,9 +403,10 @@ Prints the job id (or the job record with --json) and returns at once.
 @job_options
 @click.option("--json", "as_json", is_flag=True, help="Print the job record as JSON.")
 @click.pass_context
-def submit(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, ckpt_every, ckpt_redundancy, mpi, time_slice, priority, command, as_json):
+def submit(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, ckpt_every, ckpt_redundancy, requeue, mpi, time_slice, priority, command,
+           as_json):
     """Submit a parallel job and return at once (prints the job id)."""
-    spec = _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice, priority, ckpt_every, mpi, ckpt_redundancy)
+    spec = _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice, priority, ckpt_every, mpi, ckpt_redundancy, requeue)
 
     async def go():
         async with connect(_cluster(ctx)) as gang:
@@ -412,7 +436,9 @@ def ps(ctx, show_all, as_json):
     \b
     STATE is what the gang scheduler is doing right now: RUNNING jobs are in
     the active time slot, SUSPENDED ones are stopped (their slot is waiting
-    for its turn, or `gang suspend` holds them). ELAPSED is wall time since
+    for its turn, or `gang suspend` holds them). RECOVERING jobs lost a node
+    and are being restarted from their checkpoint on live nodes; REQUEUED
+    ones were, as the job their REASON names. ELAPSED is wall time since
     the job started, RUN and SUSP split it into time running and time
     stopped, CPU is the CPU time all its processes used on every node.
     """
@@ -556,6 +582,10 @@ def nodes(ctx, as_json):
     column per node, each cell the jobs whose ranks use that node in that
     slot. The slot marked > runs now; the others wait for their turn.
 
+    SPARE nodes (``spare = true`` in the config) are held back for
+    recoveries: a job that lost a node restarts there first; other jobs go
+    there only when they fit nowhere else.
+
     LOST is how often the node was lost (its lease in etcd expired: a
     crash, a stall, a partition; a clean stop does not count) over the time
     it has been up, from its history in etcd.
@@ -582,7 +612,8 @@ def nodes(ctx, as_json):
     out = []
     for r in rows:
         beat = "-" if r["heartbeat"] is None else ("self" if r["heartbeat"] == 0 else f"{r['heartbeat']:.1f}s ago")
-        out.append([r["name"] + ("*" if r["coordinator"] else ""), r["address"], r["state"], r["cores"], r["running"], beat, _clock(r, beat),
+        state = r["state"] + (" SPARE" if r.get("spare") else "")
+        out.append([r["name"] + ("*" if r["coordinator"] else ""), r["address"], state, r["cores"], r["running"], beat, _clock(r, beat),
                     _losses(r.get("history")), r["why"]])
     click.echo(table(out, ["NODE", "ADDRESS", "STATE", "CORES", "RANKS", "HEARTBEAT", "CLOCK", "LOST", "WHY"]))
     click.echo("(* coordinator)")
@@ -740,6 +771,9 @@ def kill(ctx, job_ids):
 @main.command(epilog="""\b
 Examples:
   gang wait 12 && echo "job 12 succeeded"
+
+A job a lost node took down and gangd recovered (REQUEUED) is followed to
+the job that carries its computation on: the wait ends with that one.
 """)
 @click.argument("job", type=int)
 @click.option("--json", "as_json", is_flag=True, help="Print the final job record as JSON.")

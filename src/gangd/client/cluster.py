@@ -190,6 +190,8 @@ def up(
     etcd_key: Path | None = None,
     lease_ttl: int | None = None,
     grace: float | None = None,
+    spares: Sequence[str] = (),
+    max_recoveries: int | None = None,
     timeout: float = 30.0,
     progress: Callable[[str], object] | None = None,
 ) -> list[NodeFiles]:
@@ -210,7 +212,9 @@ def up(
     checkpoints to (``[checkpoint] flush_dir``: the third level).
     ``checkpoint_dir``: one directory for every node's checkpoints (each
     keeps its own in ``checkpoint_dir/<node>``), as a shared file system
-    would be; default: each node's state directory. On any failure nothing
+    would be; default: each node's state directory. ``spares``: nodes (by
+    name, n1..nN) marked ``spare = true``, held back for recoveries;
+    ``max_recoveries``: ``[checkpoint] max_recoveries``. On any failure nothing
     this call started is left running."""
     if not 1 <= nodes <= 250:
         raise ClusterError(f"--nodes must be between 1 and 250, not {nodes}")
@@ -270,7 +274,7 @@ def up(
             max_slots=max_slots, switch_lead=switch_lead, checkpoint_timeout=checkpoint_timeout, max_queued_per_user=max_queued_per_user,
             job_retention=job_retention,
             limits=limits, checkpoint_dir=checkpoint_dir, log_level=log_level, output_limit=output_limit, output_dir=output_dir,
-            checkpoint_max_rank_bytes=checkpoint_max_rank_bytes, flush_dir=flush_dir,
+            checkpoint_max_rank_bytes=checkpoint_max_rank_bytes, flush_dir=flush_dir, spares=tuple(spares), max_recoveries=max_recoveries,
         )
     except BaseException:
         down(directory)
@@ -465,12 +469,16 @@ def _start_daemons(
     directory: Path, nodes: int, settings: EtcdSettings, say: Callable[[str], object], timeout: float, *, cores: int,
     heartbeat_interval: float, heartbeat_timeout: float, time_slice: float, max_slots: int, switch_lead: float, checkpoint_timeout: float,
     max_queued_per_user: int, job_retention: float, limits: tuple[tuple[str, int], ...], checkpoint_dir: Path | None, log_level: str, output_limit: int | None,
-    output_dir: Path | None, checkpoint_max_rank_bytes: int | None, flush_dir: Path | None = None,
+    output_dir: Path | None, checkpoint_max_rank_bytes: int | None, flush_dir: Path | None = None, spares: tuple[str, ...] = (),
+    max_recoveries: int | None = None,
 ) -> list[NodeFiles]:
     secret = write_secret(directory / "secret")
     addresses = [f"127.0.0.{i}" for i in range(1, nodes + 1)]
     port = pick_port(addresses)
-    specs = tuple(NodeSpec(f"n{i}", address, port, cores) for i, address in enumerate(addresses, 1))
+    unknown = [name for name in spares if name not in {f"n{i}" for i in range(1, nodes + 1)}]
+    if unknown:
+        raise ClusterError(f"spare node {unknown[0]} is not one of n1..n{nodes}")
+    specs = tuple(NodeSpec(f"n{i}", address, port, cores, spare=f"n{i}" in spares) for i, address in enumerate(addresses, 1))
     files = [NodeFiles(spec.name, directory / spec.name) for spec in specs]
     lines = [
         f'# written by gang cluster up; `gang --cluster {directory}` reads it',
@@ -505,6 +513,7 @@ def _start_daemons(
             checkpoint_flush_dir=Path(flush_dir).absolute() if flush_dir else None,
             runtime_dir=nf.runtime,
             etcd=settings,
+            max_recoveries=Config.max_recoveries if max_recoveries is None else max_recoveries,
         )
         nf.config.write_text(render(config))
         lines += ["[[nodes]]", f"name = {toml_str(spec.name)}", f"address = {toml_str(spec.endpoint)}"]

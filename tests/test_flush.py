@@ -251,3 +251,31 @@ def test_a_flushed_generation_is_one_a_recovery_can_start_from_whatever_was_lost
     assert usable_generation([complete], {"n1", "n2"})[0] is None
     flushed = {**complete, "flushed": {"at": 1.0, "bytes": 10, "seconds": 0.1}}
     assert usable_generation([flushed], {"n1", "n2"}) == (flushed, "")
+
+
+def test_two_nodes_of_an_xor_set_lost_the_job_comes_back_by_itself_from_an_older_flushed_generation(make_cluster, tmp_path):
+    from test_recovery import ENDED, lose
+
+    shared = tmp_path / "shared"
+    cluster = make_cluster(4, cores=2, time_slice=0.1, lease_ttl=5, flush_dir=shared, spares=("n4",))
+    _restart_all_with(cluster, checkpoint_flush_every=2)  # generation 2 flushed, generation 3 only protected
+    argv = [JOB, "--steps", "400", "--mb", "0.25"]
+    expected = reference(cluster, argv, 3, "--per-node", "1")
+    job = submit(cluster, [*argv, "--sleep", "0.05"], 3, "--per-node", "1", "--ckpt-redundancy", "xor")
+    wait_running_a_bit(cluster, job)
+    for _ in range(3):
+        assert checkpoint(cluster, job)["state"] == "complete"
+    wait_for(lambda: _entry(cluster, job, 2).get("flushed") and _entry(cluster, job, 3)["state"] == "protected", 60,
+             "generation 2 flushed and generation 3 protected")
+    assert not _entry(cluster, job, 3).get("flushed")
+    lead = next(r["name"] for r in cluster.gang_json("nodes")["nodes"] if r["coordinator"])
+    victims = [n for n in dict.fromkeys(cluster.job(job)["placement"]) if n != lead][:2]
+    for node in victims:
+        lose(cluster, node)
+    old = cluster.wait_state(job, ENDED, timeout=180)
+    assert old["state"] == "REQUEUED", old
+    again = cluster.job(old["requeued_as"])
+    assert again["restart_of"]["gen"] == 2, again["restart_of"]  # (generation 3's XOR set lost two members: not rebuildable)
+    assert result_of(cluster, again["id"], timeout=180) == expected
+    logs = "".join(cluster.log(n) for n in cluster.files if n not in victims)
+    assert "generation 3 cannot be rebuilt" in logs and f"ranks {sorted(r for r, n in enumerate(old['placement']) if n in victims)}" in logs

@@ -29,11 +29,20 @@ fork: forking a process with numpy's threads deadlocks DMTCP)::
 """
 
 import argparse
+import os
 import socket
 import struct
 import subprocess
 import sys
 import time
+
+STARTED = time.time()
+PROFILE = None
+if os.environ.get("RINGJOB_PROFILE"):  # a directory: each rank's profile, from here to its first progress line
+    import cProfile
+
+    PROFILE = cProfile.Profile()
+    PROFILE.enable()
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--under", choices=["gangd", "tcp"], default="gangd")
@@ -65,7 +74,13 @@ def build(rank: int) -> np.ndarray:
 
 
 def progress(it: int, acc: float) -> None:
+    global PROFILE
     print(f"it {it} acc {acc:.6f} at {time.time():.3f}", flush=True)
+    if PROFILE is not None:
+        PROFILE.disable()
+        PROFILE.dump_stats(os.path.join(os.environ["RINGJOB_PROFILE"], f"ring-{os.getpid()}.prof"))
+        print(f"profiled from {STARTED:.3f}", flush=True)
+        PROFILE = None
 
 
 if args.under == "tcp":

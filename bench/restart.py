@@ -24,7 +24,11 @@ every ``--every`` (200) iterations, as in the peers' scripts: the line comes
 0-200 iterations (0-0.3 s) after the restarted ring resumes, a delay both
 pay alike; medians over ``--repeats`` even it out. Also printed: the
 checkpoint time (command to generation complete) and the image size against
-the state, for both.
+the state, for both; and where gangd's restart went, from rank 0's own
+marks (seconds after the command started: its script started — the command,
+the coordinator's checks, the launch and Python's start —, imported numpy
+and gangd, restored its state in ``ckpt.init()``, joined the job's network
+in ``comm.world()``, all ranks being there).
 
 Python's own start is part of a gangd restart (a new process imports numpy
 and gangd) and not of DMTCP's (it restores the old processes' memory).
@@ -99,8 +103,12 @@ def gang_cli(directory: Path, *argv: str, timeout: float = 300) -> str:
 # ---------------------------------------------------------------- gangd
 
 
-async def first_line(gang, job: int, timeout: float = 120) -> tuple[int, float]:
-    """(iteration, unix time) of rank 0's first progress line of ``job``."""
+TIMELINE = re.compile(rb"^timeline (.*)$", re.MULTILINE)
+
+
+async def first_line(gang, job: int, timeout: float = 120) -> tuple[int, float, dict[str, float]]:
+    """(iteration, unix time) of rank 0's first progress line of ``job``, and
+    the times rank 0 printed before it (started, imported, init, world, protected)."""
     buffer = bytearray()
     with trio.move_on_after(timeout):
         async with gang.output(job, follow=True, ranks=[0]) as chunks:
@@ -108,7 +116,9 @@ async def first_line(gang, job: int, timeout: float = 120) -> tuple[int, float]:
                 buffer += chunk["data"]
                 found = LINE.search(buffer)
                 if found:
-                    return int(found.group(1)), float(found.group(2))
+                    marks = TIMELINE.search(buffer)
+                    words = marks.group(1).decode().split() if marks else []
+                    return int(found.group(1)), float(found.group(2)), {k: float(v) for k, v in zip(words[::2], words[1::2], strict=False)}
     record = await gang.job(job)
     said = bytes(buffer[-600:]).decode(errors="replace")
     raise BenchError(f"job {job} printed no progress line ({record['state']}: {record.get('reason') or '-'}); its rank 0 said: {said}")
@@ -138,7 +148,7 @@ async def gangd_trial(directory: Path, args, idiom: str) -> dict:
         t0 = time.time()
         new = int(await trio.to_thread.run_sync(lambda: gang_cli(directory, "restart", "-q", str(job)).strip()))
         returned = time.time() - t0
-        iteration, printed = await first_line(gang, new)
+        iteration, printed, marks = await first_line(gang, new)
         await gang.kill(new)
         await until_ended(gang, new)
     image = sum(node.get("bytes", 0) for node in (entry.get("nodes") or {}).values())  # (each node's own files; redundancy comes on top)
@@ -146,6 +156,7 @@ async def gangd_trial(directory: Path, args, idiom: str) -> dict:
         "idiom": idiom, "job": job, "restarted_as": new, "checkpoint_s": checkpoint_s, "cut": entry.get("iteration"),
         "first_iteration_line": iteration, "restart_s": printed - t0, "restart_command_s": returned,
         "image_bytes": image, "state_bytes": args.ranks * args.mib * MiB,
+        "rank0": {k: v - t0 for k, v in marks.items()},  # its script started, imported, init (restored), world, protected
     }
 
 
@@ -249,6 +260,10 @@ def report(rows: dict[str, list[dict]], args) -> dict:
         ratio = statistics.median(t["image_bytes"] / t["state_bytes"] for t in trials if t["state_bytes"])
         extra = f"  (command returned after {spread([t['restart_command_s'] for t in trials])})" if kind.startswith("gangd") else ""
         say(f"  {kind:<22} restart {spread(restart)}   checkpoint {spread(ckpt)}   image {ratio:.2f}x state{extra}")
+        phases = [k for k in ("started", "imported", "init", "world", "protected") if all(k in t.get("rank0", {}) for t in trials)]
+        if phases:
+            say(f"  {'':<22} rank 0 (median s after the command): " + ", ".join(
+                f"{k} {statistics.median(t['rank0'][k] for t in trials):.2f}" for k in phases))
         summary[kind] = {"restart_s": statistics.median(restart), "restart_range": [min(restart), max(restart)],
                          "checkpoint_s": statistics.median(ckpt), "image_ratio": ratio}
     dmtcp = next((k for k in ("dmtcp --no-gzip", "dmtcp gzip") if summary.get(k)), None)

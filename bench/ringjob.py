@@ -113,8 +113,11 @@ if args.under == "tcp":
 from gangd import ckptlib as ckpt  # noqa: E402
 from gangd import comm  # noqa: E402
 
+marks = {"started": STARTED, "imported": time.time()}
 ckpt.init()
+marks["init"] = time.time()
 w = comm.world()
+marks["world"] = time.time()
 if args.idiom == "factory":  # the documented idiom: built only on a fresh start
     u = ckpt.protect("u", lambda: build(w.rank))
 elif args.idiom == "build":  # built every time, then replaced by the saved state on a restart
@@ -122,6 +125,9 @@ elif args.idiom == "build":  # built every time, then replaced by the saved stat
 else:  # the peers' version: skips building by hand
     u = ckpt.protect("u", np.empty(n) if ckpt.restarted() else build(w.rank))
 acc = ckpt.protect("acc", lambda: {"v": 0.0})
+marks["protected"] = time.time()
+if w.rank == 0:  # where rank 0's start went (bench/restart.py's breakdown)
+    print("timeline", " ".join(f"{k} {v:.3f}" for k, v in marks.items()), flush=True)
 nxt, prv = (w.rank + 1) % w.size, (w.rank - 1) % w.size
 for it in ckpt.loop(range(args.iters)):
     lo = (it * 4096) % (n - 4096)

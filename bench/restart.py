@@ -270,6 +270,8 @@ def report(rows: dict[str, list[dict]], args) -> dict:
     if dmtcp:
         say(f"\ngangd / DMTCP ({dmtcp}), per repeat (same run) and of the medians (target: <= 0.50):")
         for kind in [k for k in rows if k.startswith("gangd")]:
+            if not rows[kind]:
+                continue
             pairs = [g["restart_s"] / d["restart_s"] for g, d in zip(rows[kind], rows[dmtcp], strict=False)]
             ckpt_pairs = [g["checkpoint_s"] / d["checkpoint_s"] for g, d in zip(rows[kind], rows[dmtcp], strict=False)]
             of_medians = summary[kind]["restart_s"] / summary[dmtcp]["restart_s"]
@@ -317,11 +319,15 @@ def main() -> None:
         try:
             for repeat in range(args.repeats):
                 for kind in rows:
-                    if kind.startswith("gangd"):
-                        trial = trio.run(gangd_trial, directory, args, kind.split()[1])
-                    else:
-                        assert binary is not None
-                        trial = dmtcp_trial(binary, args, gzip=kind == "dmtcp gzip")
+                    try:
+                        if kind.startswith("gangd"):
+                            trial = trio.run(gangd_trial, directory, args, kind.split()[1])
+                        else:
+                            assert binary is not None
+                            trial = dmtcp_trial(binary, args, gzip=kind == "dmtcp gzip")
+                    except (BenchError, subprocess.SubprocessError) as exc:
+                        say(f"  [{repeat + 1}/{args.repeats}] {kind:<16} FAILED: {exc}")
+                        continue
                     rows[kind].append(trial)
                     say(f"  [{repeat + 1}/{args.repeats}] {kind:<16} restart {trial['restart_s']:.2f} s (first line: iteration {trial['first_iteration_line']})"
                         f"   checkpoint {trial['checkpoint_s']:.2f} s, image {trial['image_bytes'] / MiB:.0f} MiB")

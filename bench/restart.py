@@ -12,7 +12,10 @@ iteration (bench/ringjob.py, one program for both). Per repeat, alternating:
            it — the time from starting that command to the restarted rank
            0's first progress line. Once per ``--idioms``: ``factory``
            (``ckpt.protect("u", lambda: build())``, the documented idiom)
-           and ``build`` (the state built and then replaced, the older idiom).
+           and ``build`` (the state built and then replaced, the older idiom);
+           ``factory/api`` restarts through the Python API
+           (``gangd.client.api``) instead: the same request without a
+           command to start, what the command itself costs.
   DMTCP    ``dmtcp_launch --no-gzip`` (its fastest restart; ``--dmtcp-gzip``
            adds its default, gzip), ``dmtcp_command -bc``, quit, a new
            coordinator, ``dmtcp_restart`` on the images — the time from
@@ -129,7 +132,7 @@ async def until_ended(gang, job: int) -> None:
         await gang.wait_done(job)
 
 
-async def gangd_trial(directory: Path, args, idiom: str) -> dict:
+async def gangd_trial(directory: Path, args, idiom: str, via_api: bool = False) -> dict:
     argv = [sys.executable, JOB, "--mib", str(args.mib), "--data", args.data, "--idiom", idiom, "--every", str(args.every)]
     async with connect(directory) as gang:
         record = await gang.submit(argv, args.ranks, per_node=1, env=job_env(), cwd=str(HERE), name=f"ring-{idiom}")
@@ -146,7 +149,10 @@ async def gangd_trial(directory: Path, args, idiom: str) -> dict:
         await until_ended(gang, job)
         await trio.sleep(1.0)  # as the peers' scripts do
         t0 = time.time()
-        new = int(await trio.to_thread.run_sync(lambda: gang_cli(directory, "restart", "-q", str(job)).strip()))
+        if via_api:  # (the same request from a running Python program: no command to start)
+            new = (await gang.restart(job))["record"]["id"]
+        else:
+            new = int(await trio.to_thread.run_sync(lambda: gang_cli(directory, "restart", "-q", str(job)).strip()))
         returned = time.time() - t0
         iteration, printed, marks = await first_line(gang, new)
         await gang.kill(new)
@@ -290,7 +296,8 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=64, help="state per rank")
     parser.add_argument("--data", choices=["smooth", "random"], default="random")
     parser.add_argument("--every", type=int, default=200, help="iterations between progress lines (the peers': 200)")
-    parser.add_argument("--idioms", default="factory,build", help="gangd runs: factory, build, restarted (comma-separated)")
+    parser.add_argument("--idioms", default="factory,build", help="gangd runs: factory, build, restarted (comma-separated); "
+                        "IDIOM/api restarts through the Python API instead of the gang command")
     parser.add_argument("--dmtcp", default=DMTCP_DEFAULT, help="DMTCP's install prefix (bin/dmtcp_launch ...)")
     parser.add_argument("--dmtcp-gzip", action="store_true", help="also DMTCP with its default gzip compression")
     parser.add_argument("--no-compile", action="store_true", help="do not byte-compile gangd first")
@@ -321,7 +328,8 @@ def main() -> None:
                 for kind in rows:
                     try:
                         if kind.startswith("gangd"):
-                            trial = trio.run(gangd_trial, directory, args, kind.split()[1])
+                            idiom, _, how = kind.split()[1].partition("/")
+                            trial = trio.run(gangd_trial, directory, args, idiom, how == "api")
                         else:
                             assert binary is not None
                             trial = dmtcp_trial(binary, args, gzip=kind == "dmtcp gzip")

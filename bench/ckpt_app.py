@@ -76,14 +76,23 @@ down = rank + 1 if rank < size - 1 else None
 # Local rows 1..rows are ours, rows 0 and rows+1 are halos. Filled (not
 # np.zeros, whose pages the kernel would not even allocate before the
 # first write): the state is resident, as a real application's is.
-u = np.zeros((rows + 2, n))
-u[1:rows + 1] = 0.5
-if rank == 0:
-    u[1, :] = 1.0  # the hot top edge: never updated
-stats = {"residual": float("nan"), "at": -1, "step": 0}
-if not args.plain:
-    u = ckpt.protect("u", u)  # on a restart: the saved band instead
-    stats = ckpt.protect("stats", stats)
+def initial_band() -> np.ndarray:
+    band = np.zeros((rows + 2, n))
+    band[1:rows + 1] = 0.5
+    if rank == 0:
+        band[1, :] = 1.0  # the hot top edge: never updated
+    return band
+
+
+def initial_stats() -> dict:
+    return {"residual": float("nan"), "at": -1, "step": 0}
+
+
+if args.plain:
+    u, stats = initial_band(), initial_stats()
+else:  # factories: built on a fresh start only; on a restart the saved band comes back instead
+    u = ckpt.protect("u", initial_band)
+    stats = ckpt.protect("stats", initial_stats)
 
 first = 2 if rank == 0 else 1  # the plate's top and bottom rows stay fixed
 last = rows - 1 if rank == size - 1 else rows  # inclusive

@@ -46,7 +46,7 @@ import sys, time
 import numpy as np
 from gangd import ckptlib as ckpt
 ckpt.init()
-state = ckpt.protect("state", np.random.default_rng(1).random(int(float(sys.argv[1]) * 2**20 / 8)))
+state = ckpt.protect("state", lambda: np.random.default_rng(1).random(int(float(sys.argv[1]) * 2**20 / 8)))
 for it in ckpt.loop(range(10**9)):
     state[it % state.size] += 1.0
     time.sleep(0.01)

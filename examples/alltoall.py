@@ -60,7 +60,7 @@ ckpt.init()
 world = comm.world()
 rank, size = world.rank, world.size
 
-state = ckpt.protect("state", np.linspace(rank, rank + 1, args.width))
+state = ckpt.protect("state", lambda: np.linspace(rank, rank + 1, args.width))  # built on a fresh start only
 for it in ckpt.loop(range(args.steps)):
     if it > 0:
         receive_all(it - 1)  # sent in the previous iteration: in flight across the boundary

@@ -48,11 +48,15 @@ up = rank - 1 if rank > 0 else None  # no neighbour beyond the plate's edges
 down = rank + 1 if rank < size - 1 else None
 
 # Local rows 1..rows are ours, rows 0 and rows+1 are halos (copies of the neighbours' edge rows).
-u = np.zeros((rows + 2, n))
-if lo == 0:
-    u[1, :] = 1.0  # the hot top edge: never updated, so it stays fixed
-u = ckpt.protect("u", u)  # on a restart: the saved plate instead
-stats = ckpt.protect("stats", {"residual": float("nan"), "at": -1})
+def initial_plate() -> np.ndarray:
+    plate = np.zeros((rows + 2, n))
+    if lo == 0:
+        plate[1, :] = 1.0  # the hot top edge: never updated, so it stays fixed
+    return plate
+
+
+u = ckpt.protect("u", initial_plate)  # built on a fresh start only; on a restart the saved plate instead
+stats = ckpt.protect("stats", lambda: {"residual": float("nan"), "at": -1})
 
 # Local rows updated: all of ours but the plate's top and bottom edges (the columns 0 and n-1 stay fixed too).
 first = 2 if lo == 0 else 1

@@ -49,11 +49,15 @@ hi = lo + rows
 up = rank - 1 if rank > 0 else MPI.PROC_NULL  # PROC_NULL: Sendrecv does nothing on that side
 down = rank + 1 if rank < size - 1 else MPI.PROC_NULL
 
-u = np.zeros((rows + 2, n))
-if lo == 0:
-    u[1, :] = 1.0  # the hot top edge, never updated
-u = ckpt.protect("u", u)  # on a restart: this rank's saved rows instead
-state = ckpt.protect("state", {"step": 0, "residual": float("nan")})
+def initial_rows() -> np.ndarray:
+    rows_here = np.zeros((rows + 2, n))
+    if lo == 0:
+        rows_here[1, :] = 1.0  # the hot top edge, never updated
+    return rows_here
+
+
+u = ckpt.protect("u", initial_rows)  # built on a fresh start only; on a restart this rank's saved rows instead
+state = ckpt.protect("state", lambda: {"step": 0, "residual": float("nan")})
 first = 2 if lo == 0 else 1
 last = rows - 1 if hi == n else rows
 

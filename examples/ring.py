@@ -33,7 +33,7 @@ world = comm.world()
 rank, size = world.rank, world.size
 right, left = (rank + 1) % size, (rank - 1) % size
 
-state = ckpt.protect("state", np.full(args.size, float(rank + 1)))
+state = ckpt.protect("state", lambda: np.full(args.size, float(rank + 1)))  # built on a fresh start only
 for it in ckpt.loop(range(args.steps)):
     if it > 0:
         incoming = world.recv(source=left, tag=it - 1)  # sent in the previous iteration

@@ -4,12 +4,24 @@
 
     from gangd import ckptlib as ckpt
 
-    ckpt.init()                                   # SIGQUIT handler; loads the saved state on a restart
-    u = ckpt.protect("u", np.zeros((n, n)))       # saved by reference: update it in place
-    stats = ckpt.protect("stats", {"residual": 0.0})   # any picklable object (a dict for scalars)
-    for it in ckpt.loop(range(steps)):            # every boundary can be a checkpoint; resumes after the saved one
+    ckpt.init()                                        # SIGQUIT handler; loads the saved state on a restart
+    u = ckpt.protect("u", lambda: np.zeros((n, n)))    # built only on a fresh start; saved by reference
+    stats = ckpt.protect("stats", lambda: {"residual": 0.0})   # any picklable object (a dict for scalars)
+    for it in ckpt.loop(range(steps)):                 # every boundary can be a checkpoint; resumes after the saved one
         ...
     ckpt.fini()
+
+The idiom: give :func:`protect` a *factory* — a function that builds the
+initial state — rather than the state. On a fresh start it is called once;
+on a restart it is not called at all, and the saved value comes back
+instead, read from the checkpoint straight into a new array of its dtype
+and shape. A program that builds its state and then protects it
+(``u = ckpt.protect("u", build())``) pays for building what the restart
+throws away — time before its first iteration, and twice the memory for a
+moment. ``protect(name, value)`` still works (the saved value is returned
+on a restart; an array given must then have the dtype and shape of the
+saved one, else :class:`CheckpointError` says both), and a callable that is
+itself the state is protected through a factory: ``protect("f", lambda: f)``.
 
 Under ``gang run`` every rank of the job saves at the same iteration, with
 the job's messages in flight saved by the daemons (a consistent checkpoint);
@@ -114,7 +126,14 @@ def _current() -> Checkpointer:
 
 
 def protect(name: str, value):
-    """Register ``value`` to be saved under ``name``; on a restart, returns the saved value instead."""
+    """Register state to be saved under ``name`` and return it.
+
+    ``value`` is the state itself or, better, a factory that builds it (any
+    callable, e.g. ``lambda: np.zeros(n)``): the factory runs only on a
+    fresh start. On a restart the saved value is returned instead — the
+    factory is not called; an array given directly must match the saved
+    one's dtype and shape (:class:`CheckpointError` otherwise).
+    """
     return _current().protect(name, value)
 
 

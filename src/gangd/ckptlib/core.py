@@ -53,10 +53,17 @@ class Checkpointer:
     # ------------------------------------------------------------ program side
 
     def protect(self, name: str, value):
+        """``value``, or a factory (any callable) called only when there is
+        no saved value: on a restart the saved one is returned instead."""
         if not isinstance(name, str) or not name:
-            raise TypeError("protect() needs a name: ckpt.protect('u', array)")
+            raise TypeError("protect() needs a name: ckpt.protect('u', lambda: np.zeros(n))")
         if name in self.restored:
+            saved = self.restored[name]
+            if not callable(value):
+                check_same_kind(name, saved, value)
             value = self.restored.pop(name)
+        elif callable(value):
+            value = value()
         self.values[name] = value
         return value
 
@@ -129,6 +136,27 @@ class Checkpointer:
 
 
 _END = object()
+
+
+def _describe_array(arr) -> str:
+    return f"a {arr.dtype} array of shape {tuple(arr.shape)}"
+
+
+def check_same_kind(name: str, saved, given) -> None:
+    """A restart hands back the saved value for ``name``; when the program
+    gives an array, the saved one must be an array of the same dtype and
+    shape — else the program was restarted with other parameters than it
+    was checkpointed with, and would run on state it does not expect."""
+    np = sys.modules.get("numpy")
+    if np is None or type(given) is not np.ndarray:  # (no numpy imported: given is no array)
+        return
+    if isinstance(saved, np.ndarray) and saved.dtype == given.dtype and saved.shape == given.shape:
+        return
+    what = _describe_array(saved) if isinstance(saved, np.ndarray) else f"a {type(saved).__name__}"
+    raise CheckpointError(
+        f"protect({name!r}): the checkpoint holds {what}, the program gives {_describe_array(given)}; "
+        "restart with the parameters the job was checkpointed with, or protect the new state under another name"
+    )
 
 
 def warn(message: str) -> None:

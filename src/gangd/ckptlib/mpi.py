@@ -8,8 +8,8 @@
 
     comm = MPI.COMM_WORLD
     ckpt.init()                                   # on a restart: loads this rank's saved values
-    u = ckpt.protect("u", np.zeros(n))
-    state = ckpt.protect("state", {"step": 0})
+    u = ckpt.protect("u", lambda: np.zeros(n))           # built on a fresh start only
+    state = ckpt.protect("state", lambda: {"step": 0})
     while state["step"] < steps:
         ...                                       # compute and communicate
         state["step"] += 1

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from importlib import metadata
 from pathlib import Path
 
 import msgpack
@@ -118,9 +117,18 @@ def register(name: str, factory: Callable[..., SPC]) -> None:
     _registry[name] = factory
 
 
+def _entry_points():
+    # Imported here: importlib.metadata costs a rank tens of milliseconds at
+    # start-up (more than the rest of gangd.ckptlib), and only a plug-in
+    # asked for by a name not registered needs it.
+    from importlib import metadata
+
+    return metadata.entry_points(group=ENTRY_POINTS)
+
+
 def names() -> list[str]:
     found = set(_registry)
-    found.update(ep.name for ep in metadata.entry_points(group=ENTRY_POINTS))
+    found.update(ep.name for ep in _entry_points())
     return sorted(found)
 
 
@@ -131,7 +139,7 @@ def select(choice, **options) -> SPC:
     name = choice or os.environ.get("GANGD_CKPT_SPC") or "registered"
     factory = _registry.get(name)
     if factory is None:
-        for ep in metadata.entry_points(group=ENTRY_POINTS):
+        for ep in _entry_points():
             if ep.name == name:
                 factory = ep.load()
                 break

@@ -40,7 +40,7 @@ def heat(steps: int, n: int = 768) -> None:
     ckpt.init()
     w = comm.world()
     lo, hi = w.rank * n // w.size, (w.rank + 1) * n // w.size
-    u = ckpt.protect("u", np.zeros((hi - lo + 2, n)))  # own rows plus one halo row above and below
+    u = ckpt.protect("u", lambda: np.zeros((hi - lo + 2, n)))  # own rows plus one halo row above and below (built on a fresh start only)
     new = np.empty_like(u)
     up, down = w.rank - 1, w.rank + 1
     for _ in ckpt.loop(range(steps)):

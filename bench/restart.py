@@ -1,0 +1,359 @@
+"""Restart speed against DMTCP: the ../shared/peers ring workload, both in the same run.
+
+Issue 16's target: a gangd restart to the first progress line in at most
+half the time DMTCP takes, on the peers' workload — ``--ranks`` (4) ranks x
+``--mib`` (64) MiB of float64 state in a ring, one small message per
+iteration (bench/ringjob.py, one program for both). Per repeat, alternating:
+
+  gangd    a local cluster of ``--ranks`` nodes (started here, one rank and
+           one core each): ``gang submit``, wait for the ring to run,
+           ``gang checkpoint`` (returns once the generation is complete, on
+           disk), ``gang kill``, then ``gang restart -q`` run as a user runs
+           it — the time from starting that command to the restarted rank
+           0's first progress line. Once per ``--idioms``: ``factory``
+           (``ckpt.protect("u", lambda: build())``, the documented idiom)
+           and ``build`` (the state built and then replaced, the older idiom);
+           ``factory/api`` restarts through the Python API
+           (``gangd.client.api``) instead: the same request without a
+           command to start, what the command itself costs.
+  DMTCP    ``dmtcp_launch --no-gzip`` (its fastest restart; ``--dmtcp-gzip``
+           adds its default, gzip), ``dmtcp_command -bc``, quit, a new
+           coordinator, ``dmtcp_restart`` on the images — the time from
+           starting that command to the first progress line.
+
+Both are timed to the progress line's own timestamp (the rank prints the
+time with the line), so the figure has no polling delay in it. Rank 0 prints
+every ``--every`` (200) iterations, as in the peers' scripts: the line comes
+0-200 iterations (0-0.3 s) after the restarted ring resumes, a delay both
+pay alike; medians over ``--repeats`` even it out. Also printed: the
+checkpoint time (command to generation complete) and the image size against
+the state, for both; and where gangd's restart went, from rank 0's own
+marks (seconds after the command started: its script started — the command,
+the coordinator's checks, the launch and Python's start —, imported numpy
+and gangd, restored its state in ``ckpt.init()``, joined the job's network
+in ``comm.world()``, all ranks being there).
+
+Python's own start is part of a gangd restart (a new process imports numpy
+and gangd) and not of DMTCP's (it restores the old processes' memory).
+gangd's modules are byte-compiled first (as ``pip install`` does), because an
+editable install under ``PYTHONDONTWRITEBYTECODE`` would otherwise compile
+them again in every rank (``--no-compile`` to measure that).
+
+    python bench/restart.py [--repeats 3] [--ranks 4] [--mib 64] [--data random] [--idioms factory,build]
+                            [--dmtcp /tmp/peers/dmtcp-inst] [--dmtcp-gzip] [--every 200] [--json]
+
+No DMTCP (``--dmtcp`` DIR/bin/dmtcp_launch missing): gangd's figures only,
+and a line saying how to build it. The machine's other load shares the
+cores: the load average is printed before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import compileall
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import trio
+
+import gangd
+from gangd.client import cluster as local
+from gangd.client.api import connect
+
+HERE = Path(__file__).resolve().parent
+JOB = str(HERE / "ringjob.py")
+DMTCP_DEFAULT = "/tmp/peers/dmtcp-inst"  # noqa: S108 -- where ../shared/peers/dmtcp_bench.sh installs it
+LINE = re.compile(rb"^it (\d+) acc \S+ at (\d+\.\d+)$", re.MULTILINE)
+MiB = 1 << 20
+
+out = sys.stdout
+
+
+def say(*parts) -> None:
+    print(*parts, file=out, flush=True)
+
+
+class BenchError(Exception):
+    pass
+
+
+def job_env() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in ("GANGD_CKPT_BACKGROUND", "GANGD_RESTART", "GANGD_CKPT_DIR", "GANGD_CKPT_SPC")}
+
+
+def gang_cli(directory: Path, *argv: str, timeout: float = 300) -> str:
+    """Run ``gang`` as a user does (a new process); its stdout."""
+    env = {**os.environ, "GANGD_CLUSTER": str(directory)}
+    script = Path(sys.executable).parent / "gang"  # (the command a user runs, next to this Python)
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "gangd.client.cli"]
+    done = subprocess.run([*command, *argv], env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    if done.returncode != 0:
+        raise BenchError(f"gang {' '.join(argv)}: exit {done.returncode}: {done.stderr.strip() or done.stdout.strip()}")
+    return done.stdout
+
+
+# ---------------------------------------------------------------- gangd
+
+
+TIMELINE = re.compile(rb"^timeline (.*)$", re.MULTILINE)
+
+
+async def first_line(gang, job: int, timeout: float = 120) -> tuple[int, float, dict[str, float]]:
+    """(iteration, unix time) of rank 0's first progress line of ``job``, and
+    the times rank 0 printed before it (started, imported, init, world, protected)."""
+    buffer = bytearray()
+    with trio.move_on_after(timeout):
+        async with gang.output(job, follow=True, ranks=[0]) as chunks:
+            async for chunk in chunks:
+                buffer += chunk["data"]
+                found = LINE.search(buffer)
+                if found:
+                    marks = TIMELINE.search(buffer)
+                    words = marks.group(1).decode().split() if marks else []
+                    return int(found.group(1)), float(found.group(2)), {k: float(v) for k, v in zip(words[::2], words[1::2], strict=False)}
+    record = await gang.job(job)
+    said = bytes(buffer[-600:]).decode(errors="replace")
+    raise BenchError(f"job {job} printed no progress line ({record['state']}: {record.get('reason') or '-'}); its rank 0 said: {said}")
+
+
+async def until_ended(gang, job: int) -> None:
+    with trio.fail_after(60):
+        await gang.wait_done(job)
+
+
+async def gangd_trial(directory: Path, args, idiom: str, via_api: bool = False) -> dict:
+    argv = [sys.executable, JOB, "--mib", str(args.mib), "--data", args.data, "--idiom", idiom, "--every", str(args.every)]
+    async with connect(directory) as gang:
+        record = await gang.submit(argv, args.ranks, per_node=1, env=job_env(), cwd=str(HERE), name=f"ring-{idiom}")
+        job = record["id"]
+        await first_line(gang, job, timeout=300)
+        await trio.sleep(0.5)
+        started = time.time()
+        entry = await gang.checkpoint(job)
+        checkpoint_s = time.time() - started
+        if entry.get("state") not in ("complete", "protected"):
+            raise BenchError(f"checkpoint of job {job}: {entry.get('state')}: {entry.get('reason')}")
+        await trio.sleep(0.5)  # (the redundancy write, behind the job)
+        await gang.kill(job)
+        await until_ended(gang, job)
+        await trio.sleep(1.0)  # as the peers' scripts do
+        t0 = time.time()
+        if via_api:  # (the same request from a running Python program: no command to start)
+            new = (await gang.restart(job))["record"]["id"]
+        else:
+            new = int(await trio.to_thread.run_sync(lambda: gang_cli(directory, "restart", "-q", str(job)).strip()))
+        returned = time.time() - t0
+        iteration, printed, marks = await first_line(gang, new)
+        await gang.kill(new)
+        await until_ended(gang, new)
+    image = sum(node.get("bytes", 0) for node in (entry.get("nodes") or {}).values())  # (each node's own files; redundancy comes on top)
+    return {
+        "idiom": idiom, "job": job, "restarted_as": new, "checkpoint_s": checkpoint_s, "cut": entry.get("iteration"),
+        "first_iteration_line": iteration, "restart_s": printed - t0, "restart_command_s": returned,
+        "image_bytes": image, "state_bytes": args.ranks * args.mib * MiB,
+        "rank0": {k: v - t0 for k, v in marks.items()},  # its script started, imported, init (restored), world, protected
+    }
+
+
+# ---------------------------------------------------------------- DMTCP
+
+
+def dmtcp_bin(root: str) -> Path | None:
+    binary = Path(root) / "bin"
+    return binary if (binary / "dmtcp_launch").exists() and (binary / "dmtcp_restart").exists() else None
+
+
+def wait_line(path: Path, timeout: float, proc: subprocess.Popen) -> tuple[int, float]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            found = LINE.search(path.read_bytes())
+        except FileNotFoundError:
+            found = None
+        if found:
+            return int(found.group(1)), float(found.group(2))
+        if proc.poll() is not None:
+            break
+        time.sleep(0.02)
+    tail = path.read_bytes()[-600:].decode(errors="replace") if path.exists() else ""
+    raise BenchError(f"no progress line in {path} ({'exit ' + str(proc.returncode) if proc.poll() is not None else 'timeout'}): {tail}")
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """The launched program and whatever it forked (its own process group)."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def dmtcp_trial(binary: Path, args, gzip: bool) -> dict:
+    port = random.randint(7800, 8799)
+    ring = random.randint(20000, 40000)
+    work = Path(tempfile.mkdtemp(prefix="gangd-bench-dmtcp-"))
+    coordinator = [str(binary / "dmtcp_coordinator"), "--daemon", "--exit-on-last", "-p", str(port)]
+    command = [str(binary / "dmtcp_command"), "-p", str(port)]
+    launched = restarted = None
+    try:
+        subprocess.run([*coordinator, "--ckptdir", str(work)], check=True, capture_output=True, timeout=30)
+        argv = [sys.executable, JOB, "--under", "tcp", "--ranks", str(args.ranks), "--mib", str(args.mib), "--data", args.data,
+                "--every", str(args.every), "--port", str(ring)]
+        with open(work / "out", "wb") as output:
+            launched = subprocess.Popen([str(binary / "dmtcp_launch"), "-p", str(port), "--ckptdir", str(work), *([] if gzip else ["--no-gzip"]), *argv],
+                                        cwd=work, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_line(work / "out", 300, launched)
+        time.sleep(0.5)
+        started = time.time()
+        subprocess.run([*command, "-bc"], check=True, capture_output=True, timeout=600)
+        checkpoint_s = time.time() - started
+        images = sorted(work.glob("ckpt_*.dmtcp"))
+        if not images:
+            raise BenchError(f"dmtcp_command -bc left no image in {work}")
+        size = sum(p.stat().st_size for p in images)
+        subprocess.run([*command, "-q"], capture_output=True, timeout=60, check=False)
+        stop_group(launched)
+        time.sleep(1.0)  # as the peers' scripts do
+        subprocess.run(coordinator, check=True, capture_output=True, timeout=30)
+        with open(work / "rout", "wb") as output:
+            t0 = time.time()
+            restarted = subprocess.Popen([str(binary / "dmtcp_restart"), "-p", str(port), *map(str, images)],
+                                         cwd=work, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+        iteration, printed = wait_line(work / "rout", 120, restarted)
+        return {"gzip": gzip, "checkpoint_s": checkpoint_s, "first_iteration_line": iteration, "restart_s": printed - t0,
+                "image_bytes": size, "state_bytes": args.ranks * args.mib * MiB}
+    finally:
+        subprocess.run([*command, "-q"], capture_output=True, timeout=60, check=False)
+        for proc in (launched, restarted):
+            if proc is not None:
+                stop_group(proc)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- report
+
+
+def spread(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{statistics.median(values):.2f} s (range {min(values):.2f}-{max(values):.2f})"
+
+
+def report(rows: dict[str, list[dict]], args) -> dict:
+    say(f"\nrestart to the first progress line, {args.ranks} ranks x {args.mib} MiB ({args.data}), {args.repeats} repeat(s), "
+        f"line every {args.every} iterations:")
+    summary: dict = {}
+    for kind, trials in rows.items():
+        if not trials:
+            continue
+        restart = [t["restart_s"] for t in trials]
+        ckpt = [t["checkpoint_s"] for t in trials]
+        ratio = statistics.median(t["image_bytes"] / t["state_bytes"] for t in trials if t["state_bytes"])
+        extra = f"  (command returned after {spread([t['restart_command_s'] for t in trials])})" if kind.startswith("gangd") else ""
+        say(f"  {kind:<22} restart {spread(restart)}   checkpoint {spread(ckpt)}   image {ratio:.2f}x state{extra}")
+        phases = [k for k in ("started", "imported", "init", "world", "protected") if all(k in t.get("rank0", {}) for t in trials)]
+        if phases:
+            say(f"  {'':<22} rank 0 (median s after the command): " + ", ".join(
+                f"{k} {statistics.median(t['rank0'][k] for t in trials):.2f}" for k in phases))
+        summary[kind] = {"restart_s": statistics.median(restart), "restart_range": [min(restart), max(restart)],
+                         "checkpoint_s": statistics.median(ckpt), "image_ratio": ratio}
+    dmtcp = next((k for k in ("dmtcp --no-gzip", "dmtcp gzip") if summary.get(k)), None)
+    if dmtcp:
+        say(f"\ngangd / DMTCP ({dmtcp}), per repeat (same run) and of the medians (target: <= 0.50):")
+        for kind in [k for k in rows if k.startswith("gangd")]:
+            if not rows[kind]:
+                continue
+            pairs = [g["restart_s"] / d["restart_s"] for g, d in zip(rows[kind], rows[dmtcp], strict=False)]
+            ckpt_pairs = [g["checkpoint_s"] / d["checkpoint_s"] for g, d in zip(rows[kind], rows[dmtcp], strict=False)]
+            of_medians = summary[kind]["restart_s"] / summary[dmtcp]["restart_s"]
+            say(f"  {kind:<22} restart {of_medians:.2f}x  (per repeat {', '.join(f'{p:.2f}' for p in pairs)})   "
+                f"checkpoint {statistics.median(ckpt_pairs):.2f}x   image {summary[kind]['image_ratio'] / summary[dmtcp]['image_ratio']:.2f}x")
+            summary[kind]["restart_ratio"] = of_medians
+            summary[kind]["restart_ratio_per_repeat"] = pairs
+    return summary
+
+
+def main() -> None:
+    global out
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--mib", type=int, default=64, help="state per rank")
+    parser.add_argument("--data", choices=["smooth", "random"], default="random")
+    parser.add_argument("--every", type=int, default=200, help="iterations between progress lines (the peers': 200)")
+    parser.add_argument("--idioms", default="factory,build", help="gangd runs: factory, build, restarted (comma-separated); "
+                        "IDIOM/api restarts through the Python API instead of the gang command")
+    parser.add_argument("--dmtcp", default=DMTCP_DEFAULT, help="DMTCP's install prefix (bin/dmtcp_launch ...)")
+    parser.add_argument("--dmtcp-gzip", action="store_true", help="also DMTCP with its default gzip compression")
+    parser.add_argument("--no-compile", action="store_true", help="do not byte-compile gangd first")
+    parser.add_argument("--json", action="store_true", help="every number as JSON on stdout (the text on stderr)")
+    args = parser.parse_args()
+    if args.json:
+        out = sys.stderr
+    idioms = [i for i in args.idioms.split(",") if i]
+    binary = dmtcp_bin(args.dmtcp)
+    if binary is None:
+        say(f"DMTCP not found in {args.dmtcp} (no bin/dmtcp_launch): gangd only. Build it: git clone https://github.com/dmtcp/dmtcp && "
+            f"./configure --prefix={DMTCP_DEFAULT} && make -j2 && make install, or give --dmtcp PREFIX.")
+    if not args.no_compile:
+        compileall.compile_dir(str(Path(gangd.__file__).parent), quiet=1)
+    rows: dict[str, list[dict]] = {f"gangd {i}": [] for i in idioms}
+    if binary is not None:
+        rows["dmtcp --no-gzip"] = []
+        if args.dmtcp_gzip:
+            rows["dmtcp gzip"] = []
+    result: dict = {"config": {**vars(args), "cores": os.cpu_count(), "loadavg_start": os.getloadavg()}}
+    say(f"restart bench: {args.ranks} ranks x {args.mib} MiB, gangd ({', '.join(idioms)}) and {'DMTCP' if binary else 'no DMTCP'}, "
+        f"{args.repeats} repeat(s); load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
+    with tempfile.TemporaryDirectory(prefix="gangd-bench-restart-") as tmp:
+        directory = Path(tmp)
+        local.up(directory, args.ranks, cores=1, log_level="warning")
+        try:
+            for repeat in range(args.repeats):
+                for kind in rows:
+                    try:
+                        if kind.startswith("gangd"):
+                            idiom, _, how = kind.split()[1].partition("/")
+                            trial = trio.run(gangd_trial, directory, args, idiom, how == "api")
+                        else:
+                            assert binary is not None
+                            trial = dmtcp_trial(binary, args, gzip=kind == "dmtcp gzip")
+                    except (BenchError, subprocess.SubprocessError) as exc:
+                        say(f"  [{repeat + 1}/{args.repeats}] {kind:<16} FAILED: {exc}")
+                        continue
+                    rows[kind].append(trial)
+                    say(f"  [{repeat + 1}/{args.repeats}] {kind:<16} restart {trial['restart_s']:.2f} s (first line: iteration {trial['first_iteration_line']})"
+                        f"   checkpoint {trial['checkpoint_s']:.2f} s, image {trial['image_bytes'] / MiB:.0f} MiB")
+        finally:
+            local.down(directory)
+            for proc in psutil.process_iter(["pid", "cmdline"]):
+                cmdline = proc.info["cmdline"] or []
+                if any(str(directory) in part for part in cmdline):
+                    say(f"(killing stray process {proc.pid}: {' '.join(cmdline[:4])})")
+                    proc.send_signal(signal.SIGKILL)
+    result["trials"] = rows
+    result["summary"] = report(rows, args)
+    result["config"]["loadavg_end"] = os.getloadavg()
+    say(f"(load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())})")
+    if args.json:
+        json.dump(result, sys.stdout, indent=1, default=str)
+        print()
+
+
+if __name__ == "__main__":
+    main()

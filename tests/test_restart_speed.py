@@ -1,0 +1,300 @@
+"""What makes a restart quick, and what a user relies on while it is.
+
+The contract (issue 16, "Restart speed"):
+
+* ``ckpt.protect(name, factory)`` calls the factory on a fresh start only:
+  on a restart the saved value comes back and the factory is never called
+  (a factory that writes a marker file shows it) — alone and under gangd.
+* What comes back is bit-identical (the run ends with the digest of an
+  uninterrupted one) and writable in place.
+* An array given directly whose dtype or shape differs from the saved one
+  (a program restarted with other parameters) is refused with a sentence
+  naming both; a checkpoint file that is truncated, grown or has a header
+  pointing outside it is refused with the file's name.
+
+Real processes, real files, real SIGKILL; the gangd test runs real daemons.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+from ckpthelpers import checkpoint, kill_and_restart, kill_what_is_left, result_of, submit, wait_running_a_bit
+from conftest import shared_cluster
+
+from gangd import ckptstore
+from gangd.ckptlib import image
+from gangd.ckptstore import StoreError
+
+PROGRAM = textwrap.dedent(
+    """
+    import hashlib, os, signal, sys
+    import numpy as np
+    from gangd import ckptlib as ckpt
+
+    N = 40
+    LEN = int(os.environ.get("T_LEN", "4096"))
+    DTYPE = os.environ.get("T_DTYPE", "float64")
+    MARKER = os.environ["T_MARKER"]
+    FORM = os.environ.get("T_FORM", "factory")
+    REQUEST_AT, KILL_AT = int(os.environ.get("T_REQUEST", "-1")), int(os.environ.get("T_KILL", "-1"))
+
+    def build():
+        with open(MARKER, "a") as fh:
+            fh.write("built\\n")
+        return (np.arange(LEN) % 97).astype(DTYPE).reshape(-1, 64)
+
+    ckpt.init()
+    if FORM == "factory":
+        u = ckpt.protect("u", build)
+    else:
+        u = ckpt.protect("u", build())
+    state = ckpt.protect("state", lambda: {"total": 0})
+    print("restarted", ckpt.restarted(), u.dtype, u.shape, u.flags.writeable, u.flags.aligned, flush=True)
+    for it in ckpt.loop(range(N)):
+        u *= 1.0001
+        u[it % u.shape[0]] += it
+        state["total"] += it
+        if it == REQUEST_AT:
+            ckpt.request()
+        if it == KILL_AT:
+            os.kill(os.getpid(), signal.SIGKILL)
+    ckpt.fini()
+    print("digest", hashlib.sha256(u.tobytes() + repr(state).encode()).hexdigest(), flush=True)
+    """
+)
+
+
+def run(directory: Path, **env) -> subprocess.CompletedProcess:
+    script = directory / "prog.py"
+    if not script.exists():
+        script.write_text(PROGRAM)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("GANGD_")}
+    clean.update({"T_MARKER": str(directory / "built"), **{k: str(v) for k, v in env.items()}})
+    return subprocess.run([sys.executable, str(script)], cwd=directory, env=clean, capture_output=True, text=True, timeout=60, check=False)
+
+
+def line(result: subprocess.CompletedProcess, key: str) -> list[str]:
+    for text in result.stdout.splitlines():
+        if text.split()[:1] == [key]:
+            return text.split()[1:]
+    raise AssertionError(f"no {key!r} line (exit {result.returncode}):\n{result.stdout}\n--- stderr:\n{result.stderr}")
+
+
+def builds(directory: Path) -> int:
+    marker = directory / "built"
+    return len(marker.read_text().splitlines()) if marker.exists() else 0
+
+
+def state_file(directory: Path, gen: int = 1) -> Path:
+    return ckptstore.gen_dir(directory / "prog.ckpt", 0, gen) / ckptstore.rank_file(0)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> str:
+    directory = tmp_path_factory.mktemp("uninterrupted")
+    result = run(directory)
+    assert result.returncode == 0, result.stderr
+    return line(result, "digest")[0]
+
+
+def checkpointed_and_killed(directory: Path, **env) -> None:
+    killed = run(directory, T_REQUEST=10, T_KILL=20, **env)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert state_file(directory).exists()
+
+
+# ---------------------------------------------------------------- the factory
+
+
+@pytest.mark.parametrize("form", ["factory", "value"])
+def test_factory_is_called_on_a_fresh_start_only_and_the_state_comes_back_bit_identical(tmp_path, uninterrupted, form):
+    checkpointed_and_killed(tmp_path, T_FORM=form)
+    assert builds(tmp_path) == 1
+
+    resumed = run(tmp_path, GANGD_RESTART="latest", T_FORM=form)
+    assert resumed.returncode == 0, resumed.stderr
+    # The factory form skips building what the restart replaces; the value form builds it (and throws it away).
+    assert builds(tmp_path) == (1 if form == "factory" else 2)
+    assert line(resumed, "restarted") == ["True", "float64", "(64,", "64)", "True", "True"]  # writable, aligned
+    assert line(resumed, "digest") == [uninterrupted]
+
+
+def test_a_fresh_start_with_restart_auto_and_no_checkpoint_calls_the_factory(tmp_path, uninterrupted):
+    result = run(tmp_path, GANGD_RESTART="auto")
+    assert result.returncode == 0, result.stderr
+    assert line(result, "restarted")[0] == "False"
+    assert builds(tmp_path) == 1
+    assert line(result, "digest") == [uninterrupted]
+
+
+# ---------------------------------------------------------------- mismatches
+
+
+@pytest.mark.parametrize(("env", "given"), [
+    ({"T_LEN": "2048"}, "a float64 array of shape (32, 64)"),
+    ({"T_DTYPE": "float32"}, "a float32 array of shape (64, 64)"),
+])
+def test_an_array_of_another_dtype_or_shape_is_refused_on_restart(tmp_path, env, given):
+    checkpointed_and_killed(tmp_path, T_FORM="value")
+    refused = run(tmp_path, GANGD_RESTART="latest", T_FORM="value", **env)
+    assert refused.returncode != 0
+    assert "digest" not in refused.stdout
+    assert f"protect('u'): the checkpoint holds a float64 array of shape (64, 64), the program gives {given}" in refused.stderr, refused.stderr
+
+
+# ---------------------------------------------------------------- hostile files
+
+
+def rewrite_manifest_size(directory: Path, size_of: Path) -> None:
+    """The manifest made to agree with a file's new size (and checksum): only the content can tell."""
+    gen = size_of.parent
+    manifest = ckptstore.read_manifest(gen)
+    manifest.files[size_of.name] = list(ckptstore.checksum_file(size_of))
+    ckptstore.write_manifest(gen, manifest)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "grown"])
+def test_a_state_file_of_the_wrong_size_is_refused_naming_it(tmp_path, damage):
+    checkpointed_and_killed(tmp_path)
+    path = state_file(tmp_path)
+    size = path.stat().st_size
+    with open(path, "r+b") as fh:
+        if damage == "truncated":
+            fh.truncate(size - 100)
+        else:
+            fh.seek(0, os.SEEK_END)
+            fh.write(b"\0" * 4096)
+    refused = run(tmp_path, GANGD_RESTART="1")
+    assert refused.returncode != 0
+    assert f"{path.relative_to(tmp_path)} is truncated or grew" in refused.stderr, refused.stderr  # (alone: the path as the program names it)
+    assert builds(tmp_path) == 1  # (nor was the state built instead)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "grown"])
+def test_a_state_file_whose_manifest_agrees_but_whose_content_does_not_add_up_is_refused(tmp_path, damage):
+    """Size and checksum made consistent by hand (the manifest is the
+    owner's): the file itself must still hold what its header says."""
+    checkpointed_and_killed(tmp_path)
+    path = state_file(tmp_path)
+    size = path.stat().st_size
+    with open(path, "r+b") as fh:
+        if damage == "truncated":
+            fh.truncate(size - 8 * 64)  # inside the array
+        else:
+            fh.seek(0, os.SEEK_END)
+            fh.write(b"x" * 100)
+    rewrite_manifest_size(tmp_path, path)
+    refused = run(tmp_path, GANGD_RESTART="1")
+    assert refused.returncode != 0
+    assert str(path.relative_to(tmp_path)) in refused.stderr and ("truncated" in refused.stderr or "trailing bytes" in refused.stderr), refused.stderr
+
+
+def test_arrays_come_back_writable_aligned_and_independent_of_the_file(tmp_path):
+    path = tmp_path / "rank-0.state"
+    big = np.random.default_rng(3).random((512, 1024))  # 4 MiB
+    small = np.arange(10, dtype=np.int16)
+    size, digest = image.save(path, {"small": small, "big": big, "d": {"k": 1}}, 3)
+    values, iteration, _ = image.load(path, (size, digest))
+    assert iteration == 3 and list(values) == ["small", "big", "d"]
+    assert values["big"].tobytes() == big.tobytes() and values["small"].tobytes() == small.tobytes()
+    for arr in (values["big"], values["small"]):
+        assert arr.flags.writeable and arr.flags.aligned and arr.flags.c_contiguous
+    values["big"] *= 2.0  # in place, and only in this process's copy
+    values["small"][0] = 7
+    again, _, _ = image.load(path, (size, digest))
+    assert again["big"].tobytes() == big.tobytes() and again["small"][0] == 0
+    assert ckptstore.checksum_file(path) == (size, digest)
+
+
+def test_a_header_asking_for_object_pointers_is_refused(tmp_path):
+    """Raw bytes never become object references (they would be pointers)."""
+    header = msgpack.packb({"v": 1, "iteration": 0, "entries": [["a", "nd", {"dtype": "|O", "shape": [4]}, 32]], "extra": {}}, use_bin_type=True)
+    path = tmp_path / "evil.state"
+    path.write_bytes(image.MAGIC + len(header).to_bytes(8, "little") + header + b"\x41" * 32)
+    with pytest.raises(StoreError, match="corrupted"):
+        image.load(path)
+
+
+def test_image_load_refuses_headers_that_point_outside_the_file(tmp_path):
+    path = tmp_path / "rank-0.state"
+    size, digest = image.save(path, {"a": np.arange(200_000, dtype=np.float64)}, 3)
+    data = path.read_bytes()
+    with open(path, "wb") as fh:
+        fh.write(data[: size // 2])
+    with pytest.raises(StoreError, match="truncated"):
+        image.load(path)
+    with pytest.raises(StoreError, match="truncated or grew"):
+        image.load(path, (size, digest))
+
+
+# ---------------------------------------------------------------- under gangd
+
+RING = textwrap.dedent(
+    """
+    import hashlib, os, sys, time
+    import numpy as np
+    from gangd import ckptlib as ckpt, comm
+
+    marker_dir, steps = sys.argv[1], int(sys.argv[2])
+    ckpt.init()
+    w = comm.world()
+
+    def build():
+        with open(os.path.join(marker_dir, f"built-{w.rank}-{os.getpid()}"), "w"):
+            pass
+        return np.random.default_rng(w.rank).random(1 << 17)
+
+    u = ckpt.protect("u", build)
+    for it in ckpt.loop(range(steps)):
+        u[it % u.size] += 1.0
+        w.send(np.array([u.sum()]), (w.rank + 1) % w.size)
+        u[0] += w.recv(source=(w.rank - 1) % w.size)[0] * 1e-9
+        time.sleep(0.02)
+    ckpt.fini()
+    mine = np.frombuffer(hashlib.sha256(u.tobytes()).digest(), dtype=np.uint8)
+    if w.rank:
+        w.send(mine, 0)
+    else:
+        others = [bytes(w.recv(source=r)).hex() for r in range(1, w.size)]
+        print("RESULT", bytes(mine).hex(), *others, flush=True)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def gc():
+    with shared_cluster(2, cores=2, time_slice=0.1, max_slots=2) as cluster:
+        yield cluster
+
+
+def test_under_gangd_a_restart_never_calls_the_factory_and_ends_bit_identical(gc, tmp_path):
+    tmp_path.chmod(0o777)
+    program = tmp_path / "ring.py"
+    program.write_text(RING)
+    program.chmod(0o644)
+    fresh, first, second = (tmp_path / name for name in ("fresh", "first", "second"))
+    for directory in (fresh, first, second):
+        directory.mkdir(mode=0o777)
+    try:
+        expected = result_of(gc, submit(gc, [str(program), str(fresh), "150"], 2), timeout=120)
+        job = submit(gc, [str(program), str(first), "150"], 2)
+        wait_running_a_bit(gc, job)
+        gen = checkpoint(gc, job)
+        assert gen["state"] in ("complete", "protected"), gen
+        restarted = kill_and_restart(gc, job)
+        # (the argv is the checkpointed job's: the restart's builds would land in first/ too)
+        assert result_of(gc, restarted, timeout=120) == expected
+        assert len(list(fresh.iterdir())) == 2
+        assert len(list(first.iterdir())) == 2  # one build per rank, by the first run only
+        assert not list(second.iterdir())
+    finally:
+        kill_what_is_left(gc)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -10,16 +11,23 @@ import time
 from pathlib import Path
 
 from gangd import ckptstore
+from gangd.rpc import RemoteError
 
 PY = sys.executable
 TERMINAL = ("DONE", "FAILED", "KILLED")
 
 
 def kill_what_is_left(cluster) -> None:
-    """After a test: kill the jobs still alive, and wait until none of their processes is."""
-    for record in cluster.gang_json("ps"):
-        if record["state"] not in TERMINAL:
-            cluster.gang("kill", record["id"])
+    """After a test: kill the jobs still alive, and wait until none of their processes is
+    (as `gang ps` and `gang kill` would, from this process: no Python started per job)."""
+
+    async def kill_alive(gang):
+        for record in await gang.jobs():
+            if record["state"] not in TERMINAL:
+                with contextlib.suppress(RemoteError):  # (ended meanwhile)
+                    await gang.kill(record["id"])
+
+    cluster.ask(kill_alive, "kill")
     cluster.wait_no_rank_processes(timeout=10)
 
 
@@ -68,7 +76,8 @@ def checkpoint(gc, job: int) -> dict:
 
 
 def generations(gc, job: int) -> list[dict]:
-    return gc.gang_json("ckpt", "ls", job)["generations"]
+    """What `gang ckpt ls JOB --json` lists (asked in this process: the tests poll it)."""
+    return gc.ask(lambda gang: gang.checkpoints(job), f"ckpt ls {job}")["generations"]
 
 
 #: Generation states a restart may use: complete, and protected (its redundancy written too).

@@ -22,11 +22,14 @@ from pathlib import Path
 
 import psutil
 import pytest
+import trio
 
 from gangd.client import cluster as local
+from gangd.client.api import connect
 from gangd.daemon.cgroup import CgroupTree
 from gangd.daemon.config import EtcdSettings
 from gangd.daemon.config import load as load_config
+from gangd.rpc import leaf_error
 
 
 class LocalCluster:
@@ -52,10 +55,42 @@ class LocalCluster:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 
     def job(self, job_id: int) -> dict:
-        for record in self.gang_json("ps", "--all"):
+        """The job's record as `gang ps --all --json` shows it. Asked in this
+        process (what the command does, without starting a Python for every
+        poll of ``wait_state``: on 2 cores those starts were a good part of the
+        suite's time); through the command where this runs inside trio."""
+        if trio.lowlevel.in_trio_run():
+            records = self.gang_json("ps", "--all")
+        else:
+            records = self._ps_all()
+        for record in records:
             if record["id"] == job_id:
                 return record
         raise KeyError(job_id)
+
+    def _ps_all(self) -> list[dict]:
+        found = self.ask(lambda gang: gang.jobs(all=True), "ps --all", as_json=False)
+        # As the command prints them: each marked stale if the answer may be out of date.
+        return _as_json([dict(r, stale=found.stale) for r in found] if found.stale else list(found))
+
+    def ask(self, request, what: str = "request", *, as_json: bool = True):
+        """``await request(client)`` on the cluster's first reachable daemon (as
+        `gang` picks it), from this process; the answer as `gang ... --json`
+        prints it. For the tests' polls: a `gang` started per poll costs a
+        Python start-up, which on 2 cores slowed the whole suite."""
+
+        async def go():
+            async with connect(self.dir) as gang:
+                return await request(gang)
+
+        try:
+            try:
+                answer = trio.run(go)
+            except BaseExceptionGroup as group:
+                raise leaf_error(group) from None
+        except Exception as exc:  # noqa: BLE001 -- as the command's failure would be: the test fails, saying why
+            raise AssertionError(f"gang {what} failed: {type(exc).__name__}: {exc}") from None
+        return _as_json(answer) if as_json else answer
 
     def wait_state(self, job_id: int, states, timeout: float = 20) -> dict:
         states = {states} if isinstance(states, str) else set(states)
@@ -137,6 +172,11 @@ class LocalCluster:
             except (psutil.Error, OSError):
                 continue
         return found
+
+
+def _as_json(obj):
+    """``obj`` as the CLI's --json prints it (bytes as text, tuples as lists)."""
+    return json.loads(json.dumps(obj, default=lambda b: b.decode(errors="replace")))
 
 
 def as_uid(uid: int, fn):

@@ -117,7 +117,14 @@ def gen_dir(gc, node: str, lineage: int, gen: int) -> Path:
 
 
 def wait_running_a_bit(gc, job: int, seconds: float = 1.0) -> None:
-    gc.wait_state(job, ("RUNNING", "SUSPENDED"))
+    """Until the job runs, then ``seconds`` more. Polled through `gang ps`, not
+    in this process: the callers' seconds were set with a command's start-up
+    in each poll, and a rank that has not called ckpt.init() yet fails the
+    checkpoint that follows (no condition a test can see says it has)."""
+    deadline = time.monotonic() + 20
+    while (state := next((r["state"] for r in gc.gang_json("ps", "--all") if r["id"] == job), None)) not in ("RUNNING", "SUSPENDED"):
+        assert time.monotonic() < deadline, f"job {job} is {state}, not running, after 20 s"
+        time.sleep(0.1)
     time.sleep(seconds)
 
 

@@ -311,7 +311,7 @@ def pytest_unconfigure(config):
 
 
 def _up(directory: Path, nodes: int, own_etcd: bool, options: dict) -> None:
-    if not own_etcd and not _OWN_ETCD_OPTIONS & options.keys():
+    if not own_etcd and not _OWN_ETCD_OPTIONS & options.keys() and not os.environ.get("GANGD_TEST_OWN_ETCD"):  # (=1: every cluster its own)
         options = {**_shared_etcd(), **options}
     local.up(directory, nodes, **options)
 

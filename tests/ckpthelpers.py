@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -10,16 +11,23 @@ import time
 from pathlib import Path
 
 from gangd import ckptstore
+from gangd.rpc import RemoteError
 
 PY = sys.executable
 TERMINAL = ("DONE", "FAILED", "KILLED")
 
 
 def kill_what_is_left(cluster) -> None:
-    """After a test: kill the jobs still alive, and wait until none of their processes is."""
-    for record in cluster.gang_json("ps"):
-        if record["state"] not in TERMINAL:
-            cluster.gang("kill", record["id"])
+    """After a test: kill the jobs still alive, and wait until none of their processes is
+    (as `gang ps` and `gang kill` would, from this process: no Python started per job)."""
+
+    async def kill_alive(gang):
+        for record in await gang.jobs():
+            if record["state"] not in TERMINAL:
+                with contextlib.suppress(RemoteError):  # (ended meanwhile)
+                    await gang.kill(record["id"])
+
+    cluster.ask(kill_alive, "kill")
     cluster.wait_no_rank_processes(timeout=10)
 
 
@@ -68,7 +76,8 @@ def checkpoint(gc, job: int) -> dict:
 
 
 def generations(gc, job: int) -> list[dict]:
-    return gc.gang_json("ckpt", "ls", job)["generations"]
+    """What `gang ckpt ls JOB --json` lists (asked in this process: the tests poll it)."""
+    return gc.ask(lambda gang: gang.checkpoints(job), f"ckpt ls {job}")["generations"]
 
 
 #: Generation states a restart may use: complete, and protected (its redundancy written too).
@@ -108,7 +117,14 @@ def gen_dir(gc, node: str, lineage: int, gen: int) -> Path:
 
 
 def wait_running_a_bit(gc, job: int, seconds: float = 1.0) -> None:
-    gc.wait_state(job, ("RUNNING", "SUSPENDED"))
+    """Until the job runs, then ``seconds`` more. Polled through `gang ps`, not
+    in this process: the callers' seconds were set with a command's start-up
+    in each poll, and a rank that has not called ckpt.init() yet fails the
+    checkpoint that follows (no condition a test can see says it has)."""
+    deadline = time.monotonic() + 20
+    while (state := next((r["state"] for r in gc.gang_json("ps", "--all") if r["id"] == job), None)) not in ("RUNNING", "SUSPENDED"):
+        assert time.monotonic() < deadline, f"job {job} is {state}, not running, after 20 s"
+        time.sleep(0.1)
     time.sleep(seconds)
 
 

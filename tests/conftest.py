@@ -22,11 +22,14 @@ from pathlib import Path
 
 import psutil
 import pytest
+import trio
 
 from gangd.client import cluster as local
+from gangd.client.api import connect
 from gangd.daemon.cgroup import CgroupTree
 from gangd.daemon.config import EtcdSettings
 from gangd.daemon.config import load as load_config
+from gangd.rpc import leaf_error
 
 
 class LocalCluster:
@@ -52,10 +55,42 @@ class LocalCluster:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 
     def job(self, job_id: int) -> dict:
-        for record in self.gang_json("ps", "--all"):
+        """The job's record as `gang ps --all --json` shows it. Asked in this
+        process (what the command does, without starting a Python for every
+        poll of ``wait_state``: on 2 cores those starts were a good part of the
+        suite's time); through the command where this runs inside trio."""
+        if trio.lowlevel.in_trio_run():
+            records = self.gang_json("ps", "--all")
+        else:
+            records = self._ps_all()
+        for record in records:
             if record["id"] == job_id:
                 return record
         raise KeyError(job_id)
+
+    def _ps_all(self) -> list[dict]:
+        found = self.ask(lambda gang: gang.jobs(all=True), "ps --all", as_json=False)
+        # As the command prints them: each marked stale if the answer may be out of date.
+        return _as_json([dict(r, stale=found.stale) for r in found] if found.stale else list(found))
+
+    def ask(self, request, what: str = "request", *, as_json: bool = True):
+        """``await request(client)`` on the cluster's first reachable daemon (as
+        `gang` picks it), from this process; the answer as `gang ... --json`
+        prints it. For the tests' polls: a `gang` started per poll costs a
+        Python start-up, which on 2 cores slowed the whole suite."""
+
+        async def go():
+            async with connect(self.dir) as gang:
+                return await request(gang)
+
+        try:
+            try:
+                answer = trio.run(go)
+            except BaseExceptionGroup as group:
+                raise leaf_error(group) from None
+        except Exception as exc:  # noqa: BLE001 -- as the command's failure would be: the test fails, saying why
+            raise AssertionError(f"gang {what} failed: {type(exc).__name__}: {exc}") from None
+        return _as_json(answer) if as_json else answer
 
     def wait_state(self, job_id: int, states, timeout: float = 20) -> dict:
         states = {states} if isinstance(states, str) else set(states)
@@ -74,7 +109,7 @@ class LocalCluster:
     def etcd(self):
         """The cluster's own etcd (a ``gangd.etcd.server.LocalEtcd``: ``kill_member(i)``, ``start_member(i)``, ``endpoints``, ``pids``)."""
         store = local.local_etcd(self.dir)
-        assert store is not None, f"the cluster in {self.dir} has no etcd of its own"
+        assert store is not None, f"the cluster in {self.dir} has no etcd of its own (make_cluster(..., own_etcd=True) gives it one)"
         return store
 
     @property
@@ -137,6 +172,11 @@ class LocalCluster:
             except (psutil.Error, OSError):
                 continue
         return found
+
+
+def _as_json(obj):
+    """``obj`` as the CLI's --json prints it (bytes as text, tuples as lists)."""
+    return json.loads(json.dumps(obj, default=lambda b: b.decode(errors="replace")))
 
 
 def as_uid(uid: int, fn):
@@ -229,15 +269,66 @@ def _print_cluster_logs(cluster: LocalCluster, lines: int = 60) -> None:
             print(f"----- {path.relative_to(cluster.dir)} (last {len(tail)} lines) -----", *tail, sep="\n")
 
 
+# ------------------------------------------------------------ one etcd for the test clusters
+
+#: Options that make ``local.up`` start an etcd of the cluster's own (or use a given one).
+_OWN_ETCD_OPTIONS = frozenset({"etcd", "etcd_members", "etcd_binary", "etcd_local", "etcd_user", "etcd_password_file"})
+_shared_etcd_home: Path | None = None
+
+
+def _shared_etcd() -> dict:
+    """``local.up`` options for the etcd the test clusters share (each under its
+    own key prefix, as `gang cluster up --etcd` puts several clusters on one etcd):
+    started, as a local cluster's own is (authentication on, root's password
+    in a 0600 file), at the first cluster and stopped at the end of the
+    session. Starting an etcd for each cluster was a third of its start-up."""
+    global _shared_etcd_home
+    if _shared_etcd_home is None:
+        home = Path(tempfile.mkdtemp(prefix="gangd-test-etcd-"))
+        local.start_local_etcd(home, 1, lambda _message: None)
+        _shared_etcd_home = home
+    etcd = local.local_etcd(_shared_etcd_home)
+    assert etcd is not None
+    if not all(_runs(m.pid, m.data_dir) for m in etcd.members):  # (no test should stop it; if one did, the next ones get it back)
+        local.start_local_etcd(_shared_etcd_home, None, lambda _message: None)
+        etcd = local.local_etcd(_shared_etcd_home)
+        assert etcd is not None
+    return {"etcd": etcd.endpoints, "etcd_local": True, "etcd_user": "root",
+            "etcd_password_file": _shared_etcd_home / local.ETCD_DIR / local.PASSWORD_FILE}
+
+
+def _runs(pid: int, data_dir: str) -> bool:
+    with contextlib.suppress(psutil.Error):
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE and data_dir in proc.cmdline()
+    return False
+
+
+def pytest_unconfigure(config):
+    if _shared_etcd_home is not None:
+        local.stop_local_etcd(_shared_etcd_home)
+        shutil.rmtree(_shared_etcd_home, ignore_errors=True)
+
+
+def _up(directory: Path, nodes: int, own_etcd: bool, options: dict) -> None:
+    if not own_etcd and not _OWN_ETCD_OPTIONS & options.keys() and not os.environ.get("GANGD_TEST_OWN_ETCD"):  # (=1: every cluster its own)
+        options = {**_shared_etcd(), **options}
+    local.up(directory, nodes, **options)
+
+
 @pytest.fixture
 def make_cluster(request):
     """Factory: ``make_cluster(nodes=4)`` starts a fresh cluster for this test
-    (whose daemons' logs are printed if the test fails)."""
+    (whose daemons' logs are printed if the test fails). Its state is in the
+    etcd the test clusters share, under a prefix of its own; ``own_etcd=True``
+    (or any ``etcd_*`` option) gives it an etcd of its own in its directory,
+    as `gang cluster up` does: for a test that stops etcd, reads
+    ``cluster.etcd``, or brings the cluster down and up again."""
     started: list[LocalCluster] = []
 
-    def make(nodes: int = 4, **options) -> LocalCluster:
+    def make(nodes: int = 4, *, own_etcd: bool = False, **options) -> LocalCluster:
         directory = _world_traversable_tmpdir() / "cluster"
-        local.up(directory, nodes, **options)
+        _up(directory, nodes, own_etcd, options)
         cluster = LocalCluster(directory, nodes)
         started.append(cluster)
         return cluster
@@ -254,11 +345,12 @@ def make_cluster(request):
 
 
 @contextlib.contextmanager
-def shared_cluster(nodes: int = 4, **options):
+def shared_cluster(nodes: int = 4, *, own_etcd: bool = False, **options):
     """A cluster for several tests (a module-scoped fixture's body); checks
-    on the way out that no rank process is left behind."""
+    on the way out that no rank process is left behind. Its etcd: as
+    ``make_cluster``'s."""
     directory = _world_traversable_tmpdir() / "cluster"
-    local.up(directory, nodes, **options)
+    _up(directory, nodes, own_etcd, options)
     cluster = LocalCluster(directory, nodes)
     try:
         yield cluster

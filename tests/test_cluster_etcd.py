@@ -315,7 +315,7 @@ def test_a_daemon_with_a_bad_etcd_setting_refuses_to_start_and_names_it(tmp_path
 def test_a_local_clusters_etcd_answers_only_to_its_daemons(make_cluster):
     """Every local user can connect to 127.0.0.1: without authentication any
     of them could read the job table or write a record root's daemons run."""
-    cluster = make_cluster(1, cores=1)
+    cluster = make_cluster(1, cores=1, own_etcd=True)
     settings = cluster.etcd_settings
     assert settings.user == "root" and settings.password_file == cluster.dir / "etcd" / "root-password"
     mode = settings.password_file.stat()

@@ -81,7 +81,7 @@ def test_coordinator_loss_hands_over_to_the_next_node(make_cluster):
 
 
 def test_restarted_cluster_remembers_job_history(make_cluster):
-    cluster = make_cluster(2)
+    cluster = make_cluster(2, own_etcd=True)  # (its etcd goes down and up with it)
     job = int(cluster.gang("submit", "-n", 2, "--name", "remember-me", "--", "echo", "hi", check=True).stdout)
     cluster.wait_state(job, "DONE")
     local.down(cluster.dir)

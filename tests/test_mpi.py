@@ -48,7 +48,8 @@ def test_allreduce_across_four_nodes(mc, env):
 
 
 def test_two_mpi_jobs_gang_scheduled_on_the_same_nodes(mc):
-    jobs = [int(mc.gang("submit", "--mpi", "-n", 8, "--", PY, ALLREDUCE, "3000", check=True).stdout) for _ in range(2)]
+    # 1000 allreduces each: seconds of running, dozens of 0.05 s slices taken in turns (3000 took over a minute on a loaded machine)
+    jobs = [int(mc.gang("submit", "--mpi", "-n", 8, "--", PY, ALLREDUCE, "1000", check=True).stdout) for _ in range(2)]
     for job in jobs:
         record = mc.wait_state(job, ("DONE", "FAILED", "KILLED"), timeout=120)
         assert record["state"] == "DONE", record

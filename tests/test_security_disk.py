@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from conftest import LocalCluster, _remove_cgroups, _world_traversable_tmpdir, as_uid
+from conftest import LocalCluster, _remove_cgroups, _world_traversable_tmpdir, as_uid, shared_cluster
 
 from gangd.client import cluster as local
 from gangd.client.api import connect
@@ -146,16 +146,31 @@ def _record(stream: int, data: bytes) -> bytes:
     return struct.pack(">BI", stream, len(data)) + data
 
 
-def test_rank_logs_are_roots_and_the_owner_reads_them_only_through_gang(make_cluster):
-    cluster = make_cluster(1, cores=2)
-    assert "hello from nobody" in _nobody(cluster, "run", argv=["echo", "hello from nobody"])
-    path = _rank_log(cluster, 1, 0)
+@pytest.fixture(scope="module")
+def logs_cluster():
+    """One node for the rank-log tests: each spoils only its own job's log."""
+    with shared_cluster(1, cores=2) as cluster:
+        yield cluster
+
+
+def _nobody_runs(cluster: LocalCluster, argv: list[str]) -> tuple[int, str]:
+    """Its job's id and output, once done."""
+    job = _nobody(cluster, "submit", argv=argv)
+    assert cluster.wait_state(job, ("DONE", "FAILED", "KILLED"))["state"] == "DONE"
+    return job, _nobody(cluster, "logs", job)
+
+
+def test_rank_logs_are_roots_and_the_owner_reads_them_only_through_gang(logs_cluster):
+    cluster = logs_cluster
+    job, text = _nobody_runs(cluster, ["echo", "hello from nobody"])
+    assert "hello from nobody" in text
+    path = _rank_log(cluster, job, 0)
     st = os.lstat(path)
     assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o600)
     # The owner can neither rewrite what root will parse nor plant a link beside it.
     outcome = as_uid(NOBODY, lambda: _try_to_tamper(str(path)))
     assert outcome == {"open": "PermissionError", "symlink": "PermissionError"}, outcome
-    assert "hello from nobody" in _nobody(cluster, "logs", 1)
+    assert "hello from nobody" in _nobody(cluster, "logs", job)
 
 
 def _try_to_tamper(path: str) -> dict:
@@ -173,27 +188,29 @@ def _try_to_tamper(path: str) -> dict:
     return outcome
 
 
-def test_a_rank_log_replaced_by_a_symlink_is_refused(make_cluster):
-    cluster = make_cluster(1, cores=2)
-    assert "mine" in _nobody(cluster, "run", argv=["echo", "mine"])
+def test_a_rank_log_replaced_by_a_symlink_is_refused(logs_cluster):
+    cluster = logs_cluster
+    job, text = _nobody_runs(cluster, ["echo", "mine"])
+    assert "mine" in text
     secret = cluster.dir.parent / "root-only"
     secret.write_bytes(_record(1, b"TOPSECRET of root\n"))
     os.chmod(secret, 0o600)
-    path = _rank_log(cluster, 1, 0)
+    path = _rank_log(cluster, job, 0)
     path.unlink()
     path.symlink_to(secret)
-    text = _nobody(cluster, "logs", 1)
+    text = _nobody(cluster, "logs", job)
     assert "TOPSECRET" not in text
     assert "cannot read rank 0's output" in text, text
     assert cluster.gang("ps", "--all").returncode == 0  # the daemon is fine
 
 
-def test_a_damaged_rank_log_is_reported_not_buffered(make_cluster):
-    cluster = make_cluster(1, cores=2)
-    assert "first line" in _nobody(cluster, "run", argv=["echo", "first line"])
-    path = _rank_log(cluster, 1, 0)
+def test_a_damaged_rank_log_is_reported_not_buffered(logs_cluster):
+    cluster = logs_cluster
+    job, text = _nobody_runs(cluster, ["echo", "first line"])
+    assert "first line" in text
+    path = _rank_log(cluster, job, 0)
     with open(path, "r+b") as fh:  # its first record now claims 4 GiB
         fh.write(struct.pack(">BI", 1, 0xFFFFFFFF))
-    text = _nobody(cluster, "logs", 1)
+    text = _nobody(cluster, "logs", job)
     assert "rank 0's output log on n1 is damaged at byte" in text, text
     assert cluster.gang("ps", "--all").returncode == 0

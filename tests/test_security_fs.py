@@ -76,7 +76,7 @@ def _alive(cluster) -> None:
 
 
 def test_a_link_planted_where_rank_sockets_live_never_makes_root_chown_a_file(make_cluster):
-    cluster = make_cluster(1, cores=2)
+    cluster = make_cluster(1, cores=2, own_etcd=True)  # (its etcd goes down and up with it)
     shown = cluster.gang("run", "-n", 1, "--", "/bin/sh", "-c", "echo COMM=$GANGD_COMM_DIR", check=True).stdout
     runtime = Path(shown.split("COMM=", 1)[1].split()[0]).parent  # where this node keeps every job's directory
     victim = _tmpdir()  # stands for /etc: root's
@@ -130,7 +130,7 @@ def test_a_link_planted_where_rank_sockets_live_never_makes_root_chown_a_file(ma
 
 
 def test_a_runtime_directory_that_is_a_link_or_not_roots_stops_the_daemon_with_the_reason(make_cluster):
-    cluster = make_cluster(1, cores=2)
+    cluster = make_cluster(1, cores=2, own_etcd=True)  # (its etcd goes down and up with it)
     runtime = cluster.files["n1"].dir / "jobs"
     lair = _tmpdir(owner=NOBODY, mode=0o755)
     try:

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import trio
 from ckpthelpers import checkpoint, generations, kill_what_is_left, wait_running_a_bit
-from conftest import LocalCluster, _remove_cgroups, _world_traversable_tmpdir
+from conftest import LocalCluster, _remove_cgroups, _world_traversable_tmpdir, shared_cluster
 
 from gangd.client import cluster as local
 from gangd.client.api import connect
@@ -82,6 +82,13 @@ def _liar(cluster, field: str, value: str) -> int:
     return int(out)
 
 
+@pytest.fixture(scope="module")
+def one_node():
+    """One node (4 cores) for the tests that submit, checkpoint and restart jobs of their own there."""
+    with shared_cluster(1, cores=4) as cluster:
+        yield cluster
+
+
 # ---------------------------------------------------------------- 1: what a rank reports about its state
 
 
@@ -91,8 +98,8 @@ def _liar(cluster, field: str, value: str) -> int:
     ("seconds", '"soon"', "a write time that is not a number of seconds"),
     ("digest", '"' + "f" * 4096 + '"', "a malformed checksum"),
 ])
-def test_a_rank_that_lies_in_its_write_report_gets_no_checkpoint_and_says_why(make_cluster, field, value, reason):
-    cluster = make_cluster(1, cores=2)
+def test_a_rank_that_lies_in_its_write_report_gets_no_checkpoint_and_says_why(one_node, field, value, reason):
+    cluster = one_node
     job = _liar(cluster, field, value)
     try:
         wait_running_a_bit(cluster, job, 0.5)
@@ -110,8 +117,8 @@ def test_a_rank_that_lies_in_its_write_report_gets_no_checkpoint_and_says_why(ma
         kill_what_is_left(cluster)
 
 
-def test_two_restarts_of_one_job_at_once_start_exactly_one_job(make_cluster):
-    cluster = make_cluster(1, cores=4)
+def test_two_restarts_of_one_job_at_once_start_exactly_one_job(one_node):
+    cluster = one_node
     # 48 MiB of state per rank: verifying it (before each restart starts its
     # job) takes long enough for the second request to arrive meanwhile.
     job = int(cluster.gang("submit", "-n", 2, "--", PY, CKPTJOB, "--steps", 100000, "--sleep", 0.02, "--mb", 48, check=True).stdout)

@@ -19,8 +19,10 @@ from pathlib import Path
 
 import msgpack
 import psutil
+import pytest
 import trio
-from conftest import as_uid
+from ckpthelpers import kill_what_is_left
+from conftest import as_uid, shared_cluster, wait_for
 
 from gangd.client.api import connect
 from gangd.daemon.admission import Limits
@@ -72,6 +74,27 @@ class RawClient:
 
 def rss(pid: int) -> int:
     return psutil.Process(pid).memory_info().rss
+
+
+@pytest.fixture(scope="module")
+def _one_node():
+    with shared_cluster(1) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def node1(_one_node):
+    """A 1-node cluster shared by the tests here that only connect, submit and
+    count per uid (not memory: a daemon that grew once may not grow again).
+    Each test finds it as new: no job alive, no client connected."""
+    yield _one_node
+    kill_what_is_left(_one_node)
+    daemon = psutil.Process(_one_node.daemon_pid("n1"))
+    path = str(_one_node.files["n1"].socket)
+    # The listener alone: the test's connections are closed on the daemon's side too, so the next test's
+    # counts per uid start from zero.
+    wait_for(lambda: len([c for c in daemon.net_connections(kind="unix") if c.laddr == path]) == 1, 30,
+             "the daemon to close the test's client connections")
 
 
 # ---------------------------------------------------------------- finding 5: frames before auth
@@ -142,8 +165,8 @@ def _peer_endpoint(cluster, node: str) -> tuple[str, int]:
 # ---------------------------------------------------------------- finding 5: connections per uid
 
 
-def test_connections_beyond_the_per_uid_limit_are_refused_clearly_and_other_uids_still_connect(make_cluster):
-    cluster = make_cluster(1)
+def test_connections_beyond_the_per_uid_limit_are_refused_clearly_and_other_uids_still_connect(node1):
+    cluster = node1
     path = str(cluster.files["n1"].socket)
     limit = Limits().connections_per_uid
     release_r, release_w = os.pipe()
@@ -196,8 +219,8 @@ async def _nodes_via_api(path: str):
 # ---------------------------------------------------------------- finding 5: requests in flight
 
 
-def test_thousands_of_requests_in_flight_from_one_client_are_bounded(make_cluster):
-    cluster = make_cluster(1)
+def test_thousands_of_requests_in_flight_from_one_client_are_bounded(node1):
+    cluster = node1
     job = int(cluster.gang("submit", "-n", 1, "--", "sleep", "300", check=True).stdout)
     cluster.wait_state(job, "RUNNING")
     client = RawClient(str(cluster.files["n1"].socket))
@@ -671,13 +694,14 @@ def test_silent_connections_from_a_nodes_address_cannot_cut_it_off_its_peers(mak
     assert "reconnects" in result, result
 
 
-def test_a_silent_tcp_connection_is_dropped_after_a_second_with_the_reason_logged(make_cluster):
-    cluster = make_cluster(1)
+def test_a_silent_tcp_connection_is_dropped_after_a_second_with_the_reason_logged(node1):
+    cluster = node1
     host, port = _peer_endpoint(cluster, "n1")
+    before = len(cluster.log("n1"))  # (the cluster is shared: only what this test caused)
     with socket.create_connection((host, port)) as s:
         s.settimeout(30)
         assert s.recv(4096) == b""  # closed by the daemon, not by us
-    log = cluster.log("n1")
+    log = cluster.log("n1")[before:]
     assert "no handshake within 1 s" in log, log[-2000:]  # (Limits.peer_handshake_timeout), not an empty reason
 
 
@@ -724,8 +748,9 @@ def test_requests_carrying_megabytes_in_flight_are_bounded_per_connection_and_pe
             pass
         for client, outcome in zip(clients[1:], outcomes[1:], strict=True):
             send(client, outcome, 2)
-        # What each connection heard: busy answers, or a bye saying why it was closed.
-        for client, outcome in zip(clients[1:], outcomes[1:], strict=True):
+        # What each connection heard: busy answers, or a bye saying why it was closed
+        # (until 5 s of silence: the connections listened to side by side, not 5 s each in turn).
+        def hear(client, outcome):
             client.sock.settimeout(5)
             outcome["busy"] = 0
             try:
@@ -741,6 +766,12 @@ def test_requests_carrying_megabytes_in_flight_are_bounded_per_connection_and_pe
                 outcome["reset"] = True
             except (OSError, ProtocolError):
                 pass
+
+        listeners = [threading.Thread(target=hear, args=pair) for pair in zip(clients[1:], outcomes[1:], strict=True)]
+        for listener in listeners:
+            listener.start()
+        for listener in listeners:
+            listener.join()
         os.write(done_w, b"x")
         os.read(release_r, 1)  # the connections stay open while root measures
         return {"outcomes": outcomes}
@@ -810,11 +841,15 @@ def test_busy_answers_a_flooding_client_never_reads_do_not_grow_the_daemon(make_
         os.read(go_r, 1)
         pushed = 0
         for client in clients:
-            frames = b"".join(client.conn.send_request("job", {"job": job})[1] for _ in range(20000))
+            # Up to 20000 requests, made 1000 at a time as they go out (making all
+            # 3.2 million up front took longer than the rest of the test).
             client.sock.setblocking(False)
-            view = memoryview(frames)
+            view, made = memoryview(b""), 0
             stuck_since = None
-            while view:
+            while view or made < 20000:
+                if not view:
+                    view = memoryview(b"".join(client.conn.send_request("job", {"job": job})[1] for _ in range(1000)))
+                    made += 1000
                 try:
                     sent = client.sock.send(view[:65536])
                     view = view[sent:]
@@ -851,10 +886,10 @@ def test_busy_answers_a_flooding_client_never_reads_do_not_grow_the_daemon(make_
     cluster.gang("kill", job, check=True)
 
 
-def test_a_users_connection_limit_grows_with_its_ranks_running_on_the_node(make_cluster):
+def test_a_users_connection_limit_grows_with_its_ranks_running_on_the_node(node1):
     """Each rank holds a link for its messaging and one for its checkpoint agent:
     on a node of more than 128 cores a fixed 256 would refuse the user's own job."""
-    cluster = make_cluster(1, cores=8)
+    cluster = node1
     path = str(cluster.files["n1"].socket)
     job = _nobody_submits(path, nranks=8)
     cluster.wait_state(job, "RUNNING")
@@ -874,8 +909,8 @@ def test_a_users_connection_limit_grows_with_its_ranks_running_on_the_node(make_
     cluster.gang("kill", job, check=True)
 
 
-def test_a_client_frame_beyond_the_limit_is_refused_with_the_reason_and_a_maximal_submit_fits(make_cluster):
-    cluster = make_cluster(1)
+def test_a_client_frame_beyond_the_limit_is_refused_with_the_reason_and_a_maximal_submit_fits(node1):
+    cluster = node1
     path = str(cluster.files["n1"].socket)
     limit = Limits().client_max_frame
     # What gangd lets one job carry: argv and environment together just under 1 MiB (jobs.MAX_ARGV_ENV_BYTES).

@@ -231,7 +231,7 @@ async def test_history_pages_cross_gaps_wider_than_a_read_and_list_each_job_once
 def test_a_node_cut_off_from_etcd_says_its_listings_may_be_out_of_date(make_cluster):
     from test_control_plane import CuttableProxy, gang_on, json_on, submit_on
 
-    cluster = make_cluster(2, cores=2, lease_ttl=3, grace=120)
+    cluster = make_cluster(2, cores=2, lease_ttl=3, grace=120, own_etcd=True)  # (the test cuts it off)
     endpoint = LocalEtcd.load(cluster.dir / "etcd").endpoints[0]
     host, port = re.match(r"https?://([^:/]+):(\d+)", endpoint).groups()
     proxy = CuttableProxy((host, int(port)))

@@ -75,6 +75,19 @@ def checkpoint(gc, job: int) -> dict:
     return json.loads(result.stdout)
 
 
+def checkpoint_when_ready(gc, job: int, timeout: float = 60) -> dict:
+    """A checkpoint as soon as every rank takes them: one refused because a
+    rank has not called ckpt.init() yet (the condition a test can see) is
+    asked for again, as a user's script would."""
+    deadline = time.monotonic() + timeout
+    while True:
+        gen = checkpoint(gc, job)
+        if gen["state"] != "refused" or "has not called gangd.ckptlib.init()" not in (gen.get("reason") or ""):
+            return gen
+        assert time.monotonic() < deadline, f"job {job}'s ranks did not take checkpoints within {timeout} s: {gen['reason']}"
+        time.sleep(0.1)
+
+
 def generations(gc, job: int) -> list[dict]:
     """What `gang ckpt ls JOB --json` lists (asked in this process: the tests poll it)."""
     return gc.ask(lambda gang: gang.checkpoints(job), f"ckpt ls {job}")["generations"]

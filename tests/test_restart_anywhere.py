@@ -28,6 +28,7 @@ import trio
 from ckpthelpers import (
     TERMINAL,
     checkpoint,
+    checkpoint_when_ready,
     gen_dir,
     generations,
     kill_what_is_left,
@@ -193,9 +194,10 @@ def restart(gc, job: int, *options, check: bool = True) -> dict:
 
 
 def checkpointed_and_killed(gc, n: int, *options) -> tuple[int, dict]:
-    job = submit(gc, [*ARGV, "--sleep", "0.01"], n, *options)
-    wait_running_a_bit(gc, job)
-    gen = checkpoint(gc, job)
+    # (--pre-sleep: ckpt.init() done, 2 s before the loop: a checkpoint lands before the end even on a loaded machine)
+    job = submit(gc, [*ARGV, "--sleep", "0.01", "--pre-sleep", "2"], n, *options)
+    wait_running_a_bit(gc, job, 0.2)
+    gen = checkpoint_when_ready(gc, job)
     assert gen["state"] == "complete", gen
     gc.gang("kill", job, check=True)
     gc.wait_state(job, TERMINAL)

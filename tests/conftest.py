@@ -249,6 +249,17 @@ def _world_traversable_tmpdir() -> Path:
     return path
 
 
+@pytest.fixture
+def points(tmp_path, monkeypatch):
+    """The failpoint directory the daemons this test starts are given
+    (GANGD_FAILPOINTS): a file named after a failpoint or hold point in it
+    arms it (:mod:`gangd.failpoint`)."""
+    directory = tmp_path / "failpoints"
+    directory.mkdir()
+    monkeypatch.setenv("GANGD_FAILPOINTS", str(directory))
+    return directory
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Keep each phase's report on the test item, for fixtures that explain a failure."""

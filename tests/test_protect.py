@@ -56,15 +56,6 @@ def data_size(cluster, node: str, lineage: int, gen: int) -> int:
     return xor.data_size(ckptstore.read_manifest(gen_dir(cluster, node, lineage, gen)))
 
 
-@pytest.fixture
-def points(tmp_path, monkeypatch):
-    """The failpoint directory the daemons are started with (GANGD_FAILPOINTS)."""
-    directory = tmp_path / "failpoints"
-    directory.mkdir()
-    monkeypatch.setenv("GANGD_FAILPOINTS", str(directory))
-    return directory
-
-
 def test_xor_and_partner_generations_become_protected_with_the_files_the_plan_says(make_cluster):
     cluster = make_cluster(3, cores=2, time_slice=0.1)
     try:

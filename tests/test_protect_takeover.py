@@ -16,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from ckpthelpers import TERMINAL
 from conftest import wait_for
 from test_control_plane import coordinator_seen_by, gang_on, json_on
@@ -24,15 +23,6 @@ from test_control_plane import coordinator_seen_by, gang_on, json_on
 PY = sys.executable
 JOB = str(Path(__file__).resolve().parent / "jobs" / "ckptjob.py")
 LONG = [JOB, "--steps", "100000", "--mb", "1", "--sleep", "0.02"]
-
-
-@pytest.fixture
-def points(tmp_path, monkeypatch):
-    """The failpoint directory the daemons are started with (GANGD_FAILPOINTS)."""
-    directory = tmp_path / "failpoints"
-    directory.mkdir()
-    monkeypatch.setenv("GANGD_FAILPOINTS", str(directory))
-    return directory
 
 
 def _generation(cluster, node: str, job: int, gen: int) -> dict:

@@ -279,15 +279,6 @@ def test_restarted_with_w_on_the_partner_of_the_lost_node_its_files_come_from_th
     assert ckptstore.verify(gen_dir(gc, holder, job, entry["gen"]) / "redundancy" / f"partner-{victim}") == []
 
 
-@pytest.fixture
-def points(tmp_path, monkeypatch):
-    """The failpoint directory the daemons are started with (GANGD_FAILPOINTS)."""
-    directory = tmp_path / "failpoints"
-    directory.mkdir()
-    monkeypatch.setenv("GANGD_FAILPOINTS", str(directory))
-    return directory
-
-
 def test_a_node_lost_during_a_redundancy_write_restarts_from_the_previous_protected_generation(make_cluster, points):
     cluster = make_cluster(4, cores=2, time_slice=0.1)
     try:

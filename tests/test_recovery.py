@@ -357,15 +357,6 @@ def test_a_node_lost_during_a_checkpoint_leaves_the_previous_protected_generatio
         kill_what_is_left(cluster)
 
 
-@pytest.fixture
-def points(tmp_path, monkeypatch):
-    """The failpoint directory the daemons are started with (GANGD_FAILPOINTS)."""
-    directory = tmp_path / "failpoints"
-    directory.mkdir()
-    monkeypatch.setenv("GANGD_FAILPOINTS", str(directory))
-    return directory
-
-
 def test_a_node_lost_during_the_redundancy_write_leaves_the_previous_protected_generation(make_cluster, points):
     cluster = make_cluster(4, cores=2, time_slice=0.1, spares=("n4",))
     try:

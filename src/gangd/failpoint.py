@@ -8,12 +8,18 @@ root, by starting the daemon with ``GANGD_FAILPOINTS`` naming a directory
 in it; the first process to reach the point claims the file (unlink: exactly
 one wins) and exits at once, as a crash would (no cleanup, no goodbye).
 Unset, a failpoint costs one dictionary lookup.
+
+A *hold point* (:func:`hold`) is armed the same way but pauses instead of
+crashing: while its file exists the daemon waits there, so a test can act
+while a step is under way (depose the coordinator, lose a node).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+
+import trio
 
 log = logging.getLogger("gangd.failpoint")
 
@@ -30,3 +36,12 @@ def failpoint(name: str) -> None:
     log.critical("failpoint %s reached: exiting as a crash would", name)
     logging.shutdown()
     os._exit(70)
+
+
+async def hold(name: str) -> None:
+    """Wait while ``$GANGD_FAILPOINTS/<name>`` exists (a test removes it to release)."""
+    if not _DIRECTORY:
+        return
+    path = os.path.join(_DIRECTORY, name)
+    while await trio.to_thread.run_sync(os.path.exists, path):  # noqa: ASYNC110 -- a file a test removes: no event to wait on
+        await trio.sleep(0.05)

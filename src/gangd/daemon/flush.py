@@ -50,25 +50,13 @@ from ..redundancy import transfer
 from ..redundancy.plan import NODE_NAME
 from ..rpc import RemoteError
 from ..safefs import UnsafePath
-from .staging import TargetGeneration, merged
+from .staging import TargetGeneration, int_arg, merged, owner_of, pulls_of, timeout_of
 
 log = logging.getLogger("gangd.flush")
 
 PART = ".part"
 #: Longest a flush or an unflush may take, whatever the coordinator asks.
 MAX_TIMEOUT = 24 * 3600.0
-
-
-def _int(value: object, what: str, low: int = 0, high: int = 1 << 62) -> int:
-    if type(value) is not int or not low <= value <= high:
-        raise RemoteError("bad_request", f"{what} must be an integer from {low} to {high}")
-    return value
-
-
-def _seconds(value: object, what: str) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value:
-        raise RemoteError("bad_request", f"{what} must be a positive number of seconds")
-    return min(float(value), MAX_TIMEOUT)
 
 
 @dataclass(frozen=True)
@@ -82,8 +70,8 @@ class FlushRequest:
 
     @classmethod
     def from_args(cls, args: dict) -> FlushRequest:
-        return cls(_int(args.get("lineage"), "lineage", 1), _int(args.get("gen"), "gen", 1),
-                   _int(args.get("rate", 0), "rate"), _seconds(args.get("timeout"), "'timeout'"))
+        return cls(int_arg(args.get("lineage"), "lineage", 1), int_arg(args.get("gen"), "gen", 1),
+                   int_arg(args.get("rate", 0), "rate"), timeout_of(args, MAX_TIMEOUT))
 
 
 @dataclass(frozen=True)
@@ -98,27 +86,11 @@ class UnflushRequest:
 
     @classmethod
     def from_args(cls, args: dict, node_names: list[str]) -> UnflushRequest:
-        owner = args.get("owner")
-        if not isinstance(owner, (list, tuple)) or len(owner) != 2:
-            raise RemoteError("bad_request", "'owner' must be [uid, gid]")
-        pulls_in = args.get("pulls")
-        if not isinstance(pulls_in, dict) or not pulls_in or len(pulls_in) > len(node_names):
-            raise RemoteError("bad_request", "'pulls' must map nodes of the cluster to ranks")
-        pulls: dict[str, tuple[int, ...]] = {}
-        seen: set[int] = set()
-        for node, ranks in pulls_in.items():
-            if node not in node_names or not NODE_NAME.match(node):
-                raise RemoteError("bad_request", f"{str(node)[:64]!r} is not a node of the cluster")
-            if not isinstance(ranks, (list, tuple)) or not ranks or len(ranks) > 1 << 16:
-                raise RemoteError("bad_request", "each node gives a list of ranks")
-            checked = tuple(_int(r, "a rank", 0, 1 << 20) for r in ranks)
-            if seen & set(checked) or len(set(checked)) != len(checked):
-                raise RemoteError("bad_request", "a rank is taken twice")
-            seen |= set(checked)
-            pulls[node] = checked
-        return cls(_int(args.get("lineage"), "lineage", 1), _int(args.get("gen"), "gen", 1),
-                   (_int(owner[0], "the owner's uid"), _int(owner[1], "the owner's gid")), pulls,
-                   _seconds(args.get("timeout"), "'timeout'"))
+        pulls = pulls_of(args, node_names)
+        if not all(NODE_NAME.match(node) for node in pulls):  # (a directory name in the flush directory)
+            raise RemoteError("bad_request", "'pulls' names a node that is not a directory name")
+        return cls(int_arg(args.get("lineage"), "lineage", 1), int_arg(args.get("gen"), "gen", 1), owner_of(args), pulls,
+                   timeout_of(args, MAX_TIMEOUT))
 
 
 class Cancelled(Exception):

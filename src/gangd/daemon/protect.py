@@ -29,7 +29,7 @@ through the daemons' event loops; every op that reads a generation is
 peer-only (the files hold the job's network contexts).
 Only one write per generation runs on a node at a time, and at most
 :data:`MAX_WRITES` generations at once. A test may hold a write before it
-starts (:func:`_hold`), armed like a failpoint (:mod:`gangd.failpoint`).
+starts (:func:`gangd.failpoint.hold`), armed like a failpoint (:mod:`gangd.failpoint`).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import trio
 
 from .. import ckptstore, safefs
 from ..ckptstore import StoreError
+from ..failpoint import hold
 from ..redundancy import held, transfer, xor
 from ..redundancy.bulk import Bulk, BulkServer
 from ..redundancy.plan import NODE_NAME, Plan, PlanError, make_plan
@@ -53,7 +54,7 @@ log = logging.getLogger("gangd.protect")
 
 MAX_WRITES = 2  # generations whose redundancy one node writes at once
 MAX_NODES = 4096
-HOLD = "protect.hold"  # (a test's hold point: see _hold)
+HOLD = "protect.hold"  # (a test's hold point: see gangd.failpoint.hold)
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ class Protector:
         self.writing.add(key)
         try:
             async with self._limit:
-                await _hold()
+                await hold(HOLD)
                 started = time.monotonic()
                 directory = ckptstore.gen_dir(self.root, request.lineage, request.gen)
                 try:
@@ -256,15 +257,3 @@ class BulkService:
             if self._ready is ready:
                 self._ready = None  # (the next request tries again)
             ready.set()
-
-
-async def _hold() -> None:
-    """A test's hold point: while ``$GANGD_FAILPOINTS/protect.hold`` exists
-    (root's directory, armed only by root, as a failpoint), the write waits
-    before it starts, so a test can see the job run on meanwhile."""
-    directory = os.environ.get("GANGD_FAILPOINTS")
-    if not directory:
-        return
-    path = os.path.join(directory, HOLD)
-    while await trio.to_thread.run_sync(os.path.exists, path):  # noqa: ASYNC110 -- a file a test removes: no event to wait on
-        await trio.sleep(0.05)

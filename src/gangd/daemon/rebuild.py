@@ -45,18 +45,12 @@ from ..redundancy.bulk import Bulk
 from ..redundancy.plan import NODE_NAME
 from ..rpc import RemoteError, leaf_error
 from ..safefs import UnsafePath
-from .staging import MAX_TIMEOUT, PARALLEL, TargetGeneration, merged
+from .staging import MAX_TIMEOUT, PARALLEL, TargetGeneration, int_arg, merged, owner_of, timeout_of
 
 log = logging.getLogger("gangd.rebuild")
 
 METHODS = ("partner", "xor")
 READ_BLOCK = 1 << 20
-
-
-def _int(value: object, what: str, low: int = 0, high: int = 1 << 62) -> int:
-    if type(value) is not int or not low <= value <= high:
-        raise RemoteError("bad_request", f"{what} must be an integer from {low} to {high}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -76,11 +70,8 @@ class RebuildRequest:
 
     @classmethod
     def from_args(cls, args: dict, node_names: list[str], this_node: str) -> RebuildRequest:
-        lineage, gen = _int(args.get("lineage"), "lineage", 1), _int(args.get("gen"), "gen", 1)
-        owner = args.get("owner")
-        if not isinstance(owner, (list, tuple)) or len(owner) != 2:
-            raise RemoteError("bad_request", "'owner' must be [uid, gid]")
-        uid, gid = _int(owner[0], "the owner's uid", 0, 2**32 - 2), _int(owner[1], "the owner's gid", 0, 2**32 - 2)
+        lineage, gen = int_arg(args.get("lineage"), "lineage", 1), int_arg(args.get("gen"), "gen", 1)
+        uid, gid = owner_of(args)
         lost = args.get("lost")
         if not isinstance(lost, str) or not NODE_NAME.match(lost) or lost not in node_names:
             raise RemoteError("bad_request", f"'lost' must name a node of the cluster, not {str(lost)[:64]!r}")
@@ -97,10 +88,7 @@ class RebuildRequest:
             raise RemoteError("bad_request", f"the lost node {lost} cannot be a source of its own rebuild")
         if method == "partner" and len(sources) != 1:
             raise RemoteError("bad_request", "a partner rebuild has one source: the node holding the copy")
-        timeout = args.get("timeout")
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
-            raise RemoteError("bad_request", "'timeout' must be a positive number of seconds")
-        return cls(lineage, gen, (uid, gid), lost, method, tuple(sources), min(float(timeout), MAX_TIMEOUT))
+        return cls(lineage, gen, (uid, gid), lost, method, tuple(sources), timeout_of(args, MAX_TIMEOUT))
 
 
 class Rebuilder:

@@ -48,13 +48,13 @@ and the rule that one job of a lineage is alive at a time.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
 import trio
 
 from .. import jobs
+from ..failpoint import hold
 from ..rpc import RemoteError
 from .peers import natural_key
 from .store import Deposed
@@ -166,21 +166,8 @@ def describe_lost(lost: list[str]) -> str:
 # ------------------------------------------------------------ the orchestration
 
 
-#: A test's hold point (see :func:`_hold`).
+#: A test's hold point (:func:`gangd.failpoint.hold`): the recovery waits after killing the survivors.
 HOLD = "recover.hold"
-
-
-async def _hold() -> None:
-    """A test's hold point: while ``$GANGD_FAILPOINTS/recover.hold`` exists
-    (root's directory, armed only by root, as a failpoint), a recovery waits
-    after killing the survivors, before the restart: a test can depose the
-    coordinator while a job is RECOVERING."""
-    directory = os.environ.get("GANGD_FAILPOINTS")
-    if not directory:
-        return
-    path = os.path.join(directory, HOLD)
-    while await trio.to_thread.run_sync(os.path.exists, path):  # noqa: ASYNC110 -- a file a test removes: no event to wait on
-        await trio.sleep(0.05)
 
 
 class Recoveries:
@@ -274,7 +261,7 @@ class Recoveries:
             with trio.move_on_after(float(co.config.checkpoint_timeout) + 30):
                 await live.done.wait()
         await co.kill_everywhere(job_id)
-        await _hold()
+        await hold(HOLD)
         lost = await self._settle(record, lost)
         lineage = record.get("lineage") or job_id
         with trio.move_on_after(RESTART_WAIT):

@@ -50,10 +50,48 @@ PARALLEL = 2
 MAX_TIMEOUT = 3600.0
 
 
-def _int(value: object, what: str, low: int = 0, high: int = 1 << 62) -> int:
+def int_arg(value: object, what: str, low: int = 0, high: int = 1 << 62) -> int:
+    """A peer's integer argument, checked to be one (not a bool) in [low, high]."""
     if type(value) is not int or not low <= value <= high:
         raise RemoteError("bad_request", f"{what} must be an integer from {low} to {high}")
     return value
+
+
+def owner_of(args: dict) -> tuple[int, int]:
+    """A request's ``owner`` ([uid, gid] of the job's owner: the state files become theirs), checked."""
+    owner = args.get("owner")
+    if not isinstance(owner, (list, tuple)) or len(owner) != 2:
+        raise RemoteError("bad_request", "'owner' must be [uid, gid]")
+    return int_arg(owner[0], "the owner's uid", 0, 2**32 - 2), int_arg(owner[1], "the owner's gid", 0, 2**32 - 2)
+
+
+def pulls_of(args: dict, node_names: list[str], refused: str | None = None) -> dict[str, tuple[int, ...]]:
+    """A request's ``pulls`` (node -> the ranks whose files come from it),
+    checked: nodes of the cluster (not ``refused``), each rank once."""
+    pulls_in = args.get("pulls")
+    if not isinstance(pulls_in, dict) or not pulls_in or len(pulls_in) > len(node_names):
+        raise RemoteError("bad_request", "'pulls' must map nodes of the cluster to ranks")
+    pulls: dict[str, tuple[int, ...]] = {}
+    seen: set[int] = set()
+    for node, ranks in pulls_in.items():
+        if node not in node_names or node == refused:
+            raise RemoteError("bad_request", f"{str(node)[:64]!r} is not {'another' if refused else 'a'} node of the cluster")
+        if not isinstance(ranks, (list, tuple)) or not ranks or len(ranks) > 1 << 16:
+            raise RemoteError("bad_request", "each node gives a list of ranks")
+        checked = tuple(int_arg(r, "a rank", 0, 1 << 20) for r in ranks)
+        if seen & set(checked) or len(set(checked)) != len(checked):
+            raise RemoteError("bad_request", "a rank is pulled twice")
+        seen |= set(checked)
+        pulls[node] = checked
+    return pulls
+
+
+def timeout_of(args: dict, cap: float) -> float:
+    """A request's ``timeout`` (positive seconds), at most ``cap``."""
+    timeout = args.get("timeout")
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout:
+        raise RemoteError("bad_request", "'timeout' must be a positive number of seconds")
+    return min(float(timeout), cap)
 
 
 @dataclass(frozen=True)
@@ -68,29 +106,8 @@ class StageRequest:
 
     @classmethod
     def from_args(cls, args: dict, node_names: list[str], this_node: str) -> StageRequest:
-        owner = args.get("owner")
-        if not isinstance(owner, (list, tuple)) or len(owner) != 2:
-            raise RemoteError("bad_request", "'owner' must be [uid, gid]")
-        pulls_in = args.get("pulls")
-        if not isinstance(pulls_in, dict) or not pulls_in:
-            raise RemoteError("bad_request", "'pulls' must map source nodes to ranks")
-        pulls: dict[str, tuple[int, ...]] = {}
-        seen: set[int] = set()
-        for node, ranks in pulls_in.items():
-            if node not in node_names or node == this_node:
-                raise RemoteError("bad_request", f"{str(node)[:64]!r} is not another node of the cluster")
-            if not isinstance(ranks, (list, tuple)) or not ranks:
-                raise RemoteError("bad_request", "each source gives a list of ranks")
-            checked = tuple(_int(r, "a rank", 0, 1 << 20) for r in ranks)
-            if seen & set(checked) or len(set(checked)) != len(checked):
-                raise RemoteError("bad_request", "a rank is pulled twice")
-            seen |= set(checked)
-            pulls[node] = checked
-        timeout = args.get("timeout")
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout:
-            raise RemoteError("bad_request", "'timeout' must be a positive number of seconds")
-        return cls(_int(args.get("lineage"), "lineage"), _int(args.get("gen"), "gen"),
-                   (_int(owner[0], "the owner's uid"), _int(owner[1], "the owner's gid")), pulls, min(float(timeout), MAX_TIMEOUT))
+        return cls(int_arg(args.get("lineage"), "lineage"), int_arg(args.get("gen"), "gen"), owner_of(args),
+                   pulls_of(args, node_names, refused=this_node), timeout_of(args, MAX_TIMEOUT))
 
 
 class Stager:

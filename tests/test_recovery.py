@@ -192,7 +192,13 @@ def coordinator(cluster) -> str:
 def lose(cluster, node: str) -> None:
     """The node is lost with its disk: its daemon and ranks SIGKILLed, its state and checkpoints deleted."""
     pid = cluster.daemon_pid(node)
-    ranks = [p for p in cluster.rank_processes() if f"/{node}/" in p.environ().get("GANGD_SOCKET", "")]
+    ranks = []
+    for proc in cluster.rank_processes():
+        try:
+            if f"/{node}/" in proc.environ().get("GANGD_SOCKET", ""):
+                ranks.append(proc)
+        except psutil.Error:  # (ended meanwhile: another node's rank the recovery killed)
+            continue
     os.kill(pid, signal.SIGKILL)
     for proc in ranks:
         try:

@@ -38,6 +38,10 @@ MAX_SAVED_RECORD = 16 << 20
 log = logging.getLogger("gangd.ops")
 
 
+#: Jobs a node remembers were killed here (a launch under way at the kill checks it).
+KILLED_KEPT = 4096
+
+
 class NodeJobs:
     def __init__(
         self, *, node: str, table, ranks, jobnet, pmi, checkpoints, outputs, membership, spawn: Callable[..., None],
@@ -58,6 +62,9 @@ class NodeJobs:
         self.checkpoint_root = checkpoint_root
         self.call = call
         self._sessions = 0
+        # Jobs a kill reached here (the newest KILLED_KEPT): a launch of one of
+        # them that was under way when the kill came kills what it started.
+        self._killed: dict[int, None] = {}
         # Rank exits on their way to the coordinator (one per rank that ran here: bounded by the ranks).
         self._reports_send, self._reports_receive = trio.open_memory_channel[tuple](math.inf)
 
@@ -87,6 +94,12 @@ class NodeJobs:
                 self.jobnet.set_context(record["id"], contexts)
             rank_setup = (lambda rank: self.pmi.prepare(record, rank, self.spawn)) if record.get("mpi") else None
             pids = await self.ranks.launch(self.spawn, record, self.jobs_dir / str(record["id"]), extra, rank_setup)
+            current = self.table.get(record["id"])
+            if record["id"] in self._killed or current is None or jobs.is_terminal(current) or current.get("kill_requested"):
+                # A kill overtook the launch while its ranks were starting: they
+                # were not there to be killed then; they are now.
+                await self.ranks.kill_job(record["id"])
+                raise RemoteError("job_ended", f"job {record['id']} was killed while its ranks started on {self.node}")
         except RemoteError:
             raise
         except Exception as exc:
@@ -96,6 +109,9 @@ class NodeJobs:
         return {str(rank): pid for rank, pid in pids.items()}
 
     async def kill(self, job_id: int) -> None:
+        self._killed[job_id] = None
+        while len(self._killed) > KILLED_KEPT:
+            del self._killed[next(iter(self._killed))]
         await self.ranks.kill_job(job_id)
 
     async def switch(self, stop: list[int], cont: list[int], at: float | None) -> dict:

@@ -65,6 +65,11 @@ class LiveRound:
         return {"gen": rnd.gen, "phase": rnd.phase.value, "trigger": rnd.trigger, "started": rnd.started}[key]
 
 
+def _largest_share(entry: dict) -> int:
+    """The most bytes one node committed of a generation (what its slowest transfer moves)."""
+    return max([v.get("bytes", 0) for v in (entry.get("nodes") or {}).values() if isinstance(v, dict)] or [0])
+
+
 class CheckpointCoordinator:
     def __init__(self, coordinator):
         self.co = coordinator
@@ -373,7 +378,7 @@ class CheckpointCoordinator:
                 return
             config = self.daemon.config
             rate = int(config.checkpoint_flush_mib_per_s * (1 << 20))
-            largest = max([v.get("bytes", 0) for v in (entry.get("nodes") or {}).values() if isinstance(v, dict)] or [0])
+            largest = _largest_share(entry)
             started = time.monotonic()
             try:
                 answers = await self._all(record, "ckpt_flush", lineage=lineage, gen=gen, rate=rate, timeout=self._transfer_timeout(largest, rate))
@@ -447,7 +452,7 @@ class CheckpointCoordinator:
         pulls: dict[str, dict[str, list[int]]] = {}
         for rank in ranks:
             pulls.setdefault(placement[rank], {}).setdefault(entry["placement"][rank], []).append(rank)
-        largest = max([v.get("bytes", 0) for v in (entry.get("nodes") or {}).values() if isinstance(v, dict)] or [0])
+        largest = _largest_share(entry)
         timeout = self._transfer_timeout(largest * len(pulls), 0)
         failures: list[str] = []
         done: list[str] = []

@@ -12,6 +12,11 @@ Unset, a failpoint costs one dictionary lookup.
 A *hold point* (:func:`hold`) is armed the same way but pauses instead of
 crashing: while its file exists the daemon waits there, so a test can act
 while a step is under way (depose the coordinator, lose a node).
+
+A *refusal* (:func:`refused`) is armed the same way and claimed once, as a
+failpoint is, but only makes the caller act as if etcd refused its write
+(gofail's ``return`` term): what a daemon does when a write it cannot do
+without fails for a moment.
 """
 
 from __future__ import annotations
@@ -36,6 +41,18 @@ def failpoint(name: str) -> None:
     log.critical("failpoint %s reached: exiting as a crash would", name)
     logging.shutdown()
     os._exit(70)
+
+
+def refused(name: str) -> bool:
+    """True once if ``$GANGD_FAILPOINTS/<name>`` was armed: the caller fails its write."""
+    if not _DIRECTORY:
+        return False
+    try:
+        os.unlink(os.path.join(_DIRECTORY, name))
+    except OSError:
+        return False
+    log.warning("failpoint %s reached: the write is refused", name)
+    return True
 
 
 async def hold(name: str) -> None:

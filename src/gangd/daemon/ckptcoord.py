@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -45,6 +46,7 @@ from ..redundancy.plan import PlanError, default_level, make_plan
 from ..rpc import RemoteError
 from .access import permission_check
 from .jobnet import expected_deliveries
+from .peers import natural_key
 
 log = logging.getLogger("gangd.ckptcoord")
 
@@ -63,6 +65,20 @@ class LiveRound:
     def __getitem__(self, key: str):
         rnd = self.round
         return {"gen": rnd.gen, "phase": rnd.phase.value, "trigger": rnd.trigger, "started": rnd.started}[key]
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """What a restart starts from: the generation's ``entry`` (with the copies
+    a rebuild or restore added), the ``placement`` its files are ready on,
+    the nodes taken as ``up``, the generations ``skipped`` (a sentence each)
+    and the lost nodes whose files were ``rebuilt`` (lost -> target)."""
+
+    entry: dict
+    placement: list[str]
+    up: list[str]
+    skipped: list[str]
+    rebuilt: dict[str, str]
 
 
 def _largest_share(entry: dict) -> int:
@@ -648,9 +664,45 @@ class CheckpointCoordinator:
         finally:
             self.restarting.discard(lineage)
 
-    async def _restart(self, job_id: int, record: dict, lineage: int, gen: int | None,
-                       nodelist: list[str] | None = None, nodes: int | None = None, *,
-                       lost: set[str] | None = None, system: bool = False) -> dict:
+    async def replan(self, record: dict, lost: set[str]) -> list[str]:
+        """A restart still QUEUED (``record``: never placed) is pinned to
+        ``lost`` nodes: they went down after the restart put (or rebuilt) its
+        generation's files there. Choose its nodes again from the same
+        generation as :meth:`recover` would, rebuilding or restoring what
+        only the lost nodes held, and re-pin the job; its id, lineage and
+        ``restart_of`` stay. Returns the new placement. Raises
+        :class:`RemoteError` (``no_checkpoint``: the generation cannot be
+        used any more; ``busy``)."""
+        lineage = record.get("lineage") or record["id"]
+        if lineage in self.restarting:
+            raise RemoteError("busy", f"a restart from job {record['id']}'s checkpoints is already under way")
+        self.restarting.add(lineage)
+        try:
+            await self.daemon.table.read_lineage(lineage)
+            gen = int(record["restart_of"]["gen"])
+            chosen = await self._choose(record["id"], record, lineage, gen, lost=set(lost), system=True)
+        finally:
+            self.restarting.discard(lineage)
+        placement = chosen.placement
+
+        def change(r):
+            if r["state"] != jobs.QUEUED or r["placement"]:
+                return False
+            r["pinned"] = list(placement)
+
+        await self.co.update(record["id"], change)
+        rebuilt = f" (rebuilt: {', '.join(f'{a} on {b}' for a, b in chosen.rebuilt.items())})" if chosen.rebuilt else ""
+        log.info("job %d: %s went down before it started; it restarts from generation %d on %s instead%s", record["id"],
+                 ", ".join(sorted(lost, key=natural_key)), gen, jobs.compress_nodes(list(dict.fromkeys(placement))), rebuilt)
+        return placement
+
+    async def _choose(self, job_id: int, record: dict, lineage: int, gen: int | None,
+                      nodelist: list[str] | None = None, nodes: int | None = None, *,
+                      lost: set[str] | None = None, system: bool = False) -> Chosen:
+        """The generation a restart of ``record`` starts from and where its
+        ranks run, its files verified there, staged, rebuilt or restored
+        first: the newest usable generation (``gen`` if given), skipping
+        the unusable ones (each with its sentence in ``skipped``)."""
         alive = [r["id"] for r in self.lineage_records(record) if not jobs.is_terminal(r) and not (system and r["id"] == job_id)]
         if alive:
             state = self.daemon.table.get(alive[0])["state"]
@@ -755,6 +807,13 @@ class CheckpointCoordinator:
                 await self._mark(entry, "damaged", "; ".join(damaged))
         else:
             raise RemoteError("no_checkpoint", "no intact complete checkpoint: " + "; ".join(skipped))
+        return Chosen(entry, placement, up, skipped, rebuilt)
+
+    async def _restart(self, job_id: int, record: dict, lineage: int, gen: int | None,
+                       nodelist: list[str] | None = None, nodes: int | None = None, *,
+                       lost: set[str] | None = None, system: bool = False) -> dict:
+        chosen = await self._choose(job_id, record, lineage, gen, nodelist, nodes, lost=lost, system=system)
+        entry, placement, up, skipped, rebuilt = chosen.entry, chosen.placement, chosen.up, chosen.skipped, chosen.rebuilt
         spec = {key: record.get(key) for key in ("argv", "cwd", "env", "nranks", "name", "kill_on_bad_exit", "priority", "slice", "ckpt_every", "mpi")}
         if spec["env"] is None:  # an ended job's record keeps no environment: the checkpoint has it
             holders = [n for n in dict.fromkeys([*placement, *entry["placement"]]) if n in up]

@@ -28,6 +28,7 @@ import trio
 
 from .. import jobs
 from ..checkpoint import round as rd
+from ..failpoint import hold
 from ..rpc import RemoteError
 from . import clock
 from .access import check_may_resume, permission_check
@@ -43,6 +44,7 @@ from .tasks import contained
 log = logging.getLogger("gangd.coordinator")
 
 KILL_REPORT_WAIT = 10.0
+SCHEDULE_HOLD = "schedule.hold"  # (a test's hold point, gangd.failpoint.hold: queued jobs wait while it exists)
 #: A node answers kill_ranks within its rank kill deadline (ranks.KILL_DEADLINE,
 #: after which it reports a stuck rank as unkillable); past this the
 #: coordinator stops waiting for the node and goes on.
@@ -277,8 +279,6 @@ class Coordinator:
             elif record["state"] in (jobs.RUNNING, jobs.SUSPENDED):
                 self.ckpt.job_started(record)
                 self.ckpt.resume_protection(record)
-            elif record["state"] == jobs.RECOVERING:
-                self.spawn(self.recoveries.resume, record)
         # Collect the exits the previous coordinator may have taken to its grave.
         for node in self.membership.up_nodes():
             if node not in self.matrix.cores:
@@ -482,6 +482,7 @@ class Coordinator:
         written to etcd concurrently: the table group-commits updates that
         wait together, so a burst of admitted jobs costs one transaction,
         not one round trip and fsync each in turn."""
+        await hold(SCHEDULE_HOLD)
         up = {name for name in self.matrix.cores if self.membership.is_up(name)}
         spares = {n.name for n in self.config.nodes if getattr(n, "spare", False)}
         waiting = self.table.unplaced()
@@ -780,7 +781,13 @@ class Coordinator:
         known = self.matrix.cores
         for record in list(self.table.active()):
             if record["state"] == jobs.RECOVERING:
-                continue  # (lost a node already: its recovery is under way)
+                self.recoveries.ensure(record)  # (lost a node already: its recovery is under way, or taken up again)
+                continue
+            if record["state"] == jobs.QUEUED and not record["placement"] and record.get("pinned"):
+                pinned_down = sorted({n for n in record["pinned"] if n not in known or not membership.is_up(n)}, key=natural_key)
+                if pinned_down:  # a restart whose files are (or were rebuilt) on a node that then went down
+                    self.recoveries.repin(record, pinned_down)
+                continue
             gone = sorted({n for n in record["placement"] if n not in known}, key=natural_key)
             down = sorted({n for n in record["placement"] if n in known and not membership.is_up(n)}, key=natural_key)
             if not down and not gone:

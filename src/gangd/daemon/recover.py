@@ -38,7 +38,7 @@ so a user waiting on the first id still gets the computation's end and
 exit code.
 
 A deposed coordinator's recovery is cancelled with its term. The next
-coordinator finds the job RECOVERING at takeover (:meth:`Recoveries.resume`):
+coordinator finds the job RECOVERING at takeover (:meth:`Recoveries.ensure`):
 if a newer job of the lineage exists, the recovery got as far as submitting
 it and only the link is recorded; otherwise the recovery runs again. One
 lineage is never restarted twice at once: :attr:`CheckpointCoordinator.restarting`
@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import trio
 
 from .. import jobs
-from ..failpoint import hold
+from ..failpoint import hold, refused
 from ..rpc import RemoteError
 from .peers import natural_key
 from .store import Deposed
@@ -66,6 +66,10 @@ USABLE = ("complete", "protected")
 #: How long a recovery waits for a lineage's other restart (``gang restart``) to finish.
 RESTART_WAIT = 60.0
 ROOT = {"uid": 0, "gid": 0, "user": "root"}
+#: Errors that say etcd is away or refused, not that the job cannot be recovered: the step is taken again.
+TRANSIENT = ("etcd_unavailable", "etcd")
+#: The longest pause between two attempts at a recovery step etcd stopped.
+MAX_PAUSE = 30.0
 
 
 # ------------------------------------------------------------ the policy, pure
@@ -168,6 +172,8 @@ def describe_lost(lost: list[str]) -> str:
 
 #: A test's hold point (:func:`gangd.failpoint.hold`): the recovery waits after killing the survivors.
 HOLD = "recover.hold"
+#: A test's refusal (:func:`gangd.failpoint.refused`): the write that ends a RECOVERING job fails once.
+END_REFUSED = "recover.end"
 
 
 class Recoveries:
@@ -217,36 +223,94 @@ class Recoveries:
         self.co.left(job_id)
         self.start(job_id)
 
-    def start(self, job_id: int) -> None:
+    def start(self, job_id: int, taken_up: bool = False) -> None:
         if job_id not in self.under_way:
             self.under_way.add(job_id)
-            self.co.spawn(self._run, job_id)
+            self.co.spawn(self._run, job_id, taken_up)
 
-    async def resume(self, record: dict) -> None:
-        """Takeover: a job the previous coordinator left RECOVERING."""
-        job_id = record["id"]
+    def ensure(self, record: dict) -> None:
+        """``record`` is RECOVERING: recover it unless a task of this term
+        already is (takeover, and every later pass of ``check_nodes``: a
+        recovery the previous coordinator left, or one whose last write etcd
+        refused, is taken up again). What is left is found from etcd, not
+        from where the last attempt stopped (:meth:`_step`)."""
+        self.start(record["id"], taken_up=True)
+
+    def repin(self, record: dict, lost: list[str]) -> None:
+        """``record`` is a restart still QUEUED, pinned to ``lost`` nodes (its
+        generation's files were put or rebuilt there, then the node went
+        down): choose its nodes again (:meth:`CheckpointCoordinator.replan`),
+        or fail it saying why it cannot start."""
+        key = -record["id"]  # (under_way holds recoveries by id, re-pinnings by -id)
+        if key not in self.under_way:
+            self.under_way.add(key)
+            self.co.spawn(self._repin, record["id"], list(lost), key)
+
+    async def _repin(self, job_id: int, lost: list[str], key: int) -> None:
+        pause = 1.0
+        try:
+            while True:
+                record = self.table.get(job_id)
+                if record is None or record["state"] != jobs.QUEUED or record["placement"] or not record.get("restart_of"):
+                    return
+                try:
+                    await self.co.ckpt.replan(record, set(lost))
+                    self.co.kick()
+                    return
+                except RemoteError as exc:
+                    if isinstance(exc, Deposed) or not self.co.active:
+                        raise
+                    if exc.code not in (*TRANSIENT, "busy"):
+                        log.warning("job %d: %s lost before it started, and it cannot start elsewhere: %s", job_id, describe_lost(lost), exc.message)
+                        await self.co.fail(job_id, f"{describe_lost(lost)} lost before it started; it cannot restart elsewhere: {exc.message}")
+                        return
+                    log.warning("job %d: choosing its nodes again stopped (%s); trying again in %.0f s", job_id, exc.message, pause)
+                await trio.sleep(pause)
+                pause = min(pause * 2, MAX_PAUSE)
+        finally:
+            self.under_way.discard(key)
+
+    async def _run(self, job_id: int, taken_up: bool) -> None:
+        """Recover the job until it has ended REQUEUED or FAILED: a step that
+        etcd stops half-way (unreachable, refusing) is taken again after a
+        pause, from what etcd says was done, for as long as the term lasts."""
+        pause = 1.0
+        try:
+            while True:
+                try:
+                    await self._step(job_id, taken_up)
+                    return
+                except RemoteError as exc:
+                    if isinstance(exc, Deposed) or not self.co.active:
+                        raise
+                    log.warning("job %d: its recovery stopped (%s); trying again in %.0f s", job_id, exc.message, pause)
+                await trio.sleep(pause)
+                pause = min(pause * 2, MAX_PAUSE)
+        finally:
+            self.under_way.discard(job_id)
+
+    async def _step(self, job_id: int, taken_up: bool) -> None:
+        record = self.table.get(job_id)
+        if record is None or record["state"] != jobs.RECOVERING:
+            return
         newer = [r for r in self.co.ckpt.lineage_records(record) if r["id"] > job_id and r.get("restart_of")]
         if newer:  # the recovery got as far as the new job: only the link is missing
             new = min(newer, key=lambda r: r["id"])
-            log.info("job %d: its recovery, left by the previous coordinator, had started job %d", job_id, new["id"])
+            log.info("job %d: its recovery (left by the previous coordinator, or stopped by etcd) had started job %d", job_id, new["id"])
             await self._link(job_id, new, (new.get("restart_of") or {}).get("gen"))
             return
-        log.info("job %d: resuming its recovery, left by the previous coordinator", job_id)
-        self.start(job_id)
-
-    async def _run(self, job_id: int) -> None:
+        if taken_up:
+            log.info("job %d: resuming its recovery, left by the previous coordinator", job_id)
         try:
             await self._recover(job_id)
         except RemoteError as exc:
-            if isinstance(exc, Deposed) or not self.co.active:
+            if isinstance(exc, Deposed) or not self.co.active or exc.code in TRANSIENT:
                 raise
             log.warning("job %d: recovery failed: %s", job_id, exc.message)
             await self._end(job_id, jobs.FAILED, f"not recovered: {exc.message}")
         except Exception as exc:  # a bug: the job must not stay RECOVERING forever
             log.exception("job %d: recovery failed", job_id)
             await self._end(job_id, jobs.FAILED, f"not recovered: {type(exc).__name__}: {exc}")
-        finally:
-            self.under_way.discard(job_id)
 
     async def _recover(self, job_id: int) -> None:
         co, ckpt = self.co, self.co.ckpt
@@ -366,5 +430,7 @@ class Recoveries:
                                         "why": "killed for the recovery"}
             r["ended"] = time.time()
 
+        if refused(END_REFUSED):
+            raise RemoteError("etcd", f"etcd refused the change: failpoint {END_REFUSED}")
         await self.co.update(job_id, change)
         self.co.kick()

@@ -59,10 +59,17 @@ def submit(gc, argv: list[str], n: int = 4, *options, **kwargs) -> int:
 
 
 def result_of(gc, job: int, timeout: float = 60) -> str:
-    try:
-        record = gc.wait_state(job, TERMINAL, timeout=timeout)
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{why_stuck(gc, job)}") from None
+    """The result line of the computation ``job`` started: of its successor if
+    it was requeued (a node lost, or a stall of the loaded machine taken for
+    one, recovers it as a new job, as ``gang wait`` follows)."""
+    for _ in range(5):
+        try:
+            record = gc.wait_state(job, (*TERMINAL, "REQUEUED"), timeout=timeout)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{why_stuck(gc, job)}") from None
+        if record["state"] != "REQUEUED":
+            break
+        job = record["requeued_as"]
     logs = gc.gang("logs", job, check=True).stdout
     assert record["state"] == "DONE", f"job {job} {record['state']}: {record['reason']}\n{logs}"
     return result_line(logs)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import trio
 from ckpthelpers import checkpoint, generations, kill_what_is_left, reference, result_line, result_of, submit
 from conftest import wait_for
 from hypothesis import given
@@ -35,6 +36,8 @@ from gangd import jobs
 from gangd.daemon import config as cfg
 from gangd.daemon.coordinator import place, without
 from gangd.daemon.recover import decide, recoveries, usable_generation, wants_requeue
+from gangd.daemon.store import Keys
+from gangd.etcd.client import Etcd
 
 PY = sys.executable
 ROOT = Path(__file__).resolve().parent.parent
@@ -189,24 +192,40 @@ def coordinator(cluster) -> str:
     return next(r["name"] for r in cluster.gang_json("nodes")["nodes"] if r["coordinator"])
 
 
-def lose(cluster, node: str) -> None:
-    """The node is lost with its disk: its daemon and ranks SIGKILLed, its state and checkpoints deleted."""
-    pid = cluster.daemon_pid(node)
-    ranks = []
-    for proc in cluster.rank_processes():
-        try:
-            if f"/{node}/" in proc.environ().get("GANGD_SOCKET", ""):
-                ranks.append(proc)
-        except psutil.Error:  # (ended meanwhile: another node's rank the recovery killed)
-            continue
-    os.kill(pid, signal.SIGKILL)
-    for proc in ranks:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 10, f"gangd {node} gone")
-    shutil.rmtree(cluster.dir / node / "state", ignore_errors=True)
+def lose(cluster, *nodes: str, wait_out_lease: bool = False) -> None:
+    """The nodes are lost with their disks: their daemons and ranks SIGKILLed, their state and checkpoints deleted.
+
+    Their leases in etcd are then revoked, as their expiry would a lease TTL
+    later (etcd deletes a node's key either way, and that deletion is what
+    every daemon watches); ``wait_out_lease`` lets them expire instead."""
+    for node in nodes:
+        pid = cluster.daemon_pid(node)
+        ranks = []
+        for proc in cluster.rank_processes():
+            try:
+                if f"/{node}/" in proc.environ().get("GANGD_SOCKET", ""):
+                    ranks.append(proc)
+            except psutil.Error:  # (ended meanwhile: another node's rank the recovery killed)
+                continue
+        os.kill(pid, signal.SIGKILL)
+        for proc in ranks:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        wait_for(lambda pid=pid: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 10, f"gangd {node} gone")
+        shutil.rmtree(cluster.dir / node / "state", ignore_errors=True)
+    if not wait_out_lease:
+        for node in nodes:
+            trio.run(revoke_lease, cluster, node)
+
+
+async def revoke_lease(cluster, node: str) -> None:
+    settings = cluster.etcd_settings
+    async with Etcd(list(settings.endpoints), user=settings.user, password=settings.read_password()) as etcd:
+        held = await etcd.get(Keys(settings.prefix).node(node))
+        if held is not None and held.lease:
+            await etcd.lease_revoke(held.lease)
 
 
 def victim_of(cluster, job: int) -> str:
@@ -256,7 +275,7 @@ def test_a_job_whose_node_and_disk_are_lost_comes_back_by_itself_bit_identical(s
     victim = victim_of(cluster, job)
     if level == "partner":  # etcd refuses, once, the write that ends the lost job: the recovery takes the step again
         (points / "recover.end").touch()
-    lose(cluster, victim)
+    lose(cluster, victim, wait_out_lease=True)  # (a real expiry, end to end; the other tests revoke the lease)
 
     old = cluster.wait_state(job, ENDED, timeout=120)
     assert old["state"] == "REQUEUED", old
@@ -428,8 +447,7 @@ def test_two_nodes_of_one_xor_set_lost_fail_the_job_naming_what_cannot_be_rebuil
         wait_protected(cluster, job, taken["gen"])
         lead = coordinator(cluster)
         doomed = [n for n in jobs.nodes_of(cluster.job(job)) if n != lead][-2:]  # (two of its three nodes, not the coordinator)
-        for node in doomed:
-            lose(cluster, node)
+        lose(cluster, *doomed)
         record_ = cluster.wait_state(job, ENDED, timeout=120)
         assert record_["state"] == "FAILED", record_
         reason = record_["reason"]

@@ -13,7 +13,7 @@ A *hold point* (:func:`hold`) is armed the same way but pauses instead of
 crashing: while its file exists the daemon waits there, so a test can act
 while a step is under way (depose the coordinator, lose a node).
 
-A *refusal* (:func:`refused`) is armed the same way and claimed once, as a
+A *refusal* (:func:`refuse`) is armed the same way and claimed once, as a
 failpoint is, but only makes the caller act as if etcd refused its write
 (gofail's ``return`` term): what a daemon does when a write it cannot do
 without fails for a moment.
@@ -43,15 +43,17 @@ def failpoint(name: str) -> None:
     os._exit(70)
 
 
-def refused(name: str) -> bool:
-    """True once if ``$GANGD_FAILPOINTS/<name>`` was armed: the caller fails its write."""
+def refuse(name: str) -> bool:
+    """True once when ``$GANGD_FAILPOINTS/<name>`` exists (claimed, as a
+    failpoint is): the caller fails that request as a broken path would, and
+    the daemon runs on."""
     if not _DIRECTORY:
         return False
     try:
         os.unlink(os.path.join(_DIRECTORY, name))
     except OSError:
         return False
-    log.warning("failpoint %s reached: the write is refused", name)
+    log.warning("failpoint %s reached: refusing this request", name)
     return True
 
 

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import trio
 
 from .. import jobs
-from ..failpoint import hold, refused
+from ..failpoint import hold, refuse
 from ..rpc import RemoteError
 from .peers import natural_key
 from .store import Deposed
@@ -172,7 +172,7 @@ def describe_lost(lost: list[str]) -> str:
 
 #: A test's hold point (:func:`gangd.failpoint.hold`): the recovery waits after killing the survivors.
 HOLD = "recover.hold"
-#: A test's refusal (:func:`gangd.failpoint.refused`): the write that ends a RECOVERING job fails once.
+#: A test's refusal (:func:`gangd.failpoint.refuse`): the write that ends a RECOVERING job fails once.
 END_REFUSED = "recover.end"
 
 
@@ -430,7 +430,7 @@ class Recoveries:
                                         "why": "killed for the recovery"}
             r["ended"] = time.time()
 
-        if refused(END_REFUSED):
+        if refuse(END_REFUSED):
             raise RemoteError("etcd", f"etcd refused the change: failpoint {END_REFUSED}")
         await self.co.update(job_id, change)
         self.co.kick()

@@ -246,6 +246,20 @@ def running(cluster, job: int) -> dict:
     return record
 
 
+def protected_partner_job(cluster, *options: str) -> tuple[str, str, list[str], int, dict]:
+    """A 3-rank ``partner`` job on three nodes of n1-n4 that are not the
+    coordinator, running, with a protected generation: (its uninterrupted
+    result, the coordinator, its nodes, its id, the generation)."""
+    expected = reference(cluster, ARGV, 3, "--per-node", "1")
+    lead = coordinator(cluster)
+    nodes = [n for n in ("n1", "n2", "n3", "n4") if n != lead][:3]
+    job = submit(cluster, SLOW, 3, "--per-node", "1", "-w", ",".join(nodes), "--ckpt-redundancy", "partner", *options)
+    running(cluster, job)
+    taken = checkpoint(cluster, job)
+    wait_protected(cluster, job, taken["gen"])
+    return expected, lead, nodes, job, taken
+
+
 @pytest.fixture
 def spare_cluster(make_cluster, points):
     """4 nodes of 2 cores, n4 a spare (jobs of 3 ranks, one per node, run on n1-n3); failpoints armed by ``points``."""
@@ -413,13 +427,7 @@ def test_a_node_lost_during_the_redundancy_write_leaves_the_previous_protected_g
 def test_a_new_coordinator_finds_the_job_recovering_and_finishes_it_with_one_restart(make_cluster, points):
     cluster = make_cluster(5, cores=2, time_slice=0.1, spares=("n5",))
     try:
-        expected = reference(cluster, ARGV, 3, "--per-node", "1")
-        lead = coordinator(cluster)
-        nodes = [n for n in ("n1", "n2", "n3", "n4") if n != lead][:3]
-        job = submit(cluster, SLOW, 3, "--per-node", "1", "-w", ",".join(nodes), "--ckpt-redundancy", "partner")
-        running(cluster, job)
-        taken = checkpoint(cluster, job)
-        wait_protected(cluster, job, taken["gen"])
+        expected, lead, nodes, job, taken = protected_partner_job(cluster)
         (points / "recover.hold").touch()  # the recovery stops after killing the survivors, before the restart
         lose(cluster, nodes[-1])
         held = cluster.wait_state(job, "RECOVERING", timeout=60)
@@ -462,13 +470,7 @@ def test_two_nodes_of_one_xor_set_lost_fail_the_job_naming_what_cannot_be_rebuil
 def test_a_coordinator_that_dies_right_after_submitting_the_restart_leaves_only_the_link_to_make(make_cluster, points):
     cluster = make_cluster(5, cores=2, time_slice=0.1, spares=("n5",))
     try:
-        expected = reference(cluster, ARGV, 3, "--per-node", "1")
-        lead = coordinator(cluster)
-        nodes = [n for n in ("n1", "n2", "n3", "n4") if n != lead][:3]
-        job = submit(cluster, SLOW, 3, "--per-node", "1", "-w", ",".join(nodes), "--ckpt-redundancy", "partner")
-        running(cluster, job)
-        taken = checkpoint(cluster, job)
-        wait_protected(cluster, job, taken["gen"])
+        expected, lead, nodes, job, _taken = protected_partner_job(cluster)
         (points / "recover.hold").touch()
         lose(cluster, nodes[-1])
         cluster.wait_state(job, "RECOVERING", timeout=60)
@@ -495,13 +497,7 @@ def test_a_restart_whose_node_is_lost_before_it_starts_starts_elsewhere_from_the
     # and the same job starts there, not waiting forever for a dead node.
     cluster = make_cluster(5, cores=2, time_slice=0.1, spares=("n5",))
     try:
-        expected = reference(cluster, ARGV, 3, "--per-node", "1")
-        lead = coordinator(cluster)
-        nodes = [n for n in ("n1", "n2", "n3", "n4") if n != lead][:3]
-        job = submit(cluster, SLOW, 3, "--per-node", "1", "-w", ",".join(nodes), "--ckpt-redundancy", "partner", "--no-requeue")
-        running(cluster, job)
-        taken = checkpoint(cluster, job)
-        wait_protected(cluster, job, taken["gen"])
+        expected, _lead, nodes, job, taken = protected_partner_job(cluster, "--no-requeue")
         assert cluster.gang("kill", job).returncode == 0
         cluster.wait_state(job, ENDED, timeout=60)
         (points / "schedule.hold").touch()

@@ -55,6 +55,8 @@ from .staging import TargetGeneration, int_arg, merged, owner_of, pulls_of, time
 log = logging.getLogger("gangd.flush")
 
 PART = ".part"
+#: How long the start-up check of flush_dir may take (a shared file system that hangs).
+CHECK_TIMEOUT = 60.0
 #: Longest a flush or an unflush may take, whatever the coordinator asks.
 MAX_TIMEOUT = 24 * 3600.0
 
@@ -135,6 +137,27 @@ def _copy(src_fd: int, dst_fd: int, size: int, throttle: Throttle) -> str:
     return digest.hexdigest()
 
 
+def _open_flushed(node_fd: int, name: str, where: Path) -> int:
+    """A flushed file (``name`` under a node's flushed directory), as the
+    daemon wrote it: every directory on the way root's and writable by no one
+    else, the file root's with no other name, no link followed. The shared
+    file system is reachable by others (other hosts' roots, a squashed root):
+    what is there is hostile until these hold, and then checked against its
+    MANIFEST as it is copied."""
+    *dirs, leaf = name.split("/")
+    fd, owned = node_fd, False
+    try:
+        for part in dirs:
+            sub = safefs.open_dir_at(fd, part, where)  # (trusted: root's, not writable by others)
+            if owned:
+                os.close(fd)
+            fd, where, owned = sub, where / part, True
+        return safefs.open_owned_regular_at(fd, leaf, where, owner=os.geteuid())
+    finally:
+        if owned:
+            os.close(fd)
+
+
 def _create(dir_fd: int, name: str, owner: tuple[int, int] | None = None) -> int:
     fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
     if owner is not None:
@@ -159,6 +182,72 @@ class Flusher:
         self._flushes = trio.CapacityLimiter(1)
         self._restores = trio.CapacityLimiter(2)
         self._removals = trio.CapacityLimiter(1)
+
+    # ------------------------------------------------------------ the directory itself
+
+    def check(self) -> str:
+        """Why ``flush_dir`` cannot be used ("" if it can); blocking (a thread).
+
+        What is safe, and why:
+
+        - it must **exist**: the daemon never creates it, so a shared file
+          system that is not mounted yet is not silently replaced by a
+          directory on the local disk (whose copies would die with the node);
+        - it must be a **directory reached without a link**, every ancestor
+          root's and writable by others only with the sticky bit (the
+          rules of :func:`gangd.safefs.open_trusted_dir`);
+        - it must be **root's and writable by no one else, sticky or not**:
+          the daemon creates ``job-L`` names in it, and a user who may create
+          names there could take ``job-L`` first (a directory of theirs the
+          daemon then refuses: no flush of that job ever again) or plant what
+          a restart would read;
+        - root must be able to **write it as root**: a probe directory created
+          there must be root's. Under NFS root squash the daemon's files would
+          belong to ``nobody``, so they could be rewritten by anyone mapped to
+          that uid, and every later ownership check would refuse them.
+        """
+        if self.flush_dir is None:
+            return ""
+        where = self.flush_dir
+        try:
+            top = safefs.open_trusted_dir(where)
+        except UnsafePath as exc:
+            return str(exc)
+        probe = f".probe-{self.node}"
+        try:
+            try:
+                safefs.rmtree_at(top, probe)
+                os.mkdir(probe, 0o700, dir_fd=top)
+            except OSError as exc:
+                return f"root cannot create entries in {where}: {exc.strerror or exc}"
+            try:
+                uid = os.stat(probe, dir_fd=top, follow_symlinks=False).st_uid
+            finally:
+                safefs.rmtree_at(top, probe)
+            if uid != os.geteuid():
+                return (f"what root creates in {where} belongs to uid {uid} (root squash?): the daemon's copies "
+                        "there would not be root's; export it without root squash for the gangd nodes")
+            return ""
+        finally:
+            os.close(top)
+
+    async def check_at_start(self) -> None:
+        """Start-up: say clearly, once, if ``flush_dir`` cannot be used (the
+        daemon runs on: checkpoints and the other levels do not depend on it,
+        and each flush checks again, so a mount that comes up later is used)."""
+        if self.flush_dir is None:
+            return
+        try:
+            with trio.fail_after(CHECK_TIMEOUT):
+                problem = await trio.to_thread.run_sync(self.check, abandon_on_cancel=True, limiter=self._removals)
+        except trio.TooSlowError:
+            problem = f"{self.flush_dir} did not answer within {CHECK_TIMEOUT:.0f} s (a hung shared file system?)"
+        except OSError as exc:
+            problem = f"{self.flush_dir}: {exc.strerror or exc}"
+        if problem:
+            log.error("[checkpoint] flush_dir cannot be used; no generation is flushed until it can: %s", problem)
+        else:
+            log.info("flush directory %s checked: root's, written as root, writable by no one else", self.flush_dir)
 
     def _require(self) -> Path:
         if self.flush_dir is None:
@@ -387,8 +476,8 @@ class Flusher:
 
     def _copy_in(self, source_dir: Path, source_fd: int, name: str, size: int, checksum: str, directory: Path, gen_fd: int,
                  owner: tuple[int, int] | None, throttle: Throttle, copied: list[str]) -> None:
-        *dirs, leaf = transfer.check_name(name).split("/")
-        src = ckptstore.open_in(source_fd, name, source_dir)
+        src = _open_flushed(source_fd, transfer.check_name(name), source_dir)
+        *dirs, leaf = name.split("/")
         try:
             target = safefs.open_dir_at(gen_fd, dirs[0], directory, trusted=False) if dirs else gen_fd
             try:

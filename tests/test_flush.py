@@ -470,3 +470,52 @@ def test_a_symlink_planted_in_the_flush_directory_is_never_followed(base, what):
     answer = _unflush(base, shared)
     assert "symbolic link" in answer.get("refused", ""), answer
     assert not answer["listed"], answer
+
+
+# ---------------------------------------------------------------- orphans of a coordinator change are swept
+
+
+def test_a_sweep_removes_only_the_lineages_unrecorded_generations_never_through_a_link(base):
+    from gangd.daemon.flush import keep_of
+
+    shared = base / "shared"
+    shared.mkdir(mode=0o700)
+    job = shared / "job-5"
+    for name in ("gen-1/n1", "gen-2/n1.part/ranks", "gen-3/n2", "gen-4/n1"):
+        (job / name).mkdir(parents=True, mode=0o700)
+    (job / "gen-2" / "n1.part" / "ranks" / "rank-0.state").write_bytes(b"half")
+    outside = base / "outside"
+    outside.mkdir()
+    (outside / "precious").write_text("x")
+    (job / "gen-9").symlink_to(outside)  # (a link is removed, never followed)
+    (job / "notes").write_text("not the daemon's name: left alone")
+    flusher = Flusher(node="n1", root=base, flush_dir=shared, max_file=1 << 30)
+    swept = trio.run(flusher.sweep, 5, keep_of({"keep": [1, 3]}))
+    assert swept == [2, 4, 9]
+    assert sorted(os.listdir(job)) == ["gen-1", "gen-3", "notes"]
+    assert (outside / "precious").read_text() == "x"
+    assert trio.run(flusher.sweep, 6, frozenset()) == []  # (no such lineage: nothing to do)
+    for bad in ({"keep": "1"}, {"keep": [0]}, {"keep": [True]}, {"keep": list(range(1, 5000))}, {}):
+        with pytest.raises(RemoteError):
+            keep_of(bad)
+
+
+def test_a_copy_a_coordinator_change_left_half_written_is_swept_by_the_lineages_next_flush(make_cluster, tmp_path):
+    """A flush of generation G cut short when its coordinator stepped down
+    leaves ``job-L/gen-G/<node>.part`` that nothing records; the new
+    coordinator flushes another generation, so before, retention never
+    removed it: root's bytes on the shared file system, forever."""
+    shared = tmp_path / "shared"
+    cluster = make_cluster(2, cores=2, time_slice=0.1, flush_dir=shared)
+    job = submit(cluster, [*ARGV, "--sleep", "0.01"], 2, "-w", "n1,n2", "--ckpt-redundancy", "local")
+    wait_running_a_bit(cluster, job)
+    orphan = shared / f"job-{job}" / "gen-40" / "n1.part" / "ranks"  # (as the previous coordinator's flush left it)
+    orphan.mkdir(parents=True, mode=0o700)
+    (orphan / "rank-0.state").write_bytes(os.urandom(4096))
+    gen = checkpoint(cluster, job)
+    assert gen["state"] == "complete", gen
+    wait_for(lambda: _entry(cluster, job, gen["gen"]).get("flushed"), 60, "the flush")
+    wait_for(lambda: not (shared / f"job-{job}" / "gen-40").exists(), 30, "the orphan swept")
+    assert sorted(os.listdir(shared / f"job-{job}")) == [f"gen-{gen['gen']}"]
+    assert "a flush cut short by a coordinator change" in cluster.log("n1") + cluster.log("n2")
+    cluster.gang("kill", job, check=True)

@@ -95,6 +95,14 @@ class UnflushRequest:
                    timeout_of(args, MAX_TIMEOUT))
 
 
+def keep_of(args: dict) -> frozenset[int]:
+    """``keep`` of a sweep request (a peer's): the generation numbers to leave, bounded."""
+    keep = args.get("keep")
+    if not isinstance(keep, (list, tuple)) or len(keep) > 4096:
+        raise RemoteError("bad_request", "'keep' must list at most 4096 generation numbers")
+    return frozenset(int_arg(g, "a generation in 'keep'", 1) for g in keep)
+
+
 class Cancelled(Exception):
     """The copy was abandoned (its caller was cancelled or timed out)."""
 
@@ -503,6 +511,44 @@ class Flusher:
             raise StoreError(f"{source_dir / name} does not match its flushed MANIFEST (damaged on the shared file system)")
 
     # ------------------------------------------------------------ remove
+
+    async def sweep(self, lineage: int, keep: frozenset[int]) -> list[int]:
+        """Remove every ``gen-G`` of ``job-<lineage>`` in the flush directory but
+        those of ``keep`` (the coordinator's: the generations recorded flushed,
+        and the one flushing now): copies a flush left when its coordinator
+        stepped down mid-way and the next one flushed another generation, so
+        nothing ever recorded them and retention would never remove them.
+        Other names are left alone (the daemon writes none). The generations removed."""
+        def sweep() -> list[int]:
+            flush_dir = self._require()
+            top = safefs.open_trusted_dir(flush_dir)
+            try:
+                try:
+                    job = safefs.open_dir_at(top, f"job-{lineage}", flush_dir)
+                except UnsafePath:
+                    return []
+            finally:
+                os.close(top)
+            try:
+                doomed = sorted(int(name[4:]) for name in os.listdir(job)
+                                if name.startswith("gen-") and name[4:].isdigit() and len(name) < 24 and int(name[4:]) not in keep)
+                for gen in doomed:
+                    safefs.rmtree_at(job, f"gen-{gen}")
+                return doomed
+            finally:
+                os.close(job)
+
+        try:
+            with trio.fail_after(600):
+                swept = await trio.to_thread.run_sync(sweep, abandon_on_cancel=True, limiter=self._removals)
+        except trio.TooSlowError:
+            raise RemoteError("timeout", f"{self.node}: sweeping job-{lineage} in {self.flush_dir} took more than 600 s") from None
+        except (UnsafePath, OSError) as exc:
+            raise RemoteError("flush_failed", f"{self.node}: sweeping job-{lineage} in {self.flush_dir}: {exc}") from None
+        if swept:
+            log.warning("removed job-%d/%s from %s: flushed copies nothing records (a flush cut short by a coordinator change)",
+                        lineage, ", ".join(f"gen-{g}" for g in swept), self.flush_dir)
+        return swept
 
     async def remove(self, lineage: int, gen: int) -> None:
         """Remove a generation's flushed copy (retention); the job's directory too once it is empty."""

@@ -74,6 +74,11 @@ class TransferError(RemoteError):
         super().__init__("transfer_failed", message)
 
 
+class Mismatch(TransferError):
+    """Every byte the peer sent arrived as it sent them, and they are not what
+    the manifest says: the peer's file is damaged (not the transfer)."""
+
+
 def chunk_hash(data) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
@@ -336,7 +341,7 @@ async def verified_chunks(items: AsyncIterator, size: int, checksum: str | None,
                 raise TransferError(f"{what}: the peer sent {off} bytes and claims {end!r}; {size} were expected")
             mine = digest.hexdigest()
             if got != mine or (checksum is not None and mine != checksum):
-                raise TransferError(f"{what}: checksum {mine[:16]}… of the bytes received does not match "
+                raise (Mismatch if got == mine else TransferError)(f"{what}: checksum {mine[:16]}… of the bytes received does not match "
                                     f"{'the manifest' if checksum is not None else 'the sender'}'s {str(checksum or got)[:16]}…")
             ended = True
             continue
@@ -670,7 +675,7 @@ class RemoteData:
                     raise xor.RebuildError(str(exc)) from None
                 want = self.checksum
                 if digest is not None and want is not None and (mine := digest.hexdigest()) != want:
-                    raise xor.RebuildError(f"{what}: checksum {mine[:16]}… of the bytes received does not match {want[:16]}…")
+                    raise xor.Damaged(f"{what}: checksum {mine[:16]}… of the bytes received does not match {want[:16]}…")
             finally:
                 sock.close()
         finally:

@@ -4,6 +4,8 @@ ranks (:mod:`gangd.ckptlib`), and between daemons (the rounds of
 
 from __future__ import annotations
 
+import trio
+
 from ...failpoint import failpoint
 from ...redundancy import transfer
 from ...redundancy.plan import NODE_NAME
@@ -190,6 +192,16 @@ async def ckpt_rebuild(s, call: Call):
     return await rebuilder.rebuild(request)
 
 
+@op("ckpt_holds", audience=PEER)
+async def ckpt_holds(s, call: Call):
+    """Whether this node still holds its files of a generation ("" = yes; else what is gone: its disk was wiped)."""
+    from ..rebuild import holds
+    from ..staging import int_arg
+
+    lineage, gen = int_arg(call.args.get("lineage"), "lineage", 1), int_arg(call.args.get("gen"), "gen", 1)
+    return await trio.to_thread.run_sync(holds, s.checkpoints.root, lineage, gen)
+
+
 # ------------------------------------------------------------ the flush directory (the third level; see gangd.daemon.flush)
 
 
@@ -213,6 +225,12 @@ async def ckpt_unflush(s, call: Call):
 
 @op("ckpt_flush_remove", audience=PEER, fenced=True)
 async def ckpt_flush_remove(s, call: Call):
-    """Remove a generation's flushed copy (retention)."""
+    """Remove a generation's flushed copy (retention); with ``keep`` instead of
+    ``gen``: every generation of the lineage but those (the orphans a flush cut
+    short by a coordinator change left)."""
+    if "keep" in call.args:
+        from ..flush import keep_of
+
+        return await s.flusher.sweep(integer(call.args, "lineage"), keep_of(call.args))
     await s.flusher.remove(integer(call.args, "lineage"), integer(call.args, "gen"))
     return None

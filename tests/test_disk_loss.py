@@ -157,3 +157,33 @@ def test_holds_answers_only_absence(tmp_path):
     assert holds(root, 3, 2).endswith(f"{ckptstore.cluster_rank_file(0)} is gone")
     os.symlink("/etc/passwd", state)  # a link is not the file: present, and verification refuses it
     assert holds(root, 3, 2) == ""
+
+
+def test_a_node_back_with_a_wiped_disk_takes_its_files_back_from_the_flush_directory(make_cluster, tmp_path):
+    """No redundancy (level local), but the generation was flushed: the
+    wiped node's ranks' files come from the flush directory, onto the node
+    itself, and the restart is bit-identical."""
+    shared = tmp_path / "shared"
+    cluster = make_cluster(3, cores=2, time_slice=0.1, flush_dir=shared)
+    try:
+        expected = reference(cluster, ARGV, 4)
+        job = submit(cluster, [*ARGV, "--sleep", "0.05"], 4, "-w", "n2,n3", "--ckpt-redundancy", "local")
+        cluster.wait_state(job, ("RUNNING", "SUSPENDED"))
+        time.sleep(1)
+        gen = checkpoint(cluster, job)
+        assert gen["state"] == "complete", gen
+        deadline = time.monotonic() + 60
+        while not next(g for g in generations(cluster, job) if g["gen"] == gen["gen"]).get("flushed"):
+            assert time.monotonic() < deadline, "the generation was not flushed"
+            time.sleep(0.2)
+        cluster.gang("kill", job, check=True)
+        cluster.wait_state(job, TERMINAL)
+        victim = "n3" if coordinator_seen_by(cluster, "n1") != "n3" else "n2"
+        wiped_and_back(cluster, victim)
+        answer = restart(cluster, job)
+        assert answer["gen"] == gen["gen"] and not answer["skipped"], answer
+        assert result_of(cluster, answer["record"]["id"], timeout=180) == expected
+        recorded = next(g for g in generations(cluster, job) if g["gen"] == gen["gen"])
+        assert recorded["state"] == "complete", recorded
+    finally:
+        kill_what_is_left(cluster)

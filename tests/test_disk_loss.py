@@ -187,3 +187,29 @@ def test_a_node_back_with_a_wiped_disk_takes_its_files_back_from_the_flush_direc
         assert recorded["state"] == "complete", recorded
     finally:
         kill_what_is_left(cluster)
+
+
+# ---------------------------------------------------------------- staging moves files over the bulk path, the channel if that fails
+
+
+def test_a_restart_elsewhere_stages_over_the_bulk_path_and_over_the_channel_when_bulk_fails(make_cluster, points):
+    cluster = make_cluster(3, cores=4, time_slice=0.1)
+    try:
+        expected = reference(cluster, ARGV, 4)
+        job = submit(cluster, [*ARGV, "--sleep", "0.05"], 4, "-w", "n1,n2", "--ckpt-redundancy", "local")
+        cluster.wait_state(job, ("RUNNING", "SUSPENDED"))
+        time.sleep(1)
+        gen = checkpoint(cluster, job)
+        assert gen["state"] == "complete", gen
+        cluster.gang("kill", job, check=True)
+        cluster.wait_state(job, TERMINAL)
+        (points / "ckpt_bulk_read").touch()  # the first bulk read a source serves is refused
+        answer = restart(cluster, job, "-w", "n3")
+        assert answer["placement"] == ["n3"] * 4 and answer["gen"] == gen["gen"], answer
+        assert not (points / "ckpt_bulk_read").exists()  # (the staging asked for the bulk path: the point was reached)
+        log = cluster.log("n3")
+        assert "the bulk path failed" in log and "pulling it over the peer channel instead" in log, log[-3000:]
+        assert result_of(cluster, answer["record"]["id"], timeout=180) == expected
+        assert ckptstore.verify(gen_dir(cluster, "n3", job, gen["gen"])) == []
+    finally:
+        kill_what_is_left(cluster)

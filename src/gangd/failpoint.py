@@ -38,6 +38,20 @@ def failpoint(name: str) -> None:
     os._exit(70)
 
 
+def refuse(name: str) -> bool:
+    """True once when ``$GANGD_FAILPOINTS/<name>`` exists (claimed, as a
+    failpoint is): the caller fails that request as a broken path would, and
+    the daemon runs on."""
+    if not _DIRECTORY:
+        return False
+    try:
+        os.unlink(os.path.join(_DIRECTORY, name))
+    except OSError:
+        return False
+    log.warning("failpoint %s reached: refusing this request", name)
+    return True
+
+
 async def hold(name: str) -> None:
     """Wait while ``$GANGD_FAILPOINTS/<name>`` exists (a test removes it to release)."""
     if not _DIRECTORY:

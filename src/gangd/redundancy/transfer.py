@@ -30,6 +30,7 @@ checkpoint directory.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 from collections.abc import AsyncIterator, Iterator
@@ -65,6 +66,8 @@ _COMPONENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}\Z")
 #: The files of a generation: ``[redundancy/partner-<node>/][ranks/]<leaf>`` or ``redundancy/<leaf>``.
 _NAME = re.compile(r"(redundancy/(partner-[A-Za-z0-9][A-Za-z0-9._-]{0,62}/)?)?(ranks/)?[A-Za-z0-9_][A-Za-z0-9._-]{0,127}\Z")
 MAX_LENGTH = 1 << 50
+
+log = logging.getLogger("gangd.transfer")
 
 
 class TransferError(RemoteError):
@@ -382,11 +385,20 @@ async def fetch_file(channel: Channel, *, lineage: int, gen: int, name: str, siz
     what = f"{name} of job-{lineage}/gen-{gen} from {channel.label}"
     dest_dir = Path(dest_dir)
     if bulk is not None:
-        async with channel.stream("ckpt_bulk_read", lineage=lineage, gen=gen, name=name) as items:
-            ticket, port = bulkpath.check_offer(await bulkpath.first_item(items, what), size, what)
-            sock = await trio.to_thread.run_sync(bulkpath.dial, bulk.host_of(channel), port, bulk.key, ticket, what)
-            await bulkpath.run_on_socket(sock, bulkpath.receive_file, sock, dest_dir, leaf, size, checksum, owner, what, durable)
-        return
+        try:
+            async with channel.stream("ckpt_bulk_read", lineage=lineage, gen=gen, name=name) as items:
+                ticket, port = bulkpath.check_offer(await bulkpath.first_item(items, what), size, what)
+                sock = await trio.to_thread.run_sync(bulkpath.dial, bulk.host_of(channel), port, bulk.key, ticket, what)
+                await bulkpath.run_on_socket(sock, bulkpath.receive_file, sock, dest_dir, leaf, size, checksum, owner, what, durable)
+            return
+        except bulkpath.BulkMismatch:
+            raise  # (the bytes arrived whole and are wrong: the channel would bring the same)
+        except (RemoteError, OSError) as exc:
+            # The bulk path is an optimisation: a port a firewall drops, a
+            # listener that failed, a peer without it. The channel still
+            # carries every byte, checked the same way.
+            why = exc.message if isinstance(exc, RemoteError) else str(exc)
+            log.warning("%s: the bulk path failed (%s); pulling it over the peer channel instead", what, why[:300])
     tmp = f".{leaf}.transfer"
     try:
         dir_fd = os.open(dest_dir, safefs.DIR_FLAGS)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import trio
 
-from ...failpoint import failpoint
+from ...failpoint import failpoint, refuse
 from ...redundancy import transfer
 from ...redundancy.plan import NODE_NAME
 from ...rpc import RemoteError
@@ -165,17 +165,20 @@ async def ckpt_bulk_read(s, call: Call):
     """A generation's file or data slice sent on a bulk connection (gangd.redundancy.bulk): the fast path of the two above."""
     if call.args.get("name") != "MANIFEST":
         failpoint("ckpt_file_read")
+        if refuse("ckpt_bulk_read"):  # (a test's bulk path that fails: the transfer goes over the channel)
+            raise RemoteError("transfer_failed", f"{s.node}: the bulk path is refused (failpoint)")
     return await transfer.handle_bulk_read(await s.checkpoints.bulk_server(), s.checkpoints.root, call.args)
 
 
 @op("ckpt_stage", audience=PEER, fenced=True)
 async def ckpt_stage(s, call: Call):
     """Pull the files of the ranks this node will restart from the nodes holding them (the coordinator's command)."""
+    from ...redundancy.bulk import Bulk
     from ..staging import Stager, StageRequest
 
     request = StageRequest.from_args(call.args, [n.name for n in s.config.nodes], s.node)
     stager = Stager(node=s.node, root=s.checkpoints.root, channel=s.peers.channel, reserve=s.config.output_reserve,
-                    max_file=s.config.checkpoint_max_rank_bytes)
+                    max_file=s.config.checkpoint_max_rank_bytes, bulk=Bulk.from_secret(s.peers.secret))
     return await stager.stage(request)
 
 

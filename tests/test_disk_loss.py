@@ -28,11 +28,12 @@ import pytest
 from ckpthelpers import TERMINAL, checkpoint, gen_dir, generations, kill_what_is_left, reference, result_of, settled, submit
 from conftest import shared_cluster
 from test_control_plane import coordinator_seen_by, json_on
-from test_rebuild import ARGV, NRANKS, assert_laid_out_as_a_checkpoint
+from test_rebuild import ARGV, NRANKS, assert_laid_out_as_a_checkpoint, lose
 from test_restart_anywhere import restart, wait_node
 
 from gangd import ckptstore
 from gangd.daemon.rebuild import holds
+from gangd.redundancy.plan import make_plan
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +133,28 @@ def test_a_generation_without_redundancy_on_a_wiped_node_is_marked_lost_naming_t
     assert f"node {victim} no longer holds its files" in refused["stderr"], refused["stderr"]
     recorded = next(g for g in generations(gc, job) if g["gen"] == entry["gen"])
     assert recorded["state"] == "damaged" and f"node {victim} no longer holds" in recorded["reason"], recorded
+
+
+def test_a_damaged_partner_copy_leaves_the_generation_complete_not_protected_saying_why(gc):
+    """The rebuild reads the partner's copy (over the bulk path, from the
+    holder), finds it does not match: recorded in etcd, so no later restart
+    counts on that redundancy again."""
+    job, entry = checkpointed_and_killed(gc, "partner")
+    victim = victim_of(gc)
+    holder = make_plan(list(dict.fromkeys(entry["placement"])), "partner").partner_of(victim)
+    copy = gen_dir(gc, holder, job, entry["gen"]) / "redundancy" / f"partner-{victim}" / ckptstore.cluster_rank_file(
+        next(r for r, n in enumerate(entry["placement"]) if n == victim))
+    with open(copy, "r+b") as f:
+        f.seek(500)
+        byte = f.read(1)
+        f.seek(500)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    lose(gc, victim)
+    refused = restart(gc, job, check=False)
+    assert refused["returncode"] != 0 and f"partner-{victim}" in refused["stderr"], refused["stderr"]
+    recorded = next(g for g in generations(gc, job) if g["gen"] == entry["gen"])
+    assert recorded["state"] == "complete", recorded
+    assert recorded["redundancy"].startswith("damaged: ") and f"partner-{victim}" in recorded["redundancy"], recorded
 
 
 def test_holds_answers_only_absence(tmp_path):

@@ -26,6 +26,16 @@ node's MANIFEST rewritten atomically with the union of what it held and
 what it received. A rebuild that fails or is cut leaves nothing listed, and
 removes what it wrote; its error (``rebuild_failed``, or ``transfer_failed``
 for a peer's bytes that did not check out) names the node and the file.
+A parity, partner copy or survivor's data that is there but wrong answers
+``redundancy_damaged`` (:data:`DAMAGED`): it will not heal, and the
+coordinator records the generation as no longer protected.
+
+A node that is *up* may have lost its files too: it came back with its
+checkpoint disk wiped. :func:`holds` (``ckpt_holds``) tells the coordinator
+so (absence only: a file there but wrong is the verification's), and the
+node then counts as lost for that generation: its files are rebuilt like a
+down node's, on a replacement or, when the restart runs on it again, on
+itself (allowed only while it holds no manifest of the generation).
 """
 
 from __future__ import annotations

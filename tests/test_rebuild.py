@@ -309,3 +309,26 @@ def test_a_node_lost_during_a_redundancy_write_restarts_from_the_previous_protec
     finally:
         (points / "protect.hold").unlink(missing_ok=True)
         kill_what_is_left(cluster)
+
+
+def test_a_node_rebuilds_its_own_files_only_while_it_holds_no_manifest_of_them(tmp_path):
+    """A node back with a wiped disk may take its own files back (ckpt_rebuild with lost = itself);
+    one that still lists them must not have them rewritten under it."""
+    import trio
+
+    from gangd.daemon.rebuild import Rebuilder
+
+    root = tmp_path / "ckpt"
+    root.mkdir(mode=0o711)
+    directory = ckptstore.gen_dir(root, 3, 2)
+    (directory / ckptstore.RANKS_DIR).mkdir(parents=True, mode=0o700)
+    for path in (directory.parent, directory):
+        path.chmod(0o711)
+    files = {"job.msgpack": list(ckptstore.write_atomic(directory / "job.msgpack", [b"job"]))}
+    ckptstore.write_manifest(directory, ckptstore.Manifest(3, 2, "n2", 5, files, [0], time.time()))
+    request = RebuildRequest.from_args({**GOOD, "lost": "n2", "method": "partner", "sources": ["n1"]}, NODES, "n2")
+    rebuilder = Rebuilder(node="n2", root=root, channel=None, reserve=0, max_file=1 << 30)
+    with pytest.raises(RemoteError) as refused:
+        trio.run(rebuilder.rebuild, request)
+    assert refused.value.code == "bad_request" and "still holds its manifest" in refused.value.message, refused.value.message
+    assert ckptstore.verify(directory) == []

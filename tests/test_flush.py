@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import trio
 from ckpthelpers import TERMINAL, USABLE, checkpoint, gen_dir, generations, reference, result_of, submit, wait_running_a_bit
-from conftest import wait_for
+from conftest import as_uid, wait_for
 
 from gangd import ckptstore
 from gangd.daemon import config as cfg
@@ -279,3 +279,243 @@ def test_two_nodes_of_an_xor_set_lost_the_job_comes_back_by_itself_from_an_older
     assert result_of(cluster, again["id"], timeout=180) == expected
     logs = "".join(cluster.log(n) for n in cluster.files if n not in victims)
     assert "generation 3 cannot be rebuilt" in logs and f"ranks {sorted(r for r, n in enumerate(old['placement']) if n in victims)}" in logs
+
+
+# ---------------------------------------------------------------- the flush directory checked at start-up
+
+
+def _traversable_tmp() -> Path:
+    """A directory under /tmp every uid may traverse (the second uid's files are made there)."""
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="gangd-flush-", dir="/tmp"))
+    base.chmod(0o755)
+    return base
+
+
+@pytest.fixture
+def base():
+    path = _traversable_tmp()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.parametrize(("make", "words"), [
+    (lambda p: None, "does not exist"),
+    (lambda p: p.write_text("x"), "is not a directory"),
+    (lambda p: (p.mkdir(), p.chmod(0o777)), "writable by other users"),
+    (lambda p: (p.mkdir(), p.chmod(0o1777)), "writable by other users"),  # (sticky: users could still take job-L names first)
+    (lambda p: (p.mkdir(), p.chmod(0o770)), "writable by its group"),
+    (lambda p: (p.mkdir(mode=0o700), os.chown(p, 65534, 65534)), "belongs to uid 65534"),
+    (lambda p: ((p.parent / "real").mkdir(mode=0o700), p.symlink_to(p.parent / "real")), "symbolic link"),
+])
+def test_an_unsafe_flush_dir_is_named_at_start_up_with_the_reason(base, make, words, caplog):
+    flush_dir = base / "shared"
+    make(flush_dir)
+    flusher = Flusher(node="n1", root=base, flush_dir=flush_dir, max_file=1 << 30)
+    problem = flusher.check()
+    assert words in problem and str(flush_dir) in problem, problem
+    with caplog.at_level("ERROR", logger="gangd.flush"):
+        trio.run(flusher.check_at_start)
+    assert "[checkpoint] flush_dir cannot be used" in caplog.text and words in caplog.text, caplog.text
+    assert not flush_dir.exists() or flush_dir.is_symlink() or not flush_dir.is_dir() or not os.listdir(flush_dir)  # (nothing created)
+
+
+def test_a_safe_flush_dir_passes_the_start_up_check_and_the_probe_leaves_nothing(base):
+    flush_dir = base / "shared"
+    flush_dir.mkdir(mode=0o700)
+    flusher = Flusher(node="n1", root=base, flush_dir=flush_dir, max_file=1 << 30)
+    assert flusher.check() == ""
+    assert os.listdir(flush_dir) == []
+
+
+def test_a_daemon_with_an_unsafe_flush_dir_says_so_in_its_log_and_serves_on(make_cluster, tmp_path):
+    shared = tmp_path / "shared"
+    cluster = make_cluster(2, cores=2, flush_dir=shared)
+    shared.chmod(0o777)
+    os.kill(cluster.daemon_pid("n2"), signal.SIGKILL)
+    cluster.start_daemon("n2")
+    wait_for(lambda: "[checkpoint] flush_dir cannot be used" in cluster.log("n2"), 60, "the start-up check's sentence")
+    log = cluster.log("n2")
+    assert f"{shared} is writable by other users" in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    _wait_node(cluster, "n2", "up")
+
+
+# ---------------------------------------------------------------- hostile flushed files: a second uid, links
+
+
+def _flushed(base: Path, node: str = "n2") -> tuple[Path, Path, bytes]:
+    """A real generation of ``node`` (rank 0) flushed by its Flusher: (flush_dir, the node's flushed directory, the state's bytes)."""
+    root, shared = base / f"ckpt-{node}", base / "shared"
+    root.mkdir(mode=0o711)
+    shared.mkdir(mode=0o700)
+    directory = ckptstore.gen_dir(root, 5, 2)
+    (directory / ckptstore.RANKS_DIR).mkdir(parents=True, mode=0o700)
+    for path in (directory.parent, directory):
+        path.chmod(0o711)
+    data = os.urandom(70000)
+    files = {
+        ckptstore.cluster_rank_file(0): list(ckptstore.write_atomic(directory / ckptstore.cluster_rank_file(0), [data])),
+        "job.msgpack": list(ckptstore.write_atomic(directory / "job.msgpack", [b"job"])),
+    }
+    ckptstore.write_manifest(directory, ckptstore.Manifest(5, 2, node, 9, files, [0], time.time()))
+    flusher = Flusher(node=node, root=root, flush_dir=shared, max_file=1 << 30)
+    trio.run(flusher.flush, FlushRequest(lineage=5, gen=2, rate=0, timeout=60))
+    return shared, shared / "job-5" / "gen-2" / node, data
+
+
+def _unflush(base: Path, shared: Path) -> dict:
+    """Node n1 restores rank 0 from n2's flushed copy: its answer, or the refusal's message."""
+    from gangd.daemon.staging import TargetGeneration
+
+    root = base / "ckpt-n1"
+    root.mkdir(mode=0o711, exist_ok=True)
+    flusher = Flusher(node="n1", root=root, flush_dir=shared, max_file=1 << 30)
+    request = UnflushRequest(lineage=5, gen=2, owner=(0, 0), pulls={"n2": (0,)}, timeout=60)
+    try:
+        return trio.run(flusher.unflush, request, TargetGeneration(root, 0))
+    except RemoteError as exc:
+        listed = ckptstore.gen_dir(root, 5, 2) / ckptstore.MANIFEST
+        return {"refused": exc.message, "listed": listed.exists() and ckptstore.cluster_rank_file(0) in ckptstore.read_manifest(listed.parent).files}
+
+
+def _planted_by_nobody(base: Path, data: bytes) -> Path:
+    """A file with ``data`` written by the second uid (nobody) itself, in a directory it may write."""
+    drop = base / "drop"
+    drop.mkdir(exist_ok=True)
+    drop.chmod(0o777)
+    target = drop / "planted"
+
+    def plant():
+        target.write_bytes(data)
+        return {"uid": os.getuid()}
+
+    assert as_uid(65534, plant) == {"uid": 65534}
+    assert target.stat().st_uid == 65534
+    return target
+
+
+def test_an_intact_flushed_copy_is_restored(base):
+    shared, _, data = _flushed(base)
+    answer = _unflush(base, shared)
+    assert "refused" not in answer, answer
+    assert (ckptstore.gen_dir(base / "ckpt-n1", 5, 2) / ckptstore.cluster_rank_file(0)).read_bytes() == data
+
+
+def test_a_flushed_state_file_replaced_by_another_uid_is_refused_even_with_the_right_bytes(base):
+    shared, node_dir, data = _flushed(base)
+    planted = _planted_by_nobody(base, data)  # (the right bytes: only the owner tells it is not the daemon's)
+    os.rename(planted, node_dir / ckptstore.cluster_rank_file(0))
+    answer = _unflush(base, shared)
+    assert "belongs to uid 65534" in answer.get("refused", ""), answer
+    assert "rank-0.state" in answer["refused"] and not answer["listed"], answer
+
+
+def test_a_flushed_ranks_directory_another_uid_can_write_is_refused(base):
+    """The second uid owns the flushed ranks/ directory and replaces the state file in it itself."""
+    shared, node_dir, data = _flushed(base)
+    for path in (shared, shared / "job-5", shared / "job-5" / "gen-2", node_dir):
+        path.chmod(0o711)  # (traversable: the second uid reaches ranks/)
+    ranks = node_dir / ckptstore.RANKS_DIR
+    os.chown(ranks, 65534, 65534)
+    state = ranks / "rank-0.state"
+
+    def replace():
+        state.unlink()
+        state.write_bytes(data)
+        return {"uid": state.stat().st_uid}
+
+    assert as_uid(65534, replace) == {"uid": 65534}
+    answer = _unflush(base, shared)
+    assert "refused" in answer and "65534" in answer["refused"] and "ranks" in answer["refused"], answer
+    assert not answer["listed"], answer
+
+
+def test_a_flushed_manifest_replaced_by_another_uid_is_refused(base):
+    shared, node_dir, _ = _flushed(base)
+    planted = _planted_by_nobody(base, (node_dir / ckptstore.MANIFEST).read_bytes())
+    os.rename(planted, node_dir / ckptstore.MANIFEST)
+    answer = _unflush(base, shared)
+    assert "MANIFEST belongs to uid 65534" in answer.get("refused", ""), answer
+
+
+def test_a_flushed_state_file_hard_linked_from_elsewhere_is_refused(base):
+    shared, node_dir, data = _flushed(base)
+    elsewhere = base / "elsewhere"
+    elsewhere.write_bytes(data)
+    elsewhere.chmod(0o600)
+    state = node_dir / ckptstore.cluster_rank_file(0)
+    state.unlink()
+    os.link(elsewhere, state)
+    answer = _unflush(base, shared)
+    assert "has 2 names" in answer.get("refused", ""), answer
+
+
+@pytest.mark.parametrize("what", ["state", "node", "ranks"])
+def test_a_symlink_planted_in_the_flush_directory_is_never_followed(base, what):
+    shared, node_dir, _ = _flushed(base)
+    copy = base / "copy"
+    shutil.copytree(node_dir, copy)  # (the same bytes: only the link tells)
+    if what == "state":
+        victim = node_dir / ckptstore.cluster_rank_file(0)
+        victim.unlink()
+        victim.symlink_to(copy / ckptstore.cluster_rank_file(0))
+    elif what == "ranks":
+        shutil.rmtree(node_dir / ckptstore.RANKS_DIR)
+        (node_dir / ckptstore.RANKS_DIR).symlink_to(copy / ckptstore.RANKS_DIR)
+    else:
+        shutil.rmtree(node_dir)
+        node_dir.symlink_to(copy)
+    answer = _unflush(base, shared)
+    assert "symbolic link" in answer.get("refused", ""), answer
+    assert not answer["listed"], answer
+
+
+# ---------------------------------------------------------------- orphans of a coordinator change are swept
+
+
+def test_a_sweep_removes_only_the_lineages_unrecorded_generations_never_through_a_link(base):
+    from gangd.daemon.flush import keep_of
+
+    shared = base / "shared"
+    shared.mkdir(mode=0o700)
+    job = shared / "job-5"
+    for name in ("gen-1/n1", "gen-2/n1.part/ranks", "gen-3/n2", "gen-4/n1"):
+        (job / name).mkdir(parents=True, mode=0o700)
+    (job / "gen-2" / "n1.part" / "ranks" / "rank-0.state").write_bytes(b"half")
+    outside = base / "outside"
+    outside.mkdir()
+    (outside / "precious").write_text("x")
+    (job / "gen-9").symlink_to(outside)  # (a link is removed, never followed)
+    (job / "notes").write_text("not the daemon's name: left alone")
+    flusher = Flusher(node="n1", root=base, flush_dir=shared, max_file=1 << 30)
+    swept = trio.run(flusher.sweep, 5, keep_of({"keep": [1, 3]}))
+    assert swept == [2, 4, 9]
+    assert sorted(os.listdir(job)) == ["gen-1", "gen-3", "notes"]
+    assert (outside / "precious").read_text() == "x"
+    assert trio.run(flusher.sweep, 6, frozenset()) == []  # (no such lineage: nothing to do)
+    for bad in ({"keep": "1"}, {"keep": [0]}, {"keep": [True]}, {"keep": list(range(1, 5000))}, {}):
+        with pytest.raises(RemoteError):
+            keep_of(bad)
+
+
+def test_a_copy_a_coordinator_change_left_half_written_is_swept_by_the_lineages_next_flush(make_cluster, tmp_path):
+    """A flush of generation G cut short when its coordinator stepped down
+    leaves ``job-L/gen-G/<node>.part`` that nothing records; the new
+    coordinator flushes another generation, so before, retention never
+    removed it: root's bytes on the shared file system, forever."""
+    shared = tmp_path / "shared"
+    cluster = make_cluster(2, cores=2, time_slice=0.1, flush_dir=shared)
+    job = submit(cluster, [*ARGV, "--sleep", "0.01"], 2, "-w", "n1,n2", "--ckpt-redundancy", "local")
+    wait_running_a_bit(cluster, job)
+    orphan = shared / f"job-{job}" / "gen-40" / "n1.part" / "ranks"  # (as the previous coordinator's flush left it)
+    orphan.mkdir(parents=True, mode=0o700)
+    (orphan / "rank-0.state").write_bytes(os.urandom(4096))
+    gen = checkpoint(cluster, job)
+    assert gen["state"] == "complete", gen
+    wait_for(lambda: _entry(cluster, job, gen["gen"]).get("flushed"), 60, "the flush")
+    wait_for(lambda: not (shared / f"job-{job}" / "gen-40").exists(), 30, "the orphan swept")
+    assert sorted(os.listdir(shared / f"job-{job}")) == [f"gen-{gen['gen']}"]
+    assert "a flush cut short by a coordinator change" in cluster.log("n1") + cluster.log("n2")
+    cluster.gang("kill", job, check=True)

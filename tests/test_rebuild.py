@@ -121,7 +121,6 @@ GOOD = {"lineage": 3, "gen": 2, "owner": [0, 0], "lost": "n2", "method": "xor", 
     ({"owner": [-1, 0]}, "the owner's uid"),
     ({"lost": "n9"}, "'lost' must name a node"),
     ({"lost": "../n1"}, "'lost' must name a node"),
-    ({"lost": "n4"}, "cannot rebuild its own files"),
     ({"method": "local"}, "'method' must be"),
     ({"sources": []}, "'sources' must list"),
     ({"sources": ["n1", "n1"]}, "'sources' must list"),
@@ -255,6 +254,13 @@ def test_a_damaged_parity_is_refused_naming_the_file_and_nothing_is_left_listed(
         assert os.listdir(target / "redundancy") == []
     recorded = next(g for g in generations(gc, job) if g["gen"] == entry["gen"])
     assert "n4" not in (recorded.get("copies") or {}), recorded
+    # Recorded in etcd: no longer protected, saying why (its files on live nodes stay usable);
+    # the next restart does not try the damaged parity again: it names the lost files.
+    assert recorded["state"] == "complete", recorded
+    assert recorded["redundancy"].startswith("damaged: ") and "redundancy/xor.parity" in recorded["redundancy"], recorded
+    again = restart(gc, job, check=False)
+    assert again["returncode"] != 0 and "xor.parity" not in again["stderr"], again["stderr"]
+    assert f"only on node {victim}, which is down" in again["stderr"], again["stderr"]
 
 
 def test_restarted_with_w_on_the_partner_of_the_lost_node_its_files_come_from_the_copy_there(gc):
@@ -303,3 +309,26 @@ def test_a_node_lost_during_a_redundancy_write_restarts_from_the_previous_protec
     finally:
         (points / "protect.hold").unlink(missing_ok=True)
         kill_what_is_left(cluster)
+
+
+def test_a_node_rebuilds_its_own_files_only_while_it_holds_no_manifest_of_them(tmp_path):
+    """A node back with a wiped disk may take its own files back (ckpt_rebuild with lost = itself);
+    one that still lists them must not have them rewritten under it."""
+    import trio
+
+    from gangd.daemon.rebuild import Rebuilder
+
+    root = tmp_path / "ckpt"
+    root.mkdir(mode=0o711)
+    directory = ckptstore.gen_dir(root, 3, 2)
+    (directory / ckptstore.RANKS_DIR).mkdir(parents=True, mode=0o700)
+    for path in (directory.parent, directory):
+        path.chmod(0o711)
+    files = {"job.msgpack": list(ckptstore.write_atomic(directory / "job.msgpack", [b"job"]))}
+    ckptstore.write_manifest(directory, ckptstore.Manifest(3, 2, "n2", 5, files, [0], time.time()))
+    request = RebuildRequest.from_args({**GOOD, "lost": "n2", "method": "partner", "sources": ["n1"]}, NODES, "n2")
+    rebuilder = Rebuilder(node="n2", root=root, channel=None, reserve=0, max_file=1 << 30)
+    with pytest.raises(RemoteError) as refused:
+        trio.run(rebuilder.rebuild, request)
+    assert refused.value.code == "bad_request" and "still holds its manifest" in refused.value.message, refused.value.message
+    assert ckptstore.verify(directory) == []

@@ -231,3 +231,22 @@ def read_bounded_at(dir_fd: int | None, name: str, limit: int, where: Path | str
         return read_fd_bounded(fd, limit, Path(where) / name if dir_fd is not None else name)
     finally:
         os.close(fd)
+
+
+def open_owned_regular_at(dir_fd: int, name: str, where: Path | str, *, owner: int) -> int:
+    """An fd (read-only) of the regular file ``name`` in ``dir_fd`` that
+    belongs to ``owner`` and has no other name (a hard link to a file
+    elsewhere is not the file the daemon wrote): for files in a directory
+    others may have reached, such as a shared flush directory. Never through
+    a link, never blocking on a FIFO."""
+    fd = open_regular_at(dir_fd, name, where)
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != owner:
+            raise UnsafePath(f"{Path(where) / name} belongs to uid {info.st_uid}, not {owner}: it is not the daemon's file")
+        if info.st_nlink != 1:
+            raise UnsafePath(f"{Path(where) / name} has {info.st_nlink} names (hard links): it is not the daemon's file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

@@ -121,7 +121,7 @@ def plan_sources(new: list[str], placement: list[str], copies: Mapping[str, Iter
     out = Sources()
     for rank, target in enumerate(new):
         nodes = have.get(rank, [])
-        if target in nodes:
+        if target in nodes and target in live:  # (a live node that lost its disk holds nothing: it is not in ``up``)
             continue
         source = next((n for n in nodes if n in live), None)
         if source is None:

@@ -423,6 +423,8 @@ class CheckpointCoordinator:
                 log.warning("job %d: could not record the flush of checkpoint %d: %s", job_id, gen, exc)
             if not recorded:
                 await self._remove_flushed(lineage, gen, job_id)
+            else:
+                await self._sweep_flushed(lineage, job_id)
         finally:
             if self.flushing.get(lineage) == gen:
                 del self.flushing[lineage]
@@ -431,6 +433,23 @@ class CheckpointCoordinator:
         newest = [e for e in self.generations(record) if e["state"] in ("complete", "protected")] if record is not None else []
         if newest and newest[-1]["gen"] > gen and not newest[-1].get("flushed") and not newest[-1].get("flush"):
             self._maybe_flush(newest[-1]["job"], newest[-1]["gen"])
+
+    async def _sweep_flushed(self, lineage: int, job_id: int) -> None:
+        """After a flush is recorded: remove the lineage's copies in the flush
+        directory that nothing records flushed (a flush a previous coordinator
+        left half-written, of another generation than the ones flushed since)."""
+        try:
+            await self.daemon.table.read_lineage(lineage)  # (a flushed generation of an older job of the lineage is kept too)
+            record = self.daemon.table.get(job_id)
+            if record is None:
+                return
+            keep = {e["gen"] for e in self.generations(record) if e.get("flushed")}
+            if lineage in self.flushing:
+                keep.add(self.flushing[lineage])
+            keep |= {g for (lin, g) in self.unflushing if lin == lineage}
+            await self.co.call(self.daemon.node, "ckpt_flush_remove", lineage=lineage, keep=sorted(keep))
+        except RemoteError as exc:
+            log.warning("could not sweep job-%d in the flush directory: %s", lineage, exc.message)
 
     async def _remove_flushed(self, lineage: int, gen: int, job_id: int | None = None) -> None:
         """Remove a generation's copy in the flush directory (any node sees it:
@@ -730,7 +749,11 @@ class CheckpointCoordinator:
         for candidate in complete:
             entry = candidate  # (with the copies a rebuild adds)
             rebuilt = {}
-            down = [n for n in dict.fromkeys(entry["placement"]) if n not in up]
+            # A live node whose disk was wiped holds nothing: for this
+            # generation's files it counts as down (its ranks may still run there).
+            wiped = await self._wiped(lineage, entry, up)
+            holding = [n for n in up if n not in wiped]
+            down = [n for n in dict.fromkeys(entry["placement"]) if n not in holding]
             protected = entry["state"] == "protected" and entry.get("level") in ("partner", "xor") and bool(down)
             default = nodelist is None and nodes is None
             try:
@@ -739,23 +762,23 @@ class CheckpointCoordinator:
             except relocate.Unplaceable as exc:
                 recovered = self._recovery_placement(entry, down, up, cores) if protected and default else None
                 if recovered is None:
-                    unrebuildable = self._unrebuildable(entry, down, up) if protected and not entry.get("flushed") else ""
+                    unrebuildable = self._unrebuildable(entry, down, holding) if protected and not entry.get("flushed") else ""
                     if unrebuildable:  # (its lost files are the problem, not where it would run)
                         skipped.append(f"generation {entry['gen']}: {unrebuildable}")
                         continue
                     raise RemoteError(exc.code, f"cannot restart job {job_id} there: {exc}") from None
                 placement = recovered
-            sources = relocate.plan_sources(placement, list(entry["placement"]), entry.get("copies"), up)
+            sources = relocate.plan_sources(placement, list(entry["placement"]), entry.get("copies"), holding)
             if sources.missing and protected and default:
                 # Files to rebuild: the survivors' ranks stay, each lost node's go to one replacement, spares first.
                 recovered = self._recovery_placement(entry, down, up, cores)
                 if recovered is not None and recovered != placement:
                     placement = recovered
-                    sources = relocate.plan_sources(placement, list(entry["placement"]), entry.get("copies"), up)
+                    sources = relocate.plan_sources(placement, list(entry["placement"]), entry.get("copies"), holding)
             if sources.missing and protected:
                 try:
                     steps = relocate.plan_rebuilds(placement, list(entry["placement"]), sources.missing,
-                                                   make_plan(entry["placement"], entry["level"]), up)
+                                                   make_plan(entry["placement"], entry["level"]), holding)
                 except (relocate.CannotRebuild, PlanError) as exc:
                     if not entry.get("flushed"):
                         log.warning("job %d: generation %d cannot be rebuilt: %s", job_id, entry["gen"], exc)
@@ -764,14 +787,21 @@ class CheckpointCoordinator:
                     log.info("job %d: generation %d cannot be rebuilt (%s); the flush directory has its files", job_id, entry["gen"], exc)
                     steps = []
                 if steps:
-                    entry, failures = await self._rebuild(record, lineage, entry, steps)
-                    if failures:
+                    entry, failures, damaged = await self._rebuild(record, lineage, entry, steps)
+                    if damaged:  # (the next restart must not count on this redundancy again)
+                        await self._unprotect(entry, "; ".join(damaged))
+                    if failures and not entry.get("flushed"):
                         for problem in failures:
                             log.warning("job %d: generation %d is unusable: %s", job_id, entry["gen"], problem)
                         skipped += [f"generation {entry['gen']}: {p}" for p in failures]
                         continue
-                    rebuilt = {step.lost: step.target for step in steps}
-                    sources = relocate.plan_sources(placement, list(entry["placement"]), entry.get("copies"), up)
+                    if failures:
+                        log.info("job %d: generation %d could not be rebuilt (%s); the flush directory has its files",
+                                 job_id, entry["gen"], "; ".join(failures))
+                    else:
+                        rebuilt = {step.lost: step.target for step in steps}
+                        holding += [t for t in rebuilt.values() if t not in holding]  # (a wiped node that took its own files back)
+                        sources = relocate.plan_sources(placement, list(entry["placement"]), entry.get("copies"), holding)
             if sources.missing and entry.get("flushed"):
                 failures, restored = await self._unflush(record, lineage, entry, placement, sorted(sources.missing))
                 copies = {node: list(ranks) for node, ranks in (entry.get("copies") or {}).items()}
@@ -785,9 +815,13 @@ class CheckpointCoordinator:
                     continue
                 log.info("job %d: ranks %s of generation %d restored from the flush directory", job_id, sorted(sources.missing), entry["gen"])
                 entry = {**entry, "copies": copies}
-                sources = relocate.plan_sources(placement, list(entry["placement"]), copies, up)
+                holding += [t for t in restored if t not in holding]
+                sources = relocate.plan_sources(placement, list(entry["placement"]), copies, holding)
             if sources.missing:
                 problem = relocate.describe_missing(sources.missing)
+                if wiped and not protected and not entry.get("flushed") and all(set(nodes) <= set(wiped) for nodes in sources.missing.values()):
+                    problem = "; ".join(f"node {n} no longer holds its files ({why})" for n, why in sorted(wiped.items()))
+                    await self._mark(entry, "damaged", problem)  # (a wiped disk does not come back, unlike a node that is down)
                 log.warning("job %d: generation %d is unusable: %s", job_id, entry["gen"], problem)
                 skipped.append(f"generation {entry['gen']}: {problem}")
                 continue
@@ -833,6 +867,31 @@ class CheckpointCoordinator:
         return {"record": new, "gen": entry["gen"], "iteration": entry["iteration"], "skipped": skipped, "placement": placement,
                 "rebuilt": rebuilt}
 
+    async def _wiped(self, lineage: int, entry: dict, up: list[str]) -> dict[str, str]:
+        """The live nodes that held a generation's files (where its ranks ran,
+        or copies) and no longer do, each with what is gone (``ckpt_holds``):
+        a node that came back with its checkpoint disk wiped. A node that
+        cannot answer is left to the verification."""
+        nodes = [n for n in dict.fromkeys([*entry["placement"], *(entry.get("copies") or {})]) if n in up]
+        out: dict[str, str] = {}
+
+        async def one(node: str) -> None:
+            try:
+                with trio.fail_after(30):
+                    why = await self.co.call(node, "ckpt_holds", lineage=lineage, gen=entry["gen"])
+            except (RemoteError, trio.TooSlowError) as exc:
+                log.info("could not ask %s whether it holds generation %d of lineage %d: %s", node, entry["gen"], lineage, exc)
+                return
+            if isinstance(why, str) and why:
+                out[node] = why[:300]
+
+        async with trio.open_nursery() as nursery:
+            for node in nodes:
+                nursery.start_soon(one, node)
+        for node, why in sorted(out.items()):
+            log.warning("node %s no longer holds its files of generation %d of lineage %d (%s): they count as lost", node, entry["gen"], lineage, why)
+        return out
+
     def _unrebuildable(self, entry: dict, down: list[str], up: list[str]) -> str:
         """The sentence naming the down nodes of a protected generation whose
         files its redundancy cannot rebuild and no live node holds, or ""."""
@@ -859,13 +918,15 @@ class CheckpointCoordinator:
         except (recovery.CannotRecover, PlanError):
             return None
 
-    async def _rebuild(self, record: dict, lineage: int, entry: dict, steps: list[relocate.RebuildStep]) -> tuple[dict, list[str]]:
+    async def _rebuild(self, record: dict, lineage: int, entry: dict, steps: list[relocate.RebuildStep]) -> tuple[dict, list[str], list[str]]:
         """Each lost node's files rebuilt on its replacement (``ckpt_rebuild``,
         :mod:`gangd.daemon.rebuild`), the nodes at once, within ``checkpoint_timeout``;
         the entry with the rebuilt files among its ``copies`` (recorded as a
-        staging records them), and a line per failure naming node and file."""
+        staging records them), a line per failure naming node and file, and
+        those of them that found the redundancy damaged."""
         timeout = float(self.daemon.config.checkpoint_timeout)
         failures: list[str] = []
+        damaged: list[str] = []
         done: dict[str, list[int]] = {}
 
         async def one(step: relocate.RebuildStep) -> None:
@@ -879,6 +940,8 @@ class CheckpointCoordinator:
                 return
             except RemoteError as exc:
                 failures.append(exc.message if exc.message.startswith(step.target) else f"{step.target}: {exc.message}")
+                if exc.code == "redundancy_damaged":  # (rebuild.DAMAGED: a parity or copy that is there but wrong)
+                    damaged.append(failures[-1])
                 return
             got = set(answer.get("ranks") or []) if isinstance(answer, dict) else set()
             if not set(step.ranks) <= got:
@@ -912,7 +975,7 @@ class CheckpointCoordinator:
                 await self.co.update(entry["job"], change)
             except RemoteError as exc:
                 log.warning("job %d: could not record the rebuilt copies of generation %d: %s", entry["job"], entry["gen"], exc)
-        return entry, failures
+        return entry, failures, damaged
 
     async def _stage(self, record: dict, lineage: int, entry: dict, sources: relocate.Sources) -> tuple[list[str], list[str]]:
         """Every target node pulls its moved ranks' files, all at once, within
@@ -966,6 +1029,24 @@ class CheckpointCoordinator:
                 except RemoteError as exc:
                     log.warning("job %d: could not check generation %d on %s: %s", record["id"], entry["gen"], source, exc)
         return sorted(damaged), ([] if damaged else sorted(failures))
+
+    async def _unprotect(self, entry: dict, reason: str) -> None:
+        """A protected generation whose redundancy a rebuild found damaged is
+        only *complete* from now on (``redundancy``: why): its files on live
+        nodes stay usable, but no restart counts on rebuilding from it again,
+        and retention no longer keeps it as the one that survives a lost node."""
+        def change(r):
+            for e in r.get("checkpoints") or []:
+                if e["gen"] == entry["gen"] and e["state"] == "protected":
+                    e["state"], e["redundancy"] = "complete", f"damaged: {reason}"
+                    return None
+            return False
+
+        log.warning("job %d: generation %d is no longer protected: its redundancy is damaged: %s", entry["job"], entry["gen"], reason)
+        try:
+            await self.co.update(entry["job"], change)
+        except RemoteError as exc:
+            log.warning("job %d: could not record that generation %d's redundancy is damaged: %s", entry["job"], entry["gen"], exc)
 
     async def _mark(self, entry: dict, state: str, reason: str) -> None:
         """Record a generation as unusable, so retention never keeps it over intact ones."""

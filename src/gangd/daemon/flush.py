@@ -55,6 +55,8 @@ from .staging import TargetGeneration, int_arg, merged, owner_of, pulls_of, time
 log = logging.getLogger("gangd.flush")
 
 PART = ".part"
+#: How long the start-up check of flush_dir may take (a shared file system that hangs).
+CHECK_TIMEOUT = 60.0
 #: Longest a flush or an unflush may take, whatever the coordinator asks.
 MAX_TIMEOUT = 24 * 3600.0
 
@@ -91,6 +93,14 @@ class UnflushRequest:
             raise RemoteError("bad_request", "'pulls' names a node that is not a directory name")
         return cls(int_arg(args.get("lineage"), "lineage", 1), int_arg(args.get("gen"), "gen", 1), owner_of(args), pulls,
                    timeout_of(args, MAX_TIMEOUT))
+
+
+def keep_of(args: dict) -> frozenset[int]:
+    """``keep`` of a sweep request (a peer's): the generation numbers to leave, bounded."""
+    keep = args.get("keep")
+    if not isinstance(keep, (list, tuple)) or len(keep) > 4096:
+        raise RemoteError("bad_request", "'keep' must list at most 4096 generation numbers")
+    return frozenset(int_arg(g, "a generation in 'keep'", 1) for g in keep)
 
 
 class Cancelled(Exception):
@@ -135,6 +145,27 @@ def _copy(src_fd: int, dst_fd: int, size: int, throttle: Throttle) -> str:
     return digest.hexdigest()
 
 
+def _open_flushed(node_fd: int, name: str, where: Path) -> int:
+    """A flushed file (``name`` under a node's flushed directory), as the
+    daemon wrote it: every directory on the way root's and writable by no one
+    else, the file root's with no other name, no link followed. The shared
+    file system is reachable by others (other hosts' roots, a squashed root):
+    what is there is hostile until these hold, and then checked against its
+    MANIFEST as it is copied."""
+    *dirs, leaf = name.split("/")
+    fd, owned = node_fd, False
+    try:
+        for part in dirs:
+            sub = safefs.open_dir_at(fd, part, where)  # (trusted: root's, not writable by others)
+            if owned:
+                os.close(fd)
+            fd, where, owned = sub, where / part, True
+        return safefs.open_owned_regular_at(fd, leaf, where, owner=os.geteuid())
+    finally:
+        if owned:
+            os.close(fd)
+
+
 def _create(dir_fd: int, name: str, owner: tuple[int, int] | None = None) -> int:
     fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
     if owner is not None:
@@ -159,6 +190,72 @@ class Flusher:
         self._flushes = trio.CapacityLimiter(1)
         self._restores = trio.CapacityLimiter(2)
         self._removals = trio.CapacityLimiter(1)
+
+    # ------------------------------------------------------------ the directory itself
+
+    def check(self) -> str:
+        """Why ``flush_dir`` cannot be used ("" if it can); blocking (a thread).
+
+        What is safe, and why:
+
+        - it must **exist**: the daemon never creates it, so a shared file
+          system that is not mounted yet is not silently replaced by a
+          directory on the local disk (whose copies would die with the node);
+        - it must be a **directory reached without a link**, every ancestor
+          root's and writable by others only with the sticky bit (the
+          rules of :func:`gangd.safefs.open_trusted_dir`);
+        - it must be **root's and writable by no one else, sticky or not**:
+          the daemon creates ``job-L`` names in it, and a user who may create
+          names there could take ``job-L`` first (a directory of theirs the
+          daemon then refuses: no flush of that job ever again) or plant what
+          a restart would read;
+        - root must be able to **write it as root**: a probe directory created
+          there must be root's. Under NFS root squash the daemon's files would
+          belong to ``nobody``, so they could be rewritten by anyone mapped to
+          that uid, and every later ownership check would refuse them.
+        """
+        if self.flush_dir is None:
+            return ""
+        where = self.flush_dir
+        try:
+            top = safefs.open_trusted_dir(where)
+        except UnsafePath as exc:
+            return str(exc)
+        probe = f".probe-{self.node}"
+        try:
+            try:
+                safefs.rmtree_at(top, probe)
+                os.mkdir(probe, 0o700, dir_fd=top)
+            except OSError as exc:
+                return f"root cannot create entries in {where}: {exc.strerror or exc}"
+            try:
+                uid = os.stat(probe, dir_fd=top, follow_symlinks=False).st_uid
+            finally:
+                safefs.rmtree_at(top, probe)
+            if uid != os.geteuid():
+                return (f"what root creates in {where} belongs to uid {uid} (root squash?): the daemon's copies "
+                        "there would not be root's; export it without root squash for the gangd nodes")
+            return ""
+        finally:
+            os.close(top)
+
+    async def check_at_start(self) -> None:
+        """Start-up: say clearly, once, if ``flush_dir`` cannot be used (the
+        daemon runs on: checkpoints and the other levels do not depend on it,
+        and each flush checks again, so a mount that comes up later is used)."""
+        if self.flush_dir is None:
+            return
+        try:
+            with trio.fail_after(CHECK_TIMEOUT):
+                problem = await trio.to_thread.run_sync(self.check, abandon_on_cancel=True, limiter=self._removals)
+        except trio.TooSlowError:
+            problem = f"{self.flush_dir} did not answer within {CHECK_TIMEOUT:.0f} s (a hung shared file system?)"
+        except OSError as exc:
+            problem = f"{self.flush_dir}: {exc.strerror or exc}"
+        if problem:
+            log.error("[checkpoint] flush_dir cannot be used; no generation is flushed until it can: %s", problem)
+        else:
+            log.info("flush directory %s checked: root's, written as root, writable by no one else", self.flush_dir)
 
     def _require(self) -> Path:
         if self.flush_dir is None:
@@ -387,8 +484,8 @@ class Flusher:
 
     def _copy_in(self, source_dir: Path, source_fd: int, name: str, size: int, checksum: str, directory: Path, gen_fd: int,
                  owner: tuple[int, int] | None, throttle: Throttle, copied: list[str]) -> None:
-        *dirs, leaf = transfer.check_name(name).split("/")
-        src = ckptstore.open_in(source_fd, name, source_dir)
+        src = _open_flushed(source_fd, transfer.check_name(name), source_dir)
+        *dirs, leaf = name.split("/")
         try:
             target = safefs.open_dir_at(gen_fd, dirs[0], directory, trusted=False) if dirs else gen_fd
             try:
@@ -414,6 +511,44 @@ class Flusher:
             raise StoreError(f"{source_dir / name} does not match its flushed MANIFEST (damaged on the shared file system)")
 
     # ------------------------------------------------------------ remove
+
+    async def sweep(self, lineage: int, keep: frozenset[int]) -> list[int]:
+        """Remove every ``gen-G`` of ``job-<lineage>`` in the flush directory but
+        those of ``keep`` (the coordinator's: the generations recorded flushed,
+        and the one flushing now): copies a flush left when its coordinator
+        stepped down mid-way and the next one flushed another generation, so
+        nothing ever recorded them and retention would never remove them.
+        Other names are left alone (the daemon writes none). The generations removed."""
+        def sweep() -> list[int]:
+            flush_dir = self._require()
+            top = safefs.open_trusted_dir(flush_dir)
+            try:
+                try:
+                    job = safefs.open_dir_at(top, f"job-{lineage}", flush_dir)
+                except UnsafePath:
+                    return []
+            finally:
+                os.close(top)
+            try:
+                doomed = sorted(int(name[4:]) for name in os.listdir(job)
+                                if name.startswith("gen-") and name[4:].isdigit() and len(name) < 24 and int(name[4:]) not in keep)
+                for gen in doomed:
+                    safefs.rmtree_at(job, f"gen-{gen}")
+                return doomed
+            finally:
+                os.close(job)
+
+        try:
+            with trio.fail_after(600):
+                swept = await trio.to_thread.run_sync(sweep, abandon_on_cancel=True, limiter=self._removals)
+        except trio.TooSlowError:
+            raise RemoteError("timeout", f"{self.node}: sweeping job-{lineage} in {self.flush_dir} took more than 600 s") from None
+        except (UnsafePath, OSError) as exc:
+            raise RemoteError("flush_failed", f"{self.node}: sweeping job-{lineage} in {self.flush_dir}: {exc}") from None
+        if swept:
+            log.warning("removed job-%d/%s from %s: flushed copies nothing records (a flush cut short by a coordinator change)",
+                        lineage, ", ".join(f"gen-{g}" for g in swept), self.flush_dir)
+        return swept
 
     async def remove(self, lineage: int, gen: int) -> None:
         """Remove a generation's flushed copy (retention); the job's directory too once it is empty."""

@@ -26,6 +26,16 @@ node's MANIFEST rewritten atomically with the union of what it held and
 what it received. A rebuild that fails or is cut leaves nothing listed, and
 removes what it wrote; its error (``rebuild_failed``, or ``transfer_failed``
 for a peer's bytes that did not check out) names the node and the file.
+A parity, partner copy or survivor's data that is there but wrong answers
+``redundancy_damaged`` (:data:`DAMAGED`): it will not heal, and the
+coordinator records the generation as no longer protected.
+
+A node that is *up* may have lost its files too: it came back with its
+checkpoint disk wiped. :func:`holds` (``ckpt_holds``) tells the coordinator
+so (absence only: a file there but wrong is the verification's), and the
+node then counts as lost for that generation: its files are rebuilt like a
+down node's, on a replacement or, when the restart runs on it again, on
+itself (allowed only while it holds no manifest of the generation).
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ import trio
 from .. import ckptstore, safefs
 from ..ckptstore import Manifest, StoreError
 from ..redundancy import transfer, xor
-from ..redundancy.bulk import Bulk
+from ..redundancy.bulk import Bulk, BulkMismatch
 from ..redundancy.plan import NODE_NAME
 from ..rpc import RemoteError, leaf_error
 from ..safefs import UnsafePath
@@ -50,6 +60,9 @@ from .staging import MAX_TIMEOUT, PARALLEL, TargetGeneration, int_arg, merged, o
 log = logging.getLogger("gangd.rebuild")
 
 METHODS = ("partner", "xor")
+#: The error code of a rebuild that read a damaged parity, partner copy or
+#: survivor's data: the generation's redundancy is not whole any more.
+DAMAGED = "redundancy_damaged"
 READ_BLOCK = 1 << 20
 
 
@@ -75,8 +88,6 @@ class RebuildRequest:
         lost = args.get("lost")
         if not isinstance(lost, str) or not NODE_NAME.match(lost) or lost not in node_names:
             raise RemoteError("bad_request", f"'lost' must name a node of the cluster, not {str(lost)[:64]!r}")
-        if lost == this_node:
-            raise RemoteError("bad_request", f"{this_node} cannot rebuild its own files: it is the node they were lost on")
         method = args.get("method")
         if method not in METHODS:
             raise RemoteError("bad_request", f"'method' must be one of {', '.join(METHODS)}")
@@ -111,6 +122,9 @@ class Rebuilder:
             local = await trio.to_thread.run_sync(self.target.open_dirs, directory, request.owner)
         except (UnsafePath, OSError, StoreError) as exc:
             raise RemoteError("rebuild_failed", f"{where}: {getattr(exc, 'strerror', None) or exc}") from None
+        if request.lost == self.node and local is not None:  # (its disk was wiped: it may take its own files back)
+            raise RemoteError("bad_request", f"{self.node} cannot rebuild its own files of job-{request.lineage}/gen-{request.gen}: "
+                                             "it still holds its manifest of them")
         from .checkpoint import NoRoom  # (checkpoint imports nothing of this module)
 
         landed: list[str] = []  # final names this call wrote (removed again if it fails)
@@ -132,12 +146,14 @@ class Rebuilder:
                 exc = leaf_error(exc)
             if isinstance(exc, trio.TooSlowError):
                 raise RemoteError("rebuild_failed", f"{where}: not done within {request.timeout:.0f} s") from None
+            if isinstance(exc, transfer.Mismatch | BulkMismatch):
+                raise RemoteError(DAMAGED, f"{where}: {exc.message}") from None
             if isinstance(exc, RemoteError):
-                code = exc.code if exc.code in ("transfer_failed", "bad_request", "no_such_node") else "rebuild_failed"
+                code = exc.code if exc.code in ("transfer_failed", "bad_request", "no_such_node", DAMAGED) else "rebuild_failed"
                 raise RemoteError(code, exc.message if exc.message.startswith(f"{self.node}:") else f"{where}: {exc.message}") from None
             if isinstance(exc, NoRoom | StoreError | UnsafePath):
                 said = str(exc).removeprefix(f"cannot rebuild node {request.lost}'s job-{request.lineage}/gen-{request.gen}: ")
-                raise RemoteError("rebuild_failed", f"{where}: {said}") from None
+                raise RemoteError(DAMAGED if isinstance(exc, xor.Damaged) else "rebuild_failed", f"{where}: {said}") from None
             if isinstance(exc, OSError):
                 raise RemoteError("rebuild_failed", f"{where}: {ckptstore.describe_os_error(exc, directory)}") from None
             raise
@@ -207,7 +223,8 @@ class Rebuilder:
                         owner=request.owner if in_ranks else None, durable=False, bulk=self.bulk,
                     )
                 except RemoteError as exc:
-                    raise RemoteError(exc.code, f"node {holder}'s job-{request.lineage}/gen-{request.gen}/{prefix}{name}: {exc.message}") from None
+                    code = DAMAGED if isinstance(exc, transfer.Mismatch | BulkMismatch) else exc.code
+                    raise RemoteError(code, f"node {holder}'s job-{request.lineage}/gen-{request.gen}/{prefix}{name}: {exc.message}") from None
 
         async with trio.open_nursery() as nursery:
             for name, size, checksum in wanted:
@@ -249,7 +266,7 @@ class Rebuilder:
                 finally:
                     os.close(fd)
                 if got != (size, checksum):
-                    raise xor.RebuildError(f"{copy / name} is corrupted: {got[0]} bytes, checksum {got[1][:16]}…; "
+                    raise xor.Damaged(f"{copy / name} is corrupted: {got[0]} bytes, checksum {got[1][:16]}…; "
                                            f"node {request.lost}'s manifest says {size} bytes, {checksum[:16]}…")
         finally:
             for fd in (ranks, gen, src):
@@ -375,6 +392,75 @@ class Rebuilder:
                 os.close(red)
         finally:
             os.close(gen)
+
+
+def holds(root: Path, lineage: int, gen: int) -> str:
+    """``ckpt_holds``: "" if this node holds its files of ``job-<lineage>/gen-<gen>``
+    (its MANIFEST and every file it lists are there), else a sentence saying
+    what is gone. Only *absence* counts: a node whose disk was wiped (it came
+    back empty, or its checkpoint directory was deleted) has lost its files
+    as surely as a node that is down, and the coordinator then rebuilds them
+    from the redundancy instead of calling the generation damaged; a file that
+    is there but wrong is :meth:`verify`'s business. Nothing is read but the
+    MANIFEST (root's, bounded); no link is followed."""
+    directory = ckptstore.gen_dir(root, lineage, gen)
+    root = Path(root)
+    try:
+        fd = safefs.open_trusted_dir(root)
+    except (UnsafePath, OSError):
+        return f"{root} is gone" if not os.path.lexists(root) else ""
+    try:
+        for path in (directory.parent, directory):  # (each looked at before it is opened: absence is the answer)
+            try:
+                os.stat(path.name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                os.close(fd)
+                return f"{path} is gone"
+            child = safefs.open_dir_at(fd, path.name, path.parent)
+            os.close(fd)
+            fd = child
+    except (UnsafePath, OSError):
+        os.close(fd)
+        return ""  # (there but unsafe or unreadable: not "absent"; the verification names it)
+    try:
+        try:
+            manifest = ckptstore.read_manifest(directory, dir_fd=fd, owner=os.geteuid())
+        except StoreError:
+            try:
+                os.stat(ckptstore.MANIFEST, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                return f"{directory / ckptstore.MANIFEST} is gone"
+            except OSError:
+                pass
+            return ""
+        ranks: int | None = None
+        try:
+            for name in manifest.files:
+                *parts, leaf = name.split("/")
+                where = fd
+                if parts:
+                    if parts != [ckptstore.RANKS_DIR]:
+                        continue
+                    if ranks is None:
+                        try:
+                            ranks = safefs.open_dir_at(fd, ckptstore.RANKS_DIR, directory, trusted=False)
+                        except FileNotFoundError:
+                            return f"{directory / ckptstore.RANKS_DIR} is gone"
+                        except (UnsafePath, OSError):
+                            return ""
+                    where = ranks
+                try:
+                    os.stat(leaf, dir_fd=where, follow_symlinks=False)
+                except FileNotFoundError:
+                    return f"{directory / name} is gone"
+                except OSError:
+                    pass
+        finally:
+            if ranks is not None:
+                os.close(ranks)
+        return ""
+    finally:
+        os.close(fd)
 
 
 def _blocks(fd: int):

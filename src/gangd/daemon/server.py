@@ -113,14 +113,15 @@ class Daemon:
             checkpoint_root=config.checkpoint_root, call=self.calls.call,
         )
         self.table.listeners.append(self.node_jobs.kill_if_ended)
+        self.flusher = Flusher(node=self.node, root=self.checkpoints.root, flush_dir=config.checkpoint_flush_dir,
+                               max_file=config.checkpoint_max_rank_bytes)
         self.dispatcher = Dispatcher(
             Services(
                 node=self.node, config=config, table=self.table, membership=self.membership, calls=self.calls,
                 coordinator=self.coordinator, node_jobs=self.node_jobs,
                 listing=Listing(table=self.table, calls=self.calls, membership=self.membership),
                 jobnet=self.jobnet, pmi=self.pmi, checkpoints=self.checkpoints, peers=self.peers, ranks=self.ranks,
-                flusher=Flusher(node=self.node, root=self.checkpoints.root, flush_dir=config.checkpoint_flush_dir,
-                                max_file=config.checkpoint_max_rank_bytes),
+                flusher=self.flusher,
                 spawn=self.tasks.spawn, heartbeat_info=self.heartbeat_info, resend_exits=self.node_jobs.resend_exits,
             ),
             check_term=self.membership.check_term,
@@ -214,6 +215,7 @@ class Daemon:
                 nursery.start_soon(self.peers.run, self.dispatcher.handle)
                 nursery.start_soon(self.membership.run)
                 nursery.start_soon(self.node_jobs.report_exits)
+                nursery.start_soon(self.flusher.check_at_start)  # (in a thread: a hung shared file system never holds the start)
                 nursery.start_soon(self._handle_signals, nursery.cancel_scope, notifier)
                 if notifier:
                     nursery.start_soon(watchdog_loop, notifier)

@@ -39,6 +39,7 @@ import trio
 from .. import ckptstore, safefs
 from ..ckptstore import Manifest, StoreError
 from ..redundancy import transfer
+from ..redundancy.bulk import Bulk
 from ..rpc import RemoteError, leaf_error
 from ..safefs import UnsafePath
 
@@ -111,12 +112,14 @@ class StageRequest:
 
 
 class Stager:
-    """This node's side of ``ckpt_stage``. ``channel(node)``: the peer channel to a node."""
+    """This node's side of ``ckpt_stage``. ``channel(node)``: the peer channel to a node;
+    ``bulk``: the bulk path for the bytes (a file it fails for goes over the channel; None: the channel only)."""
 
-    def __init__(self, *, node: str, root: Path, channel, reserve: int, max_file: int):
+    def __init__(self, *, node: str, root: Path, channel, reserve: int, max_file: int, bulk: Bulk | None = None):
         self.node = node
         self.root = Path(root)
         self.channel = channel
+        self.bulk = bulk
         self.target = TargetGeneration(self.root, reserve)
         #: A file larger than this is refused unread (a source's manifest is a peer's word: checkpoint_max_rank_bytes).
         self.max_file = max_file
@@ -154,6 +157,7 @@ class Stager:
                             await transfer.fetch_file(
                                 self.channel(source), lineage=request.lineage, gen=request.gen, name=name, size=size,
                                 checksum=checksum, dest_dir=dest, owner=request.owner if in_ranks else None, durable=False,
+                                bulk=self.bulk,
                             )
                         except RemoteError as exc:
                             raise RemoteError(exc.code, f"node {source}'s job-{request.lineage}/gen-{request.gen}/{name}: {exc.message}") from None

@@ -87,6 +87,10 @@ class BulkError(RemoteError):
         super().__init__("transfer_failed", message)
 
 
+class BulkMismatch(BulkError):
+    """The bytes arrived whole (each chunk checked) and are not what the manifest says: the source is damaged."""
+
+
 def bulk_key(secret: bytes) -> bytes:
     """The handshake's HMAC key: the cluster secret, bound to this use of it."""
     return hmac.new(secret, b"gangd checkpoint bulk transfer", hashlib.sha256).digest()
@@ -245,7 +249,7 @@ def receive_file(sock: socket.socket, dest_dir: Path, leaf: str, size: int, chec
                 out.write(chunk)
             mine = digest.hexdigest()
             if mine != checksum:
-                raise BulkError(f"{what}: checksum {mine[:16]}… of the bytes received does not match the manifest's {checksum[:16]}…")
+                raise BulkMismatch(f"{what}: checksum {mine[:16]}… of the bytes received does not match the manifest's {checksum[:16]}…")
             if owner is not None:  # only once every byte checked out: until then the file is root's, 0600
                 os.fchown(out.fd, *owner)
             if durable:

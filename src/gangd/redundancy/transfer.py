@@ -30,6 +30,7 @@ checkpoint directory.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 from collections.abc import AsyncIterator, Iterator
@@ -66,12 +67,19 @@ _COMPONENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}\Z")
 _NAME = re.compile(r"(redundancy/(partner-[A-Za-z0-9][A-Za-z0-9._-]{0,62}/)?)?(ranks/)?[A-Za-z0-9_][A-Za-z0-9._-]{0,127}\Z")
 MAX_LENGTH = 1 << 50
 
+log = logging.getLogger("gangd.transfer")
+
 
 class TransferError(RemoteError):
     """A transfer refused or failed; the message names the peer and the file."""
 
     def __init__(self, message: str):
         super().__init__("transfer_failed", message)
+
+
+class Mismatch(TransferError):
+    """Every byte the peer sent arrived as it sent them, and they are not what
+    the manifest says: the peer's file is damaged (not the transfer)."""
 
 
 def chunk_hash(data) -> int:
@@ -336,7 +344,7 @@ async def verified_chunks(items: AsyncIterator, size: int, checksum: str | None,
                 raise TransferError(f"{what}: the peer sent {off} bytes and claims {end!r}; {size} were expected")
             mine = digest.hexdigest()
             if got != mine or (checksum is not None and mine != checksum):
-                raise TransferError(f"{what}: checksum {mine[:16]}… of the bytes received does not match "
+                raise (Mismatch if got == mine else TransferError)(f"{what}: checksum {mine[:16]}… of the bytes received does not match "
                                     f"{'the manifest' if checksum is not None else 'the sender'}'s {str(checksum or got)[:16]}…")
             ended = True
             continue
@@ -377,11 +385,20 @@ async def fetch_file(channel: Channel, *, lineage: int, gen: int, name: str, siz
     what = f"{name} of job-{lineage}/gen-{gen} from {channel.label}"
     dest_dir = Path(dest_dir)
     if bulk is not None:
-        async with channel.stream("ckpt_bulk_read", lineage=lineage, gen=gen, name=name) as items:
-            ticket, port = bulkpath.check_offer(await bulkpath.first_item(items, what), size, what)
-            sock = await trio.to_thread.run_sync(bulkpath.dial, bulk.host_of(channel), port, bulk.key, ticket, what)
-            await bulkpath.run_on_socket(sock, bulkpath.receive_file, sock, dest_dir, leaf, size, checksum, owner, what, durable)
-        return
+        try:
+            async with channel.stream("ckpt_bulk_read", lineage=lineage, gen=gen, name=name) as items:
+                ticket, port = bulkpath.check_offer(await bulkpath.first_item(items, what), size, what)
+                sock = await trio.to_thread.run_sync(bulkpath.dial, bulk.host_of(channel), port, bulk.key, ticket, what)
+                await bulkpath.run_on_socket(sock, bulkpath.receive_file, sock, dest_dir, leaf, size, checksum, owner, what, durable)
+            return
+        except bulkpath.BulkMismatch:
+            raise  # (the bytes arrived whole and are wrong: the channel would bring the same)
+        except (RemoteError, OSError) as exc:
+            # The bulk path is an optimisation: a port a firewall drops, a
+            # listener that failed, a peer without it. The channel still
+            # carries every byte, checked the same way.
+            why = exc.message if isinstance(exc, RemoteError) else str(exc)
+            log.warning("%s: the bulk path failed (%s); pulling it over the peer channel instead", what, why[:300])
     tmp = f".{leaf}.transfer"
     try:
         dir_fd = os.open(dest_dir, safefs.DIR_FLAGS)
@@ -670,7 +687,7 @@ class RemoteData:
                     raise xor.RebuildError(str(exc)) from None
                 want = self.checksum
                 if digest is not None and want is not None and (mine := digest.hexdigest()) != want:
-                    raise xor.RebuildError(f"{what}: checksum {mine[:16]}… of the bytes received does not match {want[:16]}…")
+                    raise xor.Damaged(f"{what}: checksum {mine[:16]}… of the bytes received does not match {want[:16]}…")
             finally:
                 sock.close()
         finally:

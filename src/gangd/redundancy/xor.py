@@ -59,6 +59,13 @@ class RebuildError(StoreError):
     """A member cannot be rebuilt or parity cannot be written; the message names node and path."""
 
 
+class Damaged(RebuildError):
+    """What a rebuild reads is there but wrong (a parity, a partner copy or a
+    survivor's data missing, of the wrong size, or not matching its checksum):
+    unlike a peer that went away, it does not heal, and the generation is no
+    longer protected (the coordinator records it: :meth:`CheckpointCoordinator._rebuild`)."""
+
+
 class Source(Protocol):
     def blocks(self, start: int, length: int) -> Iterator[memoryview | bytes]:
         """Bytes ``[start, start + length)`` in pieces of :data:`BLOCK` (the last shorter)."""
@@ -214,12 +221,12 @@ class NodeData:
             try:
                 fd = ckptstore.open_in(self._dir_fd, name, self.directory)
             except FileNotFoundError:
-                raise RebuildError(f"node {self.node}: {path} is missing") from None
+                raise Damaged(f"node {self.node}: {path} is missing") from None
             except OSError as exc:
                 raise RebuildError(f"node {self.node}: cannot read {path}: {exc.strerror}") from None
             if (actual := os.fstat(fd).st_size) != size:
                 os.close(fd)
-                raise RebuildError(f"node {self.node}: {path} is {actual} bytes, its manifest says {size}")
+                raise Damaged(f"node {self.node}: {path} is {actual} bytes, its manifest says {size}")
             self._fds[name] = fd
         return fd
 
@@ -298,7 +305,7 @@ class ParityFile:
             os.close(fd)
         try:
             if (actual := os.fstat(pfd).st_size) != length:
-                raise RebuildError(f"node {self.node}: parity {self.path} is {actual} bytes, its meta says {length}")
+                raise Damaged(f"node {self.node}: parity {self.path} is {actual} bytes, its meta says {length}")
             digest = ckptstore.hasher()
             buf = memoryview(bytearray(min(BLOCK, max(length, 1))))
             for off in range(0, length, BLOCK):
@@ -308,7 +315,7 @@ class ParityFile:
                 digest.update(buf[:n])
                 yield buf[:n]
             if digest.hexdigest() != self.meta.parity_checksum:
-                raise RebuildError(f"node {self.node}: parity {self.path} is corrupted: checksum "
+                raise Damaged(f"node {self.node}: parity {self.path} is corrupted: checksum "
                                    f"{digest.hexdigest()[:16]}… does not match its meta's {self.meta.parity_checksum[:16]}…")
         finally:
             os.close(pfd)
@@ -504,7 +511,7 @@ def rebuild(lost: int, meta: XorMeta, data: Sequence[Source | None], parity: Seq
             try:
                 _rebuild_into(gen_fd, partial, lost, meta, manifest, data, parity, owner, own_parity)
             except RebuildError as exc:
-                raise RebuildError(f"cannot rebuild node {node}'s job-{meta.lineage}/gen-{meta.gen}: {exc}") from None
+                raise type(exc)(f"cannot rebuild node {node}'s job-{meta.lineage}/gen-{meta.gen}: {exc}") from None
             except OSError as exc:
                 raise RebuildError(f"cannot rebuild node {node}'s files in {dest}: {ckptstore.describe_os_error(exc, partial)}") from None
             os.fsync(gen_fd)
@@ -558,7 +565,7 @@ def _rebuild_into(gen_fd: int, where: Path, lost: int, meta: XorMeta, manifest: 
         for fd in dirs.values():
             os.close(fd)
     if problems:
-        raise RebuildError("the rebuilt files do not match the lost node's manifest (" + "; ".join(problems) + ")")
+        raise Damaged("the rebuilt files do not match the lost node's manifest (" + "; ".join(problems) + ")")
     # Its own parity, from the survivors' data, and its meta; then the MANIFEST last.
     if own_parity:
         write_parity(where, _with_index(meta, lost), data)

@@ -4,7 +4,9 @@ ranks (:mod:`gangd.ckptlib`), and between daemons (the rounds of
 
 from __future__ import annotations
 
-from ...failpoint import failpoint
+import trio
+
+from ...failpoint import failpoint, refuse
 from ...redundancy import transfer
 from ...redundancy.plan import NODE_NAME
 from ...rpc import RemoteError
@@ -163,17 +165,20 @@ async def ckpt_bulk_read(s, call: Call):
     """A generation's file or data slice sent on a bulk connection (gangd.redundancy.bulk): the fast path of the two above."""
     if call.args.get("name") != "MANIFEST":
         failpoint("ckpt_file_read")
+        if refuse("ckpt_bulk_read"):  # (a test's bulk path that fails: the transfer goes over the channel)
+            raise RemoteError("transfer_failed", f"{s.node}: the bulk path is refused (failpoint)")
     return await transfer.handle_bulk_read(await s.checkpoints.bulk_server(), s.checkpoints.root, call.args)
 
 
 @op("ckpt_stage", audience=PEER, fenced=True)
 async def ckpt_stage(s, call: Call):
     """Pull the files of the ranks this node will restart from the nodes holding them (the coordinator's command)."""
+    from ...redundancy.bulk import Bulk
     from ..staging import Stager, StageRequest
 
     request = StageRequest.from_args(call.args, [n.name for n in s.config.nodes], s.node)
     stager = Stager(node=s.node, root=s.checkpoints.root, channel=s.peers.channel, reserve=s.config.output_reserve,
-                    max_file=s.config.checkpoint_max_rank_bytes)
+                    max_file=s.config.checkpoint_max_rank_bytes, bulk=Bulk.from_secret(s.peers.secret))
     return await stager.stage(request)
 
 
@@ -188,6 +193,16 @@ async def ckpt_rebuild(s, call: Call):
     rebuilder = Rebuilder(node=s.node, root=s.checkpoints.root, channel=s.peers.channel, reserve=s.config.output_reserve,
                           max_file=s.config.checkpoint_max_rank_bytes, bulk=Bulk.from_secret(s.peers.secret))
     return await rebuilder.rebuild(request)
+
+
+@op("ckpt_holds", audience=PEER)
+async def ckpt_holds(s, call: Call):
+    """Whether this node still holds its files of a generation ("" = yes; else what is gone: its disk was wiped)."""
+    from ..rebuild import holds
+    from ..staging import int_arg
+
+    lineage, gen = int_arg(call.args.get("lineage"), "lineage", 1), int_arg(call.args.get("gen"), "gen", 1)
+    return await trio.to_thread.run_sync(holds, s.checkpoints.root, lineage, gen)
 
 
 # ------------------------------------------------------------ the flush directory (the third level; see gangd.daemon.flush)
@@ -213,6 +228,12 @@ async def ckpt_unflush(s, call: Call):
 
 @op("ckpt_flush_remove", audience=PEER, fenced=True)
 async def ckpt_flush_remove(s, call: Call):
-    """Remove a generation's flushed copy (retention)."""
+    """Remove a generation's flushed copy (retention); with ``keep`` instead of
+    ``gen``: every generation of the lineage but those (the orphans a flush cut
+    short by a coordinator change left)."""
+    if "keep" in call.args:
+        from ..flush import keep_of
+
+        return await s.flusher.sweep(integer(call.args, "lineage"), keep_of(call.args))
     await s.flusher.remove(integer(call.args, "lineage"), integer(call.args, "gen"))
     return None

@@ -1,0 +1,238 @@
+"""A node that comes back with its checkpoint disk wiped has lost its files (issue 16).
+
+A node whose daemon dies and comes back on an empty disk (a replaced disk,
+a reinstalled node) is *up*, so it is not "lost" the way a node whose
+lease expired is; but its files of every generation are gone just the
+same. Before, only a down node counted: the restart's verification found
+the wiped node's files missing, marked the generation damaged, and
+neither its redundancy nor its flushed copy was used. Now the coordinator
+asks every live holder whether it still holds its files (``ckpt_holds``:
+absence only; a file that is there but wrong is the verification's), and a
+node that does not counts as down for that generation: its files are
+rebuilt from the partner's copy or the XOR set, and the restart is
+bit-identical. A generation with no redundancy whose files were on the
+wiped node is marked damaged, saying which node lost them.
+
+Real daemons on a 4-node cluster; the disk loss is a SIGKILLed daemon, its
+checkpoint directory deleted, the daemon started again.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+
+import pytest
+from ckpthelpers import TERMINAL, checkpoint, gen_dir, generations, kill_what_is_left, reference, result_of, settled, submit
+from conftest import shared_cluster
+from test_control_plane import coordinator_seen_by, json_on
+from test_rebuild import ARGV, NRANKS, assert_laid_out_as_a_checkpoint, lose
+from test_restart_anywhere import restart, wait_node
+
+from gangd import ckptstore
+from gangd.daemon.rebuild import holds
+from gangd.redundancy.plan import make_plan
+
+
+@pytest.fixture(scope="module")
+def _cluster():
+    with shared_cluster(4, cores=2, time_slice=0.1, max_slots=2) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def gc(_cluster):
+    yield _cluster
+    kill_what_is_left(_cluster)
+    for node in sorted(_cluster.files):
+        if not _cluster.files[node].pid():
+            _cluster.start_daemon(node)
+    for node in sorted(_cluster.files):
+        wait_node(_cluster, node, "up", timeout=60)
+
+
+def victim_of(gc) -> str:
+    """A node of the job (n1-n3) that is not the coordinator (its loss is a takeover, tested elsewhere)."""
+    leader = coordinator_seen_by(gc, "n1")
+    return next(n for n in ("n3", "n2", "n1") if n != leader)
+
+
+def checkpointed_and_killed(gc, level: str) -> tuple[int, dict]:
+    job = submit(gc, [*ARGV, "--sleep", "0.05"], NRANKS, "-w", "n1,n2,n3", "--ckpt-redundancy", level)
+    gc.wait_state(job, ("RUNNING", "SUSPENDED"))
+    time.sleep(1)
+    gen = checkpoint(gc, job)
+    assert gen["state"] == "complete", gen
+    entry = next(g for g in settled(gc, job) if g["gen"] == gen["gen"])
+    assert entry["state"] == ("protected" if level != "local" else "complete") and entry["level"] == level, entry
+    gc.gang("kill", job, check=True)
+    gc.wait_state(job, TERMINAL)
+    return job, entry
+
+
+def wiped_and_back(gc, node: str) -> None:
+    """The node's daemon SIGKILLed, its checkpoint disk emptied, the daemon started again."""
+    os.kill(gc.daemon_pid(node), signal.SIGKILL)
+    checkpoints = gc.dir / node / "state" / "checkpoints" / node
+    shutil.rmtree(checkpoints)
+    deadline = time.monotonic() + 30
+    while gc.files[node].pid():
+        assert time.monotonic() < deadline, f"{node}'s daemon did not die"
+        time.sleep(0.1)
+    gc.start_daemon(node)
+    wait_node(gc, node, "up", timeout=60)
+    # Up in etcd, and every node's link to it up again (the coordinator asks it about its files).
+    for other in sorted(gc.files):
+        if other == node:
+            continue
+        deadline = time.monotonic() + 60
+        while (row := next(r for r in json_on(gc, other, "nodes")["nodes"] if r["name"] == node))["why"] or row["state"] != "up":
+            assert time.monotonic() < deadline, f"{other} does not see {node} up: {row['why']}"
+            time.sleep(0.2)
+
+
+@pytest.mark.parametrize("level", ["partner", "xor"])
+def test_a_node_back_with_a_wiped_disk_has_its_files_rebuilt_and_the_restart_is_bit_identical(gc, level):
+    expected = reference(gc, ARGV, NRANKS)
+    job, entry = checkpointed_and_killed(gc, level)
+    victim = victim_of(gc)
+    wiped_and_back(gc, victim)
+    answer = restart(gc, job)
+    # The newest generation is used (not marked damaged, not skipped), the
+    # wiped node's files rebuilt on the node outside the job, as for a node that is down.
+    assert answer["gen"] == entry["gen"] and answer["rebuilt"] == {victim: "n4"} and not answer["skipped"], answer
+    assert answer["placement"] == ["n4" if n == victim else n for n in entry["placement"]], answer
+    assert result_of(gc, answer["record"]["id"], timeout=180) == expected
+    lost_ranks = [r for r, n in enumerate(entry["placement"]) if n == victim]
+    assert_laid_out_as_a_checkpoint(gen_dir(gc, "n4", job, entry["gen"]), "n4", lost_ranks, entry["iteration"])
+    recorded = next(g for g in generations(gc, job) if g["gen"] == entry["gen"])
+    assert recorded["state"] == "protected", recorded
+
+
+def test_restarted_with_w_on_the_wiped_node_itself_it_takes_its_own_files_back(gc):
+    """No other node asked for: the wiped node rebuilds its own files (it holds no manifest of them)."""
+    expected = reference(gc, ARGV, NRANKS)
+    job, entry = checkpointed_and_killed(gc, "partner")
+    victim = victim_of(gc)
+    wiped_and_back(gc, victim)
+    answer = restart(gc, job, "-w", "n1,n2,n3")
+    assert answer["gen"] == entry["gen"] and answer["rebuilt"] == {victim: victim}, answer
+    assert result_of(gc, answer["record"]["id"], timeout=180) == expected
+    lost_ranks = [r for r, n in enumerate(entry["placement"]) if n == victim]
+    assert_laid_out_as_a_checkpoint(gen_dir(gc, victim, job, entry["gen"]), victim, lost_ranks, entry["iteration"])
+
+
+def test_a_generation_without_redundancy_on_a_wiped_node_is_marked_lost_naming_the_node(gc):
+    job, entry = checkpointed_and_killed(gc, "local")
+    victim = victim_of(gc)
+    wiped_and_back(gc, victim)
+    refused = restart(gc, job, check=False)
+    assert refused["returncode"] != 0, refused
+    assert f"node {victim} no longer holds its files" in refused["stderr"], refused["stderr"]
+    recorded = next(g for g in generations(gc, job) if g["gen"] == entry["gen"])
+    assert recorded["state"] == "damaged" and f"node {victim} no longer holds" in recorded["reason"], recorded
+
+
+def test_a_damaged_partner_copy_leaves_the_generation_complete_not_protected_saying_why(gc):
+    """The rebuild reads the partner's copy (over the bulk path, from the
+    holder), finds it does not match: recorded in etcd, so no later restart
+    counts on that redundancy again."""
+    job, entry = checkpointed_and_killed(gc, "partner")
+    victim = victim_of(gc)
+    holder = make_plan(list(dict.fromkeys(entry["placement"])), "partner").partner_of(victim)
+    copy = gen_dir(gc, holder, job, entry["gen"]) / "redundancy" / f"partner-{victim}" / ckptstore.cluster_rank_file(
+        next(r for r, n in enumerate(entry["placement"]) if n == victim))
+    with open(copy, "r+b") as f:
+        f.seek(500)
+        byte = f.read(1)
+        f.seek(500)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    lose(gc, victim)
+    refused = restart(gc, job, check=False)
+    assert refused["returncode"] != 0 and f"partner-{victim}" in refused["stderr"], refused["stderr"]
+    recorded = next(g for g in generations(gc, job) if g["gen"] == entry["gen"])
+    assert recorded["state"] == "complete", recorded
+    assert recorded["redundancy"].startswith("damaged: ") and f"partner-{victim}" in recorded["redundancy"], recorded
+
+
+def test_holds_answers_only_absence(tmp_path):
+    """The node side, without a cluster: gone is said, present (even damaged) is not."""
+    root = tmp_path / "ckpt"
+    root.mkdir(mode=0o711)
+    assert "is gone" in holds(root, 3, 2)
+    directory = ckptstore.gen_dir(root, 3, 2)
+    (directory / ckptstore.RANKS_DIR).mkdir(parents=True)
+    os.chmod(directory.parent, 0o711)
+    os.chmod(directory, 0o711)
+    os.chmod(directory / ckptstore.RANKS_DIR, 0o700)
+    assert holds(root, 3, 2).endswith(f"{ckptstore.MANIFEST} is gone")
+    state = directory / ckptstore.cluster_rank_file(0)
+    state.write_bytes(b"x" * 100)
+    manifest = ckptstore.Manifest(lineage=3, gen=2, node="n1", iteration=7, ranks=[0], committed=0.0,
+                                  files={ckptstore.cluster_rank_file(0): list(ckptstore.checksum_file(state))})
+    ckptstore.write_manifest(directory, manifest)
+    assert holds(root, 3, 2) == ""
+    state.write_bytes(b"y" * 100)  # damaged, not gone: verification's business
+    assert holds(root, 3, 2) == ""
+    state.unlink()
+    assert holds(root, 3, 2).endswith(f"{ckptstore.cluster_rank_file(0)} is gone")
+    os.symlink("/etc/passwd", state)  # a link is not the file: present, and verification refuses it
+    assert holds(root, 3, 2) == ""
+
+
+def test_a_node_back_with_a_wiped_disk_takes_its_files_back_from_the_flush_directory(make_cluster, tmp_path):
+    """No redundancy (level local), but the generation was flushed: the
+    wiped node's ranks' files come from the flush directory, onto the node
+    itself, and the restart is bit-identical."""
+    shared = tmp_path / "shared"
+    cluster = make_cluster(3, cores=2, time_slice=0.1, flush_dir=shared)
+    try:
+        expected = reference(cluster, ARGV, 4)
+        job = submit(cluster, [*ARGV, "--sleep", "0.05"], 4, "-w", "n2,n3", "--ckpt-redundancy", "local")
+        cluster.wait_state(job, ("RUNNING", "SUSPENDED"))
+        time.sleep(1)
+        gen = checkpoint(cluster, job)
+        assert gen["state"] == "complete", gen
+        deadline = time.monotonic() + 60
+        while not next(g for g in generations(cluster, job) if g["gen"] == gen["gen"]).get("flushed"):
+            assert time.monotonic() < deadline, "the generation was not flushed"
+            time.sleep(0.2)
+        cluster.gang("kill", job, check=True)
+        cluster.wait_state(job, TERMINAL)
+        victim = "n3" if coordinator_seen_by(cluster, "n1") != "n3" else "n2"
+        wiped_and_back(cluster, victim)
+        answer = restart(cluster, job)
+        assert answer["gen"] == gen["gen"] and not answer["skipped"], answer
+        assert result_of(cluster, answer["record"]["id"], timeout=180) == expected
+        recorded = next(g for g in generations(cluster, job) if g["gen"] == gen["gen"])
+        assert recorded["state"] == "complete", recorded
+    finally:
+        kill_what_is_left(cluster)
+
+
+# ---------------------------------------------------------------- staging moves files over the bulk path, the channel if that fails
+
+
+def test_a_restart_elsewhere_stages_over_the_bulk_path_and_over_the_channel_when_bulk_fails(make_cluster, points):
+    cluster = make_cluster(3, cores=4, time_slice=0.1)
+    try:
+        expected = reference(cluster, ARGV, 4)
+        job = submit(cluster, [*ARGV, "--sleep", "0.05"], 4, "-w", "n1,n2", "--ckpt-redundancy", "local")
+        cluster.wait_state(job, ("RUNNING", "SUSPENDED"))
+        time.sleep(1)
+        gen = checkpoint(cluster, job)
+        assert gen["state"] == "complete", gen
+        cluster.gang("kill", job, check=True)
+        cluster.wait_state(job, TERMINAL)
+        (points / "ckpt_bulk_read").touch()  # the first bulk read a source serves is refused
+        answer = restart(cluster, job, "-w", "n3")
+        assert answer["placement"] == ["n3"] * 4 and answer["gen"] == gen["gen"], answer
+        assert not (points / "ckpt_bulk_read").exists()  # (the staging asked for the bulk path: the point was reached)
+        log = cluster.log("n3")
+        assert "the bulk path failed" in log and "pulling it over the peer channel instead" in log, log[-3000:]
+        assert result_of(cluster, answer["record"]["id"], timeout=180) == expected
+        assert ckptstore.verify(gen_dir(cluster, "n3", job, gen["gen"])) == []
+    finally:
+        kill_what_is_left(cluster)

@@ -155,6 +155,9 @@ def test_a_damaged_partner_copy_leaves_the_generation_complete_not_protected_say
     recorded = next(g for g in generations(gc, job) if g["gen"] == entry["gen"])
     assert recorded["state"] == "complete", recorded
     assert recorded["redundancy"].startswith("damaged: ") and f"partner-{victim}" in recorded["redundancy"], recorded
+    listing = gc.gang("ckpt", "ls", job, check=True).stdout
+    row = next(line for line in listing.splitlines() if line.split()[:1] == [str(entry["gen"])])
+    assert "partner (damaged)" in row and f"partner-{victim}" in row, listing
 
 
 def test_holds_answers_only_absence(tmp_path):

@@ -270,8 +270,7 @@ def test_two_nodes_of_an_xor_set_lost_the_job_comes_back_by_itself_from_an_older
     assert not _entry(cluster, job, 3).get("flushed")
     lead = next(r["name"] for r in cluster.gang_json("nodes")["nodes"] if r["coordinator"])
     victims = [n for n in dict.fromkeys(cluster.job(job)["placement"]) if n != lead][:2]
-    for node in victims:
-        lose(cluster, node)
+    lose(cluster, *victims)
     old = cluster.wait_state(job, ENDED, timeout=180)
     assert old["state"] == "REQUEUED", old
     again = cluster.job(old["requeued_as"])

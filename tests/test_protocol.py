@@ -1378,3 +1378,4 @@ def test_an_error_reply_ends_the_request_in_flight(pair):
     assert listener.serving(rid) and listener.in_flight == 1
     listener.send_error(rid, "nope", "no")
     assert not listener.serving(rid) and listener.in_flight == 0
+

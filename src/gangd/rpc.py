@@ -229,12 +229,23 @@ class Channel:
                         except RemoteError:
                             pass
 
+    def _framed(self, make, *args):
+        """A frame from the state machine. One that has closed (the other side
+        hung up, not yet seen by this side's reader) refuses to make frames:
+        that is a connection lost, as a failed send would be."""
+        try:
+            return make(*args)
+        except ProtocolError as exc:
+            if exc.code == "not_ready":
+                raise Disconnected(f"connection to {self.label} is closed{self._why_closed()}") from None
+            raise
+
     @asynccontextmanager
     async def _open_request(self, op: str, args: dict):
         if self.closed:
             raise Disconnected(f"connection to {self.label} is closed: {self.close_reason}")
         try:
-            rid, frame = self.conn.send_request(op, args, window=self.window)
+            rid, frame = self._framed(lambda: self.conn.send_request(op, args, window=self.window))
         except ProtocolError as exc:  # larger than the other side takes: say so here, not by a cut connection
             raise RemoteError("too_large", f"the {op!r} request is too large: {exc.message}") from None
         # Unbounded in type only: the machine refuses items beyond the credit
@@ -270,7 +281,7 @@ class Channel:
                 pass  # the connection is gone; the reader reports it
 
     async def note(self, op: str, **args) -> None:
-        await self._send(self.conn.send_note(op, args))
+        await self._send(self._framed(self.conn.send_note, op, args))
 
     # ------------------------------------------------------------ receiving
 
@@ -384,7 +395,7 @@ class Channel:
             await wakeup.wait()
         # No checkpoint between the credit check and the accounting: another
         # emitter of the same stream cannot slip in between.
-        await self._send(self.conn.send_item(rid, item))
+        await self._send(self._framed(self.conn.send_item, rid, item))
 
     async def _serve_one(self, handler: Handler, request: Request, scope: trio.CancelScope) -> None:
         try:
@@ -398,7 +409,7 @@ class Channel:
 
                         await result.produce(emit)
                         result = None
-                    frame = self.conn.send_reply(request.id, result)
+                    frame = self._framed(self.conn.send_reply, request.id, result)
                 except (RemoteError, BaseExceptionGroup) as caught:
                     exc = leaf_error(caught)
                     if isinstance(exc, trio.Cancelled):
@@ -406,18 +417,18 @@ class Channel:
                     if not isinstance(exc, RemoteError):
                         log.error("request %r from %s failed", request.op, self.label, exc_info=exc)
                         exc = RemoteError("internal", f"{type(exc).__name__}: {exc}")
-                    if isinstance(exc, Disconnected) and self.closed:
+                    if isinstance(exc, Disconnected) and (self.closed or self.conn.state is State.CLOSED):
                         return
-                    frame = self.conn.send_error(request.id, exc.code, exc.message)
+                    frame = self._framed(self.conn.send_error, request.id, exc.code, exc.message)
                 except ProtocolError as exc:  # e.g. a result too large for one frame
-                    frame = self.conn.send_error(request.id, exc.code, exc.message)
+                    frame = self._framed(self.conn.send_error, request.id, exc.code, exc.message)
                 except Exception as exc:
                     log.exception("request %r from %s failed", request.op, self.label)
-                    frame = self.conn.send_error(request.id, "internal", f"{type(exc).__name__}: {exc}")
+                    frame = self._framed(self.conn.send_error, request.id, "internal", f"{type(exc).__name__}: {exc}")
                 await self._send(frame)
             if scope.cancelled_caught and not self.closed and self.conn.serving(request.id):
                 # The requester cancelled: close the stream politely.
-                await self._send(self.conn.send_reply(request.id, None))
+                await self._send(self._framed(self.conn.send_reply, request.id, None))
         except RemoteError:
             pass  # connection went away; nothing to tell anybody
         finally:

@@ -150,13 +150,16 @@ def ckpt_ls(ctx, job, as_json):
 
 def _level(g: dict) -> str:
     """A generation's redundancy as ``ckpt ls`` shows it: the level, and for a
-    complete one whose level is not local, whether its write failed or may
-    still be under way (``protected`` in STATE: it survives a lost node)."""
+    complete one whose level is not local, whether its write failed, a
+    rebuild found it damaged, or it may still be under way (``protected`` in STATE: it survives a lost node)."""
     level = g.get("level") or "local"
     flushed = "+flushed" if g.get("flushed") else " (flush failed)" if g.get("flush") else ""
     if g["state"] != "complete" or level == "local":
         return level + flushed
-    return (f"{level} (failed)" if g.get("redundancy") else f"{level} (writing)") + flushed
+    redundancy = g.get("redundancy")
+    if isinstance(redundancy, str) and redundancy.startswith("damaged"):  # (a rebuild found it wrong: gangd.daemon.rebuild)
+        return f"{level} (damaged)" + flushed
+    return (f"{level} (failed)" if redundancy else f"{level} (writing)") + flushed
 
 
 @ckpt.command("stats", epilog="""\\b

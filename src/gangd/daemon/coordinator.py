@@ -37,6 +37,7 @@ from .peers import natural_key
 from .ranks import KILL_DEADLINE
 from .recover import Recoveries
 from .store import Deposed, Fence
+from .store.compaction import Compactor
 from .store.jobtable import pack
 from .tasks import contained
 
@@ -254,6 +255,8 @@ class Coordinator:
                 nursery.start_soon(self.run_gang)
                 nursery.start_soon(self._retire_ended)
                 nursery.start_soon(self._create_jobs)
+                # One compactor of etcd's old revisions, the coordinator's (see store/compaction.py).
+                nursery.start_soon(contained, Compactor(self.table.etcd, self.table.keys.ids, self.config.etcd.compact_every).run, ())
                 await trio.sleep_forever()
         finally:
             self.fence, self._lease, self._nursery = None, None, None
@@ -484,9 +487,8 @@ class Coordinator:
         not one round trip and fsync each in turn."""
         up = {name for name in self.matrix.cores if self.membership.is_up(name)}
         spares = {n.name for n in self.config.nodes if getattr(n, "spare", False)}
-        waiting = self.table.unplaced()
         admitted_jobs: list[tuple[int, list[str]]] = []
-        for record in sorted(waiting, key=lambda r: (-r.get("priority", 0), r["id"])):
+        for record in self.table.unplaced():  # (highest priority first, then first come first served)
             try:
                 # Spares are kept for recoveries: a job goes there only if it fits nowhere else.
                 admitted = self.matrix.admit(record, without(spares), up) if spares else None

@@ -35,6 +35,7 @@ not grow with it either.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import copy
@@ -216,7 +217,10 @@ class JobTable:
         self._changed = trio.Event()
         self._counter: tuple[int, int] | None = None  # (last id handed out, the counter's mod revision), coordinator only
         self.by_token: dict[str, int] = {}  # a submission's token -> its job (see Coordinator.submit)
-        self._unplaced: set[int] = set()  # queued jobs with no placement yet (what a scheduling pass reads)
+        # Queued jobs with no placement yet (what a scheduling pass reads), in
+        # the order they are admitted: job id -> its sort key, and the keys sorted.
+        self._unplaced: dict[int, tuple[int, int]] = {}
+        self._queue: list[tuple[int, int]] = []
         # Environments this node committed with their jobs, until the launch takes them (see :meth:`env`).
         self._fresh_env: dict[int, tuple[dict[str, str], int]] = {}
         self._fresh_env_bytes = 0
@@ -235,10 +239,35 @@ class JobTable:
     def active(self) -> list[dict]:
         return [r for r in self.records.values() if r["state"] in jobs.ACTIVE_STATES]
 
-    def unplaced(self) -> list[dict]:
-        """Queued jobs not placed yet: kept as records change, so a scheduling
-        pass (one per submit and per end) does not read the whole table."""
-        return [self.records[job_id] for job_id in self._unplaced]
+    def unplaced(self) -> Iterator[dict]:
+        """Queued jobs not placed yet, highest priority first, then oldest
+        first: the order kept as records change, so a scheduling pass (one per
+        submit and per end, which stops at the first job that must wait) costs
+        what it admits, not a sort of the whole queue each time. Safe to
+        change the table while iterating (a job placed or gone meanwhile is skipped)."""
+        for _, job_id in list(self._queue):
+            record = self.records.get(job_id)
+            if record is not None and job_id in self._unplaced:
+                yield record
+
+    def _set_unplaced(self, record: dict) -> None:
+        job_id = record["id"]
+        old = self._unplaced.get(job_id)
+        priority = record.get("priority", 0)
+        key = (-priority if isinstance(priority, int) else 0, job_id)
+        if record["state"] != jobs.QUEUED or record["placement"]:
+            self._drop_unplaced(job_id)
+        elif old != key:
+            self._drop_unplaced(job_id)
+            self._unplaced[job_id] = key
+            bisect.insort(self._queue, key)
+
+    def _drop_unplaced(self, job_id: int) -> None:
+        key = self._unplaced.pop(job_id, None)
+        if key is not None:
+            i = bisect.bisect_left(self._queue, key)
+            if i < len(self._queue) and self._queue[i] == key:
+                del self._queue[i]
 
     def notify_changed(self) -> None:
         self._changed.set()
@@ -260,10 +289,7 @@ class JobTable:
             return False
         record["seq"] = revision
         self.records[record["id"]] = record
-        if record["state"] == jobs.QUEUED and not record["placement"]:
-            self._unplaced.add(record["id"])
-        else:
-            self._unplaced.discard(record["id"])
+        self._set_unplaced(record)
         if self._fresh_env and jobs.is_terminal(record):
             self._drop_env(record["id"])
         token = record.get("submit_token")
@@ -280,7 +306,7 @@ class JobTable:
     def _forget(self, job_id: int) -> None:
         """The job left the hot table (moved to the history)."""
         self._drop_env(job_id)
-        self._unplaced.discard(job_id)
+        self._drop_unplaced(job_id)
         record = self.records.pop(job_id, None)
         if record is None:
             return

@@ -348,3 +348,28 @@ def test_the_queue_is_kept_in_admission_order_as_records_change():
     assert next(walk)["id"] == 3
     table.take(dict(table.get(5), placement=["n2"]), next(revision))
     assert [r["id"] for r in walk] == [4]
+
+
+async def test_lineages_an_older_gangd_moved_to_the_history_unindexed_are_indexed_once(etcd_endpoints, keys):
+    """Jobs moved to the history before the lineage index existed have no
+    index key: a restart of their lineage found none of their generations.
+    The first coordinator indexes them, once (a marker says so)."""
+    async with Etcd(etcd_endpoints) as etcd, open_lease(etcd, 10) as lease:
+        fence = await leader(etcd, keys, lease)
+        entry = {"gen": 1, "state": "complete", "placement": ["n1"]}
+        old = [
+            dict(build(1), state=jobs.KILLED, checkpoints=[entry]),  # a lineage's root
+            dict(build(2), state=jobs.DONE),  # not in any lineage
+            dict(build(3), state=jobs.DONE, lineage=1, checkpoints=[dict(entry, gen=2)]),  # its restart
+        ]
+        for record in old:  # (as an older gangd's retire wrote them: the record only)
+            await etcd.put(keys.past(record["id"]), jobtable.pack(record))
+        table = JobTable(etcd, keys)
+        await table.read_lineage(1)
+        assert table.lineage(1) == []  # what a restart found before
+        assert await table.backfill_lineages(fence) == 2
+        await table.read_lineage(1)
+        assert [r["id"] for r in table.lineage(1)] == [1, 3]
+        # Once: the marker stops the next coordinator from reading the whole history again.
+        await etcd.delete(keys.lineage(1), prefix=True)
+        assert await table.backfill_lineages(fence) == 0

@@ -256,6 +256,7 @@ class Coordinator:
                 nursery.start_soon(self._retire_ended)
                 nursery.start_soon(self._create_jobs)
                 # One compactor of etcd's old revisions, the coordinator's (see store/compaction.py).
+                nursery.start_soon(self._backfill_lineages)
                 nursery.start_soon(contained, Compactor(self.table.etcd, self.table.keys.ids, self.config.etcd.compact_every).run, ())
                 await trio.sleep_forever()
         finally:
@@ -299,6 +300,18 @@ class Coordinator:
                     raise
                 log.warning("could not ask %s to resend rank exits: %s", node, exc)
         self.kick()
+
+    async def _backfill_lineages(self) -> None:
+        """Once per cluster: index the checkpoint lineages an older gangd moved to the history without it."""
+        while True:
+            try:
+                await self.table.backfill_lineages(self._fence())
+                return
+            except Deposed:
+                raise
+            except RemoteError as exc:  # etcd away for a moment: later
+                log.warning("could not index the history's checkpoint lineages yet: %s", exc.message)
+            await trio.sleep(10)
 
     async def _retire_ended(self) -> None:
         """Move jobs ended longer than ``job_retention`` ago to the history:

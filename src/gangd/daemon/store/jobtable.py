@@ -321,7 +321,8 @@ class JobTable:
     @staticmethod
     def in_lineage(record: dict) -> bool:
         """Whether the history must find this job by its lineage (it took checkpoints, or is a restart)."""
-        return bool(record.get("checkpoints")) or bool(record.get("lineage"))
+        # (every record names its lineage, its own id when it is no restart: that alone does not count)
+        return bool(record.get("checkpoints")) or (record.get("lineage") or record["id"]) != record["id"]
 
     def lineage(self, root: int) -> list[dict]:
         """The jobs of checkpoint lineage ``root`` (the job and every restart
@@ -538,6 +539,42 @@ class JobTable:
             record["seq"] = kv.mod_revision
             records.append(record)
         return records
+
+    async def backfill_lineages(self, fence: Fence) -> int:
+        """Index the history's lineage members that have no index key (moved
+        there by a gangd from before the index): once per cluster, page by
+        page, fenced; then :attr:`Keys.lineages_indexed` says it is done. How
+        many were indexed. Without it a restart of such an old lineage would
+        find none of its generations that ended in the history."""
+        keys = self.keys
+        try:
+            if await self.etcd.get(keys.lineages_indexed) is not None:
+                return 0
+            added = 0
+            start: str | bytes = keys.history
+            end = prefix_end(keys.history)
+            while True:
+                page = await self.etcd.range(start, range_end=end, limit=PAGE)
+                ops = []
+                for record in self._decode_history(page.kvs):
+                    if self.in_lineage(record):
+                        ops.append(Op.put(keys.lineage_member(record.get("lineage") or record["id"], record["id"]), b""))
+                for at in range(0, len(ops), UPDATE_BATCH):  # (etcd's 128 operations per transaction)
+                    result = await self.etcd.txn([fence.compare()], ops[at:at + UPDATE_BATCH], [Op.get(fence.key)])
+                    if not result.succeeded:
+                        self._check_fence(fence, result.responses[0])
+                    added += len(ops[at:at + UPDATE_BATCH])
+                if not page.more or not page.kvs:
+                    break
+                start = page.kvs[-1].key + b"\0"
+            result = await self.etcd.txn([fence.compare()], [Op.put(keys.lineages_indexed, b"1")], [Op.get(fence.key)])
+            if not result.succeeded:
+                self._check_fence(fence, result.responses[0])
+        except EtcdError as exc:
+            raise self._write_error(exc) from None
+        if added:
+            log.info("indexed %d jobs of checkpoint lineages in the history (moved there by an older gangd)", added)
+        return added
 
     # ------------------------------------------------------------ writes (the coordinator, fenced)
 

@@ -348,6 +348,13 @@ def test_the_queue_is_kept_in_admission_order_as_records_change():
     assert next(walk)["id"] == 3
     table.take(dict(table.get(5), placement=["n2"]), next(revision))
     assert [r["id"] for r in walk] == [4]
+    # Each user's queued jobs (placed or not), as a submit checks the user's room.
+    assert table.queued_of(0) == {2, 3, 4, 5}
+    table.take(dict(table.get(2), state=jobs.RUNNING), next(revision))
+    table.take(dict(build(6), owner_uid=1000), next(revision))
+    assert table.queued_of(0) == {3, 4, 5} and table.queued_of(1000) == {6}
+    table._forget(6)
+    assert table.queued_of(1000) == set()
 
 
 async def test_lineages_an_older_gangd_moved_to_the_history_unindexed_are_indexed_once(etcd_endpoints, keys):

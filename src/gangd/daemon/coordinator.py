@@ -473,7 +473,7 @@ class Coordinator:
         if uid == 0:
             return
         limit = self.config.max_queued_per_user
-        queued = [r["id"] for r in self.table.active() if r["state"] == jobs.QUEUED and r["owner_uid"] == uid]
+        queued = self.table.queued_of(uid)  # (kept by the table: a submit does not read every record)
         if len(queued) + also_queued >= limit:
             raise RemoteError(
                 "too_many_jobs",

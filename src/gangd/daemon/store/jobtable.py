@@ -221,6 +221,8 @@ class JobTable:
         # the order they are admitted: job id -> its sort key, and the keys sorted.
         self._unplaced: dict[int, tuple[int, int]] = {}
         self._queue: list[tuple[int, int]] = []
+        # Queued jobs of each owner (what a submit checks a user's room against, without reading every record).
+        self._queued_by_uid: dict[int, set[int]] = {}
         # Environments this node committed with their jobs, until the launch takes them (see :meth:`env`).
         self._fresh_env: dict[int, tuple[dict[str, str], int]] = {}
         self._fresh_env_bytes = 0
@@ -249,6 +251,20 @@ class JobTable:
             record = self.records.get(job_id)
             if record is not None and job_id in self._unplaced:
                 yield record
+
+    def queued_of(self, uid: int) -> set[int]:
+        """The ids of ``uid``'s queued jobs (placed or not)."""
+        return self._queued_by_uid.get(uid, set())
+
+    def _set_queued(self, old: dict | None, record: dict | None) -> None:
+        if old is not None and old["state"] == jobs.QUEUED and isinstance(uid := old.get("owner_uid"), int):
+            mine = self._queued_by_uid.get(uid)
+            if mine is not None:
+                mine.discard(old["id"])
+                if not mine:
+                    del self._queued_by_uid[uid]
+        if record is not None and record["state"] == jobs.QUEUED and isinstance(uid := record.get("owner_uid"), int):
+            self._queued_by_uid.setdefault(uid, set()).add(record["id"])
 
     def _set_unplaced(self, record: dict) -> None:
         job_id = record["id"]
@@ -289,6 +305,7 @@ class JobTable:
             return False
         record["seq"] = revision
         self.records[record["id"]] = record
+        self._set_queued(current, record)
         self._set_unplaced(record)
         if self._fresh_env and jobs.is_terminal(record):
             self._drop_env(record["id"])
@@ -310,6 +327,7 @@ class JobTable:
         record = self.records.pop(job_id, None)
         if record is None:
             return
+        self._set_queued(record, None)
         if isinstance(record.get("submit_token"), str):
             self.by_token.pop(record["submit_token"], None)
         members = self._past_lineage.get(record.get("lineage") or job_id)

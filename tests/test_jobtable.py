@@ -380,3 +380,27 @@ async def test_lineages_an_older_gangd_moved_to_the_history_unindexed_are_indexe
         # Once: the marker stops the next coordinator from reading the whole history again.
         await etcd.delete(keys.lineage(1), prefix=True)
         assert await table.backfill_lineages(fence) == 0
+
+
+async def test_a_quiet_watch_resumes_past_a_compaction(etcd_endpoints, keys):
+    """A watch of a key that does not change (the leader's key a node
+    watches for its term's end) must survive a reconnect after the
+    compactor ran: etcd's progress notifications move where it resumes
+    from, else it resumed from its start revision, compacted away."""
+    async with Etcd(etcd_endpoints) as etcd:
+        quiet, busy = keys.prefix + "/quiet", keys.prefix + "/busy"
+        start = await etcd.put(quiet, b"0")
+        async with etcd.watch(quiet, start_revision=start + 1, progress_timeout=10) as watch:  # (as the election's)
+            for i in range(5):
+                await etcd.put(busy, str(i))
+            now = (await etcd.range(busy)).revision
+            with trio.fail_after(30):  # (the local etcd sends a progress notification every 2 s)
+                while watch._next <= now:  # noqa: SLF001 -- where a reconnect resumes
+                    with trio.move_on_after(5):  # (longer than etcd's 2 s: cut short, the watch reconnects)
+                        await anext(watch)
+            await etcd.compact(now)
+            await watch._drop()  # noqa: SLF001 -- the connection lost (an etcd member restarted, a stall)
+            await etcd.put(quiet, b"1")
+            with trio.fail_after(30):
+                batch = await anext(watch)
+            assert batch.events[0].kv.value == b"1"

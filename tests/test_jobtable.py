@@ -395,11 +395,11 @@ async def test_a_quiet_watch_resumes_past_a_compaction(etcd_endpoints, keys):
                 await etcd.put(busy, str(i))
             now = (await etcd.range(busy)).revision
             with trio.fail_after(30):  # (the local etcd sends a progress notification every 2 s)
-                while watch._next <= now:  # noqa: SLF001 -- where a reconnect resumes
+                while watch._next <= now:  # (where a reconnect resumes)
                     with trio.move_on_after(5):  # (longer than etcd's 2 s: cut short, the watch reconnects)
                         await anext(watch)
             await etcd.compact(now)
-            await watch._drop()  # noqa: SLF001 -- the connection lost (an etcd member restarted, a stall)
+            await watch._drop()  # the connection lost (an etcd member restarted, a stall)
             await etcd.put(quiet, b"1")
             with trio.fail_after(30):
                 batch = await anext(watch)

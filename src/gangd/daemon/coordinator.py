@@ -519,7 +519,7 @@ class Coordinator:
                     continue
                 break  # nobody overtakes the head of the queue
             slot, placement = admitted
-            log.info("job %d admitted to slot %d on %s", record["id"], slot, jobs.compress_nodes(jobs.nodes_of({"placement": placement})))
+            log.debug("job %d admitted to slot %d on %s", record["id"], slot, jobs.compress_nodes(jobs.nodes_of({"placement": placement})))
             admitted_jobs.append((record["id"], placement))
         if not admitted_jobs:
             return
@@ -846,7 +846,7 @@ class Coordinator:
         if self.running is not None:
             self.running.discard(job_id)
         if moved:
-            log.info("matrix compacted: %s", ", ".join(f"job {j} -> slot {s}" for j, s in sorted(moved.items())))
+            log.debug("matrix compacted: %s", ", ".join(f"job {j} -> slot {s}" for j, s in sorted(moved.items())))
         self.kick()
 
     def _launched(self, job_id: int) -> bool:

@@ -291,3 +291,116 @@ async def test_a_creation_whose_answer_was_lost_and_etcd_stays_away_says_the_job
         assert len(await created_jobs(direct, keys)) == 2
         lossy.cut = False
         assert (await table.create(fence, build, {}))["id"] == 3
+
+
+async def test_etcds_old_revisions_are_compacted_one_interval_behind(etcd_endpoints, keys):
+    """Without compactions etcd keeps every value every job key ever had
+    (and each retired job's tombstones): it grows with the cluster's past
+    until its quota refuses every write. The coordinator's compactor forgets
+    revisions older than one interval, never newer ones (a watcher one
+    interval behind still resumes)."""
+    from gangd.daemon.store.compaction import Compactor
+    from gangd.etcd.client import EtcdError
+
+    async with Etcd(etcd_endpoints) as etcd, open_lease(etcd, 10) as lease:
+        fence = await leader(etcd, keys, lease)
+        table = JobTable(etcd, keys)
+        record = await table.create(fence, build, {})
+        old = record["seq"]
+        await table.update(fence, record["id"], lambda r: r.update(name="renamed"))
+        compactor = Compactor(etcd, keys.ids, interval=60)
+        seen = await compactor.step(0)  # the first tick only looks
+        assert compactor.compacted == 0
+        assert (await etcd.range(keys.job(record["id"]), revision=old)).kvs  # still there
+        for _ in range(3):
+            await table.update(fence, record["id"], lambda r: r.update(name=r["name"] + "x"))
+        await compactor.step(seen)  # one interval later: up to what the first tick saw
+        assert compactor.compacted == seen
+        with pytest.raises(EtcdError, match="compacted"):
+            await etcd.range(keys.job(record["id"]), revision=old)
+        # What was seen one interval ago is still readable and watchable from.
+        assert (await etcd.range(keys.job(record["id"]), revision=seen)).kvs
+        follower = JobTable(etcd, keys)
+        follower.revision = seen - 1
+        async with trio.open_nursery() as nursery:
+            await nursery.start(follower.follow)
+            with trio.fail_after(10):
+                while (follower.get(record["id"]) or {}).get("name") != table.get(record["id"])["name"]:
+                    await follower.wait_changed()
+            nursery.cancel_scope.cancel()
+
+
+def test_the_queue_is_kept_in_admission_order_as_records_change():
+    """A scheduling pass reads the queue in order without sorting it (one
+    pass per submit and per end: sorting a queue of thousands each time was
+    a measurable share of the coordinator's time per submit)."""
+    table = JobTable(None, Keys("/q"))  # (the cache only: no etcd)
+    revision = iter(range(1, 1000))
+    for job_id, priority in [(1, 0), (2, 5), (3, 0), (4, -1), (5, 5)]:
+        table.take(dict(build(job_id), priority=priority), next(revision))
+    assert [r["id"] for r in table.unplaced()] == [2, 5, 1, 3, 4]
+    table.take(dict(table.get(3), priority=9), next(revision))  # raised
+    table.take(dict(table.get(2), placement=["n1"]), next(revision))  # placed
+    table.take(dict(table.get(1), state=jobs.KILLED), next(revision))  # ended
+    assert [r["id"] for r in table.unplaced()] == [3, 5, 4]
+    # Changing the table while a pass walks it: what left meanwhile is skipped.
+    walk = table.unplaced()
+    assert next(walk)["id"] == 3
+    table.take(dict(table.get(5), placement=["n2"]), next(revision))
+    assert [r["id"] for r in walk] == [4]
+    # Each user's queued jobs (placed or not), as a submit checks the user's room.
+    assert table.queued_of(0) == {2, 3, 4, 5}
+    table.take(dict(table.get(2), state=jobs.RUNNING), next(revision))
+    table.take(dict(build(6), owner_uid=1000), next(revision))
+    assert table.queued_of(0) == {3, 4, 5} and table.queued_of(1000) == {6}
+    table._forget(6)
+    assert table.queued_of(1000) == set()
+
+
+async def test_lineages_an_older_gangd_moved_to_the_history_unindexed_are_indexed_once(etcd_endpoints, keys):
+    """Jobs moved to the history before the lineage index existed have no
+    index key: a restart of their lineage found none of their generations.
+    The first coordinator indexes them, once (a marker says so)."""
+    async with Etcd(etcd_endpoints) as etcd, open_lease(etcd, 10) as lease:
+        fence = await leader(etcd, keys, lease)
+        entry = {"gen": 1, "state": "complete", "placement": ["n1"]}
+        old = [
+            dict(build(1), state=jobs.KILLED, checkpoints=[entry]),  # a lineage's root
+            dict(build(2), state=jobs.DONE),  # not in any lineage
+            dict(build(3), state=jobs.DONE, lineage=1, checkpoints=[dict(entry, gen=2)]),  # its restart
+        ]
+        for record in old:  # (as an older gangd's retire wrote them: the record only)
+            await etcd.put(keys.past(record["id"]), jobtable.pack(record))
+        table = JobTable(etcd, keys)
+        await table.read_lineage(1)
+        assert table.lineage(1) == []  # what a restart found before
+        assert await table.backfill_lineages(fence) == 2
+        await table.read_lineage(1)
+        assert [r["id"] for r in table.lineage(1)] == [1, 3]
+        # Once: the marker stops the next coordinator from reading the whole history again.
+        await etcd.delete(keys.lineage(1), prefix=True)
+        assert await table.backfill_lineages(fence) == 0
+
+
+async def test_a_quiet_watch_resumes_past_a_compaction(etcd_endpoints, keys):
+    """A watch of a key that does not change (the leader's key a node
+    watches for its term's end) must survive a reconnect after the
+    compactor ran: etcd's progress notifications move where it resumes
+    from, else it resumed from its start revision, compacted away."""
+    async with Etcd(etcd_endpoints) as etcd:
+        quiet, busy = keys.prefix + "/quiet", keys.prefix + "/busy"
+        start = await etcd.put(quiet, b"0")
+        async with etcd.watch(quiet, start_revision=start + 1, progress_timeout=10) as watch:  # (as the election's)
+            for i in range(5):
+                await etcd.put(busy, str(i))
+            now = (await etcd.range(busy)).revision
+            with trio.fail_after(30):  # (the local etcd sends a progress notification every 2 s)
+                while watch._next <= now:  # (where a reconnect resumes)
+                    with trio.move_on_after(5):  # (longer than etcd's 2 s: cut short, the watch reconnects)
+                        await anext(watch)
+            await etcd.compact(now)
+            await watch._drop()  # the connection lost (an etcd member restarted, a stall)
+            await etcd.put(quiet, b"1")
+            with trio.fail_after(30):
+                batch = await anext(watch)
+            assert batch.events[0].kv.value == b"1"

@@ -46,6 +46,7 @@ Example (``/etc/gangd/gangd.toml``)::
     prefix = "/gangd"                # every key of this cluster is under prefix/: clusters may share an etcd
     lease_ttl = 10                   # seconds: a node silent this long is down; a coordinator's term ends
     grace = 60                       # seconds a node keeps its running ranks while it cannot reach etcd
+    compact_every = 300              # seconds: the coordinator compacts etcd's old revisions (0: the site's etcd does)
     ca_file = "/etc/gangd/etcd-ca.pem"      # TLS (https endpoints): the CA that signed etcd's certificates
     cert_file = "/etc/gangd/etcd-client.pem"  # client certificate, when etcd asks for one...
     key_file = "/etc/gangd/etcd-client.key"   # ...and its key (omit if it is in cert_file)
@@ -133,6 +134,7 @@ class EtcdSettings:
     prefix: str = DEFAULT_ETCD_PREFIX
     lease_ttl: int = 10
     grace: float = 60.0
+    compact_every: float = 300.0
     ca_file: Path | None = None
     cert_file: Path | None = None
     key_file: Path | None = None
@@ -180,6 +182,9 @@ class EtcdSettings:
         grace = self.grace
         if isinstance(grace, bool) or not isinstance(grace, int | float) or not math.isfinite(grace) or not 0 <= grace <= 86400:
             raise ConfigError(f"[etcd] grace must be seconds from 0 to 86400, not {grace!r}")
+        every = self.compact_every
+        if isinstance(every, bool) or not isinstance(every, int | float) or not math.isfinite(every) or not 0 <= every <= 86400:
+            raise ConfigError(f"[etcd] compact_every must be seconds from 0 (never) to 86400, not {every!r}")
         if not isinstance(self.local, bool):
             raise ConfigError(f"[etcd] local must be true or false, not {self.local!r}")
 
@@ -664,7 +669,8 @@ def render(config: Config) -> str:
 def render_etcd(etcd: EtcdSettings) -> list[str]:
     """The ``[etcd]`` section's lines (every key with a value)."""
     lines = ["[etcd]", f"endpoints = [{', '.join(toml_str(url) for url in etcd.endpoints)}]", f"prefix = {toml_str(etcd.prefix)}",
-             f"lease_ttl = {etcd.lease_ttl}", f"grace = {float(etcd.grace)}"]
+             f"lease_ttl = {etcd.lease_ttl}", f"grace = {float(etcd.grace)}",
+             f"compact_every = {float(etcd.compact_every)}"]
     for key in ("ca_file", "cert_file", "key_file", "user", "password_file", "binary"):
         value = getattr(etcd, key)
         if value is not None:

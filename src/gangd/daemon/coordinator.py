@@ -38,6 +38,7 @@ from .peers import natural_key
 from .ranks import KILL_DEADLINE
 from .recover import Recoveries
 from .store import Deposed, Fence
+from .store.compaction import Compactor
 from .store.jobtable import pack
 from .tasks import contained
 
@@ -256,6 +257,9 @@ class Coordinator:
                 nursery.start_soon(self.run_gang)
                 nursery.start_soon(self._retire_ended)
                 nursery.start_soon(self._create_jobs)
+                # One compactor of etcd's old revisions, the coordinator's (see store/compaction.py).
+                nursery.start_soon(self._backfill_lineages)
+                nursery.start_soon(contained, Compactor(self.table.etcd, self.table.keys.ids, self.config.etcd.compact_every).run, ())
                 await trio.sleep_forever()
         finally:
             self.fence, self._lease, self._nursery = None, None, None
@@ -296,6 +300,18 @@ class Coordinator:
                     raise
                 log.warning("could not ask %s to resend rank exits: %s", node, exc)
         self.kick()
+
+    async def _backfill_lineages(self) -> None:
+        """Once per cluster: index the checkpoint lineages an older gangd moved to the history without it."""
+        while True:
+            try:
+                await self.table.backfill_lineages(self._fence())
+                return
+            except Deposed:
+                raise
+            except RemoteError as exc:  # etcd away for a moment: later
+                log.warning("could not index the history's checkpoint lineages yet: %s", exc.message)
+            await trio.sleep(10)
 
     async def _retire_ended(self) -> None:
         """Move jobs ended longer than ``job_retention`` ago to the history:
@@ -457,7 +473,7 @@ class Coordinator:
         if uid == 0:
             return
         limit = self.config.max_queued_per_user
-        queued = [r["id"] for r in self.table.active() if r["state"] == jobs.QUEUED and r["owner_uid"] == uid]
+        queued = self.table.queued_of(uid)  # (kept by the table: a submit does not read every record)
         if len(queued) + also_queued >= limit:
             raise RemoteError(
                 "too_many_jobs",
@@ -485,9 +501,8 @@ class Coordinator:
         await hold(SCHEDULE_HOLD)
         up = {name for name in self.matrix.cores if self.membership.is_up(name)}
         spares = {n.name for n in self.config.nodes if getattr(n, "spare", False)}
-        waiting = self.table.unplaced()
         admitted_jobs: list[tuple[int, list[str]]] = []
-        for record in sorted(waiting, key=lambda r: (-r.get("priority", 0), r["id"])):
+        for record in self.table.unplaced():  # (highest priority first, then first come first served)
             try:
                 # Spares are kept for recoveries: a job goes there only if it fits nowhere else.
                 admitted = self.matrix.admit(record, without(spares), up) if spares else None
@@ -505,7 +520,7 @@ class Coordinator:
                     continue
                 break  # nobody overtakes the head of the queue
             slot, placement = admitted
-            log.info("job %d admitted to slot %d on %s", record["id"], slot, jobs.compress_nodes(jobs.nodes_of({"placement": placement})))
+            log.debug("job %d admitted to slot %d on %s", record["id"], slot, jobs.compress_nodes(jobs.nodes_of({"placement": placement})))
             admitted_jobs.append((record["id"], placement))
         if not admitted_jobs:
             return
@@ -838,7 +853,7 @@ class Coordinator:
         if self.running is not None:
             self.running.discard(job_id)
         if moved:
-            log.info("matrix compacted: %s", ", ".join(f"job {j} -> slot {s}" for j, s in sorted(moved.items())))
+            log.debug("matrix compacted: %s", ", ".join(f"job {j} -> slot {s}" for j, s in sorted(moved.items())))
         self.kick()
 
     def _launched(self, job_id: int) -> bool:

@@ -94,12 +94,18 @@ class Matrix:
         slots — fewer slots means each job gets a larger share of time."""
         moved: dict[int, int] = {}
         running = set(self.slots[self.active]) if self.active < len(self.slots) else set()
+        # Each slot's free cores, counted once and kept as jobs move (a job's end compacts: it must stay cheap).
+        frees = [self.free(slot) for slot in range(len(self.slots))]
         for source in range(1, len(self.slots)):
             for job_id in list(self.slots[source]):
+                usage = self.usage[job_id]
                 for target in range(source):
-                    if self.fits(job_id, target):
+                    if all(frees[target].get(node, 0) >= count for node, count in usage.items()):
                         self.slots[source].remove(job_id)
                         self.slots[target].append(job_id)
+                        for node, count in usage.items():
+                            frees[target][node] = frees[target].get(node, 0) - count
+                            frees[source][node] = frees[source].get(node, 0) + count
                         moved[job_id] = target
                         break
         kept = [members for members in self.slots if members]

@@ -857,6 +857,12 @@ class Watch:
                 prev = KeyValue.from_json(d["prev_kv"]) if d.get("prev_kv") else None
                 events.append(WatchEvent("DELETE" if d.get("type") == "DELETE" else "PUT", kv, prev))
             if not events:
+                if not result.get("created") and not result.get("events") and revision >= self._next:
+                    # A progress notification (etcd sends them to a watch that has caught
+                    # up only): nothing up to ``revision`` is left to deliver, so a
+                    # reconnect resumes from there -- a quiet key's watch does not
+                    # resume from a revision a compaction has since removed.
+                    self._next = revision + 1
                 continue  # a progress notification or a created echo
             self._next = events[-1].kv.mod_revision + 1
             return WatchBatch(revision, events)

@@ -79,10 +79,11 @@ class Election:
             if not older.kvs:
                 return
             predecessor = older.kvs[0].key
-            async with self.etcd.watch(predecessor, start_revision=older.revision + 1, progress_timeout=self.progress_timeout) as w:
-                async for batch in w:
-                    if any(e.type == "DELETE" for e in batch):
-                        break
+            with contextlib.suppress(Compacted):  # (a quiet watch resumed past a compaction: look again)
+                async with self.etcd.watch(predecessor, start_revision=older.revision + 1, progress_timeout=self.progress_timeout) as w:
+                    async for batch in w:
+                        if any(e.type == "DELETE" for e in batch):
+                            break
 
     async def resign(self, leadership: Leadership) -> None:
         """Give up leadership (or the candidacy): delete the key if it is still ours."""
@@ -95,10 +96,11 @@ class Election:
             r = await self.etcd.range(leadership.key)
             if not r.kvs or r.kvs[0].create_revision != leadership.term:
                 return
-            async with self.etcd.watch(leadership.key, start_revision=r.revision + 1, progress_timeout=self.progress_timeout) as w:
-                async for batch in w:
-                    if any(e.type == "DELETE" for e in batch):
-                        return
+            with contextlib.suppress(Compacted):  # (a quiet watch resumed past a compaction: look again)
+                async with self.etcd.watch(leadership.key, start_revision=r.revision + 1, progress_timeout=self.progress_timeout) as w:
+                    async for batch in w:
+                        if any(e.type == "DELETE" for e in batch):
+                            return
 
     async def leader(self) -> tuple[bytes, int] | None:
         """The current leader's value and term, or None."""

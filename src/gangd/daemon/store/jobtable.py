@@ -35,6 +35,7 @@ not grow with it either.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import copy
@@ -216,7 +217,12 @@ class JobTable:
         self._changed = trio.Event()
         self._counter: tuple[int, int] | None = None  # (last id handed out, the counter's mod revision), coordinator only
         self.by_token: dict[str, int] = {}  # a submission's token -> its job (see Coordinator.submit)
-        self._unplaced: set[int] = set()  # queued jobs with no placement yet (what a scheduling pass reads)
+        # Queued jobs with no placement yet (what a scheduling pass reads), in
+        # the order they are admitted: job id -> its sort key, and the keys sorted.
+        self._unplaced: dict[int, tuple[int, int]] = {}
+        self._queue: list[tuple[int, int]] = []
+        # Queued jobs of each owner (what a submit checks a user's room against, without reading every record).
+        self._queued_by_uid: dict[int, set[int]] = {}
         # Environments this node committed with their jobs, until the launch takes them (see :meth:`env`).
         self._fresh_env: dict[int, tuple[dict[str, str], int]] = {}
         self._fresh_env_bytes = 0
@@ -235,10 +241,49 @@ class JobTable:
     def active(self) -> list[dict]:
         return [r for r in self.records.values() if r["state"] in jobs.ACTIVE_STATES]
 
-    def unplaced(self) -> list[dict]:
-        """Queued jobs not placed yet: kept as records change, so a scheduling
-        pass (one per submit and per end) does not read the whole table."""
-        return [self.records[job_id] for job_id in self._unplaced]
+    def unplaced(self) -> Iterator[dict]:
+        """Queued jobs not placed yet, highest priority first, then oldest
+        first: the order kept as records change, so a scheduling pass (one per
+        submit and per end, which stops at the first job that must wait) costs
+        what it admits, not a sort of the whole queue each time. Safe to
+        change the table while iterating (a job placed or gone meanwhile is skipped)."""
+        for _, job_id in list(self._queue):
+            record = self.records.get(job_id)
+            if record is not None and job_id in self._unplaced:
+                yield record
+
+    def queued_of(self, uid: int) -> set[int]:
+        """The ids of ``uid``'s queued jobs (placed or not)."""
+        return self._queued_by_uid.get(uid, set())
+
+    def _set_queued(self, old: dict | None, record: dict | None) -> None:
+        if old is not None and old["state"] == jobs.QUEUED and isinstance(uid := old.get("owner_uid"), int):
+            mine = self._queued_by_uid.get(uid)
+            if mine is not None:
+                mine.discard(old["id"])
+                if not mine:
+                    del self._queued_by_uid[uid]
+        if record is not None and record["state"] == jobs.QUEUED and isinstance(uid := record.get("owner_uid"), int):
+            self._queued_by_uid.setdefault(uid, set()).add(record["id"])
+
+    def _set_unplaced(self, record: dict) -> None:
+        job_id = record["id"]
+        old = self._unplaced.get(job_id)
+        priority = record.get("priority", 0)
+        key = (-priority if isinstance(priority, int) else 0, job_id)
+        if record["state"] != jobs.QUEUED or record["placement"]:
+            self._drop_unplaced(job_id)
+        elif old != key:
+            self._drop_unplaced(job_id)
+            self._unplaced[job_id] = key
+            bisect.insort(self._queue, key)
+
+    def _drop_unplaced(self, job_id: int) -> None:
+        key = self._unplaced.pop(job_id, None)
+        if key is not None:
+            i = bisect.bisect_left(self._queue, key)
+            if i < len(self._queue) and self._queue[i] == key:
+                del self._queue[i]
 
     def notify_changed(self) -> None:
         self._changed.set()
@@ -260,10 +305,8 @@ class JobTable:
             return False
         record["seq"] = revision
         self.records[record["id"]] = record
-        if record["state"] == jobs.QUEUED and not record["placement"]:
-            self._unplaced.add(record["id"])
-        else:
-            self._unplaced.discard(record["id"])
+        self._set_queued(current, record)
+        self._set_unplaced(record)
         if self._fresh_env and jobs.is_terminal(record):
             self._drop_env(record["id"])
         token = record.get("submit_token")
@@ -280,10 +323,11 @@ class JobTable:
     def _forget(self, job_id: int) -> None:
         """The job left the hot table (moved to the history)."""
         self._drop_env(job_id)
-        self._unplaced.discard(job_id)
+        self._drop_unplaced(job_id)
         record = self.records.pop(job_id, None)
         if record is None:
             return
+        self._set_queued(record, None)
         if isinstance(record.get("submit_token"), str):
             self.by_token.pop(record["submit_token"], None)
         members = self._past_lineage.get(record.get("lineage") or job_id)
@@ -295,7 +339,8 @@ class JobTable:
     @staticmethod
     def in_lineage(record: dict) -> bool:
         """Whether the history must find this job by its lineage (it took checkpoints, or is a restart)."""
-        return bool(record.get("checkpoints")) or bool(record.get("lineage"))
+        # (every record names its lineage, its own id when it is no restart: that alone does not count)
+        return bool(record.get("checkpoints")) or (record.get("lineage") or record["id"]) != record["id"]
 
     def lineage(self, root: int) -> list[dict]:
         """The jobs of checkpoint lineage ``root`` (the job and every restart
@@ -512,6 +557,42 @@ class JobTable:
             record["seq"] = kv.mod_revision
             records.append(record)
         return records
+
+    async def backfill_lineages(self, fence: Fence) -> int:
+        """Index the history's lineage members that have no index key (moved
+        there by a gangd from before the index): once per cluster, page by
+        page, fenced; then :attr:`Keys.lineages_indexed` says it is done. How
+        many were indexed. Without it a restart of such an old lineage would
+        find none of its generations that ended in the history."""
+        keys = self.keys
+        try:
+            if await self.etcd.get(keys.lineages_indexed) is not None:
+                return 0
+            added = 0
+            start: str | bytes = keys.history
+            end = prefix_end(keys.history)
+            while True:
+                page = await self.etcd.range(start, range_end=end, limit=PAGE)
+                ops = []
+                for record in self._decode_history(page.kvs):
+                    if self.in_lineage(record):
+                        ops.append(Op.put(keys.lineage_member(record.get("lineage") or record["id"], record["id"]), b""))
+                for at in range(0, len(ops), UPDATE_BATCH):  # (etcd's 128 operations per transaction)
+                    result = await self.etcd.txn([fence.compare()], ops[at:at + UPDATE_BATCH], [Op.get(fence.key)])
+                    if not result.succeeded:
+                        self._check_fence(fence, result.responses[0])
+                    added += len(ops[at:at + UPDATE_BATCH])
+                if not page.more or not page.kvs:
+                    break
+                start = page.kvs[-1].key + b"\0"
+            result = await self.etcd.txn([fence.compare()], [Op.put(keys.lineages_indexed, b"1")], [Op.get(fence.key)])
+            if not result.succeeded:
+                self._check_fence(fence, result.responses[0])
+        except EtcdError as exc:
+            raise self._write_error(exc) from None
+        if added:
+            log.info("indexed %d jobs of checkpoint lineages in the history (moved there by an older gangd)", added)
+        return added
 
     # ------------------------------------------------------------ writes (the coordinator, fenced)
 

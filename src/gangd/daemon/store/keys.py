@@ -9,6 +9,10 @@
 ``PREFIX/lineage/<root>/<id>``  job ``id`` of checkpoint lineage ``root`` is in the history
                            (written as it moves there: a restart finds its lineage's
                            generations without reading the whole history)
+``PREFIX/lineage-indexed``  the index above covers the whole history (older
+                           gangd versions moved jobs there without it: the
+                           first coordinator that finds this key missing adds
+                           theirs, once, see JobTable.backfill_lineages)
 
 Job ids are zero-padded so that etcd's byte order is id order: a page of
 jobs or history is one range read.
@@ -30,6 +34,7 @@ class Keys:
         self.env_prefix = f"{prefix}/env/"
         self.history = f"{prefix}/history/"
         self.lineages = f"{prefix}/lineage/"
+        self.lineages_indexed = f"{prefix}/lineage-indexed"
 
     def node(self, name: str) -> str:
         return self.nodes + name

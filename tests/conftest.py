@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,6 +30,7 @@ from gangd.client.api import connect
 from gangd.daemon.cgroup import CgroupTree
 from gangd.daemon.config import EtcdSettings
 from gangd.daemon.config import load as load_config
+from gangd.daemon.store import Keys
 from gangd.rpc import leaf_error
 
 
@@ -129,6 +131,29 @@ class LocalCluster:
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
             )
         nf.pidfile.write_text(f"{proc.pid}\n")
+
+    def kill_node(self, node: str) -> None:
+        """SIGKILL the node's daemon, then end its lease in etcd at once
+        rather than after the lease TTL: a node that died, seen a few seconds
+        sooner. etcd deletes the keys on a lease the same way whether it was
+        revoked or expired (the node's key, its election key), so the other
+        nodes see the same deletes and handle the loss the same way; only the
+        wait for the TTL is skipped (5 s a loss). Tests of a stall or a
+        partition, where the lease running out is the point, stop the daemon
+        instead (SIGSTOP) and wait it out."""
+        pid = self.daemon_pid(node)
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not local._alive(pid), 10, f"gangd {node} (pid {pid}) to die")
+        settings = self.etcd_settings
+        key = Keys(settings.prefix).node(node)
+
+        async def revoke():
+            async with settings.client(timeout=10) as etcd:
+                found = await etcd.get(key)
+                if found is not None and found.lease:  # (None: its lease expired meanwhile)
+                    await etcd.lease_revoke(found.lease)
+
+        trio.run(revoke)
 
     def daemon_pid(self, node: str) -> int:
         pid = self.files[node].pid()

@@ -411,7 +411,7 @@ def test_an_unkillable_rank_does_not_stop_the_handling_of_a_node_failure(make_cl
         assert victim.is_running() and victim.status() == psutil.STATUS_DISK_SLEEP  # SIGKILL did not take effect
         # Node n3 dies: both jobs have ranks there. Failing `stuck` means
         # killing its rank on n2, which cannot die; `other` must fail all the same.
-        os.kill(cluster.daemon_pid("n3"), signal.SIGKILL)
+        cluster.kill_node("n3")
         record = cluster.wait_state(other, "FAILED", timeout=60)
         assert "n3" in record["reason"], record
         record = cluster.wait_state(stuck, "FAILED", timeout=60)

@@ -133,17 +133,23 @@ class LocalCluster:
         nf.pidfile.write_text(f"{proc.pid}\n")
 
     def kill_node(self, node: str) -> None:
-        """SIGKILL the node's daemon, then end its lease in etcd at once
-        rather than after the lease TTL: a node that died, seen a few seconds
-        sooner. etcd deletes the keys on a lease the same way whether it was
-        revoked or expired (the node's key, its election key), so the other
-        nodes see the same deletes and handle the loss the same way; only the
-        wait for the TTL is skipped (5 s a loss). Tests of a stall or a
-        partition, where the lease running out is the point, stop the daemon
-        instead (SIGSTOP) and wait it out."""
+        """SIGKILL the node's daemon, then end its lease (``end_lease``): a
+        node that died, seen by the others 5 s sooner than at its lease's
+        expiry."""
         pid = self.daemon_pid(node)
         os.kill(pid, signal.SIGKILL)
         wait_for(lambda: not local._alive(pid), 10, f"gangd {node} (pid {pid}) to die")
+        self.end_lease(node)
+
+    def end_lease(self, node: str) -> None:
+        """Revoke the lease of a node whose daemon is dead, rather than wait
+        out its TTL. etcd deletes the keys on a lease the same way whether it
+        was revoked or expired (the node's key, its election key), so the
+        other nodes see the same deletes and handle the loss the same way;
+        only the wait for the TTL is skipped (5 s a loss). Tests of a stall or
+        a partition, where the lease running out is the point, stop the
+        daemon instead (SIGSTOP) and wait it out."""
+        assert not self.files[node].pid(), f"gangd {node} still runs: its lease is its to keep"
         settings = self.etcd_settings
         key = Keys(settings.prefix).node(node)
 

@@ -136,9 +136,7 @@ class LocalCluster:
         """SIGKILL the node's daemon, then end its lease (``end_lease``): a
         node that died, seen by the others 5 s sooner than at its lease's
         expiry."""
-        pid = self.daemon_pid(node)
-        os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: not local._alive(pid), 10, f"gangd {node} (pid {pid}) to die")
+        os.kill(self.daemon_pid(node), signal.SIGKILL)
         self.end_lease(node)
 
     def end_lease(self, node: str) -> None:
@@ -149,7 +147,7 @@ class LocalCluster:
         only the wait for the TTL is skipped (5 s a loss). Tests of a stall or
         a partition, where the lease running out is the point, stop the
         daemon instead (SIGSTOP) and wait it out."""
-        assert not self.files[node].pid(), f"gangd {node} still runs: its lease is its to keep"
+        wait_for(lambda: not self.files[node].pid(), 10, f"gangd {node} to be dead (its lease is its own while it lives)")
         settings = self.etcd_settings
         key = Keys(settings.prefix).node(node)
 

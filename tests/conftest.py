@@ -356,6 +356,14 @@ def _up(directory: Path, nodes: int, own_etcd: bool, options: dict) -> None:
     local.up(directory, nodes, **options)
 
 
+def up(directory: Path, nodes: int, **options) -> None:
+    """``local.up`` on the etcd the test clusters share (as ``make_cluster``'s
+    clusters are), for a test that brings a cluster up itself (in a directory
+    it prepared, or to see it refused): starting an etcd of its own took
+    seconds of each such test."""
+    _up(directory, nodes, False, options)
+
+
 @pytest.fixture
 def make_cluster(request):
     """Factory: ``make_cluster(nodes=4)`` starts a fresh cluster for this test

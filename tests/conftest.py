@@ -337,6 +337,13 @@ def _shared_etcd() -> dict:
             "etcd_password_file": _shared_etcd_home / local.ETCD_DIR / local.PASSWORD_FILE}
 
 
+def shared_etcd() -> dict:
+    """How to reach the etcd the test clusters share (``local.up``'s options
+    ``etcd``, ``etcd_local``, ``etcd_user``, ``etcd_password_file``), started
+    if it is not yet: for a test that brings a cluster up with `gang cluster up`."""
+    return _shared_etcd()
+
+
 def _runs(pid: int, data_dir: str) -> bool:
     with contextlib.suppress(psutil.Error):
         proc = psutil.Process(pid)

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,6 +30,7 @@ from gangd.client.api import connect
 from gangd.daemon.cgroup import CgroupTree
 from gangd.daemon.config import EtcdSettings
 from gangd.daemon.config import load as load_config
+from gangd.daemon.store import Keys
 from gangd.rpc import leaf_error
 
 
@@ -129,6 +131,33 @@ class LocalCluster:
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
             )
         nf.pidfile.write_text(f"{proc.pid}\n")
+
+    def kill_node(self, node: str) -> None:
+        """SIGKILL the node's daemon, then end its lease (``end_lease``): a
+        node that died, seen by the others 5 s sooner than at its lease's
+        expiry."""
+        os.kill(self.daemon_pid(node), signal.SIGKILL)
+        self.end_lease(node)
+
+    def end_lease(self, node: str) -> None:
+        """Revoke the lease of a node whose daemon is dead, rather than wait
+        out its TTL. etcd deletes the keys on a lease the same way whether it
+        was revoked or expired (the node's key, its election key), so the
+        other nodes see the same deletes and handle the loss the same way;
+        only the wait for the TTL is skipped (5 s a loss). Tests of a stall or
+        a partition, where the lease running out is the point, stop the
+        daemon instead (SIGSTOP) and wait it out."""
+        wait_for(lambda: not self.files[node].pid(), 10, f"gangd {node} to be dead (its lease is its own while it lives)")
+        settings = self.etcd_settings
+        key = Keys(settings.prefix).node(node)
+
+        async def revoke():
+            async with settings.client(timeout=10) as etcd:
+                found = await etcd.get(key)
+                if found is not None and found.lease:  # (None: its lease expired meanwhile)
+                    await etcd.lease_revoke(found.lease)
+
+        trio.run(revoke)
 
     def daemon_pid(self, node: str) -> int:
         pid = self.files[node].pid()
@@ -308,6 +337,13 @@ def _shared_etcd() -> dict:
             "etcd_password_file": _shared_etcd_home / local.ETCD_DIR / local.PASSWORD_FILE}
 
 
+def shared_etcd() -> dict:
+    """How to reach the etcd the test clusters share (``local.up``'s options
+    ``etcd``, ``etcd_local``, ``etcd_user``, ``etcd_password_file``), started
+    if it is not yet: for a test that brings a cluster up with `gang cluster up`."""
+    return _shared_etcd()
+
+
 def _runs(pid: int, data_dir: str) -> bool:
     with contextlib.suppress(psutil.Error):
         proc = psutil.Process(pid)
@@ -325,6 +361,14 @@ def _up(directory: Path, nodes: int, own_etcd: bool, options: dict) -> None:
     if not own_etcd and not _OWN_ETCD_OPTIONS & options.keys() and not os.environ.get("GANGD_TEST_OWN_ETCD"):  # (=1: every cluster its own)
         options = {**_shared_etcd(), **options}
     local.up(directory, nodes, **options)
+
+
+def up(directory: Path, nodes: int, **options) -> None:
+    """``local.up`` on the etcd the test clusters share (as ``make_cluster``'s
+    clusters are), for a test that brings a cluster up itself (in a directory
+    it prepared, or to see it refused): starting an etcd of its own took
+    seconds of each such test."""
+    _up(directory, nodes, False, options)
 
 
 @pytest.fixture

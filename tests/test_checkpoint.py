@@ -421,7 +421,7 @@ def test_a_daemon_killed_mid_write_leaves_nothing_that_looks_complete(make_clust
     while not (writing.is_dir() and any(name.endswith(".tmp") for name in os.listdir(writing))):
         assert time.monotonic() < deadline, "the ranks on n2 never started writing"
         time.sleep(0.001)
-    os.kill(cluster.daemon_pid("n2"), signal.SIGKILL)
+    cluster.kill_node("n2")
     record = cluster.wait_state(job, TERMINAL, timeout=30)
     assert record["state"] == "FAILED"
     deadline = time.monotonic() + 20

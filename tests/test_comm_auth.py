@@ -24,6 +24,7 @@ import socket
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -174,32 +175,41 @@ def test_old_token_hellos_garbage_and_wrong_proofs_are_refused_and_the_job_compl
     frame = evil_frame(unpickled)
     token = job.token
     wrong_key = handshake.derive_key(b"not the job token")
-    for family, address in job.addresses():
-        # The old hello: the job's token in the clear (even the right one), then a pickle as rank 1.
-        assert talk(family, address, wire.HEADER.pack(wire.HELLO, 1, 0, len(token), 0) + token + frame) == b""
-        # No hello at all; garbage; a hello claiming to be rank 0 itself, or a rank the job does not have.
-        assert talk(family, address, frame) == b""
-        assert talk(family, address, os.urandom(200)) == b""
-        nonce = os.urandom(handshake.NONCE)
-        assert talk(family, address, handshake.hello_frame(0, nonce)) == b""
-        assert talk(family, address, handshake.hello_frame(7, nonce)) == b""
-        # The new handshake, keyed wrong: the rank answers the hello, refuses the proof.
-        answer = talk(family, address, handshake.hello_frame(1, nonce), handshake.proof_frame(1, os.urandom(handshake.MAC)) + frame)
-        assert len(answer) == handshake.CHALLENGE
-        nonce_l = answer[: handshake.NONCE]
-        wrong = handshake.mac(wrong_key, b"dialer", 1, 0, nonce, nonce_l)
-        answer = talk(family, address, handshake.hello_frame(1, nonce), handshake.proof_frame(1, wrong) + frame)
-        assert len(answer) == handshake.CHALLENGE
-        # ...and its answer proves it holds the key, without showing the token or the key.
-        nonce_l, theirs = answer[: handshake.NONCE], answer[handshake.NONCE :]
-        assert hmac.compare_digest(theirs, handshake.mac(job.key, b"listener", 1, 0, nonce, nonce_l))
-        assert token not in answer and job.key not in answer
-        # A hello that never finishes (one byte at a time, then nothing) is cut off, not waited on forever.
-        assert talk(family, address, handshake.hello_frame(1, nonce)[:30]) == b""
+    # A hello that never finishes (one byte at a time, then nothing) is cut off, not waited on forever:
+    # sent first, so that the rank's wait for the rest (handshake.TIMEOUT) passes while the other checks run.
+    with ThreadPoolExecutor(2) as pool:
+        unfinished = [pool.submit(talk, family, address, handshake.hello_frame(1, os.urandom(handshake.NONCE))[:30])
+                      for family, address in job.addresses()]
+        for family, address in job.addresses():
+            _refused_but_answered(family, address, token, frame, wrong_key, job)
+        assert [cut.result() for cut in unfinished] == [b"", b""]
     result = job.finish()
     assert_only_the_legit_messages(result)
     assert not unpickled.exists(), "a stranger's pickle was unpickled"
     assert result["refused"] >= 2 * 8
+
+
+def _refused_but_answered(family, address, token: bytes, frame: bytes, wrong_key: bytes, job: Job) -> None:
+    """The rank refuses what a stranger sends at ``address``, but answers a well-formed hello (with proof that it holds the key)."""
+    # The old hello: the job's token in the clear (even the right one), then a pickle as rank 1.
+    assert talk(family, address, wire.HEADER.pack(wire.HELLO, 1, 0, len(token), 0) + token + frame) == b""
+    # No hello at all; garbage; a hello claiming to be rank 0 itself, or a rank the job does not have.
+    assert talk(family, address, frame) == b""
+    assert talk(family, address, os.urandom(200)) == b""
+    nonce = os.urandom(handshake.NONCE)
+    assert talk(family, address, handshake.hello_frame(0, nonce)) == b""
+    assert talk(family, address, handshake.hello_frame(7, nonce)) == b""
+    # The new handshake, keyed wrong: the rank answers the hello, refuses the proof.
+    answer = talk(family, address, handshake.hello_frame(1, nonce), handshake.proof_frame(1, os.urandom(handshake.MAC)) + frame)
+    assert len(answer) == handshake.CHALLENGE
+    nonce_l = answer[: handshake.NONCE]
+    wrong = handshake.mac(wrong_key, b"dialer", 1, 0, nonce, nonce_l)
+    answer = talk(family, address, handshake.hello_frame(1, nonce), handshake.proof_frame(1, wrong) + frame)
+    assert len(answer) == handshake.CHALLENGE
+    # ...and its answer proves it holds the key, without showing the token or the key.
+    nonce_l, theirs = answer[: handshake.NONCE], answer[handshake.NONCE :]
+    assert hmac.compare_digest(theirs, handshake.mac(job.key, b"listener", 1, 0, nonce, nonce_l))
+    assert token not in answer and job.key not in answer
 
 
 def test_connections_held_open_by_a_stranger_do_not_lock_the_ranks_out(ac, tmp_path):

@@ -37,7 +37,7 @@ def test_killed_node_is_detected_and_its_jobs_fail_while_others_keep_working(mak
     cluster = make_cluster(4)
     job = int(cluster.gang("submit", "-n", 8, "--", "sleep", "300", check=True).stdout)
     cluster.wait_state(job, "RUNNING")
-    os.kill(cluster.daemon_pid("n3"), signal.SIGKILL)
+    cluster.kill_node("n3")
     record = cluster.wait_state(job, "FAILED", timeout=15)
     assert "node n3" in record["reason"] and "down" in record["reason"], record["reason"]
     assert record["ranks"][4]["lost"] and record["ranks"][5]["lost"]  # n3's ranks
@@ -62,7 +62,7 @@ def test_coordinator_loss_hands_over_to_the_next_node(make_cluster):
     victim = int(cluster.gang("submit", "-n", 3, "--name", "victim", "--", "sleep", "300", check=True).stdout)
     cluster.wait_state(victim, "RUNNING")
     cluster.wait_state(survivor, "RUNNING")
-    os.kill(cluster.daemon_pid(leader), signal.SIGKILL)
+    cluster.kill_node(leader)
     record = cluster.wait_state(victim, "FAILED", timeout=20)
     assert f"node {leader}" in record["reason"]
     rows = {r["name"]: r for r in cluster.gang_json("nodes")["nodes"]}

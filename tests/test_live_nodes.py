@@ -26,7 +26,7 @@ def submit(cluster, *args) -> int:
 
 def test_a_job_waiting_for_a_dead_node_does_not_block_the_jobs_behind_it(make_cluster):
     cluster = make_cluster(3, cores=2, lease_ttl=3)
-    os.kill(cluster.daemon_pid("n3"), signal.SIGKILL)
+    cluster.kill_node("n3")
     wait_for(lambda: not any(n["name"] == "n3" and n["state"] == "up" for n in cluster.gang_json("nodes")["nodes"]), 30, "n3 to be down")
     pinned = submit(cluster, "-n", 2, "-w", "n3", "--", "true")  # needs the dead node itself
     wide = submit(cluster, "-n", 6, "--", "true")  # needs every node's cores: n3's too

@@ -126,7 +126,7 @@ def test_the_cluster_records_a_killed_node_as_lost_and_a_stopped_one_as_not(make
     cluster.start_daemon("n2")
     wait_for(lambda: _history(cluster, "n2").lives == 2, 30, "n2's second life")
     # A SIGKILL of n3: its lease expires, the coordinator records the loss, once.
-    os.kill(cluster.daemon_pid("n3"), signal.SIGKILL)
+    cluster.kill_node("n3")
     wait_for(lambda: _history(cluster, "n3").losses == 1, 30, "n3's loss to be recorded")
     time.sleep(1)
     n2, n3 = _history(cluster, "n2"), _history(cluster, "n3")

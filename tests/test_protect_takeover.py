@@ -10,8 +10,6 @@ redundancy outcome, writes it again, and it becomes *protected*.
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -45,7 +43,7 @@ def test_a_new_coordinator_finishes_the_redundancy_write_its_predecessor_left(ma
         assert '"complete"' in done.stdout, (done.stdout, done.stderr)
         assert "redundancy" not in _generation(cluster, ask, job, 1)
         # The coordinator dies with the write under way; a job node takes over.
-        os.kill(cluster.daemon_pid(leader), signal.SIGKILL)
+        cluster.kill_node(leader)
         wait_for(lambda: coordinator_seen_by(cluster, ask) in pair, 60, "a new coordinator")
         (points / "protect.hold").unlink()
         entry = wait_for(lambda: (lambda g: g if g["state"] != "complete" or g.get("redundancy") else None)(_generation(cluster, ask, job, 1)),

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import stat
 import sys
 import time
@@ -285,7 +284,7 @@ def test_with_a_checkpoint_node_down_the_restart_runs_where_copies_are_or_names_
     gc.gang("kill", first, check=True)
     gc.wait_state(first, TERMINAL)
     b, _ = checkpointed_and_killed(gc, 4, "-w", "n1,n2", "--ckpt-redundancy", "local")  # (no partner copy to rebuild from: test_rebuild.py)
-    os.kill(gc.daemon_pid("n1"), signal.SIGKILL)
+    gc.kill_node("n1")
     try:
         wait_node(gc, "n1", "down")
         refused = restart(gc, b, check=False)

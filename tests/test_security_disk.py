@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from conftest import LocalCluster, _remove_cgroups, _world_traversable_tmpdir, as_uid, shared_cluster
+from conftest import LocalCluster, _remove_cgroups, _world_traversable_tmpdir, as_uid, shared_cluster, up
 
 from gangd.client import cluster as local
 from gangd.client.api import connect
@@ -39,7 +39,7 @@ def tmpfs_cluster():
         state.mkdir(parents=True)
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", str(state)], check=True)
         started.append((directory, state, nodes))
-        local.up(directory, nodes, cores=2, max_slots=1, **options)
+        up(directory, nodes, cores=2, max_slots=1, **options)
         return LocalCluster(directory, nodes)
 
     yield make

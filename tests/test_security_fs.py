@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import trio
 from ckpthelpers import checkpoint, gen_dir, kill_what_is_left, result_of
-from conftest import as_uid
+from conftest import as_uid, up
 
 from gangd import ckptstore
 from gangd.client import cluster as local
@@ -278,7 +278,7 @@ def test_a_checkpoint_dir_root_cannot_trust_is_refused_at_start(how):
         expected = "is a symbolic link"
     try:
         with pytest.raises(local.ClusterError) as refused:
-            local.up(base / "cluster", 1, cores=2, checkpoint_dir=checkpoint_dir, timeout=15)
+            up(base / "cluster", 1, cores=2, checkpoint_dir=checkpoint_dir, timeout=15)
         message = str(refused.value)
         assert "refusing the checkpoint directory" in message and expected in message, message
     finally:

@@ -14,7 +14,6 @@ SIGKILL and started again as `gang cluster up` starts them.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import time
 
@@ -139,7 +138,7 @@ def test_an_oversized_job_spec_is_refused_with_a_clear_message(cluster2):
 @root_only
 def test_a_node_restarted_after_a_long_history_catches_up_and_can_take_over(make_cluster):
     cluster = make_cluster(3, cores=2)
-    os.kill(cluster.daemon_pid("n3"), signal.SIGKILL)
+    cluster.kill_node("n3")
     _wait_node_state(cluster, "n3", "down")
     # 12 jobs of nearly a megabyte of arguments each (within the bounds):
     # 11 MiB of history, more than one frame or etcd request may hold.
@@ -163,7 +162,7 @@ def test_a_node_restarted_after_a_long_history_catches_up_and_can_take_over(make
     # The coordinator dies: another takes over, reading the table from etcd (page by page), and carries on.
     leader = next(r["name"] for r in _as_root(cluster, lambda gang: gang.nodes(), socket=n3) if r["coordinator"])
     survivor = "n2" if leader != "n2" else "n1"
-    os.kill(cluster.daemon_pid(leader), signal.SIGKILL)
+    cluster.kill_node(leader)
     n2 = str(cluster.files[survivor].socket)
     deadline = time.monotonic() + 60
     while True:

@@ -30,7 +30,7 @@ from pathlib import Path
 import psutil
 import pytest
 import trio
-from conftest import LocalCluster, _world_traversable_tmpdir, as_uid, forget_cluster, shared_cluster, wait_for
+from conftest import LocalCluster, _world_traversable_tmpdir, as_uid, forget_cluster, shared_cluster, shared_etcd, wait_for
 
 from gangd.client import cluster as local
 from gangd.client.api import connect
@@ -188,7 +188,10 @@ def freezer_pc(request, monkeypatch, make_cluster):
     if not cgroup2 or shutil.which("unshare") is None:
         pytest.skip("needs a cgroup2 mount to hide and unshare(1)")
     directory = _world_traversable_tmpdir() / "cluster"
-    up = f"umount {cgroup2[0]} && exec {sys.executable} -m gangd.client.cli cluster up --dir {directory} -N 1 --cores 2 --max-slots 2 --time-slice {TIME_SLICE}"
+    etcd = shared_etcd()  # (the test clusters' etcd, as make_cluster's clusters use)
+    up = (f"umount {cgroup2[0]} && exec {sys.executable} -m gangd.client.cli cluster up --dir {directory} -N 1 --cores 2 --max-slots 2"
+          f" --time-slice {TIME_SLICE} --etcd {','.join(etcd['etcd'])} --etcd-local --etcd-user {etcd['etcd_user']}"
+          f" --etcd-password-file {etcd['etcd_password_file']}")
     subprocess.run(["unshare", "-m", "sh", "-c", up], check=True, timeout=60, env={k: v for k, v in os.environ.items() if k != "GANGD_FREEZER"})
     cluster = LocalCluster(directory, 1)
     try:
@@ -411,7 +414,7 @@ def test_an_unkillable_rank_does_not_stop_the_handling_of_a_node_failure(make_cl
         assert victim.is_running() and victim.status() == psutil.STATUS_DISK_SLEEP  # SIGKILL did not take effect
         # Node n3 dies: both jobs have ranks there. Failing `stuck` means
         # killing its rank on n2, which cannot die; `other` must fail all the same.
-        os.kill(cluster.daemon_pid("n3"), signal.SIGKILL)
+        cluster.kill_node("n3")
         record = cluster.wait_state(other, "FAILED", timeout=60)
         assert "n3" in record["reason"], record
         record = cluster.wait_state(stuck, "FAILED", timeout=60)

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import trio
 from ckpthelpers import checkpoint, generations, kill_what_is_left, wait_running_a_bit
-from conftest import LocalCluster, _remove_cgroups, _world_traversable_tmpdir, shared_cluster
+from conftest import LocalCluster, _remove_cgroups, _world_traversable_tmpdir, shared_cluster, up
 
 from gangd.client import cluster as local
 from gangd.client.api import connect
@@ -244,7 +244,7 @@ def test_an_output_dir_below_a_directory_root_cannot_trust_is_refused_at_start(h
         output_dir, expected = base / "alias" / "output", "is a symbolic link"
     try:
         with pytest.raises(local.ClusterError) as refused:
-            local.up(base / "cluster", 1, cores=2, output_dir=output_dir, timeout=15)
+            up(base / "cluster", 1, cores=2, output_dir=output_dir, timeout=15)
         message = str(refused.value)
         assert "refusing the output directory (output_dir)" in message and expected in message, message
     finally:
@@ -261,7 +261,7 @@ def test_a_checkpoint_on_a_nearly_full_checkpoint_disk_is_refused_with_the_reaso
     disk.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,mode=0755", "tmpfs", str(disk)], check=True)
     try:
-        local.up(directory, 1, cores=2, checkpoint_dir=disk)
+        up(directory, 1, cores=2, checkpoint_dir=disk)
         cluster = LocalCluster(directory, 1)
         try:
             job = int(cluster.gang("submit", "-n", 1, "--", PY, CKPTJOB, "--steps", 100000, "--sleep", 0.02, check=True).stdout)

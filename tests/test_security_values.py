@@ -20,7 +20,7 @@ import pytest
 import trio
 from ckpthelpers import checkpoint, gen_dir, kill_what_is_left, wait_running_a_bit
 from click.testing import CliRunner
-from conftest import _world_traversable_tmpdir, as_uid, shared_cluster
+from conftest import _world_traversable_tmpdir, as_uid, shared_cluster, up
 
 from gangd.client import cluster as local
 from gangd.client.cli import main as cli_main
@@ -239,7 +239,7 @@ def test_cluster_up_writes_a_conforming_secret_over_whatever_was_there(tmp_path)
     os.chown(directory / "secret", NOBODY, NOBODY)
     os.chmod(directory / "secret", 0o644)
     try:
-        local.up(directory, 1)
+        up(directory, 1)
         info = (directory / "secret").stat()
         assert info.st_uid == 0 and info.st_mode & 0o777 == 0o600
         assert b"planted" not in (directory / "secret").read_bytes()

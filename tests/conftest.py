@@ -415,6 +415,27 @@ def shared_cluster(nodes: int = 4, *, own_etcd: bool = False, **options):
 
 
 @pytest.fixture(scope="module")
+def restart_cluster():
+    """A 4-node cluster of 2 cores and 2 slots for one module's restart tests
+    (restart anywhere, rebuilds, wiped disks): see ``restart_gc``."""
+    with shared_cluster(4, cores=2, time_slice=0.1, max_slots=2) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def restart_gc(restart_cluster):
+    """``restart_cluster``, left after each test with no job and every node up again (a test may lose one)."""
+    from ckpthelpers import kill_what_is_left
+
+    yield restart_cluster
+    kill_what_is_left(restart_cluster)
+    for node in sorted(restart_cluster.files):
+        if not restart_cluster.files[node].pid():
+            restart_cluster.start_daemon(node)
+    wait_for(lambda: all(r["state"] == "up" for r in restart_cluster.gang_json("nodes")["nodes"]), 60, "every node up again")
+
+
+@pytest.fixture(scope="module")
 def cluster4():
     """A 4-node cluster shared by the tests of one module (they must not break it)."""
     with shared_cluster(4) as cluster:

@@ -25,10 +25,9 @@ import signal
 import time
 
 import pytest
-from ckpthelpers import TERMINAL, checkpoint, gen_dir, generations, kill_what_is_left, reference, result_of, settled, submit
-from conftest import shared_cluster
+from ckpthelpers import TERMINAL, checkpoint, gen_dir, generations, kill_what_is_left, reference, result_of, submit
 from test_control_plane import coordinator_seen_by, json_on
-from test_rebuild import ARGV, NRANKS, assert_laid_out_as_a_checkpoint, lose
+from test_rebuild import ARGV, NRANKS, assert_laid_out_as_a_checkpoint, lose, protected_and_killed
 from test_restart_anywhere import restart, wait_node
 
 from gangd import ckptstore
@@ -36,40 +35,16 @@ from gangd.daemon.rebuild import holds
 from gangd.redundancy.plan import make_plan
 
 
-@pytest.fixture(scope="module")
-def _cluster():
-    with shared_cluster(4, cores=2, time_slice=0.1, max_slots=2) as cluster:
-        yield cluster
-
-
 @pytest.fixture
-def gc(_cluster):
-    yield _cluster
-    kill_what_is_left(_cluster)
-    for node in sorted(_cluster.files):
-        if not _cluster.files[node].pid():
-            _cluster.start_daemon(node)
-    for node in sorted(_cluster.files):
-        wait_node(_cluster, node, "up", timeout=60)
+def gc(restart_gc):
+    """The module's cluster (conftest's ``restart_cluster``), with no job and every node up after each test."""
+    return restart_gc
 
 
 def victim_of(gc) -> str:
     """A node of the job (n1-n3) that is not the coordinator (its loss is a takeover, tested elsewhere)."""
     leader = coordinator_seen_by(gc, "n1")
     return next(n for n in ("n3", "n2", "n1") if n != leader)
-
-
-def checkpointed_and_killed(gc, level: str) -> tuple[int, dict]:
-    job = submit(gc, [*ARGV, "--sleep", "0.05"], NRANKS, "-w", "n1,n2,n3", "--ckpt-redundancy", level)
-    gc.wait_state(job, ("RUNNING", "SUSPENDED"))
-    time.sleep(1)
-    gen = checkpoint(gc, job)
-    assert gen["state"] == "complete", gen
-    entry = next(g for g in settled(gc, job) if g["gen"] == gen["gen"])
-    assert entry["state"] == ("protected" if level != "local" else "complete") and entry["level"] == level, entry
-    gc.gang("kill", job, check=True)
-    gc.wait_state(job, TERMINAL)
-    return job, entry
 
 
 def wiped_and_back(gc, node: str) -> None:
@@ -96,7 +71,7 @@ def wiped_and_back(gc, node: str) -> None:
 @pytest.mark.parametrize("level", ["partner", "xor"])
 def test_a_node_back_with_a_wiped_disk_has_its_files_rebuilt_and_the_restart_is_bit_identical(gc, level):
     expected = reference(gc, ARGV, NRANKS)
-    job, entry = checkpointed_and_killed(gc, level)
+    job, entry = protected_and_killed(gc, level)
     victim = victim_of(gc)
     wiped_and_back(gc, victim)
     answer = restart(gc, job)
@@ -114,7 +89,7 @@ def test_a_node_back_with_a_wiped_disk_has_its_files_rebuilt_and_the_restart_is_
 def test_restarted_with_w_on_the_wiped_node_itself_it_takes_its_own_files_back(gc):
     """No other node asked for: the wiped node rebuilds its own files (it holds no manifest of them)."""
     expected = reference(gc, ARGV, NRANKS)
-    job, entry = checkpointed_and_killed(gc, "partner")
+    job, entry = protected_and_killed(gc, "partner")
     victim = victim_of(gc)
     wiped_and_back(gc, victim)
     answer = restart(gc, job, "-w", "n1,n2,n3")
@@ -125,7 +100,7 @@ def test_restarted_with_w_on_the_wiped_node_itself_it_takes_its_own_files_back(g
 
 
 def test_a_generation_without_redundancy_on_a_wiped_node_is_marked_lost_naming_the_node(gc):
-    job, entry = checkpointed_and_killed(gc, "local")
+    job, entry = protected_and_killed(gc, "local")
     victim = victim_of(gc)
     wiped_and_back(gc, victim)
     refused = restart(gc, job, check=False)
@@ -139,7 +114,7 @@ def test_a_damaged_partner_copy_leaves_the_generation_complete_not_protected_say
     """The rebuild reads the partner's copy (over the bulk path, from the
     holder), finds it does not match: recorded in etcd, so no later restart
     counts on that redundancy again."""
-    job, entry = checkpointed_and_killed(gc, "partner")
+    job, entry = protected_and_killed(gc, "partner")
     victim = victim_of(gc)
     holder = make_plan(list(dict.fromkeys(entry["placement"])), "partner").partner_of(victim)
     copy = gen_dir(gc, holder, job, entry["gen"]) / "redundancy" / f"partner-{victim}" / ckptstore.cluster_rank_file(
@@ -185,6 +160,18 @@ def test_holds_answers_only_absence(tmp_path):
     assert holds(root, 3, 2) == ""
 
 
+def local_generation(cluster, nodes: str) -> tuple[str, int, dict]:
+    """A 4-rank job on ``nodes`` without redundancy, running, with a complete
+    generation: (its uninterrupted result, its id, the generation)."""
+    expected = reference(cluster, ARGV, 4)
+    job = submit(cluster, [*ARGV, "--sleep", "0.05"], 4, "-w", nodes, "--ckpt-redundancy", "local")
+    cluster.wait_state(job, ("RUNNING", "SUSPENDED"))
+    time.sleep(1)
+    gen = checkpoint(cluster, job)
+    assert gen["state"] == "complete", gen
+    return expected, job, gen
+
+
 def test_a_node_back_with_a_wiped_disk_takes_its_files_back_from_the_flush_directory(make_cluster, tmp_path):
     """No redundancy (level local), but the generation was flushed: the
     wiped node's ranks' files come from the flush directory, onto the node
@@ -192,12 +179,7 @@ def test_a_node_back_with_a_wiped_disk_takes_its_files_back_from_the_flush_direc
     shared = tmp_path / "shared"
     cluster = make_cluster(3, cores=2, time_slice=0.1, flush_dir=shared)
     try:
-        expected = reference(cluster, ARGV, 4)
-        job = submit(cluster, [*ARGV, "--sleep", "0.05"], 4, "-w", "n2,n3", "--ckpt-redundancy", "local")
-        cluster.wait_state(job, ("RUNNING", "SUSPENDED"))
-        time.sleep(1)
-        gen = checkpoint(cluster, job)
-        assert gen["state"] == "complete", gen
+        expected, job, gen = local_generation(cluster, "n2,n3")
         deadline = time.monotonic() + 60
         while not next(g for g in generations(cluster, job) if g["gen"] == gen["gen"]).get("flushed"):
             assert time.monotonic() < deadline, "the generation was not flushed"
@@ -221,12 +203,7 @@ def test_a_node_back_with_a_wiped_disk_takes_its_files_back_from_the_flush_direc
 def test_a_restart_elsewhere_stages_over_the_bulk_path_and_over_the_channel_when_bulk_fails(make_cluster, points):
     cluster = make_cluster(3, cores=4, time_slice=0.1)
     try:
-        expected = reference(cluster, ARGV, 4)
-        job = submit(cluster, [*ARGV, "--sleep", "0.05"], 4, "-w", "n1,n2", "--ckpt-redundancy", "local")
-        cluster.wait_state(job, ("RUNNING", "SUSPENDED"))
-        time.sleep(1)
-        gen = checkpoint(cluster, job)
-        assert gen["state"] == "complete", gen
+        expected, job, gen = local_generation(cluster, "n1,n2")
         cluster.gang("kill", job, check=True)
         cluster.wait_state(job, TERMINAL)
         (points / "ckpt_bulk_read").touch()  # the first bulk read a source serves is refused

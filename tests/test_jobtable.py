@@ -16,6 +16,7 @@ import pytest
 import trio
 
 from gangd import jobs
+from gangd.daemon.handlers.jobs import Listing
 from gangd.daemon.store import Deposed, Fence, JobTable, Keys, jobtable
 from gangd.etcd.client import Etcd
 from gangd.etcd.election import Election
@@ -404,3 +405,28 @@ async def test_a_quiet_watch_resumes_past_a_compaction(etcd_endpoints, keys):
             with trio.fail_after(30):
                 batch = await anext(watch)
             assert batch.events[0].kv.value == b"1"
+
+
+async def test_a_listing_waits_for_the_tables_first_load_instead_of_answering_no_jobs(etcd_endpoints, keys):
+    # A daemon serves its socket before it has read the table from etcd: `gang
+    # ps` then must not say "no jobs" (seen as a job missing from `ps --all`
+    # right after the daemons restarted).
+    async with Etcd(etcd_endpoints) as etcd, open_lease(etcd, 10) as lease:
+        fence = await leader(etcd, keys, lease)
+        created = await JobTable(etcd, keys).create(fence, build, {})
+        fresh = JobTable(etcd, keys)
+        with pytest.raises(RemoteError) as refused:
+            await fresh.wait_loaded(timeout=0.1)
+        assert refused.value.code == "etcd_unavailable" and "has not read the cluster's job table" in refused.value.message
+        listing = Listing(table=fresh, calls=None, membership=None)
+        found: list = []
+
+        async def ps() -> None:
+            found.extend(await listing.list_jobs({"uid": 0, "gid": 0, "user": "root"}, {"all": True}, None))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ps)
+            await trio.sleep(0.2)
+            assert not found  # (still waiting: nothing read yet)
+            await fresh.load()
+        assert [r["id"] for r in found] == [created["id"]]

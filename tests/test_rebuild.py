@@ -27,7 +27,6 @@ from pathlib import Path
 
 import pytest
 from ckpthelpers import TERMINAL, checkpoint, gen_dir, generations, kill_what_is_left, reference, result_of, settled, submit
-from conftest import shared_cluster
 from hypothesis import given
 from hypothesis import strategies as st
 from test_control_plane import coordinator_seen_by
@@ -46,22 +45,10 @@ ARGV = [JOB, "--steps", "300", "--mb", "0.5"]
 NRANKS = 6  # two per node of a 3-node job
 
 
-@pytest.fixture(scope="module")
-def _cluster():
-    with shared_cluster(4, cores=2, time_slice=0.1, max_slots=2) as cluster:
-        yield cluster
-
-
 @pytest.fixture
-def gc(_cluster):
-    """The module's cluster, every node up again and no job left after each test."""
-    yield _cluster
-    kill_what_is_left(_cluster)
-    for node in sorted(_cluster.files):
-        if not _cluster.files[node].pid():
-            _cluster.start_daemon(node)
-    for node in sorted(_cluster.files):
-        wait_node(_cluster, node, "up", timeout=60)
+def gc(restart_gc):
+    """The module's cluster (conftest's ``restart_cluster``), with no job and every node up after each test."""
+    return restart_gc
 
 
 # ---------------------------------------------------------------- the rules, pure
@@ -151,22 +138,26 @@ def job_nodes_and_victims(gc, count: int) -> tuple[list[str], list[str]]:
 
 
 def protected_and_killed(gc, level: str) -> tuple[int, dict]:
+    """A 6-rank job on n1-n3 with a generation written at ``level`` (protected,
+    or complete for ``local``), then killed: (its id, the generation)."""
     job = submit(gc, [*ARGV, "--sleep", "0.05"], NRANKS, "-w", "n1,n2,n3", "--ckpt-redundancy", level)
     gc.wait_state(job, ("RUNNING", "SUSPENDED"))
     time.sleep(1)
     gen = checkpoint(gc, job)
     assert gen["state"] == "complete", gen
     entry = next(g for g in settled(gc, job) if g["gen"] == gen["gen"])
-    assert entry["state"] == "protected" and entry["level"] == level, entry
+    assert entry["state"] == ("protected" if level != "local" else "complete") and entry["level"] == level, entry
     gc.gang("kill", job, check=True)
     gc.wait_state(job, TERMINAL)
     return job, entry
 
 
 def lose(gc, node: str) -> None:
-    """The node's daemon SIGKILLed and its disk gone: its checkpoint directory deleted."""
+    """The node's daemon SIGKILLed and its disk gone: its checkpoint directory
+    deleted; then its lease ended, as its expiry would a TTL later."""
     os.kill(gc.daemon_pid(node), signal.SIGKILL)
     shutil.rmtree(gc.dir / node / "state" / "checkpoints" / node)
+    gc.end_lease(node)
     wait_node(gc, node, "down")
 
 

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-import trio
 from ckpthelpers import checkpoint, generations, kill_what_is_left, reference, result_line, result_of, submit
 from conftest import wait_for
 from hypothesis import given
@@ -36,8 +35,6 @@ from gangd import jobs
 from gangd.daemon import config as cfg
 from gangd.daemon.coordinator import place, without
 from gangd.daemon.recover import decide, recoveries, usable_generation, wants_requeue
-from gangd.daemon.store import Keys
-from gangd.etcd.client import Etcd
 
 PY = sys.executable
 ROOT = Path(__file__).resolve().parent.parent
@@ -217,15 +214,7 @@ def lose(cluster, *nodes: str, wait_out_lease: bool = False) -> None:
         shutil.rmtree(cluster.dir / node / "state", ignore_errors=True)
     if not wait_out_lease:
         for node in nodes:
-            trio.run(revoke_lease, cluster, node)
-
-
-async def revoke_lease(cluster, node: str) -> None:
-    settings = cluster.etcd_settings
-    async with Etcd(list(settings.endpoints), user=settings.user, password=settings.read_password()) as etcd:
-        held = await etcd.get(Keys(settings.prefix).node(node))
-        if held is not None and held.lease:
-            await etcd.lease_revoke(held.lease)
+            cluster.end_lease(node)
 
 
 def victim_of(cluster, job: int) -> str:

@@ -30,13 +30,11 @@ from ckpthelpers import (
     checkpoint_when_ready,
     gen_dir,
     generations,
-    kill_what_is_left,
     reference,
     result_of,
     submit,
     wait_running_a_bit,
 )
-from conftest import shared_cluster
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -53,17 +51,10 @@ JOB = str(ROOT / "tests" / "jobs" / "ckptjob.py")
 ARGV = [JOB, "--steps", "250", "--mb", "0.5"]
 
 
-@pytest.fixture(scope="module")
-def _cluster():
-    with shared_cluster(4, cores=2, time_slice=0.1, max_slots=2) as cluster:
-        yield cluster
-
-
 @pytest.fixture
-def gc(_cluster):
-    """The module's cluster, left without jobs after each test."""
-    yield _cluster
-    kill_what_is_left(_cluster)
+def gc(restart_gc):
+    """The module's cluster (conftest's ``restart_cluster``), with no job and every node up after each test."""
+    return restart_gc
 
 
 # ---------------------------------------------------------------- the rules, pure

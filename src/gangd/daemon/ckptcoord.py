@@ -34,6 +34,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -648,13 +650,21 @@ class CheckpointCoordinator:
         permission_check(record, cred, "restart")
         if not jobs.is_terminal(record):
             raise RemoteError("bad_state", f"job {job_id} is {record['state']}; kill it first (`gang kill {job_id}`) to restart it from a checkpoint")
-        lineage = record.get("lineage") or job_id
+        async with self._restarting(record) as lineage:
+            return await self._restart(job_id, record, lineage, gen, nodelist, nodes)
+
+    @asynccontextmanager
+    async def _restarting(self, record: dict) -> AsyncIterator[int]:
+        """One restart of a lineage at a time (``gang restart``, a recovery, a
+        re-pinning), with the lineage's older jobs read from the history:
+        yields the lineage. Raises :class:`RemoteError` ``busy``."""
+        lineage = record.get("lineage") or record["id"]
         if lineage in self.restarting:
-            raise RemoteError("busy", f"a restart from job {job_id}'s checkpoints is already under way; one job of a lineage runs at a time")
+            raise RemoteError("busy", f"a restart from job {record['id']}'s checkpoints is already under way; one job of a lineage runs at a time")
         self.restarting.add(lineage)
         try:
             await self.daemon.table.read_lineage(lineage)
-            return await self._restart(job_id, record, lineage, gen, nodelist, nodes)
+            yield lineage
         finally:
             self.restarting.discard(lineage)
 
@@ -673,15 +683,8 @@ class CheckpointCoordinator:
         sentence per generation passed over) and ``rebuilt`` (lost node ->
         the node that rebuilt its files). Raises :class:`RemoteError`
         (``no_checkpoint`` naming what cannot be rebuilt, ``busy``, ...)."""
-        lineage = record.get("lineage") or record["id"]
-        if lineage in self.restarting:
-            raise RemoteError("busy", f"a restart from job {record['id']}'s checkpoints is already under way")
-        self.restarting.add(lineage)
-        try:
-            await self.daemon.table.read_lineage(lineage)
+        async with self._restarting(record) as lineage:
             return await self._restart(record["id"], record, lineage, None, lost=set(lost), system=True)
-        finally:
-            self.restarting.discard(lineage)
 
     async def replan(self, record: dict, lost: set[str]) -> list[str]:
         """A restart still QUEUED (``record``: never placed) is pinned to
@@ -692,16 +695,9 @@ class CheckpointCoordinator:
         ``restart_of`` stay. Returns the new placement. Raises
         :class:`RemoteError` (``no_checkpoint``: the generation cannot be
         used any more; ``busy``)."""
-        lineage = record.get("lineage") or record["id"]
-        if lineage in self.restarting:
-            raise RemoteError("busy", f"a restart from job {record['id']}'s checkpoints is already under way")
-        self.restarting.add(lineage)
-        try:
-            await self.daemon.table.read_lineage(lineage)
-            gen = int(record["restart_of"]["gen"])
+        gen = int(record["restart_of"]["gen"])
+        async with self._restarting(record) as lineage:
             chosen = await self._choose(record["id"], record, lineage, gen, lost=set(lost), system=True)
-        finally:
-            self.restarting.discard(lineage)
         placement = chosen.placement
 
         def change(r):

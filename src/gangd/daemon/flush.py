@@ -520,15 +520,10 @@ class Flusher:
         nothing ever recorded them and retention would never remove them.
         Other names are left alone (the daemon writes none). The generations removed."""
         def sweep() -> list[int]:
-            flush_dir = self._require()
-            top = safefs.open_trusted_dir(flush_dir)
-            try:
-                try:
-                    job = safefs.open_dir_at(top, f"job-{lineage}", flush_dir)
-                except UnsafePath:
-                    return []
-            finally:
-                os.close(top)
+            top, job = self._job_dir(lineage)
+            os.close(top)
+            if job is None:
+                return []
             try:
                 doomed = sorted(int(name[4:]) for name in os.listdir(job)
                                 if name.startswith("gen-") and name[4:].isdigit() and len(name) < 24 and int(name[4:]) not in keep)
@@ -538,13 +533,7 @@ class Flusher:
             finally:
                 os.close(job)
 
-        try:
-            with trio.fail_after(600):
-                swept = await trio.to_thread.run_sync(sweep, abandon_on_cancel=True, limiter=self._removals)
-        except trio.TooSlowError:
-            raise RemoteError("timeout", f"{self.node}: sweeping job-{lineage} in {self.flush_dir} took more than 600 s") from None
-        except (UnsafePath, OSError) as exc:
-            raise RemoteError("flush_failed", f"{self.node}: sweeping job-{lineage} in {self.flush_dir}: {exc}") from None
+        swept = await self._removing(sweep, f"sweeping job-{lineage}")
         if swept:
             log.warning("removed job-%d/%s from %s: flushed copies nothing records (a flush cut short by a coordinator change)",
                         lineage, ", ".join(f"gen-{g}" for g in swept), self.flush_dir)
@@ -553,12 +542,9 @@ class Flusher:
     async def remove(self, lineage: int, gen: int) -> None:
         """Remove a generation's flushed copy (retention); the job's directory too once it is empty."""
         def remove() -> None:
-            flush_dir = self._require()
-            top = safefs.open_trusted_dir(flush_dir)
+            top, job = self._job_dir(lineage)
             try:
-                try:
-                    job = safefs.open_dir_at(top, f"job-{lineage}", flush_dir)
-                except UnsafePath:
+                if job is None:
                     return
                 try:
                     safefs.rmtree_at(job, f"gen-{gen}")
@@ -573,10 +559,28 @@ class Flusher:
             finally:
                 os.close(top)
 
+        await self._removing(remove, f"removing job-{lineage}/gen-{gen}")
+
+    def _job_dir(self, lineage: int) -> tuple[int, int | None]:
+        """The flush directory and its ``job-<lineage>`` (None if it is not
+        there), both opened without following a link; the caller closes them."""
+        flush_dir = self._require()
+        top = safefs.open_trusted_dir(flush_dir)
+        try:
+            return top, safefs.open_dir_at(top, f"job-{lineage}", flush_dir)
+        except UnsafePath:
+            return top, None
+        except BaseException:
+            os.close(top)
+            raise
+
+    async def _removing(self, fn, what: str):
+        """``fn()`` in a removal thread (a hung shared file system holds that
+        thread, not the daemon), at most 600 s; its failure as a RemoteError."""
         try:
             with trio.fail_after(600):
-                await trio.to_thread.run_sync(remove, abandon_on_cancel=True, limiter=self._removals)
+                return await trio.to_thread.run_sync(fn, abandon_on_cancel=True, limiter=self._removals)
         except trio.TooSlowError:
-            raise RemoteError("timeout", f"{self.node}: removing job-{lineage}/gen-{gen} from {self.flush_dir} took more than 600 s") from None
+            raise RemoteError("timeout", f"{self.node}: {what} in {self.flush_dir} took more than 600 s") from None
         except (UnsafePath, OSError) as exc:
-            raise RemoteError("flush_failed", f"{self.node}: removing job-{lineage}/gen-{gen} from {self.flush_dir}: {exc}") from None
+            raise RemoteError("flush_failed", f"{self.node}: {what} in {self.flush_dir}: {exc}") from None

@@ -247,47 +247,46 @@ class Recoveries:
             self.co.spawn(self._repin, record["id"], list(lost), key)
 
     async def _repin(self, job_id: int, lost: list[str], key: int) -> None:
-        pause = 1.0
+        async def attempt() -> None:
+            record = self.table.get(job_id)
+            if record is None or record["state"] != jobs.QUEUED or record["placement"] or not record.get("restart_of"):
+                return
+            try:
+                await self.co.ckpt.replan(record, set(lost))
+            except RemoteError as exc:
+                if isinstance(exc, Deposed) or exc.code in (*TRANSIENT, "busy"):
+                    raise
+                log.warning("job %d: %s lost before it started, and it cannot start elsewhere: %s", job_id, describe_lost(lost), exc.message)
+                await self.co.fail(job_id, f"{describe_lost(lost)} lost before it started; it cannot restart elsewhere: {exc.message}")
+            self.co.kick()
+
         try:
-            while True:
-                record = self.table.get(job_id)
-                if record is None or record["state"] != jobs.QUEUED or record["placement"] or not record.get("restart_of"):
-                    return
-                try:
-                    await self.co.ckpt.replan(record, set(lost))
-                    self.co.kick()
-                    return
-                except RemoteError as exc:
-                    if isinstance(exc, Deposed) or not self.co.active:
-                        raise
-                    if exc.code not in (*TRANSIENT, "busy"):
-                        log.warning("job %d: %s lost before it started, and it cannot start elsewhere: %s", job_id, describe_lost(lost), exc.message)
-                        await self.co.fail(job_id, f"{describe_lost(lost)} lost before it started; it cannot restart elsewhere: {exc.message}")
-                        return
-                    log.warning("job %d: choosing its nodes again stopped (%s); trying again in %.0f s", job_id, exc.message, pause)
-                await trio.sleep(pause)
-                pause = min(pause * 2, MAX_PAUSE)
+            await self._until_done(job_id, "choosing its nodes again", attempt)
         finally:
             self.under_way.discard(key)
 
     async def _run(self, job_id: int, taken_up: bool) -> None:
-        """Recover the job until it has ended REQUEUED or FAILED: a step that
+        """Recover the job until it has ended REQUEUED or FAILED."""
+        try:
+            await self._until_done(job_id, "its recovery", lambda: self._step(job_id, taken_up))
+        finally:
+            self.under_way.discard(job_id)
+
+    async def _until_done(self, job_id: int, what: str, attempt) -> None:
+        """Run ``attempt`` until it ends without a RemoteError: a step that
         etcd stops half-way (unreachable, refusing) is taken again after a
         pause, from what etcd says was done, for as long as the term lasts."""
         pause = 1.0
-        try:
-            while True:
-                try:
-                    await self._step(job_id, taken_up)
-                    return
-                except RemoteError as exc:
-                    if isinstance(exc, Deposed) or not self.co.active:
-                        raise
-                    log.warning("job %d: its recovery stopped (%s); trying again in %.0f s", job_id, exc.message, pause)
-                await trio.sleep(pause)
-                pause = min(pause * 2, MAX_PAUSE)
-        finally:
-            self.under_way.discard(job_id)
+        while True:
+            try:
+                await attempt()
+                return
+            except RemoteError as exc:
+                if isinstance(exc, Deposed) or not self.co.active:
+                    raise
+                log.warning("job %d: %s stopped (%s); trying again in %.0f s", job_id, what, exc.message, pause)
+            await trio.sleep(pause)
+            pause = min(pause * 2, MAX_PAUSE)
 
     async def _step(self, job_id: int, taken_up: bool) -> None:
         record = self.table.get(job_id)

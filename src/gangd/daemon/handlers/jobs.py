@@ -280,6 +280,7 @@ class Listing:
         if not isinstance(after, int) or not isinstance(limit, int) or isinstance(after, bool) or isinstance(limit, bool):
             raise RemoteError("bad_request", "'after' and 'limit' must be integers")
         limit = max(1, min(limit, JOBS_PAGE))
+        await self.table.wait_loaded()
         ids, table = self._job_ids(), self.table.records
         everything = bool(args.get("all"))
         cutoff = None if everything else time.time() - 3600

@@ -57,6 +57,8 @@ log = logging.getLogger("gangd.jobtable")
 
 #: Jobs per range read when (re)loading the table or paging the history.
 PAGE = 500
+#: How long a listing waits for a daemon that has just started to read the table.
+LOAD_WAIT = 10.0
 #: Largest record the table accepts (records hold no environment: far below).
 MAX_RECORD_BYTES = 1024 * 1024
 #: Largest environment value accepted back (jobs.MAX_ARGV_ENV_BYTES, packed).
@@ -213,6 +215,7 @@ class JobTable:
         self.keys = keys
         self.records: dict[int, dict] = {}
         self.revision = 0  # the etcd revision this cache reflects (at least)
+        self.loaded = trio.Event()  # set once the first load() is done: before it, the cache knows no job
         self.listeners: list[Callable[[dict], None]] = []  # called with each record that changed
         self._changed = trio.Event()
         self._counter: tuple[int, int] | None = None  # (last id handed out, the counter's mod revision), coordinator only
@@ -410,7 +413,20 @@ class JobTable:
         for job_id in [j for j in self.records if j not in seen and self.records[j].get("seq", 0) <= revision]:
             self._forget(job_id)  # retired to the history meanwhile
         self.revision = max(self.revision, revision)
+        self.loaded.set()
         self.notify_changed()
+
+    async def wait_loaded(self, timeout: float = LOAD_WAIT) -> None:
+        """Return once the cache holds the table (a daemon serves its socket
+        before it has read etcd: a listing then would say "no jobs"), or
+        raise ``etcd_unavailable`` after ``timeout`` seconds."""
+        if self.loaded.is_set():
+            return
+        with trio.move_on_after(timeout):
+            await self.loaded.wait()
+            return
+        raise RemoteError("etcd_unavailable", "this node has not read the cluster's job table from etcd yet "
+                                              "(it has just started, or cannot reach etcd): try again, or ask another node")
 
     async def follow(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Apply every change after :attr:`revision`, for ever (run after :meth:`load`)."""

@@ -435,7 +435,8 @@ def test_a_new_coordinator_finds_the_job_recovering_and_finishes_it_with_one_res
         kill_what_is_left(cluster)
 
 
-def test_two_nodes_of_one_xor_set_lost_fail_the_job_naming_what_cannot_be_rebuilt(make_cluster):
+@pytest.mark.parametrize("together", [True, False], ids=["together", "one-during-the-recovery"])
+def test_two_nodes_of_one_xor_set_lost_fail_the_job_naming_what_cannot_be_rebuilt(make_cluster, together):
     cluster = make_cluster(4, cores=2, time_slice=0.1, spares=("n4",))
     try:
         job = submit(cluster, SLOW, 3, "--per-node", "1", "--ckpt-redundancy", "xor")
@@ -444,7 +445,11 @@ def test_two_nodes_of_one_xor_set_lost_fail_the_job_naming_what_cannot_be_rebuil
         wait_protected(cluster, job, taken["gen"])
         lead = coordinator(cluster)
         doomed = [n for n in jobs.nodes_of(cluster.job(job)) if n != lead][-2:]  # (two of its three nodes, not the coordinator)
-        lose(cluster, *doomed)
+        if together:
+            lose(cluster, *doomed)
+        else:  # the second fails while the recovery of the first runs: the recovery starts again, knowing
+            lose(cluster, doomed[0])
+            lose(cluster, doomed[1])
         record_ = cluster.wait_state(job, ENDED, timeout=120)
         assert record_["state"] == "FAILED", record_
         reason = record_["reason"]

@@ -341,7 +341,21 @@ class Recoveries:
         if recover is None:
             raise RemoteError("not_supported", "this gangd cannot rebuild a lost node's checkpoint files")
         started = time.monotonic()
-        result = await recover(record, set(lost))
+        try:
+            result = await recover(record, set(lost))
+        except RemoteError as exc:
+            if isinstance(exc, Deposed) or exc.code != "no_checkpoint":
+                raise
+            # A node that failed while the recovery ran (verifying, rebuilding
+            # on it) made every generation look unusable: once etcd or the
+            # links say so, the recovery starts again knowing it is lost too.
+            more = await self._settle(record, lost)
+            if set(more) == set(lost):
+                raise
+            log.warning("job %d: %s lost while it recovered; recovering again without %s", job_id,
+                        describe_lost([n for n in more if n not in lost]), "them" if len(more) - len(lost) > 1 else "it")
+            lost = more
+            result = await recover(record, set(lost))
         new = result["record"]
         log.info("job %d recovered as job %d from generation %s in %.1f s", job_id, new["id"], result.get("gen"), time.monotonic() - started)
         await self._link(job_id, new, result.get("gen"), result)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -161,3 +162,13 @@ def why_stuck(gc, job: int) -> str:
             dump = subprocess.run([spy, "dump", "-p", str(proc.pid)], capture_output=True, text=True, check=False, timeout=30)
             parts += [f"--- rank {proc.environ().get('GANGD_RANK')} (pid {proc.pid})", dump.stdout[-2000:]]
     return "\n".join(parts)
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    """Invert every bit of the byte at ``offset`` of ``path`` (negative: from the end), in place: a damaged file."""
+    with open(path, "r+b") as f:
+        f.seek(offset, os.SEEK_SET if offset >= 0 else os.SEEK_END)
+        where = f.tell()
+        byte = f.read(1)
+        f.seek(where)
+        f.write(bytes([byte[0] ^ 0xFF]))

@@ -33,19 +33,13 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
+from ckpthelpers import flip_byte
 
 from gangd import ckptstore
 from gangd.ckptlib import image
 from gangd.ckptstore import MANIFEST, Manifest, StoreError
 
 # ====================================================================== helpers
-
-
-def flip_byte(path: Path, offset: int) -> None:
-    """Invert every bit of the byte at ``offset`` (negative: from the end)."""
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0xFF
-    path.write_bytes(bytes(data))
 
 
 def assert_same_array(restored, original: np.ndarray) -> None:

@@ -25,7 +25,7 @@ import signal
 import time
 
 import pytest
-from ckpthelpers import TERMINAL, checkpoint, gen_dir, generations, kill_what_is_left, reference, result_of, submit
+from ckpthelpers import TERMINAL, checkpoint, flip_byte, gen_dir, generations, kill_what_is_left, reference, result_of, submit
 from test_control_plane import coordinator_seen_by, json_on
 from test_rebuild import ARGV, NRANKS, assert_laid_out_as_a_checkpoint, lose, protected_and_killed
 from test_restart_anywhere import restart, wait_node
@@ -119,11 +119,7 @@ def test_a_damaged_partner_copy_leaves_the_generation_complete_not_protected_say
     holder = make_plan(list(dict.fromkeys(entry["placement"])), "partner").partner_of(victim)
     copy = gen_dir(gc, holder, job, entry["gen"]) / "redundancy" / f"partner-{victim}" / ckptstore.cluster_rank_file(
         next(r for r, n in enumerate(entry["placement"]) if n == victim))
-    with open(copy, "r+b") as f:
-        f.seek(500)
-        byte = f.read(1)
-        f.seek(500)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(copy, 500)
     lose(gc, victim)
     refused = restart(gc, job, check=False)
     assert refused["returncode"] != 0 and f"partner-{victim}" in refused["stderr"], refused["stderr"]

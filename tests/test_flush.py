@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from ckpthelpers import TERMINAL, USABLE, checkpoint, gen_dir, generations, reference, result_of, submit, wait_running_a_bit
+from ckpthelpers import TERMINAL, USABLE, checkpoint, flip_byte, gen_dir, generations, reference, result_of, submit, wait_running_a_bit
 from conftest import as_uid, wait_for
 
 from gangd import ckptstore
@@ -94,11 +94,7 @@ def test_a_flushed_file_damaged_on_the_shared_file_system_is_refused_naming_it(m
     cluster.gang("kill", job, check=True)
     cluster.wait_state(job, TERMINAL)
     state = shared / f"job-{job}" / f"gen-{gen['gen']}" / "n2" / ckptstore.cluster_rank_file(1)
-    with open(state, "r+b") as fh:
-        fh.seek(100)
-        byte = fh.read(1)
-        fh.seek(100)
-        fh.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(state, 100)
     os.kill(cluster.daemon_pid("n2"), signal.SIGKILL)
     shutil.rmtree(gen_dir(cluster, "n2", job, gen["gen"]).parent)
     _wait_node(cluster, "n2", "down")

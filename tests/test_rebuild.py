@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
-from ckpthelpers import TERMINAL, checkpoint, gen_dir, generations, kill_what_is_left, reference, result_of, settled, submit
+from ckpthelpers import TERMINAL, checkpoint, flip_byte, gen_dir, generations, kill_what_is_left, reference, result_of, settled, submit
 from hypothesis import given
 from hypothesis import strategies as st
 from test_control_plane import coordinator_seen_by
@@ -224,11 +224,7 @@ def test_a_damaged_parity_is_refused_naming_the_file_and_nothing_is_left_listed(
     nodes, (victim,) = job_nodes_and_victims(gc, 1)
     holder = next(n for n in nodes if n != victim)
     parity = gen_dir(gc, holder, job, entry["gen"]) / "redundancy" / "xor.parity"
-    with open(parity, "r+b") as f:
-        f.seek(1000)
-        byte = f.read(1)
-        f.seek(1000)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(parity, 1000)
     lose(gc, victim)
     refused = restart(gc, job, check=False)
     assert refused["returncode"] != 0, refused

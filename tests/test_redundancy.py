@@ -9,9 +9,11 @@ honest :func:`handle_file_read` or a peer that lies about sizes and bytes.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import random
+import re
 import shutil
 import socket
 import time
@@ -607,7 +609,11 @@ def _bulk_liar(kind):
     ("after_end", "more after the end"),
     ("cut", "connection ended"),
 ])
-async def test_a_liar_on_the_bulk_socket_is_refused_and_nothing_is_written(tmp_path, kind, refusal):
+async def test_a_liar_on_the_bulk_socket_is_refused_and_the_file_comes_over_the_channel(tmp_path, kind, refusal, caplog):
+    # What the liar sent is never kept. A file that arrived whole and wrong
+    # ("flipped") fails the transfer: the channel would bring the same bytes.
+    # Any other broken bulk transfer is pulled again over the peer channel,
+    # every byte checked the same way.
     from gangd.redundancy import bulk
 
     rng = random.Random(8)
@@ -620,15 +626,27 @@ async def test_a_liar_on_the_bulk_socket_is_refused_and_nothing_is_written(tmp_p
     async with trio.open_nursery() as nursery:
         server = await bulk_server(nursery)
         channel = await channel_pair(nursery, bulk_serving(root, server, send=_bulk_liar(kind)))
-        with pytest.raises(bulk.BulkError, match=refusal) as err:
+
+        async def fetch() -> None:
             await transfer.fetch_file(channel, lineage=7, gen=3, name="ranks/rank-0.state", size=size, checksum=checksum,
                                       dest_dir=dest, bulk=bulk.Bulk.from_secret(SECRET))
-        assert "rank-0.state of job-7/gen-3 from node n2" in str(err.value)
+
+        if kind == "flipped":
+            with pytest.raises(bulk.BulkError, match=refusal) as err:
+                await fetch()
+            assert "rank-0.state of job-7/gen-3 from node n2" in str(err.value)
+        else:
+            with caplog.at_level(logging.WARNING, logger="gangd.transfer"):
+                await fetch()
+            assert re.search(refusal, caplog.text) and "pulling it over the peer channel instead" in caplog.text, caplog.text
         nursery.cancel_scope.cancel()
-    assert list(dest.iterdir()) == []
+    if kind == "flipped":
+        assert list(dest.iterdir()) == []
+    else:
+        assert [f.name for f in dest.iterdir()] == ["rank-0.state"] and (dest / "rank-0.state").read_bytes() == blob
 
 
-async def test_a_wrong_size_offer_or_a_listener_without_the_secret_is_refused(peer_gen):
+async def test_a_wrong_size_offer_or_a_listener_without_the_secret_is_refused(peer_gen, caplog):
     from gangd.redundancy import bulk
 
     root, manifest, _, dest = peer_gen
@@ -637,14 +655,19 @@ async def test_a_wrong_size_offer_or_a_listener_without_the_secret_is_refused(pe
     async with trio.open_nursery() as nursery:
         server = await bulk_server(nursery, secret=b"another cluster's secret")
         channel = await channel_pair(nursery, bulk_serving(root, server))
-        with pytest.raises(bulk.BulkError, match=r"offers .* bytes; .* were expected"):
-            await transfer.fetch_file(channel, lineage=7, gen=3, name=name, size=size - 1, checksum=checksum,
-                                      dest_dir=dest, bulk=bulk.Bulk.from_secret(SECRET))
-        with pytest.raises(bulk.BulkError, match="could not prove it holds the cluster secret"):
+        with caplog.at_level(logging.WARNING, logger="gangd.transfer"):
+            # A size that is not the manifest's: refused on the bulk path, then on the channel.
+            with pytest.raises(transfer.TransferError, match=r"more than the .* bytes expected"):
+                await transfer.fetch_file(channel, lineage=7, gen=3, name=name, size=size - 1, checksum=checksum,
+                                          dest_dir=dest, bulk=bulk.Bulk.from_secret(SECRET))
+            assert re.search(r"offers .* bytes; .* were expected", caplog.text), caplog.text
+            assert list(dest.iterdir()) == []
+            # A bulk listener that cannot prove the secret is never read from; the channel brings the file.
             await transfer.fetch_file(channel, lineage=7, gen=3, name=name, size=size, checksum=checksum,
                                       dest_dir=dest, bulk=bulk.Bulk.from_secret(SECRET))
+            assert "could not prove it holds the cluster secret" in caplog.text, caplog.text
         nursery.cancel_scope.cancel()
-    assert list(dest.iterdir()) == []
+    assert ckptstore.checksum_file(dest / "rank-0.state") == (size, checksum)
 
 
 def _stranger(port: int, ticket: bytes, secret_file: str) -> dict:

@@ -28,6 +28,7 @@ from ckpthelpers import (
     TERMINAL,
     checkpoint,
     checkpoint_when_ready,
+    flip_byte,
     gen_dir,
     generations,
     reference,
@@ -301,11 +302,7 @@ def test_with_a_checkpoint_node_down_the_restart_runs_where_copies_are_or_names_
 def test_a_damaged_source_file_is_refused_naming_node_and_path_and_nothing_is_left_looking_staged(gc):
     job, gen = checkpointed_and_killed(gc, 4, "-w", "n1,n2")
     source = gen_dir(gc, "n1", job, gen["gen"]) / ckptstore.cluster_rank_file(0)
-    with open(source, "r+b") as f:
-        f.seek(100)
-        byte = f.read(1)
-        f.seek(100)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(source, 100)
     refused = restart(gc, job, "-w", "n3,n4", check=False)
     assert refused["returncode"] != 0, refused
     assert "n1" in refused["stderr"] and str(source) in refused["stderr"] and "corrupted" in refused["stderr"], refused["stderr"]

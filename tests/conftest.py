@@ -167,10 +167,10 @@ class LocalCluster:
     def log(self, node: str) -> str:
         return self.files[node].log.read_text(errors="replace")
 
-    def rank_processes(self, job_id: int | None = None) -> list[psutil.Process]:
-        """Live processes started for this cluster's jobs (forks included: they inherit the env)."""
+    def rank_processes(self, job_id: int | None = None, node: str | None = None) -> list[psutil.Process]:
+        """Live processes started for this cluster's jobs (forks included: they inherit the env); of one ``node``'s daemon if given."""
         found = []
-        prefix = str(self.dir)
+        prefix = str(self.dir) if node is None else f"{self.dir}/{node}/"
         for proc in psutil.process_iter():
             try:
                 env = proc.environ()

@@ -197,13 +197,7 @@ def lose(cluster, *nodes: str, wait_out_lease: bool = False) -> None:
     every daemon watches); ``wait_out_lease`` lets them expire instead."""
     for node in nodes:
         pid = cluster.daemon_pid(node)
-        ranks = []
-        for proc in cluster.rank_processes():
-            try:
-                if f"/{node}/" in proc.environ().get("GANGD_SOCKET", ""):
-                    ranks.append(proc)
-            except psutil.Error:  # (ended meanwhile: another node's rank the recovery killed)
-                continue
+        ranks = cluster.rank_processes(node=node)
         os.kill(pid, signal.SIGKILL)
         for proc in ranks:
             try:

@@ -31,12 +31,19 @@ log = logging.getLogger("gangd.failpoint")
 _DIRECTORY = os.environ.get("GANGD_FAILPOINTS")
 
 
-def failpoint(name: str) -> None:
+def _claim(name: str) -> bool:
+    """True once if the point is armed: the first process to unlink its file wins."""
     if not _DIRECTORY:
-        return
+        return False
     try:
         os.unlink(os.path.join(_DIRECTORY, name))
     except OSError:
+        return False
+    return True
+
+
+def failpoint(name: str) -> None:
+    if not _claim(name):
         return
     log.critical("failpoint %s reached: exiting as a crash would", name)
     logging.shutdown()
@@ -47,11 +54,7 @@ def refuse(name: str) -> bool:
     """True once when ``$GANGD_FAILPOINTS/<name>`` exists (claimed, as a
     failpoint is): the caller fails that request as a broken path would, and
     the daemon runs on."""
-    if not _DIRECTORY:
-        return False
-    try:
-        os.unlink(os.path.join(_DIRECTORY, name))
-    except OSError:
+    if not _claim(name):
         return False
     log.warning("failpoint %s reached: refusing this request", name)
     return True

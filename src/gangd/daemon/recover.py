@@ -182,6 +182,7 @@ class Recoveries:
     def __init__(self, coordinator):
         self.co = coordinator
         self.under_way: set[int] = set()  # job ids
+        self.repinning: set[int] = set()  # queued restarts whose nodes are being chosen again
 
     @property
     def table(self):
@@ -241,12 +242,11 @@ class Recoveries:
         generation's files were put or rebuilt there, then the node went
         down): choose its nodes again (:meth:`CheckpointCoordinator.replan`),
         or fail it saying why it cannot start."""
-        key = -record["id"]  # (under_way holds recoveries by id, re-pinnings by -id)
-        if key not in self.under_way:
-            self.under_way.add(key)
-            self.co.spawn(self._repin, record["id"], list(lost), key)
+        if record["id"] not in self.repinning:
+            self.repinning.add(record["id"])
+            self.co.spawn(self._repin, record["id"], list(lost))
 
-    async def _repin(self, job_id: int, lost: list[str], key: int) -> None:
+    async def _repin(self, job_id: int, lost: list[str]) -> None:
         async def attempt() -> None:
             record = self.table.get(job_id)
             if record is None or record["state"] != jobs.QUEUED or record["placement"] or not record.get("restart_of"):
@@ -263,7 +263,7 @@ class Recoveries:
         try:
             await self._until_done(job_id, "choosing its nodes again", attempt)
         finally:
-            self.under_way.discard(key)
+            self.repinning.discard(job_id)
 
     async def _run(self, job_id: int, taken_up: bool) -> None:
         """Recover the job until it has ended REQUEUED or FAILED."""

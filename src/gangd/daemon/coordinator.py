@@ -766,6 +766,8 @@ class Coordinator:
             if jobs.is_terminal(r):
                 return False
             r["reason"] = reason if cause else (r["reason"] or reason)
+            if not r["placement"]:  # never placed: nothing ran, nothing to wait for (as a kill of a queued job)
+                r["ranks"] = [s or {"never_started": True, "why": reason} for s in r["ranks"]]
             for rank, node in enumerate(r["placement"]):
                 if r["ranks"][rank] is None and (node in lost_nodes or not r["started"]):
                     r["ranks"][rank] = {"lost": True, "node": node, "why": reason}

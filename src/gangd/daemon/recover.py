@@ -254,7 +254,8 @@ class Recoveries:
             try:
                 await self.co.ckpt.replan(record, set(lost))
             except RemoteError as exc:
-                if isinstance(exc, Deposed) or exc.code in (*TRANSIENT, "busy"):
+                # (busy, bad_state: the lineage's other restart, or the recovery that made this job, is not over yet)
+                if isinstance(exc, Deposed) or exc.code in (*TRANSIENT, "busy", "bad_state"):
                     raise
                 log.warning("job %d: %s lost before it started, and it cannot start elsewhere: %s", job_id, describe_lost(lost), exc.message)
                 await self.co.fail(job_id, f"{describe_lost(lost)} lost before it started; it cannot restart elsewhere: {exc.message}")

@@ -36,3 +36,23 @@ async def test_a_channel_whose_peer_hung_up_says_disconnected_when_it_sends():
     with pytest.raises(Disconnected):
         await listener.request("info")
     await listener.transport.aclose()
+
+
+async def test_a_client_that_hangs_up_before_reading_its_answer_ends_the_channel_quietly():
+    # A client sends a request and closes its socket at once: the daemon's
+    # answer meets a broken pipe inside the read loop. That is the other side
+    # leaving, which `run` promises never to raise for (a daemon logged it as
+    # a failed task, with a traceback, for every flooding client that left).
+    left, right = socket.socketpair()
+    dialer = Channel(trio.SocketStream(trio.socket.from_stdlib_socket(left)), Connection(dialer=True, node="client", role=Role.CLIENT))
+    listener = Channel(trio.SocketStream(trio.socket.from_stdlib_socket(right)),
+                       Connection(dialer=False, node="n1", accept=frozenset({Role.CLIENT})))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(dialer.handshake)
+        nursery.start_soon(listener.handshake)
+    _rid, frame = dialer.conn.send_request("info", {}, window=dialer.window)
+    await dialer.transport.send_all(frame)
+    await dialer.transport.aclose()
+    with trio.fail_after(10):
+        await listener.run(None)  # answers "unsupported" into a closed socket
+    assert listener.closed

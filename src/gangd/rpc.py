@@ -322,6 +322,8 @@ class Channel:
                     # Caught here, inside the nursery: once it left, trio
                     # would wrap it in an exception group.
                     violation = exc
+                except Disconnected:
+                    pass  # an answer of the read loop's own met a hung-up socket: the other side left
                 finally:
                     # Closed before the handlers are cancelled, so a handler's
                     # cleanup can tell "the other side went away" from "asked to stop".

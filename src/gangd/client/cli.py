@@ -15,6 +15,7 @@ killed, 130 if `gang run` was interrupted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pwd
 import signal
@@ -427,10 +428,11 @@ Examples:
   gang ps
   gang ps --all --json | jq '.[] | select(.state=="FAILED")'
 """)
-@click.option("-a", "--all", "show_all", is_flag=True, help="Include jobs that ended more than an hour ago.")
+@click.option("-a", "--all", "show_all", is_flag=True, help="Include jobs that ended more than an hour ago (and the history).")
+@click.option("-n", "--limit", type=click.IntRange(min=1), default=None, metavar="N", help="Show at most N jobs (the oldest first).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @click.pass_context
-def ps(ctx, show_all, as_json):
+def ps(ctx, show_all, limit, as_json):
     """List jobs: id, name, owner, ranks, nodes, state right now, and times.
 
     \b
@@ -441,39 +443,59 @@ def ps(ctx, show_all, as_json):
     ones were, as the job their REASON names. ELAPSED is wall time since
     the job started, RUN and SUSP split it into time running and time
     stopped, CPU is the CPU time all its processes used on every node.
+
+    \b
+    Rows are printed a page (2000 jobs) at a time as they arrive, so the
+    first appear at once even with --all over a long history; each page's
+    columns are aligned on their own. For the jobs that ended, newest
+    first, see `gang history`.
     """
+    headers = ["JOBID", "NAME", "USER", "RANKS", "NODES", "STATE", "ELAPSED", "RUN", "SUSP", "CPU", "REASON"]
+
+    def row(r: dict, now: float) -> list:
+        return [
+            r["id"],
+            r["name"],
+            r["owner"],
+            r["nranks"],
+            jobs.compress_nodes(r["nodes"]) or "-",
+            r["state"] + (" (held)" if r.get("held") else ""),
+            jobs.format_duration(jobs.elapsed(r, now)),
+            _seconds(r.get("run_seconds")),
+            _seconds(r.get("suspended_seconds")),
+            _seconds(r.get("cpu_seconds")),
+            r["reason"] or "",
+        ]
 
     async def go():
+        shown = 0
+        warned = False
+        found: list[dict] = []
         async with connect(_cluster(ctx)) as gang:
-            return await gang.jobs(all=show_all)
+            async with contextlib.aclosing(gang.job_pages(all=show_all)) as pages:
+                async for page in pages:
+                    if limit is not None:
+                        page[limit - shown:] = []
+                    shown += len(page)
+                    warning = stale_warning(page.stale)
+                    if warning and not warned:  # (on stderr: a script reading stdout, or the JSON, is not disturbed)
+                        warned = True
+                        click.echo(warning, err=True)
+                    if as_json:
+                        # Each record says so too: a script cannot see stderr's warning in what it parses.
+                        found += [dict(r, stale=page.stale) for r in page] if page.stale else page
+                    elif page:
+                        now = time.time()
+                        lines = table([row(r, now) for r in page], headers)
+                        click.echo(lines if shown == len(page) else lines.split("\n", 1)[1])  # (the header once)
+                    if limit is not None and shown >= limit:
+                        break
+        if as_json:
+            emit_json(found)
+        elif not shown:
+            click.echo(table([], headers))
 
-    records = run_async(go)
-    warning = stale_warning(records.stale)
-    if warning:  # (on stderr: a script reading stdout, or the JSON, is not disturbed)
-        click.echo(warning, err=True)
-    if as_json:
-        # Each record says so too: a script cannot see stderr's warning in what it parses.
-        emit_json([dict(r, stale=records.stale) for r in records] if records.stale else list(records))
-        return
-    now = time.time()
-    rows = []
-    for r in records:
-        rows.append(
-            [
-                r["id"],
-                r["name"],
-                r["owner"],
-                r["nranks"],
-                jobs.compress_nodes(r["nodes"]) or "-",
-                r["state"] + (" (held)" if r.get("held") else ""),
-                jobs.format_duration(jobs.elapsed(r, now)),
-                _seconds(r.get("run_seconds")),
-                _seconds(r.get("suspended_seconds")),
-                _seconds(r.get("cpu_seconds")),
-                r["reason"] or "",
-            ]
-        )
-    click.echo(table(rows, ["JOBID", "NAME", "USER", "RANKS", "NODES", "STATE", "ELAPSED", "RUN", "SUSP", "CPU", "REASON"]))
+    run_async(go)
 
 
 @main.command(epilog="""\b

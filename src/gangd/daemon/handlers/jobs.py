@@ -264,11 +264,21 @@ class Listing:
         await self.table.wait_loaded()
         everything = bool(args.get("all"))
         cutoff = None if everything else time.time() - 3600
-        records = await self.table.hot_page(
-            after, limit, lambda r: cutoff is None or not jobs.is_terminal(r) or (r.get("ended") or 0) > cutoff)
-        if everything:
-            # The history too (ended jobs past the retention period), merged in id order.
+        def keep(r: dict) -> bool:
+            return cutoff is None or not jobs.is_terminal(r) or (r.get("ended") or 0) > cutoff
+
+        if self.membership is not None and not self.membership.connected:
+            # Cut off from etcd: what this node knows (its own jobs), which the
+            # answer says may be out of date (see ``staleness``).
+            records = self.table.cached_page(after, limit, keep)
+            return [_summary(r) for r in records]
+        if not everything:
+            records = await self.table.hot_page(after, limit, keep)
+        else:
+            # The history too (ended jobs past the retention period), merged in
+            # id order: a full page of it ends the page (no hot job above it is read).
             past = await self.table.history(after, limit)
+            records = await self.table.hot_page(after, limit, keep, below=past[-1]["id"] if len(past) >= limit else None)
             merged = {r["id"]: r for r in past}
             merged.update({r["id"]: r for r in records})
             records = [merged[job_id] for job_id in sorted(merged)[:limit]]

@@ -10,9 +10,10 @@ so with the same mod revision), or one copy every node watches
 (``PREFIX/on/+/<id>``) for a job on many nodes or with a large record; a
 node loads and watches only those. The copies of nodes a job leaves are
 deleted in the same transaction, and all of them when it moves to the
-history. The coordinator, which schedules over every job, widens its
-cache to the whole table for its term (:meth:`JobTable.widen`) and narrows
-it back when the term ends. Listings and waits for a job that is not here
+history. The coordinator, which schedules over every job, reads the whole
+table when its term begins (:meth:`JobTable.widen`; every commit of the
+terms before is in it) and from then on follows its own commits -- it is
+the only writer, and fenced -- and narrows its cache back when the term ends. Listings and waits for a job that is not here
 read etcd (:meth:`JobTable.hot_page`, :meth:`JobTable.watch_job`).
 
 etcd is read once (a range at one revision, page by page) and then only
@@ -458,9 +459,13 @@ class JobTable:
 
     # ------------------------------------------------------------ following etcd
 
-    def _prefixes(self) -> list[str]:
-        """What the cache follows: the whole table, or this node's copies and those every node watches."""
-        if self.wide or self.node is None:
+    def _prefixes(self, *, watched: bool = False) -> list[str]:
+        """What the cache reads: the whole table, or this node's copies and
+        those every node watches. What it watches (``watched``): the latter
+        on every node, the coordinator too -- it is the table's only writer,
+        fenced, so its whole-table cache follows its own commits (a watch of
+        the whole table would send it each of its writes back)."""
+        if self.node is None or (self.wide and not watched):
             return [self.keys.jobs]
         return [self.keys.placed_on(self.node), self.keys.placed_on_many]
 
@@ -583,7 +588,7 @@ class JobTable:
     async def _watch(self, on_started: Callable[[], None]) -> None:
         """Watch the scope's prefixes from :attr:`revision` on (each its own
         watch; :attr:`revision` is then the lowest either delivered)."""
-        prefixes = self._prefixes()
+        prefixes = self._prefixes(watched=True)
         start = self.revision
         reached = dict.fromkeys(prefixes, start)
 
@@ -617,6 +622,8 @@ class JobTable:
             elif current is not None:  # (a copy every node watches, of a job no longer placed here)
                 self._forget(job_id)
                 self.notify_changed()
+        elif self.wide and prefix != self.keys.jobs:
+            return  # (a copy deleted by this coordinator's own write: the job stays in the table)
         elif current is not None and current.get("seq", 0) < event.kv.mod_revision:
             self._forget(job_id)  # moved to the history (or, a copy: no longer placed here)
             self.notify_changed()
@@ -696,14 +703,14 @@ class JobTable:
         record["seq"] = kv.mod_revision
         return record, 0
 
-    async def hot_page(self, after: int, limit: int, keep: Callable[[dict], bool]) -> list[dict]:
-        """Up to ``limit`` jobs of the hot table with ids above ``after`` that
+    async def hot_page(self, after: int, limit: int, keep: Callable[[dict], bool], below: int | None = None) -> list[dict]:
+        """Up to ``limit`` jobs of the hot table with ids above ``after`` (and below ``below``) that
         ``keep``, in id order, read from etcd (a linearizable range per PAGE:
         the hot table is kept small by the retention period; on every node
         alike, the coordinator's cache of it is for scheduling)."""
         out: list[dict] = []
         start: str | bytes = self.keys.job(after + 1)
-        end = prefix_end(self.keys.jobs)
+        end = prefix_end(self.keys.jobs) if below is None else self.keys.job(below)
         try:
             while len(out) < limit:
                 page = await self.etcd.range(start, range_end=end, limit=max(PAGE, limit - len(out)))
@@ -718,6 +725,11 @@ class JobTable:
         except EtcdError as exc:
             raise unavailable(exc) from None
         return out
+
+    def cached_page(self, after: int, limit: int, keep: Callable[[dict], bool]) -> list[dict]:
+        """:meth:`hot_page` from this node's cache alone (what a node cut off from etcd knows: its own jobs)."""
+        ids = sorted(j for j, r in self.records.items() if j > after and keep(r))
+        return [self.records[j] for j in ids[:limit]]
 
     async def hot_before(self, before: int | None, limit: int, keep: Callable[[dict], bool]) -> list[dict]:
         """Up to ``limit`` jobs of the hot table with ids below ``before`` (all if None) that ``keep``, newest first."""

@@ -202,3 +202,22 @@ def test_a_job_on_many_nodes_or_with_a_large_record_has_one_copy_and_an_update_s
     ops = jobtable.copy_ops(keys, old, dict(record, placement=["n2", "n3"]), b"x")
     assert sorted((op.kind, base64.b64decode(op.body["key"]).decode()) for op in ops) == sorted(
         [("request_put", keys.copy("n2", 7)), ("request_put", keys.copy("n3", 7)), ("request_delete_range", keys.copy("n1", 7))])
+
+
+async def test_a_large_record_is_not_copied_and_its_node_reads_it_from_the_jobs_key(etcd_endpoints, keys):
+    # A copy of a record near etcd's request limit would make the update too
+    # large to commit (seen: a job with a long command line never placed).
+    async with Etcd(etcd_endpoints) as etcd, open_lease(etcd, 10) as lease:
+        fence = await leader(etcd, keys, lease)
+        writer = JobTable(etcd, keys)
+        big = (await writer.create(fence, lambda job_id: dict(build(job_id), argv=["app", "x" * 900_000]), {}))["id"]
+        async with following(etcd, keys, "n2") as n2:
+            placed = await writer.update(fence, big, place(["n2"]))
+            await until(n2, lambda: big in n2.records)
+            assert n2.get(big)["seq"] == placed["seq"] and len(n2.get(big)["argv"][1]) == 900_000
+            assert (await etcd.get(keys.copy(None, big))).value == b""
+            await writer.update(fence, big, end)
+            await until(n2, lambda: n2.get(big)["state"] == jobs.DONE)
+        fresh = JobTable(etcd, keys, node="n2")
+        await fresh.load()
+        assert fresh.get(big)["state"] == jobs.DONE

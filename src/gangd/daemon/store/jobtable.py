@@ -223,10 +223,14 @@ def copies(keys: Keys, record: dict, size: int) -> list[str]:
 
 def copy_ops(keys: Keys, old: dict | None, record: dict | None, data: bytes) -> list[Op]:
     """The operations that keep a job's copies in line with its record
-    going from ``old`` to ``record`` (None: the job leaves the hot table)."""
+    going from ``old`` to ``record`` (None: the job leaves the hot table).
+    A record larger than FANOUT_BYTES is not copied: its one copy is empty,
+    and says "read the job's key at my revision" (see :meth:`JobTable._resolve`):
+    a transaction holds at most one large record (etcd refuses requests above 1.5 MiB)."""
     new = copies(keys, record, len(data)) if record is not None else []
     gone = [k for k in (copies(keys, old, len(data)) if old is not None else []) if k not in new]
-    return [Op.put(k, data) for k in new] + [Op.delete(k) for k in gone]
+    value = data if len(data) <= FANOUT_BYTES else b""
+    return [Op.put(k, value) for k in new] + [Op.delete(k) for k in gone]
 
 
 def prefix_end(prefix: str) -> bytes:
@@ -492,10 +496,10 @@ class JobTable:
                     if current is not None and current.get("seq", 0) >= kv.mod_revision:
                         seen.add(job_id)
                         continue
-                    record = self._decode_kv(kv)
+                    record, as_of = await self._resolve(kv, prefix, job_id)
                     if record is not None and self._mine(record):
                         seen.add(job_id)
-                        self.take(record, kv.mod_revision)
+                        self.take(record, as_of)
                 if not page.more or not page.kvs:
                     break
                 start = page.kvs[-1].key + b"\0"
@@ -530,6 +534,24 @@ class JobTable:
         if self._follow_scope is not None:
             self._follow_scope.cancel()
         return self._scope_gen
+
+    async def _resolve(self, kv: KeyValue, prefix: str, job_id: int) -> tuple[dict | None, int]:
+        """The record a key holds; for an empty copy (a large record, see
+        :func:`copy_ops`), the job's key as of the copy's revision (both are
+        written in one transaction), or now if that revision was compacted
+        (None if the job has left the table since: its copy's delete follows);
+        and the revision it is as of."""
+        if kv.value or prefix == self.keys.jobs:
+            return self._decode_kv(kv), kv.mod_revision
+        try:
+            found = await self.etcd.range(self.keys.job(job_id), revision=kv.mod_revision)
+        except Unavailable:
+            raise
+        except EtcdError:  # (compacted: the newer record is as good)
+            found = await self.etcd.range(self.keys.job(job_id))
+        if not found.kvs:
+            return None, 0
+        return self._decode_kv(found.kvs[0]), found.kvs[0].mod_revision
 
     def _decode_kv(self, kv: KeyValue) -> dict | None:
         try:
@@ -597,7 +619,7 @@ class JobTable:
                 task_status.started()
                 async for batch in batches:
                     for event in batch.events:
-                        self._apply_event(event, prefix)
+                        await self._apply_event(event, prefix)
                     reached[prefix] = max(reached[prefix], batch.revision)
                     self.revision = max(self.revision, min(reached.values()))
 
@@ -606,7 +628,7 @@ class JobTable:
                 await nursery.start(one, prefix)
             on_started()
 
-    def _apply_event(self, event, prefix: str) -> None:
+    async def _apply_event(self, event, prefix: str) -> None:
         job_id = Keys.job_id(event.kv.key, prefix)
         if job_id is None:
             return
@@ -614,11 +636,12 @@ class JobTable:
         if event.type == "PUT":
             if current is not None and current.get("seq", 0) >= event.kv.mod_revision:
                 return  # this node's own write, cached when it committed: not decoded again
-            record = self._decode_kv(event.kv)
+            record, as_of = await self._resolve(event.kv, prefix, job_id)
             if record is None:
                 return
+            current = self.records.get(job_id)  # (read again: the read above waited)
             if self._mine(record):
-                self.take(record, event.kv.mod_revision)
+                self.take(record, as_of)
             elif current is not None:  # (a copy every node watches, of a job no longer placed here)
                 self._forget(job_id)
                 self.notify_changed()
@@ -1010,9 +1033,8 @@ class JobTable:
             success = [Op.put(keys.job(job_id), data)]
             if jobs.is_terminal(record):
                 success.append(Op.delete(keys.env(job_id)))
-            placed = copy_ops(keys, current, record, data)  # (the nodes it is placed on watch these)
-            success += placed
-            write = _Write(fence, job_id, revision, success, len(data) * (1 + len(placed)))
+            success += copy_ops(keys, current, record, data)  # (the nodes it is placed on watch these)
+            write = _Write(fence, job_id, revision, success, sum(len(op.body.get("value", "")) for op in success))
             await self._commit(write)
             if write.error is not None:
                 raise write.error

@@ -186,7 +186,7 @@ async def wait(s, call: Call):
             return False
 
         try:
-            await table.watch_job(job_id, seen)  # (until it ends; from the history once retired)
+            await table.watch_job(job_id, seen, record)  # (until it ends; from the history once retired)
         finally:
             current = table.get(job_id) or last
             if kill_on_disconnect and channel.closed and current is not None and not jobs.is_terminal(current):

@@ -672,17 +672,20 @@ class JobTable:
             raise RemoteError("internal", f"job {job_id}'s record in etcd is damaged: {exc}") from None
         return None
 
-    async def watch_job(self, job_id: int, seen: Callable[[dict], Awaitable[bool]]) -> dict:
+    async def watch_job(self, job_id: int, seen: Callable[[dict], Awaitable[bool]], first: dict | None = None) -> dict:
         """Call ``seen(record)`` with job ``job_id``'s record, then again at
         each change, until it returns True or the job has ended; the last
         record. From this node's cache when the job is in it, else from etcd
-        (its key watched: no change is missed, and none of another job wakes it)."""
+        (its key watched: no change is missed, and none of another job wakes
+        it). ``first``: the record just read (an ended one is not read again)."""
         last = -1
         while True:
             changed = self.change_event()  # (taken before reading: a change meanwhile is not lost)
             current = self.records.get(job_id)
             revision = 0
-            if current is None:
+            if current is None and first is not None and jobs.is_terminal(first):
+                current = first  # (an ended job changes no more)
+            elif current is None:
                 current, revision = await self._read_job(job_id)
             if current["seq"] != last:
                 last = current["seq"]

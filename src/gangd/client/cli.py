@@ -30,7 +30,7 @@ import trio
 
 from .. import jobs, text
 from ..rpc import RemoteError, leaf_error
-from .api import MAX_FOLLOW, ClusterNotFound, cluster_dir, connect, stale_warning
+from .api import MAX_FOLLOW, ClusterNotFound, JobList, cluster_dir, connect, stale_warning
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -84,7 +84,8 @@ def _json_default(obj):
 
 def table(rows: Sequence[Sequence[object]], headers: list[str]) -> str:
     """Aligned columns, one cell per header in every row; every cell shown as printable text (job names and reasons are other users')."""
-    cells = [[text.printable(c, 256) for c in row] for row in rows]
+    # (most cells are plain already: they are shown as they are, the rest cleaned)
+    cells = [[c if type(c) is str and len(c) <= 256 and c.isprintable() else text.printable(c, 256) for c in row] for row in rows]
     widths = [max(len(x) for x in col) for col in zip(headers, *cells, strict=True)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
     for row in cells:
@@ -471,9 +472,18 @@ def ps(ctx, show_all, limit, as_json):
         shown = 0
         warned = False
         found: list[dict] = []
-        async with connect(_cluster(ctx)) as gang:
-            async with contextlib.aclosing(gang.job_pages(all=show_all)) as pages:
-                async for page in pages:
+        async with connect(_cluster(ctx)) as gang, trio.open_nursery() as nursery:
+            # The next page is asked for while this one is printed.
+            send, receive = trio.open_memory_channel[JobList](1)
+
+            async def fetch() -> None:
+                async with send, contextlib.aclosing(gang.job_pages(all=show_all)) as pages:
+                    async for page in pages:
+                        await send.send(page)
+
+            nursery.start_soon(fetch)
+            async with receive:
+                async for page in receive:
                     if limit is not None:
                         page[limit - shown:] = []
                     shown += len(page)
@@ -490,6 +500,7 @@ def ps(ctx, show_all, limit, as_json):
                         click.echo(lines if shown == len(page) else lines.split("\n", 1)[1])  # (the header once)
                     if limit is not None and shown >= limit:
                         break
+            nursery.cancel_scope.cancel()
         if as_json:
             emit_json(found)
         elif not shown:

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import os
+import subprocess
+import sys
 
 import trio
 
@@ -221,3 +224,39 @@ async def test_a_large_record_is_not_copied_and_its_node_reads_it_from_the_jobs_
         fresh = JobTable(etcd, keys, node="n2")
         await fresh.load()
         assert fresh.get(big)["state"] == jobs.DONE
+
+
+def test_a_node_lists_waits_for_and_shows_the_output_of_jobs_placed_on_another(make_cluster):
+    # n2 holds none of n1's jobs: `gang ps`, `gang wait`, `gang job` and
+    # `gang logs` through n2 read etcd (and n1) for them.
+    from test_control_plane import gang_on, json_on, submit_on
+
+    cluster = make_cluster(2, cores=4)
+    sleepers = [submit_on(cluster, "n1", "-n", 1, "-w", "n1", "--", "sleep", 300) for _ in range(3)]
+    echo = submit_on(cluster, "n1", "-n", 1, "-w", "n1", "--", "sh", "-c", "echo hello from n1")
+    for job in sleepers:
+        cluster.wait_state(job, "RUNNING")
+    listed = json_on(cluster, "n2", "ps")
+    assert {r["id"]: r["state"] for r in listed if r["id"] in sleepers} == dict.fromkeys(sleepers, "RUNNING")
+    assert all(r["nodes"] == ["n1"] for r in listed)
+    first_two = gang_on(cluster, "n2", "ps", "-n", 2)
+    assert first_two.returncode == 0, first_two.stderr
+    assert [line.split()[0] for line in first_two.stdout.splitlines()[1:]] == [str(j) for j in sorted([*sleepers, echo])[:2]]
+    waited = gang_on(cluster, "n2", "wait", echo)
+    assert waited.returncode == 0, waited.stderr
+    assert json_on(cluster, "n2", "job", echo)["state"] == "DONE"
+    logs = gang_on(cluster, "n2", "logs", echo)
+    assert logs.returncode == 0 and "hello from n1" in logs.stdout, logs.stderr
+    # A wait through n2 hears of a kill through n1 (its key watched, not n2's cache).
+    env = {k: v for k, v in os.environ.items() if k != "GANGD_CLUSTER"}
+    env["GANGD_SOCKET"] = str(cluster.files["n2"].socket)
+    waiting = subprocess.Popen([sys.executable, "-m", "gangd.client.cli", "wait", str(sleepers[0])], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        gang_on(cluster, "n1", "kill", sleepers[0])
+        out, err = waiting.communicate(timeout=60)
+    finally:
+        waiting.kill()
+    assert waiting.returncode == jobs.EXIT_KILLED, (out, err)
+    for job in sleepers[1:]:
+        gang_on(cluster, "n1", "kill", job)

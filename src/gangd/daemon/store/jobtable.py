@@ -465,12 +465,14 @@ class JobTable:
 
     def _prefixes(self, *, watched: bool = False) -> list[str]:
         """What the cache reads: the whole table, or this node's copies and
-        those every node watches. What it watches (``watched``): the latter
-        on every node, the coordinator too -- it is the table's only writer,
-        fenced, so its whole-table cache follows its own commits (a watch of
-        the whole table would send it each of its writes back)."""
-        if self.node is None or (self.wide and not watched):
+        those every node watches; and what it watches (``watched``): the
+        same, but nothing on the coordinator -- the table's only writer,
+        fenced, its cache follows its own commits (a watch would send it
+        each of its writes back)."""
+        if self.node is None:
             return [self.keys.jobs]
+        if self.wide:
+            return [] if watched else [self.keys.jobs]
         return [self.keys.placed_on(self.node), self.keys.placed_on_many]
 
     def _mine(self, record: dict) -> bool:
@@ -511,7 +513,7 @@ class JobTable:
 
     async def widen(self) -> None:
         """Hold the whole table from now on (a coordinator's term begins):
-        returns once it is read, then followed."""
+        returns once it is read (then the term's own commits keep it)."""
         if self.node is None:
             await self.load()
             return
@@ -627,6 +629,8 @@ class JobTable:
             for prefix in prefixes:
                 await nursery.start(one, prefix)
             on_started()
+            if not prefixes:
+                await trio.sleep_forever()  # (until the scope changes)
 
     async def _apply_event(self, event, prefix: str) -> None:
         job_id = Keys.job_id(event.kv.key, prefix)

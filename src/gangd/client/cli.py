@@ -427,10 +427,11 @@ def submit(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, ck
 @main.command(epilog="""\b
 Examples:
   gang ps
+  gang ps --all -n 100          the first 100 jobs, the history included
   gang ps --all --json | jq '.[] | select(.state=="FAILED")'
 """)
 @click.option("-a", "--all", "show_all", is_flag=True, help="Include jobs that ended more than an hour ago (and the history).")
-@click.option("-n", "--limit", type=click.IntRange(min=1), default=None, metavar="N", help="Show at most N jobs (the oldest first).")
+@click.option("-n", "--limit", type=click.IntRange(min=1), default=None, metavar="N", help="Show at most N jobs (in id order: the oldest first).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @click.pass_context
 def ps(ctx, show_all, limit, as_json):

@@ -107,8 +107,9 @@ async def baseline_txn_rate(directory: Path, count: int) -> float:
     return rate
 
 
-async def submit_rate(directory: Path, total: int, clients: int, to: str) -> tuple[float, float]:
-    """jobs/s accepted, and seconds until every one of them ended."""
+async def submit_rate(directory: Path, total: int, clients: int, to: str) -> tuple[float, float, tuple[float, float]]:
+    """jobs/s accepted, seconds until every one of them ended, and the CPU
+    seconds the daemons and etcd had used when the last was accepted."""
     ids: list[int] = []
     remaining = [total]
     nodes = local.node_files(directory)
@@ -130,12 +131,13 @@ async def submit_rate(directory: Path, total: int, clients: int, to: str) -> tup
         for i in range(clients):
             nursery.start_soon(client, i)
     accepted = time.monotonic() - began
+    at_accepted = cpu_seconds(directory)
     async with connect(directory) as gang:
         for job_id in sorted(ids, reverse=True):
             await gang.wait_done(job_id)
     finished = time.monotonic() - began
     assert len(set(ids)) == len(ids) == total, "a job id was handed out twice"
-    return total / accepted, finished
+    return total / accepted, finished, at_accepted
 
 
 async def coordinator_of(directory: Path) -> str:
@@ -223,15 +225,17 @@ def main() -> None:
             time.sleep(5)  # the previous round's jobs retire (job_retention 3 s)
             # etcd itself, now (the machine is shared, and etcd's own costs may change with its size).
             here = trio.run(baseline_txn_rate, directory, max(100, args.baseline // 4))
-            daemons, etcd = cpu_seconds(directory)
-            rate, finished = trio.run(submit_rate, directory, args.jobs, args.clients, args.clients_to)
-            daemons, etcd = (now - before for now, before in zip(cpu_seconds(directory), (daemons, etcd), strict=True))
+            before = cpu_seconds(directory)
+            rate, finished, accepting = trio.run(submit_rate, directory, args.jobs, args.clients, args.clients_to)
+            daemons, etcd = (now - then for now, then in zip(cpu_seconds(directory), before, strict=True))
+            daemons_a, etcd_a = (now - then for now, then in zip(accepting, before, strict=True))
             rates[size] = rate
             print(f"history {size:>7}: {rate:7.0f} jobs/s accepted ({rate / baseline:.2f}x the baseline txn rate, "
                   f"{rate / here:.2f}x this round's {here:.0f} txn/s); "
                   f"all {args.jobs} ended after {finished:.1f} s ({args.jobs / finished:.0f} jobs/s end to end); "
                   f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus; "
-                  f"CPU per job: daemons {1000 * daemons / args.jobs:.1f} ms, etcd {1000 * etcd / args.jobs:.1f} ms")
+                  f"CPU per job: daemons {1000 * daemons / args.jobs:.1f} ms, etcd {1000 * etcd / args.jobs:.1f} ms "
+                  f"(until the last was accepted: daemons {1000 * daemons_a / args.jobs:.1f} ms, etcd {1000 * etcd_a / args.jobs:.1f} ms)")
         if 0 in rates and sizes[-1] != 0:
             print(f"rate at {sizes[-1]} / rate at 0: {rates[sizes[-1]] / rates[0]:.2f}")
         gang = [sys.executable, "-m", "gangd.client.cli", "--cluster", str(directory)]

@@ -17,8 +17,10 @@ On a local cluster with its own etcd (real fsyncs, the daemons' real code):
                the load average is printed beside each round too).
   failover     SIGKILL to the coordinator's daemon, then submits through
                another node until one is accepted: the time between.
-  listing      wall time of `gang ps` and `gang ps --all` (a subprocess
-               each) with the history at its largest.
+  listing      wall time of `gang ps`, `gang ps --all` and `gang ps --all
+               -n 100` (a subprocess each) with the history at its largest:
+               until the first row printed (pages are printed as they
+               arrive) and until the end.
 
 Targets (issue 15): >= 300 jobs/s, the rate at 100 000 within 10 % of the
 rate at 0, failover within the lease TTL + 1 s.
@@ -105,8 +107,9 @@ async def baseline_txn_rate(directory: Path, count: int) -> float:
     return rate
 
 
-async def submit_rate(directory: Path, total: int, clients: int, to: str) -> tuple[float, float]:
-    """jobs/s accepted, and seconds until every one of them ended."""
+async def submit_rate(directory: Path, total: int, clients: int, to: str) -> tuple[float, float, tuple[float, float]]:
+    """jobs/s accepted, seconds until every one of them ended, and the CPU
+    seconds the daemons and etcd had used when the last was accepted."""
     ids: list[int] = []
     remaining = [total]
     nodes = local.node_files(directory)
@@ -128,12 +131,13 @@ async def submit_rate(directory: Path, total: int, clients: int, to: str) -> tup
         for i in range(clients):
             nursery.start_soon(client, i)
     accepted = time.monotonic() - began
+    at_accepted = cpu_seconds(directory)
     async with connect(directory) as gang:
         for job_id in sorted(ids, reverse=True):
             await gang.wait_done(job_id)
     finished = time.monotonic() - began
     assert len(set(ids)) == len(ids) == total, "a job id was handed out twice"
-    return total / accepted, finished
+    return total / accepted, finished, at_accepted
 
 
 async def coordinator_of(directory: Path) -> str:
@@ -175,10 +179,22 @@ def cpu_seconds(directory: Path) -> tuple[float, float]:
     return daemons, etcd
 
 
-def timed(argv: list[str]) -> float:
+def timed(argv: list[str]) -> tuple[float, float, int]:
+    """Seconds until the command printed its first job row, until it ended, and the rows it printed."""
     began = time.monotonic()
-    subprocess.run(argv, check=True, capture_output=True)
-    return time.monotonic() - began
+    first = None
+    rows = 0
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.split(" ", 1)[0].isdigit():
+                rows += 1
+                if first is None:
+                    first = time.monotonic() - began
+    if proc.returncode != 0:
+        raise RuntimeError(f"{argv} exited {proc.returncode}")
+    took = time.monotonic() - began
+    return (first if first is not None else took), took, rows
 
 
 def main() -> None:
@@ -209,20 +225,23 @@ def main() -> None:
             time.sleep(5)  # the previous round's jobs retire (job_retention 3 s)
             # etcd itself, now (the machine is shared, and etcd's own costs may change with its size).
             here = trio.run(baseline_txn_rate, directory, max(100, args.baseline // 4))
-            daemons, etcd = cpu_seconds(directory)
-            rate, finished = trio.run(submit_rate, directory, args.jobs, args.clients, args.clients_to)
-            daemons, etcd = (now - before for now, before in zip(cpu_seconds(directory), (daemons, etcd), strict=True))
+            before = cpu_seconds(directory)
+            rate, finished, accepting = trio.run(submit_rate, directory, args.jobs, args.clients, args.clients_to)
+            daemons, etcd = (now - then for now, then in zip(cpu_seconds(directory), before, strict=True))
+            daemons_a, etcd_a = (now - then for now, then in zip(accepting, before, strict=True))
             rates[size] = rate
             print(f"history {size:>7}: {rate:7.0f} jobs/s accepted ({rate / baseline:.2f}x the baseline txn rate, "
                   f"{rate / here:.2f}x this round's {here:.0f} txn/s); "
                   f"all {args.jobs} ended after {finished:.1f} s ({args.jobs / finished:.0f} jobs/s end to end); "
                   f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus; "
-                  f"CPU per job: daemons {1000 * daemons / args.jobs:.1f} ms, etcd {1000 * etcd / args.jobs:.1f} ms")
+                  f"CPU per job: daemons {1000 * daemons / args.jobs:.1f} ms, etcd {1000 * etcd / args.jobs:.1f} ms "
+                  f"(until the last was accepted: daemons {1000 * daemons_a / args.jobs:.1f} ms, etcd {1000 * etcd_a / args.jobs:.1f} ms)")
         if 0 in rates and sizes[-1] != 0:
             print(f"rate at {sizes[-1]} / rate at 0: {rates[sizes[-1]] / rates[0]:.2f}")
         gang = [sys.executable, "-m", "gangd.client.cli", "--cluster", str(directory)]
-        ps, ps_all = timed([*gang, "ps"]), timed([*gang, "ps", "--all"])
-        print(f"gang ps: {ps:.2f} s; gang ps --all ({sizes[-1] + len(sizes) * args.jobs} jobs): {ps_all:.2f} s")
+        for what in (["ps"], ["ps", "--all"], ["ps", "--all", "-n", "100"]):
+            first, took, rows = timed([*gang, *what])
+            print(f"gang {' '.join(what)}: {rows} rows, the first after {first:.2f} s, all after {took:.2f} s")
         took, leader, other = trio.run(failover, directory, ttl)
         print(f"failover: SIGKILL to the coordinator ({leader}) -> next submit accepted through {other}: {took:.2f} s "
               f"(lease TTL {ttl} s; target <= {ttl + 1} s)")

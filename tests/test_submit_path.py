@@ -243,7 +243,7 @@ def test_a_node_cut_off_from_etcd_says_its_listings_may_be_out_of_date(make_clus
         nf.config.write_text(re.sub(r"endpoints = \[[^\]]*\]", f'endpoints = ["http://127.0.0.1:{proxy.port}"]', nf.config.read_text(), count=1))
         cluster.start_daemon("n2")
         wait_for(lambda: all(r["state"] == "up" for r in json_on(cluster, "n1", "nodes")["nodes"]), 30, "n2 back")
-        job = submit_on(cluster, "n1", "-n", 1, "-w", "n1", "--", "sleep", 300)
+        job = submit_on(cluster, "n1", "-n", 1, "-w", "n2", "--", "sleep", 300)  # (n2 caches the jobs placed on it)
         cluster.wait_state(job, "RUNNING")
         wait_for(lambda: any(r["id"] == job for r in json_on(cluster, "n2", "ps")), 30, "n2 to see the job")
         # Connected: no warning anywhere.
@@ -254,7 +254,7 @@ def test_a_node_cut_off_from_etcd_says_its_listings_may_be_out_of_date(make_clus
         proxy.cut()
         wait_for(lambda: "cannot reach etcd" in next(r for r in json_on(cluster, "n2", "nodes")["nodes"] if r["name"] == "n2")["why"], 30,
                  "n2 to know it is cut off")
-        # n2 still answers from its cache, and says the answer may be old (stderr), and how long it has been.
+        # n2 still answers from its cache (the jobs placed on it), and says the answer may be old (stderr), and how long it has been.
         listed = gang_on(cluster, "n2", "ps")
         assert listed.returncode == 0, listed.stderr
         assert str(job) in listed.stdout

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import tomllib
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -169,18 +170,27 @@ class Client:
         (a page may be short of the limit when its jobs have many ranks: the last one is empty).
         Its ``stale`` says whether the node that answered has lost etcd (see :class:`JobList`)."""
         found = JobList()
+        async for page in self.job_pages(all=all):
+            found.stale = found.stale or page.stale
+            found += page
+        return found
+
+    async def job_pages(self, all: bool = False, page: int = 2000) -> AsyncIterator[JobList]:
+        """:meth:`jobs` a page at a time, as each arrives (``gang ps`` prints
+        the first rows at once, whatever the history holds)."""
         after = 0
         while True:
-            reply = await self.request("jobs", all=all, after=after, limit=2000, freshness=True)
+            reply = await self.request("jobs", all=all, after=after, limit=page, freshness=True)
+            found = JobList()
             if isinstance(reply, dict):
-                batch, stale = reply.get("jobs") or [], reply.get("stale")
+                found += reply.get("jobs") or []
+                found.stale = reply.get("stale")
             else:  # a daemon from before the freshness flag
-                batch, stale = reply, None
-            found.stale = found.stale or stale
-            if not batch:
-                return found
-            found += batch
-            after = batch[-1]["id"]
+                found += reply
+            if not found:
+                return
+            yield found
+            after = found[-1]["id"]
 
     async def history(self, limit: int = 50, before: int | None = None, uid: int | None = None) -> list[dict]:
         """Ended jobs, newest first (the cluster's history): up to ``limit`` with ids below ``before``."""

@@ -15,6 +15,7 @@ killed, 130 if `gang run` was interrupted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pwd
 import signal
@@ -29,7 +30,7 @@ import trio
 
 from .. import jobs, text
 from ..rpc import RemoteError, leaf_error
-from .api import MAX_FOLLOW, ClusterNotFound, cluster_dir, connect, stale_warning
+from .api import MAX_FOLLOW, ClusterNotFound, JobList, cluster_dir, connect, stale_warning
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -83,7 +84,8 @@ def _json_default(obj):
 
 def table(rows: Sequence[Sequence[object]], headers: list[str]) -> str:
     """Aligned columns, one cell per header in every row; every cell shown as printable text (job names and reasons are other users')."""
-    cells = [[text.printable(c, 256) for c in row] for row in rows]
+    # (most cells are plain already: they are shown as they are, the rest cleaned)
+    cells = [[c if type(c) is str and len(c) <= 256 and c.isprintable() else text.printable(c, 256) for c in row] for row in rows]
     widths = [max(len(x) for x in col) for col in zip(headers, *cells, strict=True)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
     for row in cells:
@@ -425,12 +427,14 @@ def submit(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, ck
 @main.command(epilog="""\b
 Examples:
   gang ps
+  gang ps --all -n 100          the first 100 jobs, the history included
   gang ps --all --json | jq '.[] | select(.state=="FAILED")'
 """)
-@click.option("-a", "--all", "show_all", is_flag=True, help="Include jobs that ended more than an hour ago.")
+@click.option("-a", "--all", "show_all", is_flag=True, help="Include jobs that ended more than an hour ago (and the history).")
+@click.option("-n", "--limit", type=click.IntRange(min=1), default=None, metavar="N", help="Show at most N jobs (in id order: the oldest first).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @click.pass_context
-def ps(ctx, show_all, as_json):
+def ps(ctx, show_all, limit, as_json):
     """List jobs: id, name, owner, ranks, nodes, state right now, and times.
 
     \b
@@ -441,39 +445,69 @@ def ps(ctx, show_all, as_json):
     ones were, as the job their REASON names. ELAPSED is wall time since
     the job started, RUN and SUSP split it into time running and time
     stopped, CPU is the CPU time all its processes used on every node.
+
+    \b
+    Rows are printed a page (2000 jobs) at a time as they arrive, so the
+    first appear at once even with --all over a long history; each page's
+    columns are aligned on their own. For the jobs that ended, newest
+    first, see `gang history`.
     """
+    headers = ["JOBID", "NAME", "USER", "RANKS", "NODES", "STATE", "ELAPSED", "RUN", "SUSP", "CPU", "REASON"]
+
+    def row(r: dict, now: float) -> list:
+        return [
+            r["id"],
+            r["name"],
+            r["owner"],
+            r["nranks"],
+            jobs.compress_nodes(r["nodes"]) or "-",
+            r["state"] + (" (held)" if r.get("held") else ""),
+            jobs.format_duration(jobs.elapsed(r, now)),
+            _seconds(r.get("run_seconds")),
+            _seconds(r.get("suspended_seconds")),
+            _seconds(r.get("cpu_seconds")),
+            r["reason"] or "",
+        ]
 
     async def go():
-        async with connect(_cluster(ctx)) as gang:
-            return await gang.jobs(all=show_all)
+        shown = 0
+        warned = False
+        found: list[dict] = []
+        async with connect(_cluster(ctx)) as gang, trio.open_nursery() as nursery:
+            # The next page is asked for while this one is printed.
+            send, receive = trio.open_memory_channel[JobList](1)
 
-    records = run_async(go)
-    warning = stale_warning(records.stale)
-    if warning:  # (on stderr: a script reading stdout, or the JSON, is not disturbed)
-        click.echo(warning, err=True)
-    if as_json:
-        # Each record says so too: a script cannot see stderr's warning in what it parses.
-        emit_json([dict(r, stale=records.stale) for r in records] if records.stale else list(records))
-        return
-    now = time.time()
-    rows = []
-    for r in records:
-        rows.append(
-            [
-                r["id"],
-                r["name"],
-                r["owner"],
-                r["nranks"],
-                jobs.compress_nodes(r["nodes"]) or "-",
-                r["state"] + (" (held)" if r.get("held") else ""),
-                jobs.format_duration(jobs.elapsed(r, now)),
-                _seconds(r.get("run_seconds")),
-                _seconds(r.get("suspended_seconds")),
-                _seconds(r.get("cpu_seconds")),
-                r["reason"] or "",
-            ]
-        )
-    click.echo(table(rows, ["JOBID", "NAME", "USER", "RANKS", "NODES", "STATE", "ELAPSED", "RUN", "SUSP", "CPU", "REASON"]))
+            async def fetch() -> None:
+                async with send, contextlib.aclosing(gang.job_pages(all=show_all)) as pages:
+                    async for page in pages:
+                        await send.send(page)
+
+            nursery.start_soon(fetch)
+            async with receive:
+                async for page in receive:
+                    if limit is not None:
+                        page[limit - shown:] = []
+                    shown += len(page)
+                    warning = stale_warning(page.stale)
+                    if warning and not warned:  # (on stderr: a script reading stdout, or the JSON, is not disturbed)
+                        warned = True
+                        click.echo(warning, err=True)
+                    if as_json:
+                        # Each record says so too: a script cannot see stderr's warning in what it parses.
+                        found += [dict(r, stale=page.stale) for r in page] if page.stale else page
+                    elif page:
+                        now = time.time()
+                        lines = table([row(r, now) for r in page], headers)
+                        click.echo(lines if shown == len(page) else lines.split("\n", 1)[1])  # (the header once)
+                    if limit is not None and shown >= limit:
+                        break
+            nursery.cancel_scope.cancel()
+        if as_json:
+            emit_json(found)
+        elif not shown:
+            click.echo(table([], headers))
+
+    run_async(go)
 
 
 @main.command(epilog="""\b

@@ -19,8 +19,8 @@ the same moment:
   (:class:`gangd.daemon.store.Fence`) and its commands carry the term:
   :meth:`ControlPlane.check_term` refuses a term older than the highest
   this node has seen.
-* **A session** is one lease's life: register, read the job table, follow
-  it, campaign. When the lease is lost the session ends and a new one
+* **A session** is one lease's life: register, read this node's part of
+  the job table (the jobs placed on it), follow it, campaign. When the lease is lost the session ends and a new one
   starts as soon as etcd answers: the node reads the table anew and
   :func:`on_session` brings its ranks in line (a rank of a job no longer
   running here is killed), so a node back from a stall never keeps orphans
@@ -177,6 +177,7 @@ class ControlPlane:
                             log.info("could not record a clean stop in etcd: %s", exc.message)
 
     async def _serve_session(self, lease: Lease) -> None:
+        self.table.narrow()  # (this node's jobs: a term, which widens it, lives inside a session)
         await self.table.load()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._record_losses)

@@ -262,6 +262,7 @@ class Coordinator:
                 nursery.start_soon(contained, Compactor(self.table.etcd, self.table.keys.ids, self.config.etcd.compact_every).run, ())
                 await trio.sleep_forever()
         finally:
+            self.table.narrow()  # (this node's jobs only, again: see store/jobtable.py)
             self.fence, self._lease, self._nursery = None, None, None
             self._drop_creations()
             self.running = None
@@ -270,8 +271,9 @@ class Coordinator:
     async def take_over(self) -> None:
         """The term begins: read the table from etcd (every commit of the
         previous coordinator is in it), rebuild the soft state, finish what
-        the predecessor left half-done."""
-        await self.table.load()
+        the predecessor left half-done. A node's cache holds only its own
+        jobs: the coordinator's holds the whole table for its term."""
+        await self.table.widen()
         self._rebuild_matrix()
         log.info("this node is now the coordinator, term %d (%d jobs in the table, revision %d)", self.term, len(self.table.records), self.table.revision)
         await self.check_nodes()

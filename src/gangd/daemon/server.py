@@ -71,7 +71,7 @@ class Daemon:
         self.node = config.node_name
         self.secret = config.read_secret()
         self.etcd = _etcd_client(config)
-        self.table = JobTable(self.etcd, Keys(config.etcd.prefix))
+        self.table = JobTable(self.etcd, Keys(config.etcd.prefix), node=self.node)
         self.tasks = Tasks()
         self.peers = Peers(config=config, secret=self.secret, heartbeat_info=self.heartbeat_info, spawn=self.tasks.spawn)
         self.membership = ControlPlane(

@@ -2,7 +2,8 @@
 
 Writes (submit, kill, suspend) are forwarded to the coordinator with the
 caller's credentials (the kernel's word, SO_PEERCRED); reads are served
-from this node's cache of the job table and etcd.
+from etcd (a node caches only the jobs placed on it: listings read the hot
+table and the history, a wait watches its job's key) or this node's cache.
 """
 
 from __future__ import annotations
@@ -176,21 +177,18 @@ async def wait(s, call: Call):
     table = s.table
 
     async def produce(emit):
+        last = record
+
+        async def seen(current: dict) -> bool:
+            nonlocal last
+            last = current
+            await emit(current)
+            return False
+
         try:
-            last_seq = -1
-            while True:
-                changed = table.change_event()  # (a change while emit waits must not be lost)
-                current = table.get(job_id) or await table.fetch(job_id)  # (in the history once retired)
-                if current is None:
-                    raise RemoteError("no_such_job", f"no job {job_id}")
-                if current["seq"] != last_seq:
-                    last_seq = current["seq"]
-                    await emit(current)
-                if jobs.is_terminal(current):
-                    return
-                await changed.wait()
+            await table.watch_job(job_id, seen, record)  # (until it ends; from the history once retired)
         finally:
-            current = table.get(job_id)
+            current = table.get(job_id) or last
             if kill_on_disconnect and channel.closed and current is not None and not jobs.is_terminal(current):
                 log.info("client of job %d went away; killing the job", job_id)
                 s.spawn(_kill_quietly, s, job_id, cred)
@@ -216,12 +214,12 @@ async def output(s, call: Call):
     wanted = args.get("ranks")
     table = s.table
 
+    async def placed(current: dict) -> bool:
+        return bool(current["placement"]) or not follow
+
     async def produce(emit):
         # Wait until the job is placed (or ended without ever running).
-        current = table.get(job_id) or record  # (a retired job: its record from the history)
-        while not current["placement"] and not jobs.is_terminal(current) and follow:
-            await table.wait_changed()
-            current = table.get(job_id) or record
+        current = record if record["placement"] or not follow or jobs.is_terminal(record) else await table.watch_job(job_id, placed)
 
         async def relay(node: str, ranks: list[int]) -> None:
             if node == s.node:
@@ -245,31 +243,14 @@ async def output(s, call: Call):
 
 
 class Listing:
-    """``gang ps`` and ``gang history``: pages of job summaries from the
-    cache of the table, etcd's history, and (for live jobs) the gang
-    scheduler and the nodes' CPU counters."""
+    """``gang ps`` and ``gang history``: pages of job summaries from etcd's
+    hot table (or the coordinator's cache of it) and history, and (for live
+    jobs) the gang scheduler and the nodes' CPU counters."""
 
     def __init__(self, *, table, calls, membership):
         self.table = table
         self.calls = calls
         self.membership = membership
-        self._ids: list[int] | None = None  # job ids in order (see _job_ids)
-        self._id_set: set[int] = set()
-        table.listeners.append(self._index_record)
-
-    def _job_ids(self) -> list[int]:
-        """Every job id of the hot table, ascending: built once, then kept up
-        to date record by record, so a listing never sorts the whole table
-        (rebuilt when many ids left for the history)."""
-        if self._ids is None or len(self._ids) > 2 * len(self.table.records) + 64:
-            self._ids = sorted(self.table.records)
-            self._id_set = set(self._ids)
-        return self._ids
-
-    def _index_record(self, record: dict) -> None:
-        if self._ids is not None and record["id"] not in self._id_set:
-            self._id_set.add(record["id"])
-            bisect.insort(self._ids, record["id"])
 
     async def list_jobs(self, cred, args, channel):
         """One page of job summaries in id order: at most ``limit`` (<= JOBS_PAGE)
@@ -281,21 +262,23 @@ class Listing:
             raise RemoteError("bad_request", "'after' and 'limit' must be integers")
         limit = max(1, min(limit, JOBS_PAGE))
         await self.table.wait_loaded()
-        ids, table = self._job_ids(), self.table.records
         everything = bool(args.get("all"))
         cutoff = None if everything else time.time() - 3600
-        records = []
-        for job_id in itertools.islice(ids, bisect.bisect_right(ids, after), None):
-            record = table.get(job_id)
-            if record is None:
-                continue  # (moved to the history)
-            if cutoff is None or not jobs.is_terminal(record) or (record.get("ended") or 0) > cutoff:
-                records.append(record)
-                if len(records) >= limit:
-                    break
-        if everything:
-            # The history too (ended jobs past the retention period), merged in id order.
+        def keep(r: dict) -> bool:
+            return cutoff is None or not jobs.is_terminal(r) or (r.get("ended") or 0) > cutoff
+
+        if self.membership is not None and not self.membership.connected:
+            # Cut off from etcd: what this node knows (its own jobs), which the
+            # answer says may be out of date (see ``staleness``).
+            records = self.table.cached_page(after, limit, keep)
+            return [_summary(r) for r in records]
+        if not everything:
+            records = await self.table.hot_page(after, limit, keep)
+        else:
+            # The history too (ended jobs past the retention period), merged in
+            # id order: a full page of it ends the page (no hot job above it is read).
             past = await self.table.history(after, limit)
+            records = await self.table.hot_page(after, limit, keep, below=past[-1]["id"] if len(past) >= limit else None)
             merged = {r["id"]: r for r in past}
             merged.update({r["id"]: r for r in records})
             records = [merged[job_id] for job_id in sorted(merged)[:limit]]
@@ -322,7 +305,7 @@ class Listing:
         found: list[dict] = []
         cursor = before
         for _ in range(40):  # at most 40 pages of the history per answer (a filter that matches little stops there)
-            hot = [r for r in table.records.values() if jobs.is_terminal(r) and (cursor is None or r["id"] < cursor)]
+            hot = await table.hot_before(cursor, LIST_PAGE, jobs.is_terminal)
             past = await table.history_before(cursor, LIST_PAGE)
             merged = {r["id"]: r for r in past}
             merged.update({r["id"]: r for r in hot})

@@ -1,13 +1,29 @@
-"""The job table: etcd's job keys, cached on every node and kept current by a watch.
+"""The job table: etcd's job keys, and each node's cache of the jobs that concern it, kept current by a watch.
 
-Why a cache: every request a node serves (``ps``, ``wait``, ``logs``, a
-launch's checks) reads jobs. etcd is read once (a range at one revision,
-page by page) and then only says what changed (a watch from the next
-revision), so a read costs no round trip, and no change is ever missed: the
-watch resumes from the last revision it delivered, and a node whose
-revision was compacted away reads the table anew. Each cached record carries
-its key's mod revision as ``seq``: a newer revision always wins, an older one
-(a watch event behind a write this node made itself) changes nothing.
+What a node caches: the jobs placed on it (what its launches, kills,
+switches, rank exits, checkpoints and output read), not the whole table: a
+node watching every job would cost every submit and every change one event
+per node, and hold the cluster's whole hot table in every daemon's memory.
+Every write of a placed job also writes a *copy* of its record for each
+node it is placed on (``PREFIX/on/<node>/<id>``, in the same transaction,
+so with the same mod revision), or one copy every node watches
+(``PREFIX/on/+/<id>``) for a job on many nodes or with a large record; a
+node loads and watches only those. The copies of nodes a job leaves are
+deleted in the same transaction, and all of them when it moves to the
+history. The coordinator, which schedules over every job, reads the whole
+table when its term begins (:meth:`JobTable.widen`; every commit of the
+terms before is in it) and from then on follows its own commits -- it is
+the only writer, and fenced -- and narrows its cache back when the term ends. Listings and waits for a job that is not here
+read etcd (:meth:`JobTable.hot_page`, :meth:`JobTable.watch_job`).
+
+etcd is read once (a range at one revision, page by page) and then only
+says what changed (a watch from the next revision), so a read costs no round
+trip, and no change is ever missed: the watch resumes from the last revision
+it delivered, and a node whose revision was compacted away reads its part
+anew. Each cached record carries its key's mod revision as ``seq``: a newer
+revision always wins, an older one (a watch event behind a write this node
+made itself) changes nothing; a copy's delete removes a record only if no
+newer write of it was seen (a copy moved between keys in one transaction).
 
 Writes: only the coordinator writes, and only through a :class:`Fence`. Every
 write is one etcd transaction that also compares the coordinator's election
@@ -40,7 +56,8 @@ import collections
 import contextlib
 import copy
 import logging
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +97,13 @@ UPDATE_BATCH_BYTES = 1024 * 1024
 #: newest-first read) whatever the limit: a page over the whole history would
 #: cost the whole history, so each read covers a bounded span of ids.
 HISTORY_SPAN = 1024
+#: A job placed on at most this many nodes, whose record times that many is
+#: at most FANOUT_BYTES, gets a copy for each of its nodes; any other gets one
+#: copy every node watches (an update's operations and bytes stay bounded).
+FANOUT_NODES = 8
+FANOUT_BYTES = 64 * 1024
+#: Operations in one transaction at most (etcd's --max-txn-ops is 128 by default).
+TXN_OPS = 120
 #: Checkpoint lineages whose members in the history a node keeps in memory
 #: (read by :meth:`JobTable.read_lineage`; least recently read dropped first).
 LINEAGES_KEPT = 256
@@ -160,20 +184,53 @@ def _kvs(response: Range | int) -> list[KeyValue]:
     return response.kvs if isinstance(response, Range) else []
 
 
-def _batches(records: list[dict]) -> Iterator[list[tuple[dict, bytes]]]:
-    """Each record with its packed form for the history, in batches etcd takes
-    in one transaction: at most RETIRE_BATCH of them and RETIRE_BATCH_BYTES."""
-    batch: list[tuple[dict, bytes]] = []
-    size = 0
+def _batches(keys: Keys, records: list[dict]) -> Iterator[list[tuple[dict, bytes, list[Op]]]]:
+    """Each record with its packed form for the history and the operations
+    that move it there, in batches etcd takes in one transaction: at most
+    RETIRE_BATCH of them, RETIRE_BATCH_BYTES and TXN_OPS operations."""
+    batch: list[tuple[dict, bytes, list[Op]]] = []
+    size = ops = 0
     for r in records:
         data = pack({k: v for k, v in r.items() if k != "seq"})
-        if batch and (len(batch) >= RETIRE_BATCH or size + len(data) > RETIRE_BATCH_BYTES):
+        moves = [Op.put(keys.past(r["id"]), data), Op.delete(keys.job(r["id"])), Op.delete(keys.env(r["id"]))]
+        moves += copy_ops(keys, r, None, data)
+        if JobTable.in_lineage(r):  # (a restart finds its checkpoints through this)
+            moves.append(Op.put(keys.lineage_member(r.get("lineage") or r["id"], r["id"]), b""))
+        if batch and (len(batch) >= RETIRE_BATCH or size + len(data) > RETIRE_BATCH_BYTES or ops + len(moves) > TXN_OPS):
             yield batch
-            batch, size = [], 0
-        batch.append((r, data))
+            batch, size, ops = [], 0, 0
+        batch.append((r, data, moves))
         size += len(data)
+        ops += len(moves)
     if batch:
         yield batch
+
+
+_NODE_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}\Z")
+
+
+def copies(keys: Keys, record: dict, size: int) -> list[str]:
+    """The keys of the copies of ``record`` (``size`` bytes packed): one for
+    each node it is placed on, or the one every node watches (see the module
+    docstring); none before it is placed."""
+    nodes = sorted(set(record["placement"]))
+    if not nodes:
+        return []
+    if len(nodes) <= FANOUT_NODES and size * len(nodes) <= FANOUT_BYTES and all(_NODE_KEY.match(n) for n in nodes):
+        return [keys.copy(n, record["id"]) for n in nodes]
+    return [keys.copy(None, record["id"])]
+
+
+def copy_ops(keys: Keys, old: dict | None, record: dict | None, data: bytes) -> list[Op]:
+    """The operations that keep a job's copies in line with its record
+    going from ``old`` to ``record`` (None: the job leaves the hot table).
+    A record larger than FANOUT_BYTES is not copied: its one copy is empty,
+    and says "read the job's key at my revision" (see :meth:`JobTable._resolve`):
+    a transaction holds at most one large record (etcd refuses requests above 1.5 MiB)."""
+    new = copies(keys, record, len(data)) if record is not None else []
+    gone = [k for k in (copies(keys, old, len(data)) if old is not None else []) if k not in new]
+    value = data if len(data) <= FANOUT_BYTES else b""
+    return [Op.put(k, value) for k in new] + [Op.delete(k) for k in gone]
 
 
 def prefix_end(prefix: str) -> bytes:
@@ -210,11 +267,22 @@ class _Write:
 
 
 class JobTable:
-    def __init__(self, etcd: Etcd, keys: Keys):
+    def __init__(self, etcd: Etcd, keys: Keys, node: str | None = None):
+        """``node``: this node's name, whose jobs the cache holds (the whole
+        table while :meth:`widen` lasts); None: always the whole table."""
         self.etcd = etcd
         self.keys = keys
+        self.node = node
         self.records: dict[int, dict] = {}
         self.revision = 0  # the etcd revision this cache reflects (at least)
+        # What the cache holds: the whole table, or the jobs placed on ``node``.
+        # Each change of scope is a generation: the follower reads the new
+        # scope and watches it from there (see :meth:`follow`).
+        self.wide = node is None
+        self._scope_gen = 0
+        self._scope_loaded = trio.Event()  # set when the follower has read the scope of _scope_gen
+        self._follow_scope: trio.CancelScope | None = None
+        self._following = False
         self.loaded = trio.Event()  # set once the first load() is done: before it, the cache knows no job
         self.listeners: list[Callable[[dict], None]] = []  # called with each record that changed
         self._changed = trio.Event()
@@ -347,18 +415,23 @@ class JobTable:
 
     def lineage(self, root: int) -> list[dict]:
         """The jobs of checkpoint lineage ``root`` (the job and every restart
-        of it): those of the hot table, and those of the history as last read
-        by :meth:`read_lineage` (call it first where the answer matters)."""
+        of it): those of the cache, and those of the history (and, on a node
+        that holds only its own jobs, of the hot table) as last read by
+        :meth:`read_lineage` (call it first where the answer matters)."""
         hot = {r["id"]: r for r in self.records.values() if (r.get("lineage") or r["id"]) == root}
         past = self._past_lineage.get(root, {})
         return sorted([*hot.values(), *(r for job_id, r in past.items() if job_id not in hot)], key=lambda r: r["id"])
 
     async def read_lineage(self, root: int) -> None:
-        """Read lineage ``root``'s members in the history (its index, then each record)."""
+        """Read lineage ``root``'s members in the history (its index, then
+        each record); and, on a node that holds only its own jobs, those in
+        the hot table too (ids from ``root`` on: a restart comes after its job)."""
         try:
+            members: dict[int, dict] = {}
+            if not self.wide:
+                members.update((r["id"], r) for r in await self.hot_page(root - 1, 1 << 30, lambda r: (r.get("lineage") or r["id"]) == root))
             found = await self.etcd.range(self.keys.lineage(root), range_end=prefix_end(self.keys.lineage(root)),
                                           limit=LINEAGE_MEMBERS, keys_only=True)
-            members: dict[int, dict] = {}
             for kv in found.kvs:
                 job_id = Keys.job_id(kv.key, self.keys.lineage(root))
                 if job_id is None:
@@ -390,31 +463,104 @@ class JobTable:
 
     # ------------------------------------------------------------ following etcd
 
+    def _prefixes(self, *, watched: bool = False) -> list[str]:
+        """What the cache reads: the whole table, or this node's copies and
+        those every node watches; and what it watches (``watched``): the
+        same, but nothing on the coordinator -- the table's only writer,
+        fenced, its cache follows its own commits (a watch would send it
+        each of its writes back)."""
+        if self.node is None:
+            return [self.keys.jobs]
+        if self.wide:
+            return [] if watched else [self.keys.jobs]
+        return [self.keys.placed_on(self.node), self.keys.placed_on_many]
+
+    def _mine(self, record: dict) -> bool:
+        """Whether a copy's record belongs in a node's cache (one every node watches: only if placed here)."""
+        return self.wide or self.node in record["placement"]
+
     async def load(self) -> None:
-        """Read the whole hot table at one revision (page by page) and make the cache that."""
+        """Read what the cache holds (the whole hot table, or this node's
+        copies) at one revision, page by page, and make the cache that."""
         revision = 0
         seen: set[int] = set()
-        start: str | bytes = self.keys.jobs
-        end = prefix_end(self.keys.jobs)
-        while True:
-            page = await self.etcd.range(start, range_end=end, limit=PAGE, revision=revision)
-            revision = revision or page.revision
-            for kv in page.kvs:
-                job_id = Keys.job_id(kv.key, self.keys.jobs)
-                if job_id is None:
-                    continue
-                seen.add(job_id)
-                current = self.records.get(job_id)
-                if current is None or current.get("seq", 0) < kv.mod_revision:
-                    self._take_kv(kv)
-            if not page.more or not page.kvs:
-                break
-            start = page.kvs[-1].key + b"\0"
+        for prefix in self._prefixes():
+            start: str | bytes = prefix
+            end = prefix_end(prefix)
+            while True:
+                page = await self.etcd.range(start, range_end=end, limit=PAGE, revision=revision)
+                revision = revision or page.revision
+                for kv in page.kvs:
+                    job_id = Keys.job_id(kv.key, prefix)
+                    if job_id is None:
+                        continue
+                    current = self.records.get(job_id)
+                    if current is not None and current.get("seq", 0) >= kv.mod_revision:
+                        seen.add(job_id)
+                        continue
+                    record, as_of = await self._resolve(kv, prefix, job_id)
+                    if record is not None and self._mine(record):
+                        seen.add(job_id)
+                        self.take(record, as_of)
+                if not page.more or not page.kvs:
+                    break
+                start = page.kvs[-1].key + b"\0"
         for job_id in [j for j in self.records if j not in seen and self.records[j].get("seq", 0) <= revision]:
-            self._forget(job_id)  # retired to the history meanwhile
+            self._forget(job_id)  # retired to the history meanwhile, or (a node's) no longer placed here
         self.revision = max(self.revision, revision)
         self.loaded.set()
         self.notify_changed()
+
+    async def widen(self) -> None:
+        """Hold the whole table from now on (a coordinator's term begins):
+        returns once it is read (then the term's own commits keep it)."""
+        if self.node is None:
+            await self.load()
+            return
+        gen = self._rescope(True)
+        if not self._following:  # (nobody follows: read it here)
+            await self.load()
+            return
+        while self._scope_gen == gen and not self._scope_loaded.is_set():
+            await self._scope_loaded.wait()
+
+    def narrow(self) -> None:
+        """Back to this node's jobs (the term is over): the follower reads this node's copies, and forgets the rest."""
+        if self.node is not None and self.wide:
+            self._rescope(False)
+
+    def _rescope(self, wide: bool) -> int:
+        self.wide = wide
+        self._scope_gen += 1
+        self._scope_loaded = trio.Event()
+        if self._follow_scope is not None:
+            self._follow_scope.cancel()
+        return self._scope_gen
+
+    async def _resolve(self, kv: KeyValue, prefix: str, job_id: int) -> tuple[dict | None, int]:
+        """The record a key holds; for an empty copy (a large record, see
+        :func:`copy_ops`), the job's key as of the copy's revision (both are
+        written in one transaction), or now if that revision was compacted
+        (None if the job has left the table since: its copy's delete follows);
+        and the revision it is as of."""
+        if kv.value or prefix == self.keys.jobs:
+            return self._decode_kv(kv), kv.mod_revision
+        try:
+            found = await self.etcd.range(self.keys.job(job_id), revision=kv.mod_revision)
+        except Unavailable:
+            raise
+        except EtcdError:  # (compacted: the newer record is as good)
+            found = await self.etcd.range(self.keys.job(job_id))
+        if not found.kvs:
+            return None, 0
+        return self._decode_kv(found.kvs[0]), found.kvs[0].mod_revision
+
+    def _decode_kv(self, kv: KeyValue) -> dict | None:
+        try:
+            return decode_record(kv.value)
+        except Exception as exc:  # noqa: BLE001 -- one damaged record is skipped, never the daemon
+            log.error("ignoring unreadable job record %s: %s", kv.key.decode("utf-8", "replace"), exc)
+            return None
 
     async def wait_loaded(self, timeout: float = LOAD_WAIT) -> None:
         """Return once the cache holds the table (a daemon serves its socket
@@ -429,41 +575,89 @@ class JobTable:
                                               "(it has just started, or cannot reach etcd): try again, or ask another node")
 
     async def follow(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Apply every change after :attr:`revision`, for ever (run after :meth:`load`)."""
+        """Apply every change after :attr:`revision`, for ever (run after
+        :meth:`load`); on a change of scope (:meth:`widen`, :meth:`narrow`),
+        read the new scope and follow that from the revision it was read at."""
         started = False
-        while True:
-            try:
-                async with self.etcd.watch(self.keys.jobs, prefix=True, start_revision=self.revision + 1) as batches:
-                    if not started:
-                        started = True
-                        task_status.started()
-                    async for batch in batches:
-                        for event in batch.events:
-                            self._apply_event(event)
-                        self.revision = max(self.revision, batch.revision)
-            except Compacted:
-                log.warning("the job table's watch fell behind etcd's compaction; reading the table again")
-                await self.load()
-            except Unavailable:
-                await trio.sleep(0.5)
 
-    def _apply_event(self, event) -> None:
-        job_id = Keys.job_id(event.kv.key, self.keys.jobs)
+        def on_started() -> None:
+            nonlocal started
+            if not started:
+                started = True
+                task_status.started()
+
+        loaded = self._scope_gen  # (load() ran before, for this scope)
+        self._following = True
+        try:
+            while True:
+                gen = self._scope_gen
+                try:
+                    with trio.CancelScope() as self._follow_scope:
+                        if loaded != gen:
+                            await self.load()
+                            loaded = gen
+                            if gen == self._scope_gen:
+                                self._scope_loaded.set()
+                        await self._watch(on_started)
+                except* Compacted:  # (except*: a scope's watches run in a nursery)
+                    log.warning("the job table's watch fell behind etcd's compaction; reading the table again")
+                    loaded = -1
+                except* Unavailable:
+                    await trio.sleep(0.5)
+                finally:
+                    self._follow_scope = None
+        finally:
+            self._following = False
+
+    async def _watch(self, on_started: Callable[[], None]) -> None:
+        """Watch the scope's prefixes from :attr:`revision` on (each its own
+        watch; :attr:`revision` is then the lowest either delivered)."""
+        prefixes = self._prefixes(watched=True)
+        start = self.revision
+        reached = dict.fromkeys(prefixes, start)
+
+        async def one(prefix: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+            async with self.etcd.watch(prefix, prefix=True, start_revision=start + 1) as batches:
+                task_status.started()
+                async for batch in batches:
+                    for event in batch.events:
+                        await self._apply_event(event, prefix)
+                    reached[prefix] = max(reached[prefix], batch.revision)
+                    self.revision = max(self.revision, min(reached.values()))
+
+        async with trio.open_nursery() as nursery:
+            for prefix in prefixes:
+                await nursery.start(one, prefix)
+            on_started()
+            if not prefixes:
+                await trio.sleep_forever()  # (until the scope changes)
+
+    async def _apply_event(self, event, prefix: str) -> None:
+        job_id = Keys.job_id(event.kv.key, prefix)
         if job_id is None:
             return
+        current = self.records.get(job_id)
         if event.type == "PUT":
-            current = self.records.get(job_id)
             if current is not None and current.get("seq", 0) >= event.kv.mod_revision:
                 return  # this node's own write, cached when it committed: not decoded again
-            self._take_kv(event.kv)
-        else:
-            current = self.records.get(job_id)
-            if current is not None and current.get("seq", 0) < event.kv.mod_revision:
-                self._forget(job_id)  # moved to the history
+            record, as_of = await self._resolve(event.kv, prefix, job_id)
+            if record is None:
+                return
+            current = self.records.get(job_id)  # (read again: the read above waited)
+            if self._mine(record):
+                self.take(record, as_of)
+            elif current is not None:  # (a copy every node watches, of a job no longer placed here)
+                self._forget(job_id)
                 self.notify_changed()
+        elif self.wide and prefix != self.keys.jobs:
+            return  # (a copy deleted by this coordinator's own write: the job stays in the table)
+        elif current is not None and current.get("seq", 0) < event.kv.mod_revision:
+            self._forget(job_id)  # moved to the history (or, a copy: no longer placed here)
+            self.notify_changed()
 
     async def fetch(self, job_id: int) -> dict | None:
-        """Job ``job_id`` from the cache, else from etcd (just submitted elsewhere, or in the history)."""
+        """Job ``job_id`` from the cache, else from etcd (not placed on this
+        node, just submitted elsewhere, or in the history)."""
         record = self.records.get(job_id)
         if record is not None:
             return record
@@ -473,14 +667,114 @@ class JobTable:
                 if kv is not None:
                     record = decode_record(kv.value)
                     record["seq"] = kv.mod_revision
-                    if key == self.keys.job(job_id):
-                        self.take(record, kv.mod_revision)
+                    if key == self.keys.job(job_id) and self._mine(record):
+                        self.take(record, kv.mod_revision)  # (the watch brings it too, maybe later)
                     return record
         except EtcdError as exc:
             raise unavailable(exc) from None
         except ValueError as exc:
             raise RemoteError("internal", f"job {job_id}'s record in etcd is damaged: {exc}") from None
         return None
+
+    async def watch_job(self, job_id: int, seen: Callable[[dict], Awaitable[bool]], first: dict | None = None) -> dict:
+        """Call ``seen(record)`` with job ``job_id``'s record, then again at
+        each change, until it returns True or the job has ended; the last
+        record. From this node's cache when the job is in it, else from etcd
+        (its key watched: no change is missed, and none of another job wakes
+        it). ``first``: the record just read (an ended one is not read again)."""
+        last = -1
+        while True:
+            changed = self.change_event()  # (taken before reading: a change meanwhile is not lost)
+            current = self.records.get(job_id)
+            revision = 0
+            if current is None and first is not None and jobs.is_terminal(first):
+                current = first  # (an ended job changes no more)
+            elif current is None:
+                current, revision = await self._read_job(job_id)
+            if current["seq"] != last:
+                last = current["seq"]
+                if await seen(current) or jobs.is_terminal(current):
+                    return current
+            elif jobs.is_terminal(current):
+                return current
+            if revision == 0:
+                await changed.wait()
+                continue
+            try:  # not cached here: the next change of its key (or its move to the history), then read again
+                async with self.etcd.watch(self.keys.job(job_id), start_revision=revision + 1) as batches:
+                    async for _ in batches:
+                        break
+            except Compacted:
+                pass
+            except Unavailable as exc:
+                raise unavailable(exc) from None
+
+    async def _read_job(self, job_id: int) -> tuple[dict, int]:
+        """Job ``job_id``'s record from etcd (the hot table, else the history)
+        and the revision it was read at (0 for the history: it never changes
+        there but by a coordinator's cleanup, and nothing waits for that)."""
+        try:
+            found = await self.etcd.range(self.keys.job(job_id))
+            if found.kvs:
+                record = decode_record(found.kvs[0].value)
+                record["seq"] = found.kvs[0].mod_revision
+                return record, found.revision
+            kv = await self.etcd.get(self.keys.past(job_id))
+        except EtcdError as exc:
+            raise unavailable(exc) from None
+        except ValueError as exc:
+            raise RemoteError("internal", f"job {job_id}'s record in etcd is damaged: {exc}") from None
+        if kv is None:
+            raise RemoteError("no_such_job", f"no job {job_id}")
+        try:
+            record = decode_record(kv.value)
+        except ValueError as exc:
+            raise RemoteError("internal", f"job {job_id}'s record in etcd is damaged: {exc}") from None
+        record["seq"] = kv.mod_revision
+        return record, 0
+
+    async def hot_page(self, after: int, limit: int, keep: Callable[[dict], bool], below: int | None = None) -> list[dict]:
+        """Up to ``limit`` jobs of the hot table with ids above ``after`` (and below ``below``) that
+        ``keep``, in id order, read from etcd (a linearizable range per PAGE:
+        the hot table is kept small by the retention period; on every node
+        alike, the coordinator's cache of it is for scheduling)."""
+        out: list[dict] = []
+        start: str | bytes = self.keys.job(after + 1)
+        end = prefix_end(self.keys.jobs) if below is None else self.keys.job(below)
+        try:
+            while len(out) < limit:
+                page = await self.etcd.range(start, range_end=end, limit=max(PAGE, limit - len(out)))
+                for record in self._decode_history(page.kvs):
+                    if keep(record):
+                        out.append(record)
+                        if len(out) >= limit:
+                            break
+                if not page.more or not page.kvs:
+                    break
+                start = page.kvs[-1].key + b"\0"
+        except EtcdError as exc:
+            raise unavailable(exc) from None
+        return out
+
+    def cached_page(self, after: int, limit: int, keep: Callable[[dict], bool]) -> list[dict]:
+        """:meth:`hot_page` from this node's cache alone (what a node cut off from etcd knows: its own jobs)."""
+        ids = sorted(j for j, r in self.records.items() if j > after and keep(r))
+        return [self.records[j] for j in ids[:limit]]
+
+    async def hot_before(self, before: int | None, limit: int, keep: Callable[[dict], bool]) -> list[dict]:
+        """Up to ``limit`` jobs of the hot table with ids below ``before`` (all if None) that ``keep``, newest first."""
+        out: list[dict] = []
+        end: str | bytes = self.keys.job(before) if before is not None else prefix_end(self.keys.jobs)
+        try:
+            while len(out) < limit:
+                page = await self._range_newest_first(self.keys.jobs, end, PAGE)
+                out += [r for r in self._decode_history(page.kvs) if keep(r)]
+                if not page.more or not page.kvs:
+                    break
+                end = page.kvs[-1].key
+        except EtcdError as exc:
+            raise unavailable(exc) from None
+        return out[:limit]
 
     def _keep_env(self, job_id: int, env: dict[str, str], size: int) -> None:
         if size > FRESH_ENV_BYTES:
@@ -643,7 +937,9 @@ class JobTable:
                     record.pop("env", None)
                     records.append(record)
                     compare += [Compare.version(keys.job(job_id)) == 0, Compare.version(keys.past(job_id)) == 0]
-                    success.append(Op.put(keys.job(job_id), pack(record)))
+                    data = pack(record)
+                    success.append(Op.put(keys.job(job_id), data))
+                    success += copy_ops(keys, None, record, data)  # (none unless created placed)
                     if env:
                         packed = pack(env)
                         envs.append((job_id, env, len(packed)))
@@ -744,7 +1040,8 @@ class JobTable:
             success = [Op.put(keys.job(job_id), data)]
             if jobs.is_terminal(record):
                 success.append(Op.delete(keys.env(job_id)))
-            write = _Write(fence, job_id, revision, success, len(data))
+            success += copy_ops(keys, current, record, data)  # (the nodes it is placed on watch these)
+            write = _Write(fence, job_id, revision, success, sum(len(op.body.get("value", "")) for op in success))
             await self._commit(write)
             if write.error is not None:
                 raise write.error
@@ -827,16 +1124,17 @@ class JobTable:
         batch: list[_Write] = []
         rest: collections.deque[_Write] = collections.deque()
         ids: set[int] = set()
-        size = 0
+        size = ops = 0
         for w in self._writes:
             # One transaction may not touch a key twice, nor mix terms; and etcd bounds its operations and bytes.
             if (w.fence != first.fence or w.job_id in ids or len(batch) >= UPDATE_BATCH
-                    or (batch and size + w.size > UPDATE_BATCH_BYTES)):
+                    or (batch and (size + w.size > UPDATE_BATCH_BYTES or ops + len(w.ops) > TXN_OPS))):
                 rest.append(w)
                 continue
             batch.append(w)
             ids.add(w.job_id)
             size += w.size
+            ops += len(w.ops)
         self._writes = rest
         try:
             await self._send_batch(first.fence, batch)
@@ -886,13 +1184,9 @@ class JobTable:
         only if unchanged since it was read); how many moved."""
         keys = self.keys
         moved = 0
-        for batch in _batches([r for r in records if jobs.is_terminal(r)]):
-            compare = [fence.compare()] + [Compare.mod_revision(keys.job(r["id"])) == r.get("seq", 0) for r, _ in batch]
-            success = []
-            for r, data in batch:
-                success += [Op.put(keys.past(r["id"]), data), Op.delete(keys.job(r["id"])), Op.delete(keys.env(r["id"]))]
-                if self.in_lineage(r):  # (a restart finds its checkpoints through this)
-                    success.append(Op.put(keys.lineage_member(r.get("lineage") or r["id"], r["id"]), b""))
+        for batch in _batches(keys, [r for r in records if jobs.is_terminal(r)]):
+            compare = [fence.compare()] + [Compare.mod_revision(keys.job(r["id"])) == r.get("seq", 0) for r, _, _ in batch]
+            success = [op for _, _, moves in batch for op in moves]
             try:
                 result = await self.etcd.txn(compare, success, [Op.get(fence.key)])
             except EtcdError as exc:
@@ -900,7 +1194,7 @@ class JobTable:
             if not result.succeeded:
                 self._check_fence(fence, result.responses[0])
                 continue  # one of them changed meanwhile: the next round sees it
-            for r, _ in batch:
+            for r, _, _ in batch:
                 if self.records.get(r["id"]) is not None and self.records[r["id"]].get("seq", 0) <= r.get("seq", 0):
                     self._forget(r["id"])
             moved += len(batch)

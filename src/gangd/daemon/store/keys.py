@@ -5,6 +5,13 @@
 ``PREFIX/ids``             the last job id handed out (a counter moved by txn)
 ``PREFIX/jobs/<id>``       the hot job table: queued, running and recently ended jobs
 ``PREFIX/env/<id>``        a job's environment, apart: written once, dropped when it ends
+``PREFIX/on/<node>/<id>``  a copy of job ``id``'s record for a node it is placed on
+                           (written in the same transaction as the record, so
+                           with the same mod revision): what that node watches,
+                           instead of the whole table (see jobtable)
+``PREFIX/on/+/<id>``       the one copy of a job placed on many nodes (or a large
+                           record): every node watches these too, and keeps those
+                           placed on it (``+`` is no node's name)
 ``PREFIX/history/<id>``    ended jobs past the retention period (append-only)
 ``PREFIX/lineage/<root>/<id>``  job ``id`` of checkpoint lineage ``root`` is in the history
                            (written as it moves there: a restart finds its lineage's
@@ -35,6 +42,16 @@ class Keys:
         self.history = f"{prefix}/history/"
         self.lineages = f"{prefix}/lineage/"
         self.lineages_indexed = f"{prefix}/lineage-indexed"
+        self.placed = f"{prefix}/on/"
+        self.placed_on_many = f"{prefix}/on/+/"
+
+    def placed_on(self, node: str) -> str:
+        """The prefix of the copies of the jobs placed on ``node``."""
+        return f"{self.placed}{node}/"
+
+    def copy(self, node: str | None, job_id: int) -> str:
+        """Job ``job_id``'s copy for ``node`` (None: the copy every node watches)."""
+        return f"{self.placed_on(node) if node is not None else self.placed_on_many}{job_id:0{ID_DIGITS}d}"
 
     def node(self, name: str) -> str:
         return self.nodes + name

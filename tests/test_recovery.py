@@ -358,9 +358,12 @@ def test_a_node_lost_during_a_checkpoint_leaves_the_previous_protected_generatio
         # The rank on the node to be lost is slow to reach the next cut from
         # iteration 150 on (4 s an iteration): a round started then waits for it.
         # (One rank per node, in name order, the spare n4 left out: rank i on n{i+1}.)
+        # Only while the file is there: the job that comes back runs at full speed.
         victim = [n for n in ("n1", "n2", "n3") if n != coordinator(cluster)][-1]
         slow = int(victim[1:]) - 1
-        job = submit(cluster, [*short, "--sleep", "0.03", "--slow-rank", str(slow), "--slow-from", "150", "--slow-sleep", "4"], 3,
+        slowing = cluster.dir.parent / "slow"
+        slowing.touch()
+        job = submit(cluster, [*short, "--sleep", "0.03", "--slow-rank", str(slow), "--slow-from", "150", "--slow-sleep", "4", "--slow-while", slowing], 3,
                      "--per-node", "1", "--ckpt-redundancy", "partner")
         record_ = running(cluster, job)
         assert record_["placement"][slow] == victim, record_["placement"]
@@ -371,6 +374,7 @@ def test_a_node_lost_during_a_checkpoint_leaves_the_previous_protected_generatio
         cluster.gang("checkpoint", job, "--no-wait", check=True)
         time.sleep(1)  # (the round waits for the slow rank, 4 s an iteration)
         lose(cluster, victim)
+        slowing.unlink()
         old = cluster.wait_state(job, ENDED, timeout=120)
         assert old["state"] == "REQUEUED", old
         states = {g["gen"]: g for g in generations(cluster, job)}

@@ -818,6 +818,7 @@ def test_requests_carrying_megabytes_in_flight_are_bounded_per_connection_and_pe
     cluster.gang("kill", job, check=True)
 
 
+@pytest.mark.alone  # (the flood keeps both cores busy: the other worker's tests would crawl meanwhile)
 def test_busy_answers_a_flooding_client_never_reads_do_not_grow_the_daemon(make_cluster):
     cluster = make_cluster(1)
     path = str(cluster.files["n1"].socket)

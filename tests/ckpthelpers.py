@@ -162,9 +162,10 @@ def hold(gc, at: int) -> tuple[list[str], Path]:
 
 
 def wait_holding(gc, job: int, timeout: float = 60) -> None:
-    """Until ``job`` (ckptjob with ``hold``) idles at its hold: every rank in its loop."""
+    """Until every rank of ``job`` (ckptjob with ``hold``) idles at its hold: each has called ckpt.init() and takes checkpoints."""
     deadline = time.monotonic() + timeout
-    while "holding at step" not in gc.gang("logs", job).stdout:
+    nranks = gc.job(job)["nranks"]
+    while gc.gang("logs", job).stdout.count(" holding at step ") < nranks:
         assert time.monotonic() < deadline, f"job {job} did not reach its hold in {timeout} s\n{why_stuck(gc, job)}"
         time.sleep(0.1)
 

@@ -6,7 +6,8 @@ in flight at every cut). Rank 0 prints RESULT <digest of every rank's state>.
 
 ``--hold-at K --release FILE``: after K steps the ranks idle in the
 checkpointed loop (every iteration a checkpoint candidate, the message of
-step K-1 in flight) until FILE exists, then go on. A test's checkpoint,
+step K-1 in flight) until FILE exists, then go on; each prints
+``rank R holding at step K`` as it starts to idle. A test's checkpoint,
 suspension or kill then lands mid-run however loaded the machine is, and
 the job runs no longer than the test needs, where a fixed number of slow
 steps either ended before the test got there or made every run wait them
@@ -68,12 +69,14 @@ for it in ckpt.loop(range(args.steps) if args.hold_at < 0 else iterations()):
     if started_at is None:
         started_at = it
     if info["step"] == args.hold_at and not info["released"]:
-        # Rank 0 looks for the file; every rank learns the answer in the same iteration.
-        go = world.allreduce(int(rank == 0 and os.path.exists(args.release)))
-        if not holding and rank == 0:  # (after a collective: every rank has called ckpt.init())
-            print(f"holding at step {args.hold_at}", flush=True)
-        holding = True
-        if go:
+        # Each rank looks for the file itself and may leave a few iterations
+        # after another (a cut is still consistent: no message is sent in the
+        # hold). No collective here: its messages would be received before the
+        # one of step K-1 still in flight, which a network context cannot restore.
+        if not holding:
+            print(f"rank {rank} holding at step {args.hold_at}", flush=True)
+            holding = True
+        if os.path.exists(args.release):
             info["released"] = True
         else:
             time.sleep(0.01)

@@ -436,7 +436,7 @@ def test_a_new_coordinator_finds_the_job_recovering_and_finishes_it_with_one_res
         held = cluster.wait_state(job, "RECOVERING", timeout=60)
         assert held["reason"] == f"node {nodes[-1]} lost; recovering from generation {taken['gen']}", held["reason"]
         assert cluster.gang_json("ps")  # (visible in gang ps)
-        os.kill(cluster.daemon_pid(lead), signal.SIGKILL)  # the coordinator dies mid-recovery
+        cluster.kill_node(lead)  # the coordinator dies mid-recovery (its lease ended, as its expiry would a TTL later)
         wait_for(lambda: coordinator(cluster) != lead, 60, "a new coordinator")
         os.unlink(points / "recover.hold")
         old = cluster.wait_state(job, ENDED, timeout=120)
@@ -486,6 +486,8 @@ def test_a_coordinator_that_dies_right_after_submitting_the_restart_leaves_only_
         cluster.wait_state(job, "RECOVERING", timeout=60)
         (points / "jobtable.created").touch()  # the coordinator crashes once the restart's job is in etcd
         os.unlink(points / "recover.hold")
+        wait_for(lambda: not cluster.files[lead].pid(), 60, "the coordinator's crash")
+        cluster.end_lease(lead)  # (its lease ended, as its expiry would a TTL later)
         wait_for(lambda: coordinator(cluster) != lead, 60, "a new coordinator")
         assert "failpoint jobtable.created reached" in cluster.log(lead)
         old = cluster.wait_state(job, ENDED, timeout=120)

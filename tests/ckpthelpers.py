@@ -149,6 +149,27 @@ def wait_running_a_bit(gc, job: int, seconds: float = 1.0) -> None:
     time.sleep(seconds)
 
 
+_holds = iter(range(1, 1 << 30))
+
+
+def hold(gc, at: int) -> tuple[list[str], Path]:
+    """ckptjob's options to idle after ``at`` steps until released, and the
+    file whose creation releases it (``path.touch()``): a checkpoint, a
+    suspension or a kill then lands mid-run however slow the machine is,
+    and the job ends as soon as the test lets it (tests/jobs/ckptjob.py)."""
+    release = gc.dir.parent / f"release-{os.getpid()}-{next(_holds)}"
+    return ["--hold-at", str(at), "--release", str(release)], release
+
+
+def wait_holding(gc, job: int, timeout: float = 60) -> None:
+    """Until every rank of ``job`` (ckptjob with ``hold``) idles at its hold: each has called ckpt.init() and takes checkpoints."""
+    deadline = time.monotonic() + timeout
+    nranks = gc.job(job)["nranks"]
+    while gc.gang("logs", job).stdout.count(" holding at step ") < nranks:
+        assert time.monotonic() < deadline, f"job {job} did not reach its hold in {timeout} s\n{why_stuck(gc, job)}"
+        time.sleep(0.1)
+
+
 def why_stuck(gc, job: int) -> str:
     """What a job that does not end is doing: its channels, its output, what
     the daemons said of it, and (with py-spy installed) where each rank is."""

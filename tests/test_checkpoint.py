@@ -29,9 +29,9 @@ from ckpthelpers import (
     TERMINAL,
     USABLE,
     checkpoint,
-    checkpoint_when_ready,
     gen_dir,
     generations,
+    hold,
     kill_and_restart,
     kill_what_is_left,
     reference,
@@ -39,6 +39,7 @@ from ckpthelpers import (
     settled,
     submit,
     wait_generations,
+    wait_holding,
     wait_running_a_bit,
 )
 from conftest import as_uid, shared_cluster, wait_for
@@ -102,14 +103,15 @@ def test_checkpoint_kill_restart_is_bit_identical(gc, app):
 def test_messages_in_flight_across_the_cut_are_delivered_after_restart(gc):
     """ckptjob receives in iteration k what its neighbour sent in k-1: at the
     cut every rank has one message in the network, saved by the daemons."""
-    argv = [JOB, "--steps", "600", "--sleep", "0.01"]  # (long enough for the checkpoint to land in it on a loaded machine)
     expected = reference(gc, [JOB, "--steps", "600"])
-    job = submit(gc, argv)
-    wait_running_a_bit(gc, job)
-    gen = checkpoint_when_ready(gc, job)
+    held, release = hold(gc, 300)  # (the cut lands mid-run, however loaded the machine)
+    job = submit(gc, [JOB, "--steps", "600", *held])
+    wait_holding(gc, job)
+    gen = checkpoint(gc, job)
     assert gen["state"] == "complete", gen
     contexts = [p for node in ("n1", "n2") for p in gen_dir(gc, node, job, gen["gen"]).glob("net-*.ctx")]
     assert len(contexts) == 4
+    release.touch()
     restarted = kill_and_restart(gc, job)
     assert result_of(gc, restarted) == expected
     starts = [line for line in gc.gang("logs", restarted).stdout.splitlines() if "ran from iteration" in line]
@@ -117,11 +119,11 @@ def test_messages_in_flight_across_the_cut_are_delivered_after_restart(gc):
 
 
 def test_checkpoint_of_a_suspended_job_while_the_other_runs(gc):
-    argv = [JOB, "--steps", "150", "--sleep", "0.01"]
     expected = reference(gc, [JOB, "--steps", "150"])
-    job = submit(gc, argv)
+    held, release = hold(gc, 75)
+    job = submit(gc, [JOB, "--steps", "150", *held])
     other = submit(gc, [JOB, "--steps", "100000", "--sleep", "0.01"])
-    wait_running_a_bit(gc, job, 0.5)
+    wait_holding(gc, job)
     gc.gang("suspend", job, check=True)
     assert gc.job(job)["state"] == "SUSPENDED"
     gen = checkpoint(gc, job)
@@ -129,26 +131,28 @@ def test_checkpoint_of_a_suspended_job_while_the_other_runs(gc):
     # Still held afterwards; the other job was never stopped for it.
     assert gc.job(job)["state"] == "SUSPENDED" and gc.job(job)["held"]
     assert gc.job(other)["state"] in ("RUNNING", "SUSPENDED")
+    release.touch()
     restarted = kill_and_restart(gc, job)
     assert result_of(gc, restarted, timeout=90) == expected
     gc.gang("kill", other)
 
 
 def test_restart_continues_the_lineage_and_keeps_two_generations(gc):
-    argv = [JOB, "--steps", "1500", "--sleep", "0.01"]  # (three checkpoints and two restarts before its end, even loaded)
-    expected = reference(gc, [JOB, "--steps", "1500"])
-    job = submit(gc, argv)
-    wait_running_a_bit(gc, job, 0.5)
-    first = checkpoint_when_ready(gc, job)
+    expected = reference(gc, [JOB, "--steps", "300"])
+    held, release = hold(gc, 150)  # (three checkpoints and two restarts before its end, however loaded the machine)
+    job = submit(gc, [JOB, "--steps", "300", *held])
+    wait_holding(gc, job)
+    first = checkpoint(gc, job)
     restarted = kill_and_restart(gc, job)
-    wait_running_a_bit(gc, restarted, 0.5)
-    second = checkpoint_when_ready(gc, restarted)
+    wait_holding(gc, restarted)  # (restarted in the hold, it holds again: past its first iteration now)
+    second = checkpoint(gc, restarted)
     third = checkpoint(gc, restarted)
     assert [first["gen"], second["gen"], third["gen"]] == [1, 2, 3]
     assert first["iteration"] < second["iteration"] < third["iteration"]
     states = {g["gen"]: g["state"] for g in settled(gc, job)}
     assert states == {1: "removed", 2: "protected", 3: "protected"}  # the lineage, seen from the first job too (2 nodes: partner)
     assert not gen_dir(gc, "n1", job, 1).exists() and gen_dir(gc, "n1", job, 2).exists()
+    release.touch()
     again = kill_and_restart(gc, restarted)
     assert result_of(gc, again) == expected
 
@@ -200,7 +204,8 @@ def test_ctrl_backslash_on_gang_run_checkpoints_the_job(gc):
     import pty
 
     master, slave = pty.openpty()
-    cmd = [PY, "-m", "gangd.client.cli", "--cluster", str(gc.dir), "run", "-n", "4", "--", PY, JOB, "--steps", "300", "--sleep", "0.01"]
+    held, release = hold(gc, 150)
+    cmd = [PY, "-m", "gangd.client.cli", "--cluster", str(gc.dir), "run", "-n", "4", "--", PY, JOB, "--steps", "300", *held]
     # The pty must become gang run's controlling terminal, which only the child can do (no Popen option for it).
     proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, preexec_fn=lambda: os.login_tty(slave), close_fds=True)  # noqa: PLW1509 -- see above
     os.close(slave)
@@ -212,7 +217,8 @@ def test_ctrl_backslash_on_gang_run_checkpoints_the_job(gc):
             running = [r for r in gc.gang_json("ps") if r["state"] in ("RUNNING", "SUSPENDED")]
             job = running[0]["id"] if running else None
             time.sleep(0.1)
-        time.sleep(1.0)
+        assert job is not None, "gang run's job did not start"
+        wait_holding(gc, job)  # (every rank takes checkpoints now)
         os.write(master, b"\x1c")  # Ctrl-\ : the terminal sends SIGQUIT to gang run
         while b"complete" not in output and time.monotonic() < deadline:
             try:
@@ -220,6 +226,7 @@ def test_ctrl_backslash_on_gang_run_checkpoints_the_job(gc):
             except OSError:
                 break
         assert b"checkpoint generation 1 complete" in output, output.decode(errors="replace")
+        release.touch()
         assert proc.wait(timeout=60) == 0  # gang run survived its SIGQUIT, the job finished
     finally:
         if proc.poll() is None:
@@ -295,15 +302,15 @@ def test_a_rank_killed_mid_checkpoint_aborts_that_generation_only(gc):
 
 
 def test_corrupted_or_truncated_files_fall_back_to_an_older_generation(gc):
-    argv = [JOB, "--steps", "300", "--sleep", "0.01"]
     expected = reference(gc, [JOB, "--steps", "300"])
-    job = submit(gc, argv)
-    wait_running_a_bit(gc, job, 0.5)
+    held, release = hold(gc, 150)
+    job = submit(gc, [JOB, "--steps", "300", *held])
+    wait_holding(gc, job)
     older = checkpoint(gc, job)
-    time.sleep(0.3)
     newer = checkpoint(gc, job)
     assert older["state"] == newer["state"] == "complete"
     gc.gang("kill", job, check=True)
+    release.touch()
     victim = gen_dir(gc, "n2", job, newer["gen"]) / ckptstore.cluster_rank_file(3)
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x40
@@ -332,13 +339,14 @@ def test_a_full_disk_fails_the_checkpoint_and_the_job_runs_on(gc):
     directory = gc.dir / "n2" / "state" / "checkpoints" / "n2"  # (each node its own, see checkpoint_dir)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0711", "tmpfs", str(directory)], check=True)
     try:
-        argv = [JOB, "--steps", "250", "--mb", "2", "--sleep", "0.01"]
         expected = reference(gc, [JOB, "--steps", "250", "--mb", "2"])
-        job = submit(gc, argv)
-        wait_running_a_bit(gc, job, 0.5)
+        held, release = hold(gc, 125)
+        job = submit(gc, [JOB, "--steps", "250", "--mb", "2", *held])
+        wait_holding(gc, job)
         gen = checkpoint(gc, job)
         assert gen["state"] == "aborted", gen
         assert "no space left on device" in gen["reason"] and "n2" in gen["reason"], gen["reason"]
+        release.touch()
         assert result_of(gc, job) == expected
         assert list(directory.iterdir()) == [] or all(not any(p.iterdir()) for p in directory.iterdir())
     finally:
@@ -347,8 +355,9 @@ def test_a_full_disk_fails_the_checkpoint_and_the_job_runs_on(gc):
 
 @root_only
 def test_strangers_can_neither_checkpoint_nor_restart_a_job(gc):
-    job = submit(gc, [JOB, "--steps", "400", "--sleep", "0.01"])
-    wait_running_a_bit(gc, job, 0.3)
+    held, _release = hold(gc, 200)  # (never released: the test kills it)
+    job = submit(gc, [JOB, "--steps", "400", *held])
+    wait_holding(gc, job)
 
     def attempt(op):
         def go():

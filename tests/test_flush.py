@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from ckpthelpers import TERMINAL, USABLE, checkpoint, flip_byte, gen_dir, generations, reference, result_of, submit, wait_running_a_bit
+from ckpthelpers import TERMINAL, USABLE, checkpoint, flip_byte, gen_dir, generations, hold, reference, result_of, submit, wait_holding, wait_running_a_bit
 from conftest import as_uid, wait_for
 
 from gangd import ckptstore
@@ -47,8 +47,9 @@ def test_with_both_nodes_of_a_partner_pair_lost_the_restart_takes_the_flushed_ge
     shared = tmp_path / "shared"
     cluster = make_cluster(4, cores=2, time_slice=0.1, lease_ttl=5, flush_dir=shared)
     expected = reference(cluster, ARGV, 4)
-    job = submit(cluster, [*ARGV, "--sleep", "0.01"], 4, "-w", "n2,n3", "--ckpt-redundancy", "partner")
-    wait_running_a_bit(cluster, job)
+    held, release = hold(cluster, 125)  # (mid-run at the checkpoint however loaded the machine; the restart runs at full speed)
+    job = submit(cluster, [*ARGV, *held], 4, "-w", "n2,n3", "--ckpt-redundancy", "partner")
+    wait_holding(cluster, job)
     gen = checkpoint(cluster, job)
     assert gen["state"] == "complete", gen
     entry = wait_for(lambda: (lambda e: e if e.get("flushed") or e.get("flush") else None)(_entry(cluster, job, gen["gen"])), 60, "the flush")
@@ -72,7 +73,9 @@ def test_with_both_nodes_of_a_partner_pair_lost_the_restart_takes_the_flushed_ge
         os.kill(cluster.daemon_pid(node), signal.SIGKILL)
         shutil.rmtree(gen_dir(cluster, node, job, gen["gen"]).parent)
     for node in ("n2", "n3"):
+        cluster.end_lease(node)  # (as its expiry would, a lease TTL later)
         _wait_node(cluster, node, "down")
+    release.touch()
     answer = cluster.gang_json("restart", job, timeout=120)
     assert set(answer["placement"]) == {"n1", "n4"} and answer["gen"] == gen["gen"], answer
     assert result_of(cluster, answer["record"]["id"], timeout=120) == expected
@@ -86,8 +89,9 @@ def test_with_both_nodes_of_a_partner_pair_lost_the_restart_takes_the_flushed_ge
 def test_a_flushed_file_damaged_on_the_shared_file_system_is_refused_naming_it(make_cluster, tmp_path):
     shared = tmp_path / "shared"
     cluster = make_cluster(3, cores=2, time_slice=0.1, lease_ttl=5, flush_dir=shared)
-    job = submit(cluster, [*ARGV, "--sleep", "0.01"], 2, "-w", "n2", "--ckpt-redundancy", "local")
-    wait_running_a_bit(cluster, job)
+    held, _release = hold(cluster, 125)  # (never released: the test kills it)
+    job = submit(cluster, [*ARGV, *held], 2, "-w", "n2", "--ckpt-redundancy", "local")
+    wait_holding(cluster, job)
     gen = checkpoint(cluster, job)
     assert gen["state"] == "complete", gen
     wait_for(lambda: _entry(cluster, job, gen["gen"]).get("flushed"), 60, "the flush")
@@ -97,6 +101,7 @@ def test_a_flushed_file_damaged_on_the_shared_file_system_is_refused_naming_it(m
     flip_byte(state, 100)
     os.kill(cluster.daemon_pid("n2"), signal.SIGKILL)
     shutil.rmtree(gen_dir(cluster, "n2", job, gen["gen"]).parent)
+    cluster.end_lease("n2")  # (as its expiry would, a lease TTL later)
     _wait_node(cluster, "n2", "down")
     refused = cluster.gang("restart", job, timeout=120)
     assert refused.returncode != 0, refused.stdout
@@ -148,6 +153,8 @@ def test_two_flushes_on_one_node_keep_together_to_flush_mib_per_s(tmp_path):
 def _restart_all_with(cluster, **changes) -> None:
     for node in cluster.files:
         os.kill(cluster.daemon_pid(node), signal.SIGKILL)
+    for node in cluster.files:
+        cluster.end_lease(node)  # (their old leases, ended rather than waited out)
     for node in cluster.files:
         path = cluster.files[node].config
         path.write_text(cfg.render(dataclasses.replace(cfg.load(path), **changes)))
@@ -257,8 +264,9 @@ def test_two_nodes_of_an_xor_set_lost_the_job_comes_back_by_itself_from_an_older
     _restart_all_with(cluster, checkpoint_flush_every=2)  # generation 2 flushed, generation 3 only protected
     argv = [JOB, "--steps", "400", "--mb", "0.25"]
     expected = reference(cluster, argv, 3, "--per-node", "1")
-    job = submit(cluster, [*argv, "--sleep", "0.05"], 3, "--per-node", "1", "--ckpt-redundancy", "xor")
-    wait_running_a_bit(cluster, job)
+    held, release = hold(cluster, 200)  # (the job holds mid-run until the nodes are lost, then runs at full speed)
+    job = submit(cluster, [*argv, *held], 3, "--per-node", "1", "--ckpt-redundancy", "xor")
+    wait_holding(cluster, job)
     for _ in range(3):
         assert checkpoint(cluster, job)["state"] == "complete"
     wait_for(lambda: _entry(cluster, job, 2).get("flushed") and _entry(cluster, job, 3)["state"] == "protected", 60,
@@ -267,6 +275,7 @@ def test_two_nodes_of_an_xor_set_lost_the_job_comes_back_by_itself_from_an_older
     lead = next(r["name"] for r in cluster.gang_json("nodes")["nodes"] if r["coordinator"])
     victims = [n for n in dict.fromkeys(cluster.job(job)["placement"]) if n != lead][:2]
     lose(cluster, *victims)
+    release.touch()
     old = cluster.wait_state(job, ENDED, timeout=180)
     assert old["state"] == "REQUEUED", old
     again = cluster.job(old["requeued_as"])

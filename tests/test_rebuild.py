@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
-from ckpthelpers import TERMINAL, checkpoint, flip_byte, gen_dir, generations, kill_what_is_left, reference, result_of, settled, submit
+from ckpthelpers import TERMINAL, checkpoint, flip_byte, gen_dir, generations, hold, kill_what_is_left, reference, result_of, settled, submit, wait_holding
 from hypothesis import given
 from hypothesis import strategies as st
 from test_control_plane import coordinator_seen_by
@@ -140,15 +140,16 @@ def job_nodes_and_victims(gc, count: int) -> tuple[list[str], list[str]]:
 def protected_and_killed(gc, level: str) -> tuple[int, dict]:
     """A 6-rank job on n1-n3 with a generation written at ``level`` (protected,
     or complete for ``local``), then killed: (its id, the generation)."""
-    job = submit(gc, [*ARGV, "--sleep", "0.05"], NRANKS, "-w", "n1,n2,n3", "--ckpt-redundancy", level)
-    gc.wait_state(job, ("RUNNING", "SUSPENDED"))
-    time.sleep(1)
+    held, release = hold(gc, 150)  # (mid-run at the checkpoint however loaded the machine; a restart runs at full speed)
+    job = submit(gc, [*ARGV, *held], NRANKS, "-w", "n1,n2,n3", "--ckpt-redundancy", level)
+    wait_holding(gc, job)
     gen = checkpoint(gc, job)
     assert gen["state"] == "complete", gen
     entry = next(g for g in settled(gc, job) if g["gen"] == gen["gen"])
     assert entry["state"] == ("protected" if level != "local" else "complete") and entry["level"] == level, entry
     gc.gang("kill", job, check=True)
     gc.wait_state(job, TERMINAL)
+    release.touch()
     return job, entry
 
 
@@ -255,14 +256,15 @@ def test_restarted_with_w_on_the_partner_of_the_lost_node_its_files_come_from_th
     expected = reference(gc, ARGV, 2)
     leader = coordinator_seen_by(gc, "n1")
     victim, holder = ("n3", "n2") if leader == "n2" else ("n2", "n1")  # (a ring of two: each holds the other's copy)
-    job = submit(gc, [*ARGV, "--sleep", "0.05"], 2, "-w", f"{holder},{victim}", "--ckpt-redundancy", "partner")
-    gc.wait_state(job, ("RUNNING", "SUSPENDED"))
-    time.sleep(1)
+    held, release = hold(gc, 150)
+    job = submit(gc, [*ARGV, *held], 2, "-w", f"{holder},{victim}", "--ckpt-redundancy", "partner")
+    wait_holding(gc, job)
     gen = checkpoint(gc, job)
     entry = next(g for g in settled(gc, job) if g["gen"] == gen["gen"])
     assert entry["state"] == "protected" and entry["level"] == "partner", entry
     gc.gang("kill", job, check=True)
     gc.wait_state(job, TERMINAL)
+    release.touch()
     lose(gc, victim)
     answer = restart(gc, job, "-w", holder)
     assert answer["placement"] == [holder, holder] and answer["rebuilt"] == {victim: holder}, answer
@@ -276,9 +278,9 @@ def test_a_node_lost_during_a_redundancy_write_restarts_from_the_previous_protec
     cluster = make_cluster(4, cores=2, time_slice=0.1)
     try:
         expected = reference(cluster, ARGV, NRANKS)
-        job = submit(cluster, [*ARGV, "--sleep", "0.05"], NRANKS, "-w", "n1,n2,n3", "--ckpt-redundancy", "xor")
-        cluster.wait_state(job, ("RUNNING", "SUSPENDED"))
-        time.sleep(1)
+        held, release = hold(cluster, 150)
+        job = submit(cluster, [*ARGV, *held], NRANKS, "-w", "n1,n2,n3", "--ckpt-redundancy", "xor")
+        wait_holding(cluster, job)
         first = checkpoint(cluster, job)
         g1 = next(g for g in settled(cluster, job) if g["gen"] == first["gen"])
         assert g1["state"] == "protected", g1
@@ -287,6 +289,7 @@ def test_a_node_lost_during_a_redundancy_write_restarts_from_the_previous_protec
         assert second["state"] == "complete" and second["iteration"] > g1["iteration"], second
         cluster.gang("kill", job, check=True)
         cluster.wait_state(job, TERMINAL)
+        release.touch()
         _, (victim,) = job_nodes_and_victims(cluster, 1)
         lose(cluster, victim)
         answer = restart(cluster, job)

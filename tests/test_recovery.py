@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from ckpthelpers import checkpoint, generations, kill_what_is_left, reference, result_line, result_of, submit
+from ckpthelpers import checkpoint, generations, hold, kill_what_is_left, reference, result_line, result_of, submit, wait_holding
 from conftest import wait_for
 from hypothesis import given
 from hypothesis import strategies as st
@@ -40,7 +40,6 @@ PY = sys.executable
 ROOT = Path(__file__).resolve().parent.parent
 JOB = str(ROOT / "tests" / "jobs" / "ckptjob.py")
 ARGV = [JOB, "--steps", "400", "--mb", "0.25"]
-SLOW = [*ARGV, "--sleep", "0.03"]  # (~12 s uninterrupted: a node is lost long before the end)
 ENDED = ("DONE", "FAILED", "KILLED", "REQUEUED")
 
 
@@ -223,24 +222,33 @@ def wait_protected(cluster, job: int, number: int, timeout: float = 60) -> dict:
                     timeout, f"generation {number} of job {job} protected")
 
 
+def held(cluster) -> tuple[list[str], Path]:
+    """ckptjob's arguments for a job that holds mid-run (checkpoints taken, a
+    node lost, long before its end however loaded the machine) until the test
+    touches the file returned; after it, and once recovered, it runs at full speed."""
+    options, release = hold(cluster, 200)
+    return [*ARGV, *options], release
+
+
 def running(cluster, job: int) -> dict:
-    record = cluster.wait_state(job, ("RUNNING", "SUSPENDED"), timeout=60)
-    time.sleep(1)
-    return record
+    """The job's record once every rank idles in its hold."""
+    wait_holding(cluster, job)
+    return cluster.job(job)
 
 
-def protected_partner_job(cluster, *options: str) -> tuple[str, str, list[str], int, dict]:
+def protected_partner_job(cluster, *options: str) -> tuple[str, str, list[str], int, dict, Path]:
     """A 3-rank ``partner`` job on three nodes of n1-n4 that are not the
-    coordinator, running, with a protected generation: (its uninterrupted
-    result, the coordinator, its nodes, its id, the generation)."""
+    coordinator, holding (``held``), with a protected generation: (its uninterrupted
+    result, the coordinator, its nodes, its id, the generation, the file that releases it)."""
     expected = reference(cluster, ARGV, 3, "--per-node", "1")
     lead = coordinator(cluster)
     nodes = [n for n in ("n1", "n2", "n3", "n4") if n != lead][:3]
-    job = submit(cluster, SLOW, 3, "--per-node", "1", "-w", ",".join(nodes), "--ckpt-redundancy", "partner", *options)
+    argv, release = held(cluster)
+    job = submit(cluster, argv, 3, "--per-node", "1", "-w", ",".join(nodes), "--ckpt-redundancy", "partner", *options)
     running(cluster, job)
     taken = checkpoint(cluster, job)
     wait_protected(cluster, job, taken["gen"])
-    return expected, lead, nodes, job, taken
+    return expected, lead, nodes, job, taken, release
 
 
 @pytest.fixture
@@ -255,12 +263,13 @@ def spare_cluster(make_cluster, points):
 def test_a_job_whose_node_and_disk_are_lost_comes_back_by_itself_bit_identical(spare_cluster, points, level):
     cluster = spare_cluster
     expected = reference(cluster, ARGV, 3, "--per-node", "1")
+    argv, release = held(cluster)
     runner = None
     if level == "xor":  # `gang run` in the foreground follows the recovery too, output and exit code
-        runner = cluster.popen_gang("run", "-n", 3, "--per-node", 1, "--ckpt-redundancy", level, "--", PY, *SLOW)
+        runner = cluster.popen_gang("run", "-n", 3, "--per-node", 1, "--ckpt-redundancy", level, "--", PY, *argv)
         job = wait_for(lambda: next((r["id"] for r in cluster.gang_json("ps") if r["state"] not in ENDED), None), 60, "the job of gang run")
     else:
-        job = submit(cluster, SLOW, 3, "--per-node", "1", "--ckpt-redundancy", level)
+        job = submit(cluster, argv, 3, "--per-node", "1", "--ckpt-redundancy", level)
     first = running(cluster, job)
     assert "n4" not in first["placement"], first["placement"]  # (the spare is held back)
     nodes = cluster.gang("nodes", check=True).stdout
@@ -273,6 +282,7 @@ def test_a_job_whose_node_and_disk_are_lost_comes_back_by_itself_bit_identical(s
     if level == "partner":  # etcd refuses, once, the write that ends the lost job: the recovery takes the step again
         (points / "recover.end").touch()
     lose(cluster, victim, wait_out_lease=True)  # (a real expiry, end to end; the other tests revoke the lease)
+    release.touch()
 
     old = cluster.wait_state(job, ENDED, timeout=120)
     assert old["state"] == "REQUEUED", old
@@ -304,9 +314,10 @@ def test_a_job_whose_node_and_disk_are_lost_comes_back_by_itself_bit_identical(s
 def test_no_requeue_no_protected_generation_and_the_limit_fail_the_job_saying_why(make_cluster):
     cluster = make_cluster(4, cores=2, time_slice=0.1)
     try:
-        refused = submit(cluster, SLOW, 3, "--per-node", "1", "--ckpt-redundancy", "partner", "--no-requeue")
-        local = submit(cluster, SLOW, 3, "--per-node", "1", "--ckpt-redundancy", "local")
-        bare = submit(cluster, SLOW, 2, "--per-node", "1")  # no checkpoint at all
+        argv, _release = held(cluster)  # (never released: the jobs fail)
+        refused = submit(cluster, argv, 3, "--per-node", "1", "--ckpt-redundancy", "partner", "--no-requeue")
+        local = submit(cluster, argv, 3, "--per-node", "1", "--ckpt-redundancy", "local")
+        bare = submit(cluster, argv, 2, "--per-node", "1")  # no checkpoint at all
         for job in (refused, local, bare):
             running(cluster, job)
         for job in (refused, local):
@@ -338,7 +349,8 @@ def test_no_requeue_no_protected_generation_and_the_limit_fail_the_job_saying_wh
 def test_max_recoveries_is_honoured(make_cluster):
     cluster = make_cluster(4, cores=2, time_slice=0.1, max_recoveries=0)
     try:
-        job = submit(cluster, SLOW, 3, "--per-node", "1", "--ckpt-redundancy", "partner")
+        argv, _release = held(cluster)  # (never released: the job fails)
+        job = submit(cluster, argv, 3, "--per-node", "1", "--ckpt-redundancy", "partner")
         running(cluster, job)
         assert checkpoint(cluster, job)["state"] == "complete"
         wait_protected(cluster, job, 1)
@@ -358,11 +370,15 @@ def test_a_node_lost_during_a_checkpoint_leaves_the_previous_protected_generatio
         # The rank on the node to be lost is slow to reach the next cut from
         # iteration 150 on (4 s an iteration): a round started then waits for it.
         # (One rank per node, in name order, the spare n4 left out: rank i on n{i+1}.)
+        # Only while the file is there: the job that comes back runs at full speed.
         victim = [n for n in ("n1", "n2", "n3") if n != coordinator(cluster)][-1]
         slow = int(victim[1:]) - 1
-        job = submit(cluster, [*short, "--sleep", "0.03", "--slow-rank", str(slow), "--slow-from", "150", "--slow-sleep", "4"], 3,
+        slowing = cluster.dir.parent / "slow"
+        slowing.touch()
+        job = submit(cluster, [*short, "--sleep", "0.03", "--slow-rank", str(slow), "--slow-from", "150", "--slow-sleep", "4", "--slow-while", slowing], 3,
                      "--per-node", "1", "--ckpt-redundancy", "partner")
-        record_ = running(cluster, job)
+        record_ = cluster.wait_state(job, ("RUNNING", "SUSPENDED"), timeout=60)
+        time.sleep(1)
         assert record_["placement"][slow] == victim, record_["placement"]
         taken = checkpoint(cluster, job)
         assert taken["state"] == "complete" and taken["iteration"] < 150, taken  # (before the rank is slow)
@@ -371,6 +387,7 @@ def test_a_node_lost_during_a_checkpoint_leaves_the_previous_protected_generatio
         cluster.gang("checkpoint", job, "--no-wait", check=True)
         time.sleep(1)  # (the round waits for the slow rank, 4 s an iteration)
         lose(cluster, victim)
+        slowing.unlink()
         old = cluster.wait_state(job, ENDED, timeout=120)
         assert old["state"] == "REQUEUED", old
         states = {g["gen"]: g for g in generations(cluster, job)}
@@ -387,7 +404,8 @@ def test_a_node_lost_during_the_redundancy_write_leaves_the_previous_protected_g
     cluster = make_cluster(4, cores=2, time_slice=0.1, spares=("n4",))
     try:
         expected = reference(cluster, ARGV, 3, "--per-node", "1")
-        job = submit(cluster, SLOW, 3, "--per-node", "1", "--ckpt-redundancy", "xor")
+        argv, release = held(cluster)
+        job = submit(cluster, argv, 3, "--per-node", "1", "--ckpt-redundancy", "xor")
         running(cluster, job)
         first = checkpoint(cluster, job)
         wait_protected(cluster, job, first["gen"])
@@ -395,6 +413,7 @@ def test_a_node_lost_during_the_redundancy_write_leaves_the_previous_protected_g
         second = checkpoint(cluster, job)
         assert second["state"] == "complete", second
         lose(cluster, victim_of(cluster, job))
+        release.touch()
         os.unlink(points / "protect.hold")
         old = cluster.wait_state(job, ENDED, timeout=120)
         assert old["state"] == "REQUEUED", old
@@ -410,13 +429,14 @@ def test_a_node_lost_during_the_redundancy_write_leaves_the_previous_protected_g
 def test_a_new_coordinator_finds_the_job_recovering_and_finishes_it_with_one_restart(make_cluster, points):
     cluster = make_cluster(5, cores=2, time_slice=0.1, spares=("n5",))
     try:
-        expected, lead, nodes, job, taken = protected_partner_job(cluster)
+        expected, lead, nodes, job, taken, release = protected_partner_job(cluster)
         (points / "recover.hold").touch()  # the recovery stops after killing the survivors, before the restart
         lose(cluster, nodes[-1])
+        release.touch()
         held = cluster.wait_state(job, "RECOVERING", timeout=60)
         assert held["reason"] == f"node {nodes[-1]} lost; recovering from generation {taken['gen']}", held["reason"]
         assert cluster.gang_json("ps")  # (visible in gang ps)
-        os.kill(cluster.daemon_pid(lead), signal.SIGKILL)  # the coordinator dies mid-recovery
+        cluster.kill_node(lead)  # the coordinator dies mid-recovery (its lease ended, as its expiry would a TTL later)
         wait_for(lambda: coordinator(cluster) != lead, 60, "a new coordinator")
         os.unlink(points / "recover.hold")
         old = cluster.wait_state(job, ENDED, timeout=120)
@@ -433,7 +453,8 @@ def test_a_new_coordinator_finds_the_job_recovering_and_finishes_it_with_one_res
 def test_two_nodes_of_one_xor_set_lost_fail_the_job_naming_what_cannot_be_rebuilt(make_cluster, together):
     cluster = make_cluster(4, cores=2, time_slice=0.1, spares=("n4",))
     try:
-        job = submit(cluster, SLOW, 3, "--per-node", "1", "--ckpt-redundancy", "xor")
+        argv, _release = held(cluster)  # (never released: the job fails)
+        job = submit(cluster, argv, 3, "--per-node", "1", "--ckpt-redundancy", "xor")
         running(cluster, job)
         taken = checkpoint(cluster, job)
         wait_protected(cluster, job, taken["gen"])
@@ -458,12 +479,15 @@ def test_two_nodes_of_one_xor_set_lost_fail_the_job_naming_what_cannot_be_rebuil
 def test_a_coordinator_that_dies_right_after_submitting_the_restart_leaves_only_the_link_to_make(make_cluster, points):
     cluster = make_cluster(5, cores=2, time_slice=0.1, spares=("n5",))
     try:
-        expected, lead, nodes, job, _taken = protected_partner_job(cluster)
+        expected, lead, nodes, job, _taken, release = protected_partner_job(cluster)
         (points / "recover.hold").touch()
         lose(cluster, nodes[-1])
+        release.touch()
         cluster.wait_state(job, "RECOVERING", timeout=60)
         (points / "jobtable.created").touch()  # the coordinator crashes once the restart's job is in etcd
         os.unlink(points / "recover.hold")
+        wait_for(lambda: not cluster.files[lead].pid(), 60, "the coordinator's crash")
+        cluster.end_lease(lead)  # (its lease ended, as its expiry would a TTL later)
         wait_for(lambda: coordinator(cluster) != lead, 60, "a new coordinator")
         assert "failpoint jobtable.created reached" in cluster.log(lead)
         old = cluster.wait_state(job, ENDED, timeout=120)
@@ -485,9 +509,10 @@ def test_a_restart_whose_node_is_lost_before_it_starts_starts_elsewhere_from_the
     # and the same job starts there, not waiting forever for a dead node.
     cluster = make_cluster(5, cores=2, time_slice=0.1, spares=("n5",))
     try:
-        expected, _lead, nodes, job, taken = protected_partner_job(cluster, "--no-requeue")
+        expected, _lead, nodes, job, taken, release = protected_partner_job(cluster, "--no-requeue")
         assert cluster.gang("kill", job).returncode == 0
         cluster.wait_state(job, ENDED, timeout=60)
+        release.touch()
         (points / "schedule.hold").touch()
         restarted = cluster.gang("restart", job, "--json")
         assert restarted.returncode == 0, restarted.stderr

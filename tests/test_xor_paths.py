@@ -1,0 +1,212 @@
+"""The XOR paths between daemons (issue 16): parity and rebuild over the bulk
+path when that path is refused or lies, and a recovery that finds a
+survivor's checkpoint wiped.
+
+The transfers run between real trio Channels over real socket pairs, the
+bulk bytes on real TCP connections with the HMAC handshake; a lying sender
+proves it holds the secret and then sends short, corrupted, cut or
+over-long streams. The recovery test runs real daemons, real ranks, a real
+etcd.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import shutil
+
+import pytest
+import trio
+from test_redundancy import SECRET, _bulk_liar, bulk_server, channel_pair, make_gen, serving
+
+from gangd import ckptstore
+from gangd.redundancy import bulk, transfer, xor
+from gangd.rpc import leaf_error
+
+# ================================================================ the bulk path refused or lying, on the XOR reads
+
+PARITY = f"{xor.REDUNDANCY_DIR}/{xor.PARITY}"
+
+
+def xor_set(tmp_path, n: int = 3, seed: int = 5):
+    """A set of ``n`` generations whose data are several bulk chunks long
+    (so a liar can break a slice in its middle), each member's parity written."""
+    rng = random.Random(seed)
+    nodes = [f"n{i}" for i in range(n)]
+    dirs = [ckptstore.gen_dir(tmp_path / node, 7, 3) for node in nodes]
+    content = {}
+    for i, (node, directory) in enumerate(zip(nodes, dirs, strict=True)):
+        files = {f"ranks/rank-{i}.state": rng.randbytes(3 * bulk.CHUNK + rng.randrange(1, 5000)),
+                 "job.msgpack": rng.randbytes(rng.randrange(1, 2000))}
+        content[node] = files
+        make_gen(directory, node, files)
+    metas = xor.encode_set(dirs, nodes)
+    return nodes, dirs, content, metas
+
+
+def lying_bulk(root, server, kind: str, on: str):
+    """A daemon's handler whose bulk sends lie (``kind``, as in test_redundancy)
+    for data slices (``on="data"``), whole files (``"file"``) or both; the channel ops honest."""
+    channel_ops = serving(root)
+
+    async def handler(channel, request):
+        if request.op != "ckpt_bulk_read":
+            return await channel_ops(channel, request)
+        where = transfer.Where.from_args(request.args)
+        if "name" in request.args:
+            name = transfer.check_name(request.args["name"])
+            send = _bulk_liar(kind) if on in ("file", "both") else bulk.send_source
+            return await bulk.serve(server, lambda: transfer._open_file(root, where, name), name, send=send)
+        start, length = request.args["start"], request.args["length"]
+        protected = request.args.get("protected", False)
+        send = _bulk_liar(kind) if on in ("data", "both") else bulk.send_source
+        return await bulk.serve(server, lambda: transfer._open_data(root, where, start, length, protected), "data", send=send)
+
+    return handler
+
+
+async def rebuild_over_bulk(tmp_path, nodes, metas, lost: int, handlers: dict):
+    new_gen = ckptstore.gen_dir(tmp_path / "n9", 7, 3)
+    new_gen.parent.mkdir(parents=True, exist_ok=True)
+    key = bulk.Bulk.from_secret(SECRET)
+    try:
+        async with trio.open_nursery() as nursery:
+            await _rebuild(nursery, nodes, metas, lost, handlers, key, new_gen)
+    except BaseExceptionGroup as group:
+        raise leaf_error(group) from None
+    return new_gen
+
+
+async def _rebuild(nursery, nodes, metas, lost, handlers, key, new_gen) -> None:
+    data: list = [None] * len(nodes)
+    parity: list = [None] * len(nodes)
+    for i, node in enumerate(nodes):
+        if i == lost:
+            continue
+        channel = await channel_pair(nursery, await handlers[node](nursery))
+        data[i] = transfer.RemoteData(nursery, channel, 7, 3, bulk=key, protected=True)
+        parity[i] = transfer.RemoteFile(nursery, channel, 7, 3, PARITY, metas[i].parity_size, metas[i].parity_checksum, bulk=key)
+    try:
+        await trio.to_thread.run_sync(lambda: xor.rebuild(lost, metas[0], data, parity, new_gen))
+    finally:
+        nursery.cancel_scope.cancel()
+
+
+def honest(root):
+    async def make(nursery):
+        server = await bulk_server(nursery)
+        from test_redundancy import bulk_serving
+
+        return bulk_serving(root, server)
+
+    return make
+
+
+def liar(root, kind: str, on: str):
+    async def make(nursery):
+        return lying_bulk(root, await bulk_server(nursery), kind, on)
+
+    return make
+
+
+def without_the_secret(root):
+    async def make(nursery):
+        from test_redundancy import bulk_serving
+
+        return bulk_serving(root, await bulk_server(nursery, secret=b"another cluster's secret"))
+
+    return make
+
+
+@pytest.mark.parametrize(("kind", "on", "refusal"), [
+    ("short", "both", "chunk of .* bytes at offset"),  # the last chunk short: the rest of the slice over the channel
+    ("bad_hash", "data", "corrupted"),
+    ("cut", "both", "connection ended"),
+    ("extra_chunk", "file", "more than the"),
+    ("after_end", "both", "more after the end"),
+    ("refused", "both", "could not prove it holds the cluster secret"),
+])
+async def test_an_xor_rebuild_whose_bulk_path_breaks_gets_the_bytes_over_the_channel(tmp_path, kind, on, refusal, caplog):
+    # A survivor's bulk sender lies (or its listener cannot prove the
+    # secret): what it sent past the last good chunk is never used, and the
+    # rest of each slice (a parity: all of it again, the part already used
+    # compared) comes over the peer channel; the lost member comes back
+    # bit-identical. Before: the rebuild failed with the bulk path's error.
+    nodes, dirs, content, metas = xor_set(tmp_path)
+    lost = 0
+    shutil.rmtree(dirs[lost])
+    handlers = {node: honest(tmp_path / node) for node in nodes}
+    handlers["n1"] = without_the_secret(tmp_path / "n1") if kind == "refused" else liar(tmp_path / "n1", kind, on)
+    with caplog.at_level(logging.WARNING, logger="gangd.transfer"):
+        new_gen = await rebuild_over_bulk(tmp_path, nodes, metas, lost, handlers)
+    assert re.search(refusal, caplog.text) and "pulling it over the peer channel instead" in caplog.text, caplog.text
+    assert "from node n2" in caplog.text  # (the label of the liar's channel in channel_pair)
+    for name, blob in content[nodes[lost]].items():
+        assert (new_gen / name).read_bytes() == blob
+    assert xor.read_meta(new_gen) == metas[lost]
+
+
+async def test_a_parity_that_arrives_whole_and_wrong_on_the_bulk_path_is_damaged_and_nothing_is_left(tmp_path):
+    # Every chunk of the parity checks out and the whole does not match the
+    # meta's checksum: the channel would bring the same bytes, so no
+    # fallback; the rebuild fails naming the file, and leaves no directory.
+    nodes, dirs, _, metas = xor_set(tmp_path)
+    shutil.rmtree(dirs[0])
+    handlers = {node: honest(tmp_path / node) for node in nodes}
+    handlers["n1"] = liar(tmp_path / "n1", "flipped", "file")
+    with pytest.raises(xor.Damaged, match=r"xor\.parity of job-7/gen-3 from node n2: checksum .* does not match"):
+        await rebuild_over_bulk(tmp_path, nodes, metas, 0, handlers)
+    assert list((tmp_path / "n9" / "job-7").iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["short", "cut", "refused"])
+async def test_a_parity_written_while_a_peers_bulk_path_breaks_equals_the_local_one(tmp_path, kind, caplog):
+    # The same fallback on the write side: member 0's parity from its peers'
+    # slices, one peer's bulk sender lying; the parity is the one computed
+    # locally, and its meta lands.
+    nodes, dirs, _, metas = xor_set(tmp_path, n=4, seed=6)
+    expected = (dirs[0] / PARITY).read_bytes()
+    shutil.rmtree(dirs[0] / xor.REDUNDANCY_DIR)
+    manifests = [ckptstore.read_manifest(d) for d in dirs]
+    key = bulk.Bulk.from_secret(SECRET)
+    with caplog.at_level(logging.WARNING, logger="gangd.transfer"):
+        async with trio.open_nursery() as nursery:
+            sources: list = [None]
+            for node in nodes[1:]:
+                make = honest(tmp_path / node)
+                if node == "n2":
+                    make = without_the_secret(tmp_path / node) if kind == "refused" else liar(tmp_path / node, kind, "data")
+                sources.append(transfer.RemoteData(nursery, await channel_pair(nursery, await make(nursery)), 7, 3, bulk=key))
+            meta = await trio.to_thread.run_sync(xor.write_parity, dirs[0], xor.meta_for(manifests, nodes, 0), sources)
+            nursery.cancel_scope.cancel()
+    assert "pulling it over the peer channel instead" in caplog.text, caplog.text
+    assert meta == metas[0]
+    assert (dirs[0] / PARITY).read_bytes() == expected
+
+
+async def test_a_parity_write_that_dies_halfway_leaves_the_generation_unprotected(tmp_path, monkeypatch):
+    # A peer whose stream ends short, after the writer thread has written
+    # a block of the parity: no parity, no temporary file, no meta; the
+    # generation stays complete, never protected.
+    from gangd.redundancy import held
+    from gangd.redundancy import plan as rplan
+
+    monkeypatch.setattr(xor, "WRITE_BLOCK", xor.BLOCK)
+    written: list[int] = []
+    real_write = xor.DirectFile.write
+    monkeypatch.setattr(xor.DirectFile, "write", lambda self, view: (written.append(len(view)), real_write(self, view))[1])
+    nodes, dirs, _, _ = xor_set(tmp_path, n=3, seed=7)
+    shutil.rmtree(dirs[0] / xor.REDUNDANCY_DIR)
+    manifests = [ckptstore.read_manifest(d) for d in dirs]
+    async with trio.open_nursery() as nursery:
+        sources: list = [None]
+        for node in nodes[1:]:
+            lie = (lambda items: items[: len(items) * 9 // 10]) if node == "n2" else None
+            sources.append(transfer.RemoteData(nursery, await channel_pair(nursery, serving(tmp_path / node, lie)), 7, 3))
+        with pytest.raises(xor.RebuildError, match=r"the stream ended after \d+ of \d+ bytes"):
+            await trio.to_thread.run_sync(xor.write_parity, dirs[0], xor.meta_for(manifests, nodes, 0), sources)
+        nursery.cancel_scope.cancel()
+    assert written and sum(written) >= xor.BLOCK  # (it died after writing)
+    assert "holds no XOR parity" in held.missing(dirs[0], rplan.make_plan(nodes), "n0")
+    assert sorted(p.name for p in (dirs[0] / xor.REDUNDANCY_DIR).iterdir()) == []

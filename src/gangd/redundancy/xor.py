@@ -36,7 +36,7 @@ import math
 import os
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -571,7 +571,7 @@ def _with_index(meta: XorMeta, index: int) -> XorMeta:
 class _Take:
     """Cut a stream of blocks into consecutive pieces of given lengths."""
 
-    def __init__(self, blocks: Iterator):
+    def __init__(self, blocks: Generator):
         self.blocks = blocks
         self.carry = b""
 

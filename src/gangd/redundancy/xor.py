@@ -649,7 +649,7 @@ def _rebuild_into(gen_fd: int, where: Path, lost: int, meta: XorMeta, manifest: 
     if any(data[i] is None or parity[i] is None for i in survivors):
         raise RebuildError("every survivor's data and parity are needed")
 
-    def lost_data() -> Iterator[memoryview]:
+    def lost_data() -> Generator[memoryview, None, None]:
         for s in range(n - 1):
             j = layout.holder(lost, s)
             streams = [iter(parity[j].blocks(0, c))]  # type: ignore[union-attr]

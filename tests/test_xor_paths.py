@@ -210,3 +210,54 @@ async def test_a_parity_write_that_dies_halfway_leaves_the_generation_unprotecte
     assert written and sum(written) >= xor.BLOCK  # (it died after writing)
     assert "holds no XOR parity" in held.missing(dirs[0], rplan.make_plan(nodes), "n0")
     assert sorted(p.name for p in (dirs[0] / xor.REDUNDANCY_DIR).iterdir()) == []
+
+
+# ================================================================ a survivor wiped during an automatic recovery
+
+
+def wipe(cluster, node: str) -> None:
+    """Everything in ``node``'s checkpoint directory deleted under its running daemon (its disk's files gone)."""
+    root = cluster.dir / node / "state" / "checkpoints" / node
+    for entry in root.iterdir():
+        shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+
+
+def lost_and_wiped_while_recovering(cluster, points, job: int) -> tuple[str, str]:
+    """A node of the job lost (not the coordinator); while the job is
+    RECOVERING (held before it looks at its files), another survivor's
+    checkpoint files wiped; then the recovery goes on. (lost, wiped)."""
+    from test_recovery import coordinator, lose
+
+    from gangd import jobs
+
+    nodes = jobs.nodes_of(cluster.job(job))
+    lead = coordinator(cluster)
+    victim = [n for n in nodes if n != lead][-1]
+    survivor = next(n for n in nodes if n != victim)
+    (points / "recover.hold").touch()
+    lose(cluster, victim)
+    cluster.wait_state(job, ("RECOVERING",), timeout=120)
+    wipe(cluster, survivor)
+    (points / "recover.hold").unlink()
+    return victim, survivor
+
+
+def test_a_survivor_wiped_during_the_recovery_of_an_xor_set_fails_the_job_naming_both_nodes(make_cluster, points):
+    from ckpthelpers import checkpoint, kill_what_is_left, submit
+    from test_recovery import ENDED, SLOW, running, wait_protected
+
+    cluster = make_cluster(4, cores=2, time_slice=0.1, spares=("n4",))
+    try:
+        job = submit(cluster, SLOW, 3, "--per-node", "1", "--ckpt-redundancy", "xor")
+        running(cluster, job)
+        taken = checkpoint(cluster, job)
+        wait_protected(cluster, job, taken["gen"])
+        victim, survivor = lost_and_wiped_while_recovering(cluster, points, job)
+        record = cluster.wait_state(job, ENDED, timeout=180)
+        assert record["state"] == "FAILED", record
+        reason = record["reason"]
+        assert reason.startswith(f"node {victim} lost; not recovered: "), reason
+        assert f"node {survivor} no longer holds its files" in reason, reason
+        assert [r for r in cluster.gang_json("ps", "--all") if r.get("lineage") == job and r["id"] != job] == []
+    finally:
+        kill_what_is_left(cluster)

@@ -261,3 +261,46 @@ def test_a_survivor_wiped_during_the_recovery_of_an_xor_set_fails_the_job_naming
         assert [r for r in cluster.gang_json("ps", "--all") if r.get("lineage") == job and r["id"] != job] == []
     finally:
         kill_what_is_left(cluster)
+
+
+def test_a_survivor_wiped_during_the_recovery_of_a_partner_ring_is_rebuilt_too_and_the_job_comes_back(make_cluster, points):
+    # A ring of four: the lost node's copy is on its successor, and the wiped
+    # node (the one across the ring) has its copy on a live node too: both
+    # are rebuilt where their ranks now run, the lost node's on the spare,
+    # and the job ends bit-identical to an uninterrupted run.
+    from ckpthelpers import checkpoint, kill_what_is_left, reference, result_of, submit
+    from test_recovery import ARGV, ENDED, SLOW, coordinator, lose, running, wait_protected
+
+    from gangd import jobs
+    from gangd.redundancy.plan import make_plan
+
+    cluster = make_cluster(5, cores=2, time_slice=0.1, spares=("n5",))
+    try:
+        expected = reference(cluster, ARGV, 4, "--per-node", "1")
+        job = submit(cluster, SLOW, 4, "--per-node", "1", "--ckpt-redundancy", "partner")
+        record = running(cluster, job)
+        taken = checkpoint(cluster, job)
+        wait_protected(cluster, job, taken["gen"])
+        nodes = jobs.nodes_of(record)
+        assert len(nodes) == 4 and "n5" not in nodes, nodes
+        plan = make_plan(list(dict.fromkeys(taken["placement"])), "partner")
+        lead = coordinator(cluster)
+        victim = [n for n in nodes if n != lead][-1]
+        survivor = next(n for n in nodes if n not in (victim, plan.partner_of(victim)) and plan.partner_of(n) != victim)
+        (points / "recover.hold").touch()
+        lose(cluster, victim)
+        cluster.wait_state(job, ("RECOVERING",), timeout=120)
+        wipe(cluster, survivor)
+        (points / "recover.hold").unlink()
+        old = cluster.wait_state(job, ENDED, timeout=180)
+        assert old["state"] == "REQUEUED", old
+        new = cluster.job(old["requeued_as"])
+        assert new["restart_of"]["gen"] == taken["gen"], new
+        # Both nodes' files rebuilt (the wiped node's ranks may move to the spare with the lost node's: it counts as down for them).
+        rebuilt = new["recovery_of"]["rebuilt"]
+        assert set(rebuilt) == {victim, survivor} and victim not in rebuilt.values(), new["recovery_of"]
+        assert rebuilt[victim] == "n5", rebuilt
+        assert new["placement"] == [rebuilt.get(n, n) for n in taken["placement"]], new["placement"]
+        assert result_of(cluster, new["id"], timeout=300) == expected
+    finally:
+        kill_what_is_left(cluster)

@@ -304,3 +304,39 @@ def test_a_survivor_wiped_during_the_recovery_of_a_partner_ring_is_rebuilt_too_a
         assert result_of(cluster, new["id"], timeout=300) == expected
     finally:
         kill_what_is_left(cluster)
+
+
+def test_a_survivor_wiped_during_the_recovery_of_an_xor_set_falls_back_to_the_older_flushed_generation(make_cluster, points, tmp_path):
+    # Generation A is protected and flushed; B is protected, its flush held
+    # (never done). A node lost, a survivor wiped: neither generation can be
+    # rebuilt from the XOR set (two of its three members), so B is passed
+    # over, saying why, and the job comes back from A's flushed copy,
+    # bit-identical.
+    from ckpthelpers import checkpoint, generations, kill_what_is_left, reference, result_of, submit
+    from conftest import wait_for
+    from test_recovery import ARGV, ENDED, SLOW, running, wait_protected
+
+    shared = tmp_path / "shared"
+    cluster = make_cluster(4, cores=2, time_slice=0.1, spares=("n4",), flush_dir=shared)
+    try:
+        expected = reference(cluster, ARGV, 3, "--per-node", "1")
+        job = submit(cluster, SLOW, 3, "--per-node", "1", "--ckpt-redundancy", "xor")
+        running(cluster, job)
+        first = checkpoint(cluster, job)
+        wait_protected(cluster, job, first["gen"])
+        wait_for(lambda: next(g for g in generations(cluster, job) if g["gen"] == first["gen"]).get("flushed"), 60, "A flushed")
+        (points / "flush.hold").touch()
+        second = checkpoint(cluster, job)
+        wait_protected(cluster, job, second["gen"])
+        victim, survivor = lost_and_wiped_while_recovering(cluster, points, job)
+        old = cluster.wait_state(job, ENDED, timeout=180)
+        assert old["state"] == "REQUEUED", old
+        new = cluster.job(old["requeued_as"])
+        assert new["restart_of"]["gen"] == first["gen"], new
+        skipped = " ".join(new["recovery_of"].get("skipped") or [])
+        assert f"generation {second['gen']}: node {survivor} no longer holds its files" in skipped, new["recovery_of"]
+        assert victim not in new["placement"], new["placement"]
+        assert result_of(cluster, new["id"], timeout=300) == expected
+    finally:
+        (points / "flush.hold").unlink(missing_ok=True)
+        kill_what_is_left(cluster)

@@ -297,6 +297,11 @@ def _open_data(root: Path, where: Where, start: int, length: int, as_protected: 
     gen_fd, directory = where.open(root)
     os.close(gen_fd)
     data = xor.NodeData(directory, _data_manifest(directory, as_protected))
+    try:
+        data.advise(start, length)
+    except StoreError as exc:
+        data.close()
+        raise RemoteError("transfer_failed", str(exc)) from None
 
     def read_into(offset: int, view: memoryview) -> None:
         try:

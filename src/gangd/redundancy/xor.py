@@ -56,6 +56,8 @@ FORMAT = 1
 #: A meta holds up to a set's manifests (k ≤ 64 here): read to this limit.
 MAX_META = 64 << 20
 MAX_SET = 64
+#: Bytes a source asks the kernel to read ahead when it opens (:meth:`NodeData.advise`).
+ADVISE = 16 << 20
 
 
 class RebuildError(StoreError):
@@ -254,6 +256,22 @@ class NodeData:
             if got != n:
                 raise RebuildError(f"node {self.node}: {self.directory / name} shrank while it was read")
             done += n
+
+    def advise(self, start: int, length: int) -> None:
+        """Tell the kernel the bytes ``[start, start + length)`` will be read
+        (``POSIX_FADV_WILLNEED``, the first :data:`ADVISE` of them: the
+        kernel's own read-ahead follows a sequential read): files not in the
+        page cache any more are read while the first blocks are sent."""
+        end = min(start + min(length, ADVISE), self.size)
+        i = _bisect(self.starts, start)
+        while i < len(self.files) and self.starts[i] < end:
+            name, size = self.files[i]
+            lo = max(start, self.starts[i]) - self.starts[i]
+            hi = min(end, self.starts[i] + size) - self.starts[i]
+            if hi > lo:
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(self._fd(name, size), lo, hi - lo, os.POSIX_FADV_WILLNEED)
+            i += 1
 
     def blocks(self, start: int, length: int) -> Iterator[memoryview]:
         buf = memoryview(bytearray(min(BLOCK, max(length, 1))))

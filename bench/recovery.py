@@ -31,7 +31,12 @@ disk what that node stores (B/(N-1) for xor, B for partner) while the
 others write in parallel; here all of it queues on one disk, and the
 peers' data read for the parity comes from this machine's page cache.
 
-    python bench/recovery.py [--mib 256] [--nodes 4] [--repeats 3] [--transport bulk|channel|both] [--dir DIR] [--json]
+``--alone`` (default): each level again with only node n0 working, timed
+(the others' generations written before, and they only serve): one node's
+work with the machine to itself, as each node of a cluster has its own disk
+and CPUs. The table gives both phases' seconds and their CPU per MiB.
+
+    python bench/recovery.py [--mib 256] [--nodes 4] [--repeats 3] [--transport bulk|channel|both] [--no-alone] [--dir DIR] [--json]
 """
 
 from __future__ import annotations

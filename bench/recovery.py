@@ -31,13 +31,19 @@ disk what that node stores (B/(N-1) for xor, B for partner) while the
 others write in parallel; here all of it queues on one disk, and the
 peers' data read for the parity comes from this machine's page cache.
 
-    python bench/recovery.py [--mib 256] [--nodes 4] [--repeats 3] [--transport bulk|channel|both] [--dir DIR] [--json]
+``--alone`` (default): each level again with only node n0 working, timed
+(the others' generations written before, and they only serve): one node's
+work with the machine to itself, as each node of a cluster has its own disk
+and CPUs. The table gives both phases' seconds and their CPU per MiB.
+
+    python bench/recovery.py [--mib 256] [--nodes 4] [--repeats 3] [--transport bulk|channel|both] [--no-alone] [--dir DIR] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import shutil
@@ -56,6 +62,8 @@ from gangd.redundancy import bulk, transfer, xor
 from gangd.rpc import Channel, RemoteError
 
 LINEAGE, GEN = 1, 1
+#: A mode's suffix: only node n0 writes its generation and its redundancy, timed (see --alone).
+ALONE = "@1"
 SECRET = b"bench-secret-bench-secret-bench!"
 
 
@@ -91,7 +99,9 @@ def node_main(i: int, n: int, mode: str, base: str, mib: int, socks: dict, barri
 async def node_async(i: int, n: int, mode: str, base: Path, mib: int, socks: dict, barrier) -> dict:
     root = base / node_name(i)
     root.mkdir(parents=True, exist_ok=True)
-    level, _, transport = mode.partition("/")
+    alone = mode.endswith(ALONE)
+    level, _, transport = mode.removesuffix(ALONE).partition("/")
+    works = not alone or i == 0  # (alone: only n0 writes and protects, timed; the others' generations are there before, and they serve)
     server = bulk.BulkServer(SECRET)
     key = bulk.Bulk.from_secret(SECRET) if transport != "channel" else None
 
@@ -124,13 +134,19 @@ async def node_async(i: int, n: int, mode: str, base: Path, mib: int, socks: dic
             nursery.start_soon(ch.run, handler)
         for ch in clients.values():
             nursery.start_soon(ch.run, None)
+        if not works:
+            await trio.to_thread.run_sync(write_local, root, i, mib)
+            await trio.to_thread.run_sync(os.sync)
         await trio.to_thread.run_sync(barrier.wait)
         start, cpu0 = time.perf_counter(), time.process_time()
-        await trio.to_thread.run_sync(write_local, root, i, mib)
+        if works:
+            await trio.to_thread.run_sync(write_local, root, i, mib)
         local_done, cpu1 = time.perf_counter(), time.process_time()
         await trio.to_thread.run_sync(barrier.wait)  # the generation is complete: redundancy starts behind it
         gen = ckptstore.gen_dir(root, LINEAGE, GEN)
-        if level == "partner":
+        if not works:
+            pass
+        elif level == "partner":
             prev = (i - 1) % n
             manifest = ckptstore.read_manifest(ckptstore.gen_dir(base / node_name(prev), LINEAGE, GEN))  # (handed over with the request in gangd)
             dest = gen / xor.REDUNDANCY_DIR / f"partner-{node_name(prev)}"
@@ -175,17 +191,20 @@ def run_mode(mode: str, n: int, mib: int, workdir: Path) -> dict:
     errors = [v for v in out.values() if isinstance(v, str)]
     if errors:
         raise SystemExit(f"{mode}: {errors[0]}")
-    start = min(v["start"] for v in out.values())
-    local = max(v["local"] for v in out.values()) - start
-    total = max(v["end"] for v in out.values()) - start
+    timed = [out[0]] if mode.endswith(ALONE) else list(out.values())
+    start = min(v["start"] for v in timed)
+    local = max(v["local"] for v in timed) - start
+    total = max(v["end"] for v in timed) - start
     stored = sum(f.stat().st_size for f in base.rglob("*") if f.is_file())
     shutil.rmtree(base, ignore_errors=True)
-    data = n * (mib << 20)
-    return {"mode": mode, "seconds": total, "local_seconds": local, "bandwidth_mib_s": data / total / (1 << 20),
-            "in_run_ratio": local / total, "stored_over_data": stored / data,
-            # CPU of the node processes (all their threads; not the kernel's writeback) per MiB of checkpoint
-            "local_cpu_ms_per_mib": 1000 * sum(v["local_cpu"] for v in out.values()) / (n * mib),
-            "redundancy_cpu_ms_per_mib": 1000 * sum(v["redundancy_cpu"] for v in out.values()) / (n * mib)}
+    mibs = mib * len(timed)
+    data = mibs << 20
+    return {"mode": mode, "seconds": total, "local_seconds": local, "redundancy_seconds": total - local,
+            "bandwidth_mib_s": data / total / (1 << 20), "in_run_ratio": local / total,
+            "stored_over_data": stored / (n * (mib << 20)) if len(timed) == n else float("nan"),
+            # CPU of the node processes (all their threads, the serving ones too; not the kernel's writeback) per MiB of checkpoint
+            "local_cpu_ms_per_mib": 1000 * sum(v["local_cpu"] for v in out.values()) / mibs,
+            "redundancy_cpu_ms_per_mib": 1000 * sum(v["redundancy_cpu"] for v in out.values()) / mibs}
 
 
 def main() -> None:
@@ -196,43 +215,56 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where the nodes' directories go (default: a temporary directory in $TMPDIR or /tmp)")
     parser.add_argument("--transport", choices=["bulk", "channel", "both"], default="bulk",
                         help="how redundancy bytes move: a bulk TCP connection, the rpc channel, or each in turn")
+    parser.add_argument("--alone", action=argparse.BooleanOptionalAction, default=True,
+                        help="also each level with one node working and the others only serving (default: yes)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     out = sys.stderr if args.json else sys.stdout
     workdir = Path(tempfile.mkdtemp(prefix="gangd-recovery-", dir=args.dir))
     transports = ["bulk", "channel"] if args.transport == "both" else [args.transport]
-    modes = ["local"] + [f"{level}/{t}" for t in transports for level in ("partner", "xor")]
+    shared = ["local"] + [f"{level}/{t}" for t in transports for level in ("partner", "xor")]
+    modes = shared + ([m + ALONE for m in shared] if args.alone else [])
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     try:
         for rep in range(args.repeats):
             for mode in modes if rep % 2 == 0 else modes[::-1]:
                 r = run_mode(mode, args.nodes, args.mib, workdir)
                 runs[mode].append(r)
-                print(f"  run {rep + 1} {mode:16s} {r['seconds']:7.2f} s  {r['bandwidth_mib_s']:8.1f} MiB/s", file=out, flush=True)
+                print(f"  run {rep + 1} {mode:18s} {r['seconds']:7.2f} s  {r['bandwidth_mib_s']:8.1f} MiB/s", file=out, flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    med = {m: statistics.median(r["bandwidth_mib_s"] for r in runs[m]) for m in modes}
+
+    def median(m: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[m])
+
+    med = {m: median(m, "bandwidth_mib_s") for m in modes}
+    ratio = {m: med[m] / med["local" + (ALONE if m.endswith(ALONE) else "")] for m in modes}
+    in_run = {m: median(m, "in_run_ratio") for m in modes}
     load = os.getloadavg()
     print(f"\nOne generation of {args.nodes} nodes x {args.mib} MiB; medians of {args.repeats} runs, alternating; "
           f"load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs.", file=out)
-    print("NOTE: every 'node' is a directory on this one machine's disk (all writes queue on one disk)", file=out)
-    print("      and the links are local socket pairs; on a cluster each node writes its own disk.", file=out)
+    print("NOTE: every 'node' is a directory on this one machine's disk (all writes queue on one disk), its CPUs shared", file=out)
+    print("      by all the nodes, and the links are local socket pairs; on a cluster each node has its own disk and CPUs.", file=out)
     print("'x local': median bandwidth over the median of the local runs; 'in run': median over runs of the run's own", file=out)
     print("local phase time / its total time (the same generation, local then redundancy: robust to a noisy machine).", file=out)
-    print("'cpu ms/MiB': CPU time of the node processes per MiB of checkpoint, local phase + redundancy phase", file=out)
-    print("(on a shared machine the CPU a run gets, not its work, sets its time: this is the work).", file=out)
-    print(f"{'level':16s} {'MiB/s':>9s} {'x local':>8s} {'in run':>7s} {'stored/B':>9s} {'target':>8s} {'cpu ms/MiB':>15s}", file=out)
+    print("'local s', 'redund. s': median seconds of the two phases. 'cpu ms/MiB': CPU time of the node processes per MiB", file=out)
+    print("of checkpoint, local phase + redundancy phase, serving threads included (the work, whatever CPU a run gets).", file=out)
+    if args.alone:
+        print(f"'{ALONE}': only node n0 writes its generation and then its redundancy (timed), the others' generations there", file=out)
+        print("before and the others only serving: one node's work with the machine to itself, as each node of a cluster", file=out)
+        print("has its own disk and CPUs (n0 then does not serve its own data to the others, which a cluster node does at", file=out)
+        print("the same time: on this machine that is about a third of the redundancy phase's CPU).", file=out)
+    print(f"{'level':18s} {'MiB/s':>9s} {'x local':>8s} {'in run':>7s} {'local s':>8s} {'redund. s':>9s} {'stored/B':>9s} {'target':>8s} "
+          f"{'cpu ms/MiB':>15s}", file=out)
     targets = {"local": "", "partner": ">= 0.50", "xor": ">= 0.75"}
-    in_run = {m: statistics.median(r["in_run_ratio"] for r in runs[m]) for m in modes}
     for m in modes:
-        stored = statistics.median(r["stored_over_data"] for r in runs[m])
-        lc = statistics.median(r["local_cpu_ms_per_mib"] for r in runs[m])
-        rc = statistics.median(r["redundancy_cpu_ms_per_mib"] for r in runs[m])
-        print(f"{m:16s} {med[m]:9.1f} {med[m] / med['local']:8.2f} {in_run[m]:7.2f} {stored:9.3f} {targets[m.partition('/')[0]]:>8s} "
-              f"{lc:6.2f} + {rc:5.2f}", file=out)
+        stored = median(m, "stored_over_data")
+        print(f"{m:18s} {med[m]:9.1f} {ratio[m]:8.2f} {in_run[m]:7.2f} {median(m, 'local_seconds'):8.2f} {median(m, 'redundancy_seconds'):9.2f} "
+              f"{'-' if math.isnan(stored) else f'{stored:.3f}':>9s} {targets[m.partition('/')[0].removesuffix(ALONE)]:>8s} "
+              f"{median(m, 'local_cpu_ms_per_mib'):6.2f} + {median(m, 'redundancy_cpu_ms_per_mib'):5.2f}", file=out)
     if args.json:
         print(json.dumps({"nodes": args.nodes, "mib": args.mib, "load": load, "runs": runs, "median_mib_s": med,
-                          "ratio": {m: med[m] / med["local"] for m in modes}, "in_run_ratio": in_run}))
+                          "ratio": ratio, "in_run_ratio": in_run}))
 
 
 if __name__ == "__main__":

@@ -760,7 +760,7 @@ class CheckpointCoordinator:
                 if recovered is None:
                     unrebuildable = self._unrebuildable(entry, down, holding) if protected and not entry.get("flushed") else ""
                     if unrebuildable:  # (its lost files are the problem, not where it would run)
-                        skipped.append(f"generation {entry['gen']}: {unrebuildable}")
+                        skipped.append(f"generation {entry['gen']}: {_wiped_first(wiped, unrebuildable)}")
                         continue
                     raise RemoteError(exc.code, f"cannot restart job {job_id} there: {exc}") from None
                 placement = recovered
@@ -778,7 +778,7 @@ class CheckpointCoordinator:
                 except (relocate.CannotRebuild, PlanError) as exc:
                     if not entry.get("flushed"):
                         log.warning("job %d: generation %d cannot be rebuilt: %s", job_id, entry["gen"], exc)
-                        skipped.append(f"generation {entry['gen']}: {exc}")
+                        skipped.append(f"generation {entry['gen']}: {_wiped_first(wiped, str(exc))}")
                         continue
                     log.info("job %d: generation %d cannot be rebuilt (%s); the flush directory has its files", job_id, entry["gen"], exc)
                     steps = []
@@ -1120,3 +1120,9 @@ class CheckpointCoordinator:
         finally:
             self.periodic.discard(job_id)
 
+
+def _wiped_first(wiped: dict[str, str], problem: str) -> str:
+    """``problem`` after the nodes that are up but lost their files (a user
+    sees them up: the sentence must say why they count as lost)."""
+    said = "; ".join(f"node {n} no longer holds its files ({why})" for n, why in sorted(wiped.items()))
+    return f"{said}; {problem}" if said else problem

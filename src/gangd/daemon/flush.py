@@ -46,6 +46,7 @@ import trio
 
 from .. import ckptstore, safefs
 from ..ckptstore import Manifest, StoreError
+from ..failpoint import hold
 from ..redundancy import transfer
 from ..redundancy.plan import NODE_NAME
 from ..rpc import RemoteError
@@ -53,6 +54,9 @@ from ..safefs import UnsafePath
 from .staging import TargetGeneration, int_arg, merged, owner_of, pulls_of, timeout_of
 
 log = logging.getLogger("gangd.flush")
+
+#: A hold point (:func:`gangd.failpoint.hold`): a flush waits here before it starts (a test keeps a generation unflushed).
+HOLD = "flush.hold"
 
 PART = ".part"
 #: How long the start-up check of flush_dir may take (a shared file system that hangs).
@@ -292,6 +296,7 @@ class Flusher:
     # ------------------------------------------------------------ flush
 
     async def flush(self, request: FlushRequest) -> dict:
+        await hold(HOLD)
         key = (request.lineage, request.gen)
         where = self._where(*key)
         if key in self.busy:

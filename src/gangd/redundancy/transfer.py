@@ -33,6 +33,7 @@ import contextlib
 import logging
 import os
 import re
+import socket
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -296,6 +297,11 @@ def _open_data(root: Path, where: Where, start: int, length: int, as_protected: 
     gen_fd, directory = where.open(root)
     os.close(gen_fd)
     data = xor.NodeData(directory, _data_manifest(directory, as_protected))
+    try:
+        data.advise(start, length)
+    except StoreError as exc:
+        data.close()
+        raise RemoteError("transfer_failed", str(exc)) from None
 
     def read_into(offset: int, view: memoryview) -> None:
         try:
@@ -601,14 +607,47 @@ async def data_stream(channel: Channel, *, lineage: int, gen: int, start: int, l
         yield verified_chunks(items, length, None, what)
 
 
+@dataclass
+class _Opening:
+    """A bulk connection being opened for one slice, by a task on the event
+    loop that holds its control request open until the reader is done
+    (``done``). Once ``ready``, the reader takes the socket (:meth:`take`;
+    None: ``error`` says why); a socket nobody took is closed by that task."""
+
+    ready: trio.Event
+    done: trio.Event
+    sock: socket.socket | None = None
+    error: str = ""
+    taken: bool = False
+
+    async def take(self) -> socket.socket | None:
+        await self.ready.wait()
+        if self.sock is None:
+            return None
+        self.taken = True
+        return self.sock
+
+
 class RemoteData:
     """A peer's data as a :class:`gangd.redundancy.xor.Source`, for the XOR
-    code running in a worker thread (``trio.to_thread.run_sync``): each
-    ``blocks()`` call starts a pump task in ``nursery`` that pulls the slice
-    into a channel of ``depth`` chunks; the thread takes them with
-    ``trio.from_thread.run`` and cuts them into :data:`xor.BLOCK` pieces.
-    ``protected``: the data the peer's parity was computed over (the files
-    its ``xor.meta`` lists), for a rebuild."""
+    code running in a worker thread (``trio.to_thread.run_sync``).
+
+    With ``bulk``, each ``blocks()`` call opens its bulk connection at once
+    (a task in ``nursery``: every source of a parity or a rebuild dials in
+    parallel, before the first byte is wanted), and the thread reads the
+    socket itself (:class:`gangd.redundancy.bulk.Receiver`, every chunk
+    checked). If the bulk path is refused (no listener, a listener without
+    the secret, a malformed offer) or breaks (a chunk short, corrupted, cut,
+    or bytes after the end), the rest of the slice comes over the channel,
+    every byte checked the same way, as :func:`fetch_file` does; the bytes
+    already handed on are not asked again (a whole file's are, and must be
+    the same). A file that arrives whole and does not match its checksum
+    is :class:`gangd.redundancy.xor.Damaged`: the channel would bring the same.
+
+    On the channel, a pump task in ``nursery`` pulls the slice into a channel
+    of ``depth`` chunks; the thread takes them with ``trio.from_thread.run``
+    in :data:`xor.BLOCK` pieces. ``protected``: the data the peer's parity
+    was computed over (the files its ``xor.meta`` lists), for a rebuild."""
 
     def __init__(self, nursery: trio.Nursery, channel: Channel, lineage: int, gen: int, depth: int = DEFAULT_DEPTH,
                  bulk: Bulk | None = None, protected: bool = False):
@@ -617,6 +656,11 @@ class RemoteData:
         self.protected = protected
         self.name: str | None = None
         self.checksum: str | None = None
+
+    def _what(self, start: int, length: int) -> str:
+        if self.name:
+            return f"{self.name} of job-{self.lineage}/gen-{self.gen} from {self.channel.label}"
+        return f"data [{start}, {start + length}) of job-{self.lineage}/gen-{self.gen} from {self.channel.label}"
 
     async def _open(self, start: int, length: int) -> trio.MemoryReceiveChannel:
         send, receive = trio.open_memory_channel[object](max(1, self.depth * CHUNK // xor.BLOCK))
@@ -648,58 +692,69 @@ class RemoteData:
     def _request_args(self, start: int, length: int) -> dict:
         return {"start": start, "length": length, **({"protected": True} if self.protected else {})}
 
-    async def _open_bulk(self, bulk: Bulk, start: int, length: int, what: str, done: trio.Event):
-        """A task holding the control request open while the worker thread
-        reads the bulk connection; returns the connection once it is proven."""
-        ready = trio.Event()
-        box: dict = {}
+    def _begin_bulk(self, bulk: Bulk, start: int, length: int, what: str) -> _Opening:
+        """Start opening the bulk connection (on the event loop; returns at once)."""
+        opening = _Opening(trio.Event(), trio.Event())
 
         async def hold() -> None:
             try:
                 async with self.channel.stream("ckpt_bulk_read", lineage=self.lineage, gen=self.gen,
                                                **self._request_args(start, length)) as items:
                     ticket, port = bulkpath.check_offer(await bulkpath.first_item(items, what), length, what)
-                    box["sock"] = await trio.to_thread.run_sync(bulkpath.dial, bulk.host_of(self.channel), port, bulk.key, ticket, what)
-                    ready.set()
-                    await done.wait()
+                    opening.sock = await trio.to_thread.run_sync(bulkpath.dial, bulk.host_of(self.channel), port, bulk.key, ticket, what)
+                    opening.ready.set()
+                    await opening.done.wait()
             except (RemoteError, OSError) as exc:
-                box.setdefault("error", exc)
+                opening.error = exc.message if isinstance(exc, RemoteError) else str(exc)
             finally:
-                ready.set()
+                if opening.sock is not None and not opening.taken:
+                    opening.sock.close()
+                    opening.sock = None
+                if not opening.error and not opening.ready.is_set():
+                    opening.error = f"{what}: the transfer was cancelled"
+                opening.ready.set()
 
         self.nursery.start_soon(hold)
-        await ready.wait()
-        if "sock" not in box:
-            raise xor.RebuildError(str(box.get("error", f"{what}: the transfer was cancelled")))
-        return box["sock"]
-
-    def _bulk_blocks(self, bulk: Bulk, start: int, length: int) -> Iterator[memoryview]:
-        what = (f"{self.name} of job-{self.lineage}/gen-{self.gen} from {self.channel.label}" if self.name else
-                f"data [{start}, {start + length}) of job-{self.lineage}/gen-{self.gen} from {self.channel.label}")
-        done = trio.from_thread.run_sync(trio.Event)
-        try:
-            sock = trio.from_thread.run(self._open_bulk, bulk, start, length, what, done)
-            try:
-                digest = ckptstore.hasher() if self.checksum is not None else None
-                try:
-                    yield from bulkpath.Receiver(sock, length, what, digest=digest).chunks()
-                except bulkpath.BulkError as exc:
-                    raise xor.RebuildError(str(exc)) from None
-                want = self.checksum
-                if digest is not None and want is not None and (mine := digest.hexdigest()) != want:
-                    raise xor.Damaged(f"{what}: checksum {mine[:16]}… of the bytes received does not match {want[:16]}…")
-            finally:
-                sock.close()
-        finally:
-            try:
-                trio.from_thread.run_sync(done.set)
-            except RuntimeError:  # (finalised on the event loop's own thread)
-                done.set()
+        return opening
 
     def blocks(self, start: int, length: int) -> Iterator[bytes | memoryview]:
         if self.bulk is not None:
-            return self._bulk_blocks(self.bulk, start, length)
+            what = self._what(start, length)
+            opening = trio.from_thread.run_sync(self._begin_bulk, self.bulk, start, length, what)
+            return self._bulk_blocks(opening, start, length, what)
         return self._channel_blocks(start, length)
+
+    def _bulk_blocks(self, opening: _Opening, start: int, length: int, what: str) -> Iterator[bytes | memoryview]:
+        got = 0
+        digest = ckptstore.hasher() if self.checksum is not None else None
+        try:
+            sock = trio.from_thread.run(opening.take)
+            if sock is None:
+                raise bulkpath.BulkError(opening.error)
+            try:
+                for chunk in bulkpath.Receiver(sock, length, what, digest=digest).chunks():
+                    got += len(chunk)
+                    yield chunk
+            finally:
+                sock.close()
+        except bulkpath.BulkError as exc:
+            # The bulk path is an optimisation (see fetch_file): the rest comes over the channel.
+            log.warning("%s: the bulk path failed (%s); pulling it over the peer channel instead", what, exc.message[:300])
+        else:
+            if digest is not None and self.checksum is not None and (mine := digest.hexdigest()) != self.checksum:
+                raise xor.Damaged(f"{what}: checksum {mine[:16]}… of the bytes received does not match {self.checksum[:16]}…")
+            return
+        finally:
+            try:
+                trio.from_thread.run_sync(opening.done.set)
+            except RuntimeError:  # (finalised on the event loop's own thread)
+                opening.done.set()
+        yield from self._fallback(start, length, got, digest)
+
+    def _fallback(self, start: int, length: int, got: int, digest) -> Iterator[bytes | memoryview]:
+        """The slice's bytes after the ``got`` handed on from the bulk path, over the channel."""
+        if got < length:
+            yield from self._channel_blocks(start + got, length - got)
 
     def _channel_blocks(self, start: int, length: int) -> Iterator[bytes | memoryview]:
         receive = trio.from_thread.run(self._open, start, length)
@@ -717,7 +772,10 @@ class RemoteData:
                 done += len(block)
                 yield block
         finally:
-            trio.from_thread.run_sync(receive.close)
+            try:
+                trio.from_thread.run_sync(receive.close)
+            except RuntimeError:  # (finalised on the event loop's own thread)
+                receive.close()
 
 
 class RemoteFile(RemoteData):
@@ -741,3 +799,21 @@ class RemoteFile(RemoteData):
         what = f"{self.name} of job-{self.lineage}/gen-{self.gen} from {self.channel.label}"
         async with self.channel.stream("ckpt_file_read", lineage=self.lineage, gen=self.gen, name=self.name) as items:
             yield verified_chunks(items, self.size, self.checksum, what)
+
+    def _fallback(self, start: int, length: int, got: int, digest) -> Iterator[bytes | memoryview]:
+        """A file is read over the channel from its start (the op has no
+        offset): its first ``got`` bytes, already handed on, must be the ones
+        the bulk path brought; the whole is checked against the checksum."""
+        prefix = digest.hexdigest() if digest is not None else None
+        again = ckptstore.hasher()
+        skipped = 0
+        for block in self._channel_blocks(start, length):
+            if skipped < got:
+                if len(block) > got - skipped:  # (bulk chunks and blocks are both xor.BLOCK: never split)
+                    raise xor.RebuildError(f"{self._what(start, length)}: the channel's blocks do not line up with the bulk path's")
+                again.update(block)
+                skipped += len(block)
+                if skipped == got and prefix is not None and again.hexdigest() != prefix:
+                    raise xor.RebuildError(f"{self._what(start, length)}: the channel sends other bytes than the bulk path did")
+                continue
+            yield block

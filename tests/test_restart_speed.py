@@ -36,6 +36,7 @@ from gangd import ckptstore
 from gangd.ckptlib import image
 from gangd.ckptstore import StoreError
 from gangd.client import oneshot
+from gangd.daemon import ranks
 from gangd.errors import RemoteError
 from gangd.protocol import Connection, Request, Role
 
@@ -419,3 +420,20 @@ def test_gang_restart_tells_a_daemon_that_refused_or_dropped_it_from_one_that_is
     for thread in threads:
         thread.join(timeout=10)
         assert not thread.is_alive()
+
+
+# ---------------------------------------------------------------- one thread pool per rank's core
+
+THREADS = "import os; print('threads', os.environ.get('OMP_NUM_THREADS'), os.environ.get('OPENBLAS_NUM_THREADS'))"
+
+
+def test_a_rank_gets_one_blas_thread_per_core_unless_its_job_chose(gc):
+    """numpy's OpenBLAS otherwise starts a thread per core of the machine in
+    every rank (on cores other ranks own), spinning them up at import."""
+    env = {k: v for k, v in os.environ.items() if k not in ranks.THREAD_VARS}
+    default = gc.gang("run", "-n", "2", "--", sys.executable, "-c", THREADS, env=env)
+    assert default.returncode == 0, default.stderr
+    assert sorted(default.stdout.split("\n"))[-2:] == ["0: threads 1 None", "1: threads 1 None"], default.stdout
+    chosen = gc.gang("run", "-n", "2", "--", sys.executable, "-c", THREADS, env={**env, "OPENBLAS_NUM_THREADS": "2"})
+    assert chosen.returncode == 0, chosen.stderr
+    assert sorted(chosen.stdout.split("\n"))[-2:] == ["0: threads None 2", "1: threads None 2"], chosen.stdout

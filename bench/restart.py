@@ -31,7 +31,9 @@ the state, for both; and where gangd's restart went, from rank 0's own
 marks (seconds after the command started: its script started — the command,
 the coordinator's checks, the launch and Python's start —, imported numpy
 and gangd, restored its state in ``ckpt.init()``, joined the job's network
-in ``comm.world()``, all ranks being there).
+in ``comm.world()``, all ranks being there); and what the ``gang`` command
+alone costs (its start and one answered request: ``gang restart`` of a job
+that does not exist).
 
 Python's own start is part of a gangd restart (a new process imports numpy
 and gangd) and not of DMTCP's (it restores the old processes' memory).
@@ -101,6 +103,22 @@ def gang_cli(directory: Path, *argv: str, timeout: float = 300) -> str:
     if done.returncode != 0:
         raise BenchError(f"gang {' '.join(argv)}: exit {done.returncode}: {done.stderr.strip() or done.stdout.strip()}")
     return done.stdout
+
+
+def command_cost(directory: Path, repeats: int = 5) -> list[float]:
+    """Seconds for ``gang restart`` of a job that does not exist, start to exit:
+    the command's own start and one answered request, without the restart."""
+    env = {**os.environ, "GANGD_CLUSTER": str(directory)}
+    script = Path(sys.executable).parent / "gang"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "gangd.client.cli"]
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        done = subprocess.run([*command, "restart", "999999"], env=env, capture_output=True, text=True, timeout=60, check=False)
+        times.append(time.perf_counter() - t0)
+        if done.returncode != 5:  # (5: no such job)
+            raise BenchError(f"gang restart 999999: exit {done.returncode}: {done.stderr.strip()}")
+    return times
 
 
 # ---------------------------------------------------------------- gangd
@@ -324,6 +342,10 @@ def main() -> None:
         directory = Path(tmp)
         local.up(directory, args.ranks, cores=1, log_level="warning")
         try:
+            try:
+                result["command_s"] = command_cost(directory)
+            except (BenchError, subprocess.SubprocessError) as exc:
+                say(f"  the command's own cost: FAILED: {exc}")
             for repeat in range(args.repeats):
                 for kind in rows:
                     try:
@@ -348,6 +370,8 @@ def main() -> None:
                     proc.send_signal(signal.SIGKILL)
     result["trials"] = rows
     result["summary"] = report(rows, args)
+    if result.get("command_s"):
+        say(f"\nthe gang command alone (its start and one answered request: `gang restart` of no job): {spread(result['command_s'])}")
     result["config"]["loadavg_end"] = os.getloadavg()
     say(f"(load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())})")
     if args.json:

@@ -19,20 +19,26 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import msgpack
 import numpy as np
 import pytest
 from ckpthelpers import checkpoint, kill_and_restart, kill_what_is_left, result_of, submit, wait_running_a_bit
-from conftest import shared_cluster
+from conftest import as_uid, shared_cluster
 
 from gangd import ckptstore
 from gangd.ckptlib import image
 from gangd.ckptstore import StoreError
+from gangd.client import oneshot
+from gangd.daemon import ranks
+from gangd.errors import RemoteError
+from gangd.protocol import Connection, Request, Role
 
 PROGRAM = textwrap.dedent(
     """
@@ -298,3 +304,136 @@ def test_under_gangd_a_restart_never_calls_the_factory_and_ends_bit_identical(gc
         assert not list(second.iterdir())
     finally:
         kill_what_is_left(gc)
+
+
+# ---------------------------------------------------------------- `gang restart`: one request, no trio
+
+# The command as a user runs it, reporting on its way out whether it loaded trio
+# (what costs a command ~0.13 s before its request: gangd.client.oneshot does without).
+TRIO_REPORT = """
+import atexit, sys
+atexit.register(lambda: print("trio loaded:", "trio" in sys.modules, file=sys.stderr))
+from gangd.client.cli import main
+sys.argv[0] = "gang"
+main()
+"""
+
+
+def gang_cmd(cluster_dir, *args, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", TRIO_REPORT, "--cluster", str(cluster_dir), *map(str, args)],
+                          capture_output=True, text=True, timeout=60, check=False, **kwargs)
+
+
+def test_gang_restart_sends_its_request_without_loading_trio_and_says_what_the_daemon_answered(gc, tmp_path):
+    tmp_path.chmod(0o777)
+    program = tmp_path / "ring.py"
+    program.write_text(RING)
+    program.chmod(0o644)
+    out = tmp_path / "out"
+    out.mkdir(mode=0o777)
+    try:
+        missing = gang_cmd(gc.dir, "restart", 99999)
+        assert (missing.returncode, missing.stderr.splitlines()) == (5, ["gang: no job 99999", "trio loaded: False"])
+        job = submit(gc, [str(program), str(out), "400"], 2)
+        wait_running_a_bit(gc, job)
+        running = gang_cmd(gc.dir, "restart", job)  # (a job that still runs is refused: kill it first)
+        assert running.returncode == 1 and f"gang kill {job}" in running.stderr and "trio loaded: False" in running.stderr, running.stderr
+        assert checkpoint(gc, job)["state"] in ("complete", "protected")
+        gc.gang("kill", job, check=True)
+        assert as_uid(65534, lambda: stranger_restarts(gc.dir, job)) == "permission_denied"  # (the daemon knows who asks from the socket)
+        restarted = gang_cmd(gc.dir, "restart", "-q", job)
+        assert restarted.returncode == 0, restarted.stderr
+        assert restarted.stderr.splitlines() == ["trio loaded: False"]
+        new = int(restarted.stdout)
+        assert gc.job(new)["restart_of"]["job"] == job
+    finally:
+        kill_what_is_left(gc)
+
+
+def stranger_restarts(cluster_dir: Path, job: int) -> str:
+    try:
+        oneshot.request(cluster_dir, "restart", job=job)
+    except RemoteError as exc:
+        return exc.code
+    return "restarted"
+
+
+def stderr_of(result: subprocess.CompletedProcess) -> str:
+    return f"exit {result.returncode}: {result.stdout}{result.stderr}"
+
+
+def fake_daemon(path: Path, serve) -> threading.Thread:
+    """A Unix socket that speaks the protocol for one connection as ``serve(sock, conn)`` says."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+
+    def run() -> None:
+        with listener:
+            sock, _ = listener.accept()
+            with sock:
+                conn = Connection(dialer=False, node="fake", accept=frozenset({Role.CLIENT}))
+                serve(sock, conn)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def next_event(sock: socket.socket, conn: Connection):
+    while (event := conn.next_event()) is None:
+        data = sock.recv(65536)
+        if not data:
+            return None
+        conn.receive_data(data)
+    return event
+
+
+def cluster_file(directory: Path, *sockets: Path) -> Path:
+    directory.mkdir()
+    (directory / "cluster.toml").write_text("".join(f'[[nodes]]\nsocket = "{s}"\n' for s in sockets))
+    return directory
+
+
+def test_gang_restart_tells_a_daemon_that_refused_or_dropped_it_from_one_that_is_not_there(tmp_path):
+    def refuse(sock, conn):  # as a daemon beyond its limits does: a bye instead of its hello
+        sock.sendall(conn.send_bye("too_many_connections", "uid 0 has 64 connections open"))
+        sock.recv(4096)  # (the client's hello, taken before closing)
+
+    def drop(sock, conn):
+        assert next_event(sock, conn) is not None  # hello
+        sock.sendall(conn.data_to_send())
+        request = next_event(sock, conn)
+        assert isinstance(request, Request) and request.op == "restart" and request.args["job"] == 7, request
+
+    refusing, dropping, nobody = tmp_path / "refuse.sock", tmp_path / "drop.sock", tmp_path / "nobody.sock"
+    threads = [fake_daemon(refusing, refuse), fake_daemon(dropping, drop)]
+    # Refused: it is up and said why; the next node is not tried.
+    refused = gang_cmd(cluster_file(tmp_path / "a", refusing, dropping), "restart", 7)
+    assert refused.returncode == 1 and "refused the connection: uid 0 has 64 connections open" in refused.stderr, stderr_of(refused)
+    # Nothing there, then a daemon that hangs up on the request: the request is not retried elsewhere.
+    dropped = gang_cmd(cluster_file(tmp_path / "b", nobody, dropping), "restart", 7)
+    assert dropped.returncode == 1 and "closed before 'restart' was answered" in dropped.stderr, stderr_of(dropped)
+    # Nothing anywhere: exit 3, naming where it looked.
+    absent = gang_cmd(cluster_file(tmp_path / "c", nobody), "restart", 7)
+    assert absent.returncode == 3 and f"cannot reach a gangd daemon ({nobody}: " in absent.stderr, stderr_of(absent)
+    for thread in threads:
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+
+
+# ---------------------------------------------------------------- one thread pool per rank's core
+
+THREADS = "import os; print('threads', os.environ.get('OMP_NUM_THREADS'), os.environ.get('OPENBLAS_NUM_THREADS'))"
+
+
+def test_a_rank_gets_one_blas_thread_per_core_unless_its_job_chose(gc):
+    """numpy's OpenBLAS otherwise starts a thread per core of the machine in
+    every rank (on cores other ranks own), spinning them up at import."""
+    env = {k: v for k, v in os.environ.items() if k not in ranks.THREAD_VARS}
+    default = gc.gang("run", "-n", "2", "--", sys.executable, "-c", THREADS, env=env)
+    assert default.returncode == 0, default.stderr
+    assert sorted(default.stdout.split("\n"))[-2:] == ["0: threads 1 None", "1: threads 1 None"], default.stdout
+    chosen = gc.gang("run", "-n", "2", "--", sys.executable, "-c", THREADS, env={**env, "OPENBLAS_NUM_THREADS": "2"})
+    assert chosen.returncode == 0, chosen.stderr
+    assert sorted(chosen.stdout.split("\n"))[-2:] == ["0: threads None 2", "1: threads None 2"], chosen.stdout

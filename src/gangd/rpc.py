@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import trio
 
+from .errors import Disconnected as Disconnected
+from .errors import RemoteError as RemoteError
 from .protocol import (
     DEFAULT_WINDOW,
     HANDSHAKE_MAX_FRAME,
@@ -59,23 +61,6 @@ READ_SIZE = 256 * 1024
 HANDSHAKE_READ_SIZE = 2 * HANDSHAKE_MAX_FRAME
 #: One-way notes of the other side handled at once before reading pauses.
 DEFAULT_MAX_NOTES = 64
-
-
-class RemoteError(Exception):
-    """A request failed; ``code`` is machine-readable, ``message`` is for people."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
-
-
-class Disconnected(RemoteError):
-    def __init__(self, message: str = "connection lost"):
-        super().__init__("disconnected", message)
 
 
 Emit = Callable[[object], Awaitable[None]]

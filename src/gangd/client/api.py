@@ -21,69 +21,21 @@ socket is found by :func:`locate`.
 from __future__ import annotations
 
 import os
-import tomllib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 import trio
 
 from .. import jobs
-from ..daemon.config import DEFAULT_SOCKET
 from ..protocol import ProtocolError
 from ..rpc import Channel, RemoteError, dial_unix, running
+from .locate import CLUSTER_FILE as CLUSTER_FILE
+from .locate import REFUSALS, ClusterNotFound, cluster_dir, locate, unreachable
+from .locate import default_cluster_dir as default_cluster_dir
+from .locate import read_cluster_file as read_cluster_file
 
-CLUSTER_FILE = "cluster.toml"
-#: Handshake refusals that mean "reached, but not now / not you" rather than "not there".
 #: Recoveries a wait follows at most (each lineage's are bounded by [checkpoint] max_recoveries anyway).
 MAX_FOLLOW = 1000
-REFUSALS = frozenset({"too_many_connections", "busy"})
-
-
-class ClusterNotFound(Exception):
-    """No daemon could be reached; the message says where we looked."""
-
-
-def default_cluster_dir() -> Path:
-    return Path.home() / ".gangd" / "cluster"
-
-
-def cluster_dir(explicit: str | os.PathLike | None = None) -> Path:
-    """The local cluster directory a command refers to (``--cluster``, then
-    ``$GANGD_CLUSTER``, then ``~/.gangd/cluster``)."""
-    if explicit:
-        return Path(explicit)
-    if os.environ.get("GANGD_CLUSTER"):
-        return Path(os.environ["GANGD_CLUSTER"])
-    return default_cluster_dir()
-
-
-def read_cluster_file(directory: Path) -> dict:
-    with open(directory / CLUSTER_FILE, "rb") as fh:
-        return tomllib.load(fh)
-
-
-def locate(cluster: str | os.PathLike | None = None) -> list[str]:
-    """Sockets to try, in order.
-
-    ``cluster`` (or ``$GANGD_CLUSTER``) names a local cluster directory; else
-    ``$GANGD_SOCKET`` (set inside jobs) names a daemon socket; else the default
-    local cluster if one was brought up; else the system daemon's socket.
-    """
-    explicit = cluster or os.environ.get("GANGD_CLUSTER")
-    if explicit:
-        directory = Path(explicit)
-        try:
-            info = read_cluster_file(directory)
-        except FileNotFoundError:
-            raise ClusterNotFound(f"no cluster in {directory} (no {CLUSTER_FILE}); start one with `gang cluster up --dir {directory}`") from None
-        return [node["socket"] for node in info.get("nodes", [])]
-    if os.environ.get("GANGD_SOCKET"):
-        return [os.environ["GANGD_SOCKET"]]
-    default = default_cluster_dir()
-    if (default / CLUSTER_FILE).exists():
-        return [node["socket"] for node in read_cluster_file(default).get("nodes", [])]
-    return [DEFAULT_SOCKET]
 
 
 class JobList(list):
@@ -292,8 +244,7 @@ async def connect(cluster: str | os.PathLike | None = None, sockets: list[str] |
         async with running(channel):
             yield Client(channel)
         return
-    where = "; ".join(errors) or "no sockets configured"
-    raise ClusterNotFound(f"cannot reach a gangd daemon ({where}). Is the cluster up? Try `gang cluster up`.")
+    raise unreachable(errors)
 
 
 __all__ = ["Client", "JobList", "stale_warning", "ClusterNotFound", "RemoteError", "connect", "locate", "cluster_dir"]

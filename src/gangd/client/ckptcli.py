@@ -8,8 +8,7 @@ import time
 import click
 
 from .. import text
-from .api import connect
-from .cli import EXIT_ERROR, _cluster, _size, describe_generation, emit_json, main, run_async, table
+from .cli import EXIT_ERROR, _cluster, _size, connect, describe_generation, emit_json, main, run_async, run_sync, table
 
 
 @main.command(epilog="""\\b
@@ -79,11 +78,9 @@ def restart(ctx, job, generation, nodelist, nodes, quiet, as_json):
     if names is not None and not names:
         raise click.UsageError("-w needs at least one node name")
 
-    async def go():
-        async with connect(_cluster(ctx)) as gang:
-            return await gang.restart(job, generation, nodelist=names, nodes=nodes)
+    from . import oneshot  # (one request: no trio to import, see gangd.client.oneshot)
 
-    result = run_async(go)
+    result = run_sync(lambda: oneshot.request(_cluster(ctx), "restart", job=job, gen=generation, nodelist=names, nodes=nodes))
     if as_json:
         emit_json(result)
         return

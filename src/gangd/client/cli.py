@@ -26,11 +26,14 @@ from pathlib import Path
 from typing import ClassVar
 
 import click
-import trio
 
 from .. import jobs, text
-from ..rpc import RemoteError, leaf_error
-from .api import MAX_FOLLOW, ClusterNotFound, JobList, cluster_dir, connect, stale_warning
+from ..errors import RemoteError
+from .locate import ClusterNotFound, cluster_dir
+
+# trio and the async API (gangd.client.api) are imported by the commands that
+# use them, not here: importing trio takes ~0.13 s, and commands that send one
+# request (`gang restart`, gangd.client.oneshot) do without it.
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -54,13 +57,40 @@ class Fail(Exception):
         self.code = code
 
 
+def connect(cluster=None):
+    """:func:`gangd.client.api.connect`, imported on a command's first use."""
+    from .api import connect as connect_api
+
+    return connect_api(cluster)
+
+
+def stale_warning(stale: dict | None) -> str | None:
+    """:func:`gangd.client.api.stale_warning`, imported on first use."""
+    from .api import stale_warning as warning
+
+    return warning(stale)
+
+
 def run_async(fn, *args):
     """Run a coroutine for a command, turning errors into messages and exit codes."""
+    return run_sync(_trio_run, fn, *args)
+
+
+def _trio_run(fn, *args):
+    import trio
+
+    from ..rpc import leaf_error
+
     try:
-        try:
-            return trio.run(fn, *args)
-        except BaseExceptionGroup as group:
-            raise leaf_error(group) from None
+        return trio.run(fn, *args)
+    except BaseExceptionGroup as group:
+        raise leaf_error(group) from None
+
+
+def run_sync(fn, *args):
+    """Call ``fn`` for a command, turning errors into messages and exit codes."""
+    try:
+        return fn(*args)
     except ClusterNotFound as exc:
         click.echo(f"gang: {exc}", err=True)
         sys.exit(EXIT_UNREACHABLE)
@@ -307,6 +337,10 @@ def run(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, ckpt_
 
 
 async def _run(cluster, spec, label, verbose) -> int:
+    import trio
+
+    from .api import MAX_FOLLOW
+
     printer = OutputPrinter(spec["nranks"], label)
     final: dict = {}
     interrupted = False
@@ -468,6 +502,10 @@ def ps(ctx, show_all, limit, as_json):
             _seconds(r.get("cpu_seconds")),
             r["reason"] or "",
         ]
+
+    import trio
+
+    from .api import JobList
 
     async def go():
         shown = 0

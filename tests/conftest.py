@@ -10,16 +10,13 @@ The suite runs on two pytest-xdist workers, one test file each at a time
 (pyproject's addopts: most of a test's time is spent waiting on daemons,
 timers and etcd, not computing, so two halve the wall time on two cores).
 Clusters pick free ports and directories of their own, so two run side by
-side. A test that must have the machine to itself is marked
-``@pytest.mark.alone``: the other worker's tests wait for it to end
-(``pytest_runtest_protocol`` below). The slowest files are handed out first,
-so the two workers end together.
+side. The slowest files are handed out first, so the two workers end
+together.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -301,9 +298,9 @@ def points(tmp_path, monkeypatch):
 
 #: Test files by decreasing duration (their CI times, roughly), handed out first.
 _SLOW_FILES = (
-    "test_recovery", "test_checkpoint", "test_rebuild", "test_redundancy", "test_security_wire", "test_flush", "test_disk_loss",
-    "test_control_plane", "test_security_review", "test_security_values", "test_security_procs", "test_restart_anywhere", "test_etcd",
-    "test_mpi_checkpoint", "test_submit_path", "test_security_fs", "test_cluster_etcd", "test_gang",
+    "test_checkpoint", "test_recovery", "test_restart_anywhere", "test_disk_loss", "test_mpi_checkpoint", "test_cluster_etcd",
+    "test_control_plane", "test_security_wire", "test_flush", "test_rebuild", "test_redundancy", "test_security_fs", "test_security_review",
+    "test_security_values", "test_security_procs", "test_etcd", "test_submit_path", "test_mpi", "test_gang", "test_messaging",
 )
 
 
@@ -313,33 +310,6 @@ def pytest_collection_modifyitems(config, items):
     would leave the other worker idle meanwhile."""
     rank = {name: i for i, name in enumerate(_SLOW_FILES)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
-
-
-def _lock_base(workerinput: dict) -> Path:
-    return Path(tempfile.gettempdir()) / f"gangd-tests-{workerinput['testrunuid']}"
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    """Under xdist, every test holds a shared lock on a file of this run and
-    an ``alone`` test an exclusive one, so it runs while no other test does.
-    (A turnstile lock taken first keeps a stream of shared holders from
-    starving the exclusive one.)"""
-    workerinput = getattr(item.config, "workerinput", None)
-    if workerinput is None:  # (not under xdist: one test at a time anyway)
-        yield
-        return
-    base = _lock_base(workerinput)
-    turnstile = os.open(f"{base}.turn", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    lock = os.open(f"{base}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        fcntl.flock(lock, fcntl.LOCK_EX if item.get_closest_marker("alone") else fcntl.LOCK_SH)
-        fcntl.flock(turnstile, fcntl.LOCK_UN)
-        yield
-    finally:
-        os.close(lock)
-        os.close(turnstile)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -405,11 +375,6 @@ def _runs(pid: int, data_dir: str) -> bool:
 
 
 def pytest_unconfigure(config):
-    workerinput = getattr(config, "workerinput", None)
-    if workerinput is not None:  # (a worker that ends has no test left: the other worker's next ones open the files anew, alone)
-        for suffix in (".turn", ".lock"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"{_lock_base(workerinput)}{suffix}")
     if _shared_etcd_home is not None:
         local.stop_local_etcd(_shared_etcd_home)
         shutil.rmtree(_shared_etcd_home, ignore_errors=True)

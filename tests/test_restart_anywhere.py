@@ -27,14 +27,14 @@ import trio
 from ckpthelpers import (
     TERMINAL,
     checkpoint,
-    checkpoint_when_ready,
     flip_byte,
     gen_dir,
     generations,
+    hold,
     reference,
     result_of,
     submit,
-    wait_running_a_bit,
+    wait_holding,
 )
 from hypothesis import given
 from hypothesis import strategies as st
@@ -185,13 +185,14 @@ def restart(gc, job: int, *options, check: bool = True) -> dict:
 
 
 def checkpointed_and_killed(gc, n: int, *options) -> tuple[int, dict]:
-    # (--pre-sleep: ckpt.init() done, 2 s before the loop: a checkpoint lands before the end even on a loaded machine)
-    job = submit(gc, [*ARGV, "--sleep", "0.01", "--pre-sleep", "2"], n, *options)
-    wait_running_a_bit(gc, job, 0.2)
-    gen = checkpoint_when_ready(gc, job)
+    held, release = hold(gc, 125)  # (a checkpoint lands mid-run however loaded the machine; a restart runs at full speed)
+    job = submit(gc, [*ARGV, *held], n, *options)
+    wait_holding(gc, job)
+    gen = checkpoint(gc, job)
     assert gen["state"] == "complete", gen
     gc.gang("kill", job, check=True)
     gc.wait_state(job, TERMINAL)
+    release.touch()
     return job, gen
 
 
@@ -207,12 +208,14 @@ def wait_node(gc, node: str, state: str, timeout: float = 30) -> None:
 
 def test_a_two_node_job_restarted_on_two_other_nodes_is_bit_identical_and_its_files_laid_out_as_a_checkpoint(gc):
     expected = reference(gc, ARGV, 4)
-    job = submit(gc, [*ARGV, "--sleep", "0.01"], 4, "-w", "n1,n2")
-    wait_running_a_bit(gc, job)
+    held, release = hold(gc, 125)
+    job = submit(gc, [*ARGV, *held], 4, "-w", "n1,n2")
+    wait_holding(gc, job)
     gen = checkpoint(gc, job)
     assert gen["state"] == "complete" and set(gen["nodes"]) == {"n1", "n2"}, gen
     gc.gang("kill", job, check=True)
     gc.wait_state(job, TERMINAL)
+    release.touch()
     answer = restart(gc, job, "-w", "n3,n4")
     restarted = answer["record"]["id"]
     assert answer["placement"] == ["n3", "n3", "n4", "n4"] and answer["gen"] == gen["gen"]

@@ -299,7 +299,7 @@ def points(tmp_path, monkeypatch):
 #: Test files by decreasing duration (their CI times, roughly), handed out first.
 _SLOW_FILES = (
     "test_checkpoint", "test_recovery", "test_restart_anywhere", "test_disk_loss", "test_mpi_checkpoint", "test_cluster_etcd",
-    "test_control_plane", "test_security_wire", "test_flush", "test_rebuild", "test_redundancy", "test_security_fs", "test_security_review",
+    "test_control_plane", "test_security_wire", "test_flush", "test_rebuild", "test_xor_paths", "test_redundancy", "test_security_fs", "test_security_review",
     "test_security_values", "test_security_procs", "test_etcd", "test_submit_path", "test_mpi", "test_gang", "test_messaging",
 )
 

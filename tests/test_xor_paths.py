@@ -244,15 +244,17 @@ def lost_and_wiped_while_recovering(cluster, points, job: int) -> tuple[str, str
 
 def test_a_survivor_wiped_during_the_recovery_of_an_xor_set_fails_the_job_naming_both_nodes(make_cluster, points):
     from ckpthelpers import checkpoint, kill_what_is_left, submit
-    from test_recovery import ENDED, SLOW, running, wait_protected
+    from test_recovery import ENDED, held, running, wait_protected
 
     cluster = make_cluster(4, cores=2, time_slice=0.1, spares=("n4",))
     try:
-        job = submit(cluster, SLOW, 3, "--per-node", "1", "--ckpt-redundancy", "xor")
+        argv, release = held(cluster)
+        job = submit(cluster, argv, 3, "--per-node", "1", "--ckpt-redundancy", "xor")
         running(cluster, job)
         taken = checkpoint(cluster, job)
         wait_protected(cluster, job, taken["gen"])
         victim, survivor = lost_and_wiped_while_recovering(cluster, points, job)
+        release.touch()
         record = cluster.wait_state(job, ENDED, timeout=180)
         assert record["state"] == "FAILED", record
         reason = record["reason"]
@@ -269,7 +271,7 @@ def test_a_survivor_wiped_during_the_recovery_of_a_partner_ring_is_rebuilt_too_a
     # are rebuilt where their ranks now run, the lost node's on the spare,
     # and the job ends bit-identical to an uninterrupted run.
     from ckpthelpers import checkpoint, kill_what_is_left, reference, result_of, submit
-    from test_recovery import ARGV, ENDED, SLOW, coordinator, lose, running, wait_protected
+    from test_recovery import ARGV, ENDED, coordinator, held, lose, running, wait_protected
 
     from gangd import jobs
     from gangd.redundancy.plan import make_plan
@@ -277,7 +279,8 @@ def test_a_survivor_wiped_during_the_recovery_of_a_partner_ring_is_rebuilt_too_a
     cluster = make_cluster(5, cores=2, time_slice=0.1, spares=("n5",))
     try:
         expected = reference(cluster, ARGV, 4, "--per-node", "1")
-        job = submit(cluster, SLOW, 4, "--per-node", "1", "--ckpt-redundancy", "partner")
+        argv, release = held(cluster)
+        job = submit(cluster, argv, 4, "--per-node", "1", "--ckpt-redundancy", "partner")
         record = running(cluster, job)
         taken = checkpoint(cluster, job)
         wait_protected(cluster, job, taken["gen"])
@@ -292,6 +295,7 @@ def test_a_survivor_wiped_during_the_recovery_of_a_partner_ring_is_rebuilt_too_a
         cluster.wait_state(job, ("RECOVERING",), timeout=120)
         wipe(cluster, survivor)
         (points / "recover.hold").unlink()
+        release.touch()
         old = cluster.wait_state(job, ENDED, timeout=180)
         assert old["state"] == "REQUEUED", old
         new = cluster.job(old["requeued_as"])
@@ -314,13 +318,14 @@ def test_a_survivor_wiped_during_the_recovery_of_an_xor_set_falls_back_to_the_ol
     # bit-identical.
     from ckpthelpers import checkpoint, generations, kill_what_is_left, reference, result_of, submit
     from conftest import wait_for
-    from test_recovery import ARGV, ENDED, SLOW, running, wait_protected
+    from test_recovery import ARGV, ENDED, held, running, wait_protected
 
     shared = tmp_path / "shared"
     cluster = make_cluster(4, cores=2, time_slice=0.1, spares=("n4",), flush_dir=shared)
     try:
         expected = reference(cluster, ARGV, 3, "--per-node", "1")
-        job = submit(cluster, SLOW, 3, "--per-node", "1", "--ckpt-redundancy", "xor")
+        argv, release = held(cluster)
+        job = submit(cluster, argv, 3, "--per-node", "1", "--ckpt-redundancy", "xor")
         running(cluster, job)
         first = checkpoint(cluster, job)
         wait_protected(cluster, job, first["gen"])
@@ -329,6 +334,7 @@ def test_a_survivor_wiped_during_the_recovery_of_an_xor_set_falls_back_to_the_ol
         second = checkpoint(cluster, job)
         wait_protected(cluster, job, second["gen"])
         victim, survivor = lost_and_wiped_while_recovering(cluster, points, job)
+        release.touch()
         old = cluster.wait_state(job, ENDED, timeout=180)
         assert old["state"] == "REQUEUED", old
         new = cluster.job(old["requeued_as"])

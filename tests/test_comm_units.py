@@ -462,6 +462,38 @@ def test_capture_returns_undelivered_messages_and_restore_delivers_them(daemon_f
     assert results[0]["counters"]["sent"][1] >= 7
 
 
+def test_a_message_taken_by_tag_before_earlier_ones_still_restores(daemon_factory):
+    # Rank 1 takes rank 0's tag-4 message before its tags 1-3 (by tag, as MPI
+    # allows): the undelivered messages from rank 0 are then seqs 1, 2, 3 and 5,
+    # not a run from `delivered` on. The restore took that for a damaged context
+    # and refused it, so such a job's checkpoint could never be restarted.
+    nodes = ["a", "a", "b"]
+    daemon = daemon_factory(nodes)
+    procs = daemon.spawn("capture", "out-of-order", stdin=True)
+    readline(procs[1], "ready")
+    epoch = daemon.gate(False)  # (the 6 MiB sends finish once it is closed: rank 1's control thread drains)
+    assert daemon.wait_acks(epoch, range(3), timeout=TIMEOUT), f"acks: {daemon.acks}"
+    readline(procs[0], "sent")
+    readline(procs[2], "sent")
+    sent = {r: daemon.counters(r)[0] for r in range(3)}
+    rids = {r: daemon.request(r, "capture", expect=[int(sent[src][r]) for src in range(3)]) for r in range(3)}
+    contexts = {}
+    for rank, rid in rids.items():
+        reply = daemon.wait_reply(rank, rid)
+        assert reply.ok, reply.error
+        contexts[rank] = reply.result["context"]
+    ctx = msgpack.unpackb(contexts[1], raw=False)
+    assert ctx["received"] == [6, 0, 6] and ctx["delivered"] == [2, 0, 1]
+    assert [m[2] for m in ctx["messages"] if m[0] == 0] == [1, 2, 3, 5]
+    for proc in procs:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+    again = daemon_factory(nodes, contexts=contexts)
+    results = finish(again.spawn("restored", "out-of-order"))
+    assert results[1]["order"] == [[m[0], m[1]] for m in ctx["messages"]]
+
+
 def test_peer_exit_raises_instead_of_hanging(daemon_factory):
     daemon = daemon_factory(["a", "a", "b"])
     procs = daemon.spawn("peer_exit")

@@ -60,12 +60,18 @@ def restore(engine: Engine, blob: bytes) -> None:
     if not all(len(row) == size for row in (sent, received, delivered)):
         raise CommError("network context counters do not match the job size")
     messages = []
-    next_seq = list(delivered)  # undelivered messages of each channel continue from delivered
+    # Each channel's undelivered messages, in arrival order: increasing
+    # sequence numbers below what was received, as many as were received and
+    # not delivered. Not a run from `delivered` on: a program that takes a
+    # message by tag (or source) before earlier ones leaves holes behind it.
+    last_seq = [-1] * size
+    undelivered = [0] * size
     for src, tag, seq, kind, meta, payload in raw_messages:
-        if not 0 <= src < size or seq != next_seq[src]:
+        if not (type(src) is int and 0 <= src < size and type(seq) is int and last_seq[src] < seq < received[src]):
             raise CommError(f"network context holds message {seq} from rank {src} out of order")
-        next_seq[src] += 1
+        last_seq[src] = seq
+        undelivered[src] += 1
         messages.append(Msg(src, tag, seq, kind, meta, wire.materialize(kind, meta, payload, 0, len(payload)), len(payload)))
-    if next_seq != list(received):
+    if undelivered != [r - d for r, d in zip(received, delivered, strict=True)]:
         raise CommError("network context: undelivered messages do not add up to received - delivered")
     engine.load(sent, received, delivered, messages)

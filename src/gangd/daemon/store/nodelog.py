@@ -160,6 +160,11 @@ class NodeLog:
             # (gone, or on a newer lease): a lagging observer -- a deposed
             # coordinator, a stale sweep -- cannot close a live node's life.
             compares.append(Compare.lease(self.keys.node(node)) != life.lease)
+            # Nor while the lease itself lives: a node begins its life before
+            # it puts its key (it reads the job table in between), and a new
+            # coordinator's sweep in that gap saw no key and counted a loss.
+            if await self.etcd.lease_ttl(life.lease) >= 0:
+                return False
         result = await self.etcd.txn(compares, [Op.put(life.key, value)])
         if result.succeeded and not clean:
             log.warning("recorded the loss of a node (lease %x): %s", life.lease, reason)

@@ -90,8 +90,26 @@ class Peers:
 
     # ------------------------------------------------------------ calls
 
+    def connected(self, name: str) -> bool:
+        """Its connection is open right now (``link_up`` stays true through a
+        dropped connection's grace period, while the link dials again)."""
+        link = self.links.get(name)
+        return name == self.config.node_name or (link is not None and link.up and link.channel is not None and not link.channel.closed)
+
     async def call(self, node: str, op: str, **args):
-        return await self.channel(node).request(op, **args)
+        return await (await self._open_channel(node)).request(op, **args)
+
+    async def _open_channel(self, node: str) -> Channel:
+        """The node's channel; a node that etcd holds alive but whose link is
+        still dialing (it has just come back: the dial loop backs off up to a
+        heartbeat interval) is waited for that long, twice, instead of being
+        called down the moment it is up."""
+        link = self.links.get(node)
+        if link is not None and (link.channel is None or link.channel.closed) and self.is_alive(node):
+            with trio.move_on_after(2 * self.config.heartbeat_interval):
+                while (link.channel is None or link.channel.closed) and self.is_alive(node):  # noqa: ASYNC110 -- the dial loop sets no event
+                    await trio.sleep(0.05)
+        return self.channel(node)
 
     def channel(self, node: str) -> Channel:
         link = self.links.get(node)

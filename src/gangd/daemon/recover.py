@@ -364,8 +364,9 @@ class Recoveries:
     async def _settle(self, record: dict, lost: list[str]) -> list[str]:
         """The job's lost nodes once the others are known good: nodes fail
         together (a rack, a switch), and a node this coordinator cannot reach
-        while its lease still runs is waited for until etcd says it is down
-        or its link is back (at most a lease and a heartbeat timeout); still
+        while its lease still runs (its connection closed, even within the
+        link's grace period) is waited for until etcd says it is down or its
+        link is back (at most a lease and a heartbeat timeout); still
         unreachable then, it is taken as lost too, never as a source or a
         target of the rebuild. Recorded with the recovery."""
         co = self.co
@@ -374,9 +375,9 @@ class Recoveries:
         nodes = jobs.nodes_of(record)
         known = {n.name for n in co.config.nodes}
         with trio.move_on_after(patience):
-            while [n for n in nodes if n not in lost and n in known and membership.is_up(n) and not peers.link_up(n)]:  # noqa: ASYNC110 -- two sources (etcd, the links), no one event
+            while [n for n in nodes if n not in lost and n in known and membership.is_up(n) and not peers.connected(n)]:  # noqa: ASYNC110 -- two sources (etcd, the links), no one event
                 await trio.sleep(0.1)
-        gone = [n for n in nodes if n in lost or n not in known or not membership.is_up(n) or not peers.link_up(n)]
+        gone = [n for n in nodes if n in lost or n not in known or not membership.is_up(n) or not peers.connected(n)]
         if set(gone) != set(lost):
             log.warning("job %d: %s lost too", record["id"], describe_lost([n for n in gone if n not in lost]))
 

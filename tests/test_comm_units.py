@@ -413,6 +413,18 @@ def test_gate_waits_for_the_send_under_way_and_blocks_new_sends(daemon_factory):
     finish(procs)
 
 
+def _capture_all(daemon, sent: dict) -> dict:
+    """Every rank's network context (the gate closed, ``sent``: each rank's sent counters)."""
+    ranks = range(len(sent))
+    rids = {r: daemon.request(r, "capture", expect=[int(sent[src][r]) for src in ranks]) for r in ranks}
+    contexts = {}
+    for rank, rid in rids.items():
+        reply = daemon.wait_reply(rank, rid)
+        assert reply.ok, reply.error
+        contexts[rank] = reply.result["context"]
+    return contexts
+
+
 def test_capture_returns_undelivered_messages_and_restore_delivers_them(daemon_factory):
     # Ranks 0 and 2 (node b: TCP) send rank 1 six messages each, 6 MiB ones
     # among them; rank 1 takes the first of each and goes on "computing".
@@ -429,12 +441,7 @@ def test_capture_returns_undelivered_messages_and_restore_delivers_them(daemon_f
     readline(procs[2], "sent")
     sent = {r: daemon.counters(r)[0] for r in range(3)}
     assert sent[0].tolist() == [0, 6, 0] and sent[2].tolist() == [0, 6, 0]
-    rids = {r: daemon.request(r, "capture", expect=[int(sent[src][r]) for src in range(3)]) for r in range(3)}
-    contexts = {}
-    for rank, rid in rids.items():
-        reply = daemon.wait_reply(rank, rid)
-        assert reply.ok, reply.error
-        contexts[rank] = reply.result["context"]
+    contexts = _capture_all(daemon, sent)
     ctx = msgpack.unpackb(contexts[1], raw=False)
     assert (ctx["v"], ctx["rank"], ctx["size"]) == (1, 1, 3)
     assert ctx["received"] == [6, 0, 6] and ctx["delivered"] == [1, 0, 1] and ctx["sent"] == [0, 0, 0]
@@ -476,12 +483,7 @@ def test_a_message_taken_by_tag_before_earlier_ones_still_restores(daemon_factor
     readline(procs[0], "sent")
     readline(procs[2], "sent")
     sent = {r: daemon.counters(r)[0] for r in range(3)}
-    rids = {r: daemon.request(r, "capture", expect=[int(sent[src][r]) for src in range(3)]) for r in range(3)}
-    contexts = {}
-    for rank, rid in rids.items():
-        reply = daemon.wait_reply(rank, rid)
-        assert reply.ok, reply.error
-        contexts[rank] = reply.result["context"]
+    contexts = _capture_all(daemon, sent)
     ctx = msgpack.unpackb(contexts[1], raw=False)
     assert ctx["received"] == [6, 0, 6] and ctx["delivered"] == [2, 0, 1]
     assert [m[2] for m in ctx["messages"] if m[0] == 0] == [1, 2, 3, 5]

@@ -236,6 +236,17 @@ def running(cluster, job: int) -> dict:
     return cluster.job(job)
 
 
+def protected_held_job(cluster, nranks: int, level: str) -> tuple[int, Path, dict, dict]:
+    """A ``level`` job of ``nranks`` ranks, one per node, holding (``held``),
+    with a protected generation: (its id, the file that releases it, its record, the generation)."""
+    argv, release = held(cluster)
+    job = submit(cluster, argv, nranks, "--per-node", "1", "--ckpt-redundancy", level)
+    record = running(cluster, job)
+    taken = checkpoint(cluster, job)
+    wait_protected(cluster, job, taken["gen"])
+    return job, release, record, taken
+
+
 def protected_partner_job(cluster, *options: str) -> tuple[str, str, list[str], int, dict, Path]:
     """A 3-rank ``partner`` job on three nodes of n1-n4 that are not the
     coordinator, holding (``held``), with a protected generation: (its uninterrupted
@@ -404,11 +415,7 @@ def test_a_node_lost_during_the_redundancy_write_leaves_the_previous_protected_g
     cluster = make_cluster(4, cores=2, time_slice=0.1, spares=("n4",))
     try:
         expected = reference(cluster, ARGV, 3, "--per-node", "1")
-        argv, release = held(cluster)
-        job = submit(cluster, argv, 3, "--per-node", "1", "--ckpt-redundancy", "xor")
-        running(cluster, job)
-        first = checkpoint(cluster, job)
-        wait_protected(cluster, job, first["gen"])
+        job, release, _, first = protected_held_job(cluster, 3, "xor")
         (points / "protect.hold").touch()  # the next generation's redundancy write waits before it starts
         second = checkpoint(cluster, job)
         assert second["state"] == "complete", second

@@ -243,16 +243,12 @@ def lost_and_wiped_while_recovering(cluster, points, job: int) -> tuple[str, str
 
 
 def test_a_survivor_wiped_during_the_recovery_of_an_xor_set_fails_the_job_naming_both_nodes(make_cluster, points):
-    from ckpthelpers import checkpoint, kill_what_is_left, submit
-    from test_recovery import ENDED, held, running, wait_protected
+    from ckpthelpers import kill_what_is_left
+    from test_recovery import ENDED, protected_held_job
 
     cluster = make_cluster(4, cores=2, time_slice=0.1, spares=("n4",))
     try:
-        argv, release = held(cluster)
-        job = submit(cluster, argv, 3, "--per-node", "1", "--ckpt-redundancy", "xor")
-        running(cluster, job)
-        taken = checkpoint(cluster, job)
-        wait_protected(cluster, job, taken["gen"])
+        job, release, _, _ = protected_held_job(cluster, 3, "xor")
         victim, survivor = lost_and_wiped_while_recovering(cluster, points, job)
         release.touch()
         record = cluster.wait_state(job, ENDED, timeout=180)
@@ -270,8 +266,8 @@ def test_a_survivor_wiped_during_the_recovery_of_a_partner_ring_is_rebuilt_too_a
     # node (the one across the ring) has its copy on a live node too: both
     # are rebuilt where their ranks now run, the lost node's on the spare,
     # and the job ends bit-identical to an uninterrupted run.
-    from ckpthelpers import checkpoint, kill_what_is_left, reference, result_of, submit
-    from test_recovery import ARGV, ENDED, coordinator, held, lose, running, wait_protected
+    from ckpthelpers import kill_what_is_left, reference, result_of
+    from test_recovery import ARGV, ENDED, coordinator, lose, protected_held_job
 
     from gangd import jobs
     from gangd.redundancy.plan import make_plan
@@ -279,11 +275,7 @@ def test_a_survivor_wiped_during_the_recovery_of_a_partner_ring_is_rebuilt_too_a
     cluster = make_cluster(5, cores=2, time_slice=0.1, spares=("n5",))
     try:
         expected = reference(cluster, ARGV, 4, "--per-node", "1")
-        argv, release = held(cluster)
-        job = submit(cluster, argv, 4, "--per-node", "1", "--ckpt-redundancy", "partner")
-        record = running(cluster, job)
-        taken = checkpoint(cluster, job)
-        wait_protected(cluster, job, taken["gen"])
+        job, release, record, taken = protected_held_job(cluster, 4, "partner")
         nodes = jobs.nodes_of(record)
         assert len(nodes) == 4 and "n5" not in nodes, nodes
         plan = make_plan(list(dict.fromkeys(taken["placement"])), "partner")
@@ -316,19 +308,15 @@ def test_a_survivor_wiped_during_the_recovery_of_an_xor_set_falls_back_to_the_ol
     # rebuilt from the XOR set (two of its three members), so B is passed
     # over, saying why, and the job comes back from A's flushed copy,
     # bit-identical.
-    from ckpthelpers import checkpoint, generations, kill_what_is_left, reference, result_of, submit
+    from ckpthelpers import checkpoint, generations, kill_what_is_left, reference, result_of
     from conftest import wait_for
-    from test_recovery import ARGV, ENDED, held, running, wait_protected
+    from test_recovery import ARGV, ENDED, protected_held_job, wait_protected
 
     shared = tmp_path / "shared"
     cluster = make_cluster(4, cores=2, time_slice=0.1, spares=("n4",), flush_dir=shared)
     try:
         expected = reference(cluster, ARGV, 3, "--per-node", "1")
-        argv, release = held(cluster)
-        job = submit(cluster, argv, 3, "--per-node", "1", "--ckpt-redundancy", "xor")
-        running(cluster, job)
-        first = checkpoint(cluster, job)
-        wait_protected(cluster, job, first["gen"])
+        job, release, _, first = protected_held_job(cluster, 3, "xor")
         wait_for(lambda: next(g for g in generations(cluster, job) if g["gen"] == first["gen"]).get("flushed"), 60, "A flushed")
         (points / "flush.hold").touch()
         second = checkpoint(cluster, job)

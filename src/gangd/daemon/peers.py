@@ -102,11 +102,12 @@ class Peers:
     async def _open_channel(self, node: str) -> Channel:
         """The node's channel; a node that etcd holds alive but whose link is
         still dialing (it has just come back: the dial loop backs off up to a
-        heartbeat interval) is waited for that long, twice, instead of being
-        called down the moment it is up."""
+        heartbeat interval, then shakes hands) is given a heartbeat timeout to
+        connect -- the patience a link has for a dropped connection -- instead
+        of being called down the moment it is up."""
         link = self.links.get(node)
         if link is not None and (link.channel is None or link.channel.closed) and self.is_alive(node):
-            with trio.move_on_after(2 * self.config.heartbeat_interval):
+            with trio.move_on_after(self.config.heartbeat_timeout):
                 while (link.channel is None or link.channel.closed) and self.is_alive(node):  # noqa: ASYNC110 -- the dial loop sets no event
                     await trio.sleep(0.05)
         return self.channel(node)

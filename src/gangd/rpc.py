@@ -36,6 +36,7 @@ import trio
 
 from .errors import Disconnected as Disconnected
 from .errors import RemoteError as RemoteError
+from .errors import handshake_failure, reply_result
 from .protocol import (
     DEFAULT_WINDOW,
     HANDSHAKE_MAX_FRAME,
@@ -135,11 +136,7 @@ class Channel:
                     self.remote_node = event.node
                     await self._flush()
                     return event
-                if isinstance(event, RemoteClosed):
-                    raise ProtocolError(event.code, f"refused by {self.label}: {event.message}")
-                if event is None:
-                    raise ProtocolError("truncated", f"{self.label} closed the connection during the handshake")
-                raise ProtocolError("malformed", f"unexpected {type(event).__name__} during the handshake")
+                raise handshake_failure(event, self.label)
 
     # ------------------------------------------------------------ sending
 
@@ -177,7 +174,7 @@ class Channel:
             async def reply() -> object:
                 async for event in receive:
                     if isinstance(event, Reply):
-                        return _result(event)
+                        return reply_result(event)
                     await self._grant(rid, event.size, at_once=True)  # an item nobody wants
                 raise Disconnected(f"connection to {self.label} closed before {op!r} was answered{self._why_closed()}")
 
@@ -200,7 +197,7 @@ class Channel:
                         await self._grant(rid, event.size)
                     elif isinstance(event, Reply):
                         done = True
-                        _result(event)
+                        reply_result(event)
                         return
                 raise Disconnected(f"connection to {self.label} closed during {op!r}{self._why_closed()}")
 
@@ -442,14 +439,6 @@ class Channel:
         self._mark_closed("closed locally")
         with trio.CancelScope(shield=True):
             await self.transport.aclose()
-
-
-def _result(reply: Reply) -> object:
-    if reply.ok:
-        return reply.result
-    if reply.error is None:  # the Connection never hands up a failed Reply without its error map
-        raise RemoteError("malformed", "error reply without a code and message")
-    raise RemoteError(reply.error["code"], reply.error["message"])
 
 
 # ---------------------------------------------------------------- dialing

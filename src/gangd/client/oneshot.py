@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import socket
 
-from ..errors import Disconnected, RemoteError
+from ..errors import Disconnected, RemoteError, handshake_failure, reply_result
 from ..protocol import HANDSHAKE_MAX_FRAME, Connection, Item, Note, ProtocolError, Ready, RemoteClosed, Reply, Request, Role, State
 from .locate import REFUSALS, locate, unreachable
 
@@ -37,12 +37,8 @@ class _Link:
             self.sock.settimeout(HANDSHAKE_TIMEOUT)
             self.sock.connect(path)
             event = self._next_event()
-            if isinstance(event, RemoteClosed):
-                raise ProtocolError(event.code, f"refused by {self.label}: {event.message}")
-            if event is None:
-                raise ProtocolError("truncated", f"{self.label} closed the connection during the handshake")
             if not isinstance(event, Ready):
-                raise ProtocolError("malformed", f"unexpected {type(event).__name__} during the handshake")
+                raise handshake_failure(event, self.label)
             self._flush()
             self.sock.settimeout(None)  # (a request such as a restart that stages files takes as long as it takes)
         except BaseException:
@@ -84,11 +80,7 @@ class _Link:
                 if event is None:
                     raise Disconnected(f"connection to {self.label} closed before {op!r} was answered")
                 if isinstance(event, Reply) and event.id == rid:
-                    if event.ok:
-                        return event.result
-                    if event.error is None:  # (the machine never hands up a failed Reply without its error map)
-                        raise RemoteError("malformed", "error reply without a code and message")
-                    raise RemoteError(event.error["code"], event.error["message"])
+                    return reply_result(event)
                 if isinstance(event, Item):  # an item nobody asked for: its credit back, as gangd.rpc does
                     self.sock.sendall(self.conn.send_credit(event.id, event.size))
                 elif isinstance(event, Request):

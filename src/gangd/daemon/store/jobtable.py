@@ -454,12 +454,9 @@ class JobTable:
             self._past_lineage.popitem(last=False)
 
     def _take_kv(self, kv: KeyValue) -> None:
-        try:
-            record = decode_record(kv.value)
-        except Exception as exc:  # noqa: BLE001 -- one damaged record is skipped, never the daemon
-            log.error("ignoring unreadable job record %s: %s", kv.key.decode("utf-8", "replace"), exc)
-            return
-        self.take(record, kv.mod_revision)
+        record = self._decode_kv(kv)
+        if record is not None:
+            self.take(record, kv.mod_revision)
 
     # ------------------------------------------------------------ following etcd
 
@@ -661,20 +658,10 @@ class JobTable:
         record = self.records.get(job_id)
         if record is not None:
             return record
-        try:
-            for key in (self.keys.job(job_id), self.keys.past(job_id)):
-                kv = await self.etcd.get(key)
-                if kv is not None:
-                    record = decode_record(kv.value)
-                    record["seq"] = kv.mod_revision
-                    if key == self.keys.job(job_id) and self._mine(record):
-                        self.take(record, kv.mod_revision)  # (the watch brings it too, maybe later)
-                    return record
-        except EtcdError as exc:
-            raise unavailable(exc) from None
-        except ValueError as exc:
-            raise RemoteError("internal", f"job {job_id}'s record in etcd is damaged: {exc}") from None
-        return None
+        record, revision = await self._read_job(job_id)
+        if record is not None and revision and self._mine(record):  # (in the hot table)
+            self.take(record, record["seq"])  # (the watch brings it too, maybe later)
+        return record
 
     async def watch_job(self, job_id: int, seen: Callable[[dict], Awaitable[bool]], first: dict | None = None) -> dict:
         """Call ``seen(record)`` with job ``job_id``'s record, then again at
@@ -691,6 +678,8 @@ class JobTable:
                 current = first  # (an ended job changes no more)
             elif current is None:
                 current, revision = await self._read_job(job_id)
+                if current is None:
+                    raise RemoteError("no_such_job", f"no job {job_id}")
             if current["seq"] != last:
                 last = current["seq"]
                 if await seen(current) or jobs.is_terminal(current):
@@ -709,29 +698,27 @@ class JobTable:
             except Unavailable as exc:
                 raise unavailable(exc) from None
 
-    async def _read_job(self, job_id: int) -> tuple[dict, int]:
-        """Job ``job_id``'s record from etcd (the hot table, else the history)
-        and the revision it was read at (0 for the history: it never changes
-        there but by a coordinator's cleanup, and nothing waits for that)."""
+    async def _read_job(self, job_id: int) -> tuple[dict | None, int]:
+        """Job ``job_id``'s record from etcd (the hot table, else the history;
+        None if in neither) and the revision it was read at (0 for the
+        history: it never changes there but by a coordinator's cleanup, and
+        nothing waits for that)."""
         try:
             found = await self.etcd.range(self.keys.job(job_id))
+            kv: KeyValue | None
             if found.kvs:
-                record = decode_record(found.kvs[0].value)
-                record["seq"] = found.kvs[0].mod_revision
-                return record, found.revision
-            kv = await self.etcd.get(self.keys.past(job_id))
+                kv, revision = found.kvs[0], found.revision
+            else:
+                kv, revision = await self.etcd.get(self.keys.past(job_id)), 0
+            if kv is None:
+                return None, 0
+            record = decode_record(kv.value)
         except EtcdError as exc:
             raise unavailable(exc) from None
         except ValueError as exc:
             raise RemoteError("internal", f"job {job_id}'s record in etcd is damaged: {exc}") from None
-        if kv is None:
-            raise RemoteError("no_such_job", f"no job {job_id}")
-        try:
-            record = decode_record(kv.value)
-        except ValueError as exc:
-            raise RemoteError("internal", f"job {job_id}'s record in etcd is damaged: {exc}") from None
         record["seq"] = kv.mod_revision
-        return record, 0
+        return record, revision
 
     async def hot_page(self, after: int, limit: int, keep: Callable[[dict], bool], below: int | None = None) -> list[dict]:
         """Up to ``limit`` jobs of the hot table with ids above ``after`` (and below ``below``) that
@@ -859,13 +846,10 @@ class JobTable:
     def _decode_history(self, kvs: list[KeyValue]) -> list[dict]:
         records = []
         for kv in kvs:
-            try:
-                record = decode_record(kv.value)
-            except Exception as exc:  # noqa: BLE001 -- skipped, with a log line
-                log.error("ignoring unreadable history record %s: %s", kv.key.decode("utf-8", "replace"), exc)
-                continue
-            record["seq"] = kv.mod_revision
-            records.append(record)
+            record = self._decode_kv(kv)  # (a damaged one is skipped, with a log line)
+            if record is not None:
+                record["seq"] = kv.mod_revision
+                records.append(record)
         return records
 
     async def backfill_lineages(self, fence: Fence) -> int:

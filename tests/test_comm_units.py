@@ -557,3 +557,33 @@ def test_one_rank_world_without_gangd():
     assert "wait forever" in res["errors"][3]
     assert res["counters"] == {"sent": [2], "received": [2], "delivered": [2]}
     assert lines[-1].startswith("closed:")
+
+
+def _entry(src: int, seq: int) -> list:
+    return [src, 7, seq, wire.BYTES, b"", b"payload"]
+
+
+def test_a_restored_context_keeps_holes_left_by_messages_taken_out_of_order():
+    from gangd.comm.context import undelivered_messages
+
+    # Rank 0 sent 5, rank 1 took 3 of them (seqs 0, 2 and 4): 1 and 3 wait.
+    messages = undelivered_messages([_entry(0, 1), _entry(0, 3)], 2, [5, 0], [3, 0])
+    assert [(m.src, m.seq, m.tag) for m in messages] == [(0, 1, 7), (0, 3, 7)]
+
+
+@pytest.mark.parametrize(("entries", "received", "delivered", "why"), [
+    ([_entry(0, 1), _entry(0, 1)], [3, 0], [1, 0], "out of order"),  # the same message twice
+    ([_entry(0, 2), _entry(0, 1)], [3, 0], [1, 0], "out of order"),  # against the arrival order
+    ([_entry(0, 3)], [3, 0], [2, 0], "out of order"),  # a message never received
+    ([_entry(2, 0)], [1, 0], [0, 0], "out of order"),  # from no rank of the job
+    ([[0, 7, "1", wire.BYTES, b"", b""]], [2, 0], [1, 0], "out of order"),  # a sequence number that is not one
+    ([_entry(0, 1)], [3, 0], [1, 0], "do not add up"),  # one of two undelivered missing
+    ([[0, 7]], [1, 0], [0, 0], "malformed"),
+    ([None], [1, 0], [0, 0], "malformed"),
+])
+def test_a_damaged_context_is_refused_saying_why(entries, received, delivered, why):
+    from gangd.comm.context import undelivered_messages
+    from gangd.comm.errors import CommError
+
+    with pytest.raises(CommError, match=why):
+        undelivered_messages(entries, 2, received, delivered)

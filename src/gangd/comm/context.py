@@ -57,16 +57,25 @@ def restore(engine: Engine, blob: bytes) -> None:
         raise CommError(f"network context version {version} is not supported (this library reads version {VERSION})")
     if rank != engine.rank or size != engine.size:
         raise CommError(f"the daemon sent the network context of rank {rank} of {size} to rank {engine.rank} of {engine.size}")
-    if not all(len(row) == size for row in (sent, received, delivered)):
+    if not all(type(row) is list and len(row) == size and all(type(n) is int and n >= 0 for n in row) for row in (sent, received, delivered)):
         raise CommError("network context counters do not match the job size")
+    engine.load(sent, received, delivered, undelivered_messages(raw_messages, size, received, delivered))
+
+
+def undelivered_messages(raw_messages: list, size: int, received: list[int], delivered: list[int]) -> list[Msg]:
+    """The context's undelivered messages, checked: each channel's, in
+    arrival order, are increasing sequence numbers below what was received,
+    as many as were received and not delivered. Not a run from ``delivered``
+    on: a program that takes a message by tag (or source) before earlier
+    ones leaves holes behind it."""
     messages = []
-    # Each channel's undelivered messages, in arrival order: increasing
-    # sequence numbers below what was received, as many as were received and
-    # not delivered. Not a run from `delivered` on: a program that takes a
-    # message by tag (or source) before earlier ones leaves holes behind it.
     last_seq = [-1] * size
     undelivered = [0] * size
-    for src, tag, seq, kind, meta, payload in raw_messages:
+    for entry in raw_messages:
+        try:
+            src, tag, seq, kind, meta, payload = entry
+        except (TypeError, ValueError):
+            raise CommError("network context holds a malformed message entry") from None
         if not (type(src) is int and 0 <= src < size and type(seq) is int and last_seq[src] < seq < received[src]):
             raise CommError(f"network context holds message {seq} from rank {src} out of order")
         last_seq[src] = seq
@@ -74,4 +83,4 @@ def restore(engine: Engine, blob: bytes) -> None:
         messages.append(Msg(src, tag, seq, kind, meta, wire.materialize(kind, meta, payload, 0, len(payload)), len(payload)))
     if undelivered != [r - d for r, d in zip(received, delivered, strict=True)]:
         raise CommError("network context: undelivered messages do not add up to received - delivered")
-    engine.load(sent, received, delivered, messages)
+    return messages

@@ -75,6 +75,7 @@ from ..rpc import Channel, RemoteError
 from ..safefs import UnsafePath
 from .jobnet import caller_rank
 from .protect import BulkService, Protector
+from .staging import open_root
 
 log = logging.getLogger("gangd.checkpoint")
 
@@ -208,11 +209,7 @@ class NodeCheckpoints:
     def open_root(self) -> None:
         """At start-up: this node's checkpoint root exists and can be trusted
         (raises :class:`UnsafePath` saying why not)."""
-        fd = safefs.open_trusted_dir(self.root, create_mode=0o711)
-        try:
-            os.fchmod(fd, 0o711)  # traversable by job owners (each job's ranks/ is theirs), not listable
-        finally:
-            os.close(fd)
+        os.close(open_root(self.root))
 
     def close_root(self) -> None:
         pass  # (nothing kept open: every operation reaches the root afresh)
@@ -242,7 +239,7 @@ class NodeCheckpoints:
         """The generation's directory (the daemon's; a leftover of an attempt that
         died with its coordinator is replaced) and the owner's ``ranks/`` in it.
         Raises :class:`NoRoom` first if the disk is nearly full."""
-        root = safefs.open_trusted_dir(self.root)
+        root = open_root(self.root)
         try:
             room_left(root, self.daemon.config.output_reserve, self.root)
             job = safefs.open_dir_at(root, directory.parent.name, self.root, create_mode=0o711)

@@ -233,6 +233,25 @@ def merged(local: Manifest | None, lineage: int, gen: int, node: str, iteration:
     return Manifest(lineage, gen, node, iteration, union, sorted(set(local.ranks if local is not None else ()) | ranks), time.time())
 
 
+#: A node's checkpoint root: traversable by job owners (each job's ``ranks/``
+#: is theirs), not listable.
+ROOT_MODE = 0o711
+
+
+def open_root(root: Path) -> int:
+    """An fd of this node's checkpoint root, made again (root's, ROOT_MODE) if
+    it is gone: a disk wiped or replaced under the running daemon takes the
+    root with it, and the checkpoints and rebuilds that land here after must
+    not fail for it. Blocking."""
+    fd = safefs.open_trusted_dir(root, create_mode=ROOT_MODE)
+    try:
+        os.fchmod(fd, ROOT_MODE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class TargetGeneration:
     """A node's generation directory that files of other nodes land in (a
     staging, a rebuild: :mod:`gangd.daemon.rebuild`), and the commit that
@@ -250,7 +269,7 @@ class TargetGeneration:
         this node's manifest of the generation if it has one. A generation
         directory without a manifest is a leftover (an aborted staging or
         checkpoint): it is replaced."""
-        root = safefs.open_trusted_dir(self.root)
+        root = open_root(self.root)
         try:
             job = safefs.open_dir_at(root, directory.parent.name, self.root, create_mode=0o711)
         finally:

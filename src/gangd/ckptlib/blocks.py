@@ -674,3 +674,64 @@ def _place(fd: int, top: Index, index: Index, number: int, views: dict[str, memo
         done |= need
         source[e.name][need] = number
     return got
+
+
+# ====================================================================== one generation, start to end
+
+
+def save_generation(path: Path, values: Mapping[str, object], *, gen: int, iteration: int = 0, mode: str = delta.DEFAULT_MODE,
+                    offered: Iterable = (), block: int = DEFAULT_BLOCK, chain_max: int = delta.DEFAULT_CHAIN_MAX,
+                    threshold: float = delta.DEFAULT_THRESHOLD, full_above: float = delta.DEFAULT_FULL_ABOVE,
+                    force_full: bool = False, extra: dict | None = None, durable: bool = True) -> dict:
+    """Write generation ``gen`` of the values in ``mode``: hash (unless
+    ``full``), compare with the offered parent and its base, :func:`delta.choose`,
+    write. ``offered``: the parent generation's file first, then its chain
+    (as for :func:`read_chain`); the daemon's ``ckpt_start`` offer, or the
+    newest complete generation of a program run alone.
+
+    A parent that cannot be read, or whose chain is not the one offered,
+    makes this generation a full one (it then needs nothing older): a
+    checkpoint does not fail because an older one is damaged. Returns
+    :func:`write_delta`'s result plus "mode" and, when the parent was
+    unusable, "why_full".
+    """
+    if mode not in delta.MODES:
+        raise ValueError(f"checkpoint mode {mode!r} is not one of {', '.join(delta.MODES)}")
+    links = [_link(item) for item in offered]
+    state = plan(values, block)
+    why_full = None
+    parent = base = None
+    if mode != "full":
+        signature(state)
+        if links and not force_full:
+            try:
+                parent = read_index(links[0].path, links[0].expect)
+                if parent.gen != links[0].gen or list(parent.links) != [link.gen for link in links[1:]]:
+                    raise StoreError(f"{links[0].path} is generation {parent.gen} with links {list(parent.links)}, "
+                                     f"not the generation {links[0].gen} offered with links {[link.gen for link in links[1:]]}")
+                if parent.base == parent.gen:
+                    base = parent
+                else:
+                    where = next((link for link in links if link.gen == parent.base), None)
+                    if where is None:
+                        raise StoreError(f"{links[0].path} names base {parent.base}, which is not in its chain")
+                    base = read_index(where.path, where.expect)
+                    if base.gen != parent.base:
+                        raise StoreError(f"{where.path} is generation {base.gen}, not the base {parent.base}")
+            except StoreError as exc:
+                why_full, parent, base = str(exc), None, None
+    if parent is None or base is None:
+        choice = delta.FULL
+    else:
+        d_prev, d_base = diff(state, parent), diff(state, base)
+        parent_ref, base_ref = delta.refs(parent.gen, parent.role, parent.base, parent.links)
+        choice = delta.choose(mode, parent=parent_ref, base=base_ref, d_prev=d_prev.bytes, d_base=d_base.bytes, total=state.total,
+                              chain_max=chain_max, threshold=threshold, full_above=full_above, force_full=force_full)
+    ref, changes = None, None
+    if choice.against is not None and parent is not None and base is not None:
+        ref, changes = (parent, d_prev) if choice.against == parent.gen else (base, d_base)
+    result = write_delta(path, state, choice, ref, gen=gen, iteration=iteration, extra=extra, durable=durable, changes=changes)
+    result["mode"] = mode
+    if why_full is not None:
+        result["why_full"] = why_full
+    return result

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 from ckpthelpers import flip_byte
 from deltahelpers import Generations, SparseApp, assert_same_values, footer, refresh_index_hash, rewrite_index, save_v1
 from hypothesis import HealthCheck, given, settings
@@ -145,6 +146,22 @@ def test_needed_is_the_closure(needs, seeds):
             reach.add(g)
             todo.extend(needs.get(g, ()))
     assert keep == reach
+
+
+# ====================================================================== the signature
+
+
+@pytest.mark.parametrize("block", [64, 100, 4096, 16384])
+@pytest.mark.parametrize("nbytes", [0, 1, 99, 4096, 16385, 100_003])
+def test_signature_is_xxh3_128_of_each_raw_block(nbytes, block):
+    data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    sig = blocks.hash_blocks(data.data.cast("B"), block)
+    raw = data.tobytes()
+    want = [xxhash.xxh3_128_digest(raw[i : i + block]) for i in range(0, nbytes, block)]
+    assert sig.shape == (len(want), 16) and sig.tobytes() == b"".join(want)
+    state = blocks.signature({"v": data, "p": raw}, block)  # a pickle is blocked the same way
+    assert state.values[0].sig.tobytes() == b"".join(want)
+    assert len(state.values[1].sig) == blocks.nblocks(state.values[1].nbytes, block)
 
 
 # ====================================================================== 50 generations in every mode

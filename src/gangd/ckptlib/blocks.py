@@ -141,12 +141,19 @@ def plan(values: Mapping[str, object], block: int = DEFAULT_BLOCK) -> State:
 def hash_blocks(data: memoryview, block: int) -> np.ndarray:
     """The xxh3-128 of each ``block`` bytes of ``data``: an (n, 16) uint8 array.
 
-    One call per block on a slice of the memoryview (no copy): the call is
-    the cost, so the loop is a list comprehension with everything local.
+    One call per block, and the call is the cost: iterating the rows of a
+    (n, block) numpy view of the bytes hands xxhash each block without a
+    copy and with less per-block work than slicing a memoryview in Python
+    (0.73x against 0.60x raw xxh3 at 16 KiB, CPU time, measured on the
+    2-CPU machine; bench/delta.py prints it).
     """
     h = _hash
-    joined = b"".join([h(data[i : i + block]) for i in range(0, len(data), block)])
-    return np.frombuffer(joined, dtype=np.uint8).reshape(-1, SIG)
+    full = len(data) // block
+    rows = np.frombuffer(data, dtype=np.uint8, count=full * block).reshape(full, block)
+    digests = [h(row) for row in rows]  # type: ignore[arg-type]  # (an ndarray row is a buffer)
+    if full * block < len(data):
+        digests.append(h(data[full * block :]))
+    return np.frombuffer(b"".join(digests), dtype=np.uint8).reshape(-1, SIG)
 
 
 def signature(values: Mapping[str, object] | State, block: int = DEFAULT_BLOCK) -> State:

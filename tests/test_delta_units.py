@@ -20,8 +20,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
+import shutil
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -32,8 +37,10 @@ from deltahelpers import Generations, SparseApp, assert_same_values, footer, ref
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gangd import ckptstore
 from gangd.checkpoint import delta
 from gangd.ckptlib import blocks, image
+from gangd.ckptlib.core import Checkpointer, Standalone
 from gangd.ckptstore import StoreError
 
 BLOCK = 4096
@@ -457,3 +464,128 @@ def test_hostile_footer_offsets_are_refused(tmp_path):
         with pytest.raises(StoreError, match="corrupted") as info:
             blocks.read_index(gens.path(1))
         assert str(gens.path(1)) in str(info.value)
+
+
+# ====================================================================== a program run alone (ckptlib.init(mode=...))
+
+ALONE = textwrap.dedent(
+    """
+    import hashlib, os, sys
+    import numpy as np
+    from gangd import ckptlib as ckpt
+
+    N, KILL = int(os.environ.get("T_N", "50")), int(os.environ.get("T_KILL", "-1"))
+    ckpt.init(mode=os.environ["T_MODE"], keep=int(os.environ.get("T_KEEP", "100")), block_kib=4, chain_max=6)
+    u = ckpt.protect("u", lambda: np.zeros(1 << 17))  # 1 MiB: 256 blocks of 4 KiB
+    kind = ckpt.protect("kind", lambda: np.arange(100, dtype=np.int32))
+    st = ckpt.protect("st", lambda: {"log": []})
+
+    def digest():
+        return hashlib.sha256(u.tobytes() + kind.dtype.str.encode() + kind.tobytes() + repr(st).encode()).hexdigest()
+
+    for it in ckpt.loop(range(N)):
+        if it == KILL:
+            os.kill(os.getpid(), 9)
+        r = np.random.default_rng(it)
+        for b in r.integers(0, 256, 3):
+            u[int(b) * 512] += 1.0  # a few blocks change per iteration
+        if it % 7 == 3:
+            st["log"].append(it)  # the pickle grows
+        if it == 20:  # a dtype change: protected again under the same name
+            kind = ckpt.protect("kind", kind.astype(np.float64))
+        ckpt.request()  # a checkpoint at every boundary
+        print("state", it + 1, digest(), flush=True)
+    ckpt.fini()
+    print("final", digest(), flush=True)
+    """
+)
+
+
+def run_alone(directory: Path, **env) -> subprocess.CompletedProcess:
+    script = directory / "alone.py"
+    script.write_text(ALONE)
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("GANGD_")}
+    environment.update({k: str(v) for k, v in env.items()})
+    return subprocess.run([sys.executable, str(script)], cwd=directory, env=environment, check=False, capture_output=True,
+                          text=True, timeout=120)
+
+
+def restored_digest(values: dict) -> str:
+    u, kind, st = values["u"], values["kind"], values["st"]
+    return hashlib.sha256(u.tobytes() + kind.dtype.str.encode() + kind.tobytes() + repr(st).encode()).hexdigest()
+
+
+@pytest.mark.parametrize("background", ["1", "0"], ids=["background", "inline"])
+@pytest.mark.parametrize("mode", MODES)
+def test_alone_fifty_generations_each_restored_bit_identical(tmp_path, mode, background):
+    result = run_alone(tmp_path, T_MODE=mode, GANGD_CKPT_BACKGROUND=background)
+    assert result.returncode == 0, result.stderr
+    assert "gangd.ckptlib" not in result.stderr, result.stderr  # no failed checkpoint, no warning
+    states = {int(w[1]): w[2] for w in (line.split() for line in result.stdout.splitlines()) if w[0] == "state"}
+    root = tmp_path / "alone.ckpt"
+    alone = Standalone(root, keep=100)
+    complete = alone.complete()
+    assert len(complete) >= 45, complete  # background writes still under way at a request are skipped, not queued
+    roles = []
+    for gen in complete:
+        cp = Checkpointer(None, background=False)
+        alone.restore(cp, gen)
+        assert restored_digest(cp.restored) == states[cp.start], (mode, gen)
+        index = blocks.read_index(alone._file(gen))
+        roles.append(index.role)
+        assert len(index.links) + 1 <= 6
+    if mode == "full":
+        assert set(roles) == {"full"}
+    else:
+        assert set(roles) - {"full"}, roles  # deltas were written
+        sizes = [ckptstore.read_manifest(ckptstore.gen_dir(root, 0, g)).files["rank-0.state"][0] for g in complete]
+        assert sum(sizes) < 0.5 * len(sizes) * (1 << 20)  # deltas of a few blocks, not the MiB each time
+
+
+@pytest.mark.parametrize("mode", ["incremental", "adaptive"])
+def test_alone_killed_and_restarted_from_a_delta_ends_as_an_uninterrupted_run(tmp_path, mode):
+    reference = run_alone(tmp_path, T_MODE=mode, T_N=30, T_KEEP=2)
+    assert reference.returncode == 0, reference.stderr
+    shutil.rmtree(tmp_path / "alone.ckpt")
+    killed = run_alone(tmp_path, T_MODE=mode, T_N=30, T_KEEP=2, T_KILL=24, GANGD_CKPT_BACKGROUND=0)
+    assert killed.returncode == -9
+    root = tmp_path / "alone.ckpt"
+    alone = Standalone(root, keep=2)
+    newest = max(alone.complete())
+    assert blocks.read_index(alone._file(newest)).role != "full"  # the restart reads a chain
+    resumed = run_alone(tmp_path, T_MODE=mode, T_N=30, T_KEEP=2, GANGD_RESTART="latest")
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.split()[-1] == reference.stdout.split()[-1]
+
+
+@pytest.mark.parametrize("mode", ["incremental", "adaptive"])
+def test_alone_retention_keeps_exactly_what_the_kept_generations_need(tmp_path, mode):
+    result = run_alone(tmp_path, T_MODE=mode, T_N=30, T_KEEP=2, GANGD_CKPT_BACKGROUND=0)
+    assert result.returncode == 0, result.stderr
+    root = tmp_path / "alone.ckpt"
+    alone = Standalone(root, keep=2)
+    present = ckptstore.generations(root, 0)
+    assert present == alone.complete()  # no leftovers
+    newest_two = present[-2:]
+    needs = {g: alone.links(g) for g in present}
+    assert set(present) == delta.needed(needs, newest_two)  # nothing needed removed, nothing else kept
+    assert len(present) > 2  # the chains kept their links
+
+
+def test_alone_damaged_middle_link_falls_back_to_an_intact_chain(tmp_path):
+    result = run_alone(tmp_path, T_MODE="incremental", T_N=12, GANGD_CKPT_BACKGROUND=0)
+    assert result.returncode == 0, result.stderr
+    states = {int(w[1]): w[2] for w in (line.split() for line in result.stdout.splitlines()) if w[0] == "state"}
+    root = tmp_path / "alone.ckpt"
+    alone = Standalone(root, keep=100)
+    newest = max(alone.complete())
+    links = alone.links(newest)
+    assert len(links) >= 2
+    middle = links[len(links) // 2]
+    os.truncate(alone._file(middle), 100)
+    cp = Checkpointer(None, background=False)
+    alone.restore(cp, "latest")
+    assert cp.restarted_from is not None and cp.restarted_from < middle  # newer ones all need the damaged link
+    assert restored_digest(cp.restored) == states[cp.start]
+    assert (ckptstore.gen_dir(root, 0, newest) / "DAMAGED").exists()
+    assert str(alone._file(middle)) in (ckptstore.gen_dir(root, 0, newest) / "DAMAGED").read_text()

@@ -29,6 +29,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
 import xxhash
@@ -589,3 +590,36 @@ def test_alone_damaged_middle_link_falls_back_to_an_intact_chain(tmp_path):
     assert restored_digest(cp.restored) == states[cp.start]
     assert (ckptstore.gen_dir(root, 0, newest) / "DAMAGED").exists()
     assert str(alone._file(middle)) in (ckptstore.gen_dir(root, 0, newest) / "DAMAGED").read_text()
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_flipped_or_cut_version_1_files_raise_only_store_errors(tmp_path, data):
+    """Old generations are read by the same rules: no allocation from an unchecked size, nothing but StoreError."""
+    path = tmp_path / "old.state"
+    save_v1(path, {"u": np.arange(3000.0), "rec": np.zeros(3, dtype=[("a", "u1"), ("b", "<f8")]), "d": {"k": [1, 2]}}, 4)
+    damaged = bytearray(path.read_bytes())
+    for _ in range(data.draw(st.integers(1, 6))):
+        at = data.draw(st.integers(0, min(len(damaged) - 1, 400)))  # mostly the header
+        damaged[at] ^= data.draw(st.integers(1, 255))
+    if data.draw(st.booleans()):
+        damaged = damaged[: data.draw(st.integers(0, len(damaged)))]
+    path.write_bytes(bytes(damaged))
+    try:
+        image.load(path)
+    except StoreError:
+        pass
+
+
+def test_a_version_1_header_asking_for_more_than_the_file_is_refused_unallocated(tmp_path):
+    path = tmp_path / "old.state"
+    header = msgpack.packb({"v": 1, "iteration": 0, "entries": [["a", "nd", {"dtype": "<f8", "shape": [1 << 40]}, 8 << 40]], "extra": {}},
+                           use_bin_type=True)
+    path.write_bytes(image.MAGIC + len(header).to_bytes(8, "little") + header + b"\0" * 64)
+    with pytest.raises(StoreError, match="truncated") as info:
+        image.load(path)
+    assert str(path) in str(info.value)
+    header = msgpack.packb({"v": 1, "iteration": 0, "entries": [["p", "pk", {}, 1 << 50]], "extra": {}}, use_bin_type=True)
+    path.write_bytes(image.MAGIC + len(header).to_bytes(8, "little") + header + b"\0" * 64)
+    with pytest.raises(StoreError, match="truncated"):
+        image.load(path)

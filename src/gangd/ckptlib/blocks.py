@@ -730,7 +730,8 @@ def save_generation(path: Path, values: Mapping[str, object], *, gen: int, itera
     if parent is None or base is None:
         choice = delta.FULL
     else:
-        d_prev, d_base = diff(state, parent), diff(state, base)
+        d_prev = diff(state, parent)
+        d_base = d_prev if base is parent else diff(state, base)
         parent_ref, base_ref = delta.refs(parent.gen, parent.role, parent.base, parent.links)
         choice = delta.choose(mode, parent=parent_ref, base=base_ref, d_prev=d_prev.bytes, d_base=d_base.bytes, total=state.total,
                               chain_max=chain_max, threshold=threshold, full_above=full_above, force_full=force_full)

@@ -244,8 +244,9 @@ class Standalone:
     def _file(self, gen: int) -> Path:
         return self._dir(gen) / ckptstore.rank_file(0)
 
-    def links(self, gen: int) -> list[int]:
-        """The generations a restore of ``gen`` reads besides it (none for a full or a version 1 file)."""
+    def links(self, gen: int, expect: tuple[int, str] | None = None) -> list[int]:
+        """The generations a restore of ``gen`` reads besides it (none for a full or a version 1 file);
+        ``expect``: the manifest's (size, checksum) of its file (the size is checked first)."""
         known = self._links.get(gen)
         if known is None:
             path = self._file(gen)
@@ -254,14 +255,14 @@ class Standalone:
                     v2 = fh.read(len(blocks.MAGIC)) == blocks.MAGIC
             except OSError as exc:
                 raise StoreError(f"cannot read {path}: {exc.strerror}") from None
-            known = self._links[gen] = list(blocks.read_index(path).links) if v2 else []
+            known = self._links[gen] = list(blocks.read_index(path, expect).links) if v2 else []
         return known
 
     def chain(self, gen: int) -> list[tuple[int, Path, tuple[int, str]]]:
         """``gen``'s file and every link's, each with its manifest's (size, checksum); StoreError naming what is unusable."""
         name = ckptstore.rank_file(0)
-        out = []
-        for g in [gen, *self.links(gen)]:
+
+        def listed(g: int) -> tuple[int, Path, tuple[int, str]]:
             directory = self._dir(g)
             if g != gen and (directory / DAMAGED).exists():
                 raise StoreError(f"generation {gen} needs generation {g}, which is damaged ({directory / DAMAGED})")
@@ -269,8 +270,10 @@ class Standalone:
             if name not in manifest.files:
                 raise StoreError(f"{directory / name} is not in the manifest")
             size, digest = manifest.files[name]
-            out.append((g, directory / name, (size, digest)))
-        return out
+            return g, directory / name, (size, digest)
+
+        first = listed(gen)
+        return [first, *(listed(g) for g in self.links(gen, first[2]))]
 
     def restore(self, cp: Checkpointer, restart) -> None:
         """Load the generation asked for (``restart``: True/"latest", "auto", or a number)."""

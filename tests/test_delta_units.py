@@ -471,7 +471,7 @@ def test_hostile_footer_offsets_are_refused(tmp_path):
 
 ALONE = textwrap.dedent(
     """
-    import hashlib, os, sys
+    import hashlib, os, sys, time
     import numpy as np
     from gangd import ckptlib as ckpt
 
@@ -484,9 +484,22 @@ ALONE = textwrap.dedent(
     def digest():
         return hashlib.sha256(u.tobytes() + kind.dtype.str.encode() + kind.tobytes() + repr(st).encode()).hexdigest()
 
+    class Slow:  # pickled in the snapshot child: holds that generation's writer until it is killed
+        def __reduce__(self):
+            time.sleep(60)
+            return (Slow, ())
+
+    SLOW = int(os.environ.get("T_SLOW_AT", "-1"))
     for it in ckpt.loop(range(N)):
         if it == KILL:
             os.kill(os.getpid(), 9)
+        if it == SLOW:
+            st["slow"] = Slow()
+        if SLOW >= 0 and it == SLOW + 1:  # the checkpoint at boundary SLOW + 1 forked a writer stuck in Slow: kill it mid-write
+            del st["slow"]
+            stuck = ckpt._cp.writes[-1]
+            print("killed-gen", ckpt.generation(), flush=True)
+            os.kill(stuck.pid, 9)
         r = np.random.default_rng(it)
         for b in r.integers(0, 256, 3):
             u[int(b) * 512] += 1.0  # a few blocks change per iteration
@@ -623,3 +636,21 @@ def test_a_version_1_header_asking_for_more_than_the_file_is_refused_unallocated
     path.write_bytes(image.MAGIC + len(header).to_bytes(8, "little") + header + b"\0" * 64)
     with pytest.raises(StoreError, match="truncated"):
         image.load(path)
+
+
+def test_alone_a_delta_writer_killed_mid_write_commits_nothing_and_the_next_diffs_against_the_last_complete(tmp_path):
+    result = run_alone(tmp_path, T_MODE="incremental", T_N=12, T_SLOW_AT=5)
+    assert result.returncode == 0, result.stderr
+    assert "writer process died (killed by SIGKILL)" in result.stderr  # said, and the job ran on
+    killed = int(next(line.split()[1] for line in result.stdout.splitlines() if line.startswith("killed-gen")))
+    states = {int(w[1]): w[2] for w in (line.split() for line in result.stdout.splitlines()) if w[0] == "state"}
+    root = tmp_path / "alone.ckpt"
+    alone = Standalone(root, keep=100)
+    complete = alone.complete()
+    assert killed not in complete and not (ckptstore.gen_dir(root, 0, killed) / ckptstore.MANIFEST).exists()
+    assert killed + 1 in complete
+    assert killed not in alone.links(killed + 1)  # offered the last complete generation, never the one still writing
+    for gen in complete:  # and every committed generation restores
+        cp = Checkpointer(None, background=False)
+        alone.restore(cp, gen)
+        assert restored_digest(cp.restored) == states[cp.start]

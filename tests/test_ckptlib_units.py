@@ -34,6 +34,7 @@ import msgpack
 import numpy as np
 import pytest
 from ckpthelpers import flip_byte
+from deltahelpers import footer, save_v1
 
 from gangd import ckptstore
 from gangd.ckptlib import image
@@ -63,12 +64,22 @@ def round_trip(tmp_path: Path, values: dict, iteration: int = 3):
     return restored
 
 
-def saved(tmp_path: Path) -> tuple[Path, int, str, int]:
-    """A state file with an array and a pickled dict: (path, size, digest, header length)."""
+def saved(tmp_path: Path, version: int = 2) -> tuple[Path, int, str, int, int]:
+    """A state file with an array and a pickled dict: (path, size, digest, where its header starts, its length).
+
+    Version 2 (written today): the header is the index at the end (``GANGDCK2`` | blocks | index | footer, whose
+    first two u64 are the index's offset and length). Version 1 (old generations, still read):
+    ``GANGDCK1`` | u64 header length | header | payloads."""
     path = tmp_path / "rank-0.state"
-    size, digest = image.save(path, {"a": np.arange(1000, dtype=np.float64), "d": {"x": [1, 2, 3]}}, 7)
-    (header_len,) = struct.unpack_from("<Q", path.read_bytes(), len(image.MAGIC))
-    return path, size, digest, header_len
+    values = {"a": np.arange(1000, dtype=np.float64), "d": {"x": [1, 2, 3]}}
+    if version == 1:
+        size, digest = save_v1(path, values, 7)
+        (header_len,) = struct.unpack_from("<Q", path.read_bytes(), len(image.MAGIC))
+        return path, size, digest, len(image.MAGIC) + 8, header_len
+    size, digest = image.save(path, values, 7)
+    offset, length = footer(path)
+    assert path.read_bytes()[: len(image.MAGIC2)] == image.MAGIC2
+    return path, size, digest, offset, length
 
 
 # ====================================================================== image: round trips
@@ -163,8 +174,12 @@ def test_image_restored_arrays_are_writable_and_independent(tmp_path):
 # ====================================================================== image: damaged files
 
 
-def test_image_load_detects_cut_by_one_byte(tmp_path):
-    path, size, digest, _ = saved(tmp_path)
+VERSIONS = pytest.mark.parametrize("version", [1, 2])
+
+
+@VERSIONS
+def test_image_load_detects_cut_by_one_byte(tmp_path, version):
+    path, size, digest, _, _ = saved(tmp_path, version)
     os.truncate(path, size - 1)
     with pytest.raises(StoreError, match="truncated") as info:
         image.load(path)
@@ -174,13 +189,14 @@ def test_image_load_detects_cut_by_one_byte(tmp_path):
     assert str(path) in str(info.value)
 
 
+@VERSIONS
 @pytest.mark.parametrize("where", ["in-magic", "middle-of-header", "late-in-header"])
-def test_image_load_detects_cut_in_header(tmp_path, where):
-    path, _, _, header_len = saved(tmp_path)
+def test_image_load_detects_cut_in_header(tmp_path, where, version):
+    path, _, _, start, header_len = saved(tmp_path, version)
     cut = {
         "in-magic": 5,
-        "middle-of-header": 16 + header_len // 2,
-        "late-in-header": 16 + header_len - 1,
+        "middle-of-header": start + header_len // 2,
+        "late-in-header": start + header_len - 1,
     }[where]
     os.truncate(path, cut)
     # A cut in the first part of the header is reported as "corrupted: header
@@ -194,24 +210,32 @@ def test_image_load_detects_cut_in_header(tmp_path, where):
     assert "truncated" in message, message
 
 
-def test_image_load_detects_flipped_payload_byte(tmp_path):
-    path, size, digest, _ = saved(tmp_path)
-    flip_byte(path, -2000)  # inside the array's payload
+@VERSIONS
+def test_image_load_detects_flipped_payload_byte(tmp_path, version):
+    path, size, digest, start, header_len = saved(tmp_path, version)
+    payload = 3000 if version == 2 else start + header_len + 3000  # inside the array's bytes
+    flip_byte(path, payload)
     with pytest.raises(StoreError, match="corrupted") as info:
         image.load(path, expect=(size, digest))
     assert str(path) in str(info.value)
 
 
-def test_image_load_detects_flipped_header_byte(tmp_path):
-    path, size, digest, header_len = saved(tmp_path)
-    flip_byte(path, 16 + header_len // 2)
+@VERSIONS
+def test_image_load_detects_flipped_header_byte(tmp_path, version):
+    path, size, digest, start, header_len = saved(tmp_path, version)
+    flip_byte(path, start + header_len // 2)
     with pytest.raises(StoreError) as info:
         image.load(path, expect=(size, digest))
     assert str(path) in str(info.value)
+    if version == 2:  # version 2's index has its own checksum: caught without the manifest too
+        with pytest.raises(StoreError, match="index does not match its checksum") as info:
+            image.load(path)
+        assert str(path) in str(info.value)
 
 
-def test_image_load_rejects_bad_magic(tmp_path):
-    path, _, _, _ = saved(tmp_path)
+@VERSIONS
+def test_image_load_rejects_bad_magic(tmp_path, version):
+    path, _, _, _, _ = saved(tmp_path, version)
     flip_byte(path, 0)
     with pytest.raises(StoreError, match="bad magic") as info:
         image.load(path)
@@ -222,8 +246,9 @@ def test_image_load_rejects_bad_magic(tmp_path):
         image.load(other)
 
 
-def test_image_load_rejects_wrong_expected_size(tmp_path):
-    path, size, digest, _ = saved(tmp_path)
+@VERSIONS
+def test_image_load_rejects_wrong_expected_size(tmp_path, version):
+    path, size, digest, _, _ = saved(tmp_path, version)
     for wrong in (size + 1, size - 1, 0):
         with pytest.raises(StoreError, match="truncated or grew") as info:
             image.load(path, expect=(wrong, digest))
@@ -232,8 +257,9 @@ def test_image_load_rejects_wrong_expected_size(tmp_path):
         image.load(path, expect=(size, "0" * 32))
 
 
-def test_image_load_rejects_trailing_bytes_and_missing_file(tmp_path):
-    path, _, _, _ = saved(tmp_path)
+@VERSIONS
+def test_image_load_rejects_trailing_bytes_and_missing_file(tmp_path, version):
+    path, _, _, _, _ = saved(tmp_path, version)
     with open(path, "ab") as fh:
         fh.write(b"x")
     with pytest.raises(StoreError, match="trailing bytes"):

@@ -56,7 +56,7 @@ from ..client.runtime import job_info
 from . import (
     spc as spc_mod,  # (also makes `from gangd.ckptlib import spc` work, for plug-ins)
 )
-from .core import Checkpointer, CheckpointError, Standalone
+from .core import Checkpointer, CheckpointError, DeltaSettings, Standalone
 
 __all__ = ["CheckpointError", "fini", "generation", "init", "loop", "protect", "request", "restarted"]
 
@@ -64,7 +64,8 @@ _cp: Checkpointer | None = None
 
 
 def init(*, directory: str | os.PathLike | None = None, restart=None, background: bool | None = None,
-         every: float | None = None, keep: int = 2, spc=None) -> Checkpointer:
+         every: float | None = None, keep: int = 2, spc=None, mode: str | None = None, block_kib: int | None = None,
+         chain_max: int | None = None, threshold: float | None = None) -> Checkpointer:
     """Set up checkpointing for this process; call once, before :func:`protect`.
 
     ``restart`` (alone only; gangd decides under ``gang restart``): ``"latest"``
@@ -76,6 +77,11 @@ def init(*, directory: str | os.PathLike | None = None, restart=None, background
     the default; ``GANGD_CKPT_SPC``; anything :func:`spc.register`-ed or in
     the ``gangd.spc`` entry points) or an instance such as
     ``spc.Callables(save=..., load=...)``. See :mod:`gangd.ckptlib.spc`.
+    ``mode`` (``GANGD_CKPT_MODE``): ``"adaptive"`` (the default),
+    ``"incremental"``, ``"differential"`` or ``"full"``; ``block_kib``
+    (``GANGD_CKPT_BLOCK_KIB``, 16), ``chain_max`` (8 generations a restore
+    reads at most), ``threshold`` (adaptive's new-base rule, 0.10 of the
+    state): how generations are written alone (issue 17).
     """
     global _cp
     if _cp is not None and not _cp.closed:
@@ -93,7 +99,8 @@ def init(*, directory: str | os.PathLike | None = None, restart=None, background
     if restart is True:
         restart = "latest"
     info = job_info()
-    cp = Checkpointer(None, background=background, spc=spc_mod.select(spc))
+    settings = DeltaSettings.from_options(mode, block_kib, chain_max, threshold)
+    cp = Checkpointer(None, background=background, spc=spc_mod.select(spc), settings=settings)
     # The handler first: once the daemon knows this rank takes checkpoints it
     # may send SIGQUIT at any moment, and SIGQUIT's default action kills.
     previous = signal.signal(signal.SIGQUIT, cp.signal_handler)

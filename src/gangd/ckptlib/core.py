@@ -7,6 +7,15 @@ raises a flag; the loop sees it at the next boundary and hands over to the
 backend, which decides *where* to save — at once when the process runs alone
 (:class:`Standalone`), or at the boundary all ranks agreed on when gangd
 runs the job (:class:`~gangd.ckptlib.agent.DaemonAgent`).
+
+Incremental checkpoints (issue 17) alone: each generation is offered the
+newest *complete* generation (never one a background write is still
+writing) and its chain as its parent; the writer decides full, incremental,
+differential or a new base (:mod:`gangd.checkpoint.delta`). Retention keeps
+the newest ``keep`` complete generations and every generation they need,
+and prunes in the program's process, where the writes still under way are
+known (their parents are kept too). A restart restores a generation from
+its chain and marks it ``DAMAGED`` when any link is unusable.
 """
 
 from __future__ import annotations
@@ -17,12 +26,14 @@ import select
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from .. import ckptstore
+from ..checkpoint import delta
 from ..ckptstore import StoreError
+from . import blocks, writer
 from . import spc as spc_mod
-from . import writer
 
 DAMAGED = "DAMAGED"  # in a generation found unusable at a restart: why
 COMM_VALUE = "__gangd.comm__"  # a one-rank world's network context, saved with the values
@@ -32,8 +43,47 @@ class CheckpointError(Exception):
     """A checkpoint or a restart could not be done; the message says why."""
 
 
+@dataclass(frozen=True)
+class DeltaSettings:
+    """How a rank's generations are written: mode, block size, chain bound, adaptive threshold."""
+
+    mode: str = delta.DEFAULT_MODE
+    block_kib: int = blocks.DEFAULT_BLOCK >> 10
+    chain_max: int = delta.DEFAULT_CHAIN_MAX
+    threshold: float = delta.DEFAULT_THRESHOLD
+
+    @classmethod
+    def from_options(cls, mode: str | None = None, block_kib: int | None = None, chain_max: int | None = None,
+                     threshold: float | None = None) -> DeltaSettings:
+        """From ``init()``'s arguments, else ``GANGD_CKPT_MODE`` / ``GANGD_CKPT_BLOCK_KIB``, else the defaults; checked."""
+        mode = mode or os.environ.get("GANGD_CKPT_MODE") or delta.DEFAULT_MODE
+        if mode not in delta.MODES:
+            raise CheckpointError(f"checkpoint mode {mode!r} is not one of {', '.join(delta.MODES)}")
+        if block_kib is None:
+            env = os.environ.get("GANGD_CKPT_BLOCK_KIB")
+            try:
+                block_kib = int(env) if env else blocks.DEFAULT_BLOCK >> 10
+            except ValueError:
+                raise CheckpointError(f"GANGD_CKPT_BLOCK_KIB={env!r} is not a number of KiB") from None
+        if type(block_kib) is not int or not 1 <= block_kib <= blocks.MAX_BLOCK >> 10:
+            raise CheckpointError(f"a checkpoint block is 1 to {blocks.MAX_BLOCK >> 10} KiB, not {block_kib!r}")
+        chain_max = delta.DEFAULT_CHAIN_MAX if chain_max is None else chain_max
+        if type(chain_max) is not int or not 1 <= chain_max <= delta.MAX_CHAIN:
+            raise CheckpointError(f"chain_max is 1 to {delta.MAX_CHAIN} generations, not {chain_max!r}")
+        threshold = delta.DEFAULT_THRESHOLD if threshold is None else threshold
+        if not isinstance(threshold, int | float) or not 0 <= threshold <= 1:
+            raise CheckpointError(f"the adaptive threshold is a share of the state from 0 to 1, not {threshold!r}")
+        return cls(mode, block_kib, chain_max, float(threshold))
+
+    def plan(self, gen: int, offered) -> dict:
+        """What :func:`writer.write` takes as ``delta``."""
+        return {"gen": gen, "mode": self.mode, "block": self.block_kib << 10, "chain_max": self.chain_max,
+                "threshold": self.threshold, "force_full": False, "offered": offered}
+
+
 class Checkpointer:
-    def __init__(self, backend, *, background: bool, spc=None):
+    def __init__(self, backend, *, background: bool, spc=None, settings: DeltaSettings | None = None):
+        self.settings = settings if settings is not None else DeltaSettings()
         self.backend = backend
         self.background = background
         self.spc = spc if spc is not None else spc_mod.Registered()  # how this process's state is written
@@ -115,11 +165,17 @@ class Checkpointer:
 
     # ------------------------------------------------------------ saving
 
-    def snapshot(self, path: Path, iteration: int, then=None, extra: dict | None = None) -> writer.Written:
-        """Write the protected values; ``iteration`` is the boundary a restart resumes at."""
+    def snapshot(self, path: Path, iteration: int, then=None, extra: dict | None = None, *, gen: int | None = None,
+                 offered=None) -> writer.Written:
+        """Write the protected values; ``iteration`` is the boundary a restart resumes at.
+
+        With ``gen`` and ``offered`` (the parent generation's file and its chain,
+        or a function giving them in the writing process), the generation is
+        written in this checkpointer's mode (:class:`DeltaSettings`)."""
         values = {**self.values, **(extra or {})}
         self.spc.before_ckpt(values)
-        written = writer.write(path, values, iteration, background=self.background, then=then, spc=self.spc)
+        plan = self.settings.plan(gen, offered) if gen is not None and offered is not None else None
+        written = writer.write(path, values, iteration, background=self.background, then=then, spc=self.spc, delta=plan)
         self.writes.append(written)
         return written
 
@@ -172,6 +228,9 @@ class Standalone:
         self.every = every
         self._timer: threading.Timer | None = None
         self._cp: Checkpointer | None = None
+        self._links: dict[int, list[int]] = {}  # a complete generation's links (they never change): read once
+        self._inflight: dict[int, set[int]] = {}  # id of a write under way -> the generations it was offered
+        self._newest: int | None = None  # the last generation this run started
 
     def complete(self) -> list[int]:
         return [
@@ -181,6 +240,40 @@ class Standalone:
 
     def _dir(self, gen: int) -> Path:
         return ckptstore.gen_dir(self.directory, 0, gen)
+
+    def _file(self, gen: int) -> Path:
+        return self._dir(gen) / ckptstore.rank_file(0)
+
+    def links(self, gen: int, expect: tuple[int, str] | None = None) -> list[int]:
+        """The generations a restore of ``gen`` reads besides it (none for a full or a version 1 file);
+        ``expect``: the manifest's (size, checksum) of its file (the size is checked first)."""
+        known = self._links.get(gen)
+        if known is None:
+            path = self._file(gen)
+            try:
+                with open(path, "rb") as fh:
+                    v2 = fh.read(len(blocks.MAGIC)) == blocks.MAGIC
+            except OSError as exc:
+                raise StoreError(f"cannot read {path}: {exc.strerror}") from None
+            known = self._links[gen] = list(blocks.read_index(path, expect).links) if v2 else []
+        return known
+
+    def chain(self, gen: int) -> list[tuple[int, Path, tuple[int, str]]]:
+        """``gen``'s file and every link's, each with its manifest's (size, checksum); StoreError naming what is unusable."""
+        name = ckptstore.rank_file(0)
+
+        def listed(g: int) -> tuple[int, Path, tuple[int, str]]:
+            directory = self._dir(g)
+            if g != gen and (directory / DAMAGED).exists():
+                raise StoreError(f"generation {gen} needs generation {g}, which is damaged ({directory / DAMAGED})")
+            manifest = ckptstore.read_manifest(directory)
+            if name not in manifest.files:
+                raise StoreError(f"{directory / name} is not in the manifest")
+            size, digest = manifest.files[name]
+            return g, directory / name, (size, digest)
+
+        first = listed(gen)
+        return [first, *(listed(g) for g in self.links(gen, first[2]))]
 
     def restore(self, cp: Checkpointer, restart) -> None:
         """Load the generation asked for (``restart``: True/"latest", "auto", or a number)."""
@@ -194,12 +287,15 @@ class Standalone:
         problems = []
         for gen in candidates:
             directory = self._dir(gen)
-            name = ckptstore.rank_file(0)
             try:
-                manifest = ckptstore.read_manifest(directory)
-                if name not in manifest.files:
-                    raise StoreError(f"{directory / name} is not in the manifest")
-                values, iteration = spc_mod.read(cp.spc, directory / name, tuple(manifest.files[name]))
+                chain = self.chain(gen)
+                path, expect = chain[0][1], chain[0][2]
+                if type(cp.spc) is spc_mod.Registered and len(chain) > 1:
+                    cp.spc.set_filename(path)
+                    values, iteration, _ = blocks.read_chain(path, chain[1:], expect)
+                    cp.spc.after_restart(values)
+                else:
+                    values, iteration = spc_mod.read(cp.spc, path, expect)
             except StoreError as exc:
                 problems.append(str(exc))
                 if explicit:
@@ -248,6 +344,16 @@ class Standalone:
         self.at_boundary(cp, k, resume)
         return cp.generation
 
+    def _offer(self) -> tuple[int | None, set[int]]:
+        """The parent a new generation is offered: the newest complete generation
+        whose chain is intact (None: write a full one), and the generations it names."""
+        for gen in sorted(self.complete(), reverse=True):
+            try:
+                return gen, {gen, *self.links(gen)}
+            except StoreError:
+                continue
+        return None, set()
+
     def at_boundary(self, cp: Checkpointer, k: int, resume: int | None = None) -> None:
         """Save at boundary ``k``; a restart resumes at ``resume`` (default ``k``: the loop runs item k again)."""
         cp.requested = False
@@ -259,37 +365,69 @@ class Standalone:
         def commit(result: dict) -> None:  # runs where the state was written (the snapshot child)
             manifest = ckptstore.Manifest(0, gen, os.uname().nodename, k, {name: [result["size"], result["digest"]]}, [0], time.time())
             ckptstore.write_manifest(directory, manifest)
-            self.prune(gen)
 
-        for done in [w for w in cp.writes if w.done or _exited(w)]:
-            self._report(done.wait())
-            cp.writes.remove(done)
+        self._reap(cp)
+        parent, named = self._offer()
+
+        def offered() -> list:  # in the writing process: the parent's and its links' manifests
+            if parent is None:
+                return []
+            try:
+                return self.chain(parent)
+            except StoreError:
+                return []
+
         # Alone, nobody else saves the messages a one-rank world sent itself and did not receive yet.
         comm_world = sys.modules.get("gangd.comm.world")
         network = comm_world.alone_context() if comm_world is not None else None
-        written = cp.snapshot(directory / name, k if resume is None else resume, then=commit, extra={COMM_VALUE: network} if network else None)
-        if written.done:
-            self._report(written.wait())
-            cp.writes.remove(written)
-        cp.generation = gen
+        written = cp.snapshot(directory / name, k if resume is None else resume, then=commit, extra={COMM_VALUE: network} if network else None,
+                              gen=gen, offered=offered)
+        self._inflight[id(written)] = named
+        cp.generation = self._newest = gen
+        self._reap(cp)
+        self.prune(gen)
+
+    def _reap(self, cp: Checkpointer) -> None:
+        """Report the writes that finished and forget what they were offered."""
+        for done in [w for w in cp.writes if w.done or _exited(w)]:
+            self._report(done.wait())
+            cp.writes.remove(done)
+            self._inflight.pop(id(done), None)
 
     def _report(self, result: dict) -> None:
         if "error" in result:
             warn(f"checkpoint failed: {result['error']}")
 
     def prune(self, newest: int) -> None:
-        """Keep the newest ``keep`` complete generations up to ``newest``; drop
-        older complete ones. Uncommitted ones are left alone: an older
-        snapshot may still be writing (writes can finish out of order)."""
+        """Keep the newest ``keep`` complete generations up to ``newest`` and
+        every generation they need (their chains), and the chains offered to
+        writes still under way; drop the other complete ones. Uncommitted ones
+        are left alone: an older snapshot may still be writing (writes can
+        finish out of order)."""
         complete = sorted((g for g in self.complete() if g <= newest), reverse=True)
-        for gen in complete[self.keep :]:
-            ckptstore.remove(self._dir(gen))
+        needs: dict[int, list[int]] = {}
+        for gen in complete:
+            try:
+                needs[gen] = self.links(gen)
+            except StoreError:
+                needs[gen] = []  # unreadable: it restores nothing, and needs nothing kept
+        seeds = set(complete[: self.keep])
+        for named in self._inflight.values():
+            seeds |= named
+        keep = delta.needed(needs, seeds)
+        for gen in complete:
+            if gen not in keep:
+                ckptstore.remove(self._dir(gen))
+                self._links.pop(gen, None)
 
     def fini(self, cp: Checkpointer) -> None:
         if self._timer is not None:
             self._timer.cancel()
         for result in cp.finish_writes():
             self._report(result)
+        self._inflight.clear()
+        if self._newest is not None:  # (this run wrote generations: retention catches up with the last)
+            self.prune(self._newest)
 
 
 def _exited(written: writer.Written) -> bool:

@@ -7,6 +7,15 @@ meanwhile are copied by the kernel, so the child still sees the state of the
 cut. The child reports (size, checksum) or the error through a pipe and
 leaves with ``os._exit`` (no atexit handlers, no flushing of the parent's
 buffers, no touching the parent's sockets).
+
+Incremental checkpoints (issue 17): given a ``delta`` plan (mode, block
+size, chain bound, threshold, this generation's number and the offered
+parent with its chain), the default checkpointer's values are written by
+:func:`.blocks.save_generation` -- hashed, compared with the parent's and
+the base's signatures (read from their indexes here, in the writing process:
+the job never holds them) and only the blocks chosen written. The result
+then also says "role", "parent", "base", "links", "state" and "restore".
+A plug-in with its own ``do_ckpt`` always writes a full file.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from pathlib import Path
 import msgpack
 
 from ..ckptstore import StoreError
+from . import blocks
 from . import spc as spc_mod
 
 
@@ -65,30 +75,36 @@ def _describe(status: int) -> str:
     return f"exit {os.WEXITSTATUS(status)}"
 
 
-def write(path: Path, values: dict, iteration: int, *, background: bool, then: Callable[[dict], None] | None = None, spc=None) -> Written:
+def write(path: Path, values: dict, iteration: int, *, background: bool, then: Callable[[dict], None] | None = None, spc=None,
+          delta: dict | None = None) -> Written:
     """Save ``values`` to ``path``; in the background (forked snapshot) or now.
 
     ``then(result)`` runs after a successful write, in whichever process
     wrote (the child, for background writes): committing a manifest, say.
+    ``delta``: {"gen", "mode", "block", "chain_max", "threshold",
+    "force_full", "offered"} for an incremental checkpoint (see the module
+    docstring); "offered" is the parent and its chain as
+    :func:`.blocks.read_chain` takes them, or a function returning them
+    (called in the writing process).
     """
     if not background:
-        return Written(result=_write_now(path, values, iteration, then, spc))
+        return Written(result=_write_now(path, values, iteration, then, spc, delta))
     try:
         read_end, write_end = os.pipe()
     except OSError:  # out of fds: write now rather than not at all
-        return Written(result=_write_now(path, values, iteration, then, spc))
+        return Written(result=_write_now(path, values, iteration, then, spc, delta))
     try:
         pid = os.fork()
     except OSError as exc:  # out of memory or processes: the job must not die of a checkpoint
         os.close(read_end)
         os.close(write_end)
         print(f"gangd.ckptlib: cannot fork a snapshot ({exc.strerror}); writing before continuing", file=sys.stderr, flush=True)
-        return Written(result=_write_now(path, values, iteration, then, spc))
+        return Written(result=_write_now(path, values, iteration, then, spc, delta))
     if pid == 0:  # the snapshot: write, report, vanish
         try:
             signal.signal(signal.SIGQUIT, signal.SIG_IGN)
             os.close(read_end)
-            result = _write_now(path, values, iteration, then, spc)
+            result = _write_now(path, values, iteration, then, spc, delta)
             os.write(write_end, msgpack.packb(result))
         finally:
             os._exit(0)
@@ -96,11 +112,19 @@ def write(path: Path, values: dict, iteration: int, *, background: bool, then: C
     return Written(pid=pid, fd=read_end)
 
 
-def _write_now(path: Path, values: dict, iteration: int, then, spc) -> dict:
+def _write_now(path: Path, values: dict, iteration: int, then, spc, delta: dict | None = None) -> dict:
     started = time.monotonic()
     try:
-        size, digest = spc_mod.write(spc or spc_mod.Registered(), path, values, iteration)
-        result = {"size": size, "digest": digest, "seconds": time.monotonic() - started}
+        if delta is not None and (spc is None or type(spc) is spc_mod.Registered):
+            offered = delta.get("offered") or ()
+            result = blocks.save_generation(path, values, gen=delta["gen"], iteration=iteration, mode=delta["mode"],
+                                            offered=offered() if callable(offered) else offered, block=delta["block"],
+                                            chain_max=delta["chain_max"], threshold=delta["threshold"],
+                                            force_full=bool(delta.get("force_full")))
+            result["seconds"] = time.monotonic() - started
+        else:
+            size, digest = spc_mod.write(spc or spc_mod.Registered(), path, values, iteration)
+            result = {"size": size, "digest": digest, "seconds": time.monotonic() - started}
         if then is not None:
             then(result)
         return result

@@ -1,0 +1,745 @@
+"""Block-level checkpoint files (format v2, ``GANGDCK2``): only the blocks that changed, restored block by block.
+
+Issue 17 (paper 003's FHash): every protected value's bytes -- an array's
+memory, a pickle's blob -- are cut into fixed blocks of ``block`` bytes (the
+last one short; a block never spans two values). A block's xxh3-128 over
+its raw bytes is its hash; the list of them is the value's *signature*.
+A generation's file stores the blocks it chose to write (all of them, or
+the ones whose hash differs from the reference generation's) and the full
+signature of the state at that generation, so the next generation can be
+compared with it by reading the index alone::
+
+    "GANGDCK2" | stored blocks (value by value, ascending block index) | index | footer
+    index  = msgpack {v: 2, iteration, extra, block, gen, role, parent, base, links, signed, overhead,
+                      entries: [{name, kind, meta, nbytes, nblocks, whole, codec: "none"}]}
+             + per entry: signature nblocks x 16 B (if signed) | present packbits(nblocks)
+    footer = u64 index offset | u64 index length | 16 B xxh3-128(index) | "GANGDEND"
+
+The index is at the end so blocks can be streamed (issue 18 compresses them
+without knowing their sizes beforehand). ``whole``: the value is complete in
+this file (new, or its kind, dtype, shape or size changed), so a chain
+walk stops there for it. ``links``: every generation a restore of this file
+reads, newest first; ``overhead``: the bytes of their magic, index and footer
+(a restore reads each block once, so it reads the state's bytes plus that).
+
+Restore (:func:`read_chain`) allocates each value from the newest index,
+then walks the files newest to oldest, reading only the blocks not placed
+yet, straight into the arrays (``preadv`` into their memory, no copy), and
+checks every placed block against the newest signature: a damaged link is a
+:class:`StoreError` naming its path, the value and the block.
+
+A file a user can write is hostile: every length, count, offset, block
+size, dtype and shape of an index is checked against the file's size and
+against each other before anything is allocated or read, and the footer's
+hash covers the index. Files are opened without following symlinks and
+must be regular files (a FIFO would hang a restart).
+
+Hashing speed: one ``xxh3_128_digest`` call per block on a memoryview slice
+(no copy); the Python call is the cost, which is why blocks are 16 KiB by
+default (``bench/delta.py`` sweeps the size and prints the ratio to raw xxh3).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import xxhash
+
+from .. import ckptstore
+from ..checkpoint import delta
+from ..ckptstore import StoreError
+
+MAGIC = b"GANGDCK2"
+END = b"GANGDEND"
+FOOTER = struct.Struct("<QQ16s8s")  # index offset, index length, xxh3-128(index), END
+SIG = 16  # bytes of one block's hash
+DEFAULT_BLOCK = 16 << 10  # bench/delta.py's sweep: 16 KiB hashes at ~0.6x raw xxh3 here, 4 KiB at ~0.4x
+MIN_BLOCK = 64
+MAX_BLOCK = 1 << 30
+MAX_INDEX = 1 << 30  # bytes: 64 M blocks' hashes (1 TiB of state at 16 KiB); a larger index is refused unread
+MAX_DIMS = 64
+MAX_DTYPE = 1 << 16  # bytes of a dtype's description (a pickled record dtype with many fields)
+CODECS = ("none",)
+_ENTRY_KEYS = {"name", "kind", "meta", "nbytes", "nblocks", "whole", "codec"}
+_INDEX_KEYS = {"v", "iteration", "extra", "block", "gen", "role", "parent", "base", "links", "signed", "overhead", "entries"}
+
+_hash = xxhash.xxh3_128_digest
+
+
+def _memory_cap() -> int:
+    """The largest state a restore allocates: twice this machine's memory (it was in some machine's memory)."""
+    try:
+        return 2 * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 1 << 40
+
+
+# ====================================================================== the state, planned and hashed
+
+
+@dataclass
+class Value:
+    """One protected value as bytes: ``data`` is the array's own memory (no copy) or the pickle."""
+
+    name: str
+    kind: str  # "nd" (raw array bytes) or "pk" (pickled)
+    meta: dict
+    nbytes: int
+    data: memoryview
+    sig: np.ndarray | None = None  # (nblocks, 16) uint8: the signature, once hashed
+
+
+@dataclass
+class State:
+    """The values of one checkpoint, in order, cut into ``block``-byte blocks."""
+
+    block: int
+    values: list[Value]
+    signed: bool = False
+
+    @property
+    def total(self) -> int:
+        return sum(v.nbytes for v in self.values)
+
+
+def nblocks(nbytes: int, block: int) -> int:
+    return -(-nbytes // block)
+
+
+def _array_bytes(arr: np.ndarray) -> memoryview:
+    return arr.reshape(-1).view(np.uint8).data
+
+
+def plan(values: Mapping[str, object], block: int = DEFAULT_BLOCK) -> State:
+    """The values as byte buffers: arrays by reference, anything else pickled."""
+    if type(block) is not int or not MIN_BLOCK <= block <= MAX_BLOCK:
+        raise ValueError(f"a block size must be {MIN_BLOCK} to {MAX_BLOCK} bytes, not {block!r}")
+    planned: list[Value] = []
+    for name, value in values.items():
+        if type(value) is np.ndarray and not value.dtype.hasobject:  # (subclasses: np.matrix, masked arrays... pickle)
+            arr = value if value.flags.c_contiguous else np.ascontiguousarray(value)  # (keeps 0-d arrays 0-d)
+            simple = arr.dtype.names is None and arr.dtype.subdtype is None
+            # Records, padding and nested fields survive only a pickled dtype; plain ones stay readable.
+            dtype = arr.dtype.str if simple else pickle.dumps(arr.dtype, protocol=pickle.HIGHEST_PROTOCOL)
+            planned.append(Value(name, "nd", {"dtype": dtype, "shape": list(arr.shape)}, arr.nbytes, _array_bytes(arr)))
+        else:
+            try:
+                blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:  # noqa: BLE001 -- pickling runs the value's own code: anything can fail; said as a TypeError
+                raise TypeError(f"protected value {name!r} cannot be saved: {type(exc).__name__}: {exc}") from None
+            planned.append(Value(name, "pk", {}, len(blob), memoryview(blob)))
+    return State(block, planned)
+
+
+def hash_blocks(data: memoryview, block: int) -> np.ndarray:
+    """The xxh3-128 of each ``block`` bytes of ``data``: an (n, 16) uint8 array.
+
+    One call per block, and the call is the cost: iterating the rows of a
+    (n, block) numpy view of the bytes hands xxhash each block without a
+    copy and with less per-block work than slicing a memoryview in Python
+    (0.73x against 0.60x raw xxh3 at 16 KiB, CPU time, measured on the
+    2-CPU machine; bench/delta.py prints it).
+    """
+    h = _hash
+    full = len(data) // block
+    rows = np.frombuffer(data, dtype=np.uint8, count=full * block).reshape(full, block)
+    digests = [h(row) for row in rows]  # type: ignore[arg-type]  # (an ndarray row is a buffer)
+    if full * block < len(data):
+        digests.append(h(data[full * block :]))
+    return np.frombuffer(b"".join(digests), dtype=np.uint8).reshape(-1, SIG)
+
+
+def signature(values: Mapping[str, object] | State, block: int = DEFAULT_BLOCK) -> State:
+    """Pass 1: the values planned (see :func:`plan`) and every block hashed."""
+    state = values if isinstance(values, State) else plan(values, block)
+    for v in state.values:
+        if v.sig is None:
+            v.sig = hash_blocks(v.data, state.block)
+    state.signed = True
+    return state
+
+
+# ====================================================================== the index
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A value as one file's index describes it (checked against the file)."""
+
+    name: str
+    kind: str
+    meta: dict
+    nbytes: int
+    nblocks: int
+    whole: bool
+    codec: str
+    signature: np.ndarray | None  # (nblocks, 16) uint8, the full state's, if the file is signed
+    present: np.ndarray  # (nblocks,) bool: the blocks this file stores
+    offset: int  # where this value's first stored block starts in the file
+    stored: int  # bytes of this value's stored blocks
+
+    def same_value(self, other: Entry) -> bool:
+        """Whether blocks of ``other`` can stand in for blocks of this value (same kind, layout and size)."""
+        return (self.kind, self.meta, self.nbytes) == (other.kind, other.meta, other.nbytes)
+
+
+@dataclass(frozen=True)
+class Index:
+    """One v2 file's index, checked: see the module docstring for the fields."""
+
+    path: Path
+    size: int
+    gen: int
+    role: str
+    parent: int | None
+    base: int
+    links: tuple[int, ...]
+    iteration: int
+    extra: dict
+    block: int
+    signed: bool
+    overhead: int
+    entries: tuple[Entry, ...]
+    index_offset: int
+    tail: bytes = field(repr=False, compare=False)  # index + footer, as read (the whole-file checksum covers them)
+
+    @property
+    def own_overhead(self) -> int:
+        """Bytes a restore reads of this file besides blocks: magic, index, footer."""
+        return len(MAGIC) + len(self.tail)
+
+    @property
+    def depth(self) -> int:
+        return len(self.links)
+
+    @property
+    def state(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    def entry(self, name: str) -> Entry | None:
+        for e in self.entries:
+            if e.name == name:
+                return e
+        return None
+
+
+class _DtypeUnpickler(pickle.Unpickler):
+    """Reads a pickled record dtype and nothing else: an index never runs code."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("numpy", "dtype"):
+            return np.dtype
+        raise pickle.UnpicklingError(f"{module}.{name} is not a dtype")
+
+
+def _dtype(spec: object) -> np.dtype:
+    if isinstance(spec, str) and len(spec) <= 64:
+        dtype = np.dtype(spec)
+        if dtype.names is not None or dtype.subdtype is not None:
+            raise ValueError(f"{spec!r} is not a plain dtype")
+    elif isinstance(spec, bytes) and len(spec) <= MAX_DTYPE:
+        import io
+
+        dtype = _DtypeUnpickler(io.BytesIO(spec)).load()
+        if not isinstance(dtype, np.dtype):
+            raise ValueError("not a dtype")
+    else:
+        raise ValueError("not a dtype description")
+    if dtype.hasobject:  # raw bytes never become object pointers
+        raise ValueError(f"{dtype!r} holds objects")
+    return dtype
+
+
+def _is_int(x: object, low: int = 0, high: int = 1 << 62) -> bool:
+    return type(x) is int and low <= x <= high
+
+
+def _decode(path: Path, size: int, index_offset: int, tail: bytes) -> Index:
+    """The index of ``tail`` (index + footer), every field checked; StoreError on anything off."""
+    index = memoryview(tail)[: len(tail) - FOOTER.size]
+
+    def bad(why: str) -> StoreError:
+        return StoreError(f"{path} is corrupted: {why}")
+
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(index), 1), strict_map_key=True)
+    try:
+        unpacker.feed(index)
+        head = unpacker.unpack()
+        used = unpacker.tell()
+    except Exception as exc:  # noqa: BLE001 -- any way a damaged index fails to decode is a StoreError
+        raise bad(f"unreadable index ({type(exc).__name__})") from None
+    if not isinstance(head, dict) or set(head) != _INDEX_KEYS or head["v"] != 2:
+        raise bad("its index is not a version 2 index")
+    gen, role, parent, base, links = head["gen"], head["role"], head["parent"], head["base"], head["links"]
+    block, signed, overhead, iteration, extra = head["block"], head["signed"], head["overhead"], head["iteration"], head["extra"]
+    if not _is_int(gen) or role not in delta.ROLES or not isinstance(links, list) or not _is_int(block, MIN_BLOCK, MAX_BLOCK):
+        raise bad("its index has an unusable generation, role, chain or block size")
+    if type(signed) is not bool or not _is_int(overhead) or type(iteration) is not int or not isinstance(extra, dict):
+        raise bad("its index has unusable fields")
+    problem = delta.links_problem(gen, links, delta.MAX_CHAIN)
+    if problem:
+        raise bad(problem)
+    if role == "full":
+        chain_ok = parent is None and not links and base == gen
+    else:
+        chain_ok = signed and bool(links) and parent == links[0] and (base == gen if role == "rebase" else base in links)
+        chain_ok = chain_ok and (role != "diff" or base == parent)
+    if not chain_ok:
+        raise bad(f"its index names an impossible chain (role {role}, parent {parent!r}, base {base!r}, links {links})")
+    raw = head["entries"]
+    if not isinstance(raw, list):
+        raise bad("its index has no list of values")
+    entries: list[Entry] = []
+    names: set[str] = set()
+    at, offset, total = used, len(MAGIC), 0
+    cap = _memory_cap()
+    for e in raw:
+        if not isinstance(e, dict) or set(e) != _ENTRY_KEYS or not isinstance(e["name"], str) or e["name"] in names:
+            raise bad("its index has a malformed or repeated value entry")
+        name, kind, meta, nbytes, count, whole, codec = (e[k] for k in ("name", "kind", "meta", "nbytes", "nblocks", "whole", "codec"))
+        what = f"value {name!r}"
+        names.add(name)
+        if kind not in ("nd", "pk") or not isinstance(meta, dict) or type(whole) is not bool or codec not in CODECS:
+            raise bad(f"{what} has an unusable kind, layout or codec")
+        if not _is_int(nbytes) or not _is_int(count) or count != nblocks(nbytes, block):
+            raise bad(f"{what} has {count!r} blocks of {block} bytes for {nbytes!r} bytes")
+        total += nbytes
+        if total > cap:
+            raise bad(f"its values add up to more than {cap} bytes, twice this machine's memory")
+        if kind == "nd":
+            shape = meta.get("shape")
+            if set(meta) != {"dtype", "shape"} or not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_int(n) for n in shape):
+                raise bad(f"{what} has an unusable shape")
+            try:
+                dtype = _dtype(meta["dtype"])
+            except Exception as exc:  # noqa: BLE001 -- any way a damaged dtype fails is a StoreError
+                raise bad(f"{what} has an unusable dtype ({exc})") from None
+            expected = dtype.itemsize
+            for n in shape:
+                expected *= n
+            if expected != nbytes:
+                raise bad(f"{what} should hold {expected} bytes, the index says {nbytes}")
+        elif meta:
+            raise bad(f"{what} is a pickle with an array's layout")
+        sig_len = count * SIG if signed else 0
+        bits_len = -(-count // 8)
+        if at + sig_len + bits_len > len(index):
+            raise bad(f"its index is too short for {what}'s {count} blocks")
+        sig = np.frombuffer(index, dtype=np.uint8, count=sig_len, offset=at).reshape(-1, SIG) if signed else None
+        at += sig_len
+        packed = np.frombuffer(index, dtype=np.uint8, count=bits_len, offset=at)
+        at += bits_len
+        present = np.unpackbits(packed, count=count).astype(bool) if count else np.zeros(0, bool)
+        if count % 8 and packed[-1] & (0xFF >> (count % 8)):
+            raise bad(f"{what}'s block map has bits beyond its last block")
+        if (whole or role == "full") and not present.all():
+            raise bad(f"{what} is marked complete in this file but misses blocks")
+        if role == "full" and not whole:
+            raise bad(f"{what} is not complete in a full checkpoint")
+        n_present = int(np.count_nonzero(present))
+        stored = n_present * block
+        if count and present[-1]:
+            stored -= count * block - nbytes  # the last block is short
+        entries.append(Entry(name, kind, meta, nbytes, count, whole, codec, sig, present, offset, stored))
+        offset += stored
+    if at != len(index):
+        raise bad(f"its index has {len(index) - at} bytes after its last value")
+    if offset != index_offset:
+        raise bad(f"its blocks take {offset - len(MAGIC)} bytes, but its index starts at {index_offset}")
+    return Index(Path(path), size, gen, role, parent, base, tuple(links), iteration, extra, block, signed, overhead,
+                 tuple(entries), index_offset, bytes(tail))
+
+
+def _open(path: Path) -> int:
+    try:
+        return ckptstore.open_regular(path)
+    except OSError as exc:
+        raise StoreError(f"cannot open {path}: {exc.strerror or exc}") from None
+
+
+def _pread(fd: int, view: memoryview, offset: int, path: Path) -> None:
+    got = 0
+    while got < len(view):
+        try:
+            n = os.preadv(fd, [view[got:]], offset + got)
+        except OSError as exc:
+            raise StoreError(f"cannot read {path}: {exc.strerror or exc}") from None
+        if not n:
+            raise StoreError(f"{path} is truncated (ends before byte {offset + len(view)})")
+        got += n
+
+
+def _index_of(fd: int, path: Path, expect_size: int | None = None) -> Index:
+    size = os.fstat(fd).st_size
+    if expect_size is not None and size != expect_size:
+        raise StoreError(f"{path} is truncated or grew: {size} bytes, the manifest says {expect_size}")
+    if size < len(MAGIC) + FOOTER.size:
+        raise StoreError(f"{path} is truncated: {size} bytes cannot hold a checkpoint")
+    magic = bytearray(len(MAGIC))
+    _pread(fd, memoryview(magic), 0, path)
+    if bytes(magic) != MAGIC:
+        raise StoreError(f"{path} is not a version 2 gangd checkpoint image (bad magic)")
+    footer = bytearray(FOOTER.size)
+    _pread(fd, memoryview(footer), size - FOOTER.size, path)
+    index_offset, index_len, index_hash, end = FOOTER.unpack(footer)
+    if end != END:
+        raise StoreError(f"{path} is truncated or has trailing bytes: it does not end with its footer")
+    if index_len > MAX_INDEX or index_offset < len(MAGIC) or index_offset + index_len + FOOTER.size != size:
+        raise StoreError(f"{path} is corrupted: its footer places the index at {index_offset} (+{index_len}) in {size} bytes")
+    tail = bytearray(index_len + FOOTER.size)
+    _pread(fd, memoryview(tail), index_offset, path)
+    if _hash(memoryview(tail)[:index_len]) != index_hash:
+        raise StoreError(f"{path} is corrupted: its index does not match its checksum")
+    return _decode(path, size, index_offset, bytes(tail))
+
+
+def read_index(path: Path, expect: Sequence | None = None) -> Index:
+    """The checked index of a v2 file (``expect``: (size, checksum); only the size is checked, the blocks are not read)."""
+    path = Path(path)
+    fd = _open(path)
+    try:
+        return _index_of(fd, path, None if expect is None else int(expect[0]))
+    finally:
+        os.close(fd)
+
+
+# ====================================================================== comparing and writing
+
+
+@dataclass
+class Diff:
+    """Blocks of a state that differ from a reference: per value a mask, or
+    None when the value has no comparable reference (new, or another kind,
+    dtype, shape, size or block size); ``bytes``: the changed blocks' bytes."""
+
+    changed: dict[str, np.ndarray | None]
+    bytes: int
+
+
+def _masked_bytes(mask: np.ndarray, nbytes: int, block: int) -> int:
+    n = int(np.count_nonzero(mask))
+    if n and mask[-1]:
+        return n * block - (len(mask) * block - nbytes)
+    return n * block
+
+
+def diff(state: State, ref: Index | None) -> Diff:
+    """Which blocks of the hashed ``state`` differ from ``ref``'s signature (vectorized per value)."""
+    if not state.signed:
+        raise ValueError("diff needs a hashed state (blocks.signature)")
+    changed: dict[str, np.ndarray | None] = {}
+    total = 0
+    comparable = ref is not None and ref.signed and ref.block == state.block
+    for v in state.values:
+        e = ref.entry(v.name) if comparable and ref is not None else None
+        if v.sig is None or e is None or e.signature is None or (e.kind, e.meta, e.nbytes) != (v.kind, v.meta, v.nbytes):
+            changed[v.name] = None
+            total += v.nbytes
+        else:
+            mask = np.any(v.sig != e.signature, axis=1)
+            changed[v.name] = mask
+            total += _masked_bytes(mask, v.nbytes, state.block)
+    return Diff(changed, total)
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) of each run of True."""
+    idx = np.flatnonzero(mask)
+    if not len(idx):
+        return []
+    breaks = np.flatnonzero(np.diff(idx) != 1)
+    starts = idx[np.concatenate(([0], breaks + 1))]
+    ends = idx[np.concatenate((breaks, [len(idx) - 1]))] + 1
+    return list(zip(starts.tolist(), ends.tolist(), strict=True))
+
+
+def write_delta(path: Path, values: Mapping[str, object] | State, choice: delta.Choice, ref_sigs: Index | None, *,
+                gen: int, iteration: int = 0, extra: dict | None = None, block: int = DEFAULT_BLOCK, durable: bool = True,
+                changes: Diff | None = None) -> dict:
+    """Pass 2: write generation ``gen``'s file with the blocks ``choice`` asks for.
+
+    ``values``: the values, or the :class:`State` pass 1 hashed (an unhashed
+    state or a dict is written full and unsigned: mode ``full`` hashes
+    nothing). ``ref_sigs``: the index of ``choice.against`` (None for a
+    full); ``changes``: pass 1's :func:`diff` against it, if already made.
+    Written atomically (temporary name, fsync unless ``durable=False``,
+    rename). Returns {"size", "digest", "role", "parent", "base", "links",
+    "state", "restore"}: ``state`` the values' bytes, ``restore`` the bytes
+    a restore of this generation reads (each block once, plus every file's
+    magic, index and footer).
+    """
+    chunks, result = encode(values, choice, ref_sigs, gen=gen, iteration=iteration, extra=extra, block=block, changes=changes)
+    size, digest = ckptstore.write_atomic(Path(path), chunks, durable=durable)
+    return {"size": size, "digest": digest, **result}
+
+
+def encode(values: Mapping[str, object] | State, choice: delta.Choice, ref_sigs: Index | None, *, gen: int, iteration: int = 0,
+           extra: dict | None = None, block: int = DEFAULT_BLOCK, changes: Diff | None = None) -> tuple[list, dict]:
+    """The file :func:`write_delta` writes, as a list of buffers (the values' blocks by reference), and its result fields."""
+    state = values if isinstance(values, State) else plan(values, block)
+    full = choice.role == "full"
+    if choice.role not in delta.ROLES or full != (choice.against is None):
+        raise ValueError(f"a {choice.role} checkpoint {'has no' if full else 'needs a'} reference generation")
+    if not _is_int(gen):
+        raise ValueError(f"a generation is a non-negative integer, not {gen!r}")
+    links: list[int] = []
+    parent = base = None
+    overhead = 0
+    if not full:
+        if not state.signed:
+            raise ValueError("a delta needs a hashed state (blocks.signature)")
+        if ref_sigs is None or ref_sigs.gen != choice.against or not ref_sigs.signed:
+            raise ValueError(f"a delta against generation {choice.against} needs that generation's signed index")
+        if ref_sigs.gen >= gen:
+            raise ValueError(f"generation {gen} cannot be a delta against generation {ref_sigs.gen}")
+        if changes is None or set(changes.changed) != {v.name for v in state.values}:
+            changes = diff(state, ref_sigs)
+        links = [ref_sigs.gen, *ref_sigs.links]
+        parent = ref_sigs.gen
+        base = ref_sigs.base
+        overhead = ref_sigs.overhead + ref_sigs.own_overhead
+    chunks: list = [MAGIC]
+    meta_entries: list[dict] = []
+    raw: list[bytes] = []
+    offset = len(MAGIC)
+    for v in state.values:
+        count = nblocks(v.nbytes, state.block)
+        mask = None if changes is None else changes.changed.get(v.name)
+        whole = mask is None
+        if mask is None:
+            present = np.ones(count, dtype=bool)
+            if v.nbytes:
+                chunks.append(v.data)
+            offset += v.nbytes
+        else:
+            present = mask
+            for a, b in _runs(mask):
+                part = v.data[a * state.block : min(b * state.block, v.nbytes)]
+                chunks.append(part)
+                offset += len(part)
+        meta_entries.append({"name": v.name, "kind": v.kind, "meta": v.meta, "nbytes": v.nbytes, "nblocks": count,
+                             "whole": whole, "codec": "none"})
+        if state.signed and v.sig is not None:
+            raw.append(v.sig.tobytes())
+        raw.append(np.packbits(present).tobytes())
+    head = msgpack.packb({"v": 2, "iteration": iteration, "extra": extra or {}, "block": state.block, "gen": gen,
+                          "role": choice.role, "parent": parent, "base": delta.base_of(gen, choice, base), "links": links,
+                          "signed": state.signed, "overhead": overhead, "entries": meta_entries}, use_bin_type=True)
+    index = head + b"".join(raw)
+    chunks += [index, FOOTER.pack(offset, len(index), _hash(index), END)]
+    return chunks, {"role": choice.role, "parent": parent, "base": delta.base_of(gen, choice, base), "links": links,
+                    "state": state.total, "restore": state.total + overhead + len(MAGIC) + len(index) + FOOTER.size}
+
+
+# ====================================================================== restoring a chain
+
+
+@dataclass(frozen=True)
+class Link:
+    """An older generation's file a restore reads: ``expect`` (size, checksum) from its manifest, if known."""
+
+    gen: int
+    path: Path
+    expect: tuple[int, str] | None = None
+
+
+def _link(item: object) -> Link:
+    if isinstance(item, Link):
+        return item
+    if isinstance(item, Mapping):
+        gen, path, expect = item.get("gen"), item.get("path"), item.get("expect")
+    elif isinstance(item, Sequence) and len(item) in (2, 3):
+        gen, path, expect = item[0], item[1], item[2] if len(item) == 3 else None
+    else:
+        raise StoreError(f"a restore chain's link {item!r} is not (gen, path, expect)")
+    if type(gen) is not int or gen < 0 or not isinstance(path, str | os.PathLike):
+        raise StoreError(f"a restore chain's link {item!r} has no generation or path")
+    if expect is not None and not (isinstance(expect, Sequence) and len(expect) == 2 and _is_int(expect[0]) and isinstance(expect[1], str)):
+        raise StoreError(f"a restore chain's link {item!r} has an unusable expected size and checksum")
+    return Link(gen, Path(path), None if expect is None else (expect[0], expect[1]))
+
+
+def read_chain(path: Path, chain: Iterable = (), expect: Sequence | None = None, *,
+               stats: dict | None = None) -> tuple[dict[str, object], int, dict]:
+    """Restore the generation in ``path`` from it and its ``chain`` (its
+    links, newest first: :class:`Link`, (gen, path[, expect]) or
+    {"gen", "path", "expect"}); returns (values, iteration, extra).
+
+    Every block is read once, straight into the new arrays. ``expect``:
+    (size, checksum) of ``path`` from the manifest, checked as the file is
+    read; a link's expected size is checked too (its checksum cannot be:
+    only part of it is read). Every placed block is checked against the
+    signature of ``path``'s generation. ``stats``, if given, gets "read"
+    (bytes read), "blocks" (block bytes read) and "files".
+    """
+    path = Path(path)
+    links = [_link(item) for item in chain]
+    fds: list[int] = []
+    read = blocks_read = 0
+    try:
+        fd = _open(path)
+        fds.append(fd)
+        top = _index_of(fd, path, None if expect is None else int(expect[0]))
+        read += top.own_overhead
+        if list(top.links) != [link.gen for link in links]:
+            raise StoreError(f"{path} (generation {top.gen}) needs generations {list(top.links)}, "
+                             f"but the restore was handed {[link.gen for link in links]}")
+        values: dict[str, object] = {}
+        views: dict[str, memoryview] = {}
+        placed: dict[str, np.ndarray] = {}
+        source: dict[str, np.ndarray] = {}  # per block: which file (0 = path, i = links[i-1]) it came from
+        for e in top.entries:
+            try:
+                if e.kind == "nd":
+                    arr = np.empty(e.meta["shape"], dtype=_dtype(e.meta["dtype"]))
+                    values[e.name], views[e.name] = arr, _array_bytes(arr)
+                else:
+                    blob = bytearray(e.nbytes)
+                    values[e.name], views[e.name] = blob, memoryview(blob)
+            except (MemoryError, ValueError) as exc:
+                raise StoreError(f"cannot allocate value {e.name!r} of {path} ({e.nbytes} bytes): {exc}") from None
+            placed[e.name] = np.zeros(e.nblocks, dtype=bool)
+            source[e.name] = np.zeros(e.nblocks, dtype=np.int32)
+        digest = ckptstore.hasher() if expect is not None else None
+        if digest is not None:
+            digest.update(MAGIC)
+        files: list[tuple[Path, Index]] = [(path, top)]
+        blocks_read += _place(fd, top, top, 0, views, placed, source, digest)
+        if digest is not None:
+            digest.update(top.tail)
+            if digest.hexdigest() != expect[1]:  # type: ignore[index]
+                raise StoreError(f"{path} is corrupted: its checksum does not match the manifest")
+        for number, link in enumerate(links, 1):
+            fd = _open(link.path)
+            fds.append(fd)
+            index = _index_of(fd, link.path, None if link.expect is None else link.expect[0])
+            read += index.own_overhead
+            if index.gen != link.gen or list(index.links) != [later.gen for later in links[number:]]:
+                raise StoreError(f"{link.path} is not the link the chain of generation {top.gen} needs: it is generation "
+                                 f"{index.gen} with links {list(index.links)}, expected generation {link.gen}")
+            files.append((link.path, index))
+            blocks_read += _place(fd, top, index, number, views, placed, source, None)
+        for e in top.entries:
+            missing = int(np.count_nonzero(~placed[e.name]))
+            if missing:
+                raise StoreError(f"{files[-1][0]} ends the chain of {path} but value {e.name!r} still misses {missing} of its "
+                                 f"{e.nblocks} blocks (a broken chain)")
+    finally:
+        for fd in fds:
+            os.close(fd)
+    if top.signed:
+        for e in top.entries:
+            if e.signature is None or not e.nblocks:
+                continue
+            bad = np.flatnonzero(np.any(hash_blocks(views[e.name], top.block) != e.signature, axis=1))
+            if len(bad):
+                first = int(bad[0])
+                where = files[int(source[e.name][first])][0]
+                raise StoreError(f"{where} is corrupted: block {first} of value {e.name!r} does not match "
+                                 f"generation {top.gen}'s signature (restoring {path})")
+    for e in top.entries:
+        if e.kind == "pk":
+            try:
+                values[e.name] = pickle.loads(values[e.name])  # type: ignore[arg-type]  # (the program's own state)
+            except Exception as exc:  # noqa: BLE001 -- a pickle that checked out but does not load: say so
+                raise StoreError(f"{path} is corrupted: value {e.name!r} does not unpickle ({type(exc).__name__}: {exc})") from None
+    if stats is not None:
+        stats.update({"read": read + blocks_read, "blocks": blocks_read, "files": len(files)})
+    return values, top.iteration, top.extra
+
+
+def _place(fd: int, top: Index, index: Index, number: int, views: dict[str, memoryview], placed: dict[str, np.ndarray],
+           source: dict[str, np.ndarray], digest) -> int:
+    """Read the blocks ``index``'s file holds that no newer file placed; returns the bytes read."""
+    got = 0
+    for e in top.entries:
+        done = placed[e.name]
+        if done.all():
+            continue
+        mine = index.entry(e.name)
+        if mine is None or not mine.same_value(e) or (index is not top and index.block != top.block):
+            raise StoreError(f"{index.path} is a corrupt link of generation {top.gen}'s chain: it does not hold value "
+                             f"{e.name!r} as generation {top.gen} describes it")
+        need = mine.present & ~done
+        if not need.any():
+            continue
+        stored_before = np.cumsum(mine.present) - mine.present  # stored blocks ahead of each block
+        view, block = views[e.name], top.block
+        for a, b in _runs(need):
+            part = view[a * block : min(b * block, e.nbytes)]
+            _pread(fd, part, mine.offset + int(stored_before[a]) * block, index.path)
+            if digest is not None:
+                digest.update(part)
+            got += len(part)
+        done |= need
+        source[e.name][need] = number
+    return got
+
+
+# ====================================================================== one generation, start to end
+
+
+def save_generation(path: Path, values: Mapping[str, object], *, gen: int, iteration: int = 0, mode: str = delta.DEFAULT_MODE,
+                    offered: Iterable = (), block: int = DEFAULT_BLOCK, chain_max: int = delta.DEFAULT_CHAIN_MAX,
+                    threshold: float = delta.DEFAULT_THRESHOLD, full_above: float = delta.DEFAULT_FULL_ABOVE,
+                    force_full: bool = False, extra: dict | None = None, durable: bool = True) -> dict:
+    """Write generation ``gen`` of the values in ``mode``: hash (unless
+    ``full``), compare with the offered parent and its base, :func:`delta.choose`,
+    write. ``offered``: the parent generation's file first, then its chain
+    (as for :func:`read_chain`); the daemon's ``ckpt_start`` offer, or the
+    newest complete generation of a program run alone.
+
+    A parent that cannot be read, or whose chain is not the one offered,
+    makes this generation a full one (it then needs nothing older): a
+    checkpoint does not fail because an older one is damaged. Returns
+    :func:`write_delta`'s result plus "mode" and, when the parent was
+    unusable, "why_full".
+    """
+    if mode not in delta.MODES:
+        raise ValueError(f"checkpoint mode {mode!r} is not one of {', '.join(delta.MODES)}")
+    links = [_link(item) for item in offered]
+    state = plan(values, block)
+    why_full = None
+    parent = base = None
+    if mode != "full":
+        signature(state)
+        if links and not force_full:
+            try:
+                parent = read_index(links[0].path, links[0].expect)
+                if parent.gen != links[0].gen or list(parent.links) != [link.gen for link in links[1:]]:
+                    raise StoreError(f"{links[0].path} is generation {parent.gen} with links {list(parent.links)}, "
+                                     f"not the generation {links[0].gen} offered with links {[link.gen for link in links[1:]]}")
+                if parent.base == parent.gen:
+                    base = parent
+                else:
+                    where = next((link for link in links if link.gen == parent.base), None)
+                    if where is None:
+                        raise StoreError(f"{links[0].path} names base {parent.base}, which is not in its chain")
+                    base = read_index(where.path, where.expect)
+                    if base.gen != parent.base:
+                        raise StoreError(f"{where.path} is generation {base.gen}, not the base {parent.base}")
+            except StoreError as exc:
+                why_full, parent, base = str(exc), None, None
+    if parent is None or base is None:
+        choice = delta.FULL
+    else:
+        d_prev = diff(state, parent)
+        d_base = d_prev if base is parent else diff(state, base)
+        parent_ref, base_ref = delta.refs(parent.gen, parent.role, parent.base, parent.links)
+        choice = delta.choose(mode, parent=parent_ref, base=base_ref, d_prev=d_prev.bytes, d_base=d_base.bytes, total=state.total,
+                              chain_max=chain_max, threshold=threshold, full_above=full_above, force_full=force_full)
+    ref, changes = None, None
+    if choice.against is not None and parent is not None and base is not None:
+        ref, changes = (parent, d_prev) if choice.against == parent.gen else (base, d_base)
+    result = write_delta(path, state, choice, ref, gen=gen, iteration=iteration, extra=extra, durable=durable, changes=changes)
+    result["mode"] = mode
+    if why_full is not None:
+        result["why_full"] = why_full
+    return result

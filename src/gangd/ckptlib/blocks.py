@@ -34,9 +34,10 @@ against each other before anything is allocated or read, and the footer's
 hash covers the index. Files are opened without following symlinks and
 must be regular files (a FIFO would hang a restart).
 
-Hashing speed: one ``xxh3_128_digest`` call per block on a memoryview slice
-(no copy); the Python call is the cost, which is why blocks are 16 KiB by
-default (``bench/delta.py`` sweeps the size and prints the ratio to raw xxh3).
+Hashing speed: one ``xxh3_128_digest`` call per block, each a row of a
+numpy view of the value's bytes (no copy); the Python call is the cost,
+which is why blocks are 16 KiB by default (``bench/delta.py`` sweeps the
+size and prints the ratio to raw xxh3; :func:`hash_blocks`).
 """
 
 from __future__ import annotations

@@ -56,6 +56,7 @@ import xxhash
 from .. import ckptstore
 from ..checkpoint import delta
 from ..ckptstore import StoreError
+from . import dtypes
 
 MAGIC = b"GANGDCK2"
 END = b"GANGDEND"
@@ -127,8 +128,8 @@ def plan(values: Mapping[str, object], block: int = DEFAULT_BLOCK) -> State:
         if type(value) is np.ndarray and not value.dtype.hasobject:  # (subclasses: np.matrix, masked arrays... pickle)
             arr = value if value.flags.c_contiguous else np.ascontiguousarray(value)  # (keeps 0-d arrays 0-d)
             simple = arr.dtype.names is None and arr.dtype.subdtype is None
-            # Records, padding and nested fields survive only a pickled dtype; plain ones stay readable.
-            dtype = arr.dtype.str if simple else pickle.dumps(arr.dtype, protocol=pickle.HIGHEST_PROTOCOL)
+            # Records, padding and nested fields as a description numpy's public constructor rebuilds (never a pickle).
+            dtype = arr.dtype.str if simple else dtypes.describe(arr.dtype)
             planned.append(Value(name, "nd", {"dtype": dtype, "shape": list(arr.shape)}, arr.nbytes, _array_bytes(arr)))
         else:
             try:
@@ -231,31 +232,14 @@ class Index:
         return None
 
 
-class _DtypeUnpickler(pickle.Unpickler):
-    """Reads a pickled record dtype and nothing else: an index never runs code."""
-
-    def find_class(self, module: str, name: str):
-        if (module, name) == ("numpy", "dtype"):
-            return np.dtype
-        raise pickle.UnpicklingError(f"{module}.{name} is not a dtype")
-
-
-def _dtype(spec: object) -> np.dtype:
-    if isinstance(spec, str) and len(spec) <= 64:
-        dtype = np.dtype(spec)
-        if dtype.names is not None or dtype.subdtype is not None:
-            raise ValueError(f"{spec!r} is not a plain dtype")
-    elif isinstance(spec, bytes) and len(spec) <= MAX_DTYPE:
-        import io
-
-        dtype = _DtypeUnpickler(io.BytesIO(spec)).load()
-        if not isinstance(dtype, np.dtype):
-            raise ValueError("not a dtype")
-    else:
-        raise ValueError("not a dtype description")
-    if dtype.hasobject:  # raw bytes never become object pointers
-        raise ValueError(f"{dtype!r} holds objects")
-    return dtype
+def _dtype(spec: object, *, pickled: bool = False) -> np.dtype:
+    """An index's dtype (:mod:`gangd.ckptlib.dtypes`); ``pickled``: a format 1
+    file's pickled one is read too. ValueError for anything unusable."""
+    if isinstance(spec, bytes):
+        if not pickled or len(spec) > MAX_DTYPE:
+            raise ValueError("not a dtype description")
+        return dtypes.from_pickle(spec)
+    return dtypes.build(spec)
 
 
 def _is_int(x: object, low: int = 0, high: int = 1 << 62) -> bool:

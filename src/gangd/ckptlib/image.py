@@ -127,7 +127,7 @@ def _load_v1(fh, path: Path, expect: tuple[int, str] | None) -> tuple[dict[str, 
     for name, kind, meta, nbytes in entries:
         if kind == "nd":
             try:
-                dtype = blocks._dtype(meta["dtype"])  # (raw bytes never become object pointers; a pickled dtype runs no code)
+                dtype = blocks._dtype(meta["dtype"], pickled=True)  # (raw bytes never become object pointers; a pickled dtype runs no numpy code)
                 shape = meta["shape"]
                 if not isinstance(shape, list) or len(shape) > blocks.MAX_DIMS or not all(type(n) is int and n >= 0 for n in shape):
                     raise ValueError(f"shape {shape!r}")
@@ -154,7 +154,7 @@ def _load_v1(fh, path: Path, expect: tuple[int, str] | None) -> tuple[dict[str, 
         raise StoreError(f"{path} is corrupted: its checksum does not match the manifest")
     for name, blob in pickled.items():
         try:
-            values[name] = pickle.loads(blob)  # (the program's own state)
+            values[name] = pickle.loads(bytes(blob))  # (the program's own state; bytes: a damaged pickle can leave a bytearray exported)
         except Exception as exc:  # noqa: BLE001 -- a damaged pickle (no manifest to check it against): say so
             raise StoreError(f"{path} is corrupted: value {name!r} does not unpickle ({type(exc).__name__}: {exc})") from None
     extra = header.get("extra") or {}

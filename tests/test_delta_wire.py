@@ -595,3 +595,13 @@ def test_a_layout_change_forces_full_files_and_a_hostile_report_aborts_only_its_
     after = probe.checkpoint(restarted)
     assert after["state"] == "complete"
     assert all([link["gen"] for link in d["links"]] == [moved["gen"]] for d in probe.offers(restarted, after["gen"]).values())
+
+
+def test_a_staged_manifest_keeps_the_needs_of_the_files_that_stay():
+    from gangd.daemon.staging import merged
+
+    local = ckptstore.Manifest(7, 5, "n1", 10, {"ranks/rank-0.state": [5, "ab"], "ranks/rank-1.state": [6, "cd"]}, [0, 1], 1.0,
+                               {"ranks/rank-0.state": [4], "ranks/rank-1.state": [4, 3]})
+    staged = merged(local, 7, 5, "n1", 10, {"ranks/rank-1.state": [9, "ef"], "ranks/rank-2.state": [8, "01"]}, {1, 2}, {"ranks/rank-2.state": [3]})
+    assert staged.needs == {"ranks/rank-0.state": [4], "ranks/rank-2.state": [3]}  # (rank 1's landed whole: its old links went with it)
+    assert merged(None, 7, 5, "n1", 10, {"ranks/rank-2.state": [8, "01"]}, {2}).needs == {}

@@ -30,6 +30,23 @@ mount a disk there later), always through directory descriptors
 files it reads back are read in a thread, without following links, to a
 size limit (see :mod:`gangd.ckptstore`).
 
+Incremental checkpoints (issue 17): the rank decides what its file holds,
+because only it sees its state's block hashes; this node decides what it may
+build on. At the begin it plans, per rank, the *offer* the start sync answers
+with (:class:`~gangd.checkpoint.messages.DeltaOffer`): the newest sound
+generation of the lineage (complete or protected, its redundancy never
+failed, taken with the job's present placement) whose MANIFEST here lists
+the rank's file, and every generation that file needs, each listed here too
+— or nothing (a full file) for the first checkpoint, after the ranks moved,
+in mode ``full``, or when the coordinator asks (``force_full``). The rank's
+report may name only a tail of that chain, at most ``chain_max`` long
+(:meth:`~gangd.checkpoint.messages.WriteReport.parse`): a hostile rank cannot
+pin old generations against retention or point a restore elsewhere. The
+commit writes what each file needs into the MANIFEST (format 2), and a
+restart hands each rank its chain, every link checked to be listed here.
+Ranks that write whole files (today's writer) report no links: their
+generations are what they always were, MANIFEST format 1 included.
+
 The round's state and every rule about what a rank's message means in which
 phase are the pure :class:`gangd.checkpoint.node.NodeRound` (and
 :class:`~gangd.checkpoint.node.NodeJobs`: a begin after its abort, a late

@@ -372,6 +372,7 @@ the offer allows ("chain": an incremental of the offered parent) or as the
 JSON fields given (a hostile rank)."""
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -404,7 +405,9 @@ def call(self, op, args):
         delta = offers.get(args["gen"]) or {}
         chain = [link["gen"] for link in delta.get("links", [])]
         result = dict(args["result"])
-        if claim == "chain" and chain and len(chain) <= delta["chain_max"]:
+        if claim == "chain-gone" and chain:  # its oldest link vanishes before the commit (as a removal would do it)
+            shutil.rmtree(Path(delta["links"][-1]["path"]).parent.parent, ignore_errors=True)
+        if claim.startswith("chain") and chain and len(chain) <= delta["chain_max"]:
             result.update(role="incr", parent=chain[0], base=chain[-1], links=chain, restore=result["size"] * (len(chain) + 1))
         elif claim.startswith("{"):
             result.update(json.loads(claim))
@@ -584,6 +587,13 @@ def test_a_layout_change_forces_full_files_and_a_hostile_report_aborts_only_its_
     gen = probe.checkpoint(job)
     assert gen["state"] == "complete" and {g["gen"]: g for g in generations(gc, job)}[gen["gen"]]["needs"] == [first]
     assert all(r["state"] == "up" for r in gc.gang_json("nodes")["nodes"])
+    probe.claim("chain-gone")  # the generation it needs vanishes between the offer and the commit
+    gone = probe.checkpoint(job)
+    assert gone["state"] == "aborted" and f"gen-{first}" in gone["reason"] and "which rank 0's file needs, is gone" in gone["reason"], gone
+    probe.claim("chain")
+    again = probe.checkpoint(job)
+    assert again["state"] == "complete"
+    assert [d["links"] for d in probe.offers(job, again["gen"]).values()] == [[], []]  # (the only chain left is broken)
 
     restarted = kill_and_restart(gc, job, "-N", 2)
     probe.wait_ready(restarted)

@@ -714,6 +714,7 @@ class NodeCheckpoints:
                     raise StoreError(f"{path}: {exc.strerror}") from None
                 if actual != size:
                     raise StoreError(f"{path} has {actual} bytes, its writer reported {size}")
+            self._links_intact(pending)
             try:
                 ckptstore.sync(pending.directory, pending.files, dir_fd=gen)  # the daemon's own files (the ranks fsynced theirs)
             except OSError as exc:
@@ -721,6 +722,31 @@ class NodeCheckpoints:
             ckptstore.write_manifest(pending.directory, manifest, dir_fd=gen)
         finally:
             os.close(gen)
+
+    def _links_intact(self, pending: Pending) -> None:
+        """(In a thread.) Every generation a rank's delta needs still lists
+        the file it was offered, unchanged: a generation removed or rewritten
+        since the offer (retention, a restart's staging) would leave this one
+        a chain no restore can follow. Raises :class:`StoreError` naming it."""
+        held: dict[int, ckptstore.Manifest] = {}
+        for rank, report in sorted(pending.written.items()):
+            offered = {link.gen: link for link in pending.offers[rank].links} if rank in pending.offers else {}
+            name = ckptstore.cluster_rank_file(rank)
+            for gen in report.links:
+                directory = ckptstore.gen_dir(self.root, pending.lineage, gen)
+                if gen not in held:
+                    try:
+                        fd = self._gen_fd(directory)
+                    except (UnsafePath, OSError) as exc:
+                        raise StoreError(f"generation {gen}, which rank {rank}'s file needs, is gone: "
+                                         f"{getattr(exc, 'strerror', None) or exc} ({directory})") from None
+                    try:
+                        held[gen] = ckptstore.read_manifest(directory, dir_fd=fd, owner=os.geteuid())
+                    finally:
+                        os.close(fd)
+                listed = held[gen].files.get(name)
+                if gen not in offered or listed is None or tuple(listed) != offered[gen].expect:
+                    raise StoreError(f"{directory / name}, which rank {rank}'s file needs, is no longer what it was offered as")
 
     async def abort(self, args: dict) -> bool:
         job_id, gen, why = int(args["job"]), args.get("gen"), text.printable(str(args.get("why") or "aborted"))

@@ -567,7 +567,13 @@ def test_each_rank_is_offered_the_newest_generation_with_its_chain_and_a_restart
 
 
 def test_a_layout_change_forces_full_files_and_a_hostile_report_aborts_only_its_generation(probe_cluster):
-    from ckpthelpers import generations, kill_and_restart
+    """Both ranks on n1, the cluster's mode: a rank naming links it was not
+    offered aborts that generation with a sentence (the daemons and the job
+    go on); a link that vanishes between the offer and the commit aborts it
+    too, and is offered no more; a restart from a generation whose link is
+    gone fails its launch naming the link; a restart on 2 nodes (a rank
+    moved) is offered full files, then a chain of the new layout."""
+    from ckpthelpers import generations
 
     gc, probe = probe_cluster
     job = probe.submit("-w", "n1", "--ckpt-redundancy", "local")
@@ -595,7 +601,12 @@ def test_a_layout_change_forces_full_files_and_a_hostile_report_aborts_only_its_
     assert again["state"] == "complete"
     assert [d["links"] for d in probe.offers(job, again["gen"]).values()] == [[], []]  # (the only chain left is broken)
 
-    restarted = kill_and_restart(gc, job, "-N", 2)
+    gc.gang("kill", job, check=True)
+    broken = json.loads(gc.gang("restart", job, "-g", gen["gen"], "--json", check=True).stdout)["record"]["id"]  # (needs the one gone)
+    failed = gc.wait_state(broken, ("FAILED", "KILLED", "DONE"), timeout=60)
+    assert failed["state"] == "FAILED", failed
+    assert f"generation {first}, which ranks/rank-0.state of generation {gen['gen']} needs, cannot be opened" in failed["reason"]
+    restarted = json.loads(gc.gang("restart", job, "--json", "-N", 2, check=True).stdout)["record"]["id"]
     probe.wait_ready(restarted)
     assert sorted(gc.job(restarted)["placement"]) == ["n1", "n2"]  # (a rank moved to n2)
     moved = probe.checkpoint(restarted)

@@ -147,6 +147,13 @@ def _at_low_priority(fn, *args):
             log.warning("could not restore a worker thread's priority: %s", exc.strerror)
 
 
+def _why_not(exc: OSError | UnsafePath, directory: Path) -> str:
+    """Why a generation's directory could not be opened, naming it once."""
+    if isinstance(exc, UnsafePath):
+        return str(exc)
+    return f"{exc.strerror or exc} ({directory})"
+
+
 @dataclass
 class RankAgent:
     """A rank's ckptlib connection."""
@@ -738,8 +745,7 @@ class NodeCheckpoints:
                     try:
                         fd = self._gen_fd(directory)
                     except (UnsafePath, OSError) as exc:
-                        raise StoreError(f"generation {gen}, which rank {rank}'s file needs, is gone: "
-                                         f"{getattr(exc, 'strerror', None) or exc} ({directory})") from None
+                        raise StoreError(f"generation {gen}, which rank {rank}'s file needs, is gone: {_why_not(exc, directory)}") from None
                     try:
                         held[gen] = ckptstore.read_manifest(directory, dir_fd=fd, owner=os.geteuid())
                     finally:
@@ -916,8 +922,7 @@ class NodeCheckpoints:
                     try:
                         fd = self._gen_fd(directory)
                     except (UnsafePath, OSError) as exc:
-                        raise StoreError(f"generation {link}, which {name} of generation {gen} needs, cannot be opened: "
-                                         f"{getattr(exc, 'strerror', None) or exc} ({directory})") from None
+                        raise StoreError(f"generation {link}, which {name} of generation {gen} needs, cannot be opened: {_why_not(exc, directory)}") from None
                     try:
                         held[link] = ckptstore.read_manifest(directory, dir_fd=fd, owner=os.geteuid())
                     finally:

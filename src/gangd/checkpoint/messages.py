@@ -5,6 +5,15 @@ until checked: each message is a frozen dataclass whose ``from_wire`` takes
 the decoded msgpack arguments and raises :class:`BadMessage` with a sentence
 saying what is wrong, and whose ``to_wire`` gives the arguments of the same
 op as before (the wire protocol between daemons and ranks is unchanged).
+
+Incremental checkpoints (issue 17) add fields, never ops: the ``delta``
+offer of a ``ckpt_start`` reply (:class:`DeltaOffer`), a write report's
+role and links (:class:`WriteReport`: a rank may name only a tail of the
+chain it was offered, so it can neither pin old generations against
+retention nor make a restore read another's files), and a commit answer's
+written and restore bytes, needs and roles (:class:`CommitAnswer`). A
+message without them — from today's writer, or a daemon before deltas —
+reads as a full file.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ a program runs alone. One directory per generation::
         ranks/rank-<R>.state  a rank's protected state (ranks/ is the job owner's, 0700)
         net-<R>.ctx           its network context (written by the daemon)
         job.msgpack           the daemon's record of the job at the cut
-        MANIFEST              this node's commit: every file above with size and checksum
+        MANIFEST              this node's commit: every file above with size and checksum,
+                              and (format 2) the older generations a delta file needs
 
 (``<root>`` is ``<checkpoint_dir>/<node>``: each node its own, see the README.)
 The rank state files are the job owner's (the ranks write them); every file
@@ -42,7 +43,7 @@ import os
 import shutil
 import stat
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgpack
@@ -51,7 +52,8 @@ import xxhash
 from . import safefs
 
 MANIFEST = "MANIFEST"
-FORMAT = 1
+FORMAT = 1  # a manifest of whole files (what daemons wrote before incremental checkpoints)
+FORMAT_DELTA = 2  # ... with ``needs``: some file is a delta of older generations
 CHUNK = 8 << 20  # what one write/read moves: large enough for full disk speed
 MAX_MANIFEST = 16 << 20  # bytes: ~250,000 files' entries; a larger one is refused unread
 
@@ -263,8 +265,21 @@ def checksum_file(path: Path) -> tuple[int, str]:
 # ------------------------------------------------------------ manifests
 
 
+MAX_NEEDS = 64  # generations one file may need (a restore chain; chain_max is far below it)
+
+
 @dataclass
 class Manifest:
+    """A node's commit of a generation.
+
+    ``needs`` (format 2): for a file that is a delta (issue 17), every older
+    generation a restore of it reads, newest first (its *links*; each lists
+    the same file name in its own MANIFEST on this node). A file not in
+    ``needs`` is whole. A manifest with no delta file is written as format 1,
+    byte for byte what daemons wrote before deltas existed, so full
+    generations stay readable by every daemon and tool of a cluster being
+    upgraded; format 1 is read as "nothing needed"."""
+
     lineage: int
     gen: int
     node: str
@@ -272,16 +287,28 @@ class Manifest:
     files: dict[str, list]  # name -> [size, checksum]
     ranks: list[int]
     committed: float
+    needs: dict[str, list[int]] = field(default_factory=dict)  # name -> generations its restore reads, newest first
+
+    def links(self, name: str) -> list[int]:
+        """The generations a restore of ``name`` reads besides this one ([]: whole)."""
+        return list(self.needs.get(name, ()))
 
     def pack(self) -> bytes:
-        return msgpack.packb({"format": FORMAT, **self.__dict__}, use_bin_type=True)
+        fields = {"lineage": self.lineage, "gen": self.gen, "node": self.node, "iteration": self.iteration,
+                  "files": self.files, "ranks": self.ranks, "committed": self.committed}
+        if any(self.needs.values()):
+            return msgpack.packb({"format": FORMAT_DELTA, **fields, "needs": {k: list(v) for k, v in self.needs.items() if v}}, use_bin_type=True)
+        return msgpack.packb({"format": FORMAT, **fields}, use_bin_type=True)
 
     @classmethod
     def unpack(cls, data: bytes, where: Path) -> Manifest:
         try:
             raw = msgpack.unpackb(data, raw=False)
-            if raw.pop("format") != FORMAT:
-                raise StoreError(f"{where}: manifest format {raw.get('format')} is not supported")
+            fmt = raw.pop("format")
+            if fmt not in (FORMAT, FORMAT_DELTA):
+                raise StoreError(f"{where}: manifest format {_show(fmt)} is not supported (this daemon reads {FORMAT} and {FORMAT_DELTA})")
+            if fmt == FORMAT and "needs" in raw:
+                raise ValueError("a format 1 manifest has no 'needs'")
             manifest = cls(**raw)
             ints = (manifest.lineage, manifest.gen, manifest.iteration, *manifest.ranks)
             if not (all(type(v) is int for v in ints) and isinstance(manifest.node, str)
@@ -289,11 +316,30 @@ class Manifest:
                     and all(isinstance(k, str) and isinstance(v, list) and len(v) == 2 and type(v[0]) is int
                             and 0 <= v[0] < 1 << 50 and isinstance(v[1], str) for k, v in manifest.files.items())):
                 raise ValueError("fields of the wrong type")
+            _check_needs(manifest)
             return manifest
         except StoreError:
             raise
         except Exception as exc:  # noqa: BLE001 -- a manifest is user-writable: any garbage (msgpack errors, wrong keys or types) is a StoreError
             raise StoreError(f"{where}: unreadable manifest ({type(exc).__name__}: {exc})") from None
+
+
+def _show(value: object) -> str:
+    return repr(value)[:40]
+
+
+def _check_needs(manifest: Manifest) -> None:
+    """``needs`` names listed files, each with older generations, newest first, none twice."""
+    needs = manifest.needs
+    if not isinstance(needs, dict) or len(needs) > len(manifest.files):
+        raise ValueError("'needs' must map listed files to generations")
+    for name, gens in needs.items():
+        if name not in manifest.files:
+            raise ValueError(f"'needs' names {_show(name)}, which the manifest does not list")
+        if not isinstance(gens, list) or len(gens) > MAX_NEEDS or not all(type(g) is int and 1 <= g < manifest.gen for g in gens):
+            raise ValueError(f"'needs' of {_show(name)} must be at most {MAX_NEEDS} generations older than {manifest.gen}")
+        if any(a <= b for a, b in zip(gens, gens[1:], strict=False)):
+            raise ValueError(f"'needs' of {_show(name)} must be newest first, each generation once")
 
 
 def write_manifest(directory: Path, manifest: Manifest, owner: tuple[int, int] | None = None, *, dir_fd: int | None = None) -> None:

@@ -117,6 +117,7 @@ class JobSpec:
     ckpt_every: float | None = None
     mpi: bool = False
     ckpt_redundancy: str | None = None  # local, partner, xor; None: the cluster's [checkpoint] redundancy
+    ckpt_mode: str | None = None  # full, incremental, differential, adaptive; None: the cluster's [checkpoint] mode
     requeue: bool | None = None  # restarted by itself when a node is lost; None: when it has checkpoints (see gangd.daemon.recover)
     net_context: dict[str, bytes] | None = None
 
@@ -181,6 +182,7 @@ class JobSpec:
         slice_ = _number(spec, "slice", 0.001, 3600, "the time slice must be between 0.001 and 3600 seconds, not {value!r}")
         every = _number(spec, "ckpt_every", 1, 10**7, "the checkpoint period must be between 1 second and 115 days, not {value!r}")
         redundancy = _redundancy(spec, nranks, nodelist, nodes, node_names)
+        mode = _ckpt_mode(spec)
         contexts = spec.get("net_context")
         if contexts is not None:
             if not isinstance(contexts, dict) or not all(
@@ -210,6 +212,7 @@ class JobSpec:
             ckpt_every=every,
             mpi=_flag(spec, "mpi", False),
             ckpt_redundancy=redundancy,
+            ckpt_mode=mode,
             requeue=None if spec.get("requeue") is None else _flag(spec, "requeue", True),
             net_context=dict(contexts) if contexts else None,
         )
@@ -225,7 +228,7 @@ class JobSpec:
             "per_node": self.per_node, "nodes": self.nodes, "nodelist": list(self.nodelist) if self.nodelist is not None else None,
             "kill_on_bad_exit": self.kill_on_bad_exit, "priority": self.priority, "slice": self.slice,
             "ckpt_every": self.ckpt_every, "mpi": self.mpi, "ckpt_redundancy": self.ckpt_redundancy,
-            "requeue": self.requeue,
+            "ckpt_mode": self.ckpt_mode, "requeue": self.requeue,
         }
 
 
@@ -254,6 +257,20 @@ def _redundancy(spec: dict, nranks: int, nodelist, nodes: int | None, node_names
             f"this one never can ({where}): use --ckpt-redundancy local",
         )
     return level
+
+
+#: What ``--ckpt-mode`` may ask for (:data:`gangd.checkpoint.messages.MODES`).
+CKPT_MODES = ("full", "incremental", "differential", "adaptive")
+
+
+def _ckpt_mode(spec: dict) -> str | None:
+    """The job's checkpoint mode (None: the cluster's ``[checkpoint] mode``)."""
+    mode = spec.get("ckpt_mode")
+    if mode is None:
+        return None
+    if mode not in CKPT_MODES:
+        raise BadSpec("bad_request", f"the checkpoint mode must be one of {', '.join(CKPT_MODES)}, not {text.printable(str(mode), 40)!r}")
+    return mode
 
 
 def new_record(*, job_id: int, spec: dict, owner_uid: int, owner_name: str, owner_gid: int) -> dict:
@@ -287,6 +304,7 @@ def new_record(*, job_id: int, spec: dict, owner_uid: int, owner_name: str, owne
         "mpi": bool(spec.get("mpi")),  # ranks get PMI-1 from their daemons (MPICH's process manager)
         "ckpt_every": spec.get("ckpt_every"),  # seconds between checkpoints, None: only on request
         "ckpt_redundancy": spec.get("ckpt_redundancy"),  # local/partner/xor; None: the cluster's default
+        "ckpt_mode": spec.get("ckpt_mode"),  # full/incremental/differential/adaptive; None: the lineage's, else the cluster's
         "checkpoints": [],  # generations this job took: see gangd.daemon.ckptcoord
         "requeue": spec.get("requeue"),  # True/False: --requeue/--no-requeue; None: requeue when it has checkpoints
         "lineage": job_id,  # the first job of a restart chain: its checkpoints are the chain's

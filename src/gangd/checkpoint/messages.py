@@ -5,12 +5,21 @@ until checked: each message is a frozen dataclass whose ``from_wire`` takes
 the decoded msgpack arguments and raises :class:`BadMessage` with a sentence
 saying what is wrong, and whose ``to_wire`` gives the arguments of the same
 op as before (the wire protocol between daemons and ranks is unchanged).
+
+Incremental checkpoints (issue 17) add fields, never ops: the ``delta``
+offer of a ``ckpt_start`` reply (:class:`DeltaOffer`), a write report's
+role and links (:class:`WriteReport`: a rank may name only a tail of the
+chain it was offered, so it can neither pin old generations against
+retention nor make a restore read another's files), and a commit answer's
+written and restore bytes, needs and roles (:class:`CommitAnswer`). A
+message without them — from today's writer, or a daemon before deltas —
+reads as a full file.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .. import text
@@ -80,17 +89,129 @@ class RankReport:
         return out
 
 
+#: The checkpoint modes a job may ask for (``--ckpt-mode``; issue 17).
+MODES = ("full", "incremental", "differential", "adaptive")
+#: What a rank's file of one generation is (``role`` of a write report):
+#: whole, or the blocks changed since the previous generation (``incr``),
+#: since the base (``diff``), or since the previous one as a new base (``rebase``).
+ROLES = ("full", "incr", "diff", "rebase")
+MAX_LINKS = 64  # generations one report may name (ckptstore.MAX_NEEDS; chain_max is far below)
+MAX_CHAIN = 64  # the largest chain_max a cluster may set
+MAX_BYTES = 2**62
+MAX_PATH = 4096
+
+
+@dataclass(frozen=True)
+class Link:
+    """A generation a rank may read blocks from: its file there and what the
+    node's MANIFEST of that generation says the file holds."""
+
+    gen: int
+    path: str
+    expect: tuple[int, str]  # (size, checksum)
+
+    def to_wire(self) -> dict:
+        return {"gen": self.gen, "path": self.path, "expect": [self.expect[0], self.expect[1]]}
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> Link:
+        raw = _dict(raw)
+        path, expect = raw.get("path"), raw.get("expect")
+        if not isinstance(path, str) or not 0 < len(path) <= MAX_PATH:
+            raise BadMessage(f"a link's 'path' must be a path, not {_show(path)}")
+        if not (isinstance(expect, (list, tuple)) and len(expect) == 2 and type(expect[0]) is int and 0 <= expect[0] < MAX_BYTES
+                and isinstance(expect[1], str) and 0 < len(expect[1]) <= MAX_DIGEST):
+            raise BadMessage(f"a link's 'expect' must be [size, checksum], not {_show(expect)}")
+        return cls(_int(raw, "gen", lo=1), path, (expect[0], expect[1]))
+
+
+@dataclass(frozen=True)
+class DeltaOffer:
+    """The ``delta`` of a ``ckpt_start`` reply: how the rank may write its file
+    of this generation. ``links``: the newest generation it may diff against
+    (its *parent*) first, then every generation a restore of the parent's file
+    reads, newest first. A rank names among those, and only those, what its
+    file needs (:meth:`WriteReport.parse`). ``force_full`` (then no links):
+    the rank writes its whole state — the job's first checkpoint, its ranks
+    moved, no usable generation holds its file here, or the coordinator asked."""
+
+    mode: str
+    block_kib: int
+    chain_max: int
+    threshold: float
+    force_full: bool
+    links: tuple[Link, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.force_full and self.links:
+            raise ValueError("a forced full checkpoint offers no links")
+
+    @property
+    def chain(self) -> tuple[int, ...]:
+        """The offered generations, newest first."""
+        return tuple(link.gen for link in self.links)
+
+    def to_wire(self) -> dict:
+        return {"mode": self.mode, "block_kib": self.block_kib, "chain_max": self.chain_max, "threshold": self.threshold,
+                "force_full": self.force_full, "links": [link.to_wire() for link in self.links]}
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> DeltaOffer:
+        raw = _dict(raw)
+        mode = raw.get("mode")
+        if mode not in MODES:
+            raise BadMessage(f"'mode' must be one of {', '.join(MODES)}, not {_show(mode)}")
+        threshold = raw.get("threshold")
+        if type(threshold) not in (int, float) or not 0 <= threshold <= 1:
+            raise BadMessage(f"'threshold' must be a share from 0 to 1, not {_show(threshold)}")
+        links = raw.get("links") or []
+        if not isinstance(links, list) or len(links) > MAX_LINKS:
+            raise BadMessage(f"'links' must be a list of at most {MAX_LINKS} generations")
+        force_full = raw.get("force_full")
+        if type(force_full) is not bool or (force_full and links):
+            raise BadMessage("'force_full' must be true or false, and true offers no links")
+        return cls(mode, _int(raw, "block_kib", lo=1, hi=1 << 20), _int(raw, "chain_max", lo=1, hi=MAX_CHAIN), float(threshold),
+                   force_full, tuple(Link.from_wire(link) for link in links))
+
+
+def _count(result: dict, key: str, default: int, hi: int) -> int:
+    value = result.get(key, default)
+    if value is None:
+        return default
+    if type(value) is not int or not 0 <= value <= hi:
+        raise BadMessage(f"a '{key}' that is not a byte count from 0 to {hi} ({_show(value)})")
+    return value
+
+
 @dataclass(frozen=True)
 class WriteReport:
-    """What a rank says it wrote: checked before anything uses it."""
+    """What a rank says it wrote: checked before anything uses it.
+
+    Besides the file's ``size`` and ``digest``: its ``role`` (:data:`ROLES`),
+    the ``parent`` it is a delta of, the ``base`` its differentials anchor
+    on, its ``links`` (every older generation a restore of it reads, newest
+    first), the ``state`` it holds (logical bytes: the rank's whole state,
+    not the file's) and the bytes a ``restore`` of it reads. A report of
+    today's writer (size, digest, seconds) is a full file."""
 
     size: int
     digest: str
     seconds: float
+    role: str = "full"
+    parent: int | None = None
+    base: int | None = None
+    links: tuple[int, ...] = ()
+    state: int = 0
+    restore: int = 0
 
     @classmethod
-    def parse(cls, result: Any, max_size: int) -> WriteReport:
-        """Raises :class:`BadMessage` (a ValueError) with a sentence saying what is wrong."""
+    def parse(cls, result: Any, max_size: int, offer: DeltaOffer | None = None, gen: int | None = None) -> WriteReport:
+        """Raises :class:`BadMessage` (a ValueError) with a sentence saying what is wrong.
+
+        ``offer``: what the daemon offered the rank (None: nothing, so only a
+        full file is accepted); its links must be a tail of the offered chain
+        (what a restore of the file's newest link reads, and that link), at
+        most ``chain_max`` long. ``gen``: the generation being written."""
         if not isinstance(result, dict):
             raise BadMessage("a malformed write result")
         size, digest, seconds = result.get("size"), result.get("digest"), result.get("seconds", 0.0)
@@ -102,10 +223,61 @@ class WriteReport:
             raise BadMessage("a malformed checksum")
         if type(seconds) not in (int, float) or not math.isfinite(seconds) or seconds < 0:
             raise BadMessage(f"a write time that is not a number of seconds ({_show(seconds)})")
-        return cls(size, digest, float(seconds))
+        role = result.get("role", "full")
+        if role is None:
+            role = "full"
+        if role not in ROLES:
+            raise BadMessage(f"a file role that is not one of {', '.join(ROLES)} ({_show(role)})")
+        links = cls._links(result.get("links"), role, offer)
+        parent = _int(result, "parent", optional=True, lo=1)
+        if role == "full" and parent is not None:
+            raise BadMessage(f"a full file with a parent (generation {parent})")
+        if role != "full" and parent != links[0]:
+            raise BadMessage(f"a {role} file whose parent ({_show(parent)}) is not its newest link ({links[0]})")
+        base = _int(result, "base", optional=True, lo=1)
+        if base is not None and base not in links and base != gen:
+            raise BadMessage(f"a base (generation {base}) that is neither this generation nor one of its links")
+        chain = len(links) + 1
+        state = _count(result, "state", size, MAX_BYTES)
+        restore = _count(result, "restore", size, min(MAX_BYTES, max_size * chain))  # (each link's file is at most max_size)
+        return cls(size, digest, float(seconds), role, parent, base, links, state, restore)
+
+    @staticmethod
+    def _links(raw: Any, role: str, offer: DeltaOffer | None) -> tuple[int, ...]:
+        if raw is None:
+            raw = []
+        if not isinstance(raw, (list, tuple)) or len(raw) > MAX_LINKS:
+            raise BadMessage(f"'links' that are not a list of at most {MAX_LINKS} generations")
+        if not all(type(g) is int for g in raw):
+            raise BadMessage(f"'links' that are not generation numbers ({_show(raw)})")
+        links = tuple(raw)
+        if role == "full":
+            if links:
+                raise BadMessage(f"a full file that needs other generations ({_show(list(links))})")
+            return links
+        if not links:
+            raise BadMessage(f"a {role} file that names no generation it needs")
+        offered = offer.chain if offer is not None else ()
+        if not offered:
+            raise BadMessage(f"a {role} file, but no generation was offered to diff against (a full checkpoint was asked for)")
+        stray = [g for g in links if g not in offered]
+        if stray:
+            raise BadMessage(f"links to generations {_show(stray)} that were not offered (offered: {list(offered)})")
+        if links != offered[len(offered) - len(links):]:
+            raise BadMessage(f"links {_show(list(links))} that are not the tail of the offered chain {list(offered)} (newest first, none skipped)")
+        if offer is not None and len(links) > offer.chain_max:
+            raise BadMessage(f"a chain of {len(links)} links, more than the {offer.chain_max} allowed (chain_max)")
+        return links
 
     def to_wire(self) -> dict:
-        return {"size": self.size, "digest": self.digest, "seconds": self.seconds}
+        out: dict = {"size": self.size, "digest": self.digest, "seconds": self.seconds}
+        if self.role != "full" or self.links:
+            out.update(role=self.role, parent=self.parent, base=self.base, links=list(self.links))
+        if self.state != self.size:
+            out["state"] = self.state
+        if self.restore != self.size:
+            out["restore"] = self.restore
+        return out
 
 
 @dataclass(frozen=True)
@@ -302,13 +474,26 @@ class BeginAnswer:
 
 @dataclass(frozen=True)
 class CommitAnswer:
-    """A node's answer to ``ckpt_commit``: its timings and byte counts."""
+    """A node's answer to ``ckpt_commit``: its timings and byte counts.
+
+    ``bytes``: every file of the generation on the node; ``state_bytes``: the
+    logical bytes of its ranks' state (what a full checkpoint writes);
+    ``written``: the bytes of its ranks' files (less than ``state_bytes``
+    for deltas); ``restore``: the bytes a restore of them reads (the files
+    and the parts of their links); ``needs``: the older generations any of
+    its files needs, newest first; ``modes``: how many rank files of each
+    role. A node's answer without the last four (a daemon before deltas)
+    reads as full files."""
 
     node: str
     ranks: int
     bytes: int
     state_bytes: int
     times: dict
+    written: int = 0
+    restore: int = 0
+    needs: tuple[int, ...] = ()
+    modes: dict = field(default_factory=dict)
 
     @classmethod
     def from_wire(cls, result: Any) -> CommitAnswer:
@@ -321,7 +506,30 @@ class CommitAnswer:
             isinstance(k, str) and type(v) in (int, float) and math.isfinite(v) for k, v in times.items()
         ):
             raise BadMessage("'times' must map phase names to seconds")
-        return cls(node, _int(result, "ranks", hi=MAX_RANKS), _int(result, "bytes"), _int(result, "state_bytes"), dict(times))
+        ranks, total, state = _int(result, "ranks", hi=MAX_RANKS), _int(result, "bytes"), _int(result, "state_bytes")
+        written = _int(result, "written") if result.get("written") is not None else state
+        restore = _int(result, "restore") if result.get("restore") is not None else written
+        needs = result.get("needs") or []
+        if not isinstance(needs, list) or len(needs) > MAX_LINKS or not all(type(g) is int and 1 <= g <= MAX_GEN for g in needs):
+            raise BadMessage(f"'needs' must list at most {MAX_LINKS} generations, not {_show(needs)}")
+        modes = result.get("modes") or {}
+        if not isinstance(modes, dict) or not all(k in ROLES and type(v) is int and 0 <= v <= MAX_RANKS for k, v in modes.items()):
+            raise BadMessage(f"'modes' must count rank files by role ({', '.join(ROLES)}), not {_show(modes)}")
+        return cls(node, ranks, total, state, dict(times), written, restore, tuple(sorted(set(needs), reverse=True)), dict(modes))
 
     def to_wire(self) -> dict:
-        return {"node": self.node, "ranks": self.ranks, "bytes": self.bytes, "state_bytes": self.state_bytes, "times": dict(self.times)}
+        return {"node": self.node, "ranks": self.ranks, "bytes": self.bytes, "state_bytes": self.state_bytes, "times": dict(self.times),
+                "written": self.written, "restore": self.restore, "needs": list(self.needs), "modes": dict(self.modes)}
+
+
+def generation_mode(modes: dict) -> str:
+    """A generation's mode from its files' roles (summed over nodes):
+    ``full``, ``incremental``, ``differential`` or ``mixed``."""
+    roles = {role for role, count in modes.items() if count}
+    if not roles or roles == {"full"}:
+        return "full"
+    if roles == {"incr"}:
+        return "incremental"
+    if roles == {"diff"}:
+        return "differential"
+    return "mixed"

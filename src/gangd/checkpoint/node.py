@@ -27,7 +27,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .messages import BadMessage, RankReport, WriteReport
+from .messages import BadMessage, DeltaOffer, RankReport, WriteReport
 
 
 class NodePhase(enum.IntEnum):
@@ -68,9 +68,11 @@ class Arrived:
 
 @dataclass(frozen=True)
 class Released:
-    """Network context and job record on disk: the ranks may write."""
+    """Network context and job record on disk: the ranks may write, each to
+    its path, as a delta of what it was offered (none: a full file)."""
 
     paths: dict
+    offers: dict = field(default_factory=dict)  # rank -> DeltaOffer
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,7 @@ class NodeRound:
     cut: int | None = None
     arrived: dict[int, float] = field(default_factory=dict)
     path: dict[int, str] = field(default_factory=dict)
+    offers: dict[int, DeltaOffer] = field(default_factory=dict)  # what each rank may write a delta of
     ended: set[int] = field(default_factory=set)
     written: dict[int, WriteReport] = field(default_factory=dict)
     failed: str | None = None
@@ -172,6 +175,10 @@ class NodeRound:
 
     def all_written(self) -> bool:
         return set(self.written) >= set(self.ranks)
+
+    def needs(self) -> dict[int, list[int]]:
+        """Each rank whose file is a delta: the generations a restore of it reads, newest first."""
+        return {rank: list(report.links) for rank, report in self.written.items() if report.links}
 
     def cut_answer(self) -> int | None:
         """The largest boundary this node's ranks reported."""
@@ -205,6 +212,7 @@ class NodeRound:
             if self.phase is not NodePhase.AT_CUT:
                 return self._fail(f"released in phase {self.phase.name.lower()}, before every rank reached the cut")
             self.path = dict(event.paths)
+            self.offers = dict(event.offers)
             self.phase = NodePhase.RELEASED
             return self._settle()
         if isinstance(event, Ended):
@@ -257,7 +265,7 @@ class NodeRound:
 
             return self._fail(f"rank {rank} on {self.node} could not write its state: {text.printable(str(result['error']))[:1000]}")
         try:
-            report = WriteReport.parse(result, self.max_rank_bytes)
+            report = WriteReport.parse(result, self.max_rank_bytes, self.offers.get(rank), self.gen)
         except BadMessage as exc:
             return self._fail(f"rank {rank} on {self.node} reported {exc}")
         self.written[rank] = report
@@ -362,3 +370,44 @@ class NodeJobs:
 
     def forget(self, job: int) -> None:
         self.aborted.pop(job, None)
+
+
+# ---------------------------------------------------------------- what a rank may diff against (issue 17)
+
+
+def sound(entry: dict) -> bool:
+    """A generation a delta may build on: complete or protected, and no
+    redundancy write of it failed or found it damaged (its descendants would
+    then be no better protected than it is: §5 of DESIGN17)."""
+    return entry.get("state") in ("complete", "protected") and not str(entry.get("redundancy") or "").startswith(("failed", "damaged"))
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """What a node may offer the ranks of generation ``gen``: ``parents``, the
+    newest sound generations first, and ``linkable``, every sound generation
+    (each link of a parent's chain must be one). ``why``: why there is no
+    parent at all ("" when there are some)."""
+
+    parents: tuple[int, ...]
+    linkable: frozenset[int]
+    why: str = ""
+
+
+def parent_candidates(entries: list[dict], placement: list[str], gen: int, limit: int) -> Candidates:
+    """The lineage's recorded generations (``entries``, any order) that ranks
+    placed as ``placement`` may diff generation ``gen`` against. A layout
+    change forces a full file: candidates stop at the newest generation
+    taken with another placement."""
+    usable = sorted((e for e in entries if type(e.get("gen")) is int and e["gen"] < gen and sound(e)), key=lambda e: -e["gen"])
+    linkable = frozenset(e["gen"] for e in usable)
+    parents: list[int] = []
+    for entry in usable:
+        if list(entry.get("placement") or ()) != list(placement):
+            if not parents:
+                return Candidates((), linkable, f"the ranks moved since generation {entry['gen']}")
+            break
+        parents.append(entry["gen"])
+        if len(parents) >= limit:
+            break
+    return Candidates(tuple(parents), linkable, "" if parents else "no complete generation to build on")

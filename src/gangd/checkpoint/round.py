@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .messages import BadMessage, BeginAnswer, CommitAnswer
+from .messages import BadMessage, BeginAnswer, CommitAnswer, generation_mode
 
 
 class Phase(enum.Enum):
@@ -214,6 +214,20 @@ def node_stats(result: dict) -> dict:
     }
 
 
+def delta_fields(answers: list[CommitAnswer]) -> dict:
+    """A complete generation's entry fields of issue 17: its ``mode`` (full,
+    incremental, differential, mixed), the older generations its files
+    ``needs`` (the union over nodes, newest first), the bytes of its rank files
+    (``written``) and the bytes a restore of it reads (``restore_bytes``)."""
+    modes: dict[str, int] = {}
+    for answer in answers:
+        for role, count in answer.modes.items():
+            modes[role] = modes.get(role, 0) + count
+    needs = sorted({g for answer in answers for g in answer.needs}, reverse=True)
+    return {"mode": generation_mode(modes), "needs": needs, "written": sum(a.written for a in answers),
+            "restore_bytes": sum(a.restore for a in answers)}
+
+
 @dataclass
 class Round:
     """The coordinator's checkpoint of one job (one generation)."""
@@ -355,6 +369,7 @@ class Round:
         committed = self.answers
         self._to(Phase.COMPLETE, "answered")
         self.entry.update(state="complete", nodes={node: node_stats(r) for node, r in sorted(committed.items())}, ended=now, marks=dict(self.marks))
+        self.entry.update(delta_fields([CommitAnswer.from_wire(r) for r in committed.values()]))  # (issue 17)
         out: list[Instruction] = [Record(dict(self.entry)), Prune(self.gen), Finish(self._result())]
         if self.redundancy != "local":
             out.append(WriteRedundancy(self.gen, self.redundancy))

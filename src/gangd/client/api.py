@@ -90,6 +90,7 @@ class Client:
         mpi: bool = False,
         ckpt_redundancy: str | None = None,
         requeue: bool | None = None,
+        ckpt_mode: str | None = None,
     ) -> dict:
         """Submit a job. ``network_context`` ({rank: bytes}, as returned by
         :meth:`capture_network`) is handed to the ranks when they attach, so
@@ -111,6 +112,8 @@ class Client:
         }
         if ckpt_redundancy is not None:  # (None: the cluster's [checkpoint] redundancy)
             spec["ckpt_redundancy"] = ckpt_redundancy
+        if ckpt_mode is not None:  # (None: the cluster's [checkpoint] mode; full, incremental, differential, adaptive)
+            spec["ckpt_mode"] = ckpt_mode
         if requeue is not None:  # (None: requeued when it checkpoints, see gangd.daemon.recover)
             spec["requeue"] = requeue
         if network_context:

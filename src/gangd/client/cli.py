@@ -164,6 +164,14 @@ def job_options(fn):
         "sets of nodes); default: the cluster's [checkpoint] redundancy (xor on 3+ nodes, partner on 2).",
     )(fn)
     fn = click.option(
+        "--ckpt-mode", type=click.Choice(["full", "incremental", "differential", "adaptive"]), default=None,
+        help="What each checkpoint writes. full: the whole state every time. incremental: only the blocks changed since "
+        "the previous checkpoint (smallest writes; a restore reads a chain of them, at most [checkpoint] chain_max long). "
+        "differential: the blocks changed since the last full one (a restore reads two files; writes grow until the "
+        "next full). adaptive: differential, and a new base whenever that saves more than [checkpoint] adaptive_threshold "
+        "of the state. Default: the cluster's [checkpoint] mode (adaptive). A program's ckptlib.init(mode=...) overrides it.",
+    )(fn)
+    fn = click.option(
         "--requeue/--no-requeue", default=None,
         help="When a node of the job is lost, restart it by itself from its newest protected checkpoint on live nodes "
         "(spares first), as a new job that `gang wait` follows; --no-requeue: fail it. Default: requeue when the job checkpoints.",
@@ -202,9 +210,10 @@ class Duration(click.ParamType):
 
 
 def _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice=None, priority=None, ckpt_every=None, mpi=False,
-          ckpt_redundancy=None, requeue=None) -> dict:
+          ckpt_redundancy=None, requeue=None, ckpt_mode=None) -> dict:
     return {
         "requeue": requeue,
+        "ckpt_mode": ckpt_mode,
         "ckpt_redundancy": ckpt_redundancy,
         "mpi": mpi,
         "ckpt_every": ckpt_every,
@@ -235,6 +244,7 @@ async def _submit(gang, spec: dict) -> dict:
         mpi=spec.get("mpi", False),
         ckpt_redundancy=spec.get("ckpt_redundancy"),
         requeue=spec.get("requeue"),
+        ckpt_mode=spec.get("ckpt_mode"),
     )
 
 
@@ -328,10 +338,11 @@ is the worst rank's: its exit code, or 128+N if it died of signal N.
 @click.option("--label/--no-label", default=True, help="Prefix each output line with its rank (default: on).")
 @click.option("-v", "--verbose", is_flag=True, help="Say when the job is queued, started and finished.")
 @click.pass_context
-def run(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, ckpt_every, ckpt_redundancy, requeue, mpi, time_slice, priority, command,
+def run(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, ckpt_every, ckpt_redundancy, ckpt_mode, requeue, mpi, time_slice, priority, command,
         label, verbose):
     """Run a parallel job in the foreground (Ctrl-\\ checkpoints it, Ctrl-C kills it)."""
-    spec = _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice, priority, ckpt_every, mpi, ckpt_redundancy, requeue)
+    spec = _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice, priority, ckpt_every, mpi, ckpt_redundancy, requeue,
+                 ckpt_mode)
     code = run_async(_run, _cluster(ctx), spec, label, verbose)
     sys.exit(code)
 
@@ -439,10 +450,11 @@ Prints the job id (or the job record with --json) and returns at once.
 @job_options
 @click.option("--json", "as_json", is_flag=True, help="Print the job record as JSON.")
 @click.pass_context
-def submit(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, ckpt_every, ckpt_redundancy, requeue, mpi, time_slice, priority, command,
-           as_json):
+def submit(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, ckpt_every, ckpt_redundancy, ckpt_mode, requeue, mpi, time_slice, priority,
+           command, as_json):
     """Submit a parallel job and return at once (prints the job id)."""
-    spec = _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice, priority, ckpt_every, mpi, ckpt_redundancy, requeue)
+    spec = _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice, priority, ckpt_every, mpi, ckpt_redundancy, requeue,
+                 ckpt_mode)
 
     async def go():
         async with connect(_cluster(ctx)) as gang:

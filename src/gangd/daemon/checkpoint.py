@@ -30,6 +30,23 @@ mount a disk there later), always through directory descriptors
 files it reads back are read in a thread, without following links, to a
 size limit (see :mod:`gangd.ckptstore`).
 
+Incremental checkpoints (issue 17): the rank decides what its file holds,
+because only it sees its state's block hashes; this node decides what it may
+build on. At the begin it plans, per rank, the *offer* the start sync answers
+with (:class:`~gangd.checkpoint.messages.DeltaOffer`): the newest sound
+generation of the lineage (complete or protected, its redundancy never
+failed, taken with the job's present placement) whose MANIFEST here lists
+the rank's file, and every generation that file needs, each listed here too
+— or nothing (a full file) for the first checkpoint, after the ranks moved,
+in mode ``full``, or when the coordinator asks (``force_full``). The rank's
+report may name only a tail of that chain, at most ``chain_max`` long
+(:meth:`~gangd.checkpoint.messages.WriteReport.parse`): a hostile rank cannot
+pin old generations against retention or point a restore elsewhere. The
+commit writes what each file needs into the MANIFEST (format 2), and a
+restart hands each rank its chain, every link checked to be listed here.
+Ranks that write whole files (today's writer) report no links: their
+generations are what they always were, MANIFEST format 1 included.
+
 The round's state and every rule about what a rank's message means in which
 phase are the pure :class:`gangd.checkpoint.node.NodeRound` (and
 :class:`~gangd.checkpoint.node.NodeJobs`: a begin after its abort, a late
@@ -59,6 +76,7 @@ import os
 import signal
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
@@ -68,7 +86,7 @@ import trio
 
 from .. import ckptstore, jobs, safefs, text
 from ..checkpoint import node as nd
-from ..checkpoint.messages import BadMessage, RankReport, RankWritten, rank_note
+from ..checkpoint.messages import MAX_LINKS, BadMessage, DeltaOffer, Link, RankReport, RankWritten, rank_note
 from ..ckptstore import StoreError
 from ..redundancy.bulk import Bulk, BulkServer
 from ..rpc import Channel, RemoteError
@@ -86,6 +104,7 @@ EXIT_REPORT_GRACE = 2.0  # s a rank's write report may trail its exit
 RESTORE_TIMEOUT = 600.0
 VERIFY_THREADS = 2  # checksumming threads per daemon (restarts beyond that wait their turn)
 VERIFY_NICE = 10
+OFFER_CANDIDATES = 4  # newest usable generations searched for a rank's parent (each a MANIFEST read)
 
 
 class NoRoom(Exception):
@@ -129,6 +148,13 @@ def _at_low_priority(fn, *args):
             log.warning("could not restore a worker thread's priority: %s", exc.strerror)
 
 
+def _why_not(exc: OSError | UnsafePath, directory: Path) -> str:
+    """Why a generation's directory could not be opened, naming it once."""
+    if isinstance(exc, UnsafePath):
+        return str(exc)
+    return f"{exc.strerror or exc} ({directory})"
+
+
 @dataclass
 class RankAgent:
     """A rank's ckptlib connection."""
@@ -157,6 +183,7 @@ class Pending(nd.NodeRound):
     owner: tuple[int, int] | None = None
     files: dict[str, list] = field(default_factory=dict)  # name -> [size, digest] written by the daemon
     times: dict[str, float] = field(default_factory=dict)
+    planned: dict[int, DeltaOffer] = field(default_factory=dict)  # what each rank may write a delta of (made at the begin)
     changed: trio.Event = field(default_factory=trio.Event)
 
     @property
@@ -284,6 +311,7 @@ class NodeCheckpoints:
                 "gen": restart["gen"],
                 "path": str(restart["directory"] / name),
                 "expect": restart["manifest"].files[name],
+                "chain": [link.to_wire() for link in restart["chains"].get(rank, ())],  # ([]: a whole file)
             }
         return reply
 
@@ -411,7 +439,8 @@ class NodeCheckpoints:
         iteration = args.get("iteration")
         pending.feed(nd.Arrived(rank, iteration if type(iteration) is int else None, time.time()))
         await pending.until(lambda: pending.released, math.inf, "release")
-        return {"path": pending.path[rank]}
+        offer = pending.offers.get(rank) or self._full_offer(self._job_mode(self.daemon.table.get(pending.job_id)))
+        return {"path": pending.path[rank], "delta": offer.to_wire()}
 
     async def rank_end(self, channel: Channel, args: dict) -> bool:
         """A rank wrote its state (or forked the snapshot that writes it): block it until the end sync."""
@@ -471,10 +500,106 @@ class NodeCheckpoints:
                 pending.fail(f"cannot signal rank {rank} on {self.daemon.node}: {exc.strerror}")
             # The note reaches the rank's thread even while its main thread is in a long C call.
             await self._bounded_note(agent, "ckpt_begin", {"gen": gen})
+        pending.planned = await self._plan_offers(record, pending, force_full=args.get("force_full") is True)
         silent = f"ranks {sorted(set(mine) - set(pending.reports))} did not answer SIGQUIT"
         await pending.until(pending.all_reported, AGREE_TIMEOUT, silent)
         pending.times["reported"] = time.time()
         return {"iteration": pending.cut_answer()}
+
+    # ------------------------------------------------------------ incremental checkpoints: the offer
+
+    def _job_mode(self, record: dict | None) -> str:
+        """The job's checkpoint mode: its ``--ckpt-mode``, else its lineage's
+        (a restart inherits it), else the cluster's ``[checkpoint] mode``."""
+        return self._asked_mode(record) or self.daemon.config.checkpoint_mode
+
+    def _asked_mode(self, record: dict | None) -> str | None:
+        if record is None:
+            return None
+        if record.get("ckpt_mode"):
+            return record["ckpt_mode"]
+        members = self.daemon.table.lineage(record.get("lineage") or record["id"])
+        return next((r["ckpt_mode"] for r in members if r.get("ckpt_mode")), None)
+
+    def _full_offer(self, mode: str) -> DeltaOffer:
+        config = self.daemon.config
+        return DeltaOffer(mode, config.checkpoint_block_kib, config.checkpoint_chain_max, config.checkpoint_adaptive_threshold, True)
+
+    async def _plan_offers(self, record: dict, pending: Pending, *, force_full: bool) -> dict[int, DeltaOffer]:
+        """What each rank of ``pending`` may write a delta of: the newest sound
+        generation of the lineage whose MANIFEST here lists the rank's file,
+        and every link that file needs (each listed here too); none — a full
+        file — for the first checkpoint, after the ranks moved, in mode
+        ``full``, or when the coordinator asks (``force_full``). Never fails
+        the round: what cannot be read is not offered."""
+        mode = self._job_mode(record)
+        full = self._full_offer(mode)
+        offers = dict.fromkeys(pending.ranks, full)
+        if mode == "full" or force_full:
+            return offers
+        lineage = pending.lineage
+        members = self.daemon.table.lineage(lineage)
+        if not any(nd.sound(e) for r in members for e in r.get("checkpoints") or []) and lineage != record["id"]:
+            try:  # a restarted job's first checkpoint: the lineage's generations are in the history
+                await self.daemon.table.read_lineage(lineage)
+            except RemoteError as exc:
+                log.info("job %d: no delta offered for checkpoint %d: %s", record["id"], pending.gen, exc.message)
+                return offers
+            members = self.daemon.table.lineage(lineage)
+        entries = [e for r in members for e in r.get("checkpoints") or []]
+        candidates = nd.parent_candidates(entries, list(record.get("placement") or ()), pending.gen, OFFER_CANDIDATES)
+        if not candidates.parents:
+            log.debug("job %d checkpoint %d: full files (%s)", record["id"], pending.gen, candidates.why)
+            return offers
+        chains = await trio.to_thread.run_sync(self._find_chains, lineage, pending.ranks, candidates)
+        for rank, links in chains.items():
+            offers[rank] = DeltaOffer(mode, full.block_kib, full.chain_max, full.threshold, False, links)
+        return offers
+
+    def _find_chains(self, lineage: int, ranks: list[int], candidates: nd.Candidates) -> dict[int, tuple[Link, ...]]:
+        """(In a thread.) For each rank, the links of its newest candidate
+        parent whose whole chain this node's MANIFESTs list: the parent, then
+        what its file needs, newest first."""
+        manifests: dict[int, ckptstore.Manifest | None] = {}
+
+        def manifest(gen: int) -> ckptstore.Manifest | None:
+            if gen not in manifests:
+                directory = ckptstore.gen_dir(self.root, lineage, gen)
+                try:
+                    fd = self._gen_fd(directory)
+                except (UnsafePath, OSError):
+                    manifests[gen] = None
+                    return None
+                try:
+                    manifests[gen] = ckptstore.read_manifest(directory, dir_fd=fd, owner=os.geteuid())
+                except StoreError as exc:
+                    log.info("not offering generation %d of lineage %d: %s", gen, lineage, exc)
+                    manifests[gen] = None
+                finally:
+                    os.close(fd)
+            return manifests[gen]
+
+        out: dict[int, tuple[Link, ...]] = {}
+        for rank in ranks:
+            name = ckptstore.cluster_rank_file(rank)
+            for parent in candidates.parents:
+                top = manifest(parent)
+                if top is None or name not in top.files:
+                    continue
+                chain = [parent, *top.links(name)]
+                if len(chain) > MAX_LINKS or not all(g in candidates.linkable for g in chain):
+                    continue
+                links = []
+                for gen in chain:
+                    held = manifest(gen)
+                    if held is None or name not in held.files:
+                        break
+                    size, digest = held.files[name]
+                    links.append(Link(gen, str(ckptstore.gen_dir(self.root, lineage, gen) / name), (size, digest)))
+                else:
+                    out[rank] = tuple(links)
+                    break
+        return out
 
     async def cut(self, args: dict) -> dict:
         pending = self._pending(args)
@@ -506,7 +631,7 @@ class NodeCheckpoints:
             raise RemoteError("write_failed", f"{self.daemon.node}: {exc}") from None
         pending.files.update(files)
         pending.times["released"] = time.time()
-        pending.feed(nd.Released({rank: str(pending.directory / ckptstore.cluster_rank_file(rank)) for rank in pending.ranks}))
+        pending.feed(nd.Released({rank: str(pending.directory / ckptstore.cluster_rank_file(rank)) for rank in pending.ranks}, pending.planned))
         await pending.until(pending.all_ended, self._timeout(args), "the ranks did not save their state")
         pending.times["saved"] = time.time()
         return self._times(pending)
@@ -548,7 +673,8 @@ class NodeCheckpoints:
         files = dict(pending.files)
         for rank, report in pending.written.items():
             files[ckptstore.cluster_rank_file(rank)] = [report.size, report.digest]
-        manifest = ckptstore.Manifest(int(args["lineage"]), pending.gen, self.daemon.node, pending.cut, files, pending.ranks, time.time())
+        needs = {ckptstore.cluster_rank_file(rank): links for rank, links in pending.needs().items()}
+        manifest = ckptstore.Manifest(int(args["lineage"]), pending.gen, self.daemon.node, pending.cut, files, pending.ranks, time.time(), needs)
         try:
             await trio.to_thread.run_sync(self._check_and_commit, pending, manifest)
         except StoreError as exc:
@@ -562,7 +688,11 @@ class NodeCheckpoints:
             raise RemoteError("checkpoint_failed", pending.failed)
         result = self._times(pending)
         result["bytes"] = sum(size for size, _ in files.values())
-        result["state_bytes"] = sum(r.size for r in pending.written.values())
+        result["state_bytes"] = sum(r.state for r in pending.written.values())  # (logical: a full file's size)
+        result["written"] = sum(r.size for r in pending.written.values())
+        result["restore"] = sum(r.restore for r in pending.written.values())
+        result["needs"] = sorted({g for links in needs.values() for g in links}, reverse=True)
+        result["modes"] = dict(Counter(r.role for r in pending.written.values()))
         result["rank_write_seconds"] = max((r.seconds for r in pending.written.values()), default=0.0)
         return result
 
@@ -588,6 +718,7 @@ class NodeCheckpoints:
                     raise StoreError(f"{path}: {exc.strerror}") from None
                 if actual != size:
                     raise StoreError(f"{path} has {actual} bytes, its writer reported {size}")
+            self._links_intact(pending)
             try:
                 ckptstore.sync(pending.directory, pending.files, dir_fd=gen)  # the daemon's own files (the ranks fsynced theirs)
             except OSError as exc:
@@ -595,6 +726,30 @@ class NodeCheckpoints:
             ckptstore.write_manifest(pending.directory, manifest, dir_fd=gen)
         finally:
             os.close(gen)
+
+    def _links_intact(self, pending: Pending) -> None:
+        """(In a thread.) Every generation a rank's delta needs still lists
+        the file it was offered, unchanged: a generation removed or rewritten
+        since the offer (retention, a restart's staging) would leave this one
+        a chain no restore can follow. Raises :class:`StoreError` naming it."""
+        held: dict[int, ckptstore.Manifest] = {}
+        for rank, report in sorted(pending.written.items()):
+            offered = {link.gen: link for link in pending.offers[rank].links} if rank in pending.offers else {}
+            name = ckptstore.cluster_rank_file(rank)
+            for gen in report.links:
+                directory = ckptstore.gen_dir(self.root, pending.lineage, gen)
+                if gen not in held:
+                    try:
+                        fd = self._gen_fd(directory)
+                    except (UnsafePath, OSError) as exc:
+                        raise StoreError(f"generation {gen}, which rank {rank}'s file needs, is gone: {_why_not(exc, directory)}") from None
+                    try:
+                        held[gen] = ckptstore.read_manifest(directory, dir_fd=fd, owner=os.geteuid())
+                    finally:
+                        os.close(fd)
+                listed = held[gen].files.get(name)
+                if gen not in offered or listed is None or tuple(listed) != offered[gen].expect:
+                    raise StoreError(f"{directory / name}, which rank {rank}'s file needs, is no longer what it was offered as")
 
     async def abort(self, args: dict) -> bool:
         job_id, gen, why = int(args["job"]), args.get("gen"), text.printable(str(args.get("why") or "aborted"))
@@ -709,7 +864,7 @@ class NodeCheckpoints:
         state.holds.add("restart")
         state.gate_open = False
 
-        def load() -> tuple[ckptstore.Manifest, dict[str, bytes]]:
+        def load() -> tuple[ckptstore.Manifest, dict[str, bytes], dict[int, tuple[Link, ...]]]:
             # The daemon's own files, each read to the size its manifest gives.
             fd = self._gen_fd(directory)
             try:
@@ -719,12 +874,12 @@ class NodeCheckpoints:
                     name = ckptstore.net_file(rank)
                     if name in manifest.files:
                         contexts[str(rank)] = safefs.read_bounded_at(fd, name, manifest.files[name][0], directory, owner=os.geteuid())
-                return manifest, contexts
             finally:
                 os.close(fd)
+            return manifest, contexts, self._restore_chains(lineage, gen, manifest, mine)
 
         try:
-            manifest, contexts = await trio.to_thread.run_sync(load)
+            manifest, contexts, chains = await trio.to_thread.run_sync(load)
         except (StoreError, UnsafePath) as exc:
             raise RemoteError("restart_failed", f"{self.daemon.node}: {exc}") from None
         except OSError as exc:
@@ -740,10 +895,41 @@ class NodeCheckpoints:
             raise RemoteError("job_ended", f"job {record['id']} ended while its checkpoint was read; not starting its ranks")
         if contexts:
             jobnet.set_context(record["id"], contexts)
-        restart = {"gen": gen, "lineage": lineage, "directory": directory, "manifest": manifest, "ranks": mine, "failed": None}
+        restart = {"gen": gen, "lineage": lineage, "directory": directory, "manifest": manifest, "ranks": mine, "failed": None, "chains": chains}
         self.restarts[record["id"]] = restart
         self.daemon.spawn(self._restore_deadline, record["id"], restart)
-        return {"GANGD_RESTART_GEN": str(gen)}
+        env = {"GANGD_RESTART_GEN": str(gen)}
+        mode = self._asked_mode(record)
+        if mode and not record.get("ckpt_mode"):
+            env["GANGD_CKPT_MODE"] = mode  # (the lineage's --ckpt-mode: a restart keeps it)
+        return env
+
+    def _restore_chains(self, lineage: int, gen: int, manifest: ckptstore.Manifest, ranks: list[int]) -> dict[int, tuple[Link, ...]]:
+        """(In a thread.) Each rank's links for a restart of ``gen``: what its
+        file needs, newest first, each listed by that generation's MANIFEST
+        here; raises :class:`StoreError` naming the link that is not."""
+        out: dict[int, tuple[Link, ...]] = {}
+        held: dict[int, ckptstore.Manifest] = {}
+        for rank in ranks:
+            name = ckptstore.cluster_rank_file(rank)
+            links = []
+            for link in manifest.links(name):
+                directory = ckptstore.gen_dir(self.root, lineage, link)
+                if link not in held:
+                    try:
+                        fd = self._gen_fd(directory)
+                    except (UnsafePath, OSError) as exc:
+                        raise StoreError(f"generation {link}, which {name} of generation {gen} needs, cannot be opened: {_why_not(exc, directory)}") from None
+                    try:
+                        held[link] = ckptstore.read_manifest(directory, dir_fd=fd, owner=os.geteuid())
+                    finally:
+                        os.close(fd)
+                if name not in held[link].files:
+                    raise StoreError(f"{directory / ckptstore.MANIFEST} lists no {name}, which {name} of generation {gen} needs")
+                size, digest = held[link].files[name]
+                links.append(Link(link, str(directory / name), (size, digest)))
+            out[rank] = tuple(links)
+        return out
 
     async def _restore_deadline(self, job_id: int, restart: dict) -> None:
         """Ranks that never load their state (the program does not call

@@ -31,6 +31,10 @@ Example (``/etc/gangd/gangd.toml``)::
 
     [checkpoint]                     # optional
     redundancy = "auto"              # a job's level unless it asks: local, partner, xor (auto: xor on 3+ nodes, partner on 2)
+    mode = "adaptive"                # a job's checkpoint mode unless it asks: full, incremental, differential, adaptive
+    block_kib = 16                   # incremental checkpoints compare the state in blocks of this many KiB...
+    chain_max = 8                    # ...a restore reads at most this many older generations (then a full is written)...
+    adaptive_threshold = 0.10        # ...adaptive writes a new base when that saves more than this share of the state
     flush_dir = "/lustre/gangd"      # a shared directory (same path on every node): generations copied there too...
     flush_every = 10                 # ...every 10th generation of a job (default 1)...
     flush_mib_per_s = 200            # ...at most this fast per node (0: unthrottled), behind the job
@@ -284,6 +288,10 @@ class Config:
     checkpoint_flush_dir: Path | None = None  # [checkpoint] flush_dir: shared directory generations are also copied to
     checkpoint_flush_every: int = 1  # [checkpoint] flush_every: every Nth generation of a job is flushed
     checkpoint_flush_mib_per_s: float = 0.0  # [checkpoint] flush_mib_per_s: per node (0: unthrottled)
+    checkpoint_mode: str = "adaptive"  # [checkpoint] mode: a job's unless it asks (--ckpt-mode)
+    checkpoint_block_kib: int = 16  # [checkpoint] block_kib: the block a delta is made of
+    checkpoint_chain_max: int = 8  # [checkpoint] chain_max: older generations a restore may read
+    checkpoint_adaptive_threshold: float = 0.10  # [checkpoint] adaptive_threshold: share of the state a new base must save
     max_recoveries: int = 3  # [checkpoint] max_recoveries: automatic restarts of a lineage after lost nodes (0: never)
     output_dir: Path | None = None  # rank output (default: state_dir/output)
     runtime_dir: Path | None = None  # rank sockets and counters, in memory (default: the socket's directory/jobs)
@@ -408,6 +416,32 @@ def read_private_file(path: Path, what: str, key: str, limit: int, risk: str) ->
 REDUNDANCY_DEFAULTS = ("auto", "local", "partner", "xor")
 
 
+#: ``[checkpoint] mode``: what a job's checkpoints write unless it asks (``--ckpt-mode``).
+CKPT_MODES = ("full", "incremental", "differential", "adaptive")
+MAX_BLOCK_KIB = 1 << 20  # 1 GiB blocks: beyond that a delta is a full copy
+MAX_CHAIN = 64  # (gangd.checkpoint.messages.MAX_CHAIN: a MANIFEST names at most 64 links)
+
+
+def _whole(value: object, lo: int, hi: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
+
+
+def _check_delta(config: Config) -> None:
+    """The incremental-checkpoint settings of ``[checkpoint]`` (issue 17)."""
+    if config.checkpoint_mode not in CKPT_MODES:
+        raise ConfigError(f"[checkpoint] mode must be one of {', '.join(CKPT_MODES)}, not {config.checkpoint_mode!r}")
+    if not _whole(config.checkpoint_block_kib, 1, MAX_BLOCK_KIB):
+        raise ConfigError(f"[checkpoint] block_kib must be a whole number of KiB from 1 to {MAX_BLOCK_KIB}, not {config.checkpoint_block_kib!r}")
+    if not _whole(config.checkpoint_chain_max, 1, MAX_CHAIN):
+        raise ConfigError(
+            f"[checkpoint] chain_max must be a whole number of generations from 1 (every checkpoint full or one delta) "
+            f"to {MAX_CHAIN}, not {config.checkpoint_chain_max!r}"
+        )
+    share = config.checkpoint_adaptive_threshold
+    if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
+        raise ConfigError(f"[checkpoint] adaptive_threshold must be a share of the state from 0 to 1 (0.10: 10 %), not {share!r}")
+
+
 def _spare(value: object, index: int) -> bool:
     """``spare`` of a [[nodes]] entry: true or false, nothing else (a typo must not silently hold a node back)."""
     if not isinstance(value, bool):
@@ -477,6 +511,10 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         "checkpoint_flush_every": _checkpoint_section(data).get("flush_every", 1),
         "checkpoint_flush_mib_per_s": _checkpoint_section(data).get("flush_mib_per_s", 0.0),
         "max_recoveries": _checkpoint_section(data).get("max_recoveries", 3),
+        "checkpoint_mode": _checkpoint_section(data).get("mode", "adaptive"),
+        "checkpoint_block_kib": _checkpoint_section(data).get("block_kib", 16),
+        "checkpoint_chain_max": _checkpoint_section(data).get("chain_max", 8),
+        "checkpoint_adaptive_threshold": _checkpoint_section(data).get("adaptive_threshold", 0.10),
         "output_dir": Path(node["output_dir"]) if node.get("output_dir") else None,
         "output_limit": int(node.get("output_limit", 1 << 30)),
         "output_reserve": int(node.get("output_reserve", 64 << 20)),
@@ -528,6 +566,7 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         raise ConfigError(f"[checkpoint] flush_mib_per_s must be MiB per second (0: unthrottled), not {rate!r}")
     if not isinstance(config.max_recoveries, int) or isinstance(config.max_recoveries, bool) or not 0 <= config.max_recoveries <= 1000:
         raise ConfigError(f"[checkpoint] max_recoveries must be a whole number from 0 (never recover) to 1000, not {config.max_recoveries!r}")
+    _check_delta(config)
     if all(spec.spare for spec in config.nodes):
         raise ConfigError("every node in [[nodes]] is marked spare = true: at least one must run jobs")
     if config.checkpoint_max_rank_bytes < 0:
@@ -651,6 +690,11 @@ def render(config: Config) -> str:
         section.append(f"redundancy = {toml_str(config.checkpoint_redundancy)}")
     if config.max_recoveries != Config.max_recoveries:
         section.append(f"max_recoveries = {config.max_recoveries}")
+    if config.checkpoint_mode != Config.checkpoint_mode:
+        section.append(f"mode = {toml_str(config.checkpoint_mode)}")
+    for key in ("block_kib", "chain_max", "adaptive_threshold"):
+        if getattr(config, f"checkpoint_{key}") != getattr(Config, f"checkpoint_{key}"):
+            section.append(f"{key} = {getattr(config, f'checkpoint_{key}')}")
     if config.checkpoint_flush_dir is not None:
         section += [f"flush_dir = {toml_str(str(config.checkpoint_flush_dir))}", f"flush_every = {config.checkpoint_flush_every}",
                     f"flush_mib_per_s = {config.checkpoint_flush_mib_per_s}"]

@@ -524,6 +524,8 @@ class LocalRanks:
             GANGD_SOCKET=str(self.socket_path),
             GANGD_JOB_NAME=record["name"],
         )
+        if record.get("ckpt_mode"):  # issue 17: the job's --ckpt-mode, for ckptlib (a restart's comes with `extra`)
+            base_env["GANGD_CKPT_MODE"] = record["ckpt_mode"]
         base_env.update(extra or {})
         pids: dict[int, int | None] = {}  # None: a rank of a repeated launch that failed to start
         for rank in my_ranks:

@@ -225,12 +225,17 @@ class Stager:
 
 
 
-def merged(local: Manifest | None, lineage: int, gen: int, node: str, iteration: int, files: dict[str, list], ranks: set[int]) -> Manifest:
+def merged(local: Manifest | None, lineage: int, gen: int, node: str, iteration: int, files: dict[str, list], ranks: set[int],
+           needs: dict[str, list[int]] | None = None) -> Manifest:
     """This node's MANIFEST of the generation once ``files`` (name -> [size,
-    checksum]) of ``ranks`` landed: the union with what it listed (``local``)."""
+    checksum]) of ``ranks`` landed: the union with what it listed (``local``).
+    ``needs``: the links of the landed files that are deltas (their source's
+    MANIFEST's); a file that stays keeps its own."""
     union = dict(local.files) if local is not None else {}
     union.update(files)
-    return Manifest(lineage, gen, node, iteration, union, sorted(set(local.ranks if local is not None else ()) | ranks), time.time())
+    links = {name: gens for name, gens in (local.needs if local is not None else {}).items() if name not in files}
+    links.update(needs or {})
+    return Manifest(lineage, gen, node, iteration, union, sorted(set(local.ranks if local is not None else ()) | ranks), time.time(), links)
 
 
 #: A node's checkpoint root: traversable by job owners (each job's ``ranks/``

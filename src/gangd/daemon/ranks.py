@@ -38,8 +38,8 @@ from . import limits as rlimits_mod
 from .cgroup import CgroupTree
 from .notify import scrub_environ
 from .outputlog import STDERR, STDOUT, OutputLog, OutputStore
+from .rankserver import IDLE_TIMEOUT, RankServers, ServedRank, ServerKey, server_key
 from .rankserver import SCRIPT as SERVER_SCRIPT
-from .rankserver import RankServers, ServedRank, ServerKey, server_key
 
 log = logging.getLogger("gangd.ranks")
 
@@ -418,7 +418,7 @@ class LocalRanks:
         self._running_as_root = os.geteuid() == 0
         self.identities = Identities()
         # Warm rank servers (config rank_server): Python ranks forked, not exec'd; see rankserver.
-        self.servers = RankServers(self._start_server, **({"idle": rank_server_idle} if rank_server_idle else {})) if rank_server else None
+        self.servers = RankServers(self._start_server, idle=rank_server_idle or IDLE_TIMEOUT) if rank_server else None
         self._umask = _own_umask()
 
     # ------------------------------------------------------------ queries
@@ -666,7 +666,7 @@ class LocalRanks:
             await trio.to_thread.run_sync(self.cgroups.remove, entry.cgroup)
         self.on_exit(entry)
 
-    async def _drain(self, proc: RankProcess, output: OutputLog) -> None:
+    async def _drain(self, proc: RankProcess | ServedRank, output: OutputLog) -> None:
         async with trio.open_nursery() as pumps:
             pumps.start_soon(self._pump, proc.stdout, output, STDOUT)
             pumps.start_soon(self._pump, proc.stderr, output, STDERR)
@@ -751,7 +751,8 @@ class LocalRanks:
     async def _fork_served(self, spawn, record: dict, env: dict[str, str], uid: int, gid: int, groups: list[int],
                            limits: list[tuple[int, int, int]], cgroup: Path) -> ServedRank | None:
         """The rank forked by a warm server, or None: exec it."""
-        assert self.servers is not None
+        if self.servers is None:
+            return None
         if not self._running_as_root:
             uid, gid, groups = os.geteuid(), os.getegid(), os.getgroups()
         elif uid == 0:

@@ -29,6 +29,8 @@ writes ``R`` (or ``F`` and a reason) on ready_w once set up, then waits for
 the child ends, the server writes its raw wait status (decimal) on status_w.
 """
 
+from __future__ import annotations
+
 import os
 import sys
 
@@ -46,11 +48,10 @@ _WARM = ("numpy", "gangd.ckptlib", "gangd.comm")
 
 
 def _warm_up() -> list:
-    import importlib
-
     # What the child itself uses, so that it imports nothing after the fork.
-    import ctypes, io, resource, runpy, selectors, signal, socket, stat, types, zipfile  # noqa: E401, F401
-    import importlib.machinery  # noqa: F401
+    import ctypes  # noqa: F401
+    import importlib
+    import importlib.machinery
 
     done = []
     for name in _WARM:
@@ -76,7 +77,7 @@ class _Plan:
         self.request = request
 
 
-def _serve(sock) -> "_Plan | None":
+def _serve(sock) -> _Plan | None:
     import json
     import selectors
     import socket
@@ -224,6 +225,7 @@ def _child(plan: _Plan, server_pid: int) -> None:
         _fail(ready_w, f"setup: {exc}")
     module = None
     code = None
+    path0: str | None
     if len(argv) >= 3 and argv[1] == "-m":
         module = argv[2]
         path0 = os.getcwd()
@@ -237,8 +239,8 @@ def _child(plan: _Plan, server_pid: int) -> None:
                 _fail(ready_w, "not a plain script")
             with open(script, "rb") as f:
                 source = f.read()
-            import zipfile
             import io
+            import zipfile
 
             if source[:2] == b"PK" or zipfile.is_zipfile(io.BytesIO(source)):
                 _fail(ready_w, "a zip application")
@@ -293,12 +295,12 @@ def _child(plan: _Plan, server_pid: int) -> None:
         import runpy
 
         sys.argv[:] = ["-m", *argv[3:]]  # (runpy puts the module's path in sys.argv[0], as for `python -m`)
-        _run(lambda: runpy._run_module_as_main(module, alter_argv=True))  # what `python -m` runs
+        _run(lambda: runpy._run_module_as_main(module, alter_argv=True))  # type: ignore[attr-defined]  # what `python -m` runs
     else:
         sys.argv[:] = argv[1:]
         file = os.path.abspath(argv[1])
         main.__dict__.update(__file__=file, __cached__=None, __loader__=SourceFileLoader("__main__", file))
-        _run(lambda: exec(code, main.__dict__))  # noqa: S102 -- the user's own program, as the user: running it is the point
+        _run(lambda: exec(code, main.__dict__))  # type: ignore[arg-type]  # noqa: S102 -- the user's own program, as the user: running it is the point
     raise SystemExit(0)
 
 
@@ -310,6 +312,7 @@ def _run(body) -> None:
     except BaseException as exc:  # noqa: BLE001 -- reported as the interpreter does, without this file's frames
         tb = exc.__traceback__.tb_next if exc.__traceback__ else None  # (this frame)
         tb = tb.tb_next if tb else None  # (the lambda)
+        exc.__traceback__ = tb  # (the interpreter prints the exception's own traceback)
         sys.excepthook(type(exc), exc, tb)
         raise SystemExit(1) from None
 

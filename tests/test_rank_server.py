@@ -249,6 +249,44 @@ def test_killing_the_job_kills_its_served_ranks(cluster, place):
     assert all(r and r.get("killed") for r in record["ranks"]), record["ranks"]
 
 
+def test_a_module_changed_on_disk_is_never_served_stale(cluster, place):
+    """A server imported its modules once; a rank after an upgrade on disk
+    must get the new one (the child declines, the server is replaced)."""
+    lib = place / "lib"
+    (lib / "numpy").mkdir(parents=True)
+    (lib / "numpy" / "random.py").write_text("import random as _r\n\ndef seed():\n    pass\n\ndef random():\n    return _r.random()\n")
+    init = lib / "numpy" / "__init__.py"
+    init.write_text("from . import random\nVERSION = 1\n")
+    (place / "version.py").write_text("import os, numpy\n"
+                                      "parent = open(f'/proc/{os.getppid()}/cmdline', 'rb').read()\n"
+                                      "print(numpy.VERSION, b'rankserver_main.py' in parent)\n")
+    argv = [sys.executable, place / "version.py"]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(lib), "PYTHONGANGDTEST": "stale"}
+
+    def version() -> tuple[str, bool]:
+        final, out, err = run(cluster, argv, 1, env=env, cwd=place)
+        assert final["state"] == "DONE", err
+        number, served = out[0].split()
+        return number, served == "True"
+
+    for _ in range(40):
+        if version() == ("1", True):
+            break
+        time.sleep(0.3)
+    else:
+        raise AssertionError("never served")
+    init.write_text("from . import random\nVERSION = 2\n")
+    os.utime(init, ns=(time.time_ns(), time.time_ns() + 10**9))
+    seen = []
+    for _ in range(40):
+        seen.append(version())
+        if seen[-1][1]:
+            break
+        time.sleep(0.3)
+    assert all(number == "2" for number, _ in seen), seen
+    assert seen[-1] == ("2", True)  # (a new server, which imported the new one)
+
+
 # ---------------------------------------------------------------- users
 
 

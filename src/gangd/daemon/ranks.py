@@ -534,6 +534,7 @@ class LocalRanks:
 
     async def _launch(self, spawn, record: dict, job_dir: Path, extra: dict[str, str] | None, rank_setup) -> dict[int, int | None]:
         my_ranks = jobs.ranks_on(record, self.node)
+        log.debug("job %d: launching ranks %s", record["id"], my_ranks)
         uid, gid = record["owner_uid"], record["owner_gid"]
         if self._running_as_root:
             drop = None if uid == 0 else (uid, gid)
@@ -583,6 +584,7 @@ class LocalRanks:
                     self._add(entry)
                     pids[rank] = served.pid
                     spawn(self._watch, entry, served)
+                    log.debug("job %d rank %d: forked by rank server %d as %d", record["id"], rank, served.server_pid, served.pid)
                     continue
             failed = LaunchFailed()
             try:
@@ -630,6 +632,7 @@ class LocalRanks:
             self._add(entry)
             pids[rank] = proc.pid
             spawn(self._watch, entry, proc)
+            log.debug("job %d rank %d: exec'd as %d", record["id"], rank, proc.pid)
         return pids
 
     async def _watch(self, entry: Rank, proc: RankProcess | ServedRank) -> None:

@@ -118,6 +118,7 @@ class ServedRank:
         self.stderr = trio.lowlevel.FdStream(stderr)
         self._status = trio.lowlevel.FdStream(status)
         self._server = server
+        self.server_pid = server.pid
         self._ended = False
         self.status_lost = False
 
@@ -206,18 +207,24 @@ def adopt(pid: object, server_pid: int, uid: int, gid: int) -> int:
     return pidfd
 
 
-def move_into(pid: int, pidfd: int, join: list[str]) -> None:
-    """Move the checked process ``pid`` into the rank's cgroup; OSError if it
-    died meanwhile. Only a live pidfd after the write proves the write moved
-    that process (its pid cannot have been reused while it lived)."""
-    signal.pidfd_send_signal(pidfd, 0)
-    for procs in join:
-        fd = os.open(procs, os.O_WRONLY | os.O_CLOEXEC)
-        try:
-            os.write(fd, str(pid).encode())
-        finally:
-            os.close(fd)
-    signal.pidfd_send_signal(pidfd, 0)
+def adopt_into(pid: object, server_pid: int, uid: int, gid: int, join: list[str]) -> int:
+    """:func:`adopt`, then move the process into the rank's cgroup (the
+    ``cgroup.procs`` files ``join``). Only a live pidfd after the writes
+    proves they moved that process (its pid cannot have been reused while it
+    lived); ValueError if not, or if a write failed."""
+    pidfd = adopt(pid, server_pid, uid, gid)
+    try:
+        for procs in join:
+            fd = os.open(procs, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                os.write(fd, str(pid).encode())
+            finally:
+                os.close(fd)
+        signal.pidfd_send_signal(pidfd, 0)
+    except OSError as exc:
+        os.close(pidfd)
+        raise ValueError(f"process {pid} could not be moved into its cgroup: {exc.strerror or exc}") from None
+    return pidfd
 
 
 class RankServers:
@@ -328,16 +335,17 @@ class RankServers:
                 os.close(fd)
             pid = reply.get("pid") if isinstance(reply, dict) else None
             if pid is None:
-                log.warning("rank server %d (uid %d) failed a request (%s): killed; ranks are exec'd", server.pid, server.key.uid, reply)
-                server.kill()
+                log.warning("rank server %d (uid %d) failed a request (%s); ranks are exec'd", server.pid, server.key.uid, reply)
+                self._retire(server)
                 return None
             server.live += 1  # (until proven otherwise: the server's count of children)
         try:
-            pidfd = await trio.to_thread.run_sync(adopt, pid, server.pid, server.key.uid, server.key.gid)
+            # Checked, then moved into the rank's cgroup while it sets itself up (it waits for "go" to run anything of the user's).
+            pidfd = await trio.to_thread.run_sync(adopt_into, pid, server.pid, server.key.uid, server.key.gid, join)
         except ValueError as exc:
             server.live -= 1
-            log.warning("rank server %d (uid %d) named %s: killed; ranks are exec'd", server.pid, server.key.uid, exc)
-            server.kill()
+            log.warning("rank server %d (uid %d) named %s; ranks are exec'd", server.pid, server.key.uid, exc)
+            self._retire(server)
             return None
         local.append(pidfd)
         said = b""
@@ -353,14 +361,8 @@ class RankServers:
             with contextlib.suppress(OSError):
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)
             server.live -= 1
-            return None
-        try:
-            await trio.to_thread.run_sync(move_into, pid, pidfd, join)
-        except OSError as exc:
-            log.warning("cannot move rank %d into its cgroup (%s): exec instead", pid, exc)
-            with contextlib.suppress(OSError):
-                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-            server.live -= 1
+            if said.startswith(b"Fstale"):  # its modules changed on disk since it imported them: a new server will
+                self._retire(server)
             return None
         with contextlib.suppress(OSError):
             os.write(go_w, b"G")
@@ -368,6 +370,18 @@ class RankServers:
         local.remove(status_r)
         self.forked += 1
         return ServedRank(pid, pidfd, fds["stdout_r"], fds["stderr_r"], status_r, server)
+
+    def _retire(self, server: Server) -> None:
+        """Use ``server`` no more. Killed if it has no ranks; else told to end
+        (its socket closed: it stops serving, and exits once its ranks have),
+        for killing it would kill its ranks (PDEATHSIG), other jobs' among them."""
+        if self.servers.get(server.key) is server:
+            del self.servers[server.key]
+        server.gone.set()
+        if server.live <= 0:
+            server.kill()
+        else:
+            server.sock.close()
 
     async def stop(self) -> None:
         for server in list(self.servers.values()):

@@ -63,6 +63,30 @@ def _warm_up() -> list:
     return done
 
 
+def _module_files() -> dict:
+    """The files of the modules imported since start, and their mtimes: a
+    rank must not get an old numpy or gangd that was upgraded on disk since."""
+    found = {}
+    for name in set(sys.modules) - _MODULES_AT_START:
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if isinstance(path, str):
+            try:
+                found[path] = os.stat(path).st_mtime_ns
+            except OSError:
+                pass
+    return found
+
+
+def _stale(files: dict) -> str:
+    for path, mtime in files.items():
+        try:
+            if os.stat(path).st_mtime_ns != mtime:
+                return path
+        except OSError:
+            return path
+    return ""
+
+
 def _threads() -> int:
     try:
         return len(os.listdir("/proc/self/task"))
@@ -73,11 +97,12 @@ def _threads() -> int:
 class _Plan:
     """What the child runs once the server's frames are gone."""
 
-    def __init__(self, request: dict):
+    def __init__(self, request: dict, files: dict):
         self.request = request
+        self.files = files
 
 
-def _serve(sock) -> _Plan | None:
+def _serve(sock, files: dict) -> _Plan | None:
     import json
     import selectors
     import socket
@@ -145,7 +170,7 @@ def _serve(sock) -> _Plan | None:
                     except OSError:
                         pass
                 request["_fds"] = fds
-                return _Plan(request)
+                return _Plan(request, files)
             stdout_w, stderr_w, ready_w, go_r, status_w = fds
             for fd in (stdout_w, stderr_w, ready_w, go_r):
                 os.close(fd)
@@ -254,6 +279,9 @@ def _child(plan: _Plan, server_pid: int) -> None:
     shadow = _shadowed(path0) if path0 else ""
     if shadow:
         _fail(ready_w, f"{shadow} would come from {path0}")
+    changed = _stale(plan.files)
+    if changed:
+        _fail(ready_w, f"stale: {changed} changed since the server imported it")
     # The job's environment: os.environ (and C's environ, through putenv),
     # and what /proc/PID/environ shows (ps e, psutil): the area the kernel
     # reads is the server's own start environment, padded so that it has room.
@@ -329,7 +357,7 @@ def main() -> None:
         return
     sock.send(json.dumps({"hello": PROTOCOL, "pid": os.getpid(), "warm": warm, "executable": sys.executable}).encode())
     server_pid = os.getpid()
-    plan = _serve(sock)
+    plan = _serve(sock, _module_files())
     if plan is None:
         return
     _child(plan, server_pid)

@@ -155,9 +155,10 @@ def servers(uid: int | None = None, daemon: int | None = None) -> list[psutil.Pr
 # ---------------------------------------------------------------- sameness
 
 
-@pytest.mark.parametrize("how", ["script", "module"])
+@pytest.mark.parametrize("how", ["script", "relative", "module"])
 def test_a_served_rank_sees_what_an_exec_d_rank_sees(cluster, place, how):
-    argv = [sys.executable, place / "probe.py", "a b", "--x"] if how == "script" else [sys.executable, "-m", "probe", "a b", "--x"]
+    argv = {"script": [sys.executable, place / "probe.py", "a b", "--x"], "relative": [sys.executable, "probe.py", "a b", "--x"],
+            "module": [sys.executable, "-m", "probe", "a b", "--x"]}[how]
     env = {"PATH": "/usr/bin:/bin", "HOME": "/root", "SOME_VAR": "v", "PYTHONGANGDTEST": how}
     first = probes(cluster, argv, 2, env=env, cwd=place)
     assert not first[0]["served"]  # a new key: its server starts behind this job, which is exec'd

@@ -23,9 +23,13 @@ or gone, a rank it cannot fork exactly — falls back to exec, which is what
 :meth:`RankServers.fork_rank` returning None means. A server is never waited
 for: the first launch of a key starts one in the background and execs.
 
-Bounded: at most :data:`MAX_SERVERS` servers per daemon (an idle one is
-evicted for a new key), each exits after ``idle`` seconds without ranks, and
-all die with the daemon (PDEATHSIG) or when it kills all its ranks.
+Bounded: at most :data:`MAX_SERVERS` servers per daemon and
+:data:`MAX_PER_USER` per user (an idle one is evicted for a new key); each is
+killed after ``idle`` seconds without ranks (by the daemon: a server runs the
+user's code — their interpreter, their PYTHONPATH — outside any job's
+cgroup and gang slot, which is why it must not linger, and why servers are
+off by default), and all die with the daemon (PDEATHSIG) or when it kills
+all its ranks.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ log = logging.getLogger("gangd.rankserver")
 SCRIPT = Path(__file__).with_name("rankserver_main.py")
 PROTOCOL = 1
 MAX_SERVERS = 8
+MAX_PER_USER = 3  # (one user's many environments do not take every server)
+MAX_BAD = 256
 IDLE_TIMEOUT = 600.0
 HELLO_TIMEOUT = 30.0  # its start and imports, on a loaded node
 REPLY_TIMEOUT = 5.0  # a fork, and the child's setup
@@ -246,13 +252,13 @@ class RankServers:
         if server is not None and server.ready and server.popen.returncode is None and not server.gone.is_set():
             return server
         if server is None and key not in self._starting and self._bad.get(key, 0) < time.monotonic():
-            if len(self.servers) + len(self._starting) >= self.max_servers:
-                idle = [s for s in self.servers.values() if s.live == 0 and not s.lock.locked()]
+            mine = [s for s in self.servers.values() if s.key.uid == key.uid] + [k for k in self._starting if k.uid == key.uid]
+            if len(self.servers) + len(self._starting) >= self.max_servers or len(mine) >= MAX_PER_USER:
+                pool = [s for s in self.servers.values() if s.key.uid == key.uid] if len(mine) >= MAX_PER_USER else list(self.servers.values())
+                idle = [s for s in pool if s.live == 0 and not s.lock.locked()]
                 if not idle:
                     return None
-                victim = min(idle, key=lambda s: s.last_used)
-                victim.kill()
-                del self.servers[victim.key]
+                self._retire(min(idle, key=lambda s: s.last_used))
             self._starting.add(key)
             spawn(self._run_server, key)
         return None
@@ -265,7 +271,7 @@ class RankServers:
                 popen = await self._start_process(key, theirs.fileno())
             except Exception as exc:  # noqa: BLE001 -- a server that cannot start means exec, for a while
                 log.info("no rank server for %s (uid %d): %s", key.executable, key.uid, exc)
-                self._bad[key] = time.monotonic() + BAD_KEY_FOR
+                self._mark_bad(key)
                 ours.close()
                 return
         finally:
@@ -275,7 +281,15 @@ class RankServers:
         self.servers[key] = server
         try:
             await self._hello(server)  # (EOF if the server dies meanwhile)
-            await trio.lowlevel.wait_readable(server.pidfd)
+            while True:
+                with trio.move_on_after(min(self.idle, 60.0)):
+                    await trio.lowlevel.wait_readable(server.pidfd)
+                    break
+                # The server is the user's code, outside any job's cgroup: it does not outlive
+                # its use by more than ``idle``, whatever it does (its own timer is its courtesy).
+                if server.live <= 0 and time.monotonic() - server.last_used > self.idle:
+                    log.debug("rank server %d (uid %d) idle for %g s: killed", server.pid, server.key.uid, self.idle)
+                    self._retire(server)
         finally:
             server.gone.set()
             server.kill()
@@ -292,7 +306,7 @@ class RankServers:
             hello = await _receive(server.sock)
         if not (isinstance(hello, dict) and hello.get("hello") == PROTOCOL and hello.get("pid") == server.popen.pid):
             log.info("rank server for %s (uid %d) did not start: %s", server.key.executable, server.key.uid, hello)
-            self._bad[server.key] = time.monotonic() + BAD_KEY_FOR
+            self._mark_bad(server.key)
             server.kill()
             return
         server.pid = server.popen.pid
@@ -370,6 +384,15 @@ class RankServers:
         local.remove(status_r)
         self.forked += 1
         return ServedRank(pid, pidfd, fds["stdout_r"], fds["stderr_r"], status_r, server)
+
+    def _mark_bad(self, key: ServerKey) -> None:
+        """No server for ``key`` for a while (its start failed). Bounded: the oldest marks go first."""
+        now = time.monotonic()
+        for old in [k for k, until in self._bad.items() if until < now]:
+            del self._bad[old]
+        while len(self._bad) >= MAX_BAD:
+            del self._bad[next(iter(self._bad))]
+        self._bad[key] = now + BAD_KEY_FOR
 
     def _retire(self, server: Server) -> None:
         """Use ``server`` no more. Killed if it has no ranks; else told to end

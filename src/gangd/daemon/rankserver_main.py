@@ -274,7 +274,7 @@ def _child(plan: _Plan, server_pid: int) -> None:
             _fail(ready_w, f"script: {exc}")  # the exec'd rank will say it the interpreter's way
     else:
         _fail(ready_w, "not python SCRIPT or python -m MODULE")
-    if sys.flags.safe_path:
+    if getattr(sys.flags, "safe_path", False):
         path0 = None
     shadow = _shadowed(path0) if path0 else ""
     if shadow:
@@ -351,6 +351,9 @@ def main() -> None:
 
     fd = int(sys.argv[1])
     sock = socket.socket(fileno=fd)
+    if not hasattr(os, "pidfd_open"):  # (Python < 3.9: no way to watch the children without signals)
+        sock.send(json.dumps({"error": "this Python has no os.pidfd_open"}).encode())
+        return
     warm = _warm_up()
     if _threads() != 1:  # e.g. a BLAS with a thread pool: forking it is not safe
         sock.send(json.dumps({"error": f"{_threads()} threads after importing {', '.join(warm)}"}).encode())

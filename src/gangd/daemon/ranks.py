@@ -739,9 +739,10 @@ class LocalRanks:
 
     # ------------------------------------------------------------ rank servers
 
-    async def _start_server(self, key: ServerKey, fd: int) -> subprocess.Popen:
+    async def _start_server(self, key: ServerKey, fd: int, limits: list[tuple[int, int, int]]) -> subprocess.Popen:
         """Start a rank server for ``key``: as its user (the daemon's child, so
-        it dies with the daemon), with only the key's environment."""
+        it dies with the daemon), with the user's rlimits (``limits``, those
+        of the job it is started for) and only the key's environment."""
         drop = (key.uid, key.gid, list(key.groups)) if self._running_as_root and key.uid != 0 else None
         env = dict(key.env)
         if self.servers is not None:
@@ -749,7 +750,7 @@ class LocalRanks:
         # Room for a rank's environment in what /proc/PID/environ shows (see rankserver_main).
         env["GANGD_RANK_SERVER_ROOM"] = "x" * 65536
         return await FORKER.run(_popen_server, [key.executable, str(SERVER_SCRIPT), str(fd)], env,
-                                _make_preexec([], drop, "/", [], LaunchFailed()), fd)
+                                _make_preexec([], drop, "/", limits, LaunchFailed()), fd)
 
     async def _fork_served(self, spawn, record: dict, env: dict[str, str], uid: int, gid: int, groups: list[int],
                            limits: list[tuple[int, int, int]], cgroup: Path) -> ServedRank | None:
@@ -763,7 +764,7 @@ class LocalRanks:
         key = server_key(record["argv"], env, uid, gid, groups)
         if key is None:
             return None
-        server = self.servers.ready(key, spawn)
+        server = self.servers.ready(key, spawn, limits)
         if server is None:
             self.servers.fallbacks += 1
             return None

@@ -236,7 +236,7 @@ def adopt_into(pid: object, server_pid: int, uid: int, gid: int, join: list[str]
 class RankServers:
     """The daemon's table of warm rank servers (see the module docstring)."""
 
-    def __init__(self, start: Callable[[ServerKey, int], Awaitable[subprocess.Popen]], *, idle: float = IDLE_TIMEOUT, max_servers: int = MAX_SERVERS):
+    def __init__(self, start: Callable[[ServerKey, int, list], Awaitable[subprocess.Popen]], *, idle: float = IDLE_TIMEOUT, max_servers: int = MAX_SERVERS):
         self._start_process = start
         self.idle = idle
         self.max_servers = max_servers
@@ -246,8 +246,10 @@ class RankServers:
         self.forked = 0  # ranks started through a server (for tests and the bench)
         self.fallbacks = 0  # eligible ranks exec'd instead (no server ready, or it failed)
 
-    def ready(self, key: ServerKey, spawn) -> Server | None:
-        """The ready server for ``key``, or None (and one is started in the background)."""
+    def ready(self, key: ServerKey, spawn, rlimits: list) -> Server | None:
+        """The ready server for ``key``, or None (and one is started in the
+        background, with ``rlimits``: the user's own, as this job's ranks get
+        them — a later job whose hard limits are higher is exec'd)."""
         server = self.servers.get(key)
         if server is not None and server.ready and server.popen.returncode is None and not server.gone.is_set():
             return server
@@ -260,15 +262,15 @@ class RankServers:
                     return None
                 self._retire(min(idle, key=lambda s: s.last_used))
             self._starting.add(key)
-            spawn(self._run_server, key)
+            spawn(self._run_server, key, rlimits)
         return None
 
-    async def _run_server(self, key: ServerKey) -> None:
+    async def _run_server(self, key: ServerKey, rlimits: list) -> None:
         """Start a server for ``key``, and own it until it exits."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             try:
-                popen = await self._start_process(key, theirs.fileno())
+                popen = await self._start_process(key, theirs.fileno(), rlimits)
             except Exception as exc:  # noqa: BLE001 -- a server that cannot start means exec, for a while
                 log.info("no rank server for %s (uid %d): %s", key.executable, key.uid, exc)
                 self._mark_bad(key)

@@ -230,6 +230,26 @@ def test_exit_codes_signals_and_tracebacks_as_exec_d(cluster, place):
     assert results["atexit"][0][2] == "body\nat exit\n"
 
 
+def test_a_served_ranks_cpu_time_is_accounted(cluster, place):
+    (place / "burn.py").write_text(textwrap.dedent('''\
+        import os, time
+        parent = open(f"/proc/{os.getppid()}/cmdline", "rb").read()
+        end = time.process_time() + 0.5
+        while time.process_time() < end:
+            pass
+        print(b"rankserver_main.py" in parent)
+        '''))
+    env = {"PATH": "/usr/bin:/bin", "PYTHONGANGDTEST": "burn"}
+    for _ in range(40):
+        final, out, _ = run(cluster, [sys.executable, place / "burn.py"], 1, env=env, cwd=place)
+        if out[0].strip() == "True":
+            break
+        time.sleep(0.3)
+    else:
+        raise AssertionError("never served")
+    assert final["ranks"][0]["cpu"] >= 0.45, final["ranks"]
+
+
 def test_killing_the_job_kills_its_served_ranks(cluster, place):
     argv = [sys.executable, place / "probe.py"]
     env = {"PATH": "/usr/bin:/bin", "PYTHONGANGDTEST": "kill"}

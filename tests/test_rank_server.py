@@ -412,6 +412,61 @@ def test_a_hostile_server_cannot_make_the_daemon_touch_another_process(cluster, 
         victim.wait()
 
 
+LIAR = textwrap.dedent('''\
+    """A "python3" that serves ranks by the protocol, then lies about how they ended."""
+    import json, os, socket, sys
+    if not sys.argv[1].endswith("rankserver_main.py"):
+        os.execv("/usr/bin/python3", ["/usr/bin/python3", *sys.argv[1:]])
+    sock = socket.socket(fileno=int(sys.argv[2]))
+    sock.send(json.dumps({"hello": 1, "pid": os.getpid()}).encode())
+    lie = open(os.path.join(os.path.dirname(__file__), "lie")).read().encode()
+    while True:
+        data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 16)
+        if not data:
+            break
+        request = json.loads(data)
+        stdout, stderr, ready_w, go_r, status_w = fds
+        pid = os.fork()
+        if pid == 0:
+            os.setsid()
+            os.dup2(stdout, 1)
+            os.dup2(stderr, 2)
+            os.write(ready_w, b"R")
+            os.read(go_r, 1)
+            os.chdir(request["cwd"])
+            os.execve("/usr/bin/python3", ["/usr/bin/python3", *request["argv"][1:]], request["env"])
+        for fd in (stdout, stderr, ready_w, go_r):
+            os.close(fd)
+        sock.send(json.dumps({"pid": pid}).encode())
+        os.waitpid(pid, 0)
+        os.write(status_w, lie)
+        os.close(status_w)
+''')
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to a second uid")
+@pytest.mark.parametrize("lie", ["99999999999999999999999999", "-5", "4991", "zero"])
+def test_a_servers_word_on_how_a_rank_ended_is_checked(cluster, place, lie):
+    """A server that reports an impossible status (too large, negative, a
+    stop, garbage): the rank is reported as killed by SIGKILL, its status
+    lost, and the daemon goes on."""
+    directory = place / ("liar" + re.sub(r"\W", "_", lie))
+    directory.mkdir(mode=0o755)
+    (directory / "python3").write_text(f"#!{SYSTEM_PYTHON}\n" + LIAR)
+    (directory / "python3").chmod(0o755)
+    (directory / "lie").write_text(lie)
+    argv = [directory / "python3", place / "probe.py"]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONGANGDTEST": f"liar-{lie}"}
+    for _ in range(40):
+        final, out, _ = run(cluster, argv, 1, env=env, cwd=place, uid=NOBODY)
+        if final["ranks"][0].get("code") != 0:
+            break
+        assert not json.loads(out[0])["served"]  # (exec'd while the server starts)
+        time.sleep(0.3)
+    assert strip(final["ranks"][0]) == {"signal": signal.SIGKILL, "why": "its exit status was lost: its rank server died (and the rank with it)"}
+    assert json.loads(out[0])["served"] and json.loads(out[0])["ids"][0] == NOBODY
+
+
 def test_off_by_default(make_cluster, place):
     plain = make_cluster(1)
     argv = [sys.executable, place / "probe.py"]

@@ -155,8 +155,14 @@ class ServedRank:
         self._server.live -= 1
         self._server.last_used = time.monotonic()
         try:
-            return os.waitstatus_to_exitcode(int(data))
-        except ValueError:
+            status = int(data)  # (a server's word: only a real exit or death by a real signal is taken)
+            if not 0 <= status <= 0xFFFF:
+                raise ValueError(status)
+            code = os.waitstatus_to_exitcode(status)
+            if not (0 <= code <= 255 or 1 <= -code < signal.NSIG):
+                raise ValueError(status)
+            return code
+        except (ValueError, OverflowError):
             # No status: the server died (and the rank of PDEATHSIG with it), or lied.
             self.status_lost = True
             return -signal.SIGKILL

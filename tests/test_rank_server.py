@@ -230,6 +230,19 @@ def test_exit_codes_signals_and_tracebacks_as_exec_d(cluster, place):
     assert results["atexit"][0][2] == "body\nat exit\n"
 
 
+def test_served_ranks_leave_no_fds_in_the_daemon(cluster, place):
+    argv = [sys.executable, place / "probe.py"]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONGANGDTEST": "fds"}
+    until_served(cluster, argv, 2, env=env, cwd=place)
+    daemon = psutil.Process(cluster.daemon_pid("n1"))
+    time.sleep(0.5)
+    before = daemon.num_fds()
+    for _ in range(5):
+        assert all(p["served"] for p in probes(cluster, argv, 2, env=env, cwd=place))
+    time.sleep(0.5)
+    assert daemon.num_fds() <= before + 2, (before, daemon.num_fds())
+
+
 def test_a_served_ranks_cpu_time_is_accounted(cluster, place):
     (place / "burn.py").write_text(textwrap.dedent('''\
         import os, time

@@ -322,8 +322,8 @@ class RankServers:
         log.debug("rank server %d for %s (uid %d) ready, warm: %s", server.pid, server.key.executable, server.key.uid, hello.get("warm"))
 
     async def fork_rank(self, server: Server, request: dict, fds: dict[str, int], join: list[str]) -> ServedRank | None:
-        """Ask ``server`` for a rank; None: exec it instead (the server is killed if it misbehaved).
-        ``fds``: stdout and stderr (the child's ends), which this closes."""
+        """Ask ``server`` for a rank; None: exec it instead (the server is retired if it misbehaved).
+        ``fds``: the rank's stdout and stderr pipes; this closes the child's ends (``stdout``, ``stderr``)."""
         local: list[int] = []
         try:
             return await self._fork(server, request, fds, join, local)
@@ -333,16 +333,17 @@ class RankServers:
                     os.close(fd)
 
     async def _fork(self, server: Server, request: dict, fds: dict[str, int], join: list[str], local: list[int]) -> ServedRank | None:
+        local += [fds["stdout"], fds["stderr"]]  # (every fd here is closed on the way out unless it is the rank's)
         ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
+        local += [ready_r, ready_w]
         go_r, go_w = os.pipe2(os.O_CLOEXEC)
+        local += [go_r, go_w]
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
-        local += [ready_r, go_w, status_r]
-        theirs = [fds["stdout"], fds["stderr"], ready_w, go_r, status_w]
+        local += [status_r, status_w]
+        theirs = [fds["stdout"], fds["stderr"], ready_w, go_r, status_w]  # (sent or not, ours are closed: the server has copies)
         payload = json.dumps(request).encode()
         async with server.lock:
             if server.gone.is_set():
-                for fd in theirs:
-                    os.close(fd)
                 return None
             server.last_used = time.monotonic()
             reply = None
@@ -354,6 +355,7 @@ class RankServers:
                 else:
                     reply = await _receive(server.sock)
             for fd in theirs:
+                local.remove(fd)
                 os.close(fd)
             pid = reply.get("pid") if isinstance(reply, dict) else None
             if pid is None:

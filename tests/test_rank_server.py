@@ -116,7 +116,7 @@ def probes(cluster, argv, nranks=1, **kwargs) -> list[dict]:
     return [json.loads(out[r]) for r in range(nranks)]
 
 
-def until_served(cluster, argv, nranks=1, tries=40, **kwargs) -> list[dict]:
+def until_served(cluster, argv, nranks=1, tries=200, **kwargs) -> list[dict]:
     """Run the probe until a run had every rank served (the first run of a key
     starts its server in the background and is exec'd)."""
     for _ in range(tries):
@@ -209,7 +209,7 @@ def test_exit_codes_signals_and_tracebacks_as_exec_d(cluster, place):
     results: dict = {}
     for how in ("code", "message", "signal", "raise", "atexit"):
         env = {"PATH": "/usr/bin:/bin", "HOW": how, "PYTHONGANGDTEST": how}
-        for _ in range(40):
+        for _ in range(200):
             final, out, err = run(cluster, argv, 1, env=env, cwd=place)
             results.setdefault(how, []).append((final["state"], strip(final["ranks"][0]),
                                                 out.get(0, ""), err.get(0, "")))
@@ -253,7 +253,7 @@ def test_a_served_ranks_cpu_time_is_accounted(cluster, place):
         print(b"rankserver_main.py" in parent)
         '''))
     env = {"PATH": "/usr/bin:/bin", "PYTHONGANGDTEST": "burn"}
-    for _ in range(40):
+    for _ in range(200):
         final, out, _ = run(cluster, [sys.executable, place / "burn.py"], 1, env=env, cwd=place)
         if out[0].strip() == "True":
             break
@@ -303,7 +303,7 @@ def test_a_module_changed_on_disk_is_never_served_stale(cluster, place):
         number, served = out[0].split()
         return number, served == "True"
 
-    for _ in range(40):
+    for _ in range(200):
         if version() == ("1", True):
             break
         time.sleep(0.3)
@@ -312,7 +312,7 @@ def test_a_module_changed_on_disk_is_never_served_stale(cluster, place):
     init.write_text("from . import random\nVERSION = 2\n")
     os.utime(init, ns=(time.time_ns(), time.time_ns() + 10**9))
     seen = []
-    for _ in range(40):
+    for _ in range(200):
         seen.append(version())
         if seen[-1][1]:
             break
@@ -470,7 +470,7 @@ def test_a_servers_word_on_how_a_rank_ended_is_checked(cluster, place, lie):
     (directory / "lie").write_text(lie)
     argv = [directory / "python3", place / "probe.py"]
     env = {"PATH": "/usr/bin:/bin", "PYTHONGANGDTEST": f"liar-{lie}"}
-    for _ in range(40):
+    for _ in range(200):
         final, out, _ = run(cluster, argv, 1, env=env, cwd=place, uid=NOBODY)
         if final["ranks"][0].get("code") != 0:
             break

@@ -283,6 +283,21 @@ def test_killing_the_job_kills_its_served_ranks(cluster, place):
     assert all(r and r.get("killed") for r in record["ranks"]), record["ranks"]
 
 
+def test_a_script_beside_its_own_copy_of_a_preloaded_module_gets_its_own(cluster, place):
+    """The server imported json; a script whose directory has a json.py of
+    its own imports that one when exec'd, so it must never be forked."""
+    directory = place / "shadow"
+    directory.mkdir(mode=0o755)
+    (directory / "json.py").write_text("MARK = 'mine'\n")
+    (directory / "main.py").write_text("import json\nprint(getattr(json, 'MARK', 'stdlib'))\n")
+    argv = [sys.executable, directory / "main.py"]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONGANGDTEST": "shadow"}
+    until_served(cluster, [sys.executable, place / "probe.py"], 1, env=env, cwd=place)  # (the key's server is warm)
+    for _ in range(3):
+        final, out, err = run(cluster, argv, 1, env=env, cwd=place)
+        assert out[0] == "mine\n", (out, err)
+
+
 def test_a_module_changed_on_disk_is_never_served_stale(cluster, place):
     """A server imported its modules once; a rank after an upgrade on disk
     must get the new one (the child declines, the server is replaced)."""

@@ -44,7 +44,9 @@ _MODULES_AT_START = set(sys.modules)
 _LC_CTYPE_AT_START = os.environ.get("LC_CTYPE")
 _PATH_AT_START = list(sys.path[1:])  # sys.path[0] is this file's directory: never the rank's
 del sys.path[0]
-_WARM = ("numpy", "gangd.ckptlib", "gangd.comm")
+#: What most ranks import (the stdlib ones a few ms each): a module a rank's
+#: directory would shadow makes that rank exec'd (see _shadowed).
+_WARM = ("numpy", "gangd.ckptlib", "gangd.comm", "argparse", "subprocess", "json", "logging")
 
 
 def _warm_up() -> list:

@@ -294,7 +294,7 @@ def test_a_script_beside_its_own_copy_of_a_preloaded_module_gets_its_own(cluster
     env = {"PATH": "/usr/bin:/bin", "PYTHONGANGDTEST": "shadow"}
     until_served(cluster, [sys.executable, place / "probe.py"], 1, env=env, cwd=place)  # (the key's server is warm)
     for _ in range(3):
-        final, out, err = run(cluster, argv, 1, env=env, cwd=place)
+        _, out, err = run(cluster, argv, 1, env=env, cwd=place)
         assert out[0] == "mine\n", (out, err)
 
 

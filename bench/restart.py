@@ -22,7 +22,10 @@ iteration (bench/ringjob.py, one program for both). Per repeat, alternating:
            the job as ``python -B ...``, which no server forks (an
            interpreter option), so the same run shows the exec'd restart
            beside the served one. Each row says how many of its ranks were
-           served.
+           served; ``--phases`` adds the daemons' side of the breakdown
+           (from their debug logs): the restarted job submitted — the
+           coordinator's checks done —, its launch asked on the nodes, its
+           ranks started (forked or exec'd).
   DMTCP    ``dmtcp_launch --no-gzip`` (its fastest restart; ``--dmtcp-gzip``
            adds its default, gzip), ``dmtcp_command -bc``, quit, a new
            coordinator, ``dmtcp_restart`` on the images — the time from
@@ -49,7 +52,7 @@ editable install under ``PYTHONDONTWRITEBYTECODE`` would otherwise compile
 them again in every rank (``--no-compile`` to measure that).
 
     python bench/restart.py [--repeats 3] [--ranks 4] [--mib 64] [--data random] [--idioms factory,factory/exec,factory/api]
-                            [--rank-server on|off]
+                            [--rank-server on|off] [--phases]
                             [--dmtcp /tmp/peers/dmtcp-inst] [--dmtcp-gzip] [--every 200] [--json]
 
 No DMTCP (``--dmtcp`` DIR/bin/dmtcp_launch missing): gangd's figures only,
@@ -133,6 +136,42 @@ def command_cost(directory: Path, repeats: int = 5) -> list[float]:
 
 
 TIMELINE = re.compile(rb"^timeline (.*)$", re.MULTILINE)
+STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ \S+ \S+: (.*)$")
+
+
+def daemon_phases(directory: Path, job: int, t0: float) -> dict[str, float]:
+    """With ``--phases`` (daemons logging at debug): when the restarted job
+    was submitted (the coordinator's checks done), its launch asked on the
+    first and last node, and its first and last rank started, in seconds after t0."""
+    import datetime
+
+    found: dict[str, list[float]] = {"submitted": [], "launch": [], "rank": []}
+    for node in local.node_files(directory):
+        try:
+            text = node.log.read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            match = STAMP.match(line)
+            if not match:
+                continue
+            when = datetime.datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() - t0
+            message = match.group(2)
+            if when < -0.01:
+                continue
+            if message.startswith(f"job {job} (") and "submitted" in message:
+                found["submitted"].append(when)
+            elif message.startswith(f"job {job}: launching"):
+                found["launch"].append(when)
+            elif re.match(rf"job {job} rank \d+: (forked|exec)", message):
+                found["rank"].append(when)
+    phases = {}
+    if found["submitted"]:
+        phases["submitted"] = min(found["submitted"])
+    for key in ("launch", "rank"):
+        if found[key]:
+            phases[f"{key} first"], phases[f"{key} last"] = min(found[key]), max(found[key])
+    return phases
 
 
 async def first_line(gang, job: int, timeout: float = 120) -> tuple[int, float, dict[str, float]]:
@@ -197,6 +236,7 @@ async def gangd_trial(directory: Path, args, idiom: str, via_api: bool = False, 
         returned = time.time() - t0
         iteration, printed, marks = await first_line(gang, new)
         served = await trio.to_thread.run_sync(served_ranks, directory, new)
+        phases = daemon_phases(directory, new, t0) if args.phases else {}
         await gang.kill(new)
         await until_ended(gang, new)
     image = sum(node.get("bytes", 0) for node in (entry.get("nodes") or {}).values())  # (each node's own files; redundancy comes on top)
@@ -206,6 +246,7 @@ async def gangd_trial(directory: Path, args, idiom: str, via_api: bool = False, 
         "image_bytes": image, "state_bytes": args.ranks * args.mib * MiB,
         "rank0": {k: v - t0 for k, v in marks.items()},  # its script started, imported, init (restored), world, protected
         "served": served,  # (ranks a rank server forked, ranks found)
+        "daemons": phases,  # (--phases: submitted, launch first/last, rank first/last)
     }
 
 
@@ -313,6 +354,10 @@ def report(rows: dict[str, list[dict]], args) -> dict:
             extra = f"  (command returned after {spread([t['restart_command_s'] for t in trials])}; {served} of {found} ranks served)"
         say(f"  {kind:<22} restart {spread(restart)}   checkpoint {spread(ckpt)}   image {ratio:.2f}x state{extra}")
         phases = [k for k in ("started", "imported", "init", "world", "protected") if all(k in t.get("rank0", {}) for t in trials)]
+        daemon = [k for k in ("submitted", "launch first", "launch last", "rank first", "rank last") if all(k in t.get("daemons", {}) for t in trials)]
+        if daemon:
+            say(f"  {'':<22} daemons (median s after the command): " + ", ".join(
+                f"{k} {statistics.median(t['daemons'][k] for t in trials):.3f}" for k in daemon))
         if phases:
             say(f"  {'':<22} rank 0 (median s after the command): " + ", ".join(
                 f"{k} {statistics.median(t['rank0'][k] for t in trials):.2f}" for k in phases))
@@ -345,6 +390,8 @@ def main() -> None:
     parser.add_argument("--idioms", default="factory,factory/exec,build", help="gangd runs: factory, build, restarted (comma-separated); "
                         "IDIOM/api restarts through the Python API instead of the gang command; IDIOM/exec runs `python -B` (never served)")
     parser.add_argument("--rank-server", choices=["on", "off"], default="on", help="the cluster's warm rank servers (config rank_server)")
+    parser.add_argument("--phases", action="store_true", help="daemons log at debug, and the breakdown has their phases: "
+                        "the job submitted (the coordinator's checks), launched on the nodes, its ranks started")
     parser.add_argument("--dmtcp", default=DMTCP_DEFAULT, help="DMTCP's install prefix (bin/dmtcp_launch ...)")
     parser.add_argument("--dmtcp-gzip", action="store_true", help="also DMTCP with its default gzip compression")
     parser.add_argument("--no-compile", action="store_true", help="do not byte-compile gangd first")
@@ -369,7 +416,7 @@ def main() -> None:
         f"{args.repeats} repeat(s); load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory(prefix="gangd-bench-restart-") as tmp:
         directory = Path(tmp)
-        local.up(directory, args.ranks, cores=1, log_level="warning", rank_server=args.rank_server == "on")
+        local.up(directory, args.ranks, cores=1, log_level="debug" if args.phases else "warning", rank_server=args.rank_server == "on")
         try:
             try:
                 result["command_s"] = command_cost(directory)

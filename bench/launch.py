@@ -9,7 +9,13 @@ for three ways of running the same 16 processes:
   * gangd API  — gangd.client.api from an already-running Python process
   * gang CLI   — the `gang run` command, interpreter start-up included
 
-    python bench/launch.py [--runs 20] [--nodes 4] [--per-node 4]
+``--rank python``: each rank is a Python script that imports numpy,
+gangd.comm and gangd.ckptlib and prints the time once they are imported (a
+real Python rank's start); with ``--rank-server on`` the cluster runs warm rank
+servers (config ``rank_server``: those ranks forked by a server that has the
+imports done, src/gangd/daemon/rankserver.py) — compare with ``off``.
+
+    python bench/launch.py [--runs 20] [--nodes 4] [--per-node 4] [--rank sh|python] [--rank-server on|off]
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from gangd.client import cluster as local
 from gangd.client.api import connect
 
 RANK_CMD = ["/bin/sh", "-c", "date +%s.%N"]
+PYTHON_RANK = "import numpy, gangd.comm, gangd.ckptlib, time\nprint(f'{time.time():.6f}')\n"
 
 
 def pct(values, p):
@@ -48,10 +55,11 @@ async def via_api(directory: Path, n: int, per_node: int) -> tuple[float, float]
     async with connect(directory) as gang:
         t0 = time.time()
         record = await gang.submit(RANK_CMD, n, per_node=per_node)
-        stamps = []
+        said: dict[int, bytes] = {}
         async with gang.output(record["id"]) as chunks:
             async for item in chunks:
-                stamps.append(float(item["data"]))
+                said[item["rank"]] = said.get(item["rank"], b"") + item["data"]
+        stamps = [float(data) for data in said.values()]
         final = await gang.wait_done(record["id"])
         done = time.time() - t0
         assert final["state"] == "DONE" and len(stamps) == n, (final["state"], len(stamps))
@@ -78,10 +86,16 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--per-node", type=int, default=4)
+    parser.add_argument("--rank", choices=["sh", "python"], default="sh", help="what each rank runs (python: imports numpy and gangd)")
+    parser.add_argument("--rank-server", choices=["on", "off"], default="off", help="warm rank servers (config rank_server)")
     args = parser.parse_args()
     n = args.nodes * args.per_node
     directory = Path(tempfile.mkdtemp(prefix="gangd-bench-")) / "cluster"
-    local.up(directory, args.nodes)
+    if args.rank == "python":
+        script = directory.parent / "rank.py"
+        script.write_text(PYTHON_RANK)
+        RANK_CMD[:] = [sys.executable, str(script)]
+    local.up(directory, args.nodes, rank_server=args.rank_server == "on")
     try:
         results = {"subprocess": [], "gangd API": [], "gang CLI": []}
         for _ in range(2):  # warm-up: page cache, first connections
@@ -95,7 +109,8 @@ def main() -> None:
         local.down(directory)
     base_started = statistics.median(s for s, _ in results["subprocess"])
     base_done = statistics.median(d for _, d in results["subprocess"])
-    print(f"launch of a trivial job, {args.nodes} nodes x {args.per_node} ranks = {n} ranks, {args.runs} runs (times in ms)")
+    what = "a trivial job" if args.rank == "sh" else f"a Python job (numpy and gangd imported), rank servers {args.rank_server}"
+    print(f"launch of {what}, {args.nodes} nodes x {args.per_node} ranks = {n} ranks, {args.runs} runs (times in ms)")
     print(f"{'method':<12} {'started p50':>12} {'p90':>8} {'x base':>8} {'done p50':>10} {'p90':>8} {'x base':>8}")
     for name, rows in results.items():
         started = [s * 1000 for s, _ in rows]

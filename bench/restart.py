@@ -15,7 +15,17 @@ iteration (bench/ringjob.py, one program for both). Per repeat, alternating:
            and ``build`` (the state built and then replaced, the older idiom);
            ``factory/api`` restarts through the Python API
            (``gangd.client.api``) instead: the same request without a
-           command to start, what the command itself costs.
+           command to start, what the command itself costs. The cluster
+           runs warm rank servers (``--rank-server on``, the default here:
+           a Python rank forked by a server that has numpy and gangd
+           imported, src/gangd/daemon/rankserver.py); ``IDIOM/exec`` runs
+           the job as ``python -B ...``, which no server forks (an
+           interpreter option), so the same run shows the exec'd restart
+           beside the served one. Each row says how many of its ranks were
+           served; ``--phases`` adds the daemons' side of the breakdown
+           (from their debug logs): the restarted job submitted — the
+           coordinator's checks done —, its launch asked on the nodes, its
+           ranks started (forked or exec'd).
   DMTCP    ``dmtcp_launch --no-gzip`` (its fastest restart; ``--dmtcp-gzip``
            adds its default, gzip), ``dmtcp_command -bc``, quit, a new
            coordinator, ``dmtcp_restart`` on the images — the time from
@@ -41,7 +51,8 @@ gangd's modules are byte-compiled first (as ``pip install`` does), because an
 editable install under ``PYTHONDONTWRITEBYTECODE`` would otherwise compile
 them again in every rank (``--no-compile`` to measure that).
 
-    python bench/restart.py [--repeats 3] [--ranks 4] [--mib 64] [--data random] [--idioms factory,build]
+    python bench/restart.py [--repeats 3] [--ranks 4] [--mib 64] [--data random] [--idioms factory,factory/exec,factory/api]
+                            [--rank-server on|off] [--phases]
                             [--dmtcp /tmp/peers/dmtcp-inst] [--dmtcp-gzip] [--every 200] [--json]
 
 No DMTCP (``--dmtcp`` DIR/bin/dmtcp_launch missing): gangd's figures only,
@@ -125,6 +136,42 @@ def command_cost(directory: Path, repeats: int = 5) -> list[float]:
 
 
 TIMELINE = re.compile(rb"^timeline (.*)$", re.MULTILINE)
+STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ \S+ \S+: (.*)$")
+
+
+def daemon_phases(directory: Path, job: int, t0: float) -> dict[str, float]:
+    """With ``--phases`` (daemons logging at debug): when the restarted job
+    was submitted (the coordinator's checks done), its launch asked on the
+    first and last node, and its first and last rank started, in seconds after t0."""
+    import datetime
+
+    found: dict[str, list[float]] = {"submitted": [], "launch": [], "rank": []}
+    for node in local.node_files(directory):
+        try:
+            text = node.log.read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            match = STAMP.match(line)
+            if not match:
+                continue
+            when = datetime.datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() - t0
+            message = match.group(2)
+            if when < -0.01:
+                continue
+            if message.startswith(f"job {job} (") and "submitted" in message:
+                found["submitted"].append(when)
+            elif message.startswith(f"job {job}: launching"):
+                found["launch"].append(when)
+            elif re.match(rf"job {job} rank \d+: (forked|exec)", message):
+                found["rank"].append(when)
+    phases = {}
+    if found["submitted"]:
+        phases["submitted"] = min(found["submitted"])
+    for key in ("launch", "rank"):
+        if found[key]:
+            phases[f"{key} first"], phases[f"{key} last"] = min(found[key]), max(found[key])
+    return phases
 
 
 async def first_line(gang, job: int, timeout: float = 120) -> tuple[int, float, dict[str, float]]:
@@ -150,8 +197,23 @@ async def until_ended(gang, job: int) -> None:
         await gang.wait_done(job)
 
 
-async def gangd_trial(directory: Path, args, idiom: str, via_api: bool = False) -> dict:
-    argv = [sys.executable, JOB, "--mib", str(args.mib), "--data", args.data, "--idiom", idiom, "--every", str(args.every)]
+def served_ranks(directory: Path, job: int) -> tuple[int, int]:
+    """(ranks of ``job`` forked by a rank server, ranks found): its parent tells."""
+    served = found = 0
+    for proc in psutil.process_iter(["environ", "ppid"]):
+        env = proc.info["environ"] or {}
+        if env.get("GANGD_JOB") != str(job) or not env.get("GANGD_SOCKET", "").startswith(str(directory)):
+            continue
+        found += 1
+        try:
+            served += any(part.endswith("rankserver_main.py") for part in psutil.Process(proc.info["ppid"]).cmdline())
+        except psutil.Error:
+            pass
+    return served, found
+
+
+async def gangd_trial(directory: Path, args, idiom: str, via_api: bool = False, exec_only: bool = False) -> dict:
+    argv = [sys.executable, *(["-B"] if exec_only else []), JOB, "--mib", str(args.mib), "--data", args.data, "--idiom", idiom, "--every", str(args.every)]
     async with connect(directory) as gang:
         record = await gang.submit(argv, args.ranks, per_node=1, env=job_env(), cwd=str(HERE), name=f"ring-{idiom}")
         job = record["id"]
@@ -173,6 +235,8 @@ async def gangd_trial(directory: Path, args, idiom: str, via_api: bool = False) 
             new = int(await trio.to_thread.run_sync(lambda: gang_cli(directory, "restart", "-q", str(job)).strip()))
         returned = time.time() - t0
         iteration, printed, marks = await first_line(gang, new)
+        served = await trio.to_thread.run_sync(served_ranks, directory, new)
+        phases = daemon_phases(directory, new, t0) if args.phases else {}
         await gang.kill(new)
         await until_ended(gang, new)
     image = sum(node.get("bytes", 0) for node in (entry.get("nodes") or {}).values())  # (each node's own files; redundancy comes on top)
@@ -181,6 +245,8 @@ async def gangd_trial(directory: Path, args, idiom: str, via_api: bool = False) 
         "first_iteration_line": iteration, "restart_s": printed - t0, "restart_command_s": returned,
         "image_bytes": image, "state_bytes": args.ranks * args.mib * MiB,
         "rank0": {k: v - t0 for k, v in marks.items()},  # its script started, imported, init (restored), world, protected
+        "served": served,  # (ranks a rank server forked, ranks found)
+        "daemons": phases,  # (--phases: submitted, launch first/last, rank first/last)
     }
 
 
@@ -282,9 +348,16 @@ def report(rows: dict[str, list[dict]], args) -> dict:
         restart = [t["restart_s"] for t in trials]
         ckpt = [t["checkpoint_s"] for t in trials]
         ratio = statistics.median(t["image_bytes"] / t["state_bytes"] for t in trials if t["state_bytes"])
-        extra = f"  (command returned after {spread([t['restart_command_s'] for t in trials])})" if kind.startswith("gangd") else ""
+        extra = ""
+        if kind.startswith("gangd"):
+            served, found = sum(t["served"][0] for t in trials), sum(t["served"][1] for t in trials)
+            extra = f"  (command returned after {spread([t['restart_command_s'] for t in trials])}; {served} of {found} ranks served)"
         say(f"  {kind:<22} restart {spread(restart)}   checkpoint {spread(ckpt)}   image {ratio:.2f}x state{extra}")
         phases = [k for k in ("started", "imported", "init", "world", "protected") if all(k in t.get("rank0", {}) for t in trials)]
+        daemon = [k for k in ("submitted", "launch first", "launch last", "rank first", "rank last") if all(k in t.get("daemons", {}) for t in trials)]
+        if daemon:
+            say(f"  {'':<22} daemons (median s after the command): " + ", ".join(
+                f"{k} {statistics.median(t['daemons'][k] for t in trials):.3f}" for k in daemon))
         if phases:
             say(f"  {'':<22} rank 0 (median s after the command): " + ", ".join(
                 f"{k} {statistics.median(t['rank0'][k] for t in trials):.2f}" for k in phases))
@@ -314,8 +387,11 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=64, help="state per rank")
     parser.add_argument("--data", choices=["smooth", "random"], default="random")
     parser.add_argument("--every", type=int, default=200, help="iterations between progress lines (the peers': 200)")
-    parser.add_argument("--idioms", default="factory,build", help="gangd runs: factory, build, restarted (comma-separated); "
-                        "IDIOM/api restarts through the Python API instead of the gang command")
+    parser.add_argument("--idioms", default="factory,factory/exec,build", help="gangd runs: factory, build, restarted (comma-separated); "
+                        "IDIOM/api restarts through the Python API instead of the gang command; IDIOM/exec runs `python -B` (never served)")
+    parser.add_argument("--rank-server", choices=["on", "off"], default="on", help="the cluster's warm rank servers (config rank_server)")
+    parser.add_argument("--phases", action="store_true", help="daemons log at debug, and the breakdown has their phases: "
+                        "the job submitted (the coordinator's checks), launched on the nodes, its ranks started")
     parser.add_argument("--dmtcp", default=DMTCP_DEFAULT, help="DMTCP's install prefix (bin/dmtcp_launch ...)")
     parser.add_argument("--dmtcp-gzip", action="store_true", help="also DMTCP with its default gzip compression")
     parser.add_argument("--no-compile", action="store_true", help="do not byte-compile gangd first")
@@ -340,7 +416,7 @@ def main() -> None:
         f"{args.repeats} repeat(s); load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory(prefix="gangd-bench-restart-") as tmp:
         directory = Path(tmp)
-        local.up(directory, args.ranks, cores=1, log_level="warning")
+        local.up(directory, args.ranks, cores=1, log_level="debug" if args.phases else "warning", rank_server=args.rank_server == "on")
         try:
             try:
                 result["command_s"] = command_cost(directory)
@@ -351,7 +427,7 @@ def main() -> None:
                     try:
                         if kind.startswith("gangd"):
                             idiom, _, how = kind.split()[1].partition("/")
-                            trial = trio.run(gangd_trial, directory, args, idiom, how == "api")
+                            trial = trio.run(gangd_trial, directory, args, idiom, how == "api", how == "exec")
                         else:
                             assert binary is not None
                             trial = dmtcp_trial(binary, args, gzip=kind == "dmtcp gzip")
@@ -360,7 +436,8 @@ def main() -> None:
                         continue
                     rows[kind].append(trial)
                     say(f"  [{repeat + 1}/{args.repeats}] {kind:<16} restart {trial['restart_s']:.2f} s (first line: iteration {trial['first_iteration_line']})"
-                        f"   checkpoint {trial['checkpoint_s']:.2f} s, image {trial['image_bytes'] / MiB:.0f} MiB")
+                        f"   checkpoint {trial['checkpoint_s']:.2f} s, image {trial['image_bytes'] / MiB:.0f} MiB"
+                        + (f", {trial['served'][0]}/{trial['served'][1]} ranks served" if "served" in trial else ""))
         finally:
             local.down(directory)
             for proc in psutil.process_iter(["pid", "cmdline"]):

@@ -192,6 +192,7 @@ def up(
     grace: float | None = None,
     spares: Sequence[str] = (),
     max_recoveries: int | None = None,
+    rank_server: bool | None = None,
     timeout: float = 30.0,
     progress: Callable[[str], object] | None = None,
 ) -> list[NodeFiles]:
@@ -275,6 +276,7 @@ def up(
             job_retention=job_retention,
             limits=limits, checkpoint_dir=checkpoint_dir, log_level=log_level, output_limit=output_limit, output_dir=output_dir,
             checkpoint_max_rank_bytes=checkpoint_max_rank_bytes, flush_dir=flush_dir, spares=tuple(spares), max_recoveries=max_recoveries,
+            rank_server=rank_server,
         )
     except BaseException:
         down(directory)
@@ -470,7 +472,7 @@ def _start_daemons(
     heartbeat_interval: float, heartbeat_timeout: float, time_slice: float, max_slots: int, switch_lead: float, checkpoint_timeout: float,
     max_queued_per_user: int, job_retention: float, limits: tuple[tuple[str, int], ...], checkpoint_dir: Path | None, log_level: str, output_limit: int | None,
     output_dir: Path | None, checkpoint_max_rank_bytes: int | None, flush_dir: Path | None = None, spares: tuple[str, ...] = (),
-    max_recoveries: int | None = None,
+    max_recoveries: int | None = None, rank_server: bool | None = None,
 ) -> list[NodeFiles]:
     secret = write_secret(directory / "secret")
     addresses = [f"127.0.0.{i}" for i in range(1, nodes + 1)]
@@ -514,6 +516,7 @@ def _start_daemons(
             runtime_dir=nf.runtime,
             etcd=settings,
             max_recoveries=Config.max_recoveries if max_recoveries is None else max_recoveries,
+            rank_server=Config.rank_server if rank_server is None else rank_server,
         )
         nf.config.write_text(render(config))
         lines += ["[[nodes]]", f"name = {toml_str(spec.name)}", f"address = {toml_str(spec.endpoint)}"]

@@ -14,6 +14,7 @@ Example (``/etc/gangd/gangd.toml``)::
     output_dir = "/var/lib/gangd/output"  # rank output (default: state_dir/output); may be its own file system
     output_limit = 1073741824        # bytes of output one job may leave on this node (then cut, with a notice)
     output_reserve = 67108864        # bytes rank output never takes from the output's file system (the job table's room)
+    rank_server = false              # true: Python ranks are forked by a warm per-user server, not exec'd (faster starts)
 
     [cluster]
     secret_file = "/etc/gangd/secret"  # same bytes on every node, mode 0600
@@ -297,6 +298,7 @@ class Config:
     runtime_dir: Path | None = None  # rank sockets and counters, in memory (default: the socket's directory/jobs)
     output_limit: int = 1 << 30  # bytes of output a job may leave on this node; the rest is dropped with a notice
     output_reserve: int = 64 << 20  # bytes rank output leaves free on its file system (room for the job table)
+    rank_server: bool = False  # [node] rank_server: Python ranks forked by a warm server of their user (daemon/rankserver.py)
     max_queued_per_user: int = 1000  # jobs a user (not root) may have queued, not yet started: every node keeps each
     job_retention: float = 3600.0  # ended jobs move from the hot table to the history after this (s)
     limits: tuple[tuple[str, int], ...] = ()  # [limits]: pids_max, memory_max, rlimit caps (name, value)
@@ -518,6 +520,7 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         "output_dir": Path(node["output_dir"]) if node.get("output_dir") else None,
         "output_limit": int(node.get("output_limit", 1 << 30)),
         "output_reserve": int(node.get("output_reserve", 64 << 20)),
+        "rank_server": node.get("rank_server", Config.rank_server),
         "runtime_dir": Path(node["runtime_dir"]) if node.get("runtime_dir") else None,
         "max_queued_per_user": int(cluster.get("max_queued_per_user", 1000)),
         "job_retention": float(cluster.get("job_retention", 3600.0)),
@@ -573,6 +576,8 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         raise ConfigError(f"checkpoint_max_rank_bytes is a byte count and cannot be negative, not {config.checkpoint_max_rank_bytes}")
     if config.output_limit < 0 or config.output_reserve < 0:
         raise ConfigError("output_limit and output_reserve are byte counts and cannot be negative")
+    if not isinstance(config.rank_server, bool):
+        raise ConfigError(f"rank_server must be true or false, not {config.rank_server!r}")
     if config.max_slots < 1:
         raise ConfigError(f"max_slots must be at least 1, not {config.max_slots}")
     if not 0 <= config.job_retention <= 365 * 86400:
@@ -671,6 +676,8 @@ def render(config: Config) -> str:
     lines.insert(lines.index("[cluster]") - 1, f"output_reserve = {config.output_reserve}")
     if config.runtime_dir:
         lines.insert(lines.index("[cluster]") - 1, f"runtime_dir = {toml_str(config.runtime_dir)}")
+    if config.rank_server != Config.rank_server:
+        lines.insert(lines.index("[cluster]") - 1, f"rank_server = {'true' if config.rank_server else 'false'}")
     if config.master:
         lines.append(f"master = {toml_str(config.master)}")
     lines += [

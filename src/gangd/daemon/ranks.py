@@ -38,6 +38,8 @@ from . import limits as rlimits_mod
 from .cgroup import CgroupTree
 from .notify import scrub_environ
 from .outputlog import STDERR, STDOUT, OutputLog, OutputStore
+from .rankserver import IDLE_TIMEOUT, RankServers, ServedRank, ServerKey, server_key
+from .rankserver import SCRIPT as SERVER_SCRIPT
 
 log = logging.getLogger("gangd.ranks")
 
@@ -118,6 +120,10 @@ class RankProcess:
         os.close(self._pidfd)
         self._pidfd = -1
         return code
+
+    def exited(self) -> bool:
+        """Reaped: its pid may be anyone's now."""
+        return self.popen.returncode is not None
 
     def kill_group(self) -> None:
         """SIGKILL the rank's process group (its session's, see spawn) —
@@ -211,7 +217,7 @@ def _take_fd(fileobj) -> int:
 class Rank:
     job_id: int
     rank: int
-    proc: RankProcess | None
+    proc: RankProcess | ServedRank | None
     log: OutputLog
     cgroup: Path | None
     killed: bool = False  # gangd killed it (job killed / another rank failed / node shutdown)
@@ -304,6 +310,28 @@ class LaunchFailed:
         return int.from_bytes(self.page[:4], "little"), int.from_bytes(self.page[4:8], "little")
 
 
+def _own_umask() -> int:
+    """The daemon's umask (what an exec'd rank inherits), without setting it."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _popen_server(argv, env, preexec_fn, fd) -> subprocess.Popen:
+    # The job owner's own interpreter, as the owner (preexec_fn drops), without a shell.
+    return subprocess.Popen(  # noqa: S603 -- the job's own interpreter, exec'd as the job's owner
+        argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/", env=env,
+        start_new_session=True, preexec_fn=preexec_fn, pass_fds=(fd,),  # noqa: PLW1509 -- drops privileges before exec
+    )
+
+
 def _make_preexec(
     join: list[str],
     drop: tuple[int, int, list[int]] | None,
@@ -370,6 +398,8 @@ class LocalRanks:
         rlimit_caps: dict[str, int] | None = None,
         kill_deadline: float = KILL_DEADLINE,
         outputs: OutputStore,
+        rank_server: bool = False,
+        rank_server_idle: float | None = None,
     ):
         self.node = node
         self.outputs = outputs
@@ -387,6 +417,9 @@ class LocalRanks:
         self.logs: dict[tuple[int, int], OutputLog] = {}
         self._running_as_root = os.geteuid() == 0
         self.identities = Identities()
+        # Warm rank servers (config rank_server): Python ranks forked, not exec'd; see rankserver.
+        self.servers = RankServers(self._start_server, idle=rank_server_idle or IDLE_TIMEOUT) if rank_server else None
+        self._umask = _own_umask()
 
     # ------------------------------------------------------------ queries
 
@@ -405,7 +438,7 @@ class LocalRanks:
         entry = self.ranks.get((job_id, rank))
         if entry is None or entry.status is not None or entry.pid is None:
             return set()
-        pids = {entry.pid}
+        pids = {entry.pid} if entry.proc is not None and not entry.proc.exited() else set()
         if entry.cgroup is not None:
             pids.update(self.cgroups.pids(entry.cgroup))
         else:
@@ -501,6 +534,7 @@ class LocalRanks:
 
     async def _launch(self, spawn, record: dict, job_dir: Path, extra: dict[str, str] | None, rank_setup) -> dict[int, int | None]:
         my_ranks = jobs.ranks_on(record, self.node)
+        log.debug("job %d: launching ranks %s", record["id"], my_ranks)
         uid, gid = record["owner_uid"], record["owner_gid"]
         if self._running_as_root:
             drop = None if uid == 0 else (uid, gid)
@@ -545,6 +579,15 @@ class LocalRanks:
                 rank_env, fd = rank_setup(rank)
                 env.update(rank_env)
                 inherited.append(fd)
+            if self.servers is not None and cgroup is not None and not inherited:
+                served = await self._fork_served(spawn, record, env, uid, gid, groups, limits, cgroup)
+                if served is not None:
+                    entry = Rank(record["id"], rank, served, output, cgroup)
+                    self._add(entry)
+                    pids[rank] = served.pid
+                    spawn(self._watch, entry, served)
+                    log.debug("job %d rank %d: forked by rank server %d as %d", record["id"], rank, served.server_pid, served.pid)
+                    continue
             failed = LaunchFailed()
             try:
                 proc = await RankProcess.spawn(
@@ -591,9 +634,10 @@ class LocalRanks:
             self._add(entry)
             pids[rank] = proc.pid
             spawn(self._watch, entry, proc)
+            log.debug("job %d rank %d: exec'd as %d", record["id"], rank, proc.pid)
         return pids
 
-    async def _watch(self, entry: Rank, proc: RankProcess) -> None:
+    async def _watch(self, entry: Rank, proc: RankProcess | ServedRank) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._drain, proc, entry.log)
             code = await proc.wait()
@@ -615,6 +659,8 @@ class LocalRanks:
         status = {"code": code, "node": self.node} if code >= 0 else {"signal": -code, "node": self.node}
         if entry.killed:
             status["killed"] = True
+        if isinstance(proc, ServedRank) and proc.status_lost and not entry.killed:
+            status["why"] = "its exit status was lost: its rank server died (and the rank with it)"
         used = self.cgroups.cpu_seconds(entry.cgroup) if entry.cgroup is not None else None
         if used is not None:
             status["cpu"] = round(used, 3)
@@ -625,7 +671,7 @@ class LocalRanks:
             await trio.to_thread.run_sync(self.cgroups.remove, entry.cgroup)
         self.on_exit(entry)
 
-    async def _drain(self, proc: RankProcess, output: OutputLog) -> None:
+    async def _drain(self, proc: RankProcess | ServedRank, output: OutputLog) -> None:
         async with trio.open_nursery() as pumps:
             pumps.start_soon(self._pump, proc.stdout, output, STDOUT)
             pumps.start_soon(self._pump, proc.stderr, output, STDERR)
@@ -656,7 +702,7 @@ class LocalRanks:
         for entry in victims:
             entry.killed = True
             descendants = []
-            if entry.pid:
+            if entry.proc is not None and not entry.proc.exited():
                 try:
                     descendants = psutil.Process(entry.pid).children(recursive=True)
                 except psutil.Error:
@@ -687,9 +733,58 @@ class LocalRanks:
         self.on_exit(entry)
 
     async def kill_all(self) -> None:
+        if self.servers is not None:
+            await self.servers.stop()
         async with trio.open_nursery() as nursery:
             for job_id in {j for (j, _) in self.ranks}:
                 nursery.start_soon(self.kill_job, job_id)
+
+    # ------------------------------------------------------------ rank servers
+
+    async def _start_server(self, key: ServerKey, fd: int, limits: list[tuple[int, int, int]]) -> subprocess.Popen:
+        """Start a rank server for ``key``: as its user (the daemon's child, so
+        it dies with the daemon), with the user's rlimits (``limits``, those
+        of the job it is started for) and only the key's environment."""
+        drop = (key.uid, key.gid, list(key.groups)) if self._running_as_root and key.uid != 0 else None
+        env = dict(key.env)
+        if self.servers is not None:
+            env["GANGD_RANK_SERVER_IDLE"] = str(self.servers.idle)
+        # Room for a rank's environment in what /proc/PID/environ shows (see rankserver_main).
+        env["GANGD_RANK_SERVER_ROOM"] = "x" * 65536
+        return await FORKER.run(_popen_server, [key.executable, str(SERVER_SCRIPT), str(fd)], env,
+                                _make_preexec([], drop, "/", limits, LaunchFailed()), fd)
+
+    async def _fork_served(self, spawn, record: dict, env: dict[str, str], uid: int, gid: int, groups: list[int],
+                           limits: list[tuple[int, int, int]], cgroup: Path) -> ServedRank | None:
+        """The rank forked by a warm server, or None: exec it."""
+        if self.servers is None:
+            return None
+        if not self._running_as_root:
+            uid, gid, groups = os.geteuid(), os.getegid(), os.getgroups()
+        elif uid == 0:
+            gid, groups = os.getegid(), os.getgroups()
+        key = server_key(record["argv"], env, uid, gid, groups)
+        if key is None:
+            return None
+        server = self.servers.ready(key, spawn, limits)
+        if server is None:
+            self.servers.fallbacks += 1
+            return None
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        request = {"argv": record["argv"], "env": env, "cwd": record["cwd"] or None, "umask": self._umask, "rlimits": limits}
+        try:
+            proc = await self.servers.fork_rank(server, request, {"stdout": out_w, "stderr": err_w, "stdout_r": out_r, "stderr_r": err_r},
+                                                self.cgroups.join_files(cgroup))
+        except BaseException:
+            os.close(out_r)
+            os.close(err_r)
+            raise
+        if proc is None:
+            os.close(out_r)
+            os.close(err_r)
+            self.servers.fallbacks += 1
+        return proc
 
 
 def _signal_all(pidfds: dict[int, int], pids, signum: int) -> int:

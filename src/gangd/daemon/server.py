@@ -94,7 +94,7 @@ class Daemon:
         self.outputs = OutputStore(config.output_root, self.node, config.output_limit, config.output_reserve)
         self.ranks = LocalRanks(
             node=self.node, socket_path=config.socket, cgroups=self.cgroups, on_exit=self._rank_exited, rlimit_caps=config.rlimit_caps,
-            outputs=self.outputs,
+            outputs=self.outputs, rank_server=config.rank_server,
         )
         # Rank sockets and counters: in root's runtime directory (systemd's
         # RuntimeDirectory, a tmpfs; a local cluster's node directory), never

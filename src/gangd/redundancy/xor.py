@@ -22,7 +22,7 @@ Everything streams in :data:`BLOCK`-sized pieces (memory ``O(n · BLOCK)``
 whatever the files' sizes), XORs with numpy in place (``out=``), reads files
 without following links, and writes under temporary names, fsynced,
 renamed; a rebuilt generation appears under its final name whole or not at
-all. A parity (and a rebuilt member's files) is computed and written at once: the XOR fills one of
+all. A parity is computed and written at once: the XOR fills one of
 :data:`WRITE_DEPTH` buffers of :data:`WRITE_BLOCK` bytes while a writer
 thread hashes and writes (O_DIRECT) the previous ones, so the network the
 sources wait on, the XOR and the disk overlap (profiled on the benchmark:

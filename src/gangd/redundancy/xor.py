@@ -398,6 +398,20 @@ class XorStreams:
                 close()
 
 
+def xor_blocks(sources: Sequence[Iterator], length: int) -> Iterator[memoryview]:
+    """XOR of equally long block streams, block by block (memory: one block)."""
+    acc = aligned_buffer(min(BLOCK, length))
+    streams = XorStreams(sources, length)
+    try:
+        while streams.done < length:
+            n = min(BLOCK, length - streams.done)
+            streams.fill(acc[:n])
+            yield acc[:n]
+        streams.finish()
+    finally:
+        streams.close()
+
+
 def parity_streams(holder: int, layout: SetLayout, data: Sequence[Source | None]) -> XorStreams:
     """Member ``holder``'s parity from the other members' data (``data[holder]`` unused)."""
     c = layout.chunk
@@ -650,106 +664,23 @@ def rebuild(lost: int, meta: XorMeta, data: Sequence[Source | None], parity: Seq
     return manifest
 
 
-class _Handoff:
-    """Blocks computed in one thread and consumed, in order, in another,
-    through :data:`WRITE_DEPTH` pooled buffers: a rebuild's XOR (and the
-    network its sources wait on) and its file writes at once. The consumer
-    owns a block until it asks for the next. Either side that stops early
-    says so (:meth:`end`, :meth:`stop`), so the other never waits on it."""
-
-    def __init__(self, block: int, depth: int = WRITE_DEPTH):
-        self.free: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
-        self.todo: queue.SimpleQueue[tuple[memoryview, int] | None] = queue.SimpleQueue()
-        for _ in range(depth):
-            self.free.put(aligned_buffer(block))
-
-    # the producer's side
-    def buffer(self) -> memoryview:
-        """A free buffer; :class:`_Stopped` once the consumer has gone."""
-        buf = self.free.get()
-        if buf is None:
-            self.free.put(None)  # (for any later call)
-            raise _Stopped
-        return buf
-
-    def put(self, buf: memoryview, n: int) -> None:
-        self.todo.put((buf, n))
-
-    def end(self) -> None:
-        self.todo.put(None)
-
-    # the consumer's side
-    def blocks(self) -> Generator[memoryview, None, None]:
-        while (item := self.todo.get()) is not None:
-            buf, n = item
-            yield buf[:n]
-            self.free.put(buf)
-
-    def stop(self) -> None:
-        self.free.put(None)
-
-
-class _Stopped(Exception):
-    """The consumer of a :class:`_Handoff` has gone (its error is the one to raise)."""
-
-
 def _rebuild_into(gen_fd: int, where: Path, lost: int, meta: XorMeta, manifest: Manifest,
                   data: Sequence[Source | None], parity: Sequence[Source | None], owner: tuple[int, int] | None,
                   own_parity: bool = True) -> None:
-    """The lost member's files from the survivors' XOR, computed here (in
-    the caller's thread: a peer's stream is read through the event loop of
-    the thread that runs this) while a writer thread writes them."""
     layout = meta.layout
     n, c = layout.n, layout.chunk
     survivors = [i for i in range(n) if i != lost]
     if any(data[i] is None or parity[i] is None for i in survivors):
         raise RebuildError("every survivor's data and parity are needed")
-    handoff = _Handoff(min(WRITE_BLOCK, max(c, 1)))
-    outcome: list[BaseException | list[str]] = []
-    writer = threading.Thread(target=_write_rebuilt, name="gangd-rebuild-writer", daemon=True,
-                              args=(handoff, gen_fd, where, manifest, owner, outcome))
-    writer.start()
-    try:
-        try:
-            for s in range(n - 1):
-                j = layout.holder(lost, s)
-                sources = [iter(parity[j].blocks(0, c))]  # type: ignore[union-attr]
-                sources += [iter(data[i].blocks(layout.slot(j, i) * c, c)) for i in survivors if i != j]  # type: ignore[union-attr]
-                streams = XorStreams(sources, c)
-                try:
-                    while streams.done < c:
-                        k = min(WRITE_BLOCK, c - streams.done)
-                        buf = handoff.buffer()
-                        streams.fill(buf[:k])
-                        handoff.put(buf, k)
-                    streams.finish()  # (a parity stream checks its checksum at its end)
-                finally:
-                    streams.close()  # (a failed rebuild's peer streams closed here, not by the garbage collector)
-        except _Stopped:
-            pass  # (the writer failed: its error is raised below)
-        finally:
-            handoff.end()
-            writer.join()
-    except BaseException:
-        handoff.stop()
-        raise
-    result = outcome[0] if outcome else RebuildError("the rebuild's writer ended without a word")
-    if isinstance(result, BaseException):
-        raise result
-    if result:
-        raise Damaged("the rebuilt files do not match the lost node's manifest (" + "; ".join(result) + ")")
-    # Its own parity, from the survivors' data, and its meta; then the MANIFEST last.
-    if own_parity:
-        write_parity(where, _with_index(meta, lost), data)
-    ckptstore.write_manifest(where, manifest, dir_fd=gen_fd)
 
+    def lost_data() -> Generator[memoryview, None, None]:
+        for s in range(n - 1):
+            j = layout.holder(lost, s)
+            streams = [iter(parity[j].blocks(0, c))]  # type: ignore[union-attr]
+            streams += [iter(data[i].blocks(layout.slot(j, i) * c, c)) for i in survivors if i != j]  # type: ignore[union-attr]
+            yield from xor_blocks(streams, c)
 
-def _write_rebuilt(handoff: _Handoff, gen_fd: int, where: Path, manifest: Manifest, owner: tuple[int, int] | None,
-                   outcome: list) -> None:
-    """The writer thread of :func:`_rebuild_into`: the lost member's files cut
-    from the XORed stream, each checked against the manifest. Appends to
-    ``outcome`` the list of mismatches, or the error that stopped it."""
-    stream = _Take(handoff.blocks())
+    stream = _Take(lost_data())
     problems: list[str] = []
     dirs: dict[str, int] = {}
     try:
@@ -765,14 +696,17 @@ def _write_rebuilt(handoff: _Handoff, gen_fd: int, where: Path, manifest: Manife
             want_size, want = manifest.files[name]
             if (got_size, got) != (want_size, want):
                 problems.append(f"{name}: rebuilt checksum {got[:16]}… does not match the manifest's {want[:16]}…")
-        stream.drain()  # (the padding after the last file)
-        outcome.append(problems)
-    except BaseException as exc:  # noqa: BLE001 -- handed to the caller's thread
-        outcome.append(exc)
-        handoff.stop()
+        stream.drain()  # (reads the parities to their end: their checksums are checked there)
     finally:
+        stream.blocks.close()  # (a failed rebuild's peer streams closed here, not by the garbage collector)
         for fd in dirs.values():
             os.close(fd)
+    if problems:
+        raise Damaged("the rebuilt files do not match the lost node's manifest (" + "; ".join(problems) + ")")
+    # Its own parity, from the survivors' data, and its meta; then the MANIFEST last.
+    if own_parity:
+        write_parity(where, _with_index(meta, lost), data)
+    ckptstore.write_manifest(where, manifest, dir_fd=gen_fd)
 
 
 def _subdir(gen_fd: int, name: str, where: Path, owner: tuple[int, int] | None, dirs: dict[str, int]) -> int:

@@ -188,6 +188,43 @@ def test_a_survivor_file_of_the_wrong_size_is_named(tmp_path):
         xor.rebuild_local([None, *dirs[1:]], 0, dirs[0])
 
 
+def test_a_rebuild_onto_a_disk_that_fills_up_stops_naming_it_and_leaves_nothing(tmp_path):
+    # The disk the lost node's files are rebuilt onto fills up halfway: the
+    # rebuild ends with the error naming the file, and nothing is left.
+    import subprocess
+    import threading
+
+    rng = random.Random(3)
+    nodes = ["n0", "n1", "n2"]
+    dirs = [ckptstore.gen_dir(tmp_path / node, 7, 3) for node in nodes]
+    for node, directory in zip(nodes, dirs, strict=True):
+        make_gen(directory, node, {"ranks/rank-0.state": rng.randbytes(24 * xor.BLOCK), "job.msgpack": b"j"})
+    xor.encode_set(dirs, nodes)
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(small)], check=True)
+    try:
+        dest = ckptstore.gen_dir(small, 7, 3)
+        dest.parent.mkdir(parents=True)
+        outcome: list = []
+
+        def run() -> None:
+            try:
+                xor.rebuild_local([None, *dirs[1:]], 0, dest)
+            except BaseException as exc:  # noqa: BLE001 -- looked at below
+                outcome.append(exc)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(120)  # (a guard against a hang, not a speed check)
+        assert not thread.is_alive(), "the rebuild hung when its disk filled up"
+        assert len(outcome) == 1 and isinstance(outcome[0], ckptstore.StoreError), outcome
+        assert "no space left on device" in str(outcome[0]) and "rank-0.state" in str(outcome[0]), outcome[0]
+        assert list(dest.parent.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+
+
 def test_a_survivor_data_file_that_is_a_symlink_is_not_followed(tmp_path):
     nodes, dirs, _ = make_set(tmp_path, 3, seed=6)
     xor.encode_set(dirs, nodes)

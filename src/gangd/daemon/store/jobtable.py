@@ -46,7 +46,12 @@ launch does not read back what was just written. Ended jobs move to the
 history after the retention period (:meth:`JobTable.retire`), so the hot
 table, and what a submit costs, does not grow with the cluster's past; and a
 page of the history reads a bounded span of ids, so a listing's cost does
-not grow with it either.
+not grow with it either. The history is kept in blocks of BLOCK_IDS
+consecutive ids, one etcd key each (:class:`HistoryBlock`): etcd's key
+count, and its own costs that grow with it, stay those of the hot table
+plus the past divided by BLOCK_IDS. A history written one key per job (by
+gangd before the blocks, or a record too large for its block) is read
+alongside, merged in id order.
 """
 
 from __future__ import annotations
@@ -68,7 +73,7 @@ from ... import jobs
 from ...etcd.client import Compacted, Compare, Etcd, EtcdError, Indeterminate, KeyValue, Op, Range, Unavailable
 from ...failpoint import failpoint
 from ...rpc import RemoteError
-from .keys import Keys
+from .keys import ID_DIGITS, Keys
 
 log = logging.getLogger("gangd.jobtable")
 
@@ -80,11 +85,25 @@ LOAD_WAIT = 10.0
 MAX_RECORD_BYTES = 1024 * 1024
 #: Largest environment value accepted back (jobs.MAX_ARGV_ENV_BYTES, packed).
 MAX_ENV_BYTES = 3 * 1024 * 1024
-#: Ended jobs moved to the history in one transaction: up to four operations
-#: (a lineage's member: its index key too) and one comparison each, and etcd
-#: allows 128 of either (--max-txn-ops).
-RETIRE_BATCH = 30
+#: Ended jobs moved to the history in one transaction at most (each also
+#: bounded by TXN_OPS: a job's move is one comparison and up to ten operations).
+RETIRE_BATCH = 100
 RETIRE_BATCH_BYTES = 1024 * 1024  # (etcd refuses requests above 1.5 MiB by default)
+#: The history is kept in blocks: the ended jobs of BLOCK_IDS consecutive ids
+#: in one key (see :class:`HistoryBlock`), so etcd holds a key per block, not
+#: per job ever run; a retirement rewrites the blocks its jobs fall in.
+BLOCK_IDS = 64
+#: A block's packed size at most; a record that would take its block past it,
+#: or larger than BLOCK_RECORD_BYTES alone, is kept in a key of its own (as
+#: the history was before the blocks). A retirement's transaction then holds
+#: one block or one such record (etcd refuses requests above 1.5 MiB by default).
+BLOCK_BYTES = 256 * 1024
+BLOCK_RECORD_BYTES = 32 * 1024
+#: Largest block value accepted back from etcd.
+MAX_BLOCK_BYTES = 2 * 1024 * 1024
+#: Blocks the coordinator keeps as it last wrote them (the next retirement
+#: appends to them without reading them back: jobs end in about id order).
+BLOCKS_KEPT = 8
 #: Bytes of environments of jobs this node created and has not launched yet,
 #: kept in memory so the launch need not read them back from etcd (oldest dropped first: then read from etcd).
 FRESH_ENV_BYTES = 32 * 1024 * 1024
@@ -184,26 +203,75 @@ def _kvs(response: Range | int) -> list[KeyValue]:
     return response.kvs if isinstance(response, Range) else []
 
 
-def _batches(keys: Keys, records: list[dict]) -> Iterator[list[tuple[dict, bytes, list[Op]]]]:
-    """Each record with its packed form for the history and the operations
-    that move it there, in batches etcd takes in one transaction: at most
-    RETIRE_BATCH of them, RETIRE_BATCH_BYTES and TXN_OPS operations."""
-    batch: list[tuple[dict, bytes, list[Op]]] = []
-    size = ops = 0
-    for r in records:
-        data = pack({k: v for k, v in r.items() if k != "seq"})
-        moves = [Op.put(keys.past(r["id"]), data), Op.delete(keys.job(r["id"])), Op.delete(keys.env(r["id"]))]
-        moves += copy_ops(keys, r, None, data)
-        if JobTable.in_lineage(r):  # (a restart finds its checkpoints through this)
-            moves.append(Op.put(keys.lineage_member(r.get("lineage") or r["id"], r["id"]), b""))
-        if batch and (len(batch) >= RETIRE_BATCH or size + len(data) > RETIRE_BATCH_BYTES or ops + len(moves) > TXN_OPS):
-            yield batch
-            batch, size, ops = [], 0, 0
-        batch.append((r, data, moves))
-        size += len(data)
-        ops += len(moves)
-    if batch:
-        yield batch
+def block_first(job_id: int) -> int:
+    """The first id of the history block job ``job_id`` belongs in."""
+    return job_id - job_id % BLOCK_IDS
+
+
+@dataclass
+class HistoryBlock:
+    """Ended jobs of ids ``first`` .. ``first + BLOCK_IDS - 1``, as one etcd value.
+
+    Each member is kept packed, exactly as a job's key of its own holds it (a
+    reader decodes and checks only what it reads; a retirement appends
+    without decoding the others): the value is ``{"v": 1, "jobs": {id:
+    packed record}}``. ``revision``: the key's mod revision (0: no such key yet)."""
+
+    first: int
+    members: dict[int, bytes] = field(default_factory=dict)
+    revision: int = 0
+
+    @property
+    def size(self) -> int:
+        return sum(len(v) for v in self.members.values()) + 16
+
+    def pack(self) -> bytes:
+        return pack({"v": 1, "jobs": dict(sorted(self.members.items()))})
+
+    @classmethod
+    def unpack(cls, first: int, value: bytes, revision: int) -> HistoryBlock:
+        """A block read from etcd (ValueError if the value is not one; each
+        member is checked only when decoded, see :meth:`records`)."""
+        if len(value) > MAX_BLOCK_BYTES:
+            raise ValueError(f"{len(value)} bytes, more than {MAX_BLOCK_BYTES}")
+        try:
+            found = msgpack.unpackb(value, raw=False, strict_map_key=False)
+        except Exception as exc:  # noqa: BLE001 -- msgpack's own errors, as in decode_record
+            raise ValueError(f"not msgpack: {type(exc).__name__}: {exc}") from None
+        if not isinstance(found, dict) or found.get("v") != 1 or not isinstance(found.get("jobs"), dict):
+            raise ValueError("not a history block")
+        block = cls(first, revision=revision)
+        for job_id, packed in found["jobs"].items():
+            # (the id is checked against the record's own when it is decoded)
+            if not isinstance(packed, bytes) or not isinstance(job_id, int) or isinstance(job_id, bool) \
+                    or not first <= job_id < first + BLOCK_IDS:
+                raise ValueError(f"a member that is not a packed record of an id of the block ({job_id!r})")
+            block.members[job_id] = packed
+        return block
+
+    def record(self, job_id: int) -> dict | None:
+        """Member ``job_id`` decoded (``seq``: the block's revision); None if absent or damaged."""
+        packed = self.members.get(job_id)
+        if packed is None:
+            return None
+        try:
+            record = decode_record(packed)
+        except ValueError as exc:
+            log.error("ignoring unreadable history record of job %d: %s", job_id, exc)
+            return None
+        if record["id"] != job_id:
+            log.error("ignoring history record of job %d filed as job %d", record["id"], job_id)
+            return None
+        record["seq"] = self.revision
+        return record
+
+    def records(self, low: int = 0, high: int | None = None) -> list[dict]:
+        """The members with ids in [low, high), decoded, in id order."""
+        out = []
+        for job_id in sorted(self.members):
+            if job_id >= low and (high is None or job_id < high) and (record := self.record(job_id)) is not None:
+                out.append(record)
+        return out
 
 
 _NODE_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}\Z")
@@ -299,6 +367,8 @@ class JobTable:
         self._fresh_env_bytes = 0
         # Checkpoint lineage root -> {job id: record} of its members in the history (see :meth:`lineage`).
         self._past_lineage: collections.OrderedDict[int, dict[int, dict]] = collections.OrderedDict()
+        # History blocks as this coordinator last wrote them (see :meth:`retire`).
+        self._blocks: collections.OrderedDict[int, HistoryBlock] = collections.OrderedDict()
         # Updates waiting for the group commit (see :meth:`_commit`).
         self._writes: collections.deque[_Write] = collections.deque()
         self._writing = False
@@ -436,16 +506,13 @@ class JobTable:
                 job_id = Keys.job_id(kv.key, self.keys.lineage(root))
                 if job_id is None:
                     continue
-                past = await self.etcd.get(self.keys.past(job_id))
-                if past is None:
-                    continue
                 try:
-                    record = decode_record(past.value)
+                    record = await self._read_past(job_id)
                 except ValueError as exc:
                     log.error("ignoring unreadable history record of job %d: %s", job_id, exc)
                     continue
-                record["seq"] = past.mod_revision
-                members[job_id] = record
+                if record is not None:
+                    members[job_id] = record
         except EtcdError as exc:
             raise unavailable(exc) from None
         self._past_lineage[root] = members
@@ -704,21 +771,82 @@ class JobTable:
         history: it never changes there but by a coordinator's cleanup, and
         nothing waits for that)."""
         try:
-            found = await self.etcd.range(self.keys.job(job_id))
-            kv: KeyValue | None
-            if found.kvs:
-                kv, revision = found.kvs[0], found.revision
-            else:
-                kv, revision = await self.etcd.get(self.keys.past(job_id)), 0
-            if kv is None:
-                return None, 0
-            record = decode_record(kv.value)
+            # One round trip: its hot key, its history block, its history key of its own.
+            found = await self.etcd.txn([], [Op.get(self.keys.job(job_id)), *self._past_gets(job_id)])
+            hot = _kvs(found.responses[0])
+            if hot:
+                record = decode_record(hot[0].value)
+                record["seq"] = hot[0].mod_revision
+                return record, found.revision
+            return self._past_found(job_id, found.responses[1:]), 0
         except EtcdError as exc:
             raise unavailable(exc) from None
         except ValueError as exc:
             raise RemoteError("internal", f"job {job_id}'s record in etcd is damaged: {exc}") from None
-        record["seq"] = kv.mod_revision
-        return record, revision
+
+    def _past_gets(self, job_id: int) -> list[Op]:
+        """The reads that find job ``job_id`` in the history: its block, and its key of its own (see :meth:`_past_found`)."""
+        return [Op.get(self.keys.block(block_first(job_id))), Op.get(self.keys.past(job_id))]
+
+    def _past_found(self, job_id: int, responses: list) -> dict | None:
+        """Job ``job_id``'s history record from the answers to :meth:`_past_gets` (ValueError: damaged)."""
+        blocks, alone = _kvs(responses[0]), _kvs(responses[1])
+        if blocks and (block := self._decode_block(blocks[0])) is not None and job_id in block.members:
+            return block.record(job_id)
+        if not alone:
+            return None
+        record = decode_record(alone[0].value)
+        record["seq"] = alone[0].mod_revision
+        return record
+
+    async def _read_past(self, job_id: int) -> dict | None:
+        """Job ``job_id`` from the history (None: not there; ValueError: damaged; EtcdError)."""
+        found = await self.etcd.txn([], self._past_gets(job_id))
+        return self._past_found(job_id, found.responses)
+
+    def _decode_block(self, kv: KeyValue) -> HistoryBlock | None:
+        first = Keys.job_id(kv.key, self.keys.blocks)
+        try:
+            if first is None or first % BLOCK_IDS:
+                raise ValueError("not the key of a block")
+            return HistoryBlock.unpack(first, kv.value, kv.mod_revision)
+        except ValueError as exc:  # one damaged block is skipped (its jobs are not found), never the daemon
+            log.error("ignoring unreadable history block %s: %s", kv.key.decode("utf-8", "replace"), exc)
+            return None
+
+    async def _past_range(self, low: int, high: int | None, want: int, *, newest_first: bool = False) -> list[dict]:
+        """Up to ``want`` jobs of the history with ids in [low, high) (None:
+        no bound), oldest first (or newest first): from the blocks and from
+        the keys of single jobs, merged. Raises EtcdError."""
+        keys = self.keys
+        end: str | bytes = keys.past(high) if high is not None else prefix_end(keys.history)
+        if newest_first:
+            alone = await self._range_newest_first(keys.past(low), end, want)
+        else:
+            alone = await self.etcd.range(keys.past(low), range_end=end, limit=want)
+        found = {r["id"]: r for r in self._decode_history(alone.kvs)}
+        start: str | bytes = keys.block(block_first(low))
+        last = block_first(high - 1) + BLOCK_IDS if high is not None else None
+        stop: str | bytes = keys.block(last) if last is not None and last < 10 ** ID_DIGITS else prefix_end(keys.blocks)
+        per_read = max(2, want // BLOCK_IDS + 2)
+        got = 0
+        while True:
+            if newest_first:
+                page = await self._range_newest_first(start, stop, per_read)
+            else:
+                page = await self.etcd.range(start, range_end=stop, limit=per_read)
+            for kv in page.kvs:
+                block = self._decode_block(kv)
+                for record in block.records(low, high) if block is not None else []:
+                    found.setdefault(record["id"], record)
+                    got += 1
+            if got >= want or not page.more or not page.kvs:
+                break
+            if newest_first:
+                stop = page.kvs[-1].key
+            else:
+                start = page.kvs[-1].key + b"\0"
+        return sorted(found.values(), key=lambda r: r["id"], reverse=newest_first)[:want]
 
     async def hot_page(self, after: int, limit: int, keep: Callable[[dict], bool], below: int | None = None) -> list[dict]:
         """Up to ``limit`` jobs of the hot table with ids above ``after`` (and below ``below``) that
@@ -801,36 +929,45 @@ class JobTable:
         """Up to ``limit`` jobs of the history with ids above ``after``, in id order."""
         try:
             top = await self._top_id()
-            kvs: list[KeyValue] = []
+            out: list[dict] = []
             low, span = max(after + 1, 1), max(limit, HISTORY_SPAN)
-            while len(kvs) < limit and low <= top:
+            while len(out) < limit and low <= top:
                 high = min(low + span, top + 1)
-                kvs += (await self.etcd.range(self.keys.past(low), range_end=self.keys.past(high), limit=limit - len(kvs))).kvs
+                out += await self._past_range(low, high, limit - len(out))
                 low, span = high, span * 2
-            if len(kvs) < limit:  # ids past the counter's: none, unless the counter was set back by hand
-                rest = self.keys.past(low)
-                kvs += (await self.etcd.range(rest, range_end=prefix_end(self.keys.history), limit=limit - len(kvs))).kvs
+            if len(out) < limit:  # ids past the counter's: none, unless the counter was set back by hand
+                out += await self._past_range(low, None, limit - len(out))
         except EtcdError as exc:
             raise unavailable(exc) from None
-        return self._decode_history(kvs)
+        return out
 
     async def history_before(self, before: int | None, limit: int) -> list[dict]:
         """Up to ``limit`` jobs of the history with ids below ``before`` (all if None), newest first."""
         try:
-            kvs: list[KeyValue] = []
+            out: list[dict] = []
             if before is None:
                 top = await self._top_id()
-                kvs += (await self._range_newest_first(self.keys.past(top + 1), prefix_end(self.keys.history), limit)).kvs
+                out += await self._past_range(top + 1, None, limit, newest_first=True)
             else:
                 top = before - 1
             high, span = top + 1, max(limit, HISTORY_SPAN)
-            while len(kvs) < limit and high > 1:
+            while len(out) < limit and high > 1:
                 low = max(1, high - span)
-                kvs += (await self._range_newest_first(self.keys.past(low), self.keys.past(high), limit - len(kvs))).kvs
+                out += await self._past_range(low, high, limit - len(out), newest_first=True)
                 high, span = low, span * 2
         except EtcdError as exc:
             raise unavailable(exc) from None
-        return self._decode_history(kvs)
+        return out
+
+    async def _last_block_id(self) -> int:
+        """The highest id in the history's blocks (0: none). Raises EtcdError."""
+        keys = self.keys
+        last = await self._range_newest_first(keys.blocks, prefix_end(keys.blocks), 1)
+        block = self._decode_block(last.kvs[0]) if last.kvs else None
+        if block is None:  # (none, or damaged: its ids are at most its first's last)
+            first = Keys.job_id(last.kvs[0].key, keys.blocks) if last.kvs else None
+            return first + BLOCK_IDS - 1 if first is not None else 0
+        return max(block.members, default=block.first)
 
     async def _top_id(self) -> int:
         """The last job id handed out (the counter): no history key lies above it."""
@@ -840,7 +977,7 @@ class JobTable:
         except ValueError:
             return 0
 
-    async def _range_newest_first(self, start: str, end: str | bytes, limit: int) -> Range:
+    async def _range_newest_first(self, start: str | bytes, end: str | bytes, limit: int) -> Range:
         return await self.etcd.range(start, range_end=end, limit=limit, sort_target="KEY", sort_order="DESCEND")
 
     def _decode_history(self, kvs: list[KeyValue]) -> list[dict]:
@@ -909,7 +1046,10 @@ class JobTable:
             try:
                 if self._counter is None:
                     kv = await self.etcd.get(keys.ids)
-                    self._counter = (int(kv.value), kv.mod_revision) if kv is not None else (0, 0)
+                    counted = (int(kv.value), kv.mod_revision) if kv is not None else (0, 0)
+                    # Never an id of the history's blocks (a job's key, hot or of its own, is compared below;
+                    # a member of a block cannot be): the counter set back by hand is moved past them.
+                    self._counter = (max(counted[0], await self._last_block_id()), counted[1])
                 last, counted_at = self._counter
                 records = []
                 envs: list[tuple[int, dict[str, str], int]] = []
@@ -1043,23 +1183,45 @@ class JobTable:
         """:meth:`update` for a job in the history: what an ended job's record
         may still learn (its checkpoint generations removed or found damaged),
         fenced and compared with the revision it was computed from, as in the
-        hot table. It stays ended: a history record never becomes a live job."""
-        key = self.keys.past(job_id)
+        hot table (the revision of its block, when it is in one). It stays
+        ended: a history record never becomes a live job."""
+        keys = self.keys
+        first = block_first(job_id)
         while True:
+            try:
+                kv = await self.etcd.get(keys.block(first))
+            except EtcdError as exc:
+                raise self._write_error(exc) from None
+            block = self._decode_block(kv) if kv is not None else None
+            in_block = block is not None and job_id in block.members
+            if block is not None and in_block:
+                found = block.record(job_id)
+                if found is None:
+                    raise RemoteError("internal", f"job {job_id}'s record in etcd is damaged")
+                current = found
             record = copy.deepcopy(current)
             if change(record) is False:
                 return current
             if not jobs.is_terminal(record):
                 raise RemoteError("bad_state", f"job {job_id} ended and is in the history: it cannot become {record['state']}")
             revision = record.pop("seq", 0)
+            data = pack(record)
+            if block is not None and in_block:
+                key = keys.block(first)
+                if len(data) > BLOCK_RECORD_BYTES or block.size - len(block.members[job_id]) + len(data) > BLOCK_BYTES:
+                    del block.members[job_id]  # (grown too large for its block: a key of its own, in the same transaction)
+                    ops = [Op.put(key, block.pack()), Op.put(keys.past(job_id), data)]
+                else:
+                    block.members[job_id] = data
+                    ops = [Op.put(key, block.pack())]
+            else:
+                key = keys.past(job_id)
+                ops = [Op.put(key, data)]
             try:
-                result = await self.etcd.txn(
-                    [fence.compare(), Compare.mod_revision(key) == revision],
-                    [Op.put(key, pack(record))],
-                    [Op.get(fence.key), Op.get(key)],
-                )
+                result = await self.etcd.txn([fence.compare(), Compare.mod_revision(key) == revision], ops, [Op.get(fence.key), Op.get(key)])
             except EtcdError as exc:
                 raise self._write_error(exc) from None
+            self._blocks.pop(first, None)  # (the coordinator's copy: read again when it next appends)
             if result.succeeded:
                 record["seq"] = result.revision
                 members = self._past_lineage.get(record.get("lineage") or job_id)
@@ -1067,14 +1229,16 @@ class JobTable:
                     members[job_id] = record
                 return record
             self._check_fence(fence, result.responses[0])
-            found = _kvs(result.responses[1])
-            if not found:
+            if in_block:
+                continue  # (the block changed: read again)
+            alone = _kvs(result.responses[1])
+            if not alone:
                 raise RemoteError("no_such_job", f"no job {job_id} in the cluster's job table")
             try:
-                current = decode_record(found[0].value)
+                current = decode_record(alone[0].value)
             except ValueError as exc:
                 raise RemoteError("internal", f"job {job_id}'s record in etcd is damaged: {exc}") from None
-            current["seq"] = found[0].mod_revision
+            current["seq"] = alone[0].mod_revision
 
     async def _commit(self, write: _Write) -> None:
         """Commit ``write`` together with the other updates waiting meanwhile
@@ -1164,26 +1328,83 @@ class JobTable:
         self._writes.extendleft(reversed(again))
 
     async def retire(self, fence: Fence, records: list[dict]) -> int:
-        """Move ended jobs to the history (one transaction per batch, each job
-        only if unchanged since it was read); how many moved."""
-        keys = self.keys
+        """Move ended jobs to the history (each only if unchanged since it was
+        read): into the blocks of their ids, one transaction per block (or
+        per RETIRE_BATCH jobs of it), fenced and compared with the block's
+        revision; how many moved."""
+        groups: dict[int, list[dict]] = {}
+        for r in sorted((r for r in records if jobs.is_terminal(r)), key=lambda r: r["id"]):
+            groups.setdefault(block_first(r["id"]), []).append(r)
         moved = 0
-        for batch in _batches(keys, [r for r in records if jobs.is_terminal(r)]):
-            compare = [fence.compare()] + [Compare.mod_revision(keys.job(r["id"])) == r.get("seq", 0) for r, _, _ in batch]
-            success = [op for _, _, moves in batch for op in moves]
-            try:
-                result = await self.etcd.txn(compare, success, [Op.get(fence.key)])
-            except EtcdError as exc:
-                raise self._write_error(exc) from None
+        try:
+            for first, group in groups.items():
+                moved += await self._retire_into(fence, first, group)
+        except EtcdError as exc:
+            raise self._write_error(exc) from None
+        finally:
+            if moved:
+                self.notify_changed()
+        return moved
+
+    async def _retire_into(self, fence: Fence, first: int, group: list[dict]) -> int:
+        """:meth:`retire` for the jobs of block ``first``: how many moved."""
+        keys = self.keys
+        key = keys.block(first)
+        block = self._blocks.get(first)
+        if block is None:
+            kv = await self.etcd.get(key)
+            block = self._decode_block(kv) if kv is not None else HistoryBlock(first)
+            usable = block is not None
+            if block is None:  # damaged: left as it is, and these jobs get keys of their own
+                block = HistoryBlock(first, revision=kv.mod_revision if kv is not None else 0)
+        else:
+            usable = True
+        moved = 0
+        todo = list(group)
+        while todo:
+            members, size = dict(block.members), block.size
+            chunk: list[dict] = []
+            ops: list[Op] = []
+            alone_bytes, modified = 0, False  # (the bytes this transaction carries: those, and the block if it changes)
+            for r in todo:
+                data = pack({k: v for k, v in r.items() if k != "seq"})
+                moves = [Op.delete(keys.job(r["id"]))] + copy_ops(keys, r, None, data)
+                if self.in_lineage(r):  # (a restart finds its checkpoints through this)
+                    moves.append(Op.put(keys.lineage_member(r.get("lineage") or r["id"], r["id"]), b""))
+                alone = not usable or len(data) > BLOCK_RECORD_BYTES or size + len(data) > BLOCK_BYTES
+                if alone:
+                    moves.append(Op.put(keys.past(r["id"]), data))
+                grown = alone_bytes + len(data) + (size if modified else 0) if alone else alone_bytes + size + len(data)
+                if chunk and (len(chunk) >= RETIRE_BATCH or len(ops) + len(moves) + 1 > TXN_OPS or grown > RETIRE_BATCH_BYTES):
+                    break
+                chunk.append(r)
+                ops += moves
+                if alone:
+                    alone_bytes += len(data)
+                else:
+                    members[r["id"]] = data
+                    size += len(data)
+                    modified = True
+            if modified:
+                ops.insert(0, Op.put(key, HistoryBlock(first, members).pack()))
+            compare = [fence.compare(), Compare.mod_revision(key) == block.revision]
+            compare += [Compare.mod_revision(keys.job(r["id"])) == r.get("seq", 0) for r in chunk]
+            result = await self.etcd.txn(compare, ops, [Op.get(fence.key)])
             if not result.succeeded:
                 self._check_fence(fence, result.responses[0])
-                continue  # one of them changed meanwhile: the next round sees it
-            for r, _, _ in batch:
+                self._blocks.pop(first, None)
+                return moved  # one of them (or the block) changed meanwhile: the next round sees it
+            block = HistoryBlock(first, members, result.revision if modified else block.revision)
+            if usable:
+                self._blocks[first] = block
+                self._blocks.move_to_end(first)
+                while len(self._blocks) > BLOCKS_KEPT:
+                    self._blocks.popitem(last=False)
+            for r in chunk:
                 if self.records.get(r["id"]) is not None and self.records[r["id"]].get("seq", 0) <= r.get("seq", 0):
                     self._forget(r["id"])
-            moved += len(batch)
-        if moved:
-            self.notify_changed()
+            moved += len(chunk)
+            todo = todo[len(chunk):]
         return moved
 
     @staticmethod

@@ -77,6 +77,9 @@ async def seed_history(directory: Path, total: int, say) -> None:
         began = time.monotonic()
         ops: list[Op] = []
         block = HistoryBlock(block_first(first))
+        kv = await etcd.get(keys.block(block.first))
+        if kv is not None:  # (the previous round's jobs retired into it: they stay)
+            block = HistoryBlock.unpack(block.first, kv.value, kv.mod_revision)
         for job_id in range(first, first + todo):
             record = jobs.new_record(job_id=job_id, spec={"argv": ["true"], "nranks": 1, "name": "history"}, owner_uid=0, owner_name="root", owner_gid=0)
             record.pop("env", None)
@@ -88,7 +91,7 @@ async def seed_history(directory: Path, total: int, say) -> None:
                     ops.append(Op.put(keys.block(block.first), block.pack()))
                     block = HistoryBlock(block_first(job_id))
                 block.members[job_id] = pack(record)
-            if len(ops) >= 100:
+            if len(ops) >= (100 if OLD_HISTORY else 10):  # (etcd takes requests up to 1.5 MiB)
                 await etcd.txn([], ops)
                 ops = []
         if block.members:  # (a block the next round's retirements append to: as a live cluster's last one)

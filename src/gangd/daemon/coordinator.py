@@ -39,7 +39,7 @@ from .ranks import KILL_DEADLINE
 from .recover import Recoveries
 from .store import Deposed, Fence
 from .store.compaction import Compactor
-from .store.jobtable import pack
+from .store.jobtable import Pacer, pack
 from .tasks import contained
 
 log = logging.getLogger("gangd.coordinator")
@@ -161,6 +161,7 @@ class Coordinator:
         self._nursery: trio.Nursery | None = None  # the term's
         self._creations: deque[_Creation] = deque()  # submissions waiting for the group commit
         self._creations_waiting = trio.Event()
+        self._creation_pacer = Pacer()
         self._job_locks: dict[int, trio.Lock] = {}
         self._kick = trio.Event()
         # Gang scheduling (soft state, rebuilt from the table on takeover).
@@ -430,6 +431,7 @@ class Coordinator:
             await self._creations_waiting.wait()
             self._creations_waiting = trio.Event()
             while self._creations:
+                await self._creation_pacer.linger(lambda: len(self._creations) >= CREATE_BATCH)
                 batch: list[_Creation] = []
                 size = 0
                 while self._creations and len(batch) < CREATE_BATCH and (not batch or size + self._creations[0].size <= CREATE_BATCH_BYTES):
@@ -460,6 +462,8 @@ class Coordinator:
                     for creation in batch:
                         creation.finish(error=RemoteError("internal", f"creating the job failed: {type(exc).__name__}: {exc}"))
                     continue
+                finally:
+                    self._creation_pacer.sent()
                 for creation, record in zip(batch, records, strict=True):
                     creation.finish(record=record)
 

@@ -209,12 +209,17 @@ class Coordinator:
     async def update(self, job_id: int, change) -> dict:
         """Apply ``change(record)`` to a copy of the record and commit it in etcd (fenced by the term).
 
-        Changes to one job are serialised here; ``change`` may still run
-        twice if the record changed in etcd meanwhile, so it must only
-        change the record."""
+        Changes to one job are serialised here, but one that comes while the
+        change before it waits for its group commit joins that write (see
+        JobTable.update: computed from the record it writes); ``change`` may
+        still run twice if the record changed in etcd meanwhile, so it must
+        only change the record."""
         lock = self._job_locks.setdefault(job_id, trio.Lock())
-        async with lock:
+        if lock.locked() and self.table.waiting_write(job_id):
             record = await self.table.update(self._fence(), job_id, change)
+        else:
+            async with lock:
+                record = await self.table.update(self._fence(), job_id, change)
         if not lock.locked() and not lock.statistics().tasks_waiting:
             self._job_locks.pop(job_id, None)
         if jobs.is_terminal(record):
@@ -619,8 +624,10 @@ class Coordinator:
 
         record = await self._update_until_saved(job_id, running)
         if record["state"] != jobs.RUNNING:
-            # Killed or failed while launching: whatever did start must go.
-            await self._kill_everywhere(job_id)
+            # Killed or failed while launching: whatever did start must go;
+            # unless each rank's exit is in (its end joined its start's write).
+            if any(s is None or s.get("never_started") for s in record["ranks"]):
+                await self._kill_everywhere(job_id)
             return
         # Its ranks run from the start; the gang loop stops them at once if
         # their slot is not the one running now.
@@ -689,6 +696,9 @@ class Coordinator:
             self._account(acct, record["ended"], acct["on"])
             record["run_seconds"] = round(acct["run"], 3)
             record["suspended_seconds"] = round(acct["suspended"], 3)
+        elif isinstance(record.get("started"), (int, float)):  # (ended before its start was written: never suspended)
+            record["run_seconds"] = round(max(0.0, record["ended"] - record["started"]), 3)
+            record["suspended_seconds"] = 0.0
         log.info("job %d %s%s", record["id"], record["state"], f": {record['reason']}" if record["reason"] else "")
 
     async def kill(self, job_id: int, cred: dict) -> dict:

@@ -342,8 +342,11 @@ class _Write:
     fence: Fence
     job_id: int
     revision: int  # the job key's mod revision the change was computed from
+    old: dict  # the record as of that revision
+    record: dict  # what it becomes (every change that joined it applied)
     ops: list[Op]
     size: int
+    waiters: int = 1  # the updates waiting for it (it was joined by the others, see JobTable.update)
     done: bool = False
     revision_written: int = 0
     found: list[KeyValue] = field(default_factory=list)  # the job's key when it had changed meanwhile
@@ -394,6 +397,7 @@ class JobTable:
         self._blocks: collections.OrderedDict[int, HistoryBlock] = collections.OrderedDict()
         # Updates waiting for the group commit (see :meth:`_commit`).
         self._writes: collections.deque[_Write] = collections.deque()
+        self._queued: dict[int, _Write] = {}  # job id -> its write in _writes (not sent yet)
         self._writing = False
         self._batch_done = trio.Event()
         self.pacer = Pacer()  # (of the updates' group commit; the creations' is the coordinator's)
@@ -1170,38 +1174,64 @@ class JobTable:
 
         ``change`` returning False means: nothing to do (the current record is
         returned). It may run more than once: when the record changed in etcd
-        meanwhile, it is computed again from the newer one."""
-        keys = self.keys
+        meanwhile, it is computed again from the newer one.
+
+        A change to a job whose previous change still waits for its group
+        commit joins that write (computed from the record it writes): both
+        go in one transaction, and both callers get the record it wrote. A
+        short job's start and end, when its ranks are done before its start
+        is written, cost one write, one watch event on its nodes, not two."""
         while True:
-            current = self.records.get(job_id)
-            if current is None:
-                current = await self.fetch(job_id)
+            queued = self._queued.get(job_id)
+            if queued is not None and queued.fence == fence:
+                record = copy.deepcopy(queued.record)
+                if change(record) is not False:
+                    queued.record = record
+                    queued.ops, queued.size = self._write_ops(queued.old, record)
+                write = queued
+                write.waiters += 1
+                await self._commit(write, joined=True)
+            else:
+                current = self.records.get(job_id)
                 if current is None:
-                    raise RemoteError("no_such_job", f"no job {job_id} in the cluster's job table")
-                if job_id not in self.records:  # in the history
-                    return await self._update_past(fence, job_id, current, change)
-            record = copy.deepcopy(current)
-            if change(record) is False:
-                return current
-            revision = record.pop("seq", 0)
-            data = pack(record)
-            success = [Op.put(keys.job(job_id), data)]
-            if jobs.is_terminal(record):
-                success.append(Op.delete(keys.env(job_id)))
-            success += copy_ops(keys, current, record, data)  # (the nodes it is placed on watch these)
-            write = _Write(fence, job_id, revision, success, sum(len(op.body.get("value", "")) for op in success))
-            await self._commit(write)
+                    current = await self.fetch(job_id)
+                    if current is None:
+                        raise RemoteError("no_such_job", f"no job {job_id} in the cluster's job table")
+                    if job_id not in self.records:  # in the history
+                        return await self._update_past(fence, job_id, current, change)
+                    continue  # (read meanwhile: another change may be waiting to join)
+                record = copy.deepcopy(current)
+                if change(record) is False:
+                    return current
+                revision = record.pop("seq", 0)
+                ops, size = self._write_ops(current, record)
+                write = _Write(fence, job_id, revision, current, record, ops, size)
+                await self._commit(write)
             if write.error is not None:
                 raise write.error
             if write.committed:
                 failpoint("jobtable.updated")
-                self.take(record, write.revision_written)
-                return record
+                self.take(write.record, write.revision_written)
+                return write.record
             found = write.found
             if not found:
                 self._forget(job_id)
                 raise RemoteError("no_such_job", f"job {job_id} is no longer in the hot job table")
             self._take_kv(found[0])
+
+    def waiting_write(self, job_id: int) -> bool:
+        """Whether an update of the job waits for its group commit (a change now would join it)."""
+        return job_id in self._queued
+
+    def _write_ops(self, old: dict, record: dict) -> tuple[list[Op], int]:
+        """What an update from ``old`` to ``record`` writes (its record, its copies; its environment goes when it ends), and its bytes."""
+        keys = self.keys
+        data = pack(record)
+        success = [Op.put(keys.job(record["id"]), data)]
+        if jobs.is_terminal(record):
+            success.append(Op.delete(keys.env(record["id"])))
+        success += copy_ops(keys, old, record, data)  # (the nodes it is placed on watch these)
+        return success, sum(len(op.body.get("value", "")) for op in success)
 
     async def _update_past(self, fence: Fence, job_id: int, current: dict, change: Callable[[dict], object]) -> dict:
         """:meth:`update` for a job in the history: what an ended job's record
@@ -1264,14 +1294,16 @@ class JobTable:
                 raise RemoteError("internal", f"job {job_id}'s record in etcd is damaged: {exc}") from None
             current["seq"] = alone[0].mod_revision
 
-    async def _commit(self, write: _Write) -> None:
+    async def _commit(self, write: _Write, *, joined: bool = False) -> None:
         """Commit ``write`` together with the other updates waiting meanwhile
         (a group commit: one etcd round trip for a burst of job changes, as
         for submissions). One waiting task at a time sends a batch; when it
         returns, the next one sends whatever queued up behind it. Each update
         keeps its own comparison: a batch whose transaction fails because
         some of its jobs changed is answered for those, the others are sent again."""
-        self._writes.append(write)
+        if not joined:
+            self._writes.append(write)
+            self._queued[write.job_id] = write
         try:
             while not write.done:
                 if self._writing:
@@ -1289,9 +1321,12 @@ class JobTable:
                     done, self._batch_done = self._batch_done, trio.Event()
                     done.set()
         finally:
-            if not write.done:  # cancelled while waiting its turn: it was never sent
+            write.waiters -= 1
+            if not write.done and not write.waiters:  # cancelled while waiting its turn (all who joined it too): never sent
                 with contextlib.suppress(ValueError):
                     self._writes.remove(write)
+                if self._queued.get(write.job_id) is write:
+                    del self._queued[write.job_id]
 
     async def _commit_batch(self) -> None:
         first = self._writes[0]
@@ -1306,6 +1341,8 @@ class JobTable:
                 rest.append(w)
                 continue
             batch.append(w)
+            if self._queued.get(w.job_id) is w:
+                del self._queued[w.job_id]  # (sent now: a later change is a write of its own)
             ids.add(w.job_id)
             size += w.size
             ops += len(w.ops)
@@ -1352,6 +1389,8 @@ class JobTable:
                 w.finish(error=RemoteError("internal", f"etcd refused the update of job {w.job_id} without saying why"))
             return
         self._writes.extendleft(reversed(again))
+        for w in again:
+            self._queued.setdefault(w.job_id, w)
 
     async def retire(self, fence: Fence, records: list[dict]) -> int:
         """Move ended jobs to the history (each only if unchanged since it was

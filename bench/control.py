@@ -162,8 +162,9 @@ async def submit_rate(directory: Path, total: int, clients: int, to: str) -> tup
         # ended, for the history): a listing a second, not a wait per job, so
         # the CPU measured after the last accept is the jobs' own.
         mine = set(ids)
+        await gang.wait_done(max(ids))  # (jobs end about in id order: the listings below are few)
         while any(r["id"] in mine and r["state"] in jobs.ACTIVE_STATES for r in await gang.jobs()):  # noqa: ASYNC110 -- polling another process
-            await trio.sleep(0.5)
+            await trio.sleep(1)
         failed = [r["id"] for r in await gang.jobs() if r["id"] in mine and r["state"] != jobs.DONE]
         assert not failed, f"jobs {failed[:10]} did not end DONE"
     finished = time.monotonic() - began

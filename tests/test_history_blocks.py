@@ -232,3 +232,68 @@ async def test_the_old_format_jobs_of_a_block_span_and_the_block_are_each_listed
                 backward += [r["id"] for r in page]
                 before = page[-1]["id"]
             assert backward == ids[::-1], size
+
+
+NOBODY = 65534
+
+
+def test_jobs_retired_into_blocks_are_listed_waited_on_and_kept_from_strangers(make_cluster):
+    """Real daemons, a retention of one second: the jobs leave the hot table
+    for the history's blocks; `gang ps --all` and `gang history` list them,
+    their owner reads their output and waits on them, a stranger does neither."""
+    from conftest import as_uid, wait_for
+
+    from gangd.client.api import connect
+    from gangd.rpc import RemoteError
+
+    cluster = make_cluster(2, job_retention=1.0)
+    ids = [int(cluster.gang("submit", "-n", 1, "--name", f"j{i}", "--", "sh", "-c", f"echo out{i}", check=True).stdout) for i in range(5)]
+    settings = cluster.etcd_settings
+    keys = Keys(settings.prefix)
+
+    async def where() -> tuple[int, int, int]:
+        async with Etcd(list(settings.endpoints), user=settings.user, password=settings.read_password()) as etcd:
+            hot = sum([await count(etcd, keys.job(j)) for j in ids])
+            return hot, await count(etcd, keys.blocks), await count(etcd, keys.history)
+
+    wait_for(lambda: trio.run(where)[0] == 0, 60, "the jobs retired to the history")
+    _, blocks, alone = trio.run(where)
+    assert blocks == len({block_first(j) for j in ids}) and alone == 0
+    listed = [r["id"] for r in cluster.gang_json("ps", "--all")]
+    assert listed == sorted(set(listed)) and set(ids) <= set(listed)
+    newest = [r["id"] for r in cluster.gang_json("history")]
+    assert newest[:5] == ids[::-1]
+    for i, job in enumerate(ids):
+        assert cluster.gang("logs", job, check=True).stdout.strip() == f"0: out{i}"
+
+    async def owner() -> list[str]:
+        async with connect(cluster.dir) as gang:
+            return [(await gang.wait_done(j))["state"] for j in ids]
+
+    assert trio.run(owner) == ["DONE"] * 5
+
+    def meddle():
+        async def main():
+            outcome = {}
+            async with connect(cluster.dir) as gang:
+                for action, call in (("job", lambda: gang.job(ids[0])), ("wait", lambda: gang.wait_done(ids[0]))):
+                    try:
+                        await call()
+                        outcome[action] = "allowed"
+                    except RemoteError as exc:
+                        outcome[action] = [exc.code, exc.message]
+                try:
+                    async with gang.output(ids[0], follow=False) as chunks:
+                        async for _ in chunks:
+                            pass
+                    outcome["output"] = "allowed"
+                except RemoteError as exc:
+                    outcome["output"] = [exc.code, exc.message]
+            return outcome
+
+        return trio.run(main)
+
+    outcome = as_uid(NOBODY, meddle)
+    assert "exception" not in outcome, outcome
+    for action in ("job", "wait", "output"):
+        assert outcome[action][0] == "permission_denied", (action, outcome)

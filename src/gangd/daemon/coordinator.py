@@ -625,8 +625,8 @@ class Coordinator:
         record = await self._update_until_saved(job_id, running)
         if record["state"] != jobs.RUNNING:
             # Killed or failed while launching: whatever did start must go;
-            # unless each rank's exit is in (its end joined its start's write).
-            if any(s is None or s.get("never_started") for s in record["ranks"]):
+            # unless every rank's exit was reported (its end joined its start's write).
+            if any(s is None or s.get("never_started") or s.get("lost") for s in record["ranks"]):
                 await self._kill_everywhere(job_id)
             return
         # Its ranks run from the start; the gang loop stops them at once if

@@ -606,6 +606,7 @@ class JobTable:
     async def widen(self) -> None:
         """Hold the whole table from now on (a coordinator's term begins):
         returns once it is read (then the term's own commits keep it)."""
+        self._blocks.clear()  # (history blocks as an earlier term of this node wrote them: read again)
         if self.node is None:
             await self.load()
             return

@@ -34,7 +34,7 @@ async def leader(etcd: Etcd, keys: Keys, lease) -> Fence:
 def slow_commits(monkeypatch):
     """Group commits that linger a whole second once the table is busy: a
     change started meanwhile finds the previous one still waiting (no race)."""
-    monkeypatch.setattr(jobtable, "LINGER", 1.0)
+    monkeypatch.setattr(jobtable, "UPDATE_LINGER", 1.0)
 
 
 async def queued(table: JobTable, job_id: int) -> None:

@@ -119,6 +119,10 @@ UPDATE_BATCH_BYTES = 1024 * 1024
 #: one request -- carries more jobs; a change on a quiet cluster goes at once.
 LINGER = 0.002
 BUSY = 0.02
+#: Updates (a job placed, started, ended) wait longer: no user waits on
+#: them as on a submit, and a burst's jobs then share fewer transactions.
+UPDATE_LINGER = 0.01
+UPDATE_BUSY = 0.05
 #: Ids a history page reads at first, doubled while too few are found. etcd
 #: counts every key of a range it is asked for (and sorts all of them for a
 #: newest-first read) whatever the limit: a page over the whole history would
@@ -323,13 +327,15 @@ def unavailable(exc: EtcdError) -> RemoteError:
 class Pacer:
     """When a group commit goes (see LINGER)."""
 
-    def __init__(self) -> None:
+    def __init__(self, linger: float | None = None, busy: float | None = None) -> None:
         self._last = -math.inf
+        self._linger, self._busy = linger, busy
 
     async def linger(self, full: Callable[[], bool]) -> None:
         """Wait a moment for more to join, if the last commit was a moment ago and ``full()`` is not already true."""
-        if not full() and trio.current_time() - self._last < BUSY:
-            await trio.sleep(LINGER)
+        busy = BUSY if self._busy is None else self._busy
+        if not full() and trio.current_time() - self._last < busy:
+            await trio.sleep(LINGER if self._linger is None else self._linger)
 
     def sent(self) -> None:
         self._last = trio.current_time()
@@ -400,7 +406,7 @@ class JobTable:
         self._queued: dict[int, _Write] = {}  # job id -> its write in _writes (not sent yet)
         self._writing = False
         self._batch_done = trio.Event()
-        self.pacer = Pacer()  # (of the updates' group commit; the creations' is the coordinator's)
+        self.pacer = Pacer(UPDATE_LINGER, UPDATE_BUSY)  # (of the updates' group commit; the creations' is the coordinator's)
 
     # ------------------------------------------------------------ reads (cache)
 

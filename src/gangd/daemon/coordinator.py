@@ -39,7 +39,7 @@ from .ranks import KILL_DEADLINE
 from .recover import Recoveries
 from .store import Deposed, Fence
 from .store.compaction import Compactor
-from .store.jobtable import pack
+from .store.jobtable import Pacer, pack
 from .tasks import contained
 
 log = logging.getLogger("gangd.coordinator")
@@ -161,6 +161,7 @@ class Coordinator:
         self._nursery: trio.Nursery | None = None  # the term's
         self._creations: deque[_Creation] = deque()  # submissions waiting for the group commit
         self._creations_waiting = trio.Event()
+        self._creation_pacer = Pacer()
         self._job_locks: dict[int, trio.Lock] = {}
         self._kick = trio.Event()
         # Gang scheduling (soft state, rebuilt from the table on takeover).
@@ -208,12 +209,17 @@ class Coordinator:
     async def update(self, job_id: int, change) -> dict:
         """Apply ``change(record)`` to a copy of the record and commit it in etcd (fenced by the term).
 
-        Changes to one job are serialised here; ``change`` may still run
-        twice if the record changed in etcd meanwhile, so it must only
-        change the record."""
+        Changes to one job are serialised here, but one that comes while the
+        change before it waits for its group commit joins that write (see
+        JobTable.update: computed from the record it writes); ``change`` may
+        still run twice if the record changed in etcd meanwhile, so it must
+        only change the record."""
         lock = self._job_locks.setdefault(job_id, trio.Lock())
-        async with lock:
+        if lock.locked() and self.table.waiting_write(job_id):
             record = await self.table.update(self._fence(), job_id, change)
+        else:
+            async with lock:
+                record = await self.table.update(self._fence(), job_id, change)
         if not lock.locked() and not lock.statistics().tasks_waiting:
             self._job_locks.pop(job_id, None)
         if jobs.is_terminal(record):
@@ -430,6 +436,7 @@ class Coordinator:
             await self._creations_waiting.wait()
             self._creations_waiting = trio.Event()
             while self._creations:
+                await self._creation_pacer.linger(lambda: len(self._creations) >= CREATE_BATCH)
                 batch: list[_Creation] = []
                 size = 0
                 while self._creations and len(batch) < CREATE_BATCH and (not batch or size + self._creations[0].size <= CREATE_BATCH_BYTES):
@@ -460,6 +467,8 @@ class Coordinator:
                     for creation in batch:
                         creation.finish(error=RemoteError("internal", f"creating the job failed: {type(exc).__name__}: {exc}"))
                     continue
+                finally:
+                    self._creation_pacer.sent()
                 for creation, record in zip(batch, records, strict=True):
                     creation.finish(record=record)
 
@@ -615,8 +624,10 @@ class Coordinator:
 
         record = await self._update_until_saved(job_id, running)
         if record["state"] != jobs.RUNNING:
-            # Killed or failed while launching: whatever did start must go.
-            await self._kill_everywhere(job_id)
+            # Killed or failed while launching: whatever did start must go;
+            # unless every rank's exit was reported (its end joined its start's write).
+            if any(s is None or s.get("never_started") or s.get("lost") for s in record["ranks"]):
+                await self._kill_everywhere(job_id)
             return
         # Its ranks run from the start; the gang loop stops them at once if
         # their slot is not the one running now.
@@ -685,6 +696,9 @@ class Coordinator:
             self._account(acct, record["ended"], acct["on"])
             record["run_seconds"] = round(acct["run"], 3)
             record["suspended_seconds"] = round(acct["suspended"], 3)
+        elif isinstance(record.get("started"), (int, float)):  # (ended before its start was written: never suspended)
+            record["run_seconds"] = round(max(0.0, record["ended"] - record["started"]), 3)
+            record["suspended_seconds"] = 0.0
         log.info("job %d %s%s", record["id"], record["state"], f": {record['reason']}" if record["reason"] else "")
 
     async def kill(self, job_id: int, cred: dict) -> dict:

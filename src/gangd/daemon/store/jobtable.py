@@ -46,7 +46,12 @@ launch does not read back what was just written. Ended jobs move to the
 history after the retention period (:meth:`JobTable.retire`), so the hot
 table, and what a submit costs, does not grow with the cluster's past; and a
 page of the history reads a bounded span of ids, so a listing's cost does
-not grow with it either.
+not grow with it either. The history is kept in blocks of BLOCK_IDS
+consecutive ids, one etcd key each (:class:`HistoryBlock`): etcd's key
+count, and its own costs that grow with it, stay those of the hot table
+plus the past divided by BLOCK_IDS. A history written one key per job (by
+gangd before the blocks, or a record too large for its block) is read
+alongside, merged in id order.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ import collections
 import contextlib
 import copy
 import logging
+import math
 import re
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -68,7 +74,7 @@ from ... import jobs
 from ...etcd.client import Compacted, Compare, Etcd, EtcdError, Indeterminate, KeyValue, Op, Range, Unavailable
 from ...failpoint import failpoint
 from ...rpc import RemoteError
-from .keys import Keys
+from .keys import ID_DIGITS, Keys
 
 log = logging.getLogger("gangd.jobtable")
 
@@ -80,11 +86,25 @@ LOAD_WAIT = 10.0
 MAX_RECORD_BYTES = 1024 * 1024
 #: Largest environment value accepted back (jobs.MAX_ARGV_ENV_BYTES, packed).
 MAX_ENV_BYTES = 3 * 1024 * 1024
-#: Ended jobs moved to the history in one transaction: up to four operations
-#: (a lineage's member: its index key too) and one comparison each, and etcd
-#: allows 128 of either (--max-txn-ops).
-RETIRE_BATCH = 30
+#: Ended jobs moved to the history in one transaction at most (each also
+#: bounded by TXN_OPS: a job's move is one comparison and up to ten operations).
+RETIRE_BATCH = 100
 RETIRE_BATCH_BYTES = 1024 * 1024  # (etcd refuses requests above 1.5 MiB by default)
+#: The history is kept in blocks: the ended jobs of BLOCK_IDS consecutive ids
+#: in one key (see :class:`HistoryBlock`), so etcd holds a key per block, not
+#: per job ever run; a retirement rewrites the blocks its jobs fall in.
+BLOCK_IDS = 64
+#: A block's packed size at most; a record that would take its block past it,
+#: or larger than BLOCK_RECORD_BYTES alone, is kept in a key of its own (as
+#: the history was before the blocks). A retirement's transaction then holds
+#: one block or one such record (etcd refuses requests above 1.5 MiB by default).
+BLOCK_BYTES = 256 * 1024
+BLOCK_RECORD_BYTES = 32 * 1024
+#: Largest block value accepted back from etcd.
+MAX_BLOCK_BYTES = 2 * 1024 * 1024
+#: Blocks the coordinator keeps as it last wrote them (the next retirement
+#: appends to them without reading them back: jobs end in about id order).
+BLOCKS_KEPT = 8
 #: Bytes of environments of jobs this node created and has not launched yet,
 #: kept in memory so the launch need not read them back from etcd (oldest dropped first: then read from etcd).
 FRESH_ENV_BYTES = 32 * 1024 * 1024
@@ -92,6 +112,17 @@ FRESH_ENV_BYTES = 32 * 1024 * 1024
 #: to two operations and a get on failure (etcd allows 128 of each).
 UPDATE_BATCH = 40
 UPDATE_BATCH_BYTES = 1024 * 1024
+#: A group commit that follows the previous one by less than BUSY seconds
+#: first waits LINGER seconds for more of the burst to join it (MySQL's
+#: binlog_group_commit_sync_delay, Kafka's linger.ms): under load each
+#: transaction -- a round trip, an fsync, etcd's CPU and this daemon's for
+#: one request -- carries more jobs; a change on a quiet cluster goes at once.
+LINGER = 0.002
+BUSY = 0.02
+#: Updates (a job placed, started, ended) wait longer: no user waits on
+#: them as on a submit, and a burst's jobs then share fewer transactions.
+UPDATE_LINGER = 0.01
+UPDATE_BUSY = 0.05
 #: Ids a history page reads at first, doubled while too few are found. etcd
 #: counts every key of a range it is asked for (and sorts all of them for a
 #: newest-first read) whatever the limit: a page over the whole history would
@@ -184,26 +215,75 @@ def _kvs(response: Range | int) -> list[KeyValue]:
     return response.kvs if isinstance(response, Range) else []
 
 
-def _batches(keys: Keys, records: list[dict]) -> Iterator[list[tuple[dict, bytes, list[Op]]]]:
-    """Each record with its packed form for the history and the operations
-    that move it there, in batches etcd takes in one transaction: at most
-    RETIRE_BATCH of them, RETIRE_BATCH_BYTES and TXN_OPS operations."""
-    batch: list[tuple[dict, bytes, list[Op]]] = []
-    size = ops = 0
-    for r in records:
-        data = pack({k: v for k, v in r.items() if k != "seq"})
-        moves = [Op.put(keys.past(r["id"]), data), Op.delete(keys.job(r["id"])), Op.delete(keys.env(r["id"]))]
-        moves += copy_ops(keys, r, None, data)
-        if JobTable.in_lineage(r):  # (a restart finds its checkpoints through this)
-            moves.append(Op.put(keys.lineage_member(r.get("lineage") or r["id"], r["id"]), b""))
-        if batch and (len(batch) >= RETIRE_BATCH or size + len(data) > RETIRE_BATCH_BYTES or ops + len(moves) > TXN_OPS):
-            yield batch
-            batch, size, ops = [], 0, 0
-        batch.append((r, data, moves))
-        size += len(data)
-        ops += len(moves)
-    if batch:
-        yield batch
+def block_first(job_id: int) -> int:
+    """The first id of the history block job ``job_id`` belongs in."""
+    return job_id - job_id % BLOCK_IDS
+
+
+@dataclass
+class HistoryBlock:
+    """Ended jobs of ids ``first`` .. ``first + BLOCK_IDS - 1``, as one etcd value.
+
+    Each member is kept packed, exactly as a job's key of its own holds it (a
+    reader decodes and checks only what it reads; a retirement appends
+    without decoding the others): the value is ``{"v": 1, "jobs": {id:
+    packed record}}``. ``revision``: the key's mod revision (0: no such key yet)."""
+
+    first: int
+    members: dict[int, bytes] = field(default_factory=dict)
+    revision: int = 0
+
+    @property
+    def size(self) -> int:
+        return sum(len(v) for v in self.members.values()) + 16
+
+    def pack(self) -> bytes:
+        return pack({"v": 1, "jobs": dict(sorted(self.members.items()))})
+
+    @classmethod
+    def unpack(cls, first: int, value: bytes, revision: int) -> HistoryBlock:
+        """A block read from etcd (ValueError if the value is not one; each
+        member is checked only when decoded, see :meth:`records`)."""
+        if len(value) > MAX_BLOCK_BYTES:
+            raise ValueError(f"{len(value)} bytes, more than {MAX_BLOCK_BYTES}")
+        try:
+            found = msgpack.unpackb(value, raw=False, strict_map_key=False)
+        except Exception as exc:  # noqa: BLE001 -- msgpack's own errors, as in decode_record
+            raise ValueError(f"not msgpack: {type(exc).__name__}: {exc}") from None
+        if not isinstance(found, dict) or found.get("v") != 1 or not isinstance(found.get("jobs"), dict):
+            raise ValueError("not a history block")
+        block = cls(first, revision=revision)
+        for job_id, packed in found["jobs"].items():
+            # (the id is checked against the record's own when it is decoded)
+            if not isinstance(packed, bytes) or not isinstance(job_id, int) or isinstance(job_id, bool) \
+                    or not first <= job_id < first + BLOCK_IDS:
+                raise ValueError(f"a member that is not a packed record of an id of the block ({job_id!r})")
+            block.members[job_id] = packed
+        return block
+
+    def record(self, job_id: int) -> dict | None:
+        """Member ``job_id`` decoded (``seq``: the block's revision); None if absent or damaged."""
+        packed = self.members.get(job_id)
+        if packed is None:
+            return None
+        try:
+            record = decode_record(packed)
+        except ValueError as exc:
+            log.error("ignoring unreadable history record of job %d: %s", job_id, exc)
+            return None
+        if record["id"] != job_id:
+            log.error("ignoring history record of job %d filed as job %d", record["id"], job_id)
+            return None
+        record["seq"] = self.revision
+        return record
+
+    def records(self, low: int = 0, high: int | None = None) -> list[dict]:
+        """The members with ids in [low, high), decoded, in id order."""
+        out = []
+        for job_id in sorted(self.members):
+            if job_id >= low and (high is None or job_id < high) and (record := self.record(job_id)) is not None:
+                out.append(record)
+        return out
 
 
 _NODE_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}\Z")
@@ -244,6 +324,23 @@ def unavailable(exc: EtcdError) -> RemoteError:
     return RemoteError("etcd_unavailable", f"the cluster's etcd cannot be reached: {exc.message}")
 
 
+class Pacer:
+    """When a group commit goes (see LINGER)."""
+
+    def __init__(self, linger: float | None = None, busy: float | None = None) -> None:
+        self._last = -math.inf
+        self._linger, self._busy = linger, busy
+
+    async def linger(self, full: Callable[[], bool]) -> None:
+        """Wait a moment for more to join, if the last commit was a moment ago and ``full()`` is not already true."""
+        busy = BUSY if self._busy is None else self._busy
+        if not full() and trio.current_time() - self._last < busy:
+            await trio.sleep(LINGER if self._linger is None else self._linger)
+
+    def sent(self) -> None:
+        self._last = trio.current_time()
+
+
 @dataclass(eq=False)
 class _Write:
     """One job's update waiting for the group commit (see :meth:`JobTable._commit`)."""
@@ -251,8 +348,11 @@ class _Write:
     fence: Fence
     job_id: int
     revision: int  # the job key's mod revision the change was computed from
+    old: dict  # the record as of that revision
+    record: dict  # what it becomes (every change that joined it applied)
     ops: list[Op]
     size: int
+    waiters: int = 1  # the updates waiting for it (it was joined by the others, see JobTable.update)
     done: bool = False
     revision_written: int = 0
     found: list[KeyValue] = field(default_factory=list)  # the job's key when it had changed meanwhile
@@ -299,10 +399,14 @@ class JobTable:
         self._fresh_env_bytes = 0
         # Checkpoint lineage root -> {job id: record} of its members in the history (see :meth:`lineage`).
         self._past_lineage: collections.OrderedDict[int, dict[int, dict]] = collections.OrderedDict()
+        # History blocks as this coordinator last wrote them (see :meth:`retire`).
+        self._blocks: collections.OrderedDict[int, HistoryBlock] = collections.OrderedDict()
         # Updates waiting for the group commit (see :meth:`_commit`).
         self._writes: collections.deque[_Write] = collections.deque()
+        self._queued: dict[int, _Write] = {}  # job id -> its write in _writes (not sent yet)
         self._writing = False
         self._batch_done = trio.Event()
+        self.pacer = Pacer(UPDATE_LINGER, UPDATE_BUSY)  # (of the updates' group commit; the creations' is the coordinator's)
 
     # ------------------------------------------------------------ reads (cache)
 
@@ -436,16 +540,13 @@ class JobTable:
                 job_id = Keys.job_id(kv.key, self.keys.lineage(root))
                 if job_id is None:
                     continue
-                past = await self.etcd.get(self.keys.past(job_id))
-                if past is None:
-                    continue
                 try:
-                    record = decode_record(past.value)
+                    record = await self._read_past(job_id)
                 except ValueError as exc:
                     log.error("ignoring unreadable history record of job %d: %s", job_id, exc)
                     continue
-                record["seq"] = past.mod_revision
-                members[job_id] = record
+                if record is not None:
+                    members[job_id] = record
         except EtcdError as exc:
             raise unavailable(exc) from None
         self._past_lineage[root] = members
@@ -511,6 +612,7 @@ class JobTable:
     async def widen(self) -> None:
         """Hold the whole table from now on (a coordinator's term begins):
         returns once it is read (then the term's own commits keep it)."""
+        self._blocks.clear()  # (history blocks as an earlier term of this node wrote them: read again)
         if self.node is None:
             await self.load()
             return
@@ -704,21 +806,82 @@ class JobTable:
         history: it never changes there but by a coordinator's cleanup, and
         nothing waits for that)."""
         try:
-            found = await self.etcd.range(self.keys.job(job_id))
-            kv: KeyValue | None
-            if found.kvs:
-                kv, revision = found.kvs[0], found.revision
-            else:
-                kv, revision = await self.etcd.get(self.keys.past(job_id)), 0
-            if kv is None:
-                return None, 0
-            record = decode_record(kv.value)
+            # One round trip: its hot key, its history block, its history key of its own.
+            found = await self.etcd.txn([], [Op.get(self.keys.job(job_id)), *self._past_gets(job_id)])
+            hot = _kvs(found.responses[0])
+            if hot:
+                record = decode_record(hot[0].value)
+                record["seq"] = hot[0].mod_revision
+                return record, found.revision
+            return self._past_found(job_id, found.responses[1:]), 0
         except EtcdError as exc:
             raise unavailable(exc) from None
         except ValueError as exc:
             raise RemoteError("internal", f"job {job_id}'s record in etcd is damaged: {exc}") from None
-        record["seq"] = kv.mod_revision
-        return record, revision
+
+    def _past_gets(self, job_id: int) -> list[Op]:
+        """The reads that find job ``job_id`` in the history: its block, and its key of its own (see :meth:`_past_found`)."""
+        return [Op.get(self.keys.block(block_first(job_id))), Op.get(self.keys.past(job_id))]
+
+    def _past_found(self, job_id: int, responses: list) -> dict | None:
+        """Job ``job_id``'s history record from the answers to :meth:`_past_gets` (ValueError: damaged)."""
+        blocks, alone = _kvs(responses[0]), _kvs(responses[1])
+        if blocks and (block := self._decode_block(blocks[0])) is not None and job_id in block.members:
+            return block.record(job_id)
+        if not alone:
+            return None
+        record = decode_record(alone[0].value)
+        record["seq"] = alone[0].mod_revision
+        return record
+
+    async def _read_past(self, job_id: int) -> dict | None:
+        """Job ``job_id`` from the history (None: not there; ValueError: damaged; EtcdError)."""
+        found = await self.etcd.txn([], self._past_gets(job_id))
+        return self._past_found(job_id, found.responses)
+
+    def _decode_block(self, kv: KeyValue) -> HistoryBlock | None:
+        first = Keys.job_id(kv.key, self.keys.blocks)
+        try:
+            if first is None or first % BLOCK_IDS:
+                raise ValueError("not the key of a block")
+            return HistoryBlock.unpack(first, kv.value, kv.mod_revision)
+        except ValueError as exc:  # one damaged block is skipped (its jobs are not found), never the daemon
+            log.error("ignoring unreadable history block %s: %s", kv.key.decode("utf-8", "replace"), exc)
+            return None
+
+    async def _past_range(self, low: int, high: int | None, want: int, *, newest_first: bool = False) -> list[dict]:
+        """Up to ``want`` jobs of the history with ids in [low, high) (None:
+        no bound), oldest first (or newest first): from the blocks and from
+        the keys of single jobs, merged. Raises EtcdError."""
+        keys = self.keys
+        end: str | bytes = keys.past(high) if high is not None else prefix_end(keys.history)
+        if newest_first:
+            alone = await self._range_newest_first(keys.past(low), end, want)
+        else:
+            alone = await self.etcd.range(keys.past(low), range_end=end, limit=want)
+        found = {r["id"]: r for r in self._decode_history(alone.kvs)}
+        start: str | bytes = keys.block(block_first(low))
+        last = block_first(high - 1) + BLOCK_IDS if high is not None else None
+        stop: str | bytes = keys.block(last) if last is not None and last < 10 ** ID_DIGITS else prefix_end(keys.blocks)
+        per_read = max(2, want // BLOCK_IDS + 2)
+        got = 0
+        while True:
+            if newest_first:
+                page = await self._range_newest_first(start, stop, per_read)
+            else:
+                page = await self.etcd.range(start, range_end=stop, limit=per_read)
+            for kv in page.kvs:
+                block = self._decode_block(kv)
+                for record in block.records(low, high) if block is not None else []:
+                    found.setdefault(record["id"], record)
+                    got += 1
+            if got >= want or not page.more or not page.kvs:
+                break
+            if newest_first:
+                stop = page.kvs[-1].key
+            else:
+                start = page.kvs[-1].key + b"\0"
+        return sorted(found.values(), key=lambda r: r["id"], reverse=newest_first)[:want]
 
     async def hot_page(self, after: int, limit: int, keep: Callable[[dict], bool], below: int | None = None) -> list[dict]:
         """Up to ``limit`` jobs of the hot table with ids above ``after`` (and below ``below``) that
@@ -801,36 +964,45 @@ class JobTable:
         """Up to ``limit`` jobs of the history with ids above ``after``, in id order."""
         try:
             top = await self._top_id()
-            kvs: list[KeyValue] = []
+            out: list[dict] = []
             low, span = max(after + 1, 1), max(limit, HISTORY_SPAN)
-            while len(kvs) < limit and low <= top:
+            while len(out) < limit and low <= top:
                 high = min(low + span, top + 1)
-                kvs += (await self.etcd.range(self.keys.past(low), range_end=self.keys.past(high), limit=limit - len(kvs))).kvs
+                out += await self._past_range(low, high, limit - len(out))
                 low, span = high, span * 2
-            if len(kvs) < limit:  # ids past the counter's: none, unless the counter was set back by hand
-                rest = self.keys.past(low)
-                kvs += (await self.etcd.range(rest, range_end=prefix_end(self.keys.history), limit=limit - len(kvs))).kvs
+            if len(out) < limit:  # ids past the counter's: none, unless the counter was set back by hand
+                out += await self._past_range(low, None, limit - len(out))
         except EtcdError as exc:
             raise unavailable(exc) from None
-        return self._decode_history(kvs)
+        return out
 
     async def history_before(self, before: int | None, limit: int) -> list[dict]:
         """Up to ``limit`` jobs of the history with ids below ``before`` (all if None), newest first."""
         try:
-            kvs: list[KeyValue] = []
+            out: list[dict] = []
             if before is None:
                 top = await self._top_id()
-                kvs += (await self._range_newest_first(self.keys.past(top + 1), prefix_end(self.keys.history), limit)).kvs
+                out += await self._past_range(top + 1, None, limit, newest_first=True)
             else:
                 top = before - 1
             high, span = top + 1, max(limit, HISTORY_SPAN)
-            while len(kvs) < limit and high > 1:
+            while len(out) < limit and high > 1:
                 low = max(1, high - span)
-                kvs += (await self._range_newest_first(self.keys.past(low), self.keys.past(high), limit - len(kvs))).kvs
+                out += await self._past_range(low, high, limit - len(out), newest_first=True)
                 high, span = low, span * 2
         except EtcdError as exc:
             raise unavailable(exc) from None
-        return self._decode_history(kvs)
+        return out
+
+    async def _last_block_id(self) -> int:
+        """The highest id in the history's blocks (0: none). Raises EtcdError."""
+        keys = self.keys
+        last = await self._range_newest_first(keys.blocks, prefix_end(keys.blocks), 1)
+        block = self._decode_block(last.kvs[0]) if last.kvs else None
+        if block is None:  # (none, or damaged: its ids are at most its first's last)
+            first = Keys.job_id(last.kvs[0].key, keys.blocks) if last.kvs else None
+            return first + BLOCK_IDS - 1 if first is not None else 0
+        return max(block.members, default=block.first)
 
     async def _top_id(self) -> int:
         """The last job id handed out (the counter): no history key lies above it."""
@@ -840,7 +1012,7 @@ class JobTable:
         except ValueError:
             return 0
 
-    async def _range_newest_first(self, start: str, end: str | bytes, limit: int) -> Range:
+    async def _range_newest_first(self, start: str | bytes, end: str | bytes, limit: int) -> Range:
         return await self.etcd.range(start, range_end=end, limit=limit, sort_target="KEY", sort_order="DESCEND")
 
     def _decode_history(self, kvs: list[KeyValue]) -> list[dict]:
@@ -909,7 +1081,10 @@ class JobTable:
             try:
                 if self._counter is None:
                     kv = await self.etcd.get(keys.ids)
-                    self._counter = (int(kv.value), kv.mod_revision) if kv is not None else (0, 0)
+                    counted = (int(kv.value), kv.mod_revision) if kv is not None else (0, 0)
+                    # Never an id of the history's blocks (a job's key, hot or of its own, is compared below;
+                    # a member of a block cannot be): the counter set back by hand is moved past them.
+                    self._counter = (max(counted[0], await self._last_block_id()), counted[1])
                 last, counted_at = self._counter
                 records = []
                 envs: list[tuple[int, dict[str, str], int]] = []
@@ -1006,60 +1181,108 @@ class JobTable:
 
         ``change`` returning False means: nothing to do (the current record is
         returned). It may run more than once: when the record changed in etcd
-        meanwhile, it is computed again from the newer one."""
-        keys = self.keys
+        meanwhile, it is computed again from the newer one.
+
+        A change to a job whose previous change still waits for its group
+        commit joins that write (computed from the record it writes): both
+        go in one transaction, and both callers get the record it wrote. A
+        short job's start and end, when its ranks are done before its start
+        is written, cost one write, one watch event on its nodes, not two."""
         while True:
-            current = self.records.get(job_id)
-            if current is None:
-                current = await self.fetch(job_id)
+            queued = self._queued.get(job_id)
+            if queued is not None and queued.fence == fence:
+                record = copy.deepcopy(queued.record)
+                if change(record) is not False:
+                    queued.record = record
+                    queued.ops, queued.size = self._write_ops(queued.old, record)
+                write = queued
+                write.waiters += 1
+                await self._commit(write, joined=True)
+            else:
+                current = self.records.get(job_id)
                 if current is None:
-                    raise RemoteError("no_such_job", f"no job {job_id} in the cluster's job table")
-                if job_id not in self.records:  # in the history
-                    return await self._update_past(fence, job_id, current, change)
-            record = copy.deepcopy(current)
-            if change(record) is False:
-                return current
-            revision = record.pop("seq", 0)
-            data = pack(record)
-            success = [Op.put(keys.job(job_id), data)]
-            if jobs.is_terminal(record):
-                success.append(Op.delete(keys.env(job_id)))
-            success += copy_ops(keys, current, record, data)  # (the nodes it is placed on watch these)
-            write = _Write(fence, job_id, revision, success, sum(len(op.body.get("value", "")) for op in success))
-            await self._commit(write)
+                    current = await self.fetch(job_id)
+                    if current is None:
+                        raise RemoteError("no_such_job", f"no job {job_id} in the cluster's job table")
+                    if job_id not in self.records:  # in the history
+                        return await self._update_past(fence, job_id, current, change)
+                    continue  # (read meanwhile: another change may be waiting to join)
+                record = copy.deepcopy(current)
+                if change(record) is False:
+                    return current
+                revision = record.pop("seq", 0)
+                ops, size = self._write_ops(current, record)
+                write = _Write(fence, job_id, revision, current, record, ops, size)
+                await self._commit(write)
             if write.error is not None:
                 raise write.error
             if write.committed:
                 failpoint("jobtable.updated")
-                self.take(record, write.revision_written)
-                return record
+                self.take(write.record, write.revision_written)
+                return write.record
             found = write.found
             if not found:
                 self._forget(job_id)
                 raise RemoteError("no_such_job", f"job {job_id} is no longer in the hot job table")
             self._take_kv(found[0])
 
+    def waiting_write(self, job_id: int) -> bool:
+        """Whether an update of the job waits for its group commit (a change now would join it)."""
+        return job_id in self._queued
+
+    def _write_ops(self, old: dict, record: dict) -> tuple[list[Op], int]:
+        """What an update from ``old`` to ``record`` writes (its record, its copies; its environment goes when it ends), and its bytes."""
+        keys = self.keys
+        data = pack(record)
+        success = [Op.put(keys.job(record["id"]), data)]
+        if jobs.is_terminal(record):
+            success.append(Op.delete(keys.env(record["id"])))
+        success += copy_ops(keys, old, record, data)  # (the nodes it is placed on watch these)
+        return success, sum(len(op.body.get("value", "")) for op in success)
+
     async def _update_past(self, fence: Fence, job_id: int, current: dict, change: Callable[[dict], object]) -> dict:
         """:meth:`update` for a job in the history: what an ended job's record
         may still learn (its checkpoint generations removed or found damaged),
         fenced and compared with the revision it was computed from, as in the
-        hot table. It stays ended: a history record never becomes a live job."""
-        key = self.keys.past(job_id)
+        hot table (the revision of its block, when it is in one). It stays
+        ended: a history record never becomes a live job."""
+        keys = self.keys
+        first = block_first(job_id)
         while True:
+            try:
+                kv = await self.etcd.get(keys.block(first))
+            except EtcdError as exc:
+                raise self._write_error(exc) from None
+            block = self._decode_block(kv) if kv is not None else None
+            in_block = block is not None and job_id in block.members
+            if block is not None and in_block:
+                found = block.record(job_id)
+                if found is None:
+                    raise RemoteError("internal", f"job {job_id}'s record in etcd is damaged")
+                current = found
             record = copy.deepcopy(current)
             if change(record) is False:
                 return current
             if not jobs.is_terminal(record):
                 raise RemoteError("bad_state", f"job {job_id} ended and is in the history: it cannot become {record['state']}")
             revision = record.pop("seq", 0)
+            data = pack(record)
+            if block is not None and in_block:
+                key = keys.block(first)
+                if len(data) > BLOCK_RECORD_BYTES or block.size - len(block.members[job_id]) + len(data) > BLOCK_BYTES:
+                    del block.members[job_id]  # (grown too large for its block: a key of its own, in the same transaction)
+                    ops = [Op.put(key, block.pack()), Op.put(keys.past(job_id), data)]
+                else:
+                    block.members[job_id] = data
+                    ops = [Op.put(key, block.pack())]
+            else:
+                key = keys.past(job_id)
+                ops = [Op.put(key, data)]
             try:
-                result = await self.etcd.txn(
-                    [fence.compare(), Compare.mod_revision(key) == revision],
-                    [Op.put(key, pack(record))],
-                    [Op.get(fence.key), Op.get(key)],
-                )
+                result = await self.etcd.txn([fence.compare(), Compare.mod_revision(key) == revision], ops, [Op.get(fence.key), Op.get(key)])
             except EtcdError as exc:
                 raise self._write_error(exc) from None
+            self._blocks.pop(first, None)  # (the coordinator's copy: read again when it next appends)
             if result.succeeded:
                 record["seq"] = result.revision
                 members = self._past_lineage.get(record.get("lineage") or job_id)
@@ -1067,23 +1290,27 @@ class JobTable:
                     members[job_id] = record
                 return record
             self._check_fence(fence, result.responses[0])
-            found = _kvs(result.responses[1])
-            if not found:
+            if in_block:
+                continue  # (the block changed: read again)
+            alone = _kvs(result.responses[1])
+            if not alone:
                 raise RemoteError("no_such_job", f"no job {job_id} in the cluster's job table")
             try:
-                current = decode_record(found[0].value)
+                current = decode_record(alone[0].value)
             except ValueError as exc:
                 raise RemoteError("internal", f"job {job_id}'s record in etcd is damaged: {exc}") from None
-            current["seq"] = found[0].mod_revision
+            current["seq"] = alone[0].mod_revision
 
-    async def _commit(self, write: _Write) -> None:
+    async def _commit(self, write: _Write, *, joined: bool = False) -> None:
         """Commit ``write`` together with the other updates waiting meanwhile
         (a group commit: one etcd round trip for a burst of job changes, as
         for submissions). One waiting task at a time sends a batch; when it
         returns, the next one sends whatever queued up behind it. Each update
         keeps its own comparison: a batch whose transaction fails because
         some of its jobs changed is answered for those, the others are sent again."""
-        self._writes.append(write)
+        if not joined:
+            self._writes.append(write)
+            self._queued[write.job_id] = write
         try:
             while not write.done:
                 if self._writing:
@@ -1093,15 +1320,20 @@ class JobTable:
                 try:
                     # Shielded: the batch holds other tasks' updates, which must all hear how it went.
                     with trio.CancelScope(shield=True):
+                        await self.pacer.linger(lambda: len(self._writes) >= UPDATE_BATCH)
                         await self._commit_batch()
+                        self.pacer.sent()
                 finally:
                     self._writing = False
                     done, self._batch_done = self._batch_done, trio.Event()
                     done.set()
         finally:
-            if not write.done:  # cancelled while waiting its turn: it was never sent
+            write.waiters -= 1
+            if not write.done and not write.waiters:  # cancelled while waiting its turn (all who joined it too): never sent
                 with contextlib.suppress(ValueError):
                     self._writes.remove(write)
+                if self._queued.get(write.job_id) is write:
+                    del self._queued[write.job_id]
 
     async def _commit_batch(self) -> None:
         first = self._writes[0]
@@ -1116,6 +1348,8 @@ class JobTable:
                 rest.append(w)
                 continue
             batch.append(w)
+            if self._queued.get(w.job_id) is w:
+                del self._queued[w.job_id]  # (sent now: a later change is a write of its own)
             ids.add(w.job_id)
             size += w.size
             ops += len(w.ops)
@@ -1162,28 +1396,87 @@ class JobTable:
                 w.finish(error=RemoteError("internal", f"etcd refused the update of job {w.job_id} without saying why"))
             return
         self._writes.extendleft(reversed(again))
+        for w in again:
+            self._queued.setdefault(w.job_id, w)
 
     async def retire(self, fence: Fence, records: list[dict]) -> int:
-        """Move ended jobs to the history (one transaction per batch, each job
-        only if unchanged since it was read); how many moved."""
-        keys = self.keys
+        """Move ended jobs to the history (each only if unchanged since it was
+        read): into the blocks of their ids, one transaction per block (or
+        per RETIRE_BATCH jobs of it), fenced and compared with the block's
+        revision; how many moved."""
+        groups: dict[int, list[dict]] = {}
+        for r in sorted((r for r in records if jobs.is_terminal(r)), key=lambda r: r["id"]):
+            groups.setdefault(block_first(r["id"]), []).append(r)
         moved = 0
-        for batch in _batches(keys, [r for r in records if jobs.is_terminal(r)]):
-            compare = [fence.compare()] + [Compare.mod_revision(keys.job(r["id"])) == r.get("seq", 0) for r, _, _ in batch]
-            success = [op for _, _, moves in batch for op in moves]
-            try:
-                result = await self.etcd.txn(compare, success, [Op.get(fence.key)])
-            except EtcdError as exc:
-                raise self._write_error(exc) from None
+        try:
+            for first, group in groups.items():
+                moved += await self._retire_into(fence, first, group)
+        except EtcdError as exc:
+            raise self._write_error(exc) from None
+        finally:
+            if moved:
+                self.notify_changed()
+        return moved
+
+    async def _retire_into(self, fence: Fence, first: int, group: list[dict]) -> int:
+        """:meth:`retire` for the jobs of block ``first``: how many moved."""
+        keys = self.keys
+        key = keys.block(first)
+        block = self._blocks.get(first)
+        if block is None:
+            kv = await self.etcd.get(key)
+            block = self._decode_block(kv) if kv is not None else HistoryBlock(first)
+            usable = block is not None
+            if block is None:  # damaged: left as it is, and these jobs get keys of their own
+                block = HistoryBlock(first, revision=kv.mod_revision if kv is not None else 0)
+        else:
+            usable = True
+        moved = 0
+        todo = list(group)
+        while todo:
+            members, size = dict(block.members), block.size
+            chunk: list[dict] = []
+            ops: list[Op] = []
+            alone_bytes, modified = 0, False  # (the bytes this transaction carries: those, and the block if it changes)
+            for r in todo:
+                data = pack({k: v for k, v in r.items() if k != "seq"})
+                moves = [Op.delete(keys.job(r["id"]))] + copy_ops(keys, r, None, data)
+                if self.in_lineage(r):  # (a restart finds its checkpoints through this)
+                    moves.append(Op.put(keys.lineage_member(r.get("lineage") or r["id"], r["id"]), b""))
+                alone = not usable or len(data) > BLOCK_RECORD_BYTES or size + len(data) > BLOCK_BYTES
+                if alone:
+                    moves.append(Op.put(keys.past(r["id"]), data))
+                grown = alone_bytes + len(data) + (size if modified else 0) if alone else alone_bytes + size + len(data)
+                if chunk and (len(chunk) >= RETIRE_BATCH or len(ops) + len(moves) + 1 > TXN_OPS or grown > RETIRE_BATCH_BYTES):
+                    break
+                chunk.append(r)
+                ops += moves
+                if alone:
+                    alone_bytes += len(data)
+                else:
+                    members[r["id"]] = data
+                    size += len(data)
+                    modified = True
+            if modified:
+                ops.insert(0, Op.put(key, HistoryBlock(first, members).pack()))
+            compare = [fence.compare(), Compare.mod_revision(key) == block.revision]
+            compare += [Compare.mod_revision(keys.job(r["id"])) == r.get("seq", 0) for r in chunk]
+            result = await self.etcd.txn(compare, ops, [Op.get(fence.key)])
             if not result.succeeded:
                 self._check_fence(fence, result.responses[0])
-                continue  # one of them changed meanwhile: the next round sees it
-            for r, _, _ in batch:
+                self._blocks.pop(first, None)
+                return moved  # one of them (or the block) changed meanwhile: the next round sees it
+            block = HistoryBlock(first, members, result.revision if modified else block.revision)
+            if usable:
+                self._blocks[first] = block
+                self._blocks.move_to_end(first)
+                while len(self._blocks) > BLOCKS_KEPT:
+                    self._blocks.popitem(last=False)
+            for r in chunk:
                 if self.records.get(r["id"]) is not None and self.records[r["id"]].get("seq", 0) <= r.get("seq", 0):
                     self._forget(r["id"])
-            moved += len(batch)
-        if moved:
-            self.notify_changed()
+            moved += len(chunk)
+            todo = todo[len(chunk):]
         return moved
 
     @staticmethod

@@ -12,7 +12,14 @@
 ``PREFIX/on/+/<id>``       the one copy of a job placed on many nodes (or a large
                            record): every node watches these too, and keeps those
                            placed on it (``+`` is no node's name)
-``PREFIX/history/<id>``    ended jobs past the retention period (append-only)
+``PREFIX/past/<first id>`` ended jobs past the retention period, a block of
+                           BLOCK_IDS consecutive ids in one key (see
+                           jobtable.HistoryBlock): the history's key count is
+                           the cluster's past divided by that, so etcd's own
+                           costs do not grow with it key by key
+``PREFIX/history/<id>``    an ended job alone: how gangd before the blocks
+                           kept its history (still read: a cluster upgraded
+                           in place keeps it), and a record too large for a block
 ``PREFIX/lineage/<root>/<id>``  job ``id`` of checkpoint lineage ``root`` is in the history
                            (written as it moves there: a restart finds its lineage's
                            generations without reading the whole history)
@@ -40,6 +47,7 @@ class Keys:
         self.jobs = f"{prefix}/jobs/"
         self.env_prefix = f"{prefix}/env/"
         self.history = f"{prefix}/history/"
+        self.blocks = f"{prefix}/past/"
         self.lineages = f"{prefix}/lineage/"
         self.lineages_indexed = f"{prefix}/lineage-indexed"
         self.placed = f"{prefix}/on/"
@@ -64,6 +72,10 @@ class Keys:
 
     def past(self, job_id: int) -> str:
         return f"{self.history}{job_id:0{ID_DIGITS}d}"
+
+    def block(self, first: int) -> str:
+        """The history block whose first id is ``first`` (a multiple of BLOCK_IDS, see jobtable)."""
+        return f"{self.blocks}{first:0{ID_DIGITS}d}"
 
     def lineage(self, root: int) -> str:
         """The prefix of lineage ``root``'s members in the history."""

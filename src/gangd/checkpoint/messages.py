@@ -265,8 +265,8 @@ class WriteReport:
             raise BadMessage(f"links to generations {_show(stray)} that were not offered (offered: {list(offered)})")
         if links != offered[len(offered) - len(links):]:
             raise BadMessage(f"links {_show(list(links))} that are not the tail of the offered chain {list(offered)} (newest first, none skipped)")
-        if offer is not None and len(links) > offer.chain_max:
-            raise BadMessage(f"a chain of {len(links)} links, more than the {offer.chain_max} allowed (chain_max)")
+        if offer is not None and len(links) + 1 > offer.chain_max:  # (the file itself is read too: delta.links_problem)
+            raise BadMessage(f"a chain of {len(links) + 1} files, more than the {offer.chain_max} allowed (chain_max)")
         return links
 
     def to_wire(self) -> dict:

@@ -35,7 +35,8 @@ MAX = 1 << 30
 MANY = textwrap.dedent(
     """
     import sys
-        import numpy as np
+    from pathlib import Path
+    import numpy as np
     from gangd.ckptlib import blocks
 
     path, n = Path(sys.argv[1]), int(sys.argv[2])
@@ -214,3 +215,63 @@ def test_a_commit_answer_naming_older_generations_is_recorded():
     _, out = committed_round([4, 2])
     entry = next(i.entry for i in out if isinstance(i, rd.Record))
     assert entry["state"] == "complete" and entry["needs"] == [4, 3, 2]
+
+
+HUGE_FIELDS = {
+    "role": "x" * (15 << 20),
+    "parent": [[1] * 1000] * 15_000,
+    "links": [[1] * 1000] * 15,  # (a short list of long ones)
+    "state": {str(i): "y" * 100 for i in range(100_000)},
+    "digest": b"\x1b" * (15 << 20),
+    "error": [["oops"] * 1000] * 15_000,
+}
+
+
+@pytest.mark.parametrize("key", list(HUGE_FIELDS))
+def test_a_report_with_a_huge_field_is_refused_without_rendering_it_whole(key):
+    """A rank's report is parsed on the daemon's event loop: a refused field was rendered whole (repr, then the
+    escape filter) to quote 40 characters of it, seconds of a node's daemon for one message of a frame's 16 MiB.
+    Now only what is quoted is rendered: the memory it takes is the measure (tracemalloc, no clock)."""
+    from gangd.checkpoint import node as nd
+
+    rnd = nd.NodeRound(job=3, gen=10, lineage=3, node="n1", ranks=[0], max_rank_bytes=MAX)
+    rnd.handle(nd.Reported(0, m.RankReport(10, 7)))
+    rnd.handle(nd.CutSet(7))
+    rnd.handle(nd.Arrived(0, 7, 0.0))
+    rnd.handle(nd.Released({0: "/x/rank-0.state"}, {0: offer(9, 8, chain_max=8)}))
+    report = {"size": 10, "digest": "ab" * 16, "seconds": 0.1, "role": "incr", "parent": 9, "base": 8, "links": [9, 8],
+              key: HUGE_FIELDS[key]}
+    tracemalloc.start()
+    try:
+        rnd.handle(nd.Ended(0, report))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert rnd.failed and "rank 0 on n1" in rnd.failed and len(rnd.failed) < 2000
+    assert "\x1b" not in rnd.failed
+    assert peak < 1 << 20, f"refusing one report allocated {peak >> 20} MiB"
+
+
+def peak_of(fn) -> int:
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_background_writers_huge_error_and_a_huge_checkpoint_mode_are_quoted_not_rendered_whole():
+    """The same for a rank's ``ckpt_written`` error (RankWritten) and a client's ``--ckpt-mode`` (JobSpec)."""
+    from gangd import jobs
+
+    huge = HUGE_FIELDS["error"]
+    written: list = []
+    assert peak_of(lambda: written.append(m.RankWritten.from_wire({"gen": 3, "error": huge}))) < 1 << 20
+    assert written[0].error.startswith("[['oops', 'oops'")
+
+    def submit() -> None:
+        with pytest.raises(jobs.BadSpec, match="checkpoint mode must be one of"):
+            jobs.JobSpec.from_wire({"argv": ["x"], "nranks": 1, "ckpt_mode": huge}, ["n1"])
+
+    assert peak_of(submit) < 1 << 20

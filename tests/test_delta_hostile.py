@@ -7,7 +7,8 @@ first packages (review20), on real files, real processes and the real round stat
   blocks no file of the chain holds (allocated in full before the chain was looked at);
 * a program run alone: a FIFO planted where a generation's file was hung its next checkpoint or restart;
 * the daemon: a write report whose chain is one longer than ``chain_max`` allows, a node's commit answer naming a
-  generation not older than the one committed as needed.
+  generation not older than the one committed as needed, a report (or a background writer's error, or a client's
+  ``--ckpt-mode``) holding a huge value, rendered whole on the event loop to quote 40 characters of it.
 """
 
 from __future__ import annotations

@@ -243,7 +243,8 @@ def _redundancy(spec: dict, nranks: int, nodelist, nodes: int | None, node_names
     if level is None:
         return None
     if level not in REDUNDANCY_LEVELS:
-        raise BadSpec("bad_request", f"the checkpoint redundancy must be one of {', '.join(REDUNDANCY_LEVELS)}, not {text.printable(str(level), 40)!r}")
+        shown = text.printable(text.brief(level, 40, quote=False), 40)  # (brief: a huge value is not rendered whole)
+        raise BadSpec("bad_request", f"the checkpoint redundancy must be one of {', '.join(REDUNDANCY_LEVELS)}, not {shown!r}")
     if level == "local":
         return level
     span = min(nranks, len(nodelist) if nodelist else nodes if nodes else len(node_names))
@@ -269,7 +270,8 @@ def _ckpt_mode(spec: dict) -> str | None:
     if mode is None:
         return None
     if mode not in CKPT_MODES:
-        raise BadSpec("bad_request", f"the checkpoint mode must be one of {', '.join(CKPT_MODES)}, not {text.printable(str(mode), 40)!r}")
+        shown = text.printable(text.brief(mode, 40, quote=False), 40)  # (brief: a huge value is not rendered whole)
+        raise BadSpec("bad_request", f"the checkpoint mode must be one of {', '.join(CKPT_MODES)}, not {shown!r}")
     return mode
 
 

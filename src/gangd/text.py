@@ -13,6 +13,7 @@ daemon, or a field this module never saw).
 
 from __future__ import annotations
 
+import itertools
 import re
 
 #: ESC-introduced sequences (CSI, OSC, DCS, and two-byte ones), and their 8-bit C1 forms.
@@ -47,3 +48,29 @@ def printable(text: object, limit: int = MAX_REASON) -> str:
 def name(text: object) -> str:
     """A job name as shown to everyone: printable, at most :data:`MAX_NAME` characters."""
     return printable(text, MAX_NAME)
+
+
+def brief(value: object, limit: int = 40, *, quote: bool = True, _depth: int = 0) -> str:
+    """A decoded message's ``value`` (str, bytes, numbers, lists, maps, nested)
+    rendered in about ``limit`` characters per string and a few items per
+    container, for quoting it in an error: the work is bounded too, whatever
+    the value's size (``repr`` renders a 16 MiB frame's list whole before it
+    can be cut). ``quote``: a string in quotes, as ``repr`` shows it."""
+    if isinstance(value, str):
+        return repr(value[: limit + 1]) if quote else value[: limit + 1]
+    if isinstance(value, bytes | bytearray | memoryview):
+        return repr(bytes(value[: limit + 1]))
+    if isinstance(value, bool | float) or value is None:
+        return repr(value)
+    if isinstance(value, int):
+        return repr(value) if value.bit_length() <= 256 else f"<an integer of {value.bit_length()} bits>"
+    if isinstance(value, list | tuple | dict | set | frozenset):
+        opening, closing = ("{", "}") if isinstance(value, dict | set | frozenset) else ("(", ")") if isinstance(value, tuple) else ("[", "]")
+        if _depth >= 3:
+            return f"{opening}...{closing}"
+        if isinstance(value, dict):
+            parts = [f"{brief(k, limit, _depth=_depth + 1)}: {brief(v, limit, _depth=_depth + 1)}" for k, v in itertools.islice(value.items(), 4)]
+        else:
+            parts = [brief(item, limit, _depth=_depth + 1) for item in itertools.islice(value, 4)]
+        return opening + ", ".join(parts) + (", ..." if len(value) > len(parts) else "") + closing
+    return f"<{type(value).__name__}>"

@@ -36,7 +36,7 @@ class BadMessage(ValueError):
 
 
 def _show(value: Any) -> str:
-    return text.printable(repr(value))[:40]
+    return text.printable(text.brief(value))[:40]  # (brief: a hostile 16 MiB value is not rendered whole to quote 40 characters)
 
 
 def _int(args: dict, key: str, *, optional: bool = False, lo: int = 0, hi: int = MAX_GEN) -> Any:
@@ -265,8 +265,8 @@ class WriteReport:
             raise BadMessage(f"links to generations {_show(stray)} that were not offered (offered: {list(offered)})")
         if links != offered[len(offered) - len(links):]:
             raise BadMessage(f"links {_show(list(links))} that are not the tail of the offered chain {list(offered)} (newest first, none skipped)")
-        if offer is not None and len(links) > offer.chain_max:
-            raise BadMessage(f"a chain of {len(links)} links, more than the {offer.chain_max} allowed (chain_max)")
+        if offer is not None and len(links) + 1 > offer.chain_max:  # (the file itself is read too: delta.links_problem)
+            raise BadMessage(f"a chain of {len(links) + 1} files, more than the {offer.chain_max} allowed (chain_max)")
         return links
 
     def to_wire(self) -> dict:
@@ -298,7 +298,7 @@ class RankWritten:
         gen = _int(args, "gen", lo=1)
         result = {k: v for k, v in args.items() if k != "gen"}
         error = result.get("error")
-        return cls(gen, result, text.printable(str(error))[:MAX_WHY] if error else "")
+        return cls(gen, result, text.printable(text.brief(error, MAX_WHY, quote=False))[:MAX_WHY] if error else "")
 
     def to_wire(self) -> dict:
         return {"gen": self.gen, **self.result}

@@ -263,7 +263,7 @@ class NodeRound:
         if isinstance(result, dict) and result.get("error"):
             from .. import text
 
-            return self._fail(f"rank {rank} on {self.node} could not write its state: {text.printable(str(result['error']))[:1000]}")
+            return self._fail(f"rank {rank} on {self.node} could not write its state: {text.printable(text.brief(result['error'], 1000, quote=False))[:1000]}")
         try:
             report = WriteReport.parse(result, self.max_rank_bytes, self.offers.get(rank), self.gen)
         except BadMessage as exc:

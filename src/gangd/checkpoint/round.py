@@ -330,9 +330,12 @@ class Round:
                 return self._fail("bad_answer", f"{event.node} answered the begin with {exc}")
         elif self.phase is Phase.COMMIT:
             try:
-                CommitAnswer.from_wire(event.result)
+                answer = CommitAnswer.from_wire(event.result)
             except BadMessage as exc:
                 return self._fail("bad_answer", f"{event.node} answered the commit with {exc}")
+            if any(g >= self.gen for g in answer.needs):  # (a need of itself or of a later one pins what is not taken yet)
+                return self._fail("bad_answer", f"{event.node} answered the commit of generation {self.gen} with needs "
+                                                f"{list(answer.needs)[:8]}, not all older generations")
             self.answers[event.node] = event.result
         else:
             self.answers[event.node] = event.result

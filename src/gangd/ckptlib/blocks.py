@@ -22,8 +22,9 @@ walk stops there for it. ``links``: every generation a restore of this file
 reads, newest first; ``overhead``: the bytes of their magic, index and footer
 (a restore reads each block once, so it reads the state's bytes plus that).
 
-Restore (:func:`read_chain`) allocates each value from the newest index,
-then walks the files newest to oldest, reading only the blocks not placed
+Restore (:func:`read_chain`) first finds every block in the chain's
+indexes (nothing is allocated for a value no file holds), allocates each
+value from the newest index, then walks the files newest to oldest, reading only the blocks not placed
 yet, straight into the arrays (``preadv`` into their memory, no copy), and
 checks every placed block against the newest signature: a damaged link is a
 :class:`StoreError` naming its path, the value and the block.
@@ -47,6 +48,7 @@ import pickle
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import msgpack
@@ -225,11 +227,13 @@ class Index:
     def state(self) -> int:
         return sum(e.nbytes for e in self.entries)
 
+    @cached_property
+    def _by_name(self) -> dict[str, Entry]:
+        return {e.name: e for e in self.entries}
+
     def entry(self, name: str) -> Entry | None:
-        for e in self.entries:
-            if e.name == name:
-                return e
-        return None
+        """The value ``name`` (a dict: a scan per value made a restore or a diff of many values quadratic)."""
+        return self._by_name.get(name)
 
 
 def _dtype(spec: object, *, pickled: bool = False) -> np.dtype:
@@ -576,6 +580,16 @@ def read_chain(path: Path, chain: Iterable = (), expect: Sequence | None = None,
         if list(top.links) != [link.gen for link in links]:
             raise StoreError(f"{path} (generation {top.gen}) needs generations {list(top.links)}, "
                              f"but the restore was handed {[link.gen for link in links]}")
+        files: list[tuple[Path, Index]] = [(path, top)]
+        for number, link in enumerate(links, 1):
+            fds.append(_open(link.path))
+            index = _index_of(fds[-1], link.path, None if link.expect is None else link.expect[0])
+            read += index.own_overhead
+            if index.gen != link.gen or list(index.links) != [later.gen for later in links[number:]]:
+                raise StoreError(f"{link.path} is not the link the chain of generation {top.gen} needs: it is generation "
+                                 f"{index.gen} with links {list(index.links)}, expected generation {link.gen}")
+            files.append((link.path, index))
+        _locate(path, top, files)  # (before anything is allocated: what a restore allocates, the files hold)
         values: dict[str, object] = {}
         views: dict[str, memoryview] = {}
         placed: dict[str, np.ndarray] = {}
@@ -585,6 +599,8 @@ def read_chain(path: Path, chain: Iterable = (), expect: Sequence | None = None,
                 if e.kind == "nd":
                     arr = np.empty(e.meta["shape"], dtype=_dtype(e.meta["dtype"]))
                     values[e.name], views[e.name] = arr, _array_bytes(arr)
+                    if len(views[e.name]) != e.nbytes:  # (never trust numpy's idea of a size to match the index's)
+                        raise ValueError(f"an array of it holds {len(views[e.name])} bytes")
                 else:
                     blob = bytearray(e.nbytes)
                     values[e.name], views[e.name] = blob, memoryview(blob)
@@ -595,22 +611,13 @@ def read_chain(path: Path, chain: Iterable = (), expect: Sequence | None = None,
         digest = ckptstore.hasher() if expect is not None else None
         if digest is not None:
             digest.update(MAGIC)
-        files: list[tuple[Path, Index]] = [(path, top)]
         blocks_read += _place(fd, top, top, 0, views, placed, source, digest)
         if digest is not None:
             digest.update(top.tail)
             if digest.hexdigest() != expect[1]:  # type: ignore[index]
                 raise StoreError(f"{path} is corrupted: its checksum does not match the manifest")
-        for number, link in enumerate(links, 1):
-            fd = _open(link.path)
-            fds.append(fd)
-            index = _index_of(fd, link.path, None if link.expect is None else link.expect[0])
-            read += index.own_overhead
-            if index.gen != link.gen or list(index.links) != [later.gen for later in links[number:]]:
-                raise StoreError(f"{link.path} is not the link the chain of generation {top.gen} needs: it is generation "
-                                 f"{index.gen} with links {list(index.links)}, expected generation {link.gen}")
-            files.append((link.path, index))
-            blocks_read += _place(fd, top, index, number, views, placed, source, None)
+        for number, (_, index) in enumerate(files[1:], 1):
+            blocks_read += _place(fds[number], top, index, number, views, placed, source, None)
         for e in top.entries:
             missing = int(np.count_nonzero(~placed[e.name]))
             if missing:
@@ -640,6 +647,36 @@ def read_chain(path: Path, chain: Iterable = (), expect: Sequence | None = None,
     return values, top.iteration, top.extra
 
 
+def _corrupt_link(top: Index, index: Index, e: Entry) -> StoreError | None:
+    """Why ``index``'s file cannot stand in for blocks of ``top``'s value ``e``, or None."""
+    mine = index.entry(e.name)
+    if mine is None or not mine.same_value(e) or (index is not top and index.block != top.block):
+        return StoreError(f"{index.path} is a corrupt link of generation {top.gen}'s chain: it does not hold value "
+                          f"{e.name!r} as generation {top.gen} describes it")
+    return None
+
+
+def _locate(path: Path, top: Index, files: list[tuple[Path, Index]]) -> None:
+    """Every block of every value of ``top`` is stored by a file of its chain
+    (``files``, newest first), walked as :func:`_place` will read them; a
+    StoreError naming the file that breaks the chain otherwise. Run before
+    the values are allocated, so a crafted index cannot make a restore
+    allocate (and zero) more than its files hold."""
+    for e in top.entries:
+        covered = np.zeros(e.nblocks, dtype=bool)
+        for _, index in files:
+            if covered.all():
+                break
+            problem = _corrupt_link(top, index, e)
+            if problem is not None:
+                raise problem
+            covered |= index.entry(e.name).present  # type: ignore[union-attr]  # (checked just above)
+        missing = int(np.count_nonzero(~covered))
+        if missing:
+            raise StoreError(f"{files[-1][0]} ends the chain of {path} but value {e.name!r} still misses {missing} of its "
+                             f"{e.nblocks} blocks (a broken chain)")
+
+
 def _place(fd: int, top: Index, index: Index, number: int, views: dict[str, memoryview], placed: dict[str, np.ndarray],
            source: dict[str, np.ndarray], digest) -> int:
     """Read the blocks ``index``'s file holds that no newer file placed; returns the bytes read."""
@@ -648,10 +685,10 @@ def _place(fd: int, top: Index, index: Index, number: int, views: dict[str, memo
         done = placed[e.name]
         if done.all():
             continue
+        problem = _corrupt_link(top, index, e)
         mine = index.entry(e.name)
-        if mine is None or not mine.same_value(e) or (index is not top and index.block != top.block):
-            raise StoreError(f"{index.path} is a corrupt link of generation {top.gen}'s chain: it does not hold value "
-                             f"{e.name!r} as generation {top.gen} describes it")
+        if problem is not None or mine is None:
+            raise problem or StoreError(f"{index.path} does not hold value {e.name!r}")
         need = mine.present & ~done
         if not need.any():
             continue

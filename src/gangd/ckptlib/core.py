@@ -251,10 +251,13 @@ class Standalone:
         if known is None:
             path = self._file(gen)
             try:
-                with open(path, "rb") as fh:
-                    v2 = fh.read(len(blocks.MAGIC)) == blocks.MAGIC
+                fd = ckptstore.open_regular(path)  # (no symlink; a FIFO is refused, never waited on)
+                try:
+                    v2 = os.pread(fd, len(blocks.MAGIC), 0) == blocks.MAGIC
+                finally:
+                    os.close(fd)
             except OSError as exc:
-                raise StoreError(f"cannot read {path}: {exc.strerror}") from None
+                raise StoreError(f"cannot read {path}: {exc.strerror or exc}") from None
             known = self._links[gen] = list(blocks.read_index(path, expect).links) if v2 else []
         return known
 

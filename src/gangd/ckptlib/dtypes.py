@@ -54,6 +54,9 @@ def build(spec: object, depth: int = 0) -> np.dtype:
         dtype = np.dtype(spec)  # (the public constructor parses a string; "<f8", "|S5", "<M8[s]")
         if dtype.names is not None or dtype.subdtype is not None:
             raise ValueError(f"{spec!r} is not a plain dtype")
+        if dtype.itemsize == 0 and dtype.kind in "SU":
+            # (unsized: numpy says 0 bytes, but gives an array of it 1 byte per element, "U" 4: never what was written)
+            raise ValueError(f"{spec!r} is a string dtype without a size")
     elif isinstance(spec, dict) and set(spec) == {"sub", "shape"}:
         shape = spec["shape"]
         if not isinstance(shape, list) or not 0 < len(shape) <= MAX_SUB_DIMS or not all(_count(n) for n in shape):

@@ -138,6 +138,8 @@ def _load_v1(fh, path: Path, expect: tuple[int, str] | None) -> tuple[dict[str, 
                     raise StoreError(f"{path} is corrupted: array {name!r} should hold {expected} bytes, the header says {nbytes}")
                 check_room(name, nbytes)
                 arr = np.empty(shape, dtype=dtype)
+                if arr.nbytes != nbytes:  # (numpy's idea of a size must be the header's)
+                    raise StoreError(f"{path} is corrupted: array {name!r} of its dtype holds {arr.nbytes} bytes, the header says {nbytes}")
             except StoreError:
                 raise
             except Exception as exc:  # noqa: BLE001 -- any way a corrupted entry fails is a StoreError

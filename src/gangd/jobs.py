@@ -242,9 +242,7 @@ def _redundancy(spec: dict, nranks: int, nodelist, nodes: int | None, node_names
     level = spec.get("ckpt_redundancy")
     if level is None:
         return None
-    if level not in REDUNDANCY_LEVELS:
-        shown = text.printable(text.brief(level, 40, quote=False), 40)  # (brief: a huge value is not rendered whole)
-        raise BadSpec("bad_request", f"the checkpoint redundancy must be one of {', '.join(REDUNDANCY_LEVELS)}, not {shown!r}")
+    _one_of(level, REDUNDANCY_LEVELS, "the checkpoint redundancy")
     if level == "local":
         return level
     span = min(nranks, len(nodelist) if nodelist else nodes if nodes else len(node_names))
@@ -269,10 +267,15 @@ def _ckpt_mode(spec: dict) -> str | None:
     mode = spec.get("ckpt_mode")
     if mode is None:
         return None
-    if mode not in CKPT_MODES:
-        shown = text.printable(text.brief(mode, 40, quote=False), 40)  # (brief: a huge value is not rendered whole)
-        raise BadSpec("bad_request", f"the checkpoint mode must be one of {', '.join(CKPT_MODES)}, not {shown!r}")
+    _one_of(mode, CKPT_MODES, "the checkpoint mode")
     return mode
+
+
+def _one_of(value: object, allowed: tuple[str, ...], what: str) -> None:
+    """BadSpec unless ``value`` is one of ``allowed`` (quoted briefly: a huge value is not rendered whole)."""
+    if value not in allowed:
+        shown = text.printable(text.brief(value, 40, quote=False), 40)
+        raise BadSpec("bad_request", f"{what} must be one of {', '.join(allowed)}, not {shown!r}")
 
 
 def new_record(*, job_id: int, spec: dict, owner_uid: int, owner_name: str, owner_gid: int) -> dict:

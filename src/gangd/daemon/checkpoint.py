@@ -245,6 +245,21 @@ class NodeCheckpoints:
         """An fd of a generation's directory ``<root>/job-L/gen-G`` (in a thread)."""
         return ckptstore.open_generation(self.root, directory)
 
+    def _held_manifest(self, held: dict[int, ckptstore.Manifest], lineage: int, gen: int, why: str) -> ckptstore.Manifest:
+        """(In a thread.) This node's MANIFEST of ``job-<lineage>/gen-<gen>``,
+        read once into ``held``; a StoreError "generation G, <why>: ..." if it cannot be."""
+        if gen not in held:
+            directory = ckptstore.gen_dir(self.root, lineage, gen)
+            try:
+                fd = self._gen_fd(directory)
+            except (UnsafePath, OSError) as exc:
+                raise StoreError(f"generation {gen}, {why}: {_why_not(exc, directory)}") from None
+            try:
+                held[gen] = ckptstore.read_manifest(directory, dir_fd=fd, owner=os.geteuid())
+            finally:
+                os.close(fd)
+        return held[gen]
+
     def _remove(self, directory: Path) -> None:
         """Remove a generation's directory, never following a link (in a thread)."""
         try:
@@ -738,16 +753,7 @@ class NodeCheckpoints:
             name = ckptstore.cluster_rank_file(rank)
             for gen in report.links:
                 directory = ckptstore.gen_dir(self.root, pending.lineage, gen)
-                if gen not in held:
-                    try:
-                        fd = self._gen_fd(directory)
-                    except (UnsafePath, OSError) as exc:
-                        raise StoreError(f"generation {gen}, which rank {rank}'s file needs, is gone: {_why_not(exc, directory)}") from None
-                    try:
-                        held[gen] = ckptstore.read_manifest(directory, dir_fd=fd, owner=os.geteuid())
-                    finally:
-                        os.close(fd)
-                listed = held[gen].files.get(name)
+                listed = self._held_manifest(held, pending.lineage, gen, f"which rank {rank}'s file needs, is gone").files.get(name)
                 if gen not in offered or listed is None or tuple(listed) != offered[gen].expect:
                     raise StoreError(f"{directory / name}, which rank {rank}'s file needs, is no longer what it was offered as")
 
@@ -915,15 +921,7 @@ class NodeCheckpoints:
             links = []
             for link in manifest.links(name):
                 directory = ckptstore.gen_dir(self.root, lineage, link)
-                if link not in held:
-                    try:
-                        fd = self._gen_fd(directory)
-                    except (UnsafePath, OSError) as exc:
-                        raise StoreError(f"generation {link}, which {name} of generation {gen} needs, cannot be opened: {_why_not(exc, directory)}") from None
-                    try:
-                        held[link] = ckptstore.read_manifest(directory, dir_fd=fd, owner=os.geteuid())
-                    finally:
-                        os.close(fd)
+                self._held_manifest(held, lineage, link, f"which {name} of generation {gen} needs, cannot be opened")
                 if name not in held[link].files:
                     raise StoreError(f"{directory / ckptstore.MANIFEST} lists no {name}, which {name} of generation {gen} needs")
                 size, digest = held[link].files[name]

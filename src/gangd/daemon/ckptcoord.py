@@ -42,11 +42,13 @@ from typing import Any
 import trio
 
 from .. import jobs
-from ..checkpoint import recovery, relocate
+from ..checkpoint import delta, recovery, relocate, retention
+from ..checkpoint import node as nd
 from ..checkpoint import round as rd
 from ..redundancy.plan import PlanError, default_level, make_plan
 from ..rpc import RemoteError
 from .access import permission_check
+from .checkpoint import OFFER_CANDIDATES
 from .jobnet import expected_deliveries
 from .peers import natural_key
 
@@ -131,6 +133,22 @@ class CheckpointCoordinator:
         self.issued[key] = gen
         return gen
 
+    def delta_gate(self, record: dict, level: str) -> bool:
+        """Whether the ranks of ``record`` (its generations at redundancy
+        ``level``) may write deltas; else the coordinator asks the nodes for
+        whole files (``force_full``: offers in mode full).
+
+        Until issue 17's step 3 is built, only a job that asked for deltas
+        (``--ckpt-mode``, its own or its lineage's) at level ``local``: a
+        partner copy, XOR parity, a rebuild of a lost node, a restore from the
+        flush directory and a restart elsewhere move a generation's own files
+        between nodes, not the older generations a delta needs. The
+        cluster's ``[checkpoint] mode`` alone does not turn them on yet."""
+        if level != "local":
+            return False
+        asked = record.get("ckpt_mode") or next((r["ckpt_mode"] for r in self.lineage_records(record) if r.get("ckpt_mode")), None)
+        return asked in ("incremental", "differential", "adaptive")
+
     def level(self, record: dict) -> tuple[str, str]:
         """The redundancy level of the job's generations, and why it is not
         the one asked for (or ""): the job's ``--ckpt-redundancy`` (a
@@ -167,7 +185,7 @@ class CheckpointCoordinator:
                 job=job_id, gen=self._next_gen(record), lineage=record.get("lineage") or job_id,
                 nodes=frozenset(jobs.nodes_of(record)), trigger=trigger, started=time.time(),
                 placement=list(record["placement"]), expect=expected_deliveries, nranks=record["nranks"], clock=time.time,
-                redundancy=level,
+                redundancy=level, force_full=not self.delta_gate(record, level),
             )
             rnd.entry["level"] = level
             if note:
@@ -582,25 +600,34 @@ class CheckpointCoordinator:
             })
             log.warning("job %d: checkpoint %d, left under way by the previous coordinator, aborted: %s", job_id, gen, reason)
 
+    def _offered(self, lineage: int, gens: list[dict]) -> set[int]:
+        """The generations the ranks of a checkpoint of ``lineage`` under way
+        may have been offered to diff against (every parent any node may pick:
+        :func:`gangd.checkpoint.node.parent_candidates`), until that
+        checkpoint is recorded: its own entry's ``needs`` then say what it uses."""
+        out: set[int] = set()
+        recorded = {e["gen"] for e in gens if e.get("state") != "running"}
+        for live in self.live.values():
+            rnd = live.round
+            if rnd.lineage != lineage or rnd.gen in recorded or rnd.force_full:
+                continue
+            out |= set(nd.parent_candidates(gens, list(rnd.placement), rnd.gen, OFFER_CANDIDATES).parents)
+        return out
+
     async def _prune(self, record: dict) -> None:
-        """Keep the newest ``checkpoint_keep`` usable (complete or protected)
-        generations of the lineage, and the newest protected one whatever
-        its age (while newer ones are only complete, it is the one that
-        survives a lost node); remove the rest, their redundancy with them
-        (it lives in the generation's directory)."""
+        """Keep the newest ``checkpoint_keep`` usable (complete or protected,
+        and so is every generation it needs) generations of the lineage, the
+        newest protected one whatever its age (while newer ones are only
+        complete, it is the one that survives a lost node), the newest
+        flushed one and the one being flushed, what a checkpoint under way
+        may be diffing against, and every generation those need (their
+        chains: :mod:`gangd.checkpoint.retention`); remove the rest, their
+        redundancy with them (it lives in the generation's directory)."""
         keep = self.daemon.config.checkpoint_keep
         await self.daemon.table.read_lineage(record.get("lineage") or record["id"])
         gens = self.generations(self.daemon.table.get(record["id"]) or record)
-        usable = [e for e in gens if e["state"] in ("complete", "protected")]
-        doomed = usable[:-keep]
-        protected = [e for e in usable if e["state"] == "protected"]
-        if protected and protected[-1] in doomed:
-            doomed.remove(protected[-1])
-        flushed = [e for e in usable if e.get("flushed")]
-        if flushed and flushed[-1] in doomed:
-            doomed.remove(flushed[-1])  # (it is what survives the loss of more nodes than the redundancy covers)
         lineage = record.get("lineage") or record["id"]
-        doomed = [e for e in doomed if self.flushing.get(lineage) != e["gen"]]  # (its flush reads it now)
+        doomed = retention.doomed(gens, keep, flushing=self.flushing.get(lineage), holding=self._offered(lineage, gens))
         for e in gens:
             if e["state"] == "removed" and e.get("flushed"):  # (a removal from the flush directory that failed before)
                 self.co.spawn(self._remove_flushed, lineage, e["gen"], e["job"])
@@ -765,6 +792,11 @@ class CheckpointCoordinator:
                     raise RemoteError(exc.code, f"cannot restart job {job_id} there: {exc}") from None
                 placement = recovered
             sources = relocate.plan_sources(placement, list(entry["placement"]), entry.get("copies"), holding)
+            unchained = self._chain_problem(entry, generations, sources, placement)
+            if unchained:
+                log.warning("job %d: generation %d is unusable: %s", job_id, entry["gen"], unchained)
+                skipped.append(f"generation {entry['gen']}: {unchained}")
+                continue
             if sources.missing and protected and default:
                 # Files to rebuild: the survivors' ranks stay, each lost node's go to one replacement, spares first.
                 recovered = self._recovery_placement(entry, down, up, cores)
@@ -825,6 +857,8 @@ class CheckpointCoordinator:
             # that move are checked by their transfer (against the source's manifest).
             staying = [r for r in range(len(placement)) if r not in sources.moved]
             damaged, unreachable = await self._verify(lineage, {**entry, "placement": placement}, staying)
+            if not damaged and not unreachable and entry.get("needs"):
+                damaged, unreachable = await self._verify_links(lineage, entry, generations, placement, staying)
             if not damaged and not unreachable and sources.pulls:
                 damaged, unreachable = await self._stage(record, lineage, entry, sources)
             if not damaged and not unreachable:
@@ -1055,6 +1089,44 @@ class CheckpointCoordinator:
             await self.co.update(entry["job"], change)
         except RemoteError as exc:
             log.warning("job %d: could not mark generation %d %s: %s", entry["job"], entry["gen"], state, exc)
+
+    @staticmethod
+    def _chain_problem(entry: dict, generations: list[dict], sources: relocate.Sources, placement: list[str]) -> str:
+        """Why a restart cannot start from ``entry``'s chain ("" if it can):
+        a generation it needs is not complete or protected any more, or its
+        files would have to move between nodes (staged for a restart
+        elsewhere, rebuilt, or restored from the flush directory), which
+        moves a generation's own files and not the older ones a delta
+        needs (issue 17 step 3, not built yet)."""
+        needs = retention.needs_of(generations)
+        if not needs.get(entry["gen"]):
+            return ""
+        done = {e["gen"] for e in generations if e.get("state") in retention.DONE}
+        broken = [g for g in delta.missing_links(entry["gen"], needs, done) if g != entry["gen"]]
+        if broken:
+            states = {e["gen"]: e.get("state") for e in generations}
+            return "its incremental files need " + ", ".join(f"generation {g} ({states.get(g) or 'not recorded'})" for g in broken)
+        if sources.pulls or sources.missing or list(placement) != list(entry["placement"]):
+            return (f"its files are incremental (they need generations {needs[entry['gen']]}), and moving them to other nodes "
+                    "is not supported yet: restart it on the nodes it ran on, or from a generation of whole files")
+        return ""
+
+    async def _verify_links(self, lineage: int, entry: dict, generations: list[dict], placement: list[str],
+                            ranks: list[int]) -> tuple[list[str], list[str]]:
+        """Verify every generation ``entry`` needs where its files are (the
+        ranks stay where they ran: :meth:`_chain_problem`); a damaged link is
+        marked damaged, and each problem names the link, its node and path."""
+        by_gen = {e["gen"]: e for e in generations}
+        for gen in sorted(retention.needs_of(generations).get(entry["gen"]) or (), reverse=True):
+            link = by_gen[gen]
+            damaged, unreachable = await self._verify(lineage, {**link, "placement": placement}, ranks)
+            if damaged:
+                await self._mark(link, "damaged", "; ".join(damaged))
+                link["state"] = "damaged"  # (an older candidate that needs it is skipped too)
+            if damaged or unreachable:
+                return ([f"it needs generation {gen}, which is damaged: {p}" for p in damaged],
+                        [f"it needs generation {gen}: {p}" for p in unreachable])
+        return [], []
 
     async def _verify(self, lineage: int, entry: dict, ranks: list[int] | None = None) -> tuple[list[str], list[str]]:
         """(damaged files, nodes that could not check) of a generation, each a

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import trio
 
 from .. import jobs
+from ..checkpoint import delta, retention
 from ..failpoint import hold, refuse
 from ..rpc import RemoteError
 from .peers import natural_key
@@ -114,7 +115,17 @@ def usable_generation(generations: list[dict], lost: set[str]) -> tuple[dict | N
     Protected: the lost nodes' files can be rebuilt from the redundancy.
     Flushed (to ``[checkpoint] flush_dir``): every file is there.
     Complete: only if none of its files were on a lost node (nothing to rebuild)."""
+    needs = retention.needs_of(generations)
+    by_gen = {e["gen"]: e for e in generations}
     for entry in sorted(generations, key=lambda e: -e["gen"]):
+        if needs.get(entry["gen"]):
+            # Incremental files: rebuilding, staging and restoring from the flush
+            # directory move a generation's own files, not its links' (issue 17
+            # step 3, not built yet): usable only where it and every link survive.
+            chain = delta.needed(needs, [entry["gen"]])
+            if all(g in by_gen and by_gen[g].get("state") in USABLE and _survives(by_gen[g], lost) for g in chain):
+                return entry, ""
+            continue
         if entry.get("state") == "protected" or (entry.get("state") in USABLE and entry.get("flushed")):
             return entry, ""
         if entry.get("state") == "complete" and _survives(entry, lost):

@@ -260,6 +260,10 @@ def test_a_job_in_each_mode_checkpointed_and_restarted_from_its_deltas_ends_as_a
         assert set(needs[g]) <= kept, f"generation {g} needs {needs[g]}, kept are {sorted(kept)}"
     newest = max(kept)
     record = gc.job(current)
+    listing = gc.gang("ckpt", "ls", current, check=True).stdout.splitlines()
+    assert listing[0].split()[4:8] == ["MODE", "BASE", "WRITTEN", "RESTORE"], listing[0]
+    row = next(line.split() for line in listing[1:] if line.split()[0] == str(newest))
+    assert row[4:6] == [entries[newest].get("mode") or "full", str(min(needs[newest])) if needs[newest] else "-"], row
     if mode == "full":
         assert all(not needs[g] for g in entries)
         assert all(entries[g].get("mode") in (None, "full") for g in kept)

@@ -133,20 +133,16 @@ def test_the_begin_asks_for_whole_files_when_the_gate_is_closed():
     assert "force_full" not in begin(False)
 
 
-def test_the_gate_opens_only_for_a_job_that_asked_for_deltas_at_level_local():
-    from gangd.daemon.ckptcoord import CheckpointCoordinator
+def test_the_gate_opens_only_for_a_job_that_asked_for_deltas_at_level_local_in_a_cluster_that_does_not_flush():
+    from gangd.daemon.ckptcoord import delta_gate
 
-    class Co:
-        def lineage_records(self, record):
-            return [record, *record.get("older", [])]
-
-    gate = CheckpointCoordinator.delta_gate
-    assert gate(Co(), {"ckpt_mode": "incremental"}, "local")
-    assert gate(Co(), {"ckpt_mode": None, "older": [{"ckpt_mode": "adaptive"}]}, "local")  # (a restart keeps its lineage's)
-    assert not gate(Co(), {"ckpt_mode": "incremental"}, "partner")
-    assert not gate(Co(), {"ckpt_mode": "adaptive"}, "xor")
-    assert not gate(Co(), {"ckpt_mode": None}, "local")  # (the cluster's [checkpoint] mode alone: whole files, for now)
-    assert not gate(Co(), {"ckpt_mode": "full"}, "local")
+    assert delta_gate("incremental", "local", flushes=False)
+    assert delta_gate("adaptive", "local", flushes=False)
+    assert not delta_gate("incremental", "partner", flushes=False)
+    assert not delta_gate("adaptive", "xor", flushes=False)
+    assert not delta_gate(None, "local", flushes=False)  # (the cluster's [checkpoint] mode alone: whole files, for now)
+    assert not delta_gate("full", "local", flushes=False)
+    assert not delta_gate("differential", "local", flushes=True)  # (a flushed delta needs its links, which are not flushed)
 
 
 # ------------------------------------------------------------------ cluster

@@ -24,6 +24,18 @@ be past it — decided without stopping the job to agree:
 On restart the daemon's attach reply names the generation and the file to
 load; the rank reports ``ckpt_restored`` and the gates open once every rank
 loaded its state.
+
+Incremental checkpoints (issue 17): the ``ckpt_start`` reply carries the
+daemon's offer (:class:`~gangd.checkpoint.messages.DeltaOffer`): the mode,
+block size, chain bound and threshold of the job (the program's own
+``init()`` choices win, the chain never longer than the daemon accepts) and
+the parent generation's file with its chain. The writer (the forked child,
+for background writes) reads the signatures it compares with from those
+files' indexes and reports role, parent, base, links, state and restore,
+which the daemon checks against the offer. A restart's attach reply carries
+the generation's ``chain``, read by :func:`.blocks.read_chain`: each link's
+index hash, size and generation checked, every placed block against the
+generation's signatures.
 """
 
 from __future__ import annotations

@@ -134,20 +134,9 @@ class CheckpointCoordinator:
         return gen
 
     def delta_gate(self, record: dict, level: str) -> bool:
-        """Whether the ranks of ``record`` (its generations at redundancy
-        ``level``) may write deltas; else the coordinator asks the nodes for
-        whole files (``force_full``: offers in mode full).
-
-        Until issue 17's step 3 is built, only a job that asked for deltas
-        (``--ckpt-mode``, its own or its lineage's) at level ``local``: a
-        partner copy, XOR parity, a rebuild of a lost node, a restore from the
-        flush directory and a restart elsewhere move a generation's own files
-        between nodes, not the older generations a delta needs. The
-        cluster's ``[checkpoint] mode`` alone does not turn them on yet."""
-        if level != "local":
-            return False
+        """Whether the ranks of ``record`` may write deltas (:func:`delta_gate`)."""
         asked = record.get("ckpt_mode") or next((r["ckpt_mode"] for r in self.lineage_records(record) if r.get("ckpt_mode")), None)
-        return asked in ("incremental", "differential", "adaptive")
+        return delta_gate(asked, level, flushes=self.daemon.config.checkpoint_flush_dir is not None)
 
     def level(self, record: dict) -> tuple[str, str]:
         """The redundancy level of the job's generations, and why it is not
@@ -1191,6 +1180,22 @@ class CheckpointCoordinator:
                     log.info("job %d: periodic checkpoint skipped: %s", job_id, exc.message)
         finally:
             self.periodic.discard(job_id)
+
+
+def delta_gate(asked: str | None, level: str, *, flushes: bool) -> bool:
+    """Whether a job may write deltas: ``asked`` its (or its lineage's)
+    ``--ckpt-mode``, ``level`` its redundancy, ``flushes`` whether the
+    cluster copies generations to ``[checkpoint] flush_dir``. Else the
+    coordinator asks the nodes for whole files (``force_full``: offers in
+    mode full).
+
+    Until issue 17's step 3 is built, only a job that asked for deltas at
+    level ``local`` in a cluster that does not flush: a partner copy, XOR
+    parity, a rebuild of a lost node, a restore from the flush directory and
+    a restart elsewhere move a generation's own files between nodes, not the
+    older generations a delta needs. The cluster's ``[checkpoint] mode``
+    alone does not turn them on yet."""
+    return level == "local" and not flushes and asked in ("incremental", "differential", "adaptive")
 
 
 def _wiped_first(wiped: dict[str, str], problem: str) -> str:

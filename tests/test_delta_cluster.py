@@ -305,27 +305,35 @@ def test_a_damaged_link_is_named_and_the_restart_starts_from_the_newest_intact_c
     assert result_of(gc, restarted, timeout=120) == expected
 
 
-def test_a_restart_elsewhere_from_a_delta_is_refused_with_a_sentence_and_whole_files_move(gc2, tmp_path):
-    """Until chains move between nodes, `gang restart -w` from a delta
-    generation says why it cannot; the gate writes whole files for a job at
-    partner level, which restarts elsewhere as before."""
-    from ckpthelpers import generations
+def test_a_restart_elsewhere_from_a_delta_stages_every_link_and_a_partner_job_writes_whole_files(gc2, tmp_path):
+    """`gang restart -w n1` of a job that ran on n1 and n2, from an
+    incremental generation: rank 1's files of the generation and of every
+    generation it needs are staged on n1, and the job ends bit-identical to
+    an uninterrupted run. The gate writes whole files for a job at partner
+    level (its redundancy covers a generation's own files only)."""
+    from ckpthelpers import generations, result_of
 
     gc = gc2
+    expected = reference_of(gc, tmp_path / "ref")
     job = Steered(gc, tmp_path / "run")
     current = job.submit("--ckpt-mode", "incremental", "--ckpt-redundancy", "local")
-    for step in (2, 4):
+    for step in (2, 4, 6):
         job.go(step)
         assert take(gc, current)["state"] == "complete"
     newest = max(generations(gc, current), key=lambda e: e["gen"])
-    assert newest["needs"], newest
+    assert len(newest["needs"]) == 2, newest
     gc.gang("kill", current, check=True)
-    refused = gc.gang("restart", current, "-g", newest["gen"], "-w", "n1")
-    assert refused.returncode != 0
-    assert "incremental" in refused.stderr and "moving them to other nodes is not supported yet" in refused.stderr, refused.stderr
+    out = json.loads(gc.gang("restart", current, "-g", newest["gen"], "-w", "n1", "--json", check=True).stdout)
+    moved = out["record"]["id"]
+    entries = {e["gen"]: e for e in generations(gc, moved)}
+    for gen in (newest["gen"], *newest["needs"]):
+        assert entries[gen]["copies"] == {"n1": [1]}, entries[gen]  # (recorded: retention removes them)
+    job.go(Steered.STEPS)
+    assert result_of(gc, moved, timeout=120) == expected
 
-    partner = job.submit("--ckpt-mode", "incremental", "--ckpt-redundancy", "partner")
-    for step in (6, 8):
-        job.go(step)
-        assert take(gc, partner)["state"] in ("complete", "protected")
-    assert all(not e.get("needs") for e in generations(gc, partner))
+    partner = Steered(gc, tmp_path / "partner")
+    other = partner.submit("--ckpt-mode", "incremental", "--ckpt-redundancy", "partner")
+    for step in (2, 4):
+        partner.go(step)
+        assert take(gc, other)["state"] in ("complete", "protected")
+    assert all(not e.get("needs") and e.get("mode") in (None, "full") for e in generations(gc, other))

@@ -781,7 +781,7 @@ class CheckpointCoordinator:
                     raise RemoteError(exc.code, f"cannot restart job {job_id} there: {exc}") from None
                 placement = recovered
             sources = relocate.plan_sources(placement, list(entry["placement"]), entry.get("copies"), holding)
-            unchained = self._chain_problem(entry, generations, sources, placement)
+            unchained = self._chain_problem(entry, generations, sources)
             if unchained:
                 log.warning("job %d: generation %d is unusable: %s", job_id, entry["gen"], unchained)
                 skipped.append(f"generation {entry['gen']}: {unchained}")
@@ -848,6 +848,8 @@ class CheckpointCoordinator:
             damaged, unreachable = await self._verify(lineage, {**entry, "placement": placement}, staying)
             if not damaged and not unreachable and entry.get("needs"):
                 damaged, unreachable = await self._verify_links(lineage, entry, generations, placement, staying)
+            if not damaged and not unreachable and entry.get("needs"):
+                damaged, unreachable = await self._stage_links(record, lineage, entry, generations, placement, holding)
             if not damaged and not unreachable and sources.pulls:
                 damaged, unreachable = await self._stage(record, lineage, entry, sources)
             if not damaged and not unreachable:
@@ -1080,13 +1082,13 @@ class CheckpointCoordinator:
             log.warning("job %d: could not mark generation %d %s: %s", entry["job"], entry["gen"], state, exc)
 
     @staticmethod
-    def _chain_problem(entry: dict, generations: list[dict], sources: relocate.Sources, placement: list[str]) -> str:
+    def _chain_problem(entry: dict, generations: list[dict], sources: relocate.Sources) -> str:
         """Why a restart cannot start from ``entry``'s chain ("" if it can):
-        a generation it needs is not complete or protected any more, or its
-        files would have to move between nodes (staged for a restart
-        elsewhere, rebuilt, or restored from the flush directory), which
-        moves a generation's own files and not the older ones a delta
-        needs (issue 17 step 3, not built yet)."""
+        a generation it needs is not complete or protected any more, or
+        files of lost nodes would have to be rebuilt or restored from the
+        flush directory, which moves a generation's own files and not the
+        older ones a delta needs (issue 17 step 3, not built yet; a restart
+        elsewhere stages every link: :meth:`_stage_links`)."""
         needs = retention.needs_of(generations)
         if not needs.get(entry["gen"]):
             return ""
@@ -1095,10 +1097,33 @@ class CheckpointCoordinator:
         if broken:
             states = {e["gen"]: e.get("state") for e in generations}
             return "its incremental files need " + ", ".join(f"generation {g} ({states.get(g) or 'not recorded'})" for g in broken)
-        if sources.pulls or sources.missing or list(placement) != list(entry["placement"]):
-            return (f"its files are incremental (they need generations {needs[entry['gen']]}), and moving them to other nodes "
-                    "is not supported yet: restart it on the nodes it ran on, or from a generation of whole files")
+        if sources.missing:
+            return (f"its files are incremental (they need generations {needs[entry['gen']]}), and rebuilding them or restoring "
+                    "them from the flush directory is not supported yet: " + relocate.describe_missing(sources.missing))
         return ""
+
+    async def _stage_links(self, record: dict, lineage: int, entry: dict, generations: list[dict], placement: list[str],
+                           holding: list[str]) -> tuple[list[str], list[str]]:
+        """A restart elsewhere from a delta: every generation ``entry`` needs
+        is staged as it is (each rank that moves pulls its file of each link
+        from a node holding it), oldest first; (damaged, other problems),
+        each naming the link."""
+        by_gen = {e["gen"]: e for e in generations}
+        for gen in sorted(retention.needs_of(generations).get(entry["gen"]) or ()):
+            link = by_gen[gen]
+            sources = relocate.plan_sources(placement, list(link["placement"]), link.get("copies"), holding)
+            if sources.missing:
+                return [], [f"it needs generation {gen}: {relocate.describe_missing(sources.missing)}"]
+            if not sources.pulls:
+                continue
+            damaged, failures = await self._stage(record, lineage, link, sources)
+            if damaged:
+                await self._mark(link, "damaged", "; ".join(damaged))
+                link["state"] = "damaged"
+            if damaged or failures:
+                return ([f"it needs generation {gen}, which is damaged: {p}" for p in damaged],
+                        [f"it needs generation {gen}: {p}" for p in failures])
+        return [], []
 
     async def _verify_links(self, lineage: int, entry: dict, generations: list[dict], placement: list[str],
                             ranks: list[int]) -> tuple[list[str], list[str]]:

@@ -62,6 +62,12 @@ def test_a_generation_whose_link_is_gone_is_not_usable_and_does_not_count_as_kep
     assert gens_of(retention.doomed(gens, 1)) == [4]  # (4 cannot restore; 2 is the newest usable, with 1)
 
 
+def test_a_link_no_entry_records_does_not_make_retention_remove_what_needs_it():
+    gens = [entry(5, [4, 3]), entry(6, [5, 4, 3])]  # (3 and 4: a job of the lineage whose record is gone)
+    assert gens_of(retention.doomed(gens, 1)) == []
+    assert [e["gen"] for e in retention.usable(gens)] == [5, 6]
+
+
 def test_what_a_checkpoint_under_way_was_offered_stays_until_it_is_recorded():
     gens = [entry(1), entry(2, [1]), entry(3), entry(4, [3])]
     assert gens_of(retention.doomed(gens, 1)) == [1, 2]

@@ -34,9 +34,14 @@ def needs_of(gens: Iterable[dict]) -> dict[int, list[int]]:
 
 
 def usable(gens: list[dict]) -> list[dict]:
-    """The generations that restore (complete or protected, and so is every one they need), oldest first."""
-    done = {e["gen"] for e in gens if e.get("state") in DONE}
+    """The generations that restore (complete or protected, and so is every one they need), oldest first.
+
+    A link no entry records (its job's record gone from the history) is
+    taken as usable here: retention must not remove a generation for what
+    it cannot see (a restart verifies the link on the nodes anyway)."""
     needs = needs_of(gens)
+    unseen = {g for links in needs.values() for g in links} - set(needs)
+    done = {e["gen"] for e in gens if e.get("state") in DONE} | unseen
     return [e for e in sorted(gens, key=lambda e: e["gen"]) if e["gen"] in done and delta.chain_usable(e["gen"], needs, done)]
 
 

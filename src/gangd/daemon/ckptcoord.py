@@ -1127,9 +1127,11 @@ class CheckpointCoordinator:
 
     async def _verify_links(self, lineage: int, entry: dict, generations: list[dict], placement: list[str],
                             ranks: list[int]) -> tuple[list[str], list[str]]:
-        """Verify every generation ``entry`` needs where its files are (the
-        ranks stay where they ran: :meth:`_chain_problem`); a damaged link is
-        marked damaged, and each problem names the link, its node and path."""
+        """Verify every generation ``entry`` needs, for the ``ranks`` that stay
+        (on the node ``placement`` puts them, which holds their files of every
+        link as of the generation: a chain never spans a layout change); the
+        files of ranks that move are checked by their transfer. A damaged link
+        is marked damaged, and each problem names the link, its node and path."""
         by_gen = {e["gen"]: e for e in generations}
         for gen in sorted(retention.needs_of(generations).get(entry["gen"]) or (), reverse=True):
             link = by_gen[gen]

@@ -231,10 +231,10 @@ def test_a_job_in_each_mode_checkpointed_and_restarted_from_its_deltas_ends_as_a
     """Ten generations, a few blocks changed between each, the job killed and
     restarted from its newest generation after the 4th and the 7th: the
     result is bit-identical to an uninterrupted run's. In a delta mode the
-    newest generations' files are deltas (their entries say mode and needs,
-    and their files are far smaller than the state), each restart got its
-    chain, and the generations on disk are exactly the kept ones and what
-    they need."""
+    kept generations include deltas (their entries and `gang ckpt ls` say
+    mode and base, their files are smaller than the state), each restart
+    got its chain, and the kept generations are exactly the newest two and
+    what they need, with nothing removed left on disk."""
     from ckpthelpers import generations, kill_and_restart, result_of
 
     gc = gc2
@@ -260,22 +260,25 @@ def test_a_job_in_each_mode_checkpointed_and_restarted_from_its_deltas_ends_as_a
     assert not (on_disk(gc, first) - delta.needed(needs, kept) - {g for g, e in entries.items() if e["state"] != "removed"})
     for g in kept:
         assert set(needs[g]) <= kept, f"generation {g} needs {needs[g]}, kept are {sorted(kept)}"
+    assert kept == delta.needed(needs, sorted(kept)[-2:]), f"kept {sorted(kept)}, needs {needs}"  # (checkpoint_keep = 2, and nothing else)
     newest = max(kept)
     record = gc.job(current)
-    listing = gc.gang("ckpt", "ls", current, check=True).stdout.splitlines()
-    assert listing[0].split()[4:8] == ["MODE", "BASE", "WRITTEN", "RESTORE"], listing[0]
-    row = next(line.split() for line in listing[1:] if line.split()[0] == str(newest))
-    assert row[4:6] == [entries[newest].get("mode") or "full", str(min(needs[newest])) if needs[newest] else "-"], row
     if mode == "full":
         assert all(not needs[g] for g in entries)
         assert all(entries[g].get("mode") in (None, "full") for g in kept)
         return
-    assert needs[newest], f"the newest generation {newest} of a {mode} job is a whole file: {entries[newest]}"
+    deltas = [g for g in sorted(kept) if needs[g]]  # (adaptive and incremental write a full now and then: chain_max, full_above)
+    assert deltas, f"no kept generation of a {mode} job is a delta: {entries}"
+    newest = deltas[-1]
     assert entries[newest]["mode"] in ("incremental", "differential", "mixed"), entries[newest]
+    listing = gc.gang("ckpt", "ls", current, check=True).stdout.splitlines()
+    assert listing[0].split()[4:8] == ["MODE", "BASE", "WRITTEN", "RESTORE"], listing[0]
+    row = next(line.split() for line in listing[1:] if line.split()[0] == str(newest))
+    assert row[4:6] == [entries[newest].get("mode") or "full", str(min(needs[newest])) if needs[newest] else "-"], row
     state_bytes = 512 * 1024
     for rank in (0, 1):
         size = rank_file(gc, record, first, newest, rank).stat().st_size
-        assert size < state_bytes // 4, f"rank {rank}'s delta of generation {newest} is {size} bytes"
+        assert size < state_bytes * 0.9, f"rank {rank}'s delta of generation {newest} is {size} bytes"  # (else a full: full_above)
     if mode == "differential":
         assert all(len(needs[g]) <= 1 for g in entries)
 

@@ -120,8 +120,13 @@ def test_recovery_takes_a_delta_only_where_it_and_every_link_survive():
     gens[0]["placement"] = gens[1]["placement"] = ["n1", "n2"]
     chosen, _ = usable_generation(gens, set())
     assert chosen is not None and chosen["gen"] == 2
-    chosen, _ = usable_generation(gens, {"n2"})  # (its redundancy and the flush copy cover only its own files)
+    chosen, _ = usable_generation(gens, {"n2"})  # (every link protected: each is rebuilt from its own redundancy)
+    assert chosen is not None and chosen["gen"] == 2
+    gens[0]["state"] = "complete"  # (a link only complete: its lost files cannot be rebuilt, nor come from the flush)
+    chosen, _ = usable_generation(gens, {"n2"})
     assert chosen is not None and chosen["gen"] == 1
+    chosen, _ = usable_generation(gens, {"n3"})  # (nothing of the chain was on n3)
+    assert chosen is not None and chosen["gen"] == 2
     gens[0]["state"] = "removed"
     chosen, _ = usable_generation(gens, set())
     assert chosen is None
@@ -139,16 +144,15 @@ def test_the_begin_asks_for_whole_files_when_the_gate_is_closed():
     assert "force_full" not in begin(False)
 
 
-def test_the_gate_opens_only_for_a_job_that_asked_for_deltas_at_level_local_in_a_cluster_that_does_not_flush():
+def test_the_gate_opens_only_for_a_job_that_asked_for_deltas_in_a_cluster_that_does_not_flush():
     from gangd.daemon.ckptcoord import delta_gate
 
-    assert delta_gate("incremental", "local", flushes=False)
-    assert delta_gate("adaptive", "local", flushes=False)
-    assert not delta_gate("incremental", "partner", flushes=False)
-    assert not delta_gate("adaptive", "xor", flushes=False)
-    assert not delta_gate(None, "local", flushes=False)  # (the cluster's [checkpoint] mode alone: whole files, for now)
-    assert not delta_gate("full", "local", flushes=False)
-    assert not delta_gate("differential", "local", flushes=True)  # (a flushed delta needs its links, which are not flushed)
+    for level in ("local", "partner", "xor"):
+        assert delta_gate("incremental", level, flushes=False)
+        assert delta_gate("adaptive", level, flushes=False)
+        assert not delta_gate(None, level, flushes=False)  # (the cluster's [checkpoint] mode alone: whole files, for now)
+        assert not delta_gate("full", level, flushes=False)
+        assert not delta_gate("differential", level, flushes=True)  # (a flushed delta needs its links, which are not flushed)
 
 
 # ------------------------------------------------------------------ cluster
@@ -182,10 +186,10 @@ class Steered:
         os.chmod(tmp, 0o644)
         os.replace(tmp, self.target)
 
-    def submit(self, *options) -> int:
+    def submit(self, *options, n: int = 2, where: tuple[str, ...] = ("-N", "2")) -> int:
         from ckpthelpers import submit
 
-        return submit(self.gc, self.argv, 2, "-N", 2, *options)
+        return submit(self.gc, self.argv, n, *where, *options)
 
 
 def take(gc, job: int, timeout: float = 90) -> dict:
@@ -205,12 +209,12 @@ def take(gc, job: int, timeout: float = 90) -> dict:
         time.sleep(0.1)
 
 
-def reference_of(gc, tmp: Path, options: tuple[str, ...] = ()) -> str:
+def reference_of(gc, tmp: Path, options: tuple[str, ...] = (), n: int = 2, where: tuple[str, ...] = ("-N", "2")) -> str:
     from ckpthelpers import result_of
 
     ref = Steered(gc, tmp, *options)
     ref.go(Steered.STEPS)
-    return result_of(gc, ref.submit("--ckpt-mode", "full"), timeout=120)
+    return result_of(gc, ref.submit("--ckpt-mode", "full", n=n, where=where), timeout=120)
 
 
 def rank_file(gc, record: dict, lineage: int, gen: int, rank: int) -> Path:
@@ -314,12 +318,11 @@ def test_a_damaged_link_is_named_and_the_restart_starts_from_the_newest_intact_c
     assert result_of(gc, restarted, timeout=120) == expected
 
 
-def test_a_restart_elsewhere_from_a_delta_stages_every_link_and_a_partner_job_writes_whole_files(gc2, tmp_path):
+def test_a_restart_elsewhere_from_a_delta_stages_every_link(gc2, tmp_path):
     """`gang restart -w n1` of a job that ran on n1 and n2, from an
     incremental generation: rank 1's files of the generation and of every
     generation it needs are staged on n1, and the job ends bit-identical to
-    an uninterrupted run. The gate writes whole files for a job at partner
-    level (its redundancy covers a generation's own files only)."""
+    an uninterrupted run."""
     from ckpthelpers import generations, result_of
 
     gc = gc2
@@ -340,9 +343,39 @@ def test_a_restart_elsewhere_from_a_delta_stages_every_link_and_a_partner_job_wr
     job.go(Steered.STEPS)
     assert result_of(gc, moved, timeout=120) == expected
 
-    partner = Steered(gc, tmp_path / "partner")
-    other = partner.submit("--ckpt-mode", "incremental", "--ckpt-redundancy", "partner")
-    for step in (2, 4):
-        partner.go(step)
-        assert take(gc, other)["state"] in ("complete", "protected")
-    assert all(not e.get("needs") and e.get("mode") in (None, "full") for e in generations(gc, other))
+
+
+@pytest.mark.parametrize("level", ["partner", "xor"])
+def test_a_lost_node_s_chain_is_rebuilt_link_by_link_and_the_restart_is_bit_identical(make_cluster, tmp_path, level):
+    """A 3-rank job on n1-n3 at partner or XOR level writing incremental
+    generations (each protected); n2 lost with its disk: `gang restart`
+    rebuilds n2's files of the generation and of every link it needs on n4,
+    from each one's own redundancy, and the job ends bit-identical to an
+    uninterrupted run."""
+    from ckpthelpers import generations, kill_what_is_left, result_of, settled
+    from test_rebuild import lose
+    from test_restart_anywhere import restart
+
+    gc = make_cluster(4)
+    try:
+        where = ("-w", "n1,n2,n3")
+        expected = reference_of(gc, tmp_path / "ref", n=3, where=where)
+        job = Steered(gc, tmp_path / "run")
+        current = job.submit("--ckpt-mode", "incremental", "--ckpt-redundancy", level, n=3, where=where)
+        for step in (2, 4, 6):
+            job.go(step)
+            assert take(gc, current)["state"] == "complete"
+        entries = {e["gen"]: e for e in settled(gc, current)}
+        newest = entries[max(entries)]
+        assert len(newest["needs"]) == 2 and all(entries[g]["state"] == "protected" for g in (newest["gen"], *newest["needs"])), entries
+        gc.gang("kill", current, check=True)
+        lose(gc, "n2")
+        answer = restart(gc, current)
+        assert answer["gen"] == newest["gen"] and answer["rebuilt"] == {"n2": "n4"}, answer
+        recorded = {e["gen"]: e for e in generations(gc, current)}
+        for gen in (newest["gen"], *newest["needs"]):
+            assert recorded[gen]["copies"].get("n4") == [1], recorded[gen]
+        job.go(Steered.STEPS)
+        assert result_of(gc, answer["record"]["id"], timeout=180) == expected
+    finally:
+        kill_what_is_left(gc)

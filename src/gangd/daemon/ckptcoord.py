@@ -781,7 +781,7 @@ class CheckpointCoordinator:
                     raise RemoteError(exc.code, f"cannot restart job {job_id} there: {exc}") from None
                 placement = recovered
             sources = relocate.plan_sources(placement, list(entry["placement"]), entry.get("copies"), holding)
-            unchained = self._chain_problem(entry, generations, sources)
+            unchained = self._chain_problem(entry, generations, sources, rebuildable=protected)
             if unchained:
                 log.warning("job %d: generation %d is unusable: %s", job_id, entry["gen"], unchained)
                 skipped.append(f"generation {entry['gen']}: {unchained}")
@@ -803,6 +803,11 @@ class CheckpointCoordinator:
                         continue
                     log.info("job %d: generation %d cannot be rebuilt (%s); the flush directory has its files", job_id, entry["gen"], exc)
                     steps = []
+                if steps and entry.get("needs"):
+                    link_failures = await self._rebuild_links(record, lineage, entry, generations, placement, holding)
+                    if link_failures:
+                        skipped += [f"generation {entry['gen']}: {p}" for p in link_failures]
+                        continue
                 if steps:
                     entry, failures, damaged = await self._rebuild(record, lineage, entry, steps)
                     if damaged:  # (the next restart must not count on this redundancy again)
@@ -1082,7 +1087,7 @@ class CheckpointCoordinator:
             log.warning("job %d: could not mark generation %d %s: %s", entry["job"], entry["gen"], state, exc)
 
     @staticmethod
-    def _chain_problem(entry: dict, generations: list[dict], sources: relocate.Sources) -> str:
+    def _chain_problem(entry: dict, generations: list[dict], sources: relocate.Sources, *, rebuildable: bool = False) -> str:
         """Why a restart cannot start from ``entry``'s chain ("" if it can):
         a generation it needs is not complete or protected any more, or
         files of lost nodes would have to be rebuilt or restored from the
@@ -1097,10 +1102,40 @@ class CheckpointCoordinator:
         if broken:
             states = {e["gen"]: e.get("state") for e in generations}
             return "its incremental files need " + ", ".join(f"generation {g} ({states.get(g) or 'not recorded'})" for g in broken)
-        if sources.missing:
-            return (f"its files are incremental (they need generations {needs[entry['gen']]}), and rebuilding them or restoring "
-                    "them from the flush directory is not supported yet: " + relocate.describe_missing(sources.missing))
+        by_gen = {e["gen"]: e for e in generations}
+        chain_protected = rebuildable and all(by_gen[g].get("state") == "protected" and by_gen[g].get("level") == entry.get("level")
+                                              for g in needs[entry["gen"]])
+        if sources.missing and not chain_protected:
+            return (f"its files are incremental (they need generations {needs[entry['gen']]}), and the lost files of a chain are "
+                    "rebuilt only when the generation and every link are protected (restoring them from the flush directory "
+                    "is not supported yet): " + relocate.describe_missing(sources.missing))
         return ""
+
+    async def _rebuild_links(self, record: dict, lineage: int, entry: dict, generations: list[dict], placement: list[str],
+                             holding: list[str]) -> list[str]:
+        """The lost files of every generation a protected delta needs, rebuilt
+        from each link's own redundancy on the nodes ``placement`` gives the
+        lost ranks, oldest first (:meth:`_rebuild`); the problems, each naming
+        the link. Each link's recorded copies are updated here too, so that
+        :meth:`_stage_links` finds the rebuilt files."""
+        by_gen = {e["gen"]: e for e in generations}
+        for gen in sorted(retention.needs_of(generations).get(entry["gen"]) or ()):
+            link = by_gen[gen]
+            sources = relocate.plan_sources(placement, list(link["placement"]), link.get("copies"), holding)
+            if not sources.missing:
+                continue
+            try:
+                steps = relocate.plan_rebuilds(placement, list(link["placement"]), sources.missing,
+                                               make_plan(link["placement"], link["level"]), holding)
+            except (relocate.CannotRebuild, PlanError) as exc:
+                return [f"it needs generation {gen}, which cannot be rebuilt: {exc}"]
+            rebuilt, failures, damaged = await self._rebuild(record, lineage, link, steps)
+            if damaged:
+                await self._unprotect(rebuilt, "; ".join(damaged))
+            if failures:
+                return [f"it needs generation {gen}: {p}" for p in failures]
+            link["copies"] = rebuilt.get("copies")
+        return []
 
     async def _stage_links(self, record: dict, lineage: int, entry: dict, generations: list[dict], placement: list[str],
                            holding: list[str]) -> tuple[list[str], list[str]]:
@@ -1216,13 +1251,12 @@ def delta_gate(asked: str | None, level: str, *, flushes: bool) -> bool:
     coordinator asks the nodes for whole files (``force_full``: offers in
     mode full).
 
-    Until issue 17's step 3 is built, only a job that asked for deltas at
-    level ``local`` in a cluster that does not flush: a partner copy, XOR
-    parity, a rebuild of a lost node, a restore from the flush directory and
-    a restart elsewhere move a generation's own files between nodes, not the
-    older generations a delta needs. The cluster's ``[checkpoint] mode``
-    alone does not turn them on yet."""
-    return level == "local" and not flushes and asked in ("incremental", "differential", "adaptive")
+    A restart stages every link of a delta (elsewhere) and rebuilds every
+    link from its own redundancy (a lost node), but a flush copies a
+    generation's own files only, so a cluster that flushes writes whole
+    files; and only a job that asked: the cluster's ``[checkpoint] mode``
+    alone does not turn deltas on yet. ``level`` is not a condition any more."""
+    return not flushes and asked in ("incremental", "differential", "adaptive")
 
 
 def _wiped_first(wiped: dict[str, str], problem: str) -> str:

@@ -119,11 +119,13 @@ def usable_generation(generations: list[dict], lost: set[str]) -> tuple[dict | N
     by_gen = {e["gen"]: e for e in generations}
     for entry in sorted(generations, key=lambda e: -e["gen"]):
         if needs.get(entry["gen"]):
-            # Incremental files: rebuilding, staging and restoring from the flush
-            # directory move a generation's own files, not its links' (issue 17
-            # step 3, not built yet): usable only where it and every link survive.
-            chain = delta.needed(needs, [entry["gen"]])
-            if all(g in by_gen and by_gen[g].get("state") in USABLE and _survives(by_gen[g], lost) for g in chain):
+            # Incremental files: usable where it and every link survive, or where
+            # every one is protected (each link's lost files are rebuilt from its
+            # own redundancy); not from the flush directory (links are not flushed).
+            chain = [by_gen.get(g) for g in delta.needed(needs, [entry["gen"]])]
+            if all(e is not None and e.get("state") in USABLE and _survives(e, lost) for e in chain):
+                return entry, ""
+            if all(e is not None and e.get("state") == "protected" for e in chain):
                 return entry, ""
             continue
         if entry.get("state") == "protected" or (entry.get("state") in USABLE and entry.get("flushed")):

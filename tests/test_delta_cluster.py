@@ -122,9 +122,13 @@ def test_recovery_takes_a_delta_only_where_it_and_every_link_survive():
     assert chosen is not None and chosen["gen"] == 2
     chosen, _ = usable_generation(gens, {"n2"})  # (every link protected: each is rebuilt from its own redundancy)
     assert chosen is not None and chosen["gen"] == 2
-    gens[0]["state"] = "complete"  # (a link only complete: its lost files cannot be rebuilt, nor come from the flush)
+    gens[0]["state"] = "complete"  # (a link only complete: its lost files cannot be rebuilt; it is flushed, 2 is not)
     chosen, _ = usable_generation(gens, {"n2"})
     assert chosen is not None and chosen["gen"] == 1
+    gens[1]["flushed"] = True  # (the whole chain flushed: it comes back from the flush directory)
+    chosen, _ = usable_generation(gens, {"n2"})
+    assert chosen is not None and chosen["gen"] == 2
+    del gens[1]["flushed"]
     chosen, _ = usable_generation(gens, {"n3"})  # (nothing of the chain was on n3)
     assert chosen is not None and chosen["gen"] == 2
     gens[0]["state"] = "removed"
@@ -144,15 +148,16 @@ def test_the_begin_asks_for_whole_files_when_the_gate_is_closed():
     assert "force_full" not in begin(False)
 
 
-def test_the_gate_opens_only_for_a_job_that_asked_for_deltas_in_a_cluster_that_does_not_flush():
+def test_the_gate_opens_only_for_a_job_that_asked_for_deltas():
     from gangd.daemon.ckptcoord import delta_gate
 
     for level in ("local", "partner", "xor"):
-        assert delta_gate("incremental", level, flushes=False)
-        assert delta_gate("adaptive", level, flushes=False)
-        assert not delta_gate(None, level, flushes=False)  # (the cluster's [checkpoint] mode alone: whole files, for now)
-        assert not delta_gate("full", level, flushes=False)
-        assert not delta_gate("differential", level, flushes=True)  # (a flushed delta needs its links, which are not flushed)
+        for flushes in (False, True):
+            assert delta_gate("incremental", level, flushes=flushes)
+            assert delta_gate("adaptive", level, flushes=flushes)
+            assert delta_gate("differential", level, flushes=flushes)
+            assert not delta_gate(None, level, flushes=flushes)  # (the cluster's [checkpoint] mode alone: whole files, for now)
+            assert not delta_gate("full", level, flushes=flushes)
 
 
 # ------------------------------------------------------------------ cluster
@@ -375,6 +380,48 @@ def test_a_lost_node_s_chain_is_rebuilt_link_by_link_and_the_restart_is_bit_iden
         recorded = {e["gen"]: e for e in generations(gc, current)}
         for gen in (newest["gen"], *newest["needs"]):
             assert recorded[gen]["copies"].get("n4") == [1], recorded[gen]
+        job.go(Steered.STEPS)
+        assert result_of(gc, answer["record"]["id"], timeout=180) == expected
+    finally:
+        kill_what_is_left(gc)
+
+
+def test_a_flushed_delta_comes_back_with_its_links_after_its_node_is_lost(make_cluster, tmp_path):
+    """In a cluster that flushes, a delta's links are flushed before it; the
+    job's second node lost with its disk (local level: no redundancy), the
+    restart restores that node's files of the generation and of every link
+    from the flush directory and ends bit-identical to an uninterrupted run."""
+    from ckpthelpers import generations, kill_what_is_left, result_of
+    from conftest import wait_for
+    from test_rebuild import lose
+    from test_restart_anywhere import restart
+
+    shared = tmp_path / "shared"
+    gc = make_cluster(2, flush_dir=shared)
+    try:
+        expected = reference_of(gc, tmp_path / "ref")
+        job = Steered(gc, tmp_path / "run")
+        current = job.submit("--ckpt-mode", "incremental", "--ckpt-redundancy", "local")
+        for step in (2, 4, 6):
+            job.go(step)
+            assert take(gc, current)["state"] == "complete"
+        newest = max(generations(gc, current), key=lambda e: e["gen"])
+        assert len(newest["needs"]) == 2, newest
+
+        def all_flushed():
+            entries = {e["gen"]: e for e in generations(gc, current)}
+            return all(entries[g].get("flushed") for g in (newest["gen"], *newest["needs"]))
+
+        wait_for(all_flushed, 60, "the generation and its links flushed")
+        for gen in (newest["gen"], *newest["needs"]):
+            assert ckptstore.verify(shared / f"job-{current}" / f"gen-{gen}" / "n2") == []
+        gc.gang("kill", current, check=True)
+        lose(gc, "n2")
+        answer = restart(gc, current)
+        assert answer["gen"] == newest["gen"] and answer["placement"] == ["n1", "n1"], answer
+        recorded = {e["gen"]: e for e in generations(gc, current)}
+        for gen in (newest["gen"], *newest["needs"]):
+            assert recorded[gen]["copies"].get("n1") == [1], recorded[gen]
         job.go(Steered.STEPS)
         assert result_of(gc, answer["record"]["id"], timeout=180) == expected
     finally:

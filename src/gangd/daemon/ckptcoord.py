@@ -398,41 +398,20 @@ class CheckpointCoordinator:
         removed: nothing stays on the shared file system unrecorded."""
         try:
             record = self.daemon.table.get(job_id)
-            entry = next((e for e in self.generations(record) if e["gen"] == gen), None) if record is not None else None
+            gens = self.generations(record) if record is not None else []
+            entry = next((e for e in gens if e["gen"] == gen), None)
             if record is None or entry is None or entry["state"] not in ("complete", "protected"):
                 return
-            config = self.daemon.config
-            rate = int(config.checkpoint_flush_mib_per_s * (1 << 20))
-            largest = _largest_share(entry)
-            started = time.monotonic()
-            try:
-                answers = await self._all(record, "ckpt_flush", lineage=lineage, gen=gen, rate=rate, timeout=self._transfer_timeout(largest, rate))
-            except RemoteError as exc:
-                log.warning("job %d: checkpoint %d was not flushed to %s: %s", job_id, gen, config.checkpoint_flush_dir, exc.message)
-                fields: dict[str, Any] = {"flush": f"failed: {exc.message}"}
-            else:
-                written = sum(a.get("bytes", 0) for a in answers.values() if isinstance(a, dict))
-                seconds = time.monotonic() - started
-                log.info("job %d: checkpoint %d flushed to %s (%d bytes in %.2f s)", job_id, gen, config.checkpoint_flush_dir, written, seconds)
-                fields = {"flushed": {"at": time.time(), "bytes": written, "seconds": round(seconds, 3)}}
-            recorded = False
-
-            def change(r):
-                nonlocal recorded
-                for e in r.get("checkpoints") or []:
-                    if e["gen"] == gen and e["state"] in ("complete", "protected"):
-                        e.update(fields)
-                        recorded = "flushed" in fields
-                        return None
-                return False
-
-            try:
-                await self.co.update(job_id, change)
-            except RemoteError as exc:
-                log.warning("job %d: could not record the flush of checkpoint %d: %s", job_id, gen, exc)
-            if not recorded:
-                await self._remove_flushed(lineage, gen, job_id)
-            else:
+            # A delta is restorable from the flush directory only with its links: each is flushed first (once).
+            by_gen = {e["gen"]: e for e in gens}
+            for link in sorted(retention.needs_of(gens).get(gen) or ()):
+                held = by_gen.get(link)
+                if held is None or held.get("flushed"):
+                    continue
+                if held["state"] not in ("complete", "protected") or not await self._flush_one(record, lineage, held):
+                    await self._flush_failed(entry, f"its link, generation {link}, was not flushed")
+                    return
+            if await self._flush_one(record, lineage, entry):
                 await self._sweep_flushed(lineage, job_id)
         finally:
             if self.flushing.get(lineage) == gen:
@@ -442,6 +421,59 @@ class CheckpointCoordinator:
         newest = [e for e in self.generations(record) if e["state"] in ("complete", "protected")] if record is not None else []
         if newest and newest[-1]["gen"] > gen and not newest[-1].get("flushed") and not newest[-1].get("flush"):
             self._maybe_flush(newest[-1]["job"], newest[-1]["gen"])
+
+    async def _flush_failed(self, entry: dict, why: str) -> None:
+        log.warning("job %d: checkpoint %d was not flushed: %s", entry["job"], entry["gen"], why)
+
+        def change(r):
+            for e in r.get("checkpoints") or []:
+                if e["gen"] == entry["gen"] and e["state"] in ("complete", "protected"):
+                    e["flush"] = f"failed: {why}"
+                    return None
+            return False
+
+        try:
+            await self.co.update(entry["job"], change)
+        except RemoteError as exc:
+            log.warning("job %d: could not record the failed flush of checkpoint %d: %s", entry["job"], entry["gen"], exc)
+
+    async def _flush_one(self, record: dict, lineage: int, entry: dict) -> bool:
+        """Every node of the job copies its files of ``entry``'s generation to
+        the flush directory and the entry is recorded flushed (True); a failed
+        flush has its copy removed (False)."""
+        job_id, gen = entry["job"], entry["gen"]
+        config = self.daemon.config
+        rate = int(config.checkpoint_flush_mib_per_s * (1 << 20))
+        largest = _largest_share(entry)
+        started = time.monotonic()
+        try:
+            answers = await self._all(record, "ckpt_flush", lineage=lineage, gen=gen, rate=rate, timeout=self._transfer_timeout(largest, rate))
+        except RemoteError as exc:
+            log.warning("job %d: checkpoint %d was not flushed to %s: %s", job_id, gen, config.checkpoint_flush_dir, exc.message)
+            fields: dict[str, Any] = {"flush": f"failed: {exc.message}"}
+        else:
+            written = sum(a.get("bytes", 0) for a in answers.values() if isinstance(a, dict))
+            seconds = time.monotonic() - started
+            log.info("job %d: checkpoint %d flushed to %s (%d bytes in %.2f s)", job_id, gen, config.checkpoint_flush_dir, written, seconds)
+            fields = {"flushed": {"at": time.time(), "bytes": written, "seconds": round(seconds, 3)}}
+        recorded = False
+
+        def change(r):
+            nonlocal recorded
+            for e in r.get("checkpoints") or []:
+                if e["gen"] == gen and e["state"] in ("complete", "protected"):
+                    e.update(fields)
+                    recorded = "flushed" in fields
+                    return None
+            return False
+
+        try:
+            await self.co.update(job_id, change)
+        except RemoteError as exc:
+            log.warning("job %d: could not record the flush of checkpoint %d: %s", job_id, gen, exc)
+        if not recorded:
+            await self._remove_flushed(lineage, gen, job_id)
+        return recorded
 
     async def _sweep_flushed(self, lineage: int, job_id: int) -> None:
         """After a flush is recorded: remove the lineage's copies in the flush
@@ -824,6 +856,11 @@ class CheckpointCoordinator:
                         rebuilt = {step.lost: step.target for step in steps}
                         holding += [t for t in rebuilt.values() if t not in holding]  # (a wiped node that took its own files back)
                         sources = relocate.plan_sources(placement, list(entry["placement"]), entry.get("copies"), holding)
+            if sources.missing and entry.get("flushed") and entry.get("needs"):
+                link_failures = await self._unflush_links(record, lineage, entry, generations, placement, holding)
+                if link_failures:
+                    skipped += [f"generation {entry['gen']}: {p}" for p in link_failures]
+                    continue
             if sources.missing and entry.get("flushed"):
                 failures, restored = await self._unflush(record, lineage, entry, placement, sorted(sources.missing))
                 copies = {node: list(ranks) for node, ranks in (entry.get("copies") or {}).items()}
@@ -1105,11 +1142,35 @@ class CheckpointCoordinator:
         by_gen = {e["gen"]: e for e in generations}
         chain_protected = rebuildable and all(by_gen[g].get("state") == "protected" and by_gen[g].get("level") == entry.get("level")
                                               for g in needs[entry["gen"]])
-        if sources.missing and not chain_protected:
-            return (f"its files are incremental (they need generations {needs[entry['gen']]}), and the lost files of a chain are "
-                    "rebuilt only when the generation and every link are protected (restoring them from the flush directory "
-                    "is not supported yet): " + relocate.describe_missing(sources.missing))
+        chain_flushed = bool(entry.get("flushed")) and all(by_gen[g].get("flushed") for g in needs[entry["gen"]])
+        if sources.missing and not chain_protected and not chain_flushed:
+            return (f"its files are incremental (they need generations {needs[entry['gen']]}), and the lost files of a chain come "
+                    "back only when the generation and every link are protected or flushed: " + relocate.describe_missing(sources.missing))
         return ""
+
+    async def _unflush_links(self, record: dict, lineage: int, entry: dict, generations: list[dict], placement: list[str],
+                             holding: list[str]) -> list[str]:
+        """The lost files of every generation a flushed delta needs, restored
+        from the flush directory onto the nodes ``placement`` gives their
+        ranks, oldest first (:meth:`_unflush`), each link's copies recorded;
+        the problems, each naming the link."""
+        by_gen = {e["gen"]: e for e in generations}
+        for gen in sorted(retention.needs_of(generations).get(entry["gen"]) or ()):
+            link = by_gen[gen]
+            sources = relocate.plan_sources(placement, list(link["placement"]), link.get("copies"), holding)
+            if not sources.missing:
+                continue
+            failures, restored = await self._unflush(record, lineage, link, placement, sorted(sources.missing))
+            copies = {node: list(ranks) for node, ranks in (link.get("copies") or {}).items()}
+            for rank in sources.missing:
+                if placement[rank] in restored:
+                    copies[placement[rank]] = sorted({*copies.get(placement[rank], []), rank})
+            if restored:
+                await self._record_copies(link, copies)
+                link["copies"] = copies
+            if failures:
+                return [f"it needs generation {gen} (from the flush directory): {p}" for p in failures]
+        return []
 
     async def _rebuild_links(self, record: dict, lineage: int, entry: dict, generations: list[dict], placement: list[str],
                              holding: list[str]) -> list[str]:
@@ -1246,17 +1307,15 @@ class CheckpointCoordinator:
 
 def delta_gate(asked: str | None, level: str, *, flushes: bool) -> bool:
     """Whether a job may write deltas: ``asked`` its (or its lineage's)
-    ``--ckpt-mode``, ``level`` its redundancy, ``flushes`` whether the
-    cluster copies generations to ``[checkpoint] flush_dir``. Else the
-    coordinator asks the nodes for whole files (``force_full``: offers in
-    mode full).
-
-    A restart stages every link of a delta (elsewhere) and rebuilds every
-    link from its own redundancy (a lost node), but a flush copies a
-    generation's own files only, so a cluster that flushes writes whole
-    files; and only a job that asked: the cluster's ``[checkpoint] mode``
-    alone does not turn deltas on yet. ``level`` is not a condition any more."""
-    return not flushes and asked in ("incremental", "differential", "adaptive")
+    ``--ckpt-mode``; else the coordinator asks the nodes for whole files
+    (``force_full``: offers in mode full). Every path that moves a
+    generation's files moves its links too (a restart elsewhere stages them,
+    a lost node's are rebuilt from each link's redundancy, a flush flushes
+    them first and a restore from the flush directory restores them), so
+    ``level`` and ``flushes`` no longer close the gate; the cluster's
+    ``[checkpoint] mode`` alone does not turn deltas on yet (until the
+    benches and tests that read whole files ask for ``full``)."""
+    return asked in ("incremental", "differential", "adaptive")
 
 
 def _wiped_first(wiped: dict[str, str], problem: str) -> str:

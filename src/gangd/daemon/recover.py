@@ -121,11 +121,13 @@ def usable_generation(generations: list[dict], lost: set[str]) -> tuple[dict | N
         if needs.get(entry["gen"]):
             # Incremental files: usable where it and every link survive, or where
             # every one is protected (each link's lost files are rebuilt from its
-            # own redundancy); not from the flush directory (links are not flushed).
+            # own redundancy) or flushed (a flush flushes the links first).
             chain = [by_gen.get(g) for g in delta.needed(needs, [entry["gen"]])]
             if all(e is not None and e.get("state") in USABLE and _survives(e, lost) for e in chain):
                 return entry, ""
             if all(e is not None and e.get("state") == "protected" for e in chain):
+                return entry, ""
+            if all(e is not None and e.get("state") in USABLE and e.get("flushed") for e in chain):
                 return entry, ""
             continue
         if entry.get("state") == "protected" or (entry.get("state") in USABLE and entry.get("flushed")):

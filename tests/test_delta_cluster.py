@@ -160,6 +160,16 @@ def test_the_gate_opens_only_for_a_job_that_asked_for_deltas():
             assert not delta_gate("full", level, flushes=flushes)
 
 
+def test_gang_run_and_submit_offer_ckpt_mode_and_say_a_job_without_it_writes_whole_files():
+    import subprocess
+    import sys
+
+    for command in ("run", "submit"):
+        shown = subprocess.run([sys.executable, "-m", "gangd.client.cli", command, "--help"], capture_output=True, text=True, check=True).stdout
+        assert "--ckpt-mode [full|incremental|differential|adaptive]" in shown
+        assert "Without it a job writes whole files" in " ".join(shown.split())
+
+
 # ------------------------------------------------------------------ cluster
 
 

@@ -133,10 +133,10 @@ class CheckpointCoordinator:
         self.issued[key] = gen
         return gen
 
-    def delta_gate(self, record: dict, level: str) -> bool:
+    def delta_gate(self, record: dict) -> bool:
         """Whether the ranks of ``record`` may write deltas (:func:`delta_gate`)."""
         asked = record.get("ckpt_mode") or next((r["ckpt_mode"] for r in self.lineage_records(record) if r.get("ckpt_mode")), None)
-        return delta_gate(asked, level, flushes=self.daemon.config.checkpoint_flush_dir is not None)
+        return delta_gate(asked)
 
     def level(self, record: dict) -> tuple[str, str]:
         """The redundancy level of the job's generations, and why it is not
@@ -174,7 +174,7 @@ class CheckpointCoordinator:
                 job=job_id, gen=self._next_gen(record), lineage=record.get("lineage") or job_id,
                 nodes=frozenset(jobs.nodes_of(record)), trigger=trigger, started=time.time(),
                 placement=list(record["placement"]), expect=expected_deliveries, nranks=record["nranks"], clock=time.time,
-                redundancy=level, force_full=not self.delta_gate(record, level),
+                redundancy=level, force_full=not self.delta_gate(record),
             )
             rnd.entry["level"] = level
             if note:
@@ -1305,14 +1305,14 @@ class CheckpointCoordinator:
             self.periodic.discard(job_id)
 
 
-def delta_gate(asked: str | None, level: str, *, flushes: bool) -> bool:
+def delta_gate(asked: str | None) -> bool:
     """Whether a job may write deltas: ``asked`` its (or its lineage's)
     ``--ckpt-mode``; else the coordinator asks the nodes for whole files
     (``force_full``: offers in mode full). Every path that moves a
     generation's files moves its links too (a restart elsewhere stages them,
     a lost node's are rebuilt from each link's redundancy, a flush flushes
     them first and a restore from the flush directory restores them), so
-    ``level`` and ``flushes`` no longer close the gate; the cluster's
+    neither the redundancy level nor a flush closes the gate; the cluster's
     ``[checkpoint] mode`` alone does not turn deltas on yet (until the
     benches and tests that read whole files ask for ``full``)."""
     return asked in ("incremental", "differential", "adaptive")

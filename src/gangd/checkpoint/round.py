@@ -242,6 +242,7 @@ class Round:
     expect: Callable[[dict, int], dict]  # counters of every node, nranks -> expected deliveries (jobnet's)
     nranks: int
     redundancy: str = "local"
+    force_full: bool = False  # every rank writes its whole state (no delta offered: see ckptcoord.delta_gate)
     clock: Callable[[], float] = field(default=lambda: 0.0)
     phase: Phase = Phase.BEGIN
     answers: dict[str, Any] = field(default_factory=dict)  # node -> answer of the current phase
@@ -314,6 +315,8 @@ class Round:
         base: dict = {"gen": self.gen}
         if self.phase in (Phase.BEGIN, Phase.COMMIT):
             base["lineage"] = self.lineage
+        if self.phase is Phase.BEGIN and self.force_full:
+            base["force_full"] = True
         if self.phase is Phase.CUT:
             base["iteration"] = self.cut
         if self.phase is Phase.CAPTURE:

@@ -24,6 +24,18 @@ be past it — decided without stopping the job to agree:
 On restart the daemon's attach reply names the generation and the file to
 load; the rank reports ``ckpt_restored`` and the gates open once every rank
 loaded its state.
+
+Incremental checkpoints (issue 17): the ``ckpt_start`` reply carries the
+daemon's offer (:class:`~gangd.checkpoint.messages.DeltaOffer`): the mode,
+block size, chain bound and threshold of the job (the program's own
+``init()`` choices win, the chain never longer than the daemon accepts) and
+the parent generation's file with its chain. The writer (the forked child,
+for background writes) reads the signatures it compares with from those
+files' indexes and reports role, parent, base, links, state and restore,
+which the daemon checks against the offer. A restart's attach reply carries
+the generation's ``chain``, read by :func:`.blocks.read_chain`: each link's
+index hash, size and generation checked, every placed block against the
+generation's signatures.
 """
 
 from __future__ import annotations
@@ -41,7 +53,7 @@ from ..client.runtime import JobInfo
 from ..comm.control import DaemonLink
 from ..comm.errors import CommError
 from ..protocol import Note, Reply
-from . import spc
+from . import blocks, spc
 from .core import Checkpointer, CheckpointError, warn
 from .writer import Written
 
@@ -90,7 +102,18 @@ class DaemonAgent:
             return
         gen, path = self.restart["gen"], Path(self.restart["path"])
         try:
-            values, iteration = spc.read(cp.spc, path, tuple(self.restart["expect"]))
+            expect = tuple(self.restart["expect"])
+            chain = _chain_of(self.restart)
+            if chain:
+                if type(cp.spc) is not spc.Registered:
+                    raise StoreError(f"{path} is an incremental file, which only the default checkpointer restores")
+                cp.spc.set_filename(path)
+                # Each link checked as read_chain reads it: its index hash and size, its generation against
+                # the chain handed over, and every placed block against this generation's signatures.
+                values, iteration, _ = blocks.read_chain(path, chain, expect)
+                cp.spc.after_restart(values)
+            else:
+                values, iteration = spc.read(cp.spc, path, expect)
         except StoreError as exc:
             self._note("ckpt_restored", {"gen": gen, "error": str(exc)})
             raise CheckpointError(f"cannot restore rank {self.info.rank}: {exc}") from None
@@ -150,7 +173,7 @@ class DaemonAgent:
             for fd in readable:
                 if fd in self.background:
                     gen, written = self.background[fd]
-                    self._note("ckpt_written", {"gen": gen, **written.wait()})
+                    self._note("ckpt_written", {"gen": gen, **_report(written.wait())})
                     with self.cond:  # (only now: fini closes the connection once none is left)
                         del self.background[fd]
                         self.cond.notify_all()
@@ -299,10 +322,15 @@ class DaemonAgent:
     def _checkpoint(self, cp: Checkpointer, gen: int, k: int, resume: int | None = None) -> bool:
         try:
             where = self.call("ckpt_start", {"gen": gen, "iteration": k})
-            written = cp.snapshot(Path(where["path"]), k if resume is None else resume)
+            offer = _offer_of(where)
+            settings = cp.settings.under(offer)
+            # Mode full writes a whole file as before deltas (no signatures: nothing will diff against it).
+            written = cp.snapshot(Path(where["path"]), k if resume is None else resume, gen=gen,
+                                  offered=None if settings.mode == "full" else [link.to_wire() for link in offer.links],
+                                  settings=settings, force_full=offer.force_full)
             if written.done:
                 cp.writes.remove(written)
-                self.call("ckpt_end", {"gen": gen, "result": written.wait()})
+                self.call("ckpt_end", {"gen": gen, "result": _report(written.wait())})
             else:
                 cp.writes.remove(written)
                 with self.io:
@@ -333,3 +361,35 @@ class DaemonAgent:
         self.link.close()
         if not self.thread.is_alive():
             os.close(self.wake)
+
+
+_REPORTED = ("size", "digest", "seconds", "role", "parent", "base", "links", "state", "restore", "error")
+
+
+def _report(result: dict) -> dict:
+    """What the daemon hears of a write (:class:`gangd.checkpoint.messages.WriteReport`):
+    the writer's notes for this process (why a delta became a full) stay here."""
+    if result.get("why_full"):
+        warn(f"wrote a whole file instead of a delta: {result['why_full']}")
+    return {key: result[key] for key in _REPORTED if key in result}
+
+
+def _offer_of(reply) -> messages.DeltaOffer:
+    """The ``delta`` of a ``ckpt_start`` reply; a daemon that offers none (or
+    a malformed one) gets a whole file, written in the job's settings."""
+    raw = reply.get("delta") if isinstance(reply, dict) else None
+    try:
+        return messages.DeltaOffer.from_wire(raw)
+    except (messages.BadMessage, TypeError, ValueError):
+        return messages.DeltaOffer("full", 16, 1, 0.0, True)
+
+
+def _chain_of(restart: dict) -> list[dict]:
+    """The links of a restart's generation (the attach reply's ``chain``, newest first), each checked."""
+    raw = restart.get("chain") or []
+    if not isinstance(raw, list) or len(raw) > messages.MAX_LINKS:
+        raise StoreError("the node daemon handed over a malformed chain of generations")
+    try:
+        return [messages.Link.from_wire(link).to_wire() for link in raw]
+    except messages.BadMessage as exc:
+        raise StoreError(f"the node daemon handed over a malformed link: {exc}") from None

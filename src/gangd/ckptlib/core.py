@@ -51,11 +51,14 @@ class DeltaSettings:
     block_kib: int = blocks.DEFAULT_BLOCK >> 10
     chain_max: int = delta.DEFAULT_CHAIN_MAX
     threshold: float = delta.DEFAULT_THRESHOLD
+    given: frozenset[str] = frozenset()  # the settings the program (init, GANGD_CKPT_BLOCK_KIB) chose: they win over a daemon's offer
 
     @classmethod
     def from_options(cls, mode: str | None = None, block_kib: int | None = None, chain_max: int | None = None,
                      threshold: float | None = None) -> DeltaSettings:
         """From ``init()``'s arguments, else ``GANGD_CKPT_MODE`` / ``GANGD_CKPT_BLOCK_KIB``, else the defaults; checked."""
+        given = frozenset(name for name, value in (("mode", mode), ("block_kib", block_kib), ("chain_max", chain_max), ("threshold", threshold))
+                          if value is not None) | (frozenset({"block_kib"}) if os.environ.get("GANGD_CKPT_BLOCK_KIB") else frozenset())
         mode = mode or os.environ.get("GANGD_CKPT_MODE") or delta.DEFAULT_MODE
         if mode not in delta.MODES:
             raise CheckpointError(f"checkpoint mode {mode!r} is not one of {', '.join(delta.MODES)}")
@@ -73,12 +76,22 @@ class DeltaSettings:
         threshold = delta.DEFAULT_THRESHOLD if threshold is None else threshold
         if not isinstance(threshold, int | float) or not 0 <= threshold <= 1:
             raise CheckpointError(f"the adaptive threshold is a share of the state from 0 to 1, not {threshold!r}")
-        return cls(mode, block_kib, chain_max, float(threshold))
+        return cls(mode, block_kib, chain_max, float(threshold), given)
 
-    def plan(self, gen: int, offered) -> dict:
+    def under(self, offer) -> DeltaSettings:
+        """The settings a rank under a daemon writes with, given its offer
+        (:class:`gangd.checkpoint.messages.DeltaOffer`): the program's own
+        choices, else the job's (the offer's); the chain never longer than the
+        daemon accepts."""
+        return DeltaSettings(self.mode if "mode" in self.given else offer.mode,
+                             self.block_kib if "block_kib" in self.given else offer.block_kib,
+                             min(self.chain_max, offer.chain_max) if "chain_max" in self.given else offer.chain_max,
+                             self.threshold if "threshold" in self.given else offer.threshold, self.given)
+
+    def plan(self, gen: int, offered, force_full: bool = False) -> dict:
         """What :func:`writer.write` takes as ``delta``."""
         return {"gen": gen, "mode": self.mode, "block": self.block_kib << 10, "chain_max": self.chain_max,
-                "threshold": self.threshold, "force_full": False, "offered": offered}
+                "threshold": self.threshold, "force_full": force_full, "offered": offered}
 
 
 class Checkpointer:
@@ -166,15 +179,17 @@ class Checkpointer:
     # ------------------------------------------------------------ saving
 
     def snapshot(self, path: Path, iteration: int, then=None, extra: dict | None = None, *, gen: int | None = None,
-                 offered=None) -> writer.Written:
+                 offered=None, settings: DeltaSettings | None = None, force_full: bool = False) -> writer.Written:
         """Write the protected values; ``iteration`` is the boundary a restart resumes at.
 
         With ``gen`` and ``offered`` (the parent generation's file and its chain,
         or a function giving them in the writing process), the generation is
-        written in this checkpointer's mode (:class:`DeltaSettings`)."""
+        written in this checkpointer's mode (:class:`DeltaSettings`), or in
+        ``settings`` (a daemon's offer); ``force_full``: no delta this time."""
         values = {**self.values, **(extra or {})}
         self.spc.before_ckpt(values)
-        plan = self.settings.plan(gen, offered) if gen is not None and offered is not None else None
+        settings = settings if settings is not None else self.settings
+        plan = settings.plan(gen, offered, force_full) if gen is not None and offered is not None else None
         written = writer.write(path, values, iteration, background=self.background, then=then, spc=self.spc, delta=plan)
         self.writes.append(written)
         return written

@@ -129,20 +129,37 @@ def ckpt_ls(ctx, job, as_json):
         took = f"{g['ended'] - g['started']:.2f}s" if g.get("ended") else "-"
         iteration = "-" if g["iteration"] is None else g["iteration"]
         why = g.get("reason") or (f"redundancy {g['redundancy']}" if g.get("redundancy") else "") or g["trigger"]
-        rows.append([g["gen"], g["job"], g["state"], _level(g), iteration, started, took, per_node, why])
+        rows.append([g["gen"], g["job"], g["state"], _level(g), *_delta_columns(g), iteration, started, took, per_node, why])
     live = listing["under_way"]
     if live:
         started = time.strftime("%H:%M:%S", time.localtime(live["started"]))
-        rows.append([live["gen"], job, f"running ({live['phase']})", "-", "-", started, "-", "-", live["trigger"]])
+        rows.append([live["gen"], job, f"running ({live['phase']})", "-", "-", "-", "-", "-", "-", started, "-", "-", live["trigger"]])
     recovered = listing.get("recoveries") or []
     if not rows and not recovered:
         click.echo(f"job {job} has no checkpoints")
         return
     if rows:
-        click.echo(table(rows, ["GEN", "JOB", "STATE", "REDUNDANCY", "ITER", "STARTED", "TOOK", "SIZE PER NODE", "TRIGGER / REASON"]))
+        headers = ["GEN", "JOB", "STATE", "REDUNDANCY", "MODE", "BASE", "WRITTEN", "RESTORE", "ITER", "STARTED", "TOOK", "SIZE PER NODE"]
+        click.echo(table(rows, [*headers, "TRIGGER / REASON"]))
     for r in recovered:  # (a lost node's job restarted by itself: gangd.daemon.recover)
         lost = ", ".join(text.name(n) for n in r.get("lost") or []) or "a node"
         click.echo(f"recovery: job {r['job']} lost {lost}; requeued as job {r.get('as')} from generation {r.get('gen')}")
+
+
+def _delta_columns(g: dict) -> list[str]:
+    """MODE (full, incremental, differential, mixed), BASE (the oldest
+    generation a restore of it reads: "-" for whole files), WRITTEN (the
+    bytes of its rank files) and RESTORE (the bytes a restore reads, each
+    block once) of a generation; "-" for one that wrote nothing."""
+    if not g.get("nodes"):
+        return ["-", "-", "-", "-"]
+    needs = [n for n in g.get("needs") or [] if type(n) is int]
+    written = g.get("written")
+    if type(written) is not int:  # (an entry from before incremental checkpoints: whole files)
+        written = sum(s.get("bytes", 0) for s in g["nodes"].values() if isinstance(s, dict))
+    restore = g.get("restore_bytes")
+    return [str(g.get("mode") or "full"), str(min(needs)) if needs else "-", _size(written),
+            _size(restore if type(restore) is int else written)]
 
 
 def _level(g: dict) -> str:

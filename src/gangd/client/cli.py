@@ -163,16 +163,14 @@ def job_options(fn):
         help="Where checkpoints are kept besides each node's disk: partner (a copy on the next node) or xor (parity over "
         "sets of nodes); default: the cluster's [checkpoint] redundancy (xor on 3+ nodes, partner on 2).",
     )(fn)
-    # Hidden until a rank under a daemon writes incremental files (issue 17's
-    # rank side and retention by chains): today it is recorded and handed to
-    # the ranks, which write whole files.
     fn = click.option(
-        "--ckpt-mode", type=click.Choice(["full", "incremental", "differential", "adaptive"]), default=None, hidden=True,
+        "--ckpt-mode", type=click.Choice(["full", "incremental", "differential", "adaptive"]), default=None,
         help="What each checkpoint writes. full: the whole state every time. incremental: only the blocks changed since "
         "the previous checkpoint (smallest writes; a restore reads a chain of them, at most [checkpoint] chain_max long). "
         "differential: the blocks changed since the last full one (a restore reads two files; writes grow until the "
         "next full). adaptive: differential, and a new base whenever that saves more than [checkpoint] adaptive_threshold "
-        "of the state. Default: the cluster's [checkpoint] mode (adaptive). A program's ckptlib.init(mode=...) overrides it.",
+        "of the state. Without it a job writes whole files (a restart keeps its lineage's mode). A program's "
+        "ckptlib.init(mode=...) overrides it.",
     )(fn)
     fn = click.option(
         "--requeue/--no-requeue", default=None,

@@ -548,9 +548,11 @@ class NodeCheckpoints:
         ``full``, or when the coordinator asks (``force_full``). Never fails
         the round: what cannot be read is not offered."""
         mode = self._job_mode(record)
+        if force_full:  # (the coordinator: this job writes whole files for now, ckptcoord.CheckpointCoordinator.delta_gate)
+            return dict.fromkeys(pending.ranks, self._full_offer("full"))
         full = self._full_offer(mode)
         offers = dict.fromkeys(pending.ranks, full)
-        if mode == "full" or force_full:
+        if mode == "full":
             return offers
         lineage = pending.lineage
         members = self.daemon.table.lineage(lineage)

@@ -42,11 +42,13 @@ from typing import Any
 import trio
 
 from .. import jobs
-from ..checkpoint import recovery, relocate
+from ..checkpoint import delta, recovery, relocate, retention
+from ..checkpoint import node as nd
 from ..checkpoint import round as rd
 from ..redundancy.plan import PlanError, default_level, make_plan
 from ..rpc import RemoteError
 from .access import permission_check
+from .checkpoint import OFFER_CANDIDATES
 from .jobnet import expected_deliveries
 from .peers import natural_key
 
@@ -131,6 +133,11 @@ class CheckpointCoordinator:
         self.issued[key] = gen
         return gen
 
+    def delta_gate(self, record: dict) -> bool:
+        """Whether the ranks of ``record`` may write deltas (:func:`delta_gate`)."""
+        asked = record.get("ckpt_mode") or next((r["ckpt_mode"] for r in self.lineage_records(record) if r.get("ckpt_mode")), None)
+        return delta_gate(asked)
+
     def level(self, record: dict) -> tuple[str, str]:
         """The redundancy level of the job's generations, and why it is not
         the one asked for (or ""): the job's ``--ckpt-redundancy`` (a
@@ -167,7 +174,7 @@ class CheckpointCoordinator:
                 job=job_id, gen=self._next_gen(record), lineage=record.get("lineage") or job_id,
                 nodes=frozenset(jobs.nodes_of(record)), trigger=trigger, started=time.time(),
                 placement=list(record["placement"]), expect=expected_deliveries, nranks=record["nranks"], clock=time.time,
-                redundancy=level,
+                redundancy=level, force_full=not self.delta_gate(record),
             )
             rnd.entry["level"] = level
             if note:
@@ -391,41 +398,20 @@ class CheckpointCoordinator:
         removed: nothing stays on the shared file system unrecorded."""
         try:
             record = self.daemon.table.get(job_id)
-            entry = next((e for e in self.generations(record) if e["gen"] == gen), None) if record is not None else None
+            gens = self.generations(record) if record is not None else []
+            entry = next((e for e in gens if e["gen"] == gen), None)
             if record is None or entry is None or entry["state"] not in ("complete", "protected"):
                 return
-            config = self.daemon.config
-            rate = int(config.checkpoint_flush_mib_per_s * (1 << 20))
-            largest = _largest_share(entry)
-            started = time.monotonic()
-            try:
-                answers = await self._all(record, "ckpt_flush", lineage=lineage, gen=gen, rate=rate, timeout=self._transfer_timeout(largest, rate))
-            except RemoteError as exc:
-                log.warning("job %d: checkpoint %d was not flushed to %s: %s", job_id, gen, config.checkpoint_flush_dir, exc.message)
-                fields: dict[str, Any] = {"flush": f"failed: {exc.message}"}
-            else:
-                written = sum(a.get("bytes", 0) for a in answers.values() if isinstance(a, dict))
-                seconds = time.monotonic() - started
-                log.info("job %d: checkpoint %d flushed to %s (%d bytes in %.2f s)", job_id, gen, config.checkpoint_flush_dir, written, seconds)
-                fields = {"flushed": {"at": time.time(), "bytes": written, "seconds": round(seconds, 3)}}
-            recorded = False
-
-            def change(r):
-                nonlocal recorded
-                for e in r.get("checkpoints") or []:
-                    if e["gen"] == gen and e["state"] in ("complete", "protected"):
-                        e.update(fields)
-                        recorded = "flushed" in fields
-                        return None
-                return False
-
-            try:
-                await self.co.update(job_id, change)
-            except RemoteError as exc:
-                log.warning("job %d: could not record the flush of checkpoint %d: %s", job_id, gen, exc)
-            if not recorded:
-                await self._remove_flushed(lineage, gen, job_id)
-            else:
+            # A delta is restorable from the flush directory only with its links: each is flushed first (once).
+            by_gen = {e["gen"]: e for e in gens}
+            for link in sorted(retention.needs_of(gens).get(gen) or ()):
+                held = by_gen.get(link)
+                if held is None or held.get("flushed"):
+                    continue
+                if held["state"] not in ("complete", "protected") or not await self._flush_one(record, lineage, held):
+                    await self._flush_failed(entry, f"its link, generation {link}, was not flushed")
+                    return
+            if await self._flush_one(record, lineage, entry):
                 await self._sweep_flushed(lineage, job_id)
         finally:
             if self.flushing.get(lineage) == gen:
@@ -435,6 +421,59 @@ class CheckpointCoordinator:
         newest = [e for e in self.generations(record) if e["state"] in ("complete", "protected")] if record is not None else []
         if newest and newest[-1]["gen"] > gen and not newest[-1].get("flushed") and not newest[-1].get("flush"):
             self._maybe_flush(newest[-1]["job"], newest[-1]["gen"])
+
+    async def _flush_failed(self, entry: dict, why: str) -> None:
+        log.warning("job %d: checkpoint %d was not flushed: %s", entry["job"], entry["gen"], why)
+
+        def change(r):
+            for e in r.get("checkpoints") or []:
+                if e["gen"] == entry["gen"] and e["state"] in ("complete", "protected"):
+                    e["flush"] = f"failed: {why}"
+                    return None
+            return False
+
+        try:
+            await self.co.update(entry["job"], change)
+        except RemoteError as exc:
+            log.warning("job %d: could not record the failed flush of checkpoint %d: %s", entry["job"], entry["gen"], exc)
+
+    async def _flush_one(self, record: dict, lineage: int, entry: dict) -> bool:
+        """Every node of the job copies its files of ``entry``'s generation to
+        the flush directory and the entry is recorded flushed (True); a failed
+        flush has its copy removed (False)."""
+        job_id, gen = entry["job"], entry["gen"]
+        config = self.daemon.config
+        rate = int(config.checkpoint_flush_mib_per_s * (1 << 20))
+        largest = _largest_share(entry)
+        started = time.monotonic()
+        try:
+            answers = await self._all(record, "ckpt_flush", lineage=lineage, gen=gen, rate=rate, timeout=self._transfer_timeout(largest, rate))
+        except RemoteError as exc:
+            log.warning("job %d: checkpoint %d was not flushed to %s: %s", job_id, gen, config.checkpoint_flush_dir, exc.message)
+            fields: dict[str, Any] = {"flush": f"failed: {exc.message}"}
+        else:
+            written = sum(a.get("bytes", 0) for a in answers.values() if isinstance(a, dict))
+            seconds = time.monotonic() - started
+            log.info("job %d: checkpoint %d flushed to %s (%d bytes in %.2f s)", job_id, gen, config.checkpoint_flush_dir, written, seconds)
+            fields = {"flushed": {"at": time.time(), "bytes": written, "seconds": round(seconds, 3)}}
+        recorded = False
+
+        def change(r):
+            nonlocal recorded
+            for e in r.get("checkpoints") or []:
+                if e["gen"] == gen and e["state"] in ("complete", "protected"):
+                    e.update(fields)
+                    recorded = "flushed" in fields
+                    return None
+            return False
+
+        try:
+            await self.co.update(job_id, change)
+        except RemoteError as exc:
+            log.warning("job %d: could not record the flush of checkpoint %d: %s", job_id, gen, exc)
+        if not recorded:
+            await self._remove_flushed(lineage, gen, job_id)
+        return recorded
 
     async def _sweep_flushed(self, lineage: int, job_id: int) -> None:
         """After a flush is recorded: remove the lineage's copies in the flush
@@ -582,25 +621,34 @@ class CheckpointCoordinator:
             })
             log.warning("job %d: checkpoint %d, left under way by the previous coordinator, aborted: %s", job_id, gen, reason)
 
+    def _offered(self, lineage: int, gens: list[dict]) -> set[int]:
+        """The generations the ranks of a checkpoint of ``lineage`` under way
+        may have been offered to diff against (every parent any node may pick:
+        :func:`gangd.checkpoint.node.parent_candidates`), until that
+        checkpoint is recorded: its own entry's ``needs`` then say what it uses."""
+        out: set[int] = set()
+        recorded = {e["gen"] for e in gens if e.get("state") != "running"}
+        for live in self.live.values():
+            rnd = live.round
+            if rnd.lineage != lineage or rnd.gen in recorded or rnd.force_full:
+                continue
+            out |= set(nd.parent_candidates(gens, list(rnd.placement), rnd.gen, OFFER_CANDIDATES).parents)
+        return out
+
     async def _prune(self, record: dict) -> None:
-        """Keep the newest ``checkpoint_keep`` usable (complete or protected)
-        generations of the lineage, and the newest protected one whatever
-        its age (while newer ones are only complete, it is the one that
-        survives a lost node); remove the rest, their redundancy with them
-        (it lives in the generation's directory)."""
+        """Keep the newest ``checkpoint_keep`` usable (complete or protected,
+        and so is every generation it needs) generations of the lineage, the
+        newest protected one whatever its age (while newer ones are only
+        complete, it is the one that survives a lost node), the newest
+        flushed one and the one being flushed, what a checkpoint under way
+        may be diffing against, and every generation those need (their
+        chains: :mod:`gangd.checkpoint.retention`); remove the rest, their
+        redundancy with them (it lives in the generation's directory)."""
         keep = self.daemon.config.checkpoint_keep
         await self.daemon.table.read_lineage(record.get("lineage") or record["id"])
         gens = self.generations(self.daemon.table.get(record["id"]) or record)
-        usable = [e for e in gens if e["state"] in ("complete", "protected")]
-        doomed = usable[:-keep]
-        protected = [e for e in usable if e["state"] == "protected"]
-        if protected and protected[-1] in doomed:
-            doomed.remove(protected[-1])
-        flushed = [e for e in usable if e.get("flushed")]
-        if flushed and flushed[-1] in doomed:
-            doomed.remove(flushed[-1])  # (it is what survives the loss of more nodes than the redundancy covers)
         lineage = record.get("lineage") or record["id"]
-        doomed = [e for e in doomed if self.flushing.get(lineage) != e["gen"]]  # (its flush reads it now)
+        doomed = retention.doomed(gens, keep, flushing=self.flushing.get(lineage), holding=self._offered(lineage, gens))
         for e in gens:
             if e["state"] == "removed" and e.get("flushed"):  # (a removal from the flush directory that failed before)
                 self.co.spawn(self._remove_flushed, lineage, e["gen"], e["job"])
@@ -765,6 +813,11 @@ class CheckpointCoordinator:
                     raise RemoteError(exc.code, f"cannot restart job {job_id} there: {exc}") from None
                 placement = recovered
             sources = relocate.plan_sources(placement, list(entry["placement"]), entry.get("copies"), holding)
+            unchained = self._chain_problem(entry, generations, sources, rebuildable=protected)
+            if unchained:
+                log.warning("job %d: generation %d is unusable: %s", job_id, entry["gen"], unchained)
+                skipped.append(f"generation {entry['gen']}: {unchained}")
+                continue
             if sources.missing and protected and default:
                 # Files to rebuild: the survivors' ranks stay, each lost node's go to one replacement, spares first.
                 recovered = self._recovery_placement(entry, down, up, cores)
@@ -782,6 +835,11 @@ class CheckpointCoordinator:
                         continue
                     log.info("job %d: generation %d cannot be rebuilt (%s); the flush directory has its files", job_id, entry["gen"], exc)
                     steps = []
+                if steps and entry.get("needs"):
+                    link_failures = await self._rebuild_links(record, lineage, entry, generations, placement, holding)
+                    if link_failures:
+                        skipped += [f"generation {entry['gen']}: {p}" for p in link_failures]
+                        continue
                 if steps:
                     entry, failures, damaged = await self._rebuild(record, lineage, entry, steps)
                     if damaged:  # (the next restart must not count on this redundancy again)
@@ -798,6 +856,11 @@ class CheckpointCoordinator:
                         rebuilt = {step.lost: step.target for step in steps}
                         holding += [t for t in rebuilt.values() if t not in holding]  # (a wiped node that took its own files back)
                         sources = relocate.plan_sources(placement, list(entry["placement"]), entry.get("copies"), holding)
+            if sources.missing and entry.get("flushed") and entry.get("needs"):
+                link_failures = await self._unflush_links(record, lineage, entry, generations, placement, holding)
+                if link_failures:
+                    skipped += [f"generation {entry['gen']}: {p}" for p in link_failures]
+                    continue
             if sources.missing and entry.get("flushed"):
                 failures, restored = await self._unflush(record, lineage, entry, placement, sorted(sources.missing))
                 copies = {node: list(ranks) for node, ranks in (entry.get("copies") or {}).items()}
@@ -825,6 +888,10 @@ class CheckpointCoordinator:
             # that move are checked by their transfer (against the source's manifest).
             staying = [r for r in range(len(placement)) if r not in sources.moved]
             damaged, unreachable = await self._verify(lineage, {**entry, "placement": placement}, staying)
+            if not damaged and not unreachable and entry.get("needs"):
+                damaged, unreachable = await self._verify_links(lineage, entry, generations, placement, staying)
+            if not damaged and not unreachable and entry.get("needs"):
+                damaged, unreachable = await self._stage_links(record, lineage, entry, generations, placement, holding)
             if not damaged and not unreachable and sources.pulls:
                 damaged, unreachable = await self._stage(record, lineage, entry, sources)
             if not damaged and not unreachable:
@@ -1056,6 +1123,123 @@ class CheckpointCoordinator:
         except RemoteError as exc:
             log.warning("job %d: could not mark generation %d %s: %s", entry["job"], entry["gen"], state, exc)
 
+    @staticmethod
+    def _chain_problem(entry: dict, generations: list[dict], sources: relocate.Sources, *, rebuildable: bool = False) -> str:
+        """Why a restart cannot start from ``entry``'s chain ("" if it can):
+        a generation it needs is not complete or protected any more, or
+        files of lost nodes would have to be rebuilt or restored from the
+        flush directory, which moves a generation's own files and not the
+        older ones a delta needs (issue 17 step 3, not built yet; a restart
+        elsewhere stages every link: :meth:`_stage_links`)."""
+        needs = retention.needs_of(generations)
+        if not needs.get(entry["gen"]):
+            return ""
+        done = {e["gen"] for e in generations if e.get("state") in retention.DONE}
+        broken = [g for g in delta.missing_links(entry["gen"], needs, done) if g != entry["gen"]]
+        if broken:
+            states = {e["gen"]: e.get("state") for e in generations}
+            return "its incremental files need " + ", ".join(f"generation {g} ({states.get(g) or 'not recorded'})" for g in broken)
+        by_gen = {e["gen"]: e for e in generations}
+        chain_protected = rebuildable and all(by_gen[g].get("state") == "protected" and by_gen[g].get("level") == entry.get("level")
+                                              for g in needs[entry["gen"]])
+        chain_flushed = bool(entry.get("flushed")) and all(by_gen[g].get("flushed") for g in needs[entry["gen"]])
+        if sources.missing and not chain_protected and not chain_flushed:
+            return (f"its files are incremental (they need generations {needs[entry['gen']]}), and the lost files of a chain come "
+                    "back only when the generation and every link are protected or flushed: " + relocate.describe_missing(sources.missing))
+        return ""
+
+    async def _unflush_links(self, record: dict, lineage: int, entry: dict, generations: list[dict], placement: list[str],
+                             holding: list[str]) -> list[str]:
+        """The lost files of every generation a flushed delta needs, restored
+        from the flush directory onto the nodes ``placement`` gives their
+        ranks, oldest first (:meth:`_unflush`), each link's copies recorded;
+        the problems, each naming the link."""
+        by_gen = {e["gen"]: e for e in generations}
+        for gen in sorted(retention.needs_of(generations).get(entry["gen"]) or ()):
+            link = by_gen[gen]
+            sources = relocate.plan_sources(placement, list(link["placement"]), link.get("copies"), holding)
+            if not sources.missing:
+                continue
+            failures, restored = await self._unflush(record, lineage, link, placement, sorted(sources.missing))
+            copies = {node: list(ranks) for node, ranks in (link.get("copies") or {}).items()}
+            for rank in sources.missing:
+                if placement[rank] in restored:
+                    copies[placement[rank]] = sorted({*copies.get(placement[rank], []), rank})
+            if restored:
+                await self._record_copies(link, copies)
+                link["copies"] = copies
+            if failures:
+                return [f"it needs generation {gen} (from the flush directory): {p}" for p in failures]
+        return []
+
+    async def _rebuild_links(self, record: dict, lineage: int, entry: dict, generations: list[dict], placement: list[str],
+                             holding: list[str]) -> list[str]:
+        """The lost files of every generation a protected delta needs, rebuilt
+        from each link's own redundancy on the nodes ``placement`` gives the
+        lost ranks, oldest first (:meth:`_rebuild`); the problems, each naming
+        the link. Each link's recorded copies are updated here too, so that
+        :meth:`_stage_links` finds the rebuilt files."""
+        by_gen = {e["gen"]: e for e in generations}
+        for gen in sorted(retention.needs_of(generations).get(entry["gen"]) or ()):
+            link = by_gen[gen]
+            sources = relocate.plan_sources(placement, list(link["placement"]), link.get("copies"), holding)
+            if not sources.missing:
+                continue
+            try:
+                steps = relocate.plan_rebuilds(placement, list(link["placement"]), sources.missing,
+                                               make_plan(link["placement"], link["level"]), holding)
+            except (relocate.CannotRebuild, PlanError) as exc:
+                return [f"it needs generation {gen}, which cannot be rebuilt: {exc}"]
+            rebuilt, failures, damaged = await self._rebuild(record, lineage, link, steps)
+            if damaged:
+                await self._unprotect(rebuilt, "; ".join(damaged))
+            if failures:
+                return [f"it needs generation {gen}: {p}" for p in failures]
+            link["copies"] = rebuilt.get("copies")
+        return []
+
+    async def _stage_links(self, record: dict, lineage: int, entry: dict, generations: list[dict], placement: list[str],
+                           holding: list[str]) -> tuple[list[str], list[str]]:
+        """A restart elsewhere from a delta: every generation ``entry`` needs
+        is staged as it is (each rank that moves pulls its file of each link
+        from a node holding it), oldest first; (damaged, other problems),
+        each naming the link."""
+        by_gen = {e["gen"]: e for e in generations}
+        for gen in sorted(retention.needs_of(generations).get(entry["gen"]) or ()):
+            link = by_gen[gen]
+            sources = relocate.plan_sources(placement, list(link["placement"]), link.get("copies"), holding)
+            if sources.missing:
+                return [], [f"it needs generation {gen}: {relocate.describe_missing(sources.missing)}"]
+            if not sources.pulls:
+                continue
+            damaged, failures = await self._stage(record, lineage, link, sources)
+            if damaged:
+                await self._mark(link, "damaged", "; ".join(damaged))
+                link["state"] = "damaged"
+            if damaged or failures:
+                return ([f"it needs generation {gen}, which is damaged: {p}" for p in damaged],
+                        [f"it needs generation {gen}: {p}" for p in failures])
+        return [], []
+
+    async def _verify_links(self, lineage: int, entry: dict, generations: list[dict], placement: list[str],
+                            ranks: list[int]) -> tuple[list[str], list[str]]:
+        """Verify every generation ``entry`` needs, for the ``ranks`` that stay
+        (on the node ``placement`` puts them, which holds their files of every
+        link as of the generation: a chain never spans a layout change); the
+        files of ranks that move are checked by their transfer. A damaged link
+        is marked damaged, and each problem names the link, its node and path."""
+        by_gen = {e["gen"]: e for e in generations}
+        for gen in sorted(retention.needs_of(generations).get(entry["gen"]) or (), reverse=True):
+            link = by_gen[gen]
+            damaged, unreachable = await self._verify(lineage, {**link, "placement": placement}, ranks)
+            if damaged:
+                await self._mark(link, "damaged", "; ".join(damaged))
+                link["state"] = "damaged"  # (an older candidate that needs it is skipped too)
+            if damaged or unreachable:
+                return ([f"it needs generation {gen}, which is damaged: {p}" for p in damaged],
+                        [f"it needs generation {gen}: {p}" for p in unreachable])
+        return [], []
+
     async def _verify(self, lineage: int, entry: dict, ranks: list[int] | None = None) -> tuple[list[str], list[str]]:
         """(damaged files, nodes that could not check) of a generation, each a
         line naming node and path (``ranks``: only those ranks', each where
@@ -1119,6 +1303,19 @@ class CheckpointCoordinator:
                     log.info("job %d: periodic checkpoint skipped: %s", job_id, exc.message)
         finally:
             self.periodic.discard(job_id)
+
+
+def delta_gate(asked: str | None) -> bool:
+    """Whether a job may write deltas: ``asked`` its (or its lineage's)
+    ``--ckpt-mode``; else the coordinator asks the nodes for whole files
+    (``force_full``: offers in mode full). Every path that moves a
+    generation's files moves its links too (a restart elsewhere stages them,
+    a lost node's are rebuilt from each link's redundancy, a flush flushes
+    them first and a restore from the flush directory restores them), so
+    neither the redundancy level nor a flush closes the gate; the cluster's
+    ``[checkpoint] mode`` alone does not turn deltas on yet (until the
+    benches and tests that read whole files ask for ``full``)."""
+    return asked in ("incremental", "differential", "adaptive")
 
 
 def _wiped_first(wiped: dict[str, str], problem: str) -> str:

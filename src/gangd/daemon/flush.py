@@ -438,6 +438,7 @@ class Flusher:
         throttle = Throttle(0, stop)
         files = dict(local.files) if local is not None else {}
         landed: dict[str, list] = {}
+        needs: dict[str, list[int]] = {}
         ranks: set[int] = set()
         iteration = local.iteration if local is not None else None
         total = 0
@@ -476,6 +477,8 @@ class Flusher:
                         self._copy_in(flushed / source, node_fd, name, size, checksum, directory, gen_fd,
                                       request.owner if name.startswith(f"{ckptstore.RANKS_DIR}/") else None, throttle, copied)
                         files[name] = landed[name] = [size, checksum]
+                        if theirs.links(name):  # (a delta: the generations it needs, as its node's MANIFEST said)
+                            needs[name] = theirs.links(name)
                         total += size
                     ranks |= set(wanted_ranks)
                 finally:
@@ -485,7 +488,7 @@ class Flusher:
             os.close(gen_fd)
         if iteration is None:  # (pulls is never empty: the request says so)
             raise StoreError("nothing to restore")
-        return total, merged(local, request.lineage, request.gen, self.node, iteration, landed, ranks)
+        return total, merged(local, request.lineage, request.gen, self.node, iteration, landed, ranks, needs)
 
     def _copy_in(self, source_dir: Path, source_fd: int, name: str, size: int, checksum: str, directory: Path, gen_fd: int,
                  owner: tuple[int, int] | None, throttle: Throttle, copied: list[str]) -> None:

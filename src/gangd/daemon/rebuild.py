@@ -136,7 +136,8 @@ class Rebuilder:
                 else:
                     lost, wanted = await self._xor(request, directory, local, landed, scratch)
                 manifest = merged(local, request.lineage, request.gen, self.node, lost.iteration,
-                                  {name: [size, checksum] for name, size, checksum in wanted}, set(lost.ranks))
+                                  {name: [size, checksum] for name, size, checksum in wanted}, set(lost.ranks),
+                                  {name: lost.links(name) for name, _, _ in wanted if lost.links(name)})
                 await trio.to_thread.run_sync(self.target.commit, directory, manifest, [name for name, _, _ in wanted])
         except BaseException as exc:
             with trio.CancelScope(shield=True):

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import trio
 
 from .. import jobs
+from ..checkpoint import delta, retention
 from ..failpoint import hold, refuse
 from ..rpc import RemoteError
 from .peers import natural_key
@@ -114,7 +115,21 @@ def usable_generation(generations: list[dict], lost: set[str]) -> tuple[dict | N
     Protected: the lost nodes' files can be rebuilt from the redundancy.
     Flushed (to ``[checkpoint] flush_dir``): every file is there.
     Complete: only if none of its files were on a lost node (nothing to rebuild)."""
+    needs = retention.needs_of(generations)
+    by_gen = {e["gen"]: e for e in generations}
     for entry in sorted(generations, key=lambda e: -e["gen"]):
+        if needs.get(entry["gen"]):
+            # Incremental files: usable where it and every link survive, or where
+            # every one is protected (each link's lost files are rebuilt from its
+            # own redundancy) or flushed (a flush flushes the links first).
+            chain = [by_gen.get(g) for g in delta.needed(needs, [entry["gen"]])]
+            if all(e is not None and e.get("state") in USABLE and _survives(e, lost) for e in chain):
+                return entry, ""
+            if all(e is not None and e.get("state") == "protected" for e in chain):
+                return entry, ""
+            if all(e is not None and e.get("state") in USABLE and e.get("flushed") for e in chain):
+                return entry, ""
+            continue
         if entry.get("state") == "protected" or (entry.get("state") in USABLE and entry.get("flushed")):
             return entry, ""
         if entry.get("state") == "complete" and _survives(entry, lost):

@@ -169,7 +169,8 @@ class Stager:
                 iteration = next(iter(manifests.values())).iteration
                 manifest = merged(local, request.lineage, request.gen, self.node, iteration,
                                   {name: [size, checksum] for _, name, size, checksum in wanted},
-                                  {r for ranks_of in request.pulls.values() for r in ranks_of})
+                                  {r for ranks_of in request.pulls.values() for r in ranks_of},
+                                  {name: list(manifests[source].links(name)) for source, name, _, _ in wanted if manifests[source].links(name)})
                 await trio.to_thread.run_sync(self.target.commit, directory, manifest, [name for _, name, _, _ in wanted])
         except trio.TooSlowError:
             await self.target.undo(directory, pulled)

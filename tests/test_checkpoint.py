@@ -88,6 +88,7 @@ def test_checkpoint_kill_restart_is_bit_identical(gc, app):
     assert gen["state"] == "complete", gen
     assert 0 < gen["iteration"] < 300
     assert set(gen["nodes"]) == {"n1", "n2"}
+    settled(gc, job)  # (the partner copy is written behind the job: its temporary files come and go until then)
     for node, stats in gen["nodes"].items():
         assert stats["bytes"] > 0 and stats["ranks"] == 2
         directory = gen_dir(gc, node, job, gen["gen"])

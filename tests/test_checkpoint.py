@@ -238,14 +238,25 @@ def test_ctrl_backslash_on_gang_run_checkpoints_the_job(gc):
 
 
 def test_sigusr1_to_any_daemon_checkpoints_every_running_job(gc):
-    first = submit(gc, [JOB, "--steps", "100000", "--sleep", "0.01"])
-    second = submit(gc, [JOB, "--steps", "100000", "--sleep", "0.01"])
-    wait_running_a_bit(gc, first, 0.5)
-    wait_running_a_bit(gc, second, 0.1)
-    os.kill(gc.daemon_pid("n2"), signal.SIGUSR1)
-    for job in (first, second):
-        gen = wait_generations(gc, job, 1)[0]
-        assert "SIGUSR1" in gen["trigger"] and "n2" in gen["trigger"]
+    # A job whose ranks take no checkpoints comes first: the others are
+    # checkpointed all the same. Each checkpointing job holds once its ranks
+    # have called ckpt.init() (a fixed wait after RUNNING was not always
+    # enough in CI, and such a checkpoint is refused, leaving no generation).
+    plain = int(gc.gang("submit", "-n", 1, "--", "sleep", "300", check=True).stdout)
+    held, release = hold(gc, 50)
+    first = submit(gc, [JOB, "--steps", "100000", "--sleep", "0.01", *held], 2)
+    second = submit(gc, [JOB, "--steps", "100000", "--sleep", "0.01", *held], 2)
+    wait_running_a_bit(gc, plain, 0)
+    wait_holding(gc, first)
+    wait_holding(gc, second)
+    try:
+        os.kill(gc.daemon_pid("n2"), signal.SIGUSR1)
+        for job in (first, second):
+            gen = wait_generations(gc, job, 1)[0]
+            assert "SIGUSR1" in gen["trigger"] and "n2" in gen["trigger"]
+    finally:
+        release.touch()
+        gc.gang("kill", plain)
 
 
 def test_periodic_checkpoints_with_ckpt_every(gc):

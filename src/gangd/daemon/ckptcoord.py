@@ -193,11 +193,16 @@ class CheckpointCoordinator:
         return result
 
     async def request_all(self, trigger: str) -> list[dict]:
-        """Checkpoint every running or suspended job (SIGUSR1 to a daemon)."""
+        """Checkpoint every running or suspended job (SIGUSR1 to a daemon): one
+        entry per job, its generation or why it was refused (a job whose ranks
+        take no checkpoints does not keep the others from theirs)."""
         out = []
         for record in list(self.daemon.table.active()):
             if record["state"] in (jobs.RUNNING, jobs.SUSPENDED):
-                out.append(await self.request(record["id"], ROOT, trigger, wait=False))
+                try:
+                    out.append(await self.request(record["id"], ROOT, trigger, wait=False))
+                except RemoteError as exc:
+                    out.append({"job": record["id"], "refused": exc.message})
         return out
 
     # ------------------------------------------------------------ one generation

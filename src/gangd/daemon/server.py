@@ -455,7 +455,8 @@ class Daemon:
         except RemoteError as exc:
             log.warning("SIGUSR1: could not start the checkpoints: %s", exc)
             return
-        log.info("SIGUSR1: checkpoints started: %s", ", ".join(f"job {c['job']} generation {c['gen']}" for c in started) or "no running jobs")
+        said = [f"job {c['job']}: not checkpointed ({c['refused']})" if "refused" in c else f"job {c['job']} generation {c['gen']}" for c in started]
+        log.info("SIGUSR1: checkpoints started: %s", ", ".join(said) or "no running jobs")
 
     async def _handle_signals(self, scope: trio.CancelScope, notifier) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR1) as signals:

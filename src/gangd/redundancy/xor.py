@@ -358,8 +358,9 @@ class XorStreams:
     its own: the XOR lands in the view (numpy, ``out=``), the first stream's
     block copied rather than XORed into zeros (one pass less)."""
 
-    def __init__(self, sources: Sequence[Iterator], length: int):
+    def __init__(self, sources: Sequence[Iterator], length: int, names: Sequence[str] | None = None):
         self.sources, self.length, self.done = list(sources), length, 0
+        self.names = list(names) if names is not None else [f"source {k}" for k in range(len(self.sources))]
 
     def fill(self, view: memoryview) -> None:
         acc = np.frombuffer(view, dtype=np.uint8)
@@ -373,7 +374,7 @@ class XorStreams:
             for k, src in enumerate(self.sources):
                 block = next(src, None)
                 if block is None or len(block) != n:
-                    raise RebuildError(f"a source gave {0 if block is None else len(block)} bytes at offset {self.done}, expected {n}")
+                    raise RebuildError(f"{self.names[k]} gave {0 if block is None else len(block)} bytes at offset {self.done}, expected {n}")
                 if k == 0:
                     out[:] = np.frombuffer(block, dtype=np.uint8)
                 else:
@@ -398,10 +399,10 @@ class XorStreams:
                 close()
 
 
-def xor_blocks(sources: Sequence[Iterator], length: int) -> Iterator[memoryview]:
+def xor_blocks(sources: Sequence[Iterator], length: int, names: Sequence[str] | None = None) -> Iterator[memoryview]:
     """XOR of equally long block streams, block by block (memory: one block)."""
     acc = aligned_buffer(min(BLOCK, length))
-    streams = XorStreams(sources, length)
+    streams = XorStreams(sources, length, names)
     try:
         while streams.done < length:
             n = min(BLOCK, length - streams.done)
@@ -412,10 +413,12 @@ def xor_blocks(sources: Sequence[Iterator], length: int) -> Iterator[memoryview]
         streams.close()
 
 
-def parity_streams(holder: int, layout: SetLayout, data: Sequence[Source | None]) -> XorStreams:
+def parity_streams(holder: int, layout: SetLayout, data: Sequence[Source | None], nodes: Sequence[str] | None = None) -> XorStreams:
     """Member ``holder``'s parity from the other members' data (``data[holder]`` unused)."""
     c = layout.chunk
-    return XorStreams([iter(data[i].blocks(layout.slot(holder, i) * c, c)) for i in range(layout.n) if i != holder], c)  # type: ignore[union-attr]
+    others = [i for i in range(layout.n) if i != holder]
+    names = [f"node {nodes[i]}'s data" for i in others] if nodes is not None else None
+    return XorStreams([iter(data[i].blocks(layout.slot(holder, i) * c, c)) for i in others], c, names)  # type: ignore[union-attr]
 
 
 def _redundancy_dir(gen_fd: int, gen_dir: Path) -> int:
@@ -440,7 +443,7 @@ def write_parity(gen_dir: Path, meta_base: XorMeta, data: Sequence[Source | None
             except FileNotFoundError:
                 pass
             where = gen_dir / REDUNDANCY_DIR
-            size, checksum = _write_direct(sub, PARITY, where, parity_streams(meta_base.index, meta_base.layout, data))
+            size, checksum = _write_direct(sub, PARITY, where, parity_streams(meta_base.index, meta_base.layout, data, meta_base.nodes))
             meta = XorMeta(meta_base.lineage, meta_base.gen, meta_base.nodes, meta_base.index, meta_base.sizes, size, checksum, meta_base.manifests)
             ckptstore.write_atomic(where / META, [meta.pack()], dir_fd=sub)
             return meta
@@ -678,11 +681,13 @@ def _rebuild_into(gen_fd: int, where: Path, lost: int, meta: XorMeta, manifest: 
             j = layout.holder(lost, s)
             streams = [iter(parity[j].blocks(0, c))]  # type: ignore[union-attr]
             streams += [iter(data[i].blocks(layout.slot(j, i) * c, c)) for i in survivors if i != j]  # type: ignore[union-attr]
-            yield from xor_blocks(streams, c)
+            names = [f"node {meta.nodes[j]}'s parity"] + [f"node {meta.nodes[i]}'s data" for i in survivors if i != j]
+            yield from xor_blocks(streams, c, names)
 
     stream = _Take(lost_data())
     problems: list[str] = []
     dirs: dict[str, int] = {}
+    offset = 0  # (of the file being rebuilt in the lost member's data: named if its bytes cannot be had)
     try:
         for name, size in data_files(manifest):
             *parts, leaf = name.split("/")
@@ -692,7 +697,11 @@ def _rebuild_into(gen_fd: int, where: Path, lost: int, meta: XorMeta, manifest: 
             if parts:
                 fd = dirs.get(parts[0]) or _subdir(gen_fd, parts[0], where, owner, dirs)
             file_owner = owner if parts else None
-            got_size, got = ckptstore.write_atomic(where / name, stream.take(size), owner=file_owner, durable=True, dir_fd=fd)
+            try:
+                got_size, got = ckptstore.write_atomic(where / name, stream.take(size), owner=file_owner, durable=True, dir_fd=fd)
+            except RebuildError as exc:  # (a survivor's stream: what of the lost node's could not be rebuilt, then why)
+                raise type(exc)(f"its {name} ({size} bytes at offset {offset} of its data) could not be rebuilt: {exc}") from None
+            offset += size
             want_size, want = manifest.files[name]
             if (got_size, got) != (want_size, want):
                 problems.append(f"{name}: rebuilt checksum {got[:16]}… does not match the manifest's {want[:16]}…")

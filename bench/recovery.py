@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing as mp
 import os
 import shutil
@@ -59,6 +58,7 @@ import trio
 from gangd import ckptstore
 from gangd.protocol import Connection, Role
 from gangd.redundancy import bulk, transfer, xor
+from gangd.redundancy.plan import DEFAULT_SET_SIZE, make_plan
 from gangd.rpc import Channel, RemoteError
 
 LINEAGE, GEN = 1, 1
@@ -89,14 +89,27 @@ def write_local(root: Path, i: int, mib: int) -> ckptstore.Manifest:
     return manifest
 
 
-def node_main(i: int, n: int, mode: str, base: str, mib: int, socks: dict, barrier, results) -> None:
+def node_main(i: int, n: int, k: int, mode: str, base: str, mib: int, socks: dict, barrier, results, profile: str | None) -> None:
     try:
-        results.put((i, trio.run(node_async, i, n, mode, Path(base), mib, socks, barrier)))
+        results.put((i, trio.run(node_async, i, n, k, mode, Path(base), mib, socks, barrier, profile)))
     except BaseException as exc:  # noqa: BLE001 -- reported to the parent
         results.put((i, f"{type(exc).__name__}: {exc}"))
 
 
-async def node_async(i: int, n: int, mode: str, base: Path, mib: int, socks: dict, barrier) -> dict:
+def profiled(path: str | None, fn, *args):
+    """``fn(*args)``, under cProfile into ``path`` if given (the redundancy's thread: where its CPU goes)."""
+    if path is None:
+        return fn(*args)
+    import cProfile
+
+    prof = cProfile.Profile()
+    try:
+        return prof.runcall(fn, *args)
+    finally:
+        prof.dump_stats(path)
+
+
+async def node_async(i: int, n: int, k: int, mode: str, base: Path, mib: int, socks: dict, barrier, profile: str | None) -> dict:
     root = base / node_name(i)
     root.mkdir(parents=True, exist_ok=True)
     alone = mode.endswith(ALONE)
@@ -151,18 +164,33 @@ async def node_async(i: int, n: int, mode: str, base: Path, mib: int, socks: dic
             manifest = ckptstore.read_manifest(ckptstore.gen_dir(base / node_name(prev), LINEAGE, GEN))  # (handed over with the request in gangd)
             dest = gen / xor.REDUNDANCY_DIR / f"partner-{node_name(prev)}"
             dest.mkdir(parents=True)
+            if profile is not None and i == 0:
+                import cProfile
+
+                prof = cProfile.Profile()  # (the event loop's thread: the transfer's threads are not in it)
+                prof.enable()
             await transfer.fetch_generation(clients[prev], manifest, dest, bulk=key)
+            if profile is not None and i == 0:
+                prof.disable()
+                prof.dump_stats(profile)
         elif level == "xor":
-            manifests = [ckptstore.read_manifest(ckptstore.gen_dir(base / node_name(j), LINEAGE, GEN)) for j in range(n)]
-            sources: list = [transfer.RemoteData(nursery, clients[j], LINEAGE, GEN, bulk=key) if j != i else None for j in range(n)]
-            await trio.to_thread.run_sync(xor.write_parity, gen, xor.meta_for(manifests, [node_name(j) for j in range(n)], i), sources)
+            members = [int(name[1:]) for name in xor_set(n, k, i)]
+            manifests = [ckptstore.read_manifest(ckptstore.gen_dir(base / node_name(j), LINEAGE, GEN)) for j in members]
+            sources: list = [transfer.RemoteData(nursery, clients[j], LINEAGE, GEN, bulk=key) if j != i else None for j in members]
+            meta = xor.meta_for(manifests, [node_name(j) for j in members], members.index(i))
+            await trio.to_thread.run_sync(profiled, profile if i == 0 else None, xor.write_parity, gen, meta, sources)
         end, cpu2 = time.perf_counter(), time.process_time()
         await trio.to_thread.run_sync(barrier.wait)  # nobody stops serving before everyone is done
         nursery.cancel_scope.cancel()
     return {"start": start, "local": local_done, "end": end, "local_cpu": cpu1 - cpu0, "redundancy_cpu": cpu2 - cpu1}
 
 
-def run_mode(mode: str, n: int, mib: int, workdir: Path) -> dict:
+def xor_set(n: int, k: int, i: int) -> tuple[str, ...]:
+    """Node ``i``'s XOR set as gangd forms them (:func:`gangd.redundancy.plan.xor_sets`, sets of at most k)."""
+    return make_plan([node_name(j) for j in range(n)], "xor", k).set_of(node_name(i))
+
+
+def run_mode(mode: str, n: int, k: int, mib: int, workdir: Path, profile: str | None = None) -> dict:
     base = workdir / f"run-{mode.replace('/', '-')}"
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(mode=0o711)
@@ -170,7 +198,7 @@ def run_mode(mode: str, n: int, mib: int, workdir: Path) -> dict:
     if mode.startswith("partner"):
         pairs = [(i, (i - 1) % n) for i in range(n)]
     elif mode.startswith("xor"):
-        pairs = [(i, j) for i in range(n) for j in range(n) if i != j]
+        pairs = [(i, int(m[1:])) for i in range(n) for m in xor_set(n, k, i) if m != node_name(i)]
     socks = {}
     for p in pairs:
         a, b = socket.socketpair()
@@ -179,7 +207,7 @@ def run_mode(mode: str, n: int, mib: int, workdir: Path) -> dict:
     ctx = mp.get_context("fork")
     barrier = ctx.Barrier(n)
     results = ctx.Queue()
-    procs = [ctx.Process(target=node_main, args=(i, n, mode, str(base), mib, socks, barrier, results)) for i in range(n)]
+    procs = [ctx.Process(target=node_main, args=(i, n, k, mode, str(base), mib, socks, barrier, results, profile)) for i in range(n)]
     for p in procs:
         p.start()
     for a, b in socks.values():
@@ -209,26 +237,39 @@ def run_mode(mode: str, n: int, mib: int, workdir: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--mib", type=int, default=256, help="checkpoint size per node (MiB)")
-    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--mib", type=int, default=128, help="checkpoint size per node (MiB)")
+    parser.add_argument("--nodes", type=int, default=8)
+    parser.add_argument("--set-size", type=int, default=DEFAULT_SET_SIZE,
+                        help=f"XOR set size k (default {DEFAULT_SET_SIZE}, gangd's and SCR's; capped at --nodes)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where the nodes' directories go (default: a temporary directory in $TMPDIR or /tmp)")
     parser.add_argument("--transport", choices=["bulk", "channel", "both"], default="bulk",
                         help="how redundancy bytes move: a bulk TCP connection, the rpc channel, or each in turn")
     parser.add_argument("--alone", action=argparse.BooleanOptionalAction, default=True,
                         help="also each level with one node working and the others only serving (default: yes)")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="cProfile node n0's redundancy phase (xor: its parity thread; partner: its event loop) into DIR/<mode>-<run>.prof "
+                             "and print the top functions of the last run")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     out = sys.stderr if args.json else sys.stdout
+    k = min(args.set_size, args.nodes)
+    sets = make_plan([node_name(j) for j in range(args.nodes)], "xor", k).sets
     workdir = Path(tempfile.mkdtemp(prefix="gangd-recovery-", dir=args.dir))
     transports = ["bulk", "channel"] if args.transport == "both" else [args.transport]
     shared = ["local"] + [f"{level}/{t}" for t in transports for level in ("partner", "xor")]
     modes = shared + ([m + ALONE for m in shared] if args.alone else [])
     runs: dict[str, list[dict]] = {m: [] for m in modes}
+    profiles: dict[str, str] = {}
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
     try:
         for rep in range(args.repeats):
             for mode in modes if rep % 2 == 0 else modes[::-1]:
-                r = run_mode(mode, args.nodes, args.mib, workdir)
+                prof = None
+                if args.profile and not mode.startswith("local"):
+                    prof = profiles[mode] = str(Path(args.profile) / f"{mode.replace('/', '-')}-{rep + 1}.prof")
+                r = run_mode(mode, args.nodes, k, args.mib, workdir, prof)
                 runs[mode].append(r)
                 print(f"  run {rep + 1} {mode:18s} {r['seconds']:7.2f} s  {r['bandwidth_mib_s']:8.1f} MiB/s", file=out, flush=True)
     finally:
@@ -240,31 +281,47 @@ def main() -> None:
     med = {m: median(m, "bandwidth_mib_s") for m in modes}
     ratio = {m: med[m] / med["local" + (ALONE if m.endswith(ALONE) else "")] for m in modes}
     in_run = {m: median(m, "in_run_ratio") for m in modes}
+    # What each level writes per byte of checkpoint (the same on one shared disk as on a node's own): its bound on a disk-bound machine.
+    stored = {level: median(level, "stored_over_data") for level in shared}
+    bound = {m: stored["local"] / stored[m.removesuffix(ALONE)] for m in modes}
     load = os.getloadavg()
-    print(f"\nOne generation of {args.nodes} nodes x {args.mib} MiB; medians of {args.repeats} runs, alternating; "
+    print(f"\nOne generation of {args.nodes} nodes x {args.mib} MiB; XOR sets of k = {k} ({len(sets)} set{'s' if len(sets) > 1 else ''}: "
+          f"{' | '.join(','.join(s) for s in sets)}); medians of {args.repeats} runs, alternating; "
           f"load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs.", file=out)
+    print("HOW: bandwidth = the checkpoint's bytes (nodes x MiB) / seconds from a common start until the last node's generation", file=out)
+    print("     is PROTECTED (its partner copy or parity fsynced and its MANIFEST / xor.meta written) — SCR's figure: the", file=out)
+    print("     checkpoint's bandwidth including its redundancy encoding. 'local s' is the time until COMPLETE (every node's", file=out)
+    print("     own files fsynced), 'redund. s' the rest.", file=out)
     print("NOTE: every 'node' is a directory on this one machine's disk (all writes queue on one disk), its CPUs shared", file=out)
     print("      by all the nodes, and the links are local socket pairs; on a cluster each node has its own disk and CPUs.", file=out)
+    print("'bytes x': what the level writes per byte local writes (stored/B over local's): xor k/(k-1), partner 2. On a", file=out)
+    print("      disk-bound machine — one shared disk, or a node's own — a level's ratio cannot exceed 1/that ('bound'):", file=out)
+    print(f"      xor with k = {k} at most {bound[shared[2]]:.3f}x, partner 0.5x; SCR's 0.8x is XOR with its default k = 8 (bound 0.875).", file=out)
     print("'x local': median bandwidth over the median of the local runs; 'in run': median over runs of the run's own", file=out)
     print("local phase time / its total time (the same generation, local then redundancy: robust to a noisy machine).", file=out)
-    print("'local s', 'redund. s': median seconds of the two phases. 'cpu ms/MiB': CPU time of the node processes per MiB", file=out)
-    print("of checkpoint, local phase + redundancy phase, serving threads included (the work, whatever CPU a run gets).", file=out)
+    print("'cpu ms/MiB': CPU time of the node processes per MiB of checkpoint, local phase + redundancy phase, serving", file=out)
+    print("threads included (the work, whatever CPU a run gets).", file=out)
     if args.alone:
         print(f"'{ALONE}': only node n0 writes its generation and then its redundancy (timed), the others' generations there", file=out)
         print("before and the others only serving: one node's work with the machine to itself, as each node of a cluster", file=out)
         print("has its own disk and CPUs (n0 then does not serve its own data to the others, which a cluster node does at", file=out)
-        print("the same time: on this machine that is about a third of the redundancy phase's CPU).", file=out)
-    print(f"{'level':18s} {'MiB/s':>9s} {'x local':>8s} {'in run':>7s} {'local s':>8s} {'redund. s':>9s} {'stored/B':>9s} {'target':>8s} "
+        print("the same time).", file=out)
+    print(f"{'level':18s} {'MiB/s':>9s} {'x local':>8s} {'in run':>7s} {'bound':>6s} {'target':>8s} {'local s':>8s} {'redund. s':>9s} {'bytes x':>8s} "
           f"{'cpu ms/MiB':>15s}", file=out)
     targets = {"local": "", "partner": ">= 0.50", "xor": ">= 0.75"}
     for m in modes:
-        stored = median(m, "stored_over_data")
-        print(f"{m:18s} {med[m]:9.1f} {ratio[m]:8.2f} {in_run[m]:7.2f} {median(m, 'local_seconds'):8.2f} {median(m, 'redundancy_seconds'):9.2f} "
-              f"{'-' if math.isnan(stored) else f'{stored:.3f}':>9s} {targets[m.partition('/')[0].removesuffix(ALONE)]:>8s} "
+        print(f"{m:18s} {med[m]:9.1f} {ratio[m]:8.2f} {in_run[m]:7.2f} {bound[m]:6.3f} {targets[m.partition('/')[0].removesuffix(ALONE)]:>8s} "
+              f"{median(m, 'local_seconds'):8.2f} {median(m, 'redundancy_seconds'):9.2f} {stored[m.removesuffix(ALONE)] / stored['local']:8.3f} "
               f"{median(m, 'local_cpu_ms_per_mib'):6.2f} + {median(m, 'redundancy_cpu_ms_per_mib'):5.2f}", file=out)
+    if profiles:
+        import pstats
+
+        for mode, path in profiles.items():
+            print(f"\n--- cProfile of n0's redundancy phase, {mode}, last run ({path}); by own time:", file=out)
+            pstats.Stats(path, stream=out).sort_stats("tottime").print_stats(12)
     if args.json:
-        print(json.dumps({"nodes": args.nodes, "mib": args.mib, "load": load, "runs": runs, "median_mib_s": med,
-                          "ratio": ratio, "in_run_ratio": in_run}))
+        print(json.dumps({"nodes": args.nodes, "mib": args.mib, "set_size": k, "load": load, "runs": runs, "median_mib_s": med,
+                          "ratio": ratio, "in_run_ratio": in_run, "bound": bound}))
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ async def labelled_channel(nursery: trio.Nursery, handler, peer: str) -> Channel
 
 @pytest.mark.parametrize("liar", ["n1", "n2"])
 async def test_a_survivor_cut_during_a_rebuild_is_named_with_the_lost_file(tmp_path, liar):
-    nodes, dirs, content, metas = xor_set(tmp_path, n=3, seed=21)
+    nodes, _dirs, content, metas = xor_set(tmp_path, n=3, seed=21)
     lost = 0
     new_gen = ckptstore.gen_dir(tmp_path / "n9", 7, 3)
     new_gen.parent.mkdir(parents=True)

@@ -4,7 +4,9 @@ fails with a message naming what could not be rebuilt").
 A survivor of an XOR set whose streams are cut halfway during the rebuild
 of a lost member: the error names the lost node and its generation, the
 file of it being rebuilt when the bytes ran out (and where in its data),
-and the survivor that failed. Real trio Channels over real socket pairs
+and the survivor that failed. A rebuild that does not finish in its time
+(``ckpt_rebuild``'s own side, :class:`gangd.daemon.rebuild.Rebuilder`)
+names the lost node's files it did not rebuild and where it was reading them from. Real trio Channels over real socket pairs
 (each labelled with its peer's name, as a daemon's are), real files, a
 real ``xor.rebuild`` into a real directory; nothing is left behind.
 """
@@ -15,13 +17,14 @@ import socket
 
 import pytest
 import trio
-from test_redundancy import serving
+from test_redundancy import make_gen, serving
 from test_xor_paths import PARITY, xor_set
 
 from gangd import ckptstore
+from gangd.daemon.rebuild import Rebuilder, RebuildRequest
 from gangd.protocol import Connection, Role
 from gangd.redundancy import transfer, xor
-from gangd.rpc import Channel, leaf_error
+from gangd.rpc import Channel, RemoteError, leaf_error
 
 
 async def labelled_channel(nursery: trio.Nursery, handler, peer: str) -> Channel:
@@ -70,3 +73,33 @@ async def test_a_survivor_cut_during_a_rebuild_is_named_with_the_lost_file(tmp_p
     assert len(named) == 1 and "could not be rebuilt" in message, message
     assert f"node {liar}" in message and f"node {({'n1', 'n2'} - {liar}).pop()}" not in message, message
     assert not new_gen.exists() and list(new_gen.parent.iterdir()) == []  # nothing left
+
+
+async def test_a_rebuild_that_runs_out_of_time_names_the_files_it_did_not_rebuild(tmp_path):
+    # n3 is lost; its partner n2 keeps its copy and answers its MANIFEST,
+    # then never sends a byte of its files: the rebuild on n9 ends at its
+    # timeout naming them, and leaves nothing listed.
+    files = {"ranks/rank-2.state": b"s" * 5000, "job.msgpack": b"j" * 100}
+    copy = ckptstore.gen_dir(tmp_path / "n2", 7, 3) / xor.REDUNDANCY_DIR / "partner-n3"
+    make_gen(copy, "n3", files)
+    honest = serving(tmp_path / "n2")
+
+    async def stalling(channel, request):
+        if request.args.get("name", "").endswith(ckptstore.MANIFEST):
+            return await honest(channel, request)
+        await trio.sleep_forever()
+
+    root = tmp_path / "n9"
+    root.mkdir(mode=0o711)
+    async with trio.open_nursery() as nursery:
+        channel = await labelled_channel(nursery, stalling, "n2")
+        rebuilder = Rebuilder(node="n9", root=root, channel=lambda node: channel, reserve=0, max_file=1 << 30)
+        request = RebuildRequest(7, 3, (65534, 65534), "n3", "partner", ("n2",), 1.0)
+        with pytest.raises(RemoteError) as err:
+            await rebuilder.rebuild(request)
+        nursery.cancel_scope.cancel()
+    message = err.value.message
+    assert message.startswith("n9: rebuilding node n3's job-7/gen-3: not done within 1 s; "), message
+    assert "node n3's files not rebuilt from its partner copy on n2: job.msgpack, ranks/rank-2.state (5100 bytes)" in message, message
+    gen = ckptstore.gen_dir(root, 7, 3)
+    assert not (gen / ckptstore.MANIFEST).exists() and not any((gen / "ranks").iterdir())

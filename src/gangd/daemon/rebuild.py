@@ -128,13 +128,14 @@ class Rebuilder:
         from .checkpoint import NoRoom  # (checkpoint imports nothing of this module)
 
         landed: list[str] = []  # final names this call wrote (removed again if it fails)
+        todo: list[tuple[str, int, str]] = []  # the lost node's files this call rebuilds, once its manifest is known
         scratch = f"rebuilt-{request.lost}"
         try:
             with trio.fail_after(request.timeout):
                 if request.method == "partner":
-                    lost, wanted = await self._partner(request, directory, local, landed)
+                    lost, wanted = await self._partner(request, directory, local, landed, todo)
                 else:
-                    lost, wanted = await self._xor(request, directory, local, landed, scratch)
+                    lost, wanted = await self._xor(request, directory, local, landed, scratch, todo)
                 manifest = merged(local, request.lineage, request.gen, self.node, lost.iteration,
                                   {name: [size, checksum] for name, size, checksum in wanted}, set(lost.ranks),
                                   {name: lost.links(name) for name, _, _ in wanted if lost.links(name)})
@@ -146,7 +147,7 @@ class Rebuilder:
             if isinstance(exc, BaseExceptionGroup):
                 exc = leaf_error(exc)
             if isinstance(exc, trio.TooSlowError):
-                raise RemoteError("rebuild_failed", f"{where}: not done within {request.timeout:.0f} s") from None
+                raise RemoteError("rebuild_failed", f"{where}: not done within {request.timeout:.0f} s; {_not_rebuilt(request, todo)}") from None
             if isinstance(exc, transfer.Mismatch | BulkMismatch):
                 raise RemoteError(DAMAGED, f"{where}: {exc.message}") from None
             if isinstance(exc, RemoteError):
@@ -199,7 +200,7 @@ class Rebuilder:
     # ------------------------------------------------------------ partner
 
     async def _partner(self, request: RebuildRequest, directory: Path, local: Manifest | None,
-                       landed: list[str]) -> tuple[Manifest, list[tuple[str, int, str]]]:
+                       landed: list[str], todo: list[tuple[str, int, str]]) -> tuple[Manifest, list[tuple[str, int, str]]]:
         holder = request.sources[0]
         prefix = transfer.partner_prefix(request.lost)
         if holder == self.node:
@@ -207,6 +208,7 @@ class Rebuilder:
         else:
             lost = await transfer.fetch_manifest(self.channel(holder), lineage=request.lineage, gen=request.gen, prefix=prefix, node=request.lost)
         wanted = self._wanted(request, lost, local)
+        todo[:] = wanted
         await trio.to_thread.run_sync(self.target.room, directory, sum(size for _, size, _ in wanted))
         if holder == self.node:
             await trio.to_thread.run_sync(self._copy_partner, directory, request, wanted, landed)
@@ -290,7 +292,7 @@ class Rebuilder:
         return metas
 
     async def _xor(self, request: RebuildRequest, directory: Path, local: Manifest | None, landed: list[str],
-                   scratch: str) -> tuple[Manifest, list[tuple[str, int, str]]]:
+                   scratch: str, todo: list[tuple[str, int, str]]) -> tuple[Manifest, list[tuple[str, int, str]]]:
         metas = await self._metas(request, directory)
         first = metas[request.sources[0]]
         for source, meta in metas.items():
@@ -307,6 +309,7 @@ class Rebuilder:
         except StoreError as exc:
             raise RemoteError("rebuild_failed", str(exc)) from None
         wanted = self._wanted(request, lost, local)
+        todo[:] = wanted
         await trio.to_thread.run_sync(self.target.room, directory, xor.data_size(lost))
         dest = await trio.to_thread.run_sync(self._scratch, directory, scratch)
         readers: list[xor.NodeData] = []
@@ -393,6 +396,17 @@ class Rebuilder:
                 os.close(red)
         finally:
             os.close(gen)
+
+
+def _not_rebuilt(request: RebuildRequest, todo: list[tuple[str, int, str]], shown: int = 8) -> str:
+    """What a rebuild cut short had not rebuilt: the lost node's files (or its manifest, not read yet)."""
+    source = f"{request.method} {'copy on' if request.method == 'partner' else 'set of'} {', '.join(request.sources)}"
+    if not todo:
+        return f"node {request.lost}'s manifest of the generation was not read from its {source} yet"
+    names = [name for name, _, _ in todo]
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return (f"node {request.lost}'s files not rebuilt from its {source}: {', '.join(names[:shown])}{more} "
+            f"({sum(size for _, size, _ in todo)} bytes)")
 
 
 def holds(root: Path, lineage: int, gen: int) -> str:

@@ -20,8 +20,10 @@ ones are removed (``checkpoint_keep``).
 
 A restart (``gang restart``) is a new job in the same *lineage*, pinned to
 the nodes of the generation, which every node first verifies against its
-manifest (sizes and checksums). The new job's gates stay closed until
-every rank has loaded its state. A restart elsewhere first moves the files
+manifest (sizes and checksums; a file unchanged since it was last found
+intact is not read again, :mod:`gangd.daemon.verified`, and the ranks check
+every byte as they restore). The new job's gates stay closed until every
+rank has loaded its state. A restart elsewhere first moves the files
 of ranks that move (:mod:`gangd.daemon.staging`); files that are only on
 nodes that are down are rebuilt, if the generation is *protected*, from its
 redundancy on the node replacing each lost one (:mod:`gangd.daemon.rebuild`);

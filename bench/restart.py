@@ -384,6 +384,12 @@ def report(rows: dict[str, list[dict]], args) -> dict:
     return summary
 
 
+def _leaves(group: BaseException) -> list[BaseException]:
+    if isinstance(group, BaseExceptionGroup):
+        return [leaf for exc in group.exceptions for leaf in _leaves(exc)]
+    return [group]
+
+
 def main() -> None:
     global out
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -438,6 +444,12 @@ def main() -> None:
                             trial = dmtcp_trial(binary, args, gzip=kind == "dmtcp gzip")
                     except (BenchError, subprocess.SubprocessError) as exc:
                         say(f"  [{repeat + 1}/{args.repeats}] {kind:<16} FAILED: {exc}")
+                        continue
+                    except BaseExceptionGroup as group:  # (trio's nurseries wrap a trial's BenchError)
+                        failed, other = group.split((BenchError, subprocess.SubprocessError))
+                        if failed is None or other is not None:
+                            raise
+                        say(f"  [{repeat + 1}/{args.repeats}] {kind:<16} FAILED: {'; '.join(map(str, _leaves(failed)))}")
                         continue
                     rows[kind].append(trial)
                     say(f"  [{repeat + 1}/{args.repeats}] {kind:<16} restart {trial['restart_s']:.2f} s (first line: iteration {trial['first_iteration_line']})"

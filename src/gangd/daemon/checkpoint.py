@@ -859,13 +859,12 @@ class NodeCheckpoints:
                 names = [n for n in manifest.files if n == "job.msgpack" or any(n in (ckptstore.cluster_rank_file(r), ckptstore.net_file(r)) for r in ranks)]
                 missing = [ckptstore.cluster_rank_file(r) for r in ranks if ckptstore.cluster_rank_file(r) not in manifest.files]
                 problems = [f"{self.daemon.node}: {directory / n} is not in the manifest" for n in missing]
-                before = {} if full else _stats(gen, directory, names)
-                unread = [n for n in names if not (n in before and self.verified.intact(directory, n, before[n], manifest.files[n][1]))]
+                before = _stats(gen, directory, names)
+                unread = [n for n in names if full or not (n in before and self.verified.intact(directory, n, before[n], manifest.files[n][1]))]
                 found = ckptstore.verify(directory, unread, dir_fd=gen, owner=os.geteuid())
-                if not found:  # (read whole and intact: unchanged since, the next check need not read it)
-                    after = _stats(gen, directory, unread)
-                    for n, st in after.items():
-                        if full or (n in before and verified_stamp(before[n]) == verified_stamp(st)):
+                if not found:  # (read whole and intact, and unchanged meanwhile: the next check need not read it)
+                    for n, st in _stats(gen, directory, unread).items():
+                        if n in before and verified_stamp(before[n]) == verified_stamp(st):
                             self.verified.record(directory, n, st, manifest.files[n][1])
                 return problems + [f"{self.daemon.node}: {p}" for p in found]
             finally:

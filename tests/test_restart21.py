@@ -28,6 +28,7 @@ from ckpthelpers import TERMINAL, checkpoint, gen_dir, generations, hold, kill_w
 from conftest import shared_cluster, wait_for
 
 from gangd import ckptstore
+from gangd.daemon.verified import Verified
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = str(ROOT / "tests" / "jobs" / "ckptjob.py")
@@ -38,12 +39,6 @@ root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mounting a
 def gc():
     with shared_cluster(2, cores=2) as cluster:
         yield cluster
-
-
-@pytest.fixture(autouse=True)
-def _leave_it_empty(gc):
-    yield
-    kill_what_is_left(gc)
 
 
 def rot(image: Path, path: Path, offset: int) -> None:
@@ -117,3 +112,37 @@ def test_damage_below_the_file_system_fails_the_restore_naming_the_file_and_the_
         kill_what_is_left(gc)
         if subprocess.run(["umount", str(directory)], capture_output=True, check=False).returncode != 0:
             subprocess.run(["umount", "-l", str(directory)], capture_output=True, check=False)
+
+
+# ---------------------------------------------------------------- the node's memory of intact files
+
+
+def test_a_file_is_taken_as_intact_only_while_it_is_the_same_file_with_the_same_checksum(tmp_path):
+    path = tmp_path / "rank-0.ckpt"
+    path.write_bytes(b"x" * 4096)
+    known = Verified()
+    assert not known.intact(tmp_path, path.name, path.stat(), "d1")  # (never checked)
+    known.record(tmp_path, path.name, path.stat(), "d1")
+    assert known.intact(tmp_path, path.name, path.stat(), "d1")
+    assert not known.intact(tmp_path, path.name, path.stat(), "d2")  # (a manifest rewritten since: another checksum)
+    assert not known.intact(tmp_path / "other", path.name, path.stat(), "d1")
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns - 1_000_000_000))  # (a touch changes the times)
+    assert not known.intact(tmp_path, path.name, path.stat(), "d1")
+    known.record(tmp_path, path.name, path.stat(), "d1")
+    replacement = tmp_path / "new"
+    replacement.write_bytes(path.read_bytes())
+    os.utime(replacement, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns))
+    replacement.rename(path)  # (the same bytes and times in another file: not the file that was checked)
+    assert not known.intact(tmp_path, path.name, path.stat(), "d1")
+    known.record(tmp_path, path.name, path.stat(), "d1")
+    known.forget(tmp_path)
+    assert not known.intact(tmp_path, path.name, path.stat(), "d1")
+
+
+def test_the_memory_of_intact_files_is_bounded_oldest_forgotten_first(tmp_path):
+    known = Verified(max_files=3)
+    st = tmp_path.stat()
+    for n in range(5):
+        known.record(tmp_path, f"f{n}", st, "d")
+    assert [known.intact(tmp_path, f"f{n}", st, "d") for n in range(5)] == [False, False, True, True, True]

@@ -55,8 +55,9 @@ notes, gates, files — that feeds it events and waits on its predicates.
 
 What a rank reports is hostile until checked
 (:class:`gangd.checkpoint.messages.WriteReport`): its
-state file may be at most ``checkpoint_max_rank_bytes``, because every
-restart checksums it whole — a rank that truncates its file to 16 TiB
+state file may be at most ``checkpoint_max_rank_bytes``, because a
+restart checksums it whole (its rank as it restores; the node, if the file
+changed since it was last found intact: :mod:`gangd.daemon.verified`) — a rank that truncates its file to 16 TiB
 (sparse, no disk used) and reports that size would otherwise make each
 ``gang restart`` read 16 TiB. Those checksums run in a few threads of their
 own (:data:`VERIFY_THREADS`) at normal scheduling, nice 10: the daemon's

@@ -139,10 +139,12 @@ TIMELINE = re.compile(rb"^timeline (.*)$", re.MULTILINE)
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ \S+ \S+: (.*)$")
 
 
-def daemon_phases(directory: Path, job: int, t0: float) -> dict[str, float]:
+def daemon_phases(directory: Path, job: int, t0: float, old: int | None = None) -> dict[str, float]:
     """With ``--phases`` (daemons logging at debug): when the restarted job
     was submitted (the coordinator's checks done), its launch asked on the
-    first and last node, and its first and last rank started, in seconds after t0."""
+    first and last node, and its first and last rank started, in seconds after
+    t0; and how long the coordinator took to choose the generation of ``old``
+    (``choose``) and to verify its files on their nodes (``verify``)."""
     import datetime
 
     found: dict[str, list[float]] = {"submitted": [], "launch": [], "rank": []}
@@ -165,7 +167,9 @@ def daemon_phases(directory: Path, job: int, t0: float) -> dict[str, float]:
                 found["launch"].append(when)
             elif re.match(rf"job {job} rank \d+: (forked|exec)", message):
                 found["rank"].append(when)
-    phases = {}
+            elif old is not None and (took := re.match(rf"job {old}: generation \d+ (chosen|verified) .* in (\d+\.\d+) s$", message)):
+                found.setdefault({"chosen": "choose", "verified": "verify"}[took.group(1)], []).append(float(took.group(2)))
+    phases = {k: max(found[k]) for k in ("choose", "verify") if found.get(k)}
     if found["submitted"]:
         phases["submitted"] = min(found["submitted"])
     for key in ("launch", "rank"):
@@ -236,7 +240,7 @@ async def gangd_trial(directory: Path, args, idiom: str, via_api: bool = False, 
         returned = time.time() - t0
         iteration, printed, marks = await first_line(gang, new)
         served = await trio.to_thread.run_sync(served_ranks, directory, new)
-        phases = daemon_phases(directory, new, t0) if args.phases else {}
+        phases = daemon_phases(directory, new, t0, job) if args.phases else {}
         await gang.kill(new)
         await until_ended(gang, new)
     image = sum(node.get("bytes", 0) for node in (entry.get("nodes") or {}).values())  # (each node's own files; redundancy comes on top)
@@ -354,9 +358,10 @@ def report(rows: dict[str, list[dict]], args) -> dict:
             extra = f"  (command returned after {spread([t['restart_command_s'] for t in trials])}; {served} of {found} ranks served)"
         say(f"  {kind:<22} restart {spread(restart)}   checkpoint {spread(ckpt)}   image {ratio:.2f}x state{extra}")
         phases = [k for k in ("started", "imported", "init", "world", "protected") if all(k in t.get("rank0", {}) for t in trials)]
-        daemon = [k for k in ("submitted", "launch first", "launch last", "rank first", "rank last") if all(k in t.get("daemons", {}) for t in trials)]
+        daemon = [k for k in ("choose", "verify", "submitted", "launch first", "launch last", "rank first", "rank last")
+                  if all(k in t.get("daemons", {}) for t in trials)]
         if daemon:
-            say(f"  {'':<22} daemons (median s after the command): " + ", ".join(
+            say(f"  {'':<22} daemons (median s after the command; choose and verify: durations): " + ", ".join(
                 f"{k} {statistics.median(t['daemons'][k] for t in trials):.3f}" for k in daemon))
         if phases:
             say(f"  {'':<22} rank 0 (median s after the command): " + ", ".join(
@@ -377,6 +382,12 @@ def report(rows: dict[str, list[dict]], args) -> dict:
             summary[kind]["restart_ratio"] = of_medians
             summary[kind]["restart_ratio_per_repeat"] = pairs
     return summary
+
+
+def _leaves(group: BaseException) -> list[BaseException]:
+    if isinstance(group, BaseExceptionGroup):
+        return [leaf for exc in group.exceptions for leaf in _leaves(exc)]
+    return [group]
 
 
 def main() -> None:
@@ -433,6 +444,12 @@ def main() -> None:
                             trial = dmtcp_trial(binary, args, gzip=kind == "dmtcp gzip")
                     except (BenchError, subprocess.SubprocessError) as exc:
                         say(f"  [{repeat + 1}/{args.repeats}] {kind:<16} FAILED: {exc}")
+                        continue
+                    except BaseExceptionGroup as group:  # (trio's nurseries wrap a trial's BenchError)
+                        failed, other = group.split((BenchError, subprocess.SubprocessError))
+                        if failed is None or other is not None:
+                            raise
+                        say(f"  [{repeat + 1}/{args.repeats}] {kind:<16} FAILED: {'; '.join(map(str, _leaves(failed)))}")
                         continue
                     rows[kind].append(trial)
                     say(f"  [{repeat + 1}/{args.repeats}] {kind:<16} restart {trial['restart_s']:.2f} s (first line: iteration {trial['first_iteration_line']})"

@@ -55,8 +55,9 @@ notes, gates, files — that feeds it events and waits on its predicates.
 
 What a rank reports is hostile until checked
 (:class:`gangd.checkpoint.messages.WriteReport`): its
-state file may be at most ``checkpoint_max_rank_bytes``, because every
-restart checksums it whole — a rank that truncates its file to 16 TiB
+state file may be at most ``checkpoint_max_rank_bytes``, because a
+restart checksums it whole (its rank as it restores; the node, if the file
+changed since it was last found intact: :mod:`gangd.daemon.verified`) — a rank that truncates its file to 16 TiB
 (sparse, no disk used) and reports that size would otherwise make each
 ``gang restart`` read 16 TiB. Those checksums run in a few threads of their
 own (:data:`VERIFY_THREADS`) at normal scheduling, nice 10: the daemon's
@@ -94,6 +95,9 @@ from ..safefs import UnsafePath
 from .jobnet import caller_rank
 from .protect import BulkService, Protector
 from .staging import open_root
+from .verified import Verified
+from .verified import stamp as verified_stamp
+from .verified import stats_at as _stats
 
 log = logging.getLogger("gangd.checkpoint")
 
@@ -228,6 +232,7 @@ class NodeCheckpoints:
         self.restarts: dict[int, dict] = {}  # job -> {"gen", "lineage", "directory", "manifest", "ranks"}
         self._requesting: set[int] = set()  # jobs whose ranks asked for a checkpoint just now
         self._verify_threads: trio.CapacityLimiter | None = None  # (made in trio's run)
+        self.verified = Verified()  # files known intact since commit or a whole-file check (daemon/verified.py)
         self._protector: Protector | None = None
         self._bulk: BulkService | None = None
 
@@ -721,6 +726,7 @@ class NodeCheckpoints:
         try:
             room_left(gen, self.daemon.config.output_reserve, self.root)
             cap = self.daemon.config.checkpoint_max_rank_bytes
+            stats = {}
             for name, (size, _) in manifest.files.items():
                 path = pending.directory / name
                 if size > cap:  # (a report past the cap never gets here; the check is where the manifest is made)
@@ -728,7 +734,8 @@ class NodeCheckpoints:
                 try:
                     fd = ckptstore.open_in(gen, name, pending.directory)  # (ranks/ is the owner's: no links)
                     try:
-                        actual = os.fstat(fd).st_size
+                        stats[name] = os.fstat(fd)
+                        actual = stats[name].st_size
                     finally:
                         os.close(fd)
                 except OSError as exc:
@@ -741,6 +748,8 @@ class NodeCheckpoints:
             except OSError as exc:
                 raise StoreError(ckptstore.describe_os_error(exc, pending.directory)) from None
             ckptstore.write_manifest(pending.directory, manifest, dir_fd=gen)
+            for name, st in stats.items():  # (as its writer reported it; see daemon/verified.py)
+                self.verified.record(pending.directory, name, st, manifest.files[name][1])
         finally:
             os.close(gen)
 
@@ -831,9 +840,12 @@ class NodeCheckpoints:
         return await self._bulk.server()
 
     async def verify(self, args: dict) -> list[str]:
-        """Problems with this node's files of a generation ([] = intact)."""
+        """Problems with this node's files of a generation ([] = intact).
+        A file unchanged since it was last found intact is not read again
+        (daemon/verified.py) unless ``full``."""
         directory = ckptstore.gen_dir(self.root, int(args["lineage"]), int(args["gen"]))
         ranks = [int(r) for r in args.get("ranks") or []]
+        full = args.get("full") is True
 
         def check() -> list[str]:
             try:
@@ -848,7 +860,14 @@ class NodeCheckpoints:
                 names = [n for n in manifest.files if n == "job.msgpack" or any(n in (ckptstore.cluster_rank_file(r), ckptstore.net_file(r)) for r in ranks)]
                 missing = [ckptstore.cluster_rank_file(r) for r in ranks if ckptstore.cluster_rank_file(r) not in manifest.files]
                 problems = [f"{self.daemon.node}: {directory / n} is not in the manifest" for n in missing]
-                return problems + [f"{self.daemon.node}: {p}" for p in ckptstore.verify(directory, names, dir_fd=gen, owner=os.geteuid())]
+                before = _stats(gen, directory, names)
+                unread = [n for n in names if full or not (n in before and self.verified.intact(directory, n, before[n], manifest.files[n][1]))]
+                found = ckptstore.verify(directory, unread, dir_fd=gen, owner=os.geteuid())
+                if not found:  # (read whole and intact, and unchanged meanwhile: the next check need not read it)
+                    for n, st in _stats(gen, directory, unread).items():
+                        if n in before and verified_stamp(before[n]) == verified_stamp(st):
+                            self.verified.record(directory, n, st, manifest.files[n][1])
+                return problems + [f"{self.daemon.node}: {p}" for p in found]
             finally:
                 os.close(gen)
 

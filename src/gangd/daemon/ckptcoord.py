@@ -20,8 +20,10 @@ ones are removed (``checkpoint_keep``).
 
 A restart (``gang restart``) is a new job in the same *lineage*, pinned to
 the nodes of the generation, which every node first verifies against its
-manifest (sizes and checksums). The new job's gates stay closed until
-every rank has loaded its state. A restart elsewhere first moves the files
+manifest (sizes and checksums; a file unchanged since it was last found
+intact is not read again, :mod:`gangd.daemon.verified`, and the ranks check
+every byte as they restore). The new job's gates stay closed until every
+rank has loaded its state. A restart elsewhere first moves the files
 of ranks that move (:mod:`gangd.daemon.staging`); files that are only on
 nodes that are down are rebuilt, if the generation is *protected*, from its
 redundancy on the node replacing each lost one (:mod:`gangd.daemon.rebuild`);
@@ -892,7 +894,9 @@ class CheckpointCoordinator:
             # Ranks that stay are checked where they are; the files of ranks
             # that move are checked by their transfer (against the source's manifest).
             staying = [r for r in range(len(placement)) if r not in sources.moved]
+            began = time.monotonic()
             damaged, unreachable = await self._verify(lineage, {**entry, "placement": placement}, staying)
+            log.debug("job %d: generation %d verified on its nodes in %.3f s", job_id, entry["gen"], time.monotonic() - began)
             if not damaged and not unreachable and entry.get("needs"):
                 damaged, unreachable = await self._verify_links(lineage, entry, generations, placement, staying)
             if not damaged and not unreachable and entry.get("needs"):
@@ -914,8 +918,10 @@ class CheckpointCoordinator:
     async def _restart(self, job_id: int, record: dict, lineage: int, gen: int | None,
                        nodelist: list[str] | None = None, nodes: int | None = None, *,
                        lost: set[str] | None = None, system: bool = False) -> dict:
+        began = time.monotonic()
         chosen = await self._choose(job_id, record, lineage, gen, nodelist, nodes, lost=lost, system=system)
         entry, placement, up, skipped, rebuilt = chosen.entry, chosen.placement, chosen.up, chosen.skipped, chosen.rebuilt
+        log.debug("job %d: generation %d chosen for its restart in %.3f s", job_id, entry["gen"], time.monotonic() - began)
         spec = {key: record.get(key) for key in ("argv", "cwd", "env", "nranks", "name", "kill_on_bad_exit", "priority", "slice", "ckpt_every", "mpi")}
         if spec["env"] is None:  # an ended job's record keeps no environment: the checkpoint has it
             holders = [n for n in dict.fromkeys([*placement, *entry["placement"]]) if n in up]
@@ -1245,10 +1251,12 @@ class CheckpointCoordinator:
                         [f"it needs generation {gen}: {p}" for p in unreachable])
         return [], []
 
-    async def _verify(self, lineage: int, entry: dict, ranks: list[int] | None = None) -> tuple[list[str], list[str]]:
+    async def _verify(self, lineage: int, entry: dict, ranks: list[int] | None = None, *, full: bool = False) -> tuple[list[str], list[str]]:
         """(damaged files, nodes that could not check) of a generation, each a
         line naming node and path (``ranks``: only those ranks', each where
-        ``entry["placement"]`` puts it)."""
+        ``entry["placement"]`` puts it). A node reads whole only the files
+        that changed since they were last found intact (daemon/verified.py),
+        every file with ``full``."""
         problems: list[str] = []
         unreachable: list[str] = []
         by_node: dict[str, list[int]] = {}
@@ -1261,7 +1269,8 @@ class CheckpointCoordinator:
                 unreachable.append(f"node {node}, which holds ranks {ranks}, is down")
                 return
             try:
-                problems.extend(await self.co.call(node, "ckpt_verify", lineage=lineage, gen=entry["gen"], ranks=ranks))
+                problems.extend(await self.co.call(node, "ckpt_verify", lineage=lineage, gen=entry["gen"], ranks=ranks,
+                                                   **({"full": True} if full else {})))
             except RemoteError as exc:
                 unreachable.append(f"{node}: {exc.message}")
 
@@ -1276,7 +1285,9 @@ class CheckpointCoordinator:
         if record is None or jobs.is_terminal(record):
             return
         if error:
-            await self.co.fail(job_id, f"restart from generation {record['restart_of']['gen']} failed: {error}")
+            gen = record["restart_of"]["gen"]
+            await self.co.fail(job_id, f"restart from generation {gen} failed: {error}")
+            self.co.spawn(self._damaged_on_restore, record, node)
             return
         seen = self.restored.setdefault(job_id, {})
         seen[node] = None
@@ -1284,6 +1295,31 @@ class CheckpointCoordinator:
             await self._all(record, "ckpt_open")  # (fails: the nodes report again, and this is retried)
             if self.restored.pop(job_id, None) is not None:
                 log.info("job %d: every rank restored generation %d; gates open", job_id, record["restart_of"]["gen"])
+
+    async def _damaged_on_restore(self, record: dict, node: str) -> None:
+        """A rank on ``node`` could not restore its state: check that node's
+        files of the generation whole (the restart's verification trusted
+        files unchanged since they were last found intact, and damage below
+        the file system does not show in a file's times), and mark the
+        generation damaged if they are, so that the next restart starts from
+        an older one."""
+        gen = int(record["restart_of"]["gen"])
+        lineage = record.get("lineage") or record["id"]
+        entry = next((e for e in self.generations(record) if e["gen"] == gen), None)
+        if entry is None or entry["state"] not in ("complete", "protected"):
+            return
+        placement = list(record.get("placement") or record.get("pinned") or [])
+        ranks = [r for r, n in enumerate(placement) if n == node]
+        if not ranks:
+            return
+        try:
+            damaged, _ = await self._verify(lineage, {**entry, "placement": placement}, ranks, full=True)
+        except Exception as exc:  # noqa: BLE001 -- a diagnosis; the job has failed with its reason already
+            log.info("job %d: could not check generation %d on %s after its restore failed: %s", record["id"], gen, node, exc)
+            return
+        if damaged:
+            log.warning("job %d: generation %d is damaged (found as a rank restored it): %s", record["id"], gen, "; ".join(damaged))
+            await self._mark(entry, "damaged", "; ".join(damaged))
 
     # ------------------------------------------------------------ periodic checkpoints
 

@@ -28,10 +28,13 @@ jobs share the cores and the disk). Parts (``--parts``, default all):
            taking turns first. Per generation: time (request -> generation
            complete, what ``gang checkpoint`` waits for), the job's blocked
            time (slowest node) and the bytes the rank files wrote (the
-           generation's WRITTEN). Targets, for the first adaptive checkpoint
-           after a full (5 % changed against what it is written against):
-           time <= 0.15x and bytes <= 0.06x full. Also the median over all
-           generations (adaptive's differentials grow until it rebases).
+           generation's WRITTEN). Targets, for adaptive's checkpoints written
+           against the previous generation (the first after the full, a
+           rebase, or a differential right after its base: one step, so 5 %
+           of the blocks changed against their reference; median): time
+           <= 0.15x and bytes <= 0.06x full. Also the first after the full
+           alone, and the median over every generation (adaptive's
+           differentials grow, 5, 10, 15 %, until 003's rule rebases).
   dense    the same with ``--kind heat``: a 2-D heat stencil whose Jacobi sweep
            changes every block between two checkpoints. Target: adaptive
            <= 1.05x full time (median of the per-generation ratios; generation
@@ -531,6 +534,12 @@ def pairs(run: dict, mode: str) -> dict:
     }
     for k in ("time", "blocked", "bytes"):
         out[f"{k}_median"] = statistics.median(out[k]) if out[k] else float("nan")
+    # The checkpoints written against the previous generation (a rebase, or a differential whose base is the
+    # previous generation): what changed against their reference is one step's changes, the issue's "5 % dirty".
+    one = [i for i, g in enumerate(later) if other[g]["needs"] and other[g]["needs"][0] == other[g - 1]["gen"]]
+    out["one_step_gens"] = [other[later[i]]["gen"] for i in one]
+    for k in ("time", "bytes"):
+        out[f"one_step_{k}"] = statistics.median(out[k][i] for i in one) if one else float("nan")
     out["time_of_medians"] = (statistics.median(other[g]["wall"] for g in later) / statistics.median(full[g]["wall"] for g in later)) if later else float("nan")
     return out
 
@@ -557,7 +566,7 @@ def say_modes_run(title: str, run: dict) -> dict:
     """Paper 003's table: bytes written per generation for each mode, and a restore of the last one."""
     gens = run["gens"]
     say(f"\n{title}")
-    say("  MiB written per generation (F full, i incremental, d differential, m mixed: a rebase):")
+    say("  MiB written per generation (F full, i incremental, d differential, m mixed: a rebase, or ranks differing):")
     say(f"  {'mode':<13}" + "".join(f"{g:>8}" for g in range(gens)) + f" | {'mean 1..':>8} {'x full':>7} {'time x':>7}")
     full = run["rows"]["full"]
     out: dict = {}
@@ -670,11 +679,12 @@ def summary(result: dict) -> None:
             f"{heat['adaptive']['time_ratio']:.3f}x (CPU {heat['adaptive']['cpu_ratio']:.3f}x)")
     if "sparse" in result:
         p = result["sparse"]["pairs"]
-        t1, b1 = p["time"][0], p["bytes"][0]
-        say(f"  cluster sparse, {100 * ARGS.dirty:g} % dirty: the first adaptive checkpoint after a full (5 % changed against its reference): "
-            f"time {t1:.3f}x (<= 0.15: {verdict(t1 <= 0.15)}), bytes {b1:.3f}x (<= 0.06: {verdict(b1 <= 0.06)}); "
-            f"median over generations 1..{len(p['time'])} (adaptive's differentials grow until it rebases): time "
-            f"{p['time_median']:.3f}x, bytes {p['bytes_median']:.3f}x, blocked {p['blocked_median']:.3f}x")
+        t1, b1 = p["one_step_time"], p["one_step_bytes"]
+        say(f"  cluster sparse, {100 * ARGS.dirty:g} % dirty: adaptive's checkpoints written against the previous generation "
+            f"(one step, {100 * ARGS.dirty:g} % of the blocks changed against their reference: generations {p['one_step_gens']}), median: "
+            f"time {t1:.3f}x (<= 0.15: {verdict(t1 <= 0.15)}), bytes {b1:.3f}x (<= 0.06: {verdict(b1 <= 0.06)}); the first after the "
+            f"full: time {p['time'][0]:.3f}x, bytes {p['bytes'][0]:.3f}x; every generation 1..{len(p['time'])} (adaptive's differentials "
+            f"grow until it rebases), median: time {p['time_median']:.3f}x, bytes {p['bytes_median']:.3f}x, blocked {p['blocked_median']:.3f}x")
     if "dense" in result:
         p = result["dense"]["pairs"]
         say(f"  cluster dense (every block changed), adaptive: time {p['time_median']:.3f}x full (median of per-generation ratios; "
@@ -711,8 +721,8 @@ def main() -> None:
     parser.add_argument("--cluster-mib", type=float, default=None, help="state per rank of the sparse and dense parts (default 256, quick 16)")
     parser.add_argument("--modes-mib", type=float, default=None, help="state per rank of the cluster modes tables (default 64, quick 8)")
     parser.add_argument("--ranks", type=int, default=2, help="ranks of each app job (one per node)")
-    parser.add_argument("--sparse-gens", type=int, default=None, help="checkpoints of each job in the sparse part (default 6, quick 3)")
-    parser.add_argument("--dense-gens", type=int, default=None, help="checkpoints of each job in the dense part (default 6, quick 3)")
+    parser.add_argument("--sparse-gens", type=int, default=None, help="checkpoints of each job in the sparse part (default 8, quick 3)")
+    parser.add_argument("--dense-gens", type=int, default=None, help="checkpoints of each job in the dense part (default 8, quick 3)")
     parser.add_argument("--ring-mib", type=int, default=None, help="state per rank of the ring (default 64, quick 16)")
     parser.add_argument("--ring-ranks", type=int, default=4)
     parser.add_argument("--ring-gap", type=float, default=0.0, help="seconds between the ring's two checkpoints")
@@ -730,8 +740,8 @@ def main() -> None:
     ARGS.repeats = ARGS.repeats or (3 if q else 7)
     ARGS.cluster_mib = ARGS.cluster_mib or (16 if q else 256)
     ARGS.modes_mib = ARGS.modes_mib or (8 if q else 64)
-    ARGS.sparse_gens = ARGS.sparse_gens or (3 if q else 6)
-    ARGS.dense_gens = ARGS.dense_gens or (3 if q else 6)
+    ARGS.sparse_gens = ARGS.sparse_gens or (3 if q else 8)
+    ARGS.dense_gens = ARGS.dense_gens or (3 if q else 8)
     ARGS.ring_mib = ARGS.ring_mib or (16 if q else 64)
     if ARGS.sweep_only:
         parts = {"micro"}

@@ -87,6 +87,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import uuid
 from collections import defaultdict
 from pathlib import Path
@@ -620,6 +621,38 @@ def say_ring(runs: dict) -> dict:
     return out
 
 
+def sparse_part(directory: Path) -> dict:
+    run = trio.run(functools.partial(app_run, directory, "sparse", ["full", "adaptive"], ARGS.sparse_gens, ARGS.cluster_mib, ARGS.ranks, restore=False))
+    return {"run": run, "pairs": say_pair_run(
+        f"Sparse - {ARGS.ranks} ranks x {ARGS.cluster_mib:g} MiB, {100 * ARGS.dirty:g} % of the 16 KiB blocks changed between "
+        f"checkpoints (a new random set each time), {ARGS.sparse_gens} checkpoints of each job, alternating:", run)}
+
+
+def dense_part(directory: Path) -> dict:
+    run = trio.run(functools.partial(app_run, directory, "heat", ["full", "adaptive"], ARGS.dense_gens, ARGS.cluster_mib, ARGS.ranks, restore=False))
+    return {"run": run, "pairs": say_pair_run(
+        f"Dense - heat stencil, {ARGS.ranks} ranks x {ARGS.cluster_mib:g} MiB, one Jacobi sweep (every block) between checkpoints, "
+        f"{ARGS.dense_gens} checkpoints of each job, alternating:", run)}
+
+
+def modes_part(directory: Path) -> dict:
+    out = {}
+    for kind, name in (("heat", "heat stencil (dense)"), ("sparse", f"sparse app ({100 * ARGS.dirty:g} % of the blocks per step)")):
+        run = trio.run(functools.partial(app_run, directory, kind, list(delta.MODES), ARGS.gens, ARGS.modes_mib, ARGS.ranks, restore=True))
+        out[kind] = {"run": run, "table": say_modes_run(
+            f"Modes ({kind}) - {name}, {ARGS.ranks} ranks x {ARGS.modes_mib:g} MiB, {ARGS.gens} generations, one step apart, "
+            f"the four jobs side by side taking turns:", run)}
+    return out
+
+
+def ring_part(directory: Path) -> dict:
+    runs = {mode: trio.run(ring_run, directory, mode, ARGS.ring_mib, ARGS.ring_ranks, ARGS.ring_gap) for mode in ("adaptive", "full")}
+    return {"runs": runs, "table": say_ring(runs)}
+
+
+CLUSTER_PARTS = {"sparse": sparse_part, "dense": dense_part, "modes": modes_part, "ring": ring_part}
+
+
 def cluster_parts(parts: set[str], root: Path) -> dict:
     result: dict = {}
     directory = root / "cluster"
@@ -627,28 +660,19 @@ def cluster_parts(parts: set[str], root: Path) -> dict:
         f"{'inline' if ARGS.inline else 'background (forked)'} writes, every job's --ckpt-mode given")
     local.up(directory, NODES, log_level="warning")
     try:
-        if "sparse" in parts:
-            run = trio.run(functools.partial(app_run, directory, "sparse", ["full", "adaptive"], ARGS.sparse_gens, ARGS.cluster_mib, ARGS.ranks, restore=False))
-            result["sparse"] = {"run": run, "pairs": say_pair_run(
-                f"Sparse - {ARGS.ranks} ranks x {ARGS.cluster_mib:g} MiB, {100 * ARGS.dirty:g} % of the 16 KiB blocks changed between "
-                f"checkpoints (a new random set each time), {ARGS.sparse_gens} checkpoints of each job, alternating:", run)}
-        if "dense" in parts:
-            run = trio.run(functools.partial(app_run, directory, "heat", ["full", "adaptive"], ARGS.dense_gens, ARGS.cluster_mib, ARGS.ranks, restore=False))
-            result["dense"] = {"run": run, "pairs": say_pair_run(
-                f"Dense - heat stencil, {ARGS.ranks} ranks x {ARGS.cluster_mib:g} MiB, one Jacobi sweep (every block) between checkpoints, "
-                f"{ARGS.dense_gens} checkpoints of each job, alternating:", run)}
-        if "modes" in parts:
-            result["modes"] = {}
-            for kind, name in (("heat", "heat stencil (dense)"), ("sparse", f"sparse app ({100 * ARGS.dirty:g} % of the blocks per step)")):
-                run = trio.run(functools.partial(app_run, directory, kind, list(delta.MODES), ARGS.gens, ARGS.modes_mib, ARGS.ranks, restore=True))
-                result["modes"][kind] = {"run": run, "table": say_modes_run(
-                    f"Modes ({kind}) - {name}, {ARGS.ranks} ranks x {ARGS.modes_mib:g} MiB, {ARGS.gens} generations, one step apart, "
-                    f"the four jobs side by side taking turns:", run)}
-        if "ring" in parts:
-            runs = {}
-            for mode in ("adaptive", "full"):
-                runs[mode] = trio.run(ring_run, directory, mode, ARGS.ring_mib, ARGS.ring_ranks, ARGS.ring_gap)
-            result["ring"] = {"runs": runs, "table": say_ring(runs)}
+        for part in ("sparse", "dense", "modes", "ring"):
+            if part not in parts:
+                continue
+            try:
+                result[part] = CLUSTER_PARTS[part](directory)
+            except Exception as exc:  # noqa: BLE001 -- the other parts still run; the summary says what failed
+                leaf = exc
+                while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
+                    leaf = leaf.exceptions[0]
+                if not isinstance(leaf, BenchError | trio.TooSlowError):
+                    traceback.print_exception(exc)
+                say(f"\n{part}: FAILED: {type(leaf).__name__}: {leaf}")
+                result.setdefault("failed", {})[part] = f"{type(leaf).__name__}: {leaf}"
     finally:
         local.down(directory)
         for proc in psutil.process_iter(["pid", "cmdline", "environ"]):
@@ -669,6 +693,8 @@ def verdict(ok: bool) -> str:
 
 def summary(result: dict) -> None:
     say("\nTargets (issue 17; every ratio against a full checkpoint of the same state in the same run):")
+    for part, why in (result.get("failed") or {}).items():
+        say(f"  {part}: FAILED ({why[:300]})")
     if "sweep" in result:
         s = result["sweep"][blocks.DEFAULT_BLOCK >> 10]
         say(f"  hashing at {blocks.DEFAULT_BLOCK >> 10} KiB: {s['ratio']:.2f}x raw xxh3 (>= 0.5: {verdict(s['ratio'] >= 0.5)})")
@@ -729,6 +755,7 @@ def main() -> None:
     parser.add_argument("--inline", action="store_true", help="cluster jobs write inline (GANGD_CKPT_BACKGROUND=0), not from a forked snapshot")
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory under the current one)")
     parser.add_argument("--json", action="store_true", help="every number as one JSON document on stdout (the tables on stderr)")
+    parser.add_argument("--keep", action="store_true", help="keep the directory (the cluster's logs) after the run")
     parser.add_argument("--sweep-only", action="store_true", help="only the hashing sweep")
     ARGS = parser.parse_args()
     parts = {p.strip() for p in ARGS.parts.split(",") if p.strip()}
@@ -762,7 +789,10 @@ def main() -> None:
                 result["cluster_modes"] = cluster.pop("modes")
             result.update(cluster)
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        if ARGS.keep:
+            say(f"(kept {root})")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
     summary(result)
     result["load_after"] = os.getloadavg()
     result["seconds"] = time.time() - started

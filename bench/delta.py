@@ -450,7 +450,8 @@ async def app_run(directory: Path, kind: str, modes: list[str], gens: int, mib: 
                 target = targets / f"{label}-{mode}"
                 write_target(target, 0)
                 argv = [sys.executable, APP, "--kind", kind, "--mib", str(mib), "--target", str(target), "--dirty", str(ARGS.dirty)]
-                record = await gang.submit(argv, ranks, per_node=1, env=job_env(), cwd=str(HERE), name=f"delta-{kind}-{mode}", ckpt_mode=mode)
+                record = await gang.submit(argv, ranks, per_node=1, env=job_env(), cwd=str(HERE), name=f"delta-{kind}-{mode}",
+                                           ckpt_mode=mode, ckpt_redundancy=ARGS.redundancy)
                 jobs[mode] = record["id"]
             digests = {}
             for mode, job in jobs.items():
@@ -479,7 +480,7 @@ async def ring_run(directory: Path, mode: str, mib: int, ranks: int, gap: float)
     """The peers' ring (bench/ringjob.py) in ``mode``: two checkpoints, ``gap`` s apart."""
     argv = [sys.executable, RING, "--mib", str(mib), "--every", "200"]
     async with connect(directory) as gang:
-        record = await gang.submit(argv, ranks, per_node=1, env=job_env(), cwd=str(HERE), name=f"ring-{mode}", ckpt_mode=mode)
+        record = await gang.submit(argv, ranks, per_node=1, env=job_env(), cwd=str(HERE), name=f"ring-{mode}", ckpt_mode=mode, ckpt_redundancy=ARGS.redundancy)
         job = record["id"]
         try:
             await lines(gang, job, "it", [0])
@@ -657,8 +658,10 @@ def cluster_parts(parts: set[str], root: Path) -> dict:
     result: dict = {}
     directory = root / "cluster"
     say(f"\nCluster: {NODES} local daemons (each node's checkpoints in {directory}, on this disk), jobs one rank per node, "
-        f"{'inline' if ARGS.inline else 'background (forked)'} writes, every job's --ckpt-mode given")
-    local.up(directory, NODES, log_level="warning")
+        f"{'inline' if ARGS.inline else 'background (forked)'} writes, redundancy {ARGS.redundancy}, every job's --ckpt-mode given")
+    # A node is never lost on purpose here: generous heartbeat and lease timeouts keep a loaded machine's
+    # stalls (seconds, with other benches running) from turning into node losses and recoveries.
+    local.up(directory, NODES, log_level="warning", heartbeat_timeout=30.0, lease_ttl=30)
     try:
         for part in ("sparse", "dense", "modes", "ring"):
             if part not in parts:
@@ -752,6 +755,8 @@ def main() -> None:
     parser.add_argument("--ring-mib", type=int, default=None, help="state per rank of the ring (default 64, quick 16)")
     parser.add_argument("--ring-ranks", type=int, default=4)
     parser.add_argument("--ring-gap", type=float, default=0.0, help="seconds between the ring's two checkpoints")
+    parser.add_argument("--redundancy", default="local", choices=["local", "partner", "xor", "auto"],
+                        help="the cluster jobs' --ckpt-redundancy (default local: the checkpoint's own files only, no copy written behind the job)")
     parser.add_argument("--inline", action="store_true", help="cluster jobs write inline (GANGD_CKPT_BACKGROUND=0), not from a forked snapshot")
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory under the current one)")
     parser.add_argument("--json", action="store_true", help="every number as one JSON document on stdout (the tables on stderr)")

@@ -18,7 +18,9 @@ jobs share the cores and the disk). Parts (``--parts``, default all):
            sparse app (``--dirty`` of the blocks change between checkpoints),
            inline durable writes, every restore checked bit-identical; and
            adaptive's threshold swept.
-  sparse   a cluster of 4 local daemons (gangd.client.cluster.up). Two jobs of
+  sparse   a cluster of 4 local daemons (gangd.client.cluster.up; every job
+           at ``--redundancy`` local by default, so only the checkpoint's own
+           files are written, no partner copy behind the job). Two jobs of
            bench/delta_app.py side by side, ``--ranks`` (2) ranks x
            ``--cluster-mib`` (256) MiB each, one ``--ckpt-mode full``, one
            ``--ckpt-mode adaptive``; the bench steers them: between two
@@ -65,7 +67,7 @@ state hashed, compared, written, fsynced and committed: the forked writes),
 other (the request and the record around the round); and the job's blocked
 time and the slowest node's disk time.
 
-    python bench/delta.py [--quick] [--parts micro,sparse,dense,modes,ring] [--json] [--inline]
+    python bench/delta.py [--quick] [--parts micro,sparse,dense,modes,ring] [--json] [--inline] [--redundancy local]
                           [--cluster-mib 256] [--modes-mib 64] [--gens 10] [--dirty 0.05] [--ring-gap 0] [--dir DIR]
 
 ``--quick``: small sizes and few generations (a few minutes). ``--dir``:

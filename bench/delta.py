@@ -541,7 +541,7 @@ def pairs(run: dict, mode: str) -> dict:
     # The checkpoints written against the previous generation (a rebase, or a differential whose base is the
     # previous generation): what changed against their reference is one step's changes, the "5 % dirty".
     one = [i for i, g in enumerate(later) if other[g]["needs"] and other[g]["needs"][0] == other[g - 1]["gen"]]
-    out["one_step_gens"] = [other[later[i]]["gen"] for i in one]
+    out["one_step_gens"] = [later[i] for i in one]  # (as the table numbers them, from 0)
     for k in ("time", "bytes"):
         out[f"one_step_{k}"] = statistics.median(out[k][i] for i in one) if one else float("nan")
     out["time_of_medians"] = (statistics.median(other[g]["wall"] for g in later) / statistics.median(full[g]["wall"] for g in later)) if later else float("nan")

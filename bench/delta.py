@@ -560,7 +560,38 @@ def say_pair_run(title: str, run: dict) -> dict:
     say("  where the time went (median over generations 1.., ms):")
     say_phases("full", full[1:])
     say_phases("adaptive", ad[1:])
-    return pairs(run, "adaptive")
+    out = pairs(run, "adaptive")
+    out["disk_model"] = disk_model(run)
+    return out
+
+
+def disk_model(run: dict) -> dict:
+    """Adaptive's disk phase (its slowest node, median over generations 1..) split into: the hash pass over one
+    rank's state (measured here, now, on an array of that size: wall and CPU), its bytes per node written at the
+    rate the full's disk phase showed, and the rest (fork, the parent's index, the index, fsync latency, commit)."""
+    full, ad = run["rows"]["full"][1:], run["rows"]["adaptive"][1:]
+    if not full:
+        return {}
+    nbytes = int(run["mib"] * MiB)
+    data = np.random.default_rng(3).random(nbytes // 8)
+    view = memoryview(data).cast("B")
+    blocks.hash_blocks(view, blocks.DEFAULT_BLOCK)  # (warm)
+    wall, cpu = time.perf_counter(), time.thread_time()
+    blocks.hash_blocks(view, blocks.DEFAULT_BLOCK)
+    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    del data, view
+    per_node = run["ranks"]  # (one rank per node)
+    f_disk = statistics.median(r["disk"] for r in full)
+    f_bytes = statistics.median(r["written"] for r in full) / per_node
+    a_disk = statistics.median(r["disk"] for r in ad)
+    a_bytes = statistics.median(r["written"] for r in ad) / per_node
+    write = a_bytes / (f_bytes / f_disk) if f_disk > 0 else float("nan")
+    model = {"adaptive_disk": a_disk, "hash_wall": wall, "hash_cpu": cpu, "write_at_full_rate": write, "rest": a_disk - wall - write,
+             "full_disk": f_disk, "full_rate_mib_s": f_bytes / f_disk / MiB if f_disk > 0 else float("nan")}
+    say(f"  adaptive's disk phase {a_disk * 1e3:.0f} ms (full's {f_disk * 1e3:.0f}: {model['full_rate_mib_s']:.0f} MiB/s per node) = hashing "
+        f"one rank's {run['mib']:g} MiB {wall * 1e3:.0f} ms (measured now; CPU {cpu * 1e3:.0f}) + its {a_bytes / MiB:.1f} MiB per node "
+        f"at the full's rate {write * 1e3:.0f} ms + the rest {model['rest'] * 1e3:.0f} ms (fork, indexes, fsync latency, commit)")
+    return model
 
 
 ROLE_OF_MODE = {"full": "F", "incremental": "i", "differential": "d", "mixed": "m"}

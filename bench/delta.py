@@ -588,6 +588,11 @@ def disk_model(run: dict) -> dict:
     write = a_bytes / (f_bytes / f_disk) if f_disk > 0 else float("nan")
     model = {"adaptive_disk": a_disk, "hash_wall": wall, "hash_cpu": cpu, "write_at_full_rate": write, "rest": a_disk - wall - write,
              "full_disk": f_disk, "full_rate_mib_s": f_bytes / f_disk / MiB if f_disk > 0 else float("nan")}
+    if a_bytes > 0.9 * f_bytes:  # (dense: the same bytes; adaptive's only extra work is the hash pass)
+        say(f"  adaptive's disk phase {a_disk * 1e3:.0f} ms against full's {f_disk * 1e3:.0f} ({(a_disk - f_disk) * 1e3:+.0f} ms): the same "
+            f"{a_bytes / MiB:.1f} MiB per node, plus the hash pass over one rank's {run['mib']:g} MiB: {wall * 1e3:.0f} ms (measured now; "
+            f"CPU {cpu * 1e3:.0f}), {wall / f_disk if f_disk > 0 else float('nan'):.3f}x full's disk phase")
+        return model
     say(f"  adaptive's disk phase {a_disk * 1e3:.0f} ms (full's {f_disk * 1e3:.0f}: {model['full_rate_mib_s']:.0f} MiB/s per node) = hashing "
         f"one rank's {run['mib']:g} MiB {wall * 1e3:.0f} ms (measured now; CPU {cpu * 1e3:.0f}) + its {a_bytes / MiB:.1f} MiB per node "
         f"at the full's rate {write * 1e3:.0f} ms + the rest {model['rest'] * 1e3:.0f} ms (fork, indexes, fsync latency, commit)")

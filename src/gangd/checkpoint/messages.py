@@ -524,7 +524,9 @@ class CommitAnswer:
 
 def generation_mode(modes: dict) -> str:
     """A generation's mode from its files' roles (summed over nodes):
-    ``full``, ``incremental``, ``differential`` or ``mixed``."""
+    ``full``, ``incremental``, ``differential``, ``rebase`` (adaptive's new
+    base: every file the blocks changed since the previous generation) or
+    ``mixed`` (ranks whose files differ, e.g. some rebased, some not)."""
     roles = {role for role, count in modes.items() if count}
     if not roles or roles == {"full"}:
         return "full"
@@ -532,4 +534,6 @@ def generation_mode(modes: dict) -> str:
         return "incremental"
     if roles == {"diff"}:
         return "differential"
+    if roles == {"rebase"}:
+        return "rebase"
     return "mixed"

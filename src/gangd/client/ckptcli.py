@@ -147,7 +147,7 @@ def ckpt_ls(ctx, job, as_json):
 
 
 def _delta_columns(g: dict) -> list[str]:
-    """MODE (full, incremental, differential, mixed), BASE (the oldest
+    """MODE (full, incremental, differential, rebase, mixed), BASE (the oldest
     generation a restore of it reads: "-" for whole files), WRITTEN (the
     bytes of its rank files) and RESTORE (the bytes a restore reads, each
     block once) of a generation; "-" for one that wrote nothing."""

@@ -53,7 +53,7 @@ from ..client.runtime import JobInfo
 from ..comm.control import DaemonLink
 from ..comm.errors import CommError
 from ..protocol import Note, Reply
-from . import blocks, spc
+from . import spc
 from .core import Checkpointer, CheckpointError, warn
 from .writer import Written
 
@@ -103,17 +103,9 @@ class DaemonAgent:
         gen, path = self.restart["gen"], Path(self.restart["path"])
         try:
             expect = tuple(self.restart["expect"])
-            chain = _chain_of(self.restart)
-            if chain:
-                if type(cp.spc) is not spc.Registered:
-                    raise StoreError(f"{path} is an incremental file, which only the default checkpointer restores")
-                cp.spc.set_filename(path)
-                # Each link checked as read_chain reads it: its index hash and size, its generation against
-                # the chain handed over, and every placed block against this generation's signatures.
-                values, iteration, _ = blocks.read_chain(path, chain, expect)
-                cp.spc.after_restart(values)
-            else:
-                values, iteration = spc.read(cp.spc, path, expect)
+            # Each link checked as read_chain reads it: its index hash and size, its generation against
+            # the chain handed over, and every placed block against this generation's signatures.
+            values, iteration = spc.read(cp.spc, path, expect, _chain_of(self.restart))
         except StoreError as exc:
             self._note("ckpt_restored", {"gen": gen, "error": str(exc)})
             raise CheckpointError(f"cannot restore rank {self.info.rank}: {exc}") from None

@@ -307,13 +307,7 @@ class Standalone:
             directory = self._dir(gen)
             try:
                 chain = self.chain(gen)
-                path, expect = chain[0][1], chain[0][2]
-                if type(cp.spc) is spc_mod.Registered and len(chain) > 1:
-                    cp.spc.set_filename(path)
-                    values, iteration, _ = blocks.read_chain(path, chain[1:], expect)
-                    cp.spc.after_restart(values)
-                else:
-                    values, iteration = spc_mod.read(cp.spc, path, expect)
+                values, iteration = spc_mod.read(cp.spc, chain[0][1], chain[0][2], chain[1:])
             except StoreError as exc:
                 problems.append(str(exc))
                 if explicit:

@@ -45,6 +45,15 @@ counted from 0 (``gang ckpt ls`` shows the saving call as the iteration);
 a restarted program counts on from the saved one, so the next checkpoint
 lines up on every rank again.
 
+Incremental checkpoints (issue 17) need nothing more here: the save goes
+through the same start and end syncs as a loop boundary's, so with
+``gang run --mpi --ckpt-mode adaptive`` (or incremental, differential) each
+rank writes the blocks changed since the parent generation the daemon
+offered it, against its own chain (ranks may start a new base at different
+generations). A generation is still one cut of the whole job -- every rank's
+file of it holds the same call -- and a restart restores that generation on
+every rank, each from its own chain (tests/test_mpi_delta21.py).
+
 A rank that waits long in the call (``$GANGD_CKPT_MPI_WARN`` s, default 60)
 says why it may be stuck; a program cannot mix ``ckpt.loop()`` and this call.
 """

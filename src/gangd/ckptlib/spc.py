@@ -29,23 +29,51 @@ resume at) and ``after_restart(values)``. The framework fsyncs the file,
 checksums it for the manifest, and verifies it before ``restart`` unless the
 plug-in verifies while reading (``verifies = True``).
 
+Handing over buffers (issue 17): a plug-in that writes its own file is
+opaque to gangd, so every checkpoint rewrites all of it (a full file, as
+before incremental checkpoints). A plug-in that instead implements
+``buffers(values)`` (name -> numpy array, or any picklable value) and, on a
+restart, ``restore_buffers(buffers)`` gets gangd's block format: only the
+blocks changed since the parent or base generation are written, in the
+job's mode (full, incremental, differential, adaptive), restored from the
+chain with every block checked, and a damaged link falls back to an older
+generation -- exactly as for the registered values, which are themselves
+the plug-in ``buffers(values) = values``::
+
+    class Grid(spc.SPC):
+        name = "grid"
+
+        def buffers(self, values):              # in the writing process (the forked snapshot, maybe)
+            return {"cells": self.cells, "meta": {"t": self.t}}
+
+        def restore_buffers(self, buffers):     # a restart: the same names, the arrays rebuilt
+            self.cells, self.t = buffers["cells"], buffers["meta"]["t"]
+            return {}                           # the values protect() hands back (none here)
+
+Then ``do_ckpt`` and ``restart`` are not called (a subclass whose own
+``do_ckpt`` or ``restart`` is more specific than its ``buffers`` keeps
+writing its own file).
+
 Built in: ``registered`` (the default: the values given to ``protect``,
-numpy arrays raw) and ``callables`` (the program's own save/load functions).
+numpy arrays raw) and ``callables`` (the program's own save/load functions;
+its stream is opaque, so it writes full files).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import msgpack
+import numpy as np
 
 from .. import ckptstore
 from ..ckptstore import StoreError
-from . import image
+from . import blocks, image
 
 ENTRY_POINTS = "gangd.spc"
+FRAMEWORK = "__gangd."  # names of gangd's own entries among the values (a one-rank world's network): saved beside a plug-in's buffers
 
 
 class SPC:
@@ -68,13 +96,93 @@ class SPC:
     def restart(self) -> tuple[dict, int]:
         raise NotImplementedError
 
+    def buffers(self, values: dict) -> Mapping[str, object]:
+        """Optional: the state to save, as name -> buffer, instead of writing a file (``do_ckpt``).
+
+        Called where the checkpoint is written (in the forked snapshot for
+        background writes), with the protected values. A numpy array is
+        written raw from its memory (no copy; a memoryview is taken as a 1-D
+        uint8 array) and cut into blocks, so a generation writes only the
+        blocks that changed; anything else is pickled, and the pickle is
+        blocked the same way. Names are strings not starting with
+        ``"__gangd."``. Keep a name's dtype and shape from one checkpoint to
+        the next: a changed one is written whole (a new base for it).
+        Not implemented (the default): the plug-in writes its own file with
+        ``do_ckpt``, a full one every time.
+        """
+        raise NotImplementedError
+
+    def restore_buffers(self, buffers: dict[str, object]) -> dict:
+        """On a restart, what :meth:`buffers` handed over: arrays of the same
+        dtype and shape (new, writable), the other values unpickled. Put
+        them back in place and return the protected values ``protect()``
+        gives the program (by default: the buffers themselves)."""
+        return buffers
+
+
+def hands_over(spc: SPC) -> bool:
+    """Whether ``spc`` hands its state over as buffers (:meth:`SPC.buffers`),
+    rather than writing its own file: its ``buffers`` is its own or a
+    subclass's, and no more general than its ``do_ckpt`` and ``restart``."""
+    mro = type(spc).__mro__
+
+    def owner(name: str) -> type:
+        return next(cls for cls in mro if name in vars(cls))
+
+    own = owner("buffers")
+    return own is not SPC and issubclass(own, owner("do_ckpt")) and issubclass(own, owner("restart"))
+
+
+def handed_over(spc: SPC, values: dict) -> Mapping[str, object] | None:
+    """The values to write block by block for ``spc``: its buffers, with
+    gangd's own entries; None when ``spc`` writes its own file."""
+    if not hands_over(spc):
+        return None
+    given = spc.buffers(values)
+    if given is values:  # (the registered values as they are)
+        return values
+    if not isinstance(given, Mapping):
+        raise TypeError(f"the {spc.name!r} checkpointer's buffers() gave {type(given).__name__}, not a mapping of names to buffers")
+    handed: dict[str, object] = {}
+    for name, buffer in given.items():
+        if not isinstance(name, str) or not name or name.startswith(FRAMEWORK):
+            raise TypeError(f"the {spc.name!r} checkpointer's buffers() named a buffer {name!r}: names are strings "
+                            f"not starting with {FRAMEWORK!r}")
+        handed[name] = _raw(buffer)
+    handed.update((name, value) for name, value in values.items() if name.startswith(FRAMEWORK))
+    return handed
+
+
+def _raw(buffer: object) -> object:
+    """A memoryview as the 1-D uint8 array of its bytes (a view when it is contiguous); anything else as it is."""
+    if type(buffer) is not memoryview:
+        return buffer
+    return np.frombuffer(buffer if buffer.c_contiguous else buffer.tobytes(), dtype=np.uint8)
+
+
+def _given_back(spc: SPC, values: dict) -> dict:
+    """What a restore of a plug-in that hands over buffers returns: its
+    ``restore_buffers`` of its own names, gangd's entries as they were."""
+    if type(spc).restore_buffers is SPC.restore_buffers:  # (the registered values: nothing to split)
+        return values
+    ours = {name: values.pop(name) for name in [name for name in values if name.startswith(FRAMEWORK)]}
+    restored = spc.restore_buffers(values)
+    if restored is None:
+        restored = {}
+    if not isinstance(restored, dict):
+        raise TypeError(f"the {spc.name!r} checkpointer's restore_buffers() gave {type(restored).__name__}, not a dict of protected values")
+    return {**restored, **ours}
+
 
 class Registered(SPC):
-    """The values registered with ``protect`` (see :mod:`gangd.ckptlib.image`)."""
+    """The values registered with ``protect`` (see :mod:`gangd.ckptlib.image`): the buffers handed over are the values."""
 
     name = "registered"
     verifies = True
     expect: tuple[int, str] | None = None
+
+    def buffers(self, values: dict) -> dict:
+        return values
 
     def do_ckpt(self, values: dict, iteration: int) -> tuple[int, str]:
         return ckptstore.write_atomic(self.path, image.chunks(values, iteration), durable=False)
@@ -155,7 +263,12 @@ def write(spc: SPC, path: Path, values: dict, iteration: int) -> tuple[int, str]
     """Have ``spc`` write the file, then make it durable and checksum it."""
     spc.set_filename(path)
     try:
-        computed = spc.do_ckpt(values, iteration)
+        handed = handed_over(spc, values)
+        computed: tuple[int, str] | None
+        if handed is not None:
+            computed = ckptstore.write_atomic(path, image.chunks(dict(handed), iteration), durable=False)
+        else:
+            computed = spc.do_ckpt(values, iteration)
         fd = ckptstore.open_regular(path)
         try:
             os.fsync(fd)
@@ -170,9 +283,21 @@ def write(spc: SPC, path: Path, values: dict, iteration: int) -> tuple[int, str]
         raise StoreError(ckptstore.describe_os_error(exc, path)) from None
 
 
-def read(spc: SPC, path: Path, expect: tuple[int, str] | None) -> tuple[dict, int]:
-    """Check the file against the manifest's (size, checksum), then have ``spc`` restore it."""
+def read(spc: SPC, path: Path, expect: tuple[int, str] | None, chain: Sequence = ()) -> tuple[dict, int]:
+    """Check the file against the manifest's (size, checksum), then have ``spc`` restore it.
+
+    ``chain``: the older generations an incremental file needs, newest first
+    (as :func:`.blocks.read_chain` takes them); only a checkpointer that
+    hands over buffers writes such files, and restores them."""
     spc.set_filename(path)
+    if hands_over(spc):
+        values, iteration, _ = blocks.read_chain(path, chain, expect) if chain else image.load(path, expect)
+        values = _given_back(spc, values)
+        spc.after_restart(values)
+        return values, iteration
+    if chain:
+        raise StoreError(f"{path} is an incremental file, which only a checkpointer that hands over buffers restores "
+                         f"(the {spc.name!r} checkpointer writes its own files)")
     if spc.verifies:
         spc.expect = expect
     elif expect is not None:

@@ -15,7 +15,8 @@ parent with its chain), the default checkpointer's values are written by
 the base's signatures (read from their indexes here, in the writing process:
 the job never holds them) and only the blocks chosen written. The result
 then also says "role", "parent", "base", "links", "state" and "restore".
-A plug-in with its own ``do_ckpt`` always writes a full file.
+So are a plug-in's buffers (:meth:`.spc.SPC.buffers`); a plug-in with its
+own ``do_ckpt`` always writes a full file.
 """
 
 from __future__ import annotations
@@ -115,9 +116,10 @@ def write(path: Path, values: dict, iteration: int, *, background: bool, then: C
 def _write_now(path: Path, values: dict, iteration: int, then, spc, delta: dict | None = None) -> dict:
     started = time.monotonic()
     try:
-        if delta is not None and (spc is None or type(spc) is spc_mod.Registered):
+        handed = None if delta is None else spc_mod.handed_over(spc or spc_mod.Registered(), values)
+        if delta is not None and handed is not None:  # (the registered values, or a plug-in's buffers: block by block)
             offered = delta.get("offered") or ()
-            result = blocks.save_generation(path, values, gen=delta["gen"], iteration=iteration, mode=delta["mode"],
+            result = blocks.save_generation(path, handed, gen=delta["gen"], iteration=iteration, mode=delta["mode"],
                                             offered=offered() if callable(offered) else offered, block=delta["block"],
                                             chain_max=delta["chain_max"], threshold=delta["threshold"],
                                             force_full=bool(delta.get("force_full")))

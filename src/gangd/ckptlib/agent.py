@@ -45,6 +45,7 @@ import select
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..checkpoint import messages
 from ..checkpoint.rank import Action, RankAgreement, Step
@@ -53,9 +54,11 @@ from ..client.runtime import JobInfo
 from ..comm.control import DaemonLink
 from ..comm.errors import CommError
 from ..protocol import Note, Reply
-from . import blocks, spc
+from . import spc
 from .core import Checkpointer, CheckpointError, warn
-from .writer import Written
+
+if TYPE_CHECKING:  # (the writer and the block format: imported at the first checkpoint or restore)
+    from .writer import Written
 
 REQUEST_AGAIN = 0.5  # s before a rank's unanswered checkpoint request is sent again
 FORCE_RETRY = 10.0  # s a forced checkpoint (ckptlib.mpi.checkpoint(force=True)) is asked for again after a "no"
@@ -107,6 +110,8 @@ class DaemonAgent:
             if chain:
                 if type(cp.spc) is not spc.Registered:
                     raise StoreError(f"{path} is an incremental file, which only the default checkpointer restores")
+                from . import blocks
+
                 cp.spc.set_filename(path)
                 # Each link checked as read_chain reads it: its index hash and size, its generation against
                 # the chain handed over, and every placed block against this generation's signatures.

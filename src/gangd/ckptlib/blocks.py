@@ -58,15 +58,14 @@ import xxhash
 from .. import ckptstore
 from ..checkpoint import delta
 from ..ckptstore import StoreError
-from . import dtypes
 
 MAGIC = b"GANGDCK2"
 END = b"GANGDEND"
 FOOTER = struct.Struct("<QQ16s8s")  # index offset, index length, xxh3-128(index), END
 SIG = 16  # bytes of one block's hash
-DEFAULT_BLOCK = 16 << 10  # bench/delta.py's sweep: 16 KiB hashes at ~0.6x raw xxh3 here, 4 KiB at ~0.4x
+DEFAULT_BLOCK = delta.DEFAULT_BLOCK_KIB << 10
 MIN_BLOCK = 64
-MAX_BLOCK = 1 << 30
+MAX_BLOCK = delta.MAX_BLOCK_KIB << 10
 MAX_INDEX = 1 << 30  # bytes: 64 M blocks' hashes (1 TiB of state at 16 KiB); a larger index is refused unread
 MAX_DIMS = 64
 MAX_DTYPE = 1 << 16  # bytes of a dtype's description (a pickled record dtype with many fields)
@@ -75,6 +74,13 @@ _ENTRY_KEYS = {"name", "kind", "meta", "nbytes", "nblocks", "whole", "codec"}
 _INDEX_KEYS = {"v", "iteration", "extra", "block", "gen", "role", "parent", "base", "links", "signed", "overhead", "entries"}
 
 _hash = xxhash.xxh3_128_digest
+
+
+def _dtypes():
+    """:mod:`.dtypes` (pickletools, its patterns), imported only for a dtype that is not a plain one."""
+    from . import dtypes
+
+    return dtypes
 
 
 def _memory_cap() -> int:
@@ -131,7 +137,7 @@ def plan(values: Mapping[str, object], block: int = DEFAULT_BLOCK) -> State:
             arr = value if value.flags.c_contiguous else np.ascontiguousarray(value)  # (keeps 0-d arrays 0-d)
             simple = arr.dtype.names is None and arr.dtype.subdtype is None
             # Records, padding and nested fields as a description numpy's public constructor rebuilds (never a pickle).
-            dtype = arr.dtype.str if simple else dtypes.describe(arr.dtype)
+            dtype = arr.dtype.str if simple else _dtypes().describe(arr.dtype)
             planned.append(Value(name, "nd", {"dtype": dtype, "shape": list(arr.shape)}, arr.nbytes, _array_bytes(arr)))
         else:
             try:
@@ -242,8 +248,8 @@ def _dtype(spec: object, *, pickled: bool = False) -> np.dtype:
     if isinstance(spec, bytes):
         if not pickled or len(spec) > MAX_DTYPE:
             raise ValueError("not a dtype description")
-        return dtypes.from_pickle(spec)
-    return dtypes.build(spec)
+        return _dtypes().from_pickle(spec)
+    return _dtypes().build(spec)
 
 
 def _is_int(x: object, low: int = 0, high: int = 1 << 62) -> bool:

@@ -74,6 +74,7 @@ _ENTRY_KEYS = {"name", "kind", "meta", "nbytes", "nblocks", "whole", "codec"}
 _INDEX_KEYS = {"v", "iteration", "extra", "block", "gen", "role", "parent", "base", "links", "signed", "overhead", "entries"}
 
 _hash = xxhash.xxh3_128_digest
+_SYNC_RANGE = getattr(os, "SYNC_FILE_RANGE_WRITE", None) if hasattr(os, "sync_file_range") else None
 
 
 def _dtypes():
@@ -457,31 +458,44 @@ def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
 
 def write_delta(path: Path, values: Mapping[str, object] | State, choice: delta.Choice, ref_sigs: Index | None, *,
                 gen: int, iteration: int = 0, extra: dict | None = None, block: int = DEFAULT_BLOCK, durable: bool = True,
-                changes: Diff | None = None) -> dict:
+                changes: Diff | None = None, late: bool = False) -> dict:
     """Pass 2: write generation ``gen``'s file with the blocks ``choice`` asks for.
 
     ``values``: the values, or the :class:`State` pass 1 hashed (an unhashed
     state or a dict is written full and unsigned: mode ``full`` hashes
     nothing). ``ref_sigs``: the index of ``choice.against`` (None for a
-    full); ``changes``: pass 1's :func:`diff` against it, if already made.
+    full); ``changes``: pass 1's :func:`diff` against it, if already made;
+    ``late``: an unhashed full signed while its blocks go to disk (see :func:`encode`).
     Written atomically (temporary name, fsync unless ``durable=False``,
     rename). Returns {"size", "digest", "role", "parent", "base", "links",
     "state", "restore"}: ``state`` the values' bytes, ``restore`` the bytes
     a restore of this generation reads (each block once, plus every file's
     magic, index and footer).
     """
-    chunks, result = encode(values, choice, ref_sigs, gen=gen, iteration=iteration, extra=extra, block=block, changes=changes)
+    chunks, result = encode(values, choice, ref_sigs, gen=gen, iteration=iteration, extra=extra, block=block, changes=changes,
+                            late=late, kick=late and durable)
     size, digest = ckptstore.write_atomic(Path(path), chunks, durable=durable)
     return {"size": size, "digest": digest, **result}
 
 
 def encode(values: Mapping[str, object] | State, choice: delta.Choice, ref_sigs: Index | None, *, gen: int, iteration: int = 0,
-           extra: dict | None = None, block: int = DEFAULT_BLOCK, changes: Diff | None = None) -> tuple[list, dict]:
-    """The file :func:`write_delta` writes, as a list of buffers (the values' blocks by reference), and its result fields."""
+           extra: dict | None = None, block: int = DEFAULT_BLOCK, changes: Diff | None = None, late: bool = False,
+           kick: bool = False) -> tuple[list, dict]:
+    """The file :func:`write_delta` writes, as a list of buffers (the values' blocks by reference), and its result fields.
+
+    ``late`` (a full only): the state is hashed after its blocks are written,
+    for the index's signature: the index is then a deferred chunk
+    (:func:`gangd.ckptstore.write_chunks`) and the result's "restore" is
+    filled in when it is built. ``kick``: before hashing, start the disk's
+    writeback of the blocks (``sync_file_range``), so the hashing overlaps the
+    disk instead of preceding the fsync (the dense case of :func:`save_generation`).
+    """
     state = values if isinstance(values, State) else plan(values, block)
     full = choice.role == "full"
     if choice.role not in delta.ROLES or full != (choice.against is None):
         raise ValueError(f"a {choice.role} checkpoint {'has no' if full else 'needs a'} reference generation")
+    if late and (not full or state.signed):
+        raise ValueError("only an unhashed full is signed after its blocks are written")
     if not _is_int(gen):
         raise ValueError(f"a generation is a non-negative integer, not {gen!r}")
     links: list[int] = []
@@ -502,7 +516,7 @@ def encode(values: Mapping[str, object] | State, choice: delta.Choice, ref_sigs:
         overhead = ref_sigs.overhead + ref_sigs.own_overhead
     chunks: list = [MAGIC]
     meta_entries: list[dict] = []
-    raw: list[bytes] = []
+    presents: list[np.ndarray] = []
     offset = len(MAGIC)
     for v in state.values:
         count = nblocks(v.nbytes, state.block)
@@ -521,16 +535,35 @@ def encode(values: Mapping[str, object] | State, choice: delta.Choice, ref_sigs:
                 offset += len(part)
         meta_entries.append({"name": v.name, "kind": v.kind, "meta": v.meta, "nbytes": v.nbytes, "nblocks": count,
                              "whole": whole, "codec": "none"})
-        if state.signed and v.sig is not None:
-            raw.append(v.sig.tobytes())
-        raw.append(np.packbits(present).tobytes())
-    head = msgpack.packb({"v": 2, "iteration": iteration, "extra": extra or {}, "block": state.block, "gen": gen,
-                          "role": choice.role, "parent": parent, "base": delta.base_of(gen, choice, base), "links": links,
-                          "signed": state.signed, "overhead": overhead, "entries": meta_entries}, use_bin_type=True)
-    index = head + b"".join(raw)
-    chunks += [index, FOOTER.pack(offset, len(index), _hash(index), END)]
-    return chunks, {"role": choice.role, "parent": parent, "base": delta.base_of(gen, choice, base), "links": links,
-                    "state": state.total, "restore": state.total + overhead + len(MAGIC) + len(index) + FOOTER.size}
+        presents.append(present)
+    result = {"role": choice.role, "parent": parent, "base": delta.base_of(gen, choice, base), "links": links, "state": state.total}
+
+    def tail() -> list[bytes]:
+        raw: list[bytes] = []
+        for v, present in zip(state.values, presents, strict=True):
+            if state.signed and v.sig is not None:
+                raw.append(v.sig.tobytes())
+            raw.append(np.packbits(present).tobytes())
+        head = msgpack.packb({"v": 2, "iteration": iteration, "extra": extra or {}, "block": state.block, "gen": gen,
+                              "role": choice.role, "parent": parent, "base": result["base"], "links": links,
+                              "signed": state.signed, "overhead": overhead, "entries": meta_entries}, use_bin_type=True)
+        index = head + b"".join(raw)
+        result["restore"] = state.total + overhead + len(MAGIC) + len(index) + FOOTER.size
+        return [index, FOOTER.pack(offset, len(index), _hash(index), END)]
+
+    if not late:
+        return chunks + tail(), result
+
+    def signed_tail(fd: int) -> list[bytes]:
+        if kick and _SYNC_RANGE is not None:
+            try:  # the blocks start for the disk now; the fsync after the index waits for what is left
+                os.sync_file_range(fd, 0, 0, _SYNC_RANGE)
+            except OSError:
+                pass
+        signature(state)
+        return tail()
+
+    return [*chunks, signed_tail], result
 
 
 # ====================================================================== restoring a chain
@@ -714,6 +747,44 @@ def _place(fd: int, top: Index, index: Index, number: int, views: dict[str, memo
 # ====================================================================== one generation, start to end
 
 
+SAMPLE = 256  # blocks per value hashed to tell a dense change before the full pass (looks_dense)
+_SAMPLE_MIN = 4 * SAMPLE  # a state of fewer blocks is hashed whole at once: the sample would save nothing
+
+
+def looks_dense(state: State, refs: Sequence[Index], full_above: float = delta.DEFAULT_FULL_ABOVE) -> bool:
+    """True when a sample of the state's blocks says that at least ``full_above``
+    of its bytes changed against every one of ``refs`` (the parent and the base):
+    then :func:`delta.choose` picks a full in every mode, and the full pass
+    (hashing every block before anything is written) is not needed to know it.
+
+    The sample is ``SAMPLE`` blocks per value at random places (a regular
+    stride would alias with a regular update pattern), from a generator seeded
+    by the state's layout, so the same state gives the same answer. A wrong
+    "dense" only costs a full where a large delta would do: every full is
+    self-contained and signed, so no restore chain depends on the guess.
+    """
+    if state.signed or not refs or sum(nblocks(v.nbytes, state.block) for v in state.values) < _SAMPLE_MIN:
+        return False
+    rng = np.random.default_rng([state.block, len(state.values), state.total])
+    changed = [0.0] * len(refs)
+    for v in state.values:
+        count = nblocks(v.nbytes, state.block)
+        entries = [ref.entry(v.name) if ref.signed and ref.block == state.block else None for ref in refs]
+        comparable = [e is not None and e.signature is not None and (e.kind, e.meta, e.nbytes) == (v.kind, v.meta, v.nbytes)
+                      for e in entries]
+        picks = None
+        if any(comparable) and count:
+            picks = np.sort(rng.choice(count, SAMPLE, replace=False)) if count > SAMPLE else np.arange(count)
+            sampled = np.frombuffer(b"".join(_hash(v.data[i * state.block : (i + 1) * state.block]) for i in picks.tolist()),
+                                    dtype=np.uint8).reshape(-1, SIG)
+        for k, e in enumerate(entries):
+            if not comparable[k] or picks is None or e is None or e.signature is None:
+                changed[k] += v.nbytes
+            else:
+                changed[k] += v.nbytes * float(np.mean(np.any(sampled != e.signature[picks], axis=1)))
+    return all(c >= full_above * state.total for c in changed)
+
+
 def save_generation(path: Path, values: Mapping[str, object], *, gen: int, iteration: int = 0, mode: str = delta.DEFAULT_MODE,
                     offered: Iterable = (), block: int = DEFAULT_BLOCK, chain_max: int = delta.DEFAULT_CHAIN_MAX,
                     threshold: float = delta.DEFAULT_THRESHOLD, full_above: float = delta.DEFAULT_FULL_ABOVE,
@@ -737,7 +808,6 @@ def save_generation(path: Path, values: Mapping[str, object], *, gen: int, itera
     why_full = None
     parent = base = None
     if mode != "full":
-        signature(state)
         if links and not force_full:
             try:
                 parent = read_index(links[0].path, links[0].expect)
@@ -755,6 +825,13 @@ def save_generation(path: Path, values: Mapping[str, object], *, gen: int, itera
                         raise StoreError(f"{where.path} is generation {base.gen}, not the base {parent.base}")
             except StoreError as exc:
                 why_full, parent, base = str(exc), None, None
+        if parent is not None and base is not None and looks_dense(state, (parent, base), full_above):
+            # Nearly everything changed: a full, whatever the full pass would find. Its signature (which
+            # the next generation diffs against) is hashed while the disk writes its blocks.
+            result = write_delta(path, state, delta.FULL, None, gen=gen, iteration=iteration, extra=extra, durable=durable, late=True)
+            result["mode"] = mode
+            return result
+        signature(state)
     if parent is None or base is None:
         choice = delta.FULL
     else:

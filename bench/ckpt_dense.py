@@ -8,9 +8,10 @@ plain fulls written in the same run, alternating (full, adaptive, full, ...):
 * ``adaptive``: today's writer. A sample of blocks shows the change is dense,
   so the generation is a full. Its blocks are written first, and their
   hashing overlaps the disk's writeback (``blocks.looks_dense``,
-  ``blocks.encode(late=True)``).
-* ``full-pass``: the writer without that shortcut. It hashes every block,
-  compares, decides, then writes: what adaptive cost before.
+  ``blocks.encode(late=True)``). A dense full after a full is not signed, so
+  every other generation of the run hashes only the sample.
+* ``full-pass``: the writer before. It hashes every block, compares,
+  decides, then writes a signed full.
 
 Every generation is written inline with fsync (``durable``), as a rank's
 inline write is. Between generations the whole state changes (a dense update),
@@ -53,28 +54,38 @@ def main() -> None:
     state = {"u": np.random.default_rng(0).random(args.mib * (1 << 20) // 8), "stats": {"step": 0}}
     with tempfile.TemporaryDirectory(prefix="gangd-dense-", dir=args.dir) as tmp:
         root = Path(tmp)
-        parent = blocks.save_generation(root / "gen-1", state, gen=1, mode="adaptive")  # signed: what the next generations diff against
-        offered = [{"gen": 1, "path": str(root / "gen-1"), "expect": [parent["size"], parent["digest"]]}]
         shortcut = blocks.looks_dense
-        gen = 1
+        gen = 0
         times: dict[str, list[tuple[float, float]]] = {"full": [], "adaptive": [], "full-pass": []}
-        roles: dict[str, set] = {k: set() for k in times}
+        signed: dict[str, list[bool]] = {k: [] for k in times}
+        last: dict[str, tuple[Path, dict] | None] = dict.fromkeys(times)  # each kind's chain: its previous generation
 
         def write(kind: str) -> None:
             nonlocal gen
             gen += 1
             state["u"] += 1.0  # every block changes (outside the clock)
             state["stats"]["step"] = gen
-            blocks.looks_dense = shortcut if kind == "adaptive" else (lambda *a, **k: False)
             path = root / f"gen-{gen}"
+            prev = last[kind]
+            offered = [] if prev is None or kind == "full" else [{"gen": int(prev[0].name[4:]), "path": str(prev[0]),
+                                                                   "expect": [prev[1]["size"], prev[1]["digest"]]}]
+            if kind == "full-pass":  # the writer before: with a signed parent, hash every block, compare, then write
+                blocks.looks_dense = lambda *a, **k: False
             out: dict = {}
-            times[kind].append(timed(lambda: out.update(blocks.save_generation(
-                path, state, gen=gen, mode="full" if kind == "full" else "adaptive", offered=[] if kind == "full" else offered))))
-            roles[kind].add(out["role"])
-            path.unlink()
+            try:
+                times[kind].append(timed(lambda: out.update(blocks.save_generation(
+                    path, state, gen=gen, mode="full" if kind == "full" else "adaptive", offered=offered))))
+            finally:
+                blocks.looks_dense = shortcut
+            signed[kind].append(blocks.read_index(path).signed)
+            if prev is not None:
+                prev[0].unlink()
+            last[kind] = (path, out)
 
-        write("full")  # warm-up: page cache, allocator
-        times["full"].clear()
+        for kind in times:  # warm-up (page cache, allocator), and each chain's first generation
+            write(kind)
+            times[kind].clear()
+            signed[kind].clear()
         for i in range(args.repeats):
             for kind in ("full", "adaptive", "full", "full-pass") if i % 2 == 0 else ("full-pass", "full", "adaptive", "full"):
                 write(kind)
@@ -85,9 +96,10 @@ def main() -> None:
     med = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in times.items()}
     print(f"dense checkpoints of {args.mib} MiB, {args.repeats} writes of each adaptive kind, {2 * args.repeats} plain fulls, alternating, "
           f"inline with fsync; load average {' '.join(f'{x:.2f}' for x in load)} -> {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"{'kind':>10} | {'wall ms':>8} {'x full':>7} | {'CPU ms':>7} {'x full':>7} | role")
+    print(f"{'kind':>10} | {'wall ms':>8} {'x full':>7} | {'CPU ms':>7} {'x full':>7} | signed")
     for kind, (w, c) in med.items():
-        print(f"{kind:>10} | {w * 1e3:8.1f} {w / med['full'][0]:7.3f} | {c * 1e3:7.1f} {c / med['full'][1]:7.3f} | {','.join(sorted(roles[kind]))}")
+        print(f"{kind:>10} | {w * 1e3:8.1f} {w / med['full'][0]:7.3f} | {c * 1e3:7.1f} {c / med['full'][1]:7.3f} | "
+              f"{sum(signed[kind])} of {len(signed[kind])}")
     print(f"breakdown: block hash pass {hash_pass * 1e3:.1f} ms CPU ({args.mib / 1024 / hash_pass:.1f} GiB/s; raw xxh3 {raw * 1e3:.1f} ms, "
           f"{args.mib / 1024 / raw:.1f} GiB/s); a plain full's write+fsync {med['full'][0] * 1e3:.1f} ms wall, {med['full'][1] * 1e3:.1f} ms CPU")
     ok = med["adaptive"][0] <= 1.05 * med["full"][0]

@@ -79,42 +79,48 @@ def _link(gen: int, path: Path, result: dict) -> dict:
     return {"gen": gen, "path": str(path), "expect": [result["size"], result["digest"]]}
 
 
-def test_dense_adaptive_is_a_signed_full_hashed_after_its_blocks_are_written(tmp_path, monkeypatch):
+def test_dense_adaptive_fulls_are_hashed_after_their_blocks_are_written_and_every_other_one_not_at_all(tmp_path, monkeypatch):
     state = _state(32)
-    first = blocks.save_generation(tmp_path / "g1", state, gen=1, mode="adaptive")
-    state["u"] += 1.0  # every block changes
-    state["stats"]["step"] = 2
-    seen: list[int] = []
     real = blocks.hash_blocks
+    seen: dict[int, list[int]] = {}
+    gen = 0
 
     def spy(data, block):  # the temporary file's size when the blocks are hashed
-        tmp = tmp_path / ".g2.tmp"
-        seen.append(tmp.stat().st_size if tmp.exists() else -1)
+        tmp = tmp_path / f".g{gen}.tmp"
+        seen.setdefault(gen, []).append(tmp.stat().st_size if tmp.exists() else -1)
         return real(data, block)
 
     monkeypatch.setattr(blocks, "hash_blocks", spy)
-    second = blocks.save_generation(tmp_path / "g2", state, gen=2, mode="adaptive", offered=[_link(1, tmp_path / "g1", first)])
-    assert second["role"] == "full" and second["links"] == []
-    assert seen and min(seen) >= state["u"].nbytes, f"hashed before the blocks were written (temporary file sizes {seen})"
-    # The file is whole and checksummed (the deferred index included), signed, and restores.
-    size, digest = second["size"], second["digest"]
-    h = ckptstore.hasher()
-    h.update((tmp_path / "g2").read_bytes())
-    assert h.hexdigest() == digest and (tmp_path / "g2").stat().st_size == size
-    index = blocks.read_index(tmp_path / "g2", (size, digest))
-    assert index.signed and index.role == "full"
-    entry = index.entry("u")
+    results: dict[int, dict] = {}
+
+    def save(g: int, parent: int | None) -> blocks.Index:
+        nonlocal gen
+        gen = g
+        offered = [] if parent is None else [_link(parent, tmp_path / f"g{parent}", results[parent])]
+        results[g] = blocks.save_generation(tmp_path / f"g{g}", state, gen=g, mode="adaptive", offered=offered)
+        r = results[g]
+        h = ckptstore.hasher()  # the whole file checksummed, the deferred index included
+        h.update((tmp_path / f"g{g}").read_bytes())
+        assert h.hexdigest() == r["digest"] and (tmp_path / f"g{g}").stat().st_size == r["size"]
+        return blocks.read_index(tmp_path / f"g{g}", (r["size"], r["digest"]))
+
+    first = save(1, None)  # nothing to diff against: a full, signed after its blocks are written
+    assert first.role == "full" and first.signed and min(seen[1]) >= state["u"].nbytes, seen
+    state["u"] += 1.0  # every block changes
+    second = save(2, 1)  # dense after a full: a full, not signed (only the sample was hashed, not the blocks)
+    assert second.role == "full" and not second.signed and 2 not in seen, seen
+    state["u"] += 1.0
+    third = save(3, 2)  # the parent is unsigned: a signed full, hashed after its blocks are written
+    assert third.role == "full" and third.signed and min(seen[3]) >= state["u"].nbytes, seen
+    entry = third.entry("u")
     assert entry is not None and entry.signature is not None
-    assert np.array_equal(entry.signature, real(memoryview(state["u"]).cast("B"), index.block))
-    values, _, _ = blocks.read_chain(tmp_path / "g2", (), (size, digest))
-    assert np.array_equal(values["u"], state["u"]) and values["stats"] == {"step": 2}
-    # The next, sparse generation diffs against it.
-    monkeypatch.setattr(blocks, "hash_blocks", real)
-    state["u"][:1000] = -1.0
-    third = blocks.save_generation(tmp_path / "g3", state, gen=3, mode="adaptive", offered=[_link(2, tmp_path / "g2", second)])
-    assert third["role"] != "full" and third["parent"] == 2
-    assert third["size"] < state["u"].nbytes // 10
-    values, _, _ = blocks.read_chain(tmp_path / "g3", [_link(2, tmp_path / "g2", second)], (third["size"], third["digest"]))
+    assert np.array_equal(entry.signature, real(memoryview(state["u"]).cast("B"), third.block))
+    state["u"][:1000] = -1.0  # sparse: a delta against the signed full
+    fourth = save(4, 3)
+    assert fourth.role != "full" and fourth.parent == 3 and results[4]["size"] < state["u"].nbytes // 10
+    for g, chain in ((2, []), (3, []), (4, [_link(3, tmp_path / "g3", results[3])])):
+        values, _, _ = blocks.read_chain(tmp_path / f"g{g}", chain, (results[g]["size"], results[g]["digest"]))
+        assert values["stats"] == {"step": 0}
     assert np.array_equal(values["u"], state["u"])
 
 

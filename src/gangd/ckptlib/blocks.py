@@ -800,6 +800,14 @@ def save_generation(path: Path, values: Mapping[str, object], *, gen: int, itera
     checkpoint does not fail because an older one is damaged. Returns
     :func:`write_delta`'s result plus "mode" and, when the parent was
     unusable, "why_full".
+
+    When the generation is a full anyway -- no signed parent to compare
+    with, or a sample shows nearly everything changed (:func:`looks_dense`)
+    -- its blocks are written first and hashed for its signature while the
+    disk writes them (no pass before the write); a dense full after a full
+    is not signed at all, so a run of dense generations hashes every other
+    one, and its next generation is a signed full (never a delta against an
+    unsigned file). Dense adaptive then costs a plain full plus the sample.
     """
     if mode not in delta.MODES:
         raise ValueError(f"checkpoint mode {mode!r} is not one of {', '.join(delta.MODES)}")
@@ -825,11 +833,20 @@ def save_generation(path: Path, values: Mapping[str, object], *, gen: int, itera
                         raise StoreError(f"{where.path} is generation {base.gen}, not the base {parent.base}")
             except StoreError as exc:
                 why_full, parent, base = str(exc), None, None
-        if parent is not None and base is not None and looks_dense(state, (parent, base), full_above):
-            # Nearly everything changed: a full, whatever the full pass would find. Its signature (which
-            # the next generation diffs against) is hashed while the disk writes its blocks.
-            result = write_delta(path, state, delta.FULL, None, gen=gen, iteration=iteration, extra=extra, durable=durable, late=True)
+        refs = (parent, base) if parent is not None and base is not None else None
+        comparable = refs is not None and all(r.signed and r.block == state.block for r in refs)
+        dense = comparable and refs is not None and looks_dense(state, refs, full_above)
+        if not comparable or dense:
+            # A full, whatever the full pass would find: nothing to compare with, or nearly everything
+            # changed. Its signature (which the next generation diffs against) is hashed while the disk
+            # writes its blocks -- except after a signed full that was just as dense: a run of dense
+            # generations signs every other one (the next is then a signed full, never a delta against
+            # an unsigned one).
+            sign = not (dense and parent is not None and parent.role == "full")
+            result = write_delta(path, state, delta.FULL, None, gen=gen, iteration=iteration, extra=extra, durable=durable, late=sign)
             result["mode"] = mode
+            if why_full is not None:
+                result["why_full"] = why_full
             return result
         signature(state)
     if parent is None or base is None:

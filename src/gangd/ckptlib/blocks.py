@@ -74,7 +74,27 @@ _ENTRY_KEYS = {"name", "kind", "meta", "nbytes", "nblocks", "whole", "codec"}
 _INDEX_KEYS = {"v", "iteration", "extra", "block", "gen", "role", "parent", "base", "links", "signed", "overhead", "entries"}
 
 _hash = xxhash.xxh3_128_digest
-_SYNC_RANGE = getattr(os, "SYNC_FILE_RANGE_WRITE", None) if hasattr(os, "sync_file_range") else None
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>
+_libc: object = None  # ctypes' libc once looked up; False where it has no sync_file_range
+
+
+def _start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing ``fd``'s dirty pages and return at once
+    (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which :mod:`os` does not
+    offer): the fsync that follows waits only for what is left."""
+    global _libc
+    if _libc is False:
+        return
+    try:
+        if _libc is None:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            _libc = libc
+        _libc.sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # type: ignore[attr-defined]  # (an error: no head start, nothing else)
+    except (OSError, AttributeError):
+        _libc = False
 
 
 def _dtypes():
@@ -555,12 +575,16 @@ def encode(values: Mapping[str, object] | State, choice: delta.Choice, ref_sigs:
         return chunks + tail(), result
 
     def signed_tail(fd: int) -> list[bytes]:
-        if kick and _SYNC_RANGE is not None:
-            try:  # the blocks start for the disk now; the fsync after the index waits for what is left
-                os.sync_file_range(fd, 0, 0, _SYNC_RANGE)
-            except OSError:
-                pass
+        starter = None
+        if kick:  # the blocks start for the disk now (from a thread: the call blocks while the disk's queue is full,
+            # and ctypes lets go of the GIL), while this one hashes; the fsync after the index waits for what is left
+            import threading
+
+            starter = threading.Thread(target=_start_writeback, args=(fd,), name="gangd-writeback", daemon=True)
+            starter.start()
         signature(state)
+        if starter is not None:
+            starter.join()
         return tail()
 
     return [*chunks, signed_tail], result

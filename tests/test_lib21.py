@@ -25,7 +25,7 @@ import pytest
 from gangd import ckptstore
 from gangd.ckptlib import blocks
 
-LAZY = ("gangd.ckptlib.blocks", "gangd.ckptlib.writer", "gangd.ckptlib.dtypes", "pickletools")
+LAZY = ("gangd.ckptlib.blocks", "gangd.ckptlib.writer", "gangd.ckptlib.dtypes", "pickletools", "gangd.checkpoint.messages", "gangd.checkpoint.rank")
 
 
 def _fresh(code: str, cwd: Path) -> dict:

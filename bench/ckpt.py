@@ -31,8 +31,9 @@ measured in the same run:
            snapshot writes while the job runs on) and inline writes
            (GANGD_CKPT_BACKGROUND=0 in the job's environment).
 
-    python bench/ckpt.py [--quick] [--repeats 3] [--max-mib 1024] [--json]
+    python bench/ckpt.py [--quick] [--repeats 3] [--max-mib 1024] [--tables 2,3,4] [--json]
 
+``--tables 2`` runs Table 2 alone (3 needs 2's calibration and runs it too).
 ``--quick`` is a small version (under a minute); ``--json`` prints every
 number as one JSON document on stdout (the tables go to stderr then).
 """
@@ -196,7 +197,31 @@ def per_iter(done: dict[int, dict]) -> float:
 # ---------------------------------------------------------------- Tables 2 and 3
 
 
+def fresh_bytecode() -> int:
+    """Bring gangd's cached bytecode up to date; returns how many modules were compiled.
+
+    With PYTHONDONTWRITEBYTECODE set (as in this project's shells) and a source
+    tree whose __pycache__ is older than its sources, every rank compiles every
+    changed module at every start. The ckptlib side of Table 2 then pays for
+    compiling the library (~0.25 s of CPU per rank, profiled) and the plain side
+    does not: that is not the library's cost, and an installed package has its
+    bytecode. So both sides start from compiled bytecode."""
+    import compileall
+    import io
+    from contextlib import redirect_stdout
+
+    import gangd
+
+    listing = io.StringIO()
+    with redirect_stdout(listing):
+        compileall.compile_dir(str(Path(gangd.__file__).parent), quiet=0)
+    return sum(1 for line in listing.getvalue().splitlines() if line.startswith("Compiling"))
+
+
 async def overhead(directory: Path, mib: float, seconds: float, repeats: int) -> dict:
+    compiled = fresh_bytecode()
+    if compiled:
+        say(f"  (compiled {compiled} stale gangd modules first: every rank would compile them at each start)")
     async with connect(directory) as gang:
         # A short plain run: warms the caches (Python, numpy, the daemons) and
         # tells how many iterations make a run of about ``seconds``.
@@ -211,18 +236,25 @@ async def overhead(directory: Path, mib: float, seconds: float, repeats: int) ->
                 record, done = await run_to_end(gang, argv, name=f"heat-{mode}")
                 runs[mode].append({
                     "job": record["id"], "job_s": record["ended"] - record["started"], "loop_s": slowest(done),
+                    # CPU seconds of the loop (every thread of the rank), and start-up: job started -> the
+                    # last rank done with its first iteration; both far less noisy than wall time under load.
+                    "loop_cpu_s": slowest(done, "loop_cpu_s"),
+                    "startup_s": max(d["times"]["ready"] for d in done.values()) - record["started"],
                     "digests": [done[r]["digest"] for r in sorted(done)],
                 })
     digests = {tuple(r["digests"]) for rs in runs.values() for r in rs}
-    med = {mode: {k: statistics.median(r[k] for r in rs) for k in ("job_s", "loop_s")} for mode, rs in runs.items()}
+    keys = ("job_s", "loop_s", "loop_cpu_s", "startup_s")
+    med = {mode: {k: statistics.median(r[k] for r in rs) for k in keys} for mode, rs in runs.items()}
     # The best run of each kind too: the one least disturbed by whatever else shares this machine.
-    best = {mode: {k: min(r[k] for r in rs) for k in ("job_s", "loop_s")} for mode, rs in runs.items()}
+    best = {mode: {k: min(r[k] for r in rs) for k in keys} for mode, rs in runs.items()}
     return {
         "mib_per_rank": mib, "steps": steps, "runs": runs, "median": med, "best": best,
         "ratio_job": med["ckptlib"]["job_s"] / med["plain"]["job_s"],
         "ratio_loop": med["ckptlib"]["loop_s"] / med["plain"]["loop_s"],
         "best_ratio_job": best["ckptlib"]["job_s"] / best["plain"]["job_s"],
         "best_ratio_loop": best["ckptlib"]["loop_s"] / best["plain"]["loop_s"],
+        "ratio_loop_cpu": med["ckptlib"]["loop_cpu_s"] / med["plain"]["loop_cpu_s"],
+        "startup_extra_s": med["ckptlib"]["startup_s"] - med["plain"]["startup_s"],
         "identical": len(digests) == 1, "digests": min(digests) if len(digests) == 1 else None,
     }
 
@@ -368,14 +400,21 @@ def ms(seconds: float) -> str:
 def print_overhead(t2: dict, repeats: int) -> None:
     say(f"\nTable 2 - ckptlib overhead, no checkpoint taken: {NODES} nodes x 1 rank, heat stencil, "
         f"{t2['mib_per_rank']:g} MiB/rank, {t2['steps']} iterations, {repeats} runs each (alternating)")
-    say(f"{'run':>6} | {'job plain':>10} {'job ckptlib':>12} | {'loop plain':>11} {'loop ckptlib':>13}   (seconds)")
+    say(f"{'run':>6} | {'job plain':>10} {'job ckptlib':>12} | {'loop plain':>11} {'loop ckptlib':>13} | "
+        f"{'cpu plain':>10} {'cpu ckptlib':>12} | {'start plain':>11} {'start ckptlib':>13}   (seconds)")
+
+    def row(label, p, c) -> None:
+        say(f"{label:>6} | {p['job_s']:10.3f} {c['job_s']:12.3f} | {p['loop_s']:11.3f} {c['loop_s']:13.3f} | "
+            f"{p['loop_cpu_s']:10.3f} {c['loop_cpu_s']:12.3f} | {p['startup_s']:11.3f} {c['startup_s']:13.3f}")
+
     for i, (p, c) in enumerate(zip(t2["runs"]["plain"], t2["runs"]["ckptlib"], strict=True), 1):
-        say(f"{i:>6} | {p['job_s']:10.3f} {c['job_s']:12.3f} | {p['loop_s']:11.3f} {c['loop_s']:13.3f}")
+        row(str(i), p, c)
     for label in ("median", "best"):
-        m = t2[label]
-        say(f"{label:>6} | {m['plain']['job_s']:10.3f} {m['ckptlib']['job_s']:12.3f} | {m['plain']['loop_s']:11.3f} {m['ckptlib']['loop_s']:13.3f}")
+        row(label, t2[label]["plain"], t2[label]["ckptlib"])
     say(f"ckptlib/plain: job time {t2['ratio_job']:.3f}, loop time {t2['ratio_loop']:.3f} (medians; target <= 1.02); "
         f"best runs: {t2['best_ratio_job']:.3f}, {t2['best_ratio_loop']:.3f}; same result in every run: {'yes' if t2['identical'] else 'NO'}")
+    say(f"  loop CPU time (every thread of the slowest rank) {t2['ratio_loop_cpu']:.3f}x plain; start-up (job started -> every rank "
+        f"past its first iteration) {t2['startup_extra_s'] * 1e3:+.0f} ms against plain (medians)")
 
 
 def print_restart(t3: dict, steps: int) -> None:
@@ -489,7 +528,12 @@ def main() -> None:
     parser.add_argument("--state-mib", type=float, default=4.0, help="state per rank of Tables 2 and 3")
     parser.add_argument("--seconds", type=float, default=None, help="loop time of one Table 2 run (default 3.5, quick 1.5)")
     parser.add_argument("--json", action="store_true", help="print every number as JSON on stdout (tables on stderr)")
+    parser.add_argument("--tables", default="2,3,4", help="which parts to run: 2 (overhead), 3 (restart; runs 2 for its "
+                        "calibration), 4 (Tables 4, 5 and Fig. 4); e.g. --tables 2 (default: all; the summary needs all)")
     args = parser.parse_args()
+    tables = {t.strip() for t in args.tables.split(",") if t.strip()}
+    if not tables or not tables <= {"2", "3", "4", "5"}:
+        parser.error(f"--tables takes a comma-separated list of 2, 3 and 4, not {args.tables!r}")
     quick = args.quick
     repeats = args.repeats or (2 if quick else 3)
     restarts = args.repeats or (2 if quick else 3)
@@ -514,19 +558,23 @@ def main() -> None:
         say(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (anything else running shares the cores and the disk)")
         local.up(directory, NODES, cores=1, log_level="warning")
         try:
-            say(f"Table 2: {repeats} plain + {repeats} ckptlib runs of ~{seconds:g} s ...")
-            result["overhead"] = trio.run(overhead, directory, args.state_mib, seconds, repeats)
-            print_overhead(result["overhead"], repeats)
-            say(f"\nTable 3: {restarts} normal + checkpoint/kill/restart runs ...")
-            result["restart"] = trio.run(restarted, directory, result["overhead"], restarts)
-            print_restart(result["restart"], result["overhead"]["steps"])
-            wanted = [*sizes, args.breakdown_mib] if args.breakdown_mib not in sizes else sizes
-            say(f"\nFig. 4 / Tables 4, 5: sizes {', '.join(map(str, sorted(set(wanted))))} MiB per node, {count} checkpoint(s) each ...")
-            rows = sweep(directory, sorted(set(wanted)), count)
-            result["sweep"] = [r for r in rows if r["mib"] in sizes]
-            print_breakdown(next(r for r in rows if r["mib"] == args.breakdown_mib))
-            print_bandwidth(result["sweep"], count)
-            result["summary"] = summary(result)
+            if tables & {"2", "3"}:
+                say(f"Table 2: {repeats} plain + {repeats} ckptlib runs of ~{seconds:g} s ...")
+                result["overhead"] = trio.run(overhead, directory, args.state_mib, seconds, repeats)
+                print_overhead(result["overhead"], repeats)
+            if "3" in tables:
+                say(f"\nTable 3: {restarts} normal + checkpoint/kill/restart runs ...")
+                result["restart"] = trio.run(restarted, directory, result["overhead"], restarts)
+                print_restart(result["restart"], result["overhead"]["steps"])
+            if tables & {"4", "5"}:
+                wanted = [*sizes, args.breakdown_mib] if args.breakdown_mib not in sizes else sizes
+                say(f"\nFig. 4 / Tables 4, 5: sizes {', '.join(map(str, sorted(set(wanted))))} MiB per node, {count} checkpoint(s) each ...")
+                rows = sweep(directory, sorted(set(wanted)), count)
+                result["sweep"] = [r for r in rows if r["mib"] in sizes]
+                print_breakdown(next(r for r in rows if r["mib"] == args.breakdown_mib))
+                print_bandwidth(result["sweep"], count)
+            if {"2", "3", "4"} <= tables:
+                result["summary"] = summary(result)
         finally:
             # Kill whatever is left (after an error), then stop the daemons.
             async def kill_all():

@@ -46,6 +46,8 @@ import numpy as np
 
 from gangd import comm
 
+imported = time.time()  # (numpy and gangd.comm: the plain app's imports too)
+
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--mb", type=float, default=4.0, help="state (the plate's band) per rank, MiB")
 parser.add_argument("--n", type=int, default=1024, help="columns of the plate")
@@ -68,6 +70,7 @@ if not args.plain:
     from gangd import ckptlib as ckpt
 
     ckpt.init()
+inited, inited_cpu = time.time(), time.process_time()  # start-up: the world joined, ckptlib imported and registered
 n = args.n
 rows = max(3, int(args.mb * (1 << 20)) // (8 * n))
 up = rank - 1 if rank > 0 else None  # no neighbour beyond the plate's edges
@@ -164,8 +167,9 @@ if not args.plain:
     ckpt.fini()
 finished = time.time()
 digest = hashlib.sha256(u[1:rows + 1].tobytes()).hexdigest()[:16]
-times = {"began": began, "ready": ready_at, "ended": ended, "finished": finished}
-done = {"loop_s": ended - (ready_at or ended), "loop_cpu_s": loop_cpu, "iters": done_after_ready, "digest": digest, "rows": rows, "times": times}
+times = {"began": began, "imported": imported, "inited": inited, "ready": ready_at, "ended": ended, "finished": finished}
+done = {"loop_s": ended - (ready_at or ended), "loop_cpu_s": loop_cpu, "init_cpu_s": inited_cpu, "cpu_s": time.process_time(), "iters": done_after_ready,
+        "digest": digest, "rows": rows, "times": times}
 print("DONE " + json.dumps(done), flush=True)
 if not args.mpi:
     world.close()

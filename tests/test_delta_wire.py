@@ -202,7 +202,8 @@ def test_a_commit_answer_of_a_daemon_before_deltas_reads_as_full_files():
 
 
 @pytest.mark.parametrize("modes, mode", [({}, "full"), ({"full": 3}, "full"), ({"incr": 2, "full": 0}, "incremental"),
-                                         ({"diff": 1}, "differential"), ({"diff": 1, "rebase": 1}, "mixed"), ({"rebase": 2}, "rebase"), ({"full": 1, "incr": 1}, "mixed")])
+                                         ({"diff": 1}, "differential"), ({"diff": 1, "rebase": 1}, "mixed"),
+                                         ({"rebase": 2}, "rebase"), ({"full": 1, "incr": 1}, "mixed")])
 def test_a_generations_mode_follows_its_files_roles(modes, mode):
     assert m.generation_mode(modes) == mode
 

@@ -108,9 +108,14 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_chunks(fd: int, chunks: Iterable, digest=None) -> int:
-    """Write every buffer of ``chunks`` (bytes-like, any size) to ``fd``; returns bytes written."""
+    """Write every buffer of ``chunks`` (bytes-like, any size) to ``fd``; returns bytes written.
+    A callable chunk is called with ``fd`` once everything before it is written, and the buffers it
+    returns are written in its place (a checkpoint's index, hashed while the disk writes its blocks)."""
     total = 0
     for chunk in chunks:
+        if callable(chunk):
+            total += write_chunks(fd, chunk(fd), digest)
+            continue
         view = memoryview(chunk).cast("B")
         if digest is not None:
             digest.update(view)

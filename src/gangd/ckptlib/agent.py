@@ -45,9 +45,8 @@ import select
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..checkpoint import messages
-from ..checkpoint.rank import Action, RankAgreement, Step
 from ..ckptstore import StoreError
 from ..client.runtime import JobInfo
 from ..comm.control import DaemonLink
@@ -55,7 +54,11 @@ from ..comm.errors import CommError
 from ..protocol import Note, Reply
 from . import spc
 from .core import Checkpointer, CheckpointError, warn
-from .writer import Written
+
+if TYPE_CHECKING:  # (imported at the first checkpoint or restore: a rank that takes none does not pay for them)
+    from ..checkpoint import messages
+    from ..checkpoint.rank import RankAgreement, Step
+    from .writer import Written
 
 REQUEST_AGAIN = 0.5  # s before a rank's unanswered checkpoint request is sent again
 FORCE_RETRY = 10.0  # s a forced checkpoint (ckptlib.mpi.checkpoint(force=True)) is asked for again after a "no"
@@ -85,13 +88,25 @@ class DaemonAgent:
         self.io = threading.Lock()  # the protocol machine and socket writes, shared by two threads
         self.cond = threading.Condition()
         self.wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self.agreement = RankAgreement()  # the protocol's state (gangd.checkpoint.rank); under cond
+        self._agreement: RankAgreement | None = None  # the protocol's state (gangd.checkpoint.rank), made at first use
         self.gone: str | None = None  # why the daemon connection ended
         self.stopping = False  # fini: the reader thread ends before its fds are closed
         self.replies: dict[int, _Waiter] = {}
         self.background: dict[int, tuple[int, Written]] = {}  # pipe fd -> (generation, the write)
         self.cp: Checkpointer  # set by attach(), before the thread that reads it starts
         self.thread = threading.Thread(target=self._run, name=f"gangd-ckpt-{info.rank}", daemon=True)
+
+    @property
+    def agreement(self) -> RankAgreement:
+        """The protocol's state, under cond; made (and :mod:`gangd.checkpoint.rank` with its messages
+        imported) when a checkpoint first concerns this rank, not at start-up (bench/ckpt.py Table 2)."""
+        if self._agreement is None:
+            from ..checkpoint.rank import RankAgreement
+
+            with self.cond:
+                if self._agreement is None:
+                    self._agreement = RankAgreement()
+        return self._agreement
 
     # ------------------------------------------------------------ restart
 
@@ -222,6 +237,8 @@ class DaemonAgent:
             return
         if not isinstance(event, Note):
             return
+        from ..checkpoint import messages
+
         note = messages.daemon_note(event.op, event.args)
         if note is None:
             return
@@ -251,6 +268,8 @@ class DaemonAgent:
             self._apply(self.agreement.again(cp.requested))
 
     def at_boundary(self, cp: Checkpointer, k: int) -> None:
+        from ..checkpoint.rank import Action
+
         with self.cond:
             while True:
                 if self.gone:
@@ -280,6 +299,8 @@ class DaemonAgent:
         "no" (a generation refused because a rank has not registered yet,
         say) is made again for a while.
         """
+        from ..checkpoint.rank import Action
+
         deadline = time.monotonic() + FORCE_RETRY
         agreement = self.agreement
         with self.cond:
@@ -369,6 +390,8 @@ def _report(result: dict) -> dict:
 def _offer_of(reply) -> messages.DeltaOffer:
     """The ``delta`` of a ``ckpt_start`` reply; a daemon that offers none (or
     a malformed one) gets a whole file, written in the job's settings."""
+    from ..checkpoint import messages
+
     raw = reply.get("delta") if isinstance(reply, dict) else None
     try:
         return messages.DeltaOffer.from_wire(raw)
@@ -378,6 +401,8 @@ def _offer_of(reply) -> messages.DeltaOffer:
 
 def _chain_of(restart: dict) -> list[dict]:
     """The links of a restart's generation (the attach reply's ``chain``, newest first), each checked."""
+    from ..checkpoint import messages
+
     raw = restart.get("chain") or []
     if not isinstance(raw, list) or len(raw) > messages.MAX_LINKS:
         raise StoreError("the node daemon handed over a malformed chain of generations")

@@ -58,15 +58,14 @@ import xxhash
 from .. import ckptstore
 from ..checkpoint import delta
 from ..ckptstore import StoreError
-from . import dtypes
 
 MAGIC = b"GANGDCK2"
 END = b"GANGDEND"
 FOOTER = struct.Struct("<QQ16s8s")  # index offset, index length, xxh3-128(index), END
 SIG = 16  # bytes of one block's hash
-DEFAULT_BLOCK = 16 << 10  # bench/delta.py's sweep: 16 KiB hashes at ~0.6x raw xxh3 here, 4 KiB at ~0.4x
+DEFAULT_BLOCK = delta.DEFAULT_BLOCK_KIB << 10
 MIN_BLOCK = 64
-MAX_BLOCK = 1 << 30
+MAX_BLOCK = delta.MAX_BLOCK_KIB << 10
 MAX_INDEX = 1 << 30  # bytes: 64 M blocks' hashes (1 TiB of state at 16 KiB); a larger index is refused unread
 MAX_DIMS = 64
 MAX_DTYPE = 1 << 16  # bytes of a dtype's description (a pickled record dtype with many fields)
@@ -75,6 +74,34 @@ _ENTRY_KEYS = {"name", "kind", "meta", "nbytes", "nblocks", "whole", "codec"}
 _INDEX_KEYS = {"v", "iteration", "extra", "block", "gen", "role", "parent", "base", "links", "signed", "overhead", "entries"}
 
 _hash = xxhash.xxh3_128_digest
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>
+_libc: object = None  # ctypes' libc once looked up; False where it has no sync_file_range
+
+
+def _start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing ``fd``'s dirty pages and return at once
+    (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which :mod:`os` does not
+    offer): the fsync that follows waits only for what is left."""
+    global _libc
+    if _libc is False:
+        return
+    try:
+        if _libc is None:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            _libc = libc
+        _libc.sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # type: ignore[attr-defined]  # (an error: no head start, nothing else)
+    except (OSError, AttributeError):
+        _libc = False
+
+
+def _dtypes():
+    """:mod:`.dtypes` (pickletools, its patterns), imported only for a dtype that is not a plain one."""
+    from . import dtypes
+
+    return dtypes
 
 
 def _memory_cap() -> int:
@@ -131,7 +158,7 @@ def plan(values: Mapping[str, object], block: int = DEFAULT_BLOCK) -> State:
             arr = value if value.flags.c_contiguous else np.ascontiguousarray(value)  # (keeps 0-d arrays 0-d)
             simple = arr.dtype.names is None and arr.dtype.subdtype is None
             # Records, padding and nested fields as a description numpy's public constructor rebuilds (never a pickle).
-            dtype = arr.dtype.str if simple else dtypes.describe(arr.dtype)
+            dtype = arr.dtype.str if simple else _dtypes().describe(arr.dtype)
             planned.append(Value(name, "nd", {"dtype": dtype, "shape": list(arr.shape)}, arr.nbytes, _array_bytes(arr)))
         else:
             try:
@@ -242,8 +269,8 @@ def _dtype(spec: object, *, pickled: bool = False) -> np.dtype:
     if isinstance(spec, bytes):
         if not pickled or len(spec) > MAX_DTYPE:
             raise ValueError("not a dtype description")
-        return dtypes.from_pickle(spec)
-    return dtypes.build(spec)
+        return _dtypes().from_pickle(spec)
+    return _dtypes().build(spec)
 
 
 def _is_int(x: object, low: int = 0, high: int = 1 << 62) -> bool:
@@ -451,31 +478,44 @@ def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
 
 def write_delta(path: Path, values: Mapping[str, object] | State, choice: delta.Choice, ref_sigs: Index | None, *,
                 gen: int, iteration: int = 0, extra: dict | None = None, block: int = DEFAULT_BLOCK, durable: bool = True,
-                changes: Diff | None = None) -> dict:
+                changes: Diff | None = None, late: bool = False) -> dict:
     """Pass 2: write generation ``gen``'s file with the blocks ``choice`` asks for.
 
     ``values``: the values, or the :class:`State` pass 1 hashed (an unhashed
     state or a dict is written full and unsigned: mode ``full`` hashes
     nothing). ``ref_sigs``: the index of ``choice.against`` (None for a
-    full); ``changes``: pass 1's :func:`diff` against it, if already made.
+    full); ``changes``: pass 1's :func:`diff` against it, if already made;
+    ``late``: an unhashed full signed while its blocks go to disk (see :func:`encode`).
     Written atomically (temporary name, fsync unless ``durable=False``,
     rename). Returns {"size", "digest", "role", "parent", "base", "links",
     "state", "restore"}: ``state`` the values' bytes, ``restore`` the bytes
     a restore of this generation reads (each block once, plus every file's
     magic, index and footer).
     """
-    chunks, result = encode(values, choice, ref_sigs, gen=gen, iteration=iteration, extra=extra, block=block, changes=changes)
+    chunks, result = encode(values, choice, ref_sigs, gen=gen, iteration=iteration, extra=extra, block=block, changes=changes,
+                            late=late, kick=late and durable)
     size, digest = ckptstore.write_atomic(Path(path), chunks, durable=durable)
     return {"size": size, "digest": digest, **result}
 
 
 def encode(values: Mapping[str, object] | State, choice: delta.Choice, ref_sigs: Index | None, *, gen: int, iteration: int = 0,
-           extra: dict | None = None, block: int = DEFAULT_BLOCK, changes: Diff | None = None) -> tuple[list, dict]:
-    """The file :func:`write_delta` writes, as a list of buffers (the values' blocks by reference), and its result fields."""
+           extra: dict | None = None, block: int = DEFAULT_BLOCK, changes: Diff | None = None, late: bool = False,
+           kick: bool = False) -> tuple[list, dict]:
+    """The file :func:`write_delta` writes, as a list of buffers (the values' blocks by reference), and its result fields.
+
+    ``late`` (a full only): the state is hashed after its blocks are written,
+    for the index's signature: the index is then a deferred chunk
+    (:func:`gangd.ckptstore.write_chunks`) and the result's "restore" is
+    filled in when it is built. ``kick``: before hashing, start the disk's
+    writeback of the blocks (``sync_file_range``), so the hashing overlaps the
+    disk instead of preceding the fsync (the dense case of :func:`save_generation`).
+    """
     state = values if isinstance(values, State) else plan(values, block)
     full = choice.role == "full"
     if choice.role not in delta.ROLES or full != (choice.against is None):
         raise ValueError(f"a {choice.role} checkpoint {'has no' if full else 'needs a'} reference generation")
+    if late and (not full or state.signed):
+        raise ValueError("only an unhashed full is signed after its blocks are written")
     if not _is_int(gen):
         raise ValueError(f"a generation is a non-negative integer, not {gen!r}")
     links: list[int] = []
@@ -496,7 +536,7 @@ def encode(values: Mapping[str, object] | State, choice: delta.Choice, ref_sigs:
         overhead = ref_sigs.overhead + ref_sigs.own_overhead
     chunks: list = [MAGIC]
     meta_entries: list[dict] = []
-    raw: list[bytes] = []
+    presents: list[np.ndarray] = []
     offset = len(MAGIC)
     for v in state.values:
         count = nblocks(v.nbytes, state.block)
@@ -515,16 +555,39 @@ def encode(values: Mapping[str, object] | State, choice: delta.Choice, ref_sigs:
                 offset += len(part)
         meta_entries.append({"name": v.name, "kind": v.kind, "meta": v.meta, "nbytes": v.nbytes, "nblocks": count,
                              "whole": whole, "codec": "none"})
-        if state.signed and v.sig is not None:
-            raw.append(v.sig.tobytes())
-        raw.append(np.packbits(present).tobytes())
-    head = msgpack.packb({"v": 2, "iteration": iteration, "extra": extra or {}, "block": state.block, "gen": gen,
-                          "role": choice.role, "parent": parent, "base": delta.base_of(gen, choice, base), "links": links,
-                          "signed": state.signed, "overhead": overhead, "entries": meta_entries}, use_bin_type=True)
-    index = head + b"".join(raw)
-    chunks += [index, FOOTER.pack(offset, len(index), _hash(index), END)]
-    return chunks, {"role": choice.role, "parent": parent, "base": delta.base_of(gen, choice, base), "links": links,
-                    "state": state.total, "restore": state.total + overhead + len(MAGIC) + len(index) + FOOTER.size}
+        presents.append(present)
+    result = {"role": choice.role, "parent": parent, "base": delta.base_of(gen, choice, base), "links": links, "state": state.total}
+
+    def tail() -> list[bytes]:
+        raw: list[bytes] = []
+        for v, present in zip(state.values, presents, strict=True):
+            if state.signed and v.sig is not None:
+                raw.append(v.sig.tobytes())
+            raw.append(np.packbits(present).tobytes())
+        head = msgpack.packb({"v": 2, "iteration": iteration, "extra": extra or {}, "block": state.block, "gen": gen,
+                              "role": choice.role, "parent": parent, "base": result["base"], "links": links,
+                              "signed": state.signed, "overhead": overhead, "entries": meta_entries}, use_bin_type=True)
+        index = head + b"".join(raw)
+        result["restore"] = state.total + overhead + len(MAGIC) + len(index) + FOOTER.size
+        return [index, FOOTER.pack(offset, len(index), _hash(index), END)]
+
+    if not late:
+        return chunks + tail(), result
+
+    def signed_tail(fd: int) -> list[bytes]:
+        starter = None
+        if kick:  # the blocks start for the disk now (from a thread: the call blocks while the disk's queue is full,
+            # and ctypes lets go of the GIL), while this one hashes; the fsync after the index waits for what is left
+            import threading
+
+            starter = threading.Thread(target=_start_writeback, args=(fd,), name="gangd-writeback", daemon=True)
+            starter.start()
+        signature(state)
+        if starter is not None:
+            starter.join()
+        return tail()
+
+    return [*chunks, signed_tail], result
 
 
 # ====================================================================== restoring a chain
@@ -708,6 +771,44 @@ def _place(fd: int, top: Index, index: Index, number: int, views: dict[str, memo
 # ====================================================================== one generation, start to end
 
 
+SAMPLE = 256  # blocks per value hashed to tell a dense change before the full pass (looks_dense)
+_SAMPLE_MIN = 4 * SAMPLE  # a state of fewer blocks is hashed whole at once: the sample would save nothing
+
+
+def looks_dense(state: State, refs: Sequence[Index], full_above: float = delta.DEFAULT_FULL_ABOVE) -> bool:
+    """True when a sample of the state's blocks says that at least ``full_above``
+    of its bytes changed against every one of ``refs`` (the parent and the base):
+    then :func:`delta.choose` picks a full in every mode, and the full pass
+    (hashing every block before anything is written) is not needed to know it.
+
+    The sample is ``SAMPLE`` blocks per value at random places (a regular
+    stride would alias with a regular update pattern), from a generator seeded
+    by the state's layout, so the same state gives the same answer. A wrong
+    "dense" only costs a full where a large delta would do: every full is
+    self-contained and signed, so no restore chain depends on the guess.
+    """
+    if state.signed or not refs or sum(nblocks(v.nbytes, state.block) for v in state.values) < _SAMPLE_MIN:
+        return False
+    rng = np.random.default_rng([state.block, len(state.values), state.total])
+    changed = [0.0] * len(refs)
+    for v in state.values:
+        count = nblocks(v.nbytes, state.block)
+        entries = [ref.entry(v.name) if ref.signed and ref.block == state.block else None for ref in refs]
+        comparable = [e is not None and e.signature is not None and (e.kind, e.meta, e.nbytes) == (v.kind, v.meta, v.nbytes)
+                      for e in entries]
+        picks = None
+        if any(comparable) and count:
+            picks = np.sort(rng.choice(count, SAMPLE, replace=False)) if count > SAMPLE else np.arange(count)
+            sampled = np.frombuffer(b"".join(_hash(v.data[i * state.block : (i + 1) * state.block]) for i in picks.tolist()),
+                                    dtype=np.uint8).reshape(-1, SIG)
+        for k, e in enumerate(entries):
+            if not comparable[k] or picks is None or e is None or e.signature is None:
+                changed[k] += v.nbytes
+            else:
+                changed[k] += v.nbytes * float(np.mean(np.any(sampled != e.signature[picks], axis=1)))
+    return all(c >= full_above * state.total for c in changed)
+
+
 def save_generation(path: Path, values: Mapping[str, object], *, gen: int, iteration: int = 0, mode: str = delta.DEFAULT_MODE,
                     offered: Iterable = (), block: int = DEFAULT_BLOCK, chain_max: int = delta.DEFAULT_CHAIN_MAX,
                     threshold: float = delta.DEFAULT_THRESHOLD, full_above: float = delta.DEFAULT_FULL_ABOVE,
@@ -723,6 +824,14 @@ def save_generation(path: Path, values: Mapping[str, object], *, gen: int, itera
     checkpoint does not fail because an older one is damaged. Returns
     :func:`write_delta`'s result plus "mode" and, when the parent was
     unusable, "why_full".
+
+    When the generation is a full anyway -- no signed parent to compare
+    with, or a sample shows nearly everything changed (:func:`looks_dense`)
+    -- its blocks are written first and hashed for its signature while the
+    disk writes them (no pass before the write); a dense full after a full
+    is not signed at all, so a run of dense generations hashes every other
+    one, and its next generation is a signed full (never a delta against an
+    unsigned file). Dense adaptive then costs a plain full plus the sample.
     """
     if mode not in delta.MODES:
         raise ValueError(f"checkpoint mode {mode!r} is not one of {', '.join(delta.MODES)}")
@@ -731,7 +840,6 @@ def save_generation(path: Path, values: Mapping[str, object], *, gen: int, itera
     why_full = None
     parent = base = None
     if mode != "full":
-        signature(state)
         if links and not force_full:
             try:
                 parent = read_index(links[0].path, links[0].expect)
@@ -749,6 +857,22 @@ def save_generation(path: Path, values: Mapping[str, object], *, gen: int, itera
                         raise StoreError(f"{where.path} is generation {base.gen}, not the base {parent.base}")
             except StoreError as exc:
                 why_full, parent, base = str(exc), None, None
+        refs = (parent, base) if parent is not None and base is not None else None
+        comparable = refs is not None and all(r.signed and r.block == state.block for r in refs)
+        dense = comparable and refs is not None and looks_dense(state, refs, full_above)
+        if not comparable or dense:
+            # A full, whatever the full pass would find: nothing to compare with, or nearly everything
+            # changed. Its signature (which the next generation diffs against) is hashed while the disk
+            # writes its blocks -- except after a signed full that was just as dense: a run of dense
+            # generations signs every other one (the next is then a signed full, never a delta against
+            # an unsigned one).
+            sign = not (dense and parent is not None and parent.role == "full")
+            result = write_delta(path, state, delta.FULL, None, gen=gen, iteration=iteration, extra=extra, durable=durable, late=sign)
+            result["mode"] = mode
+            if why_full is not None:
+                result["why_full"] = why_full
+            return result
+        signature(state)
     if parent is None or base is None:
         choice = delta.FULL
     else:

@@ -22,18 +22,24 @@ from __future__ import annotations
 
 import importlib
 import os
-import select
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .. import ckptstore
 from ..checkpoint import delta
 from ..ckptstore import StoreError
-from . import blocks, writer
 from . import spc as spc_mod
+
+if TYPE_CHECKING:
+    from . import writer
+
+# The writer and the block format (:mod:`.writer`, :mod:`.blocks`) are
+# imported at the first checkpoint or restore, not with ckptlib: a program
+# pays nothing for them until it saves or loads (bench/ckpt.py Table 2).
 
 DAMAGED = "DAMAGED"  # in a generation found unusable at a restart: why
 COMM_VALUE = "__gangd.comm__"  # a one-rank world's network context, saved with the values
@@ -48,7 +54,7 @@ class DeltaSettings:
     """How a rank's generations are written: mode, block size, chain bound, adaptive threshold."""
 
     mode: str = delta.DEFAULT_MODE
-    block_kib: int = blocks.DEFAULT_BLOCK >> 10
+    block_kib: int = delta.DEFAULT_BLOCK_KIB
     chain_max: int = delta.DEFAULT_CHAIN_MAX
     threshold: float = delta.DEFAULT_THRESHOLD
     given: frozenset[str] = frozenset()  # the settings the program (init, GANGD_CKPT_BLOCK_KIB) chose: they win over a daemon's offer
@@ -65,11 +71,11 @@ class DeltaSettings:
         if block_kib is None:
             env = os.environ.get("GANGD_CKPT_BLOCK_KIB")
             try:
-                block_kib = int(env) if env else blocks.DEFAULT_BLOCK >> 10
+                block_kib = int(env) if env else delta.DEFAULT_BLOCK_KIB
             except ValueError:
                 raise CheckpointError(f"GANGD_CKPT_BLOCK_KIB={env!r} is not a number of KiB") from None
-        if type(block_kib) is not int or not 1 <= block_kib <= blocks.MAX_BLOCK >> 10:
-            raise CheckpointError(f"a checkpoint block is 1 to {blocks.MAX_BLOCK >> 10} KiB, not {block_kib!r}")
+        if type(block_kib) is not int or not 1 <= block_kib <= delta.MAX_BLOCK_KIB:
+            raise CheckpointError(f"a checkpoint block is 1 to {delta.MAX_BLOCK_KIB} KiB, not {block_kib!r}")
         chain_max = delta.DEFAULT_CHAIN_MAX if chain_max is None else chain_max
         if type(chain_max) is not int or not 1 <= chain_max <= delta.MAX_CHAIN:
             raise CheckpointError(f"chain_max is 1 to {delta.MAX_CHAIN} generations, not {chain_max!r}")
@@ -190,6 +196,8 @@ class Checkpointer:
         self.spc.before_ckpt(values)
         settings = settings if settings is not None else self.settings
         plan = settings.plan(gen, offered, force_full) if gen is not None and offered is not None else None
+        from . import writer
+
         written = writer.write(path, values, iteration, background=self.background, then=then, spc=self.spc, delta=plan)
         self.writes.append(written)
         return written
@@ -264,6 +272,8 @@ class Standalone:
         ``expect``: the manifest's (size, checksum) of its file (the size is checked first)."""
         known = self._links.get(gen)
         if known is None:
+            from . import blocks
+
             path = self._file(gen)
             try:
                 fd = ckptstore.open_regular(path)  # (no symlink; a FIFO is refused, never waited on)
@@ -444,4 +454,6 @@ class Standalone:
 
 def _exited(written: writer.Written) -> bool:
     """The background write finished (its pipe has the result, or EOF)."""
+    import select
+
     return written.done or bool(select.select([written.pipe], [], [], 0)[0])

@@ -40,12 +40,14 @@ import msgpack
 import numpy as np
 
 from .. import ckptstore
-from ..checkpoint import delta
 from ..ckptstore import StoreError
-from . import blocks
 
+# The block format's module is imported where a file is written or read, not
+# with this one: a program that never checkpoints does not pay for it
+# (bench/ckpt.py Table 2).
 MAGIC = b"GANGDCK1"  # version 1, read only
-MAGIC2 = blocks.MAGIC  # version 2, written
+MAGIC2 = b"GANGDCK2"  # version 2, written (blocks.MAGIC)
+DEFAULT_BLOCK = 16 << 10  # blocks.DEFAULT_BLOCK (checkpoint.delta.DEFAULT_BLOCK_KIB)
 _LEN = struct.Struct("<Q")
 
 
@@ -54,8 +56,11 @@ def _array_bytes(arr: np.ndarray) -> memoryview:
 
 
 def chunks(values: dict[str, object], iteration: int, extra: dict | None = None, *, gen: int = 0,
-           block: int = blocks.DEFAULT_BLOCK) -> list:
+           block: int = DEFAULT_BLOCK) -> list:
     """A full version 2 file's content as a list of buffers (arrays by reference, nothing hashed)."""
+    from ..checkpoint import delta
+    from . import blocks
+
     return blocks.encode(values, delta.FULL, None, gen=gen, iteration=iteration, extra=extra, block=block)[0]
 
 
@@ -81,6 +86,8 @@ def load(path: Path, expect: tuple[int, str] | None = None) -> tuple[dict[str, o
         if fh.read(len(MAGIC2)) != MAGIC2:
             fh.seek(0)
             return _load_v1(fh, path, expect)
+    from . import blocks
+
     return blocks.read_chain(path, (), expect)
 
 
@@ -122,6 +129,8 @@ def _load_v1(fh, path: Path, expect: tuple[int, str] | None) -> tuple[dict[str, 
         entries = [(str(name), kind, dict(meta), nbytes) for name, kind, meta, nbytes in entries]
     except Exception as exc:  # noqa: BLE001 -- any way a corrupted header fails is a StoreError
         raise StoreError(f"{path} is corrupted: unreadable header ({exc})") from None
+    from . import blocks
+
     values: dict[str, object] = {}
     pickled: dict[str, bytearray] = {}
     for name, kind, meta, nbytes in entries:

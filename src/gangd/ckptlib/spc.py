@@ -70,7 +70,7 @@ import numpy as np
 
 from .. import ckptstore
 from ..ckptstore import StoreError
-from . import blocks, image
+from . import image
 
 ENTRY_POINTS = "gangd.spc"
 FRAMEWORK = "__gangd."  # names of gangd's own entries among the values (a one-rank world's network): saved beside a plug-in's buffers
@@ -291,7 +291,12 @@ def read(spc: SPC, path: Path, expect: tuple[int, str] | None, chain: Sequence =
     hands over buffers writes such files, and restores them."""
     spc.set_filename(path)
     if hands_over(spc):
-        values, iteration, _ = blocks.read_chain(path, chain, expect) if chain else image.load(path, expect)
+        if chain:
+            from . import blocks  # (the block format loads at the first restore that needs it: ckptlib's start-up stays small)
+
+            values, iteration, _ = blocks.read_chain(path, chain, expect)
+        else:
+            values, iteration, _ = image.load(path, expect)
         values = _given_back(spc, values)
         spc.after_restart(values)
         return values, iteration

@@ -62,7 +62,7 @@ def caller_rank(daemon, cred: dict, pid: int, args: dict, op: str) -> tuple[dict
         raise RemoteError("no_such_job", f"job {job_id} has no ranks on {daemon.node}")
     if not (0 <= rank < record["nranks"]) or record["placement"][rank] != daemon.node:
         raise RemoteError("bad_request", f"rank {rank} of job {job_id} does not run on {daemon.node}")
-    if cred["uid"] not in (0, record["owner_uid"]) or pid not in daemon.ranks.rank_processes(job_id, rank):
+    if cred["uid"] not in (0, record["owner_uid"]) or not daemon.ranks.is_rank_process(job_id, rank, pid):
         raise RemoteError("permission_denied", f"process {pid} is not rank {rank} of job {job_id}")
     return record, rank
 

@@ -433,6 +433,15 @@ class LocalRanks:
         self.ranks[(entry.job_id, entry.rank)] = entry
         self._by_job.setdefault(entry.job_id, []).append(entry)
 
+    def is_rank_process(self, job_id: int, rank: int, pid: int) -> bool:
+        """Whether ``pid`` is a live process of the rank: its main process is
+        known at once; anything else takes a walk of what it forked (every
+        rank's comm and ckptlib attach asks, on the event loop)."""
+        entry = self.ranks.get((job_id, rank))
+        if entry is not None and entry.status is None and entry.pid == pid and entry.proc is not None and not entry.proc.exited():
+            return True
+        return pid in self.rank_processes(job_id, rank)
+
     def rank_processes(self, job_id: int, rank: int) -> set[int]:
         """Live pids of one rank: its main process and everything it forked."""
         entry = self.ranks.get((job_id, rank))

@@ -1,0 +1,184 @@
+"""Issue 17, lib21: what ckptlib costs a program that takes no checkpoint, and a dense adaptive checkpoint's cost.
+
+* Start-up: ``import gangd.ckptlib`` and ``ckpt.init()`` (alone, or the
+  daemon agent's module) load neither the writer nor the block format nor
+  the dtype recipes (pickletools, regular expressions): a rank pays for them
+  at its first checkpoint or restore (bench/ckpt.py Table 2), and alone
+  without ``every`` no thread runs behind the program.
+* Dense changes: when a sample shows nearly every block changed, adaptive
+  writes a full whose signature is hashed after its blocks are written (while
+  the disk writes them), not in a pass before the write; the result is a
+  signed full that the next generation diffs against, restored bit-identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gangd import ckptstore
+from gangd.ckptlib import blocks
+
+LAZY = ("gangd.ckptlib.blocks", "gangd.ckptlib.writer", "gangd.ckptlib.dtypes", "pickletools", "gangd.checkpoint.messages", "gangd.checkpoint.rank")
+
+
+def _fresh(code: str, cwd: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GANGD_")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, env=env, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_ckptlib_loads_no_writer_until_a_checkpoint(tmp_path):
+    got = _fresh(
+        "import json, sys, threading\n"
+        "from gangd import ckptlib as ckpt\n"
+        "import gangd.ckptlib.agent\n"
+        f"cp = ckpt.init(directory={str(tmp_path / 'ck')!r}, background=False)\n"
+        "u = ckpt.protect('u', lambda: list(range(10)))\n"
+        "for i in ckpt.loop(range(4)):\n"
+        "    if i == 1:\n"
+        f"        before = [m for m in {LAZY!r} if m in sys.modules]\n"
+        "        threads = threading.active_count()\n"
+        "        ckpt.request()  # saved at the next boundary (2)\n"
+        "    u[i] += 1\n"
+        f"after = [m for m in {LAZY[:2]!r} if m in sys.modules]\n"
+        "ckpt.fini()\n"
+        "print(json.dumps({'before': before, 'threads': threads, 'after': after}))\n",
+        tmp_path,
+    )
+    assert got["before"] == [], f"loaded before any checkpoint: {got['before']}"
+    assert got["threads"] == 1, "a program alone without every= runs no thread behind its back"
+    assert got["after"] == list(LAZY[:2]), "the first checkpoint loads the writer and the block format"
+    # ... and that checkpoint restores.
+    again = _fresh(
+        "import json\n"
+        "from gangd import ckptlib as ckpt\n"
+        f"ckpt.init(directory={str(tmp_path / 'ck')!r}, restart='latest')\n"
+        "u = ckpt.protect('u', lambda: None)\n"
+        "print(json.dumps({'u': u}))\n",
+        tmp_path,
+    )
+    assert again["u"] == [1, 2, *range(2, 10)]
+
+
+# ---------------------------------------------------------------- dense changes
+
+
+def _state(mib: float, seed: int = 0) -> dict:
+    return {"u": np.random.default_rng(seed).random(int(mib * (1 << 20)) // 8), "stats": {"step": 0}}
+
+
+def _link(gen: int, path: Path, result: dict) -> dict:
+    return {"gen": gen, "path": str(path), "expect": [result["size"], result["digest"]]}
+
+
+def test_dense_adaptive_fulls_are_hashed_after_their_blocks_are_written_and_every_other_one_not_at_all(tmp_path, monkeypatch):
+    state = _state(32)
+    real = blocks.hash_blocks
+    seen: dict[int, list[int]] = {}
+    gen = 0
+
+    def spy(data, block):  # the temporary file's size when the blocks are hashed
+        tmp = tmp_path / f".g{gen}.tmp"
+        seen.setdefault(gen, []).append(tmp.stat().st_size if tmp.exists() else -1)
+        return real(data, block)
+
+    monkeypatch.setattr(blocks, "hash_blocks", spy)
+    results: dict[int, dict] = {}
+
+    def save(g: int, parent: int | None) -> blocks.Index:
+        nonlocal gen
+        gen = g
+        offered = [] if parent is None else [_link(parent, tmp_path / f"g{parent}", results[parent])]
+        results[g] = blocks.save_generation(tmp_path / f"g{g}", state, gen=g, mode="adaptive", offered=offered)
+        r = results[g]
+        h = ckptstore.hasher()  # the whole file checksummed, the deferred index included
+        h.update((tmp_path / f"g{g}").read_bytes())
+        assert h.hexdigest() == r["digest"] and (tmp_path / f"g{g}").stat().st_size == r["size"]
+        return blocks.read_index(tmp_path / f"g{g}", (r["size"], r["digest"]))
+
+    first = save(1, None)  # nothing to diff against: a full, signed after its blocks are written
+    assert first.role == "full" and first.signed and min(seen[1]) >= state["u"].nbytes, seen
+    state["u"] += 1.0  # every block changes
+    second = save(2, 1)  # dense after a full: a full, not signed (only the sample was hashed, not the blocks)
+    assert second.role == "full" and not second.signed and 2 not in seen, seen
+    state["u"] += 1.0
+    third = save(3, 2)  # the parent is unsigned: a signed full, hashed after its blocks are written
+    assert third.role == "full" and third.signed and min(seen[3]) >= state["u"].nbytes, seen
+    entry = third.entry("u")
+    assert entry is not None and entry.signature is not None
+    assert np.array_equal(entry.signature, real(memoryview(state["u"]).cast("B"), third.block))
+    state["u"][:1000] = -1.0  # sparse: a delta against the signed full
+    fourth = save(4, 3)
+    assert fourth.role != "full" and fourth.parent == 3 and results[4]["size"] < state["u"].nbytes // 10
+    for g, chain in ((2, []), (3, []), (4, [_link(3, tmp_path / "g3", results[3])])):
+        values, _, _ = blocks.read_chain(tmp_path / f"g{g}", chain, (results[g]["size"], results[g]["digest"]))
+        assert values["stats"] == {"step": 0}
+    assert np.array_equal(values["u"], state["u"])
+
+
+def test_the_dense_sample_is_not_fooled_by_a_regular_sparse_pattern(tmp_path):
+    state = _state(16, seed=1)
+    parent = blocks.save_generation(tmp_path / "g1", state, gen=1, mode="adaptive")
+    ref = blocks.read_index(tmp_path / "g1", (parent["size"], parent["digest"]))
+    block_floats = blocks.DEFAULT_BLOCK // 8
+    u = state["u"].reshape(-1, block_floats)
+    u[::20, 0] += 1.0  # one block in 20 changed: every 20th, a stride a regular sample would alias with
+    assert not blocks.looks_dense(blocks.plan(state), (ref, ref))
+    u[:, 0] += 1.0  # every block changed
+    assert blocks.looks_dense(blocks.plan(state), (ref, ref))
+    small = {"u": np.zeros(100)}
+    assert not blocks.looks_dense(blocks.plan(small), (ref,)), "a small state is hashed whole at once"
+
+
+@pytest.mark.parametrize("mode", ["incremental", "differential", "adaptive"])
+def test_dense_then_sparse_generations_restore_in_every_mode(tmp_path, mode):
+    """Generations alternating dense and sparse changes, each restored from its chain, bit-identical."""
+    rng = np.random.default_rng(7)
+    state = _state(18, seed=3)
+    written: list[tuple[Path, dict]] = []
+    kept = []
+    for gen in range(1, 9):
+        if gen % 3 == 0:
+            state["u"] += 0.5
+        else:
+            state["u"][rng.integers(0, len(state["u"]), 50)] = gen
+        state["stats"]["step"] = gen
+        path = tmp_path / f"g{gen}"
+        offered = []
+        if written:
+            last_path, last = written[-1]
+            offered = [_link(gen - 1, last_path, last)] + [
+                _link(g, written[g - 1][0], written[g - 1][1]) for g in last["links"]]
+        result = blocks.save_generation(path, state, gen=gen, mode=mode, offered=offered, chain_max=4)
+        written.append((path, result))
+        kept.append(state["u"].copy())
+        if gen % 3 == 0:
+            assert result["role"] == "full"
+    for gen, (path, result) in enumerate(written, 1):
+        chain = [_link(g, written[g - 1][0], written[g - 1][1]) for g in result["links"]]
+        values, _, _ = blocks.read_chain(path, chain, (result["size"], result["digest"]))
+        assert np.array_equal(values["u"], kept[gen - 1]), f"generation {gen} ({result['role']})"
+        assert values["stats"] == {"step": gen}
+
+
+def test_a_deferred_chunk_is_written_in_place_and_checksummed(tmp_path):
+    calls = []
+
+    def later(fd):
+        calls.append(os.fstat(fd).st_size)
+        return [b"tail"]
+
+    size, digest = ckptstore.write_atomic(tmp_path / "f", [b"head-", later, b"-end"])
+    assert (tmp_path / "f").read_bytes() == b"head-tail-end" and size == 13
+    assert calls == [5], "called once, after what precedes it was written"
+    h = ckptstore.hasher()
+    h.update(b"head-tail-end")
+    assert digest == h.hexdigest()

@@ -148,22 +148,25 @@ def test_the_begin_asks_for_whole_files_when_the_gate_is_closed():
     assert "force_full" not in begin(False)
 
 
-def test_the_gate_opens_only_for_a_job_that_asked_for_deltas():
+def test_the_gate_follows_the_jobs_mode_else_the_clusters_default_adaptive():
     from gangd.daemon.ckptcoord import delta_gate
+    from gangd.daemon.config import Config
 
-    assert delta_gate("incremental") and delta_gate("adaptive") and delta_gate("differential")
-    assert not delta_gate(None)  # (the cluster's [checkpoint] mode alone: whole files, for now)
-    assert not delta_gate("full")
+    assert Config.checkpoint_mode == "adaptive"
+    for cluster in ("full", "incremental", "differential", "adaptive"):
+        assert delta_gate("incremental", cluster) and delta_gate("adaptive", cluster) and delta_gate("differential", cluster)
+        assert not delta_gate("full", cluster)  # (the job's --ckpt-mode over the cluster's)
+        assert delta_gate(None, cluster) == (cluster != "full")  # (no --ckpt-mode: the cluster's [checkpoint] mode)
 
 
-def test_gang_run_and_submit_offer_ckpt_mode_and_say_a_job_without_it_writes_whole_files():
+def test_gang_run_and_submit_offer_ckpt_mode_and_say_a_job_without_it_follows_the_clusters_mode():
     import subprocess
     import sys
 
     for command in ("run", "submit"):
         shown = subprocess.run([sys.executable, "-m", "gangd.client.cli", command, "--help"], capture_output=True, text=True, check=True).stdout
         assert "--ckpt-mode [full|incremental|differential|adaptive]" in shown
-        assert "Without it a job writes whole files" in " ".join(shown.split())
+        assert "Default: the cluster's [checkpoint] mode (adaptive unless set)" in " ".join(shown.split())
 
 
 # ------------------------------------------------------------------ cluster

@@ -44,7 +44,7 @@ report may name only a tail of that chain, at most ``chain_max`` long
 pin old generations against retention or point a restore elsewhere. The
 commit writes what each file needs into the MANIFEST (format 2), and a
 restart hands each rank its chain, every link checked to be listed here.
-Ranks that write whole files (today's writer) report no links: their
+Ranks that write whole files (mode full, or an SPC without blocks) report no links: their
 generations are what they always were, MANIFEST format 1 included.
 
 The round's state and every rule about what a rank's message means in which
@@ -548,7 +548,7 @@ class NodeCheckpoints:
         ``full``, or when the coordinator asks (``force_full``). Never fails
         the round: what cannot be read is not offered."""
         mode = self._job_mode(record)
-        if force_full:  # (the coordinator: this job writes whole files for now, ckptcoord.CheckpointCoordinator.delta_gate)
+        if force_full:  # (the coordinator: this job is in mode full, ckptcoord.CheckpointCoordinator.delta_gate)
             return dict.fromkeys(pending.ranks, self._full_offer("full"))
         full = self._full_offer(mode)
         offers = dict.fromkeys(pending.ranks, full)

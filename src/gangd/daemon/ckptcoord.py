@@ -136,7 +136,7 @@ class CheckpointCoordinator:
     def delta_gate(self, record: dict) -> bool:
         """Whether the ranks of ``record`` may write deltas (:func:`delta_gate`)."""
         asked = record.get("ckpt_mode") or next((r["ckpt_mode"] for r in self.lineage_records(record) if r.get("ckpt_mode")), None)
-        return delta_gate(asked)
+        return delta_gate(asked, self.daemon.config.checkpoint_mode)
 
     def level(self, record: dict) -> tuple[str, str]:
         """The redundancy level of the job's generations, and why it is not
@@ -1310,17 +1310,17 @@ class CheckpointCoordinator:
             self.periodic.discard(job_id)
 
 
-def delta_gate(asked: str | None) -> bool:
-    """Whether a job may write deltas: ``asked`` its (or its lineage's)
-    ``--ckpt-mode``; else the coordinator asks the nodes for whole files
-    (``force_full``: offers in mode full). Every path that moves a
-    generation's files moves its links too (a restart elsewhere stages them,
-    a lost node's are rebuilt from each link's redundancy, a flush flushes
-    them first and a restore from the flush directory restores them), so
-    neither the redundancy level nor a flush closes the gate; the cluster's
-    ``[checkpoint] mode`` alone does not turn deltas on yet (until the
-    benches and tests that read whole files ask for ``full``)."""
-    return asked in ("incremental", "differential", "adaptive")
+def delta_gate(asked: str | None, cluster: str) -> bool:
+    """Whether a job may write deltas: its mode is ``asked``, its (or its
+    lineage's) ``--ckpt-mode``, else ``cluster``, the cluster's ``[checkpoint]
+    mode`` (default adaptive); in mode full the coordinator asks the nodes
+    for whole files (``force_full``: offers in mode full, nothing held
+    against retention for it). Every path that moves a generation's files
+    moves its links too (a restart elsewhere stages them, a lost node's are
+    rebuilt from each link's redundancy, a flush flushes them first and a
+    restore from the flush directory restores them), so neither the
+    redundancy level nor a flush closes the gate."""
+    return (asked or cluster) != "full"
 
 
 def _wiped_first(wiped: dict[str, str], problem: str) -> str:

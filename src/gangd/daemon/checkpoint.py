@@ -105,6 +105,10 @@ RESTORE_TIMEOUT = 600.0
 VERIFY_THREADS = 2  # checksumming threads per daemon (restarts beyond that wait their turn)
 VERIFY_NICE = 10
 OFFER_CANDIDATES = 4  # newest usable generations searched for a rank's parent (each a MANIFEST read)
+# The offers are planned behind the begin (the job runs on meanwhile) and
+# wanted at the capture (the job is blocked): an offer not planned by then
+# within this many seconds is a full file.
+PLAN_WAIT = 5.0
 
 
 class NoRoom(Exception):
@@ -183,7 +187,8 @@ class Pending(nd.NodeRound):
     owner: tuple[int, int] | None = None
     files: dict[str, list] = field(default_factory=dict)  # name -> [size, digest] written by the daemon
     times: dict[str, float] = field(default_factory=dict)
-    planned: dict[int, DeltaOffer] = field(default_factory=dict)  # what each rank may write a delta of (made at the begin)
+    planned: dict[int, DeltaOffer] = field(default_factory=dict)  # what each rank may write a delta of (planned behind the begin)
+    planning: trio.Event = field(default_factory=trio.Event)  # set once ``planned`` is (or will never be)
     changed: trio.Event = field(default_factory=trio.Event)
 
     @property
@@ -515,7 +520,9 @@ class NodeCheckpoints:
                 pending.fail(f"cannot signal rank {rank} on {self.daemon.node}: {exc.strerror}")
             # The note reaches the rank's thread even while its main thread is in a long C call.
             await self._bounded_note(agent, "ckpt_begin", {"gen": gen})
-        pending.planned = await self._plan_offers(record, pending, force_full=args.get("force_full") is True)
+        # Planned behind the begin: the job runs on until the cut, and the
+        # capture waits for it (a round's begin is not slowed by its reads).
+        self.daemon.spawn(self._plan, record, pending, args.get("force_full") is True)
         silent = f"ranks {sorted(set(mine) - set(pending.reports))} did not answer SIGQUIT"
         await pending.until(pending.all_reported, AGREE_TIMEOUT, silent)
         pending.times["reported"] = time.time()
@@ -539,6 +546,12 @@ class NodeCheckpoints:
     def _full_offer(self, mode: str) -> DeltaOffer:
         config = self.daemon.config
         return DeltaOffer(mode, config.checkpoint_block_kib, config.checkpoint_chain_max, config.checkpoint_adaptive_threshold, True)
+
+    async def _plan(self, record: dict, pending: Pending, force_full: bool) -> None:
+        try:
+            pending.planned = await self._plan_offers(record, pending, force_full=force_full)
+        finally:
+            pending.planning.set()
 
     async def _plan_offers(self, record: dict, pending: Pending, *, force_full: bool) -> dict[int, DeltaOffer]:
         """What each rank of ``pending`` may write a delta of: the newest sound
@@ -647,6 +660,8 @@ class NodeCheckpoints:
         except StoreError as exc:
             raise RemoteError("write_failed", f"{self.daemon.node}: {exc}") from None
         pending.files.update(files)
+        with trio.move_on_after(PLAN_WAIT):  # (planned long before, but for an etcd read of a restarted lineage)
+            await pending.planning.wait()
         pending.times["released"] = time.time()
         pending.feed(nd.Released({rank: str(pending.directory / ckptstore.cluster_rank_file(rank)) for rank in pending.ranks}, pending.planned))
         await pending.until(pending.all_ended, self._timeout(args), "the ranks did not save their state")

@@ -105,10 +105,11 @@ RESTORE_TIMEOUT = 600.0
 VERIFY_THREADS = 2  # checksumming threads per daemon (restarts beyond that wait their turn)
 VERIFY_NICE = 10
 OFFER_CANDIDATES = 4  # newest usable generations searched for a rank's parent (each a MANIFEST read)
-# The offers are planned behind the begin (the job runs on meanwhile) and
-# wanted at the capture (the job is blocked): an offer not planned by then
-# within this many seconds is a full file.
-PLAN_WAIT = 5.0
+MANIFESTS_KEPT = 256  # MANIFESTs this node committed, kept parsed for the offers (a begin then reads no file)
+
+
+class _NotKept(Exception):
+    """A MANIFEST the offer needs is not kept in memory: it is read in a thread."""
 
 
 class NoRoom(Exception):
@@ -187,8 +188,7 @@ class Pending(nd.NodeRound):
     owner: tuple[int, int] | None = None
     files: dict[str, list] = field(default_factory=dict)  # name -> [size, digest] written by the daemon
     times: dict[str, float] = field(default_factory=dict)
-    planned: dict[int, DeltaOffer] = field(default_factory=dict)  # what each rank may write a delta of (planned behind the begin)
-    planning: trio.Event = field(default_factory=trio.Event)  # set once ``planned`` is (or will never be)
+    planned: dict[int, DeltaOffer] = field(default_factory=dict)  # what each rank may write a delta of (made at the begin)
     changed: trio.Event = field(default_factory=trio.Event)
 
     @property
@@ -235,6 +235,14 @@ class NodeCheckpoints:
         self._verify_threads: trio.CapacityLimiter | None = None  # (made in trio's run)
         self._protector: Protector | None = None
         self._bulk: BulkService | None = None
+        # (lineage, gen) -> the MANIFEST this node committed, newest last (MANIFESTS_KEPT at most): the offers' reads
+        self.kept: dict[tuple[int, int], ckptstore.Manifest] = {}
+
+    def _keep(self, manifest: ckptstore.Manifest) -> None:
+        self.kept.pop((manifest.lineage, manifest.gen), None)
+        self.kept[(manifest.lineage, manifest.gen)] = manifest
+        while len(self.kept) > MANIFESTS_KEPT:
+            del self.kept[next(iter(self.kept))]
 
     # ------------------------------------------------------------ the directories
 
@@ -520,9 +528,7 @@ class NodeCheckpoints:
                 pending.fail(f"cannot signal rank {rank} on {self.daemon.node}: {exc.strerror}")
             # The note reaches the rank's thread even while its main thread is in a long C call.
             await self._bounded_note(agent, "ckpt_begin", {"gen": gen})
-        # Planned behind the begin: the job runs on until the cut, and the
-        # capture waits for it (a round's begin is not slowed by its reads).
-        self.daemon.spawn(self._plan, record, pending, args.get("force_full") is True)
+        pending.planned = await self._plan_offers(record, pending, force_full=args.get("force_full") is True)
         silent = f"ranks {sorted(set(mine) - set(pending.reports))} did not answer SIGQUIT"
         await pending.until(pending.all_reported, AGREE_TIMEOUT, silent)
         pending.times["reported"] = time.time()
@@ -546,12 +552,6 @@ class NodeCheckpoints:
     def _full_offer(self, mode: str) -> DeltaOffer:
         config = self.daemon.config
         return DeltaOffer(mode, config.checkpoint_block_kib, config.checkpoint_chain_max, config.checkpoint_adaptive_threshold, True)
-
-    async def _plan(self, record: dict, pending: Pending, force_full: bool) -> None:
-        try:
-            pending.planned = await self._plan_offers(record, pending, force_full=force_full)
-        finally:
-            pending.planning.set()
 
     async def _plan_offers(self, record: dict, pending: Pending, *, force_full: bool) -> dict[int, DeltaOffer]:
         """What each rank of ``pending`` may write a delta of: the newest sound
@@ -581,19 +581,31 @@ class NodeCheckpoints:
         if not candidates.parents:
             log.debug("job %d checkpoint %d: full files (%s)", record["id"], pending.gen, candidates.why)
             return offers
-        chains = await trio.to_thread.run_sync(self._find_chains, lineage, pending.ranks, candidates)
+        try:  # (the MANIFESTs this node committed: no file read, no thread, the begin's common case)
+            chains = self._find_chains(lineage, pending.ranks, candidates, read=False)
+        except _NotKept:
+            chains = await trio.to_thread.run_sync(self._find_chains, lineage, pending.ranks, candidates)
         for rank, links in chains.items():
             offers[rank] = DeltaOffer(mode, full.block_kib, full.chain_max, full.threshold, False, links)
         return offers
 
-    def _find_chains(self, lineage: int, ranks: list[int], candidates: nd.Candidates) -> dict[int, tuple[Link, ...]]:
-        """(In a thread.) For each rank, the links of its newest candidate
-        parent whose whole chain this node's MANIFESTs list: the parent, then
-        what its file needs, newest first."""
+    def _find_chains(self, lineage: int, ranks: list[int], candidates: nd.Candidates, read: bool = True) -> dict[int, tuple[Link, ...]]:
+        """(In a thread, unless ``read`` is false.) For each rank, the links of
+        its newest candidate parent whose whole chain this node's MANIFESTs
+        list: the parent, then what its file needs, newest first. The
+        MANIFESTs this node committed are taken as it wrote them
+        (:attr:`kept`); ``read`` false: :class:`_NotKept` where one is not.
+        (Staging, rebuilds and unflushes write the same files, checksums
+        and all; a file gone since makes the rank, which checks each
+        offered link's size and index, write a full one.)"""
         manifests: dict[int, ckptstore.Manifest | None] = {}
 
         def manifest(gen: int) -> ckptstore.Manifest | None:
+            if gen not in manifests and (lineage, gen) in self.kept:
+                manifests[gen] = self.kept[(lineage, gen)]
             if gen not in manifests:
+                if not read:
+                    raise _NotKept
                 directory = ckptstore.gen_dir(self.root, lineage, gen)
                 try:
                     fd = self._gen_fd(directory)
@@ -660,8 +672,6 @@ class NodeCheckpoints:
         except StoreError as exc:
             raise RemoteError("write_failed", f"{self.daemon.node}: {exc}") from None
         pending.files.update(files)
-        with trio.move_on_after(PLAN_WAIT):  # (planned long before, but for an etcd read of a restarted lineage)
-            await pending.planning.wait()
         pending.times["released"] = time.time()
         pending.feed(nd.Released({rank: str(pending.directory / ckptstore.cluster_rank_file(rank)) for rank in pending.ranks}, pending.planned))
         await pending.until(pending.all_ended, self._timeout(args), "the ranks did not save their state")
@@ -718,6 +728,7 @@ class NodeCheckpoints:
         self.rounds.finished(pending)
         if pending.failed:  # (aborted while the manifest was written: the abort removes the directory)
             raise RemoteError("checkpoint_failed", pending.failed)
+        self._keep(manifest)
         result = self._times(pending)
         result["bytes"] = sum(size for size, _ in files.values())
         result["state_bytes"] = sum(r.state for r in pending.written.values())  # (logical: a full file's size)
@@ -787,6 +798,7 @@ class NodeCheckpoints:
         if job_id in self.daemon.jobnet.states:
             await self.daemon.jobnet.hold_gate(job_id, "checkpoint", False)
         if args.get("lineage") is not None and gen is not None:
+            self.kept.pop((int(args["lineage"]), gen), None)
             await trio.to_thread.run_sync(self._remove, ckptstore.gen_dir(self.root, int(args["lineage"]), gen))
         return True
 
@@ -828,6 +840,7 @@ class NodeCheckpoints:
         lineage = int(args["lineage"])
         gens = [int(g) for g in args.get("gens") or []]
         for gen in gens:
+            self.kept.pop((lineage, gen), None)
             await trio.to_thread.run_sync(self._remove, ckptstore.gen_dir(self.root, lineage, gen))
         return gens
 

@@ -38,8 +38,8 @@ checkpoint of a job on. ``--ckpt-mode`` measures another mode instead.
 
   Begin    (``--begin-cost``, alone) what a job's checkpoint pays at its
            begin for incremental checkpoints: the daemon plans each rank's
-           offer (it reads the lineage's candidate MANIFESTs), in mode full
-           it plans nothing. Jobs of ``--begin-mib`` MiB/node, full and
+           offer from the lineage's candidate MANIFESTs (those it committed
+           are kept in memory), in mode full it plans nothing. Jobs of ``--begin-mib`` MiB/node, full and
            adaptive alternating (ABBA), ``--checkpoints`` each (the first of
            each job left out: nothing to offer yet); agree (SIGQUIT -> ranks
            reported, the offers planned meanwhile), blocked and t, medians.
@@ -382,8 +382,8 @@ def print_begin(b: dict) -> None:
         say(f"{mode:>9} | {ms(m['agree'])} {ms(m['blocked'])} {ms(m['t'])} | {m['bytes']:10.0f} | {', '.join(m['modes'])}")
     r = b["ratio"]
     say(f"adaptive/full: agree {r['agree']:.3f}, blocked {r['blocked']:.3f}, t {r['t']:.3f}")
-    say("  agree: SIGQUIT -> the ranks reported (the daemon plans the offers meanwhile: adaptive reads the lineage's")
-    say("  candidate MANIFESTs); blocked: cut -> resumed; t: request -> complete (adaptive writes only what changed)")
+    say("  agree: SIGQUIT -> the ranks reported (the daemon plans the offers meanwhile, from the lineage's candidate")
+    say("  MANIFESTs); blocked: cut -> resumed; t: request -> complete (adaptive writes only what changed)")
 
 
 def summarize(entry: dict) -> dict:

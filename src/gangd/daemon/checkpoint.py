@@ -720,6 +720,10 @@ class NodeCheckpoints:
         try:
             await trio.to_thread.run_sync(self._check_and_commit, pending, manifest)
         except StoreError as exc:
+            # (a link gone or rewritten since the offer: what was offered is read from disk again next time)
+            for offer in pending.planned.values():
+                for link in offer.links:
+                    self.kept.pop((pending.lineage, link.gen), None)
             raise RemoteError("write_failed", f"{self.daemon.node}: {exc}") from None
         except NoRoom as exc:
             raise RemoteError("no_space", f"{self.daemon.node}: after the ranks wrote, {exc}") from None

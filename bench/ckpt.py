@@ -31,7 +31,21 @@ measured in the same run:
            snapshot writes while the job runs on) and inline writes
            (GANGD_CKPT_BACKGROUND=0 in the job's environment).
 
-    python bench/ckpt.py [--quick] [--repeats 3] [--max-mib 1024] [--tables 2,3,4] [--json]
+Every job here writes whole files (``--ckpt-mode full``): paper 000's
+figures are the cost of writing the whole state, and a cluster's default
+mode, adaptive (issue 17), would write only what changed from the second
+checkpoint of a job on. ``--ckpt-mode`` measures another mode instead.
+
+  Begin    (``--begin-cost``, alone) what a job's checkpoint pays at its
+           begin for incremental checkpoints: the daemon plans each rank's
+           offer from the lineage's candidate MANIFESTs (those it committed
+           are kept in memory), in mode full it plans nothing. Jobs of ``--begin-mib`` MiB/node, full and
+           adaptive alternating (ABBA), ``--checkpoints`` each (the first of
+           each job left out: nothing to offer yet); agree (SIGQUIT -> ranks
+           reported, the offers planned meanwhile), blocked and t, medians.
+
+    python bench/ckpt.py [--quick] [--repeats 3] [--max-mib 1024] [--tables 2,3,4] [--ckpt-mode full] [--json]
+    python bench/ckpt.py --begin-cost [--begin-mib 1] [--checkpoints 8] [--repeats 2]
 
 ``--tables 2`` runs Table 2 alone (3 needs 2's calibration and runs it too).
 ``--quick`` is a small version (under a minute); ``--json`` prints every
@@ -69,6 +83,8 @@ CKPT_SLEEP = 0.02  # s per iteration of the checkpointed jobs: they run on, a cu
 CKPT_BAND = 1 * MiB  # state relaxed per iteration of those jobs (what a snapshot copies on write)
 STENCIL_COLS = 1024  # ckpt_app's default --n: 8 KiB rows
 
+CKPT_MODE = "full"  # every job's --ckpt-mode (see the docstring; --ckpt-mode)
+
 out = sys.stdout  # where the tables go (stderr under --json)
 
 
@@ -86,7 +102,8 @@ class BenchError(Exception):
 def job_env(background: bool | None) -> dict:
     """This environment for the ranks, minus anything that would change ckptlib's behaviour
     behind the benchmark's back; ``background=False`` asks for inline writes."""
-    env = {k: v for k, v in os.environ.items() if k not in ("GANGD_CKPT_BACKGROUND", "GANGD_RESTART", "GANGD_CKPT_DIR")}
+    dropped = ("GANGD_CKPT_BACKGROUND", "GANGD_RESTART", "GANGD_CKPT_DIR", "GANGD_CKPT_MODE", "GANGD_CKPT_BLOCK_KIB")
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     if background is False:
         env["GANGD_CKPT_BACKGROUND"] = "0"
     return env
@@ -96,11 +113,13 @@ def job_env(background: bool | None) -> dict:
 MPI_OVER_TCP = {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
 
 
-async def submit(gang, app_args: list[str], *, name: str, background: bool | None = None, mpi: bool = False) -> int:
-    """``mpi``: the app's mpi4py version (``--mpi``), run with gangd as MPICH's process manager."""
+async def submit(gang, app_args: list[str], *, name: str, background: bool | None = None, mpi: bool = False,
+                 ckpt_mode: str | None = None) -> int:
+    """``mpi``: the app's mpi4py version (``--mpi``), run with gangd as MPICH's
+    process manager; ``ckpt_mode``: the job's --ckpt-mode (default :data:`CKPT_MODE`)."""
     env = job_env(background) | (MPI_OVER_TCP if mpi else {})
     argv = [sys.executable, APP, *app_args, *(["--mpi"] if mpi else [])]
-    record = await gang.submit(argv, NODES, per_node=1, env=env, cwd=str(HERE), name=name, mpi=mpi)
+    record = await gang.submit(argv, NODES, per_node=1, env=env, cwd=str(HERE), name=name, mpi=mpi, ckpt_mode=ckpt_mode or CKPT_MODE)
     return record["id"]
 
 
@@ -358,6 +377,47 @@ async def checkpointed_job(directory: Path, mib: int, background: bool, count: i
                 await kill(gang, job)
 
 
+async def begin_cost(directory: Path, mib: int, count: int, repeats: int) -> dict:
+    """The begin of a job's checkpoints in mode full and adaptive (see the
+    docstring): per mode, every checkpoint but each job's first."""
+    band_rows = CKPT_BAND // (8 * STENCIL_COLS)
+    argv = ["--mb", str(mib), "--steps", str(10**9), "--sleep", str(CKPT_SLEEP), "--band-rows", str(band_rows)]
+    taken: dict[str, list[dict]] = {"full": [], "adaptive": []}
+    async with connect(directory) as gang:
+        for i in range(repeats):
+            for mode in ("full", "adaptive") if i % 2 == 0 else ("adaptive", "full"):
+                job = await submit(gang, argv, name=f"begin-{mode}-{mib}M", ckpt_mode=mode)
+                try:
+                    await wait_ready(gang, job)
+                    await trio.sleep(0.5)
+                    entries = [await checkpoint(gang, job) for _ in range(count)]
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await kill(gang, job)
+                taken[mode] += entries[1:]
+    out: dict = {"mib": mib, "checkpoints": {m: len(e) for m, e in taken.items()}}
+    for mode, entries in taken.items():
+        rows = [{"agree": max(s["agree"] for s in e["nodes"].values()), "blocked": max(s["blocked"] for s in e["nodes"].values()),
+                 "t": e["ended"] - e["started"], "bytes": sum(s["bytes"] for s in e["nodes"].values()), "mode": e.get("mode")} for e in entries]
+        out[mode] = {k: statistics.median(r[k] for r in rows) for k in ("agree", "blocked", "t", "bytes")}
+        out[mode]["modes"] = sorted({str(r["mode"]) for r in rows})
+    out["ratio"] = {k: out["adaptive"][k] / out["full"][k] if out["full"][k] else float("nan") for k in ("agree", "blocked", "t")}
+    return out
+
+
+def print_begin(b: dict) -> None:
+    say(f"\nBegin - a checkpoint's begin, {NODES} nodes x 1 rank, {b['mib']} MiB/node, medians of "
+        f"{b['checkpoints']['full']} (full) / {b['checkpoints']['adaptive']} (adaptive) checkpoints, ms (max over nodes)")
+    say(f"{'mode':>9} | {'agree':>9} {'blocked':>9} {'t':>9} | {'bytes':>10} | generations")
+    for mode in ("full", "adaptive"):
+        m = b[mode]
+        say(f"{mode:>9} | {ms(m['agree'])} {ms(m['blocked'])} {ms(m['t'])} | {m['bytes']:10.0f} | {', '.join(m['modes'])}")
+    r = b["ratio"]
+    say(f"adaptive/full: agree {r['agree']:.3f}, blocked {r['blocked']:.3f}, t {r['t']:.3f}")
+    say("  agree: SIGQUIT -> the ranks reported (the daemon plans the offers meanwhile, from the lineage's candidate")
+    say("  MANIFESTs); blocked: cut -> resumed; t: request -> complete (adaptive writes only what changed)")
+
+
 def summarize(entry: dict) -> dict:
     nodes = entry["nodes"].values()
     t = entry["ended"] - entry["started"]
@@ -527,6 +587,10 @@ def main() -> None:
     parser.add_argument("--breakdown-mib", type=int, default=64, help="state per node of Table 4")
     parser.add_argument("--state-mib", type=float, default=4.0, help="state per rank of Tables 2 and 3")
     parser.add_argument("--seconds", type=float, default=None, help="loop time of one Table 2 run (default 3.5, quick 1.5)")
+    parser.add_argument("--ckpt-mode", choices=["full", "incremental", "differential", "adaptive"], default="full",
+                        help="every job's checkpoint mode (default full: the paper's figures are whole writes)")
+    parser.add_argument("--begin-cost", action="store_true", help="only the begin's cost, mode full against adaptive (see the docstring)")
+    parser.add_argument("--begin-mib", type=int, default=1, help="state per node of --begin-cost")
     parser.add_argument("--json", action="store_true", help="print every number as JSON on stdout (tables on stderr)")
     parser.add_argument("--tables", default="2,3,4", help="which parts to run: 2 (overhead), 3 (restart; runs 2 for its "
                         "calibration), 4 (Tables 4, 5 and Fig. 4); e.g. --tables 2 (default: all; the summary needs all)")
@@ -534,6 +598,8 @@ def main() -> None:
     tables = {t.strip() for t in args.tables.split(",") if t.strip()}
     if not tables or not tables <= {"2", "3", "4", "5"}:
         parser.error(f"--tables takes a comma-separated list of 2, 3 and 4, not {args.tables!r}")
+    global CKPT_MODE
+    CKPT_MODE = args.ckpt_mode
     quick = args.quick
     repeats = args.repeats or (2 if quick else 3)
     restarts = args.repeats or (2 if quick else 3)
@@ -558,6 +624,11 @@ def main() -> None:
         say(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (anything else running shares the cores and the disk)")
         local.up(directory, NODES, cores=1, log_level="warning")
         try:
+            if args.begin_cost:
+                say(f"Begin: {args.repeats or 2} x (full, adaptive) jobs of {args.checkpoints or 8} checkpoints, {args.begin_mib} MiB/node ...")
+                result["begin"] = trio.run(begin_cost, directory, args.begin_mib, args.checkpoints or 8, args.repeats or 2)
+                print_begin(result["begin"])
+                tables = set()
             if tables & {"2", "3"}:
                 say(f"Table 2: {repeats} plain + {repeats} ckptlib runs of ~{seconds:g} s ...")
                 result["overhead"] = trio.run(overhead, directory, args.state_mib, seconds, repeats)

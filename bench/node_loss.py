@@ -126,7 +126,8 @@ def lose(directory: Path, node: str) -> float:
 
 
 def one(directory: Path, level: str, mib: float) -> dict:
-    job = int(gang(directory, "submit", "-n", 3, "-w", "n1,n2,n3", "--ckpt-redundancy", level, "--",
+    # Whole files (--ckpt-mode full): the rebuild moves the state, not a delta of it.
+    job = int(gang(directory, "submit", "-n", 3, "-w", "n1,n2,n3", "--ckpt-redundancy", level, "--ckpt-mode", "full", "--",
                    PY, str(HERE / "loss_app.py"), "--mib", mib).stdout)
     wait(lambda: len(iters(directory, job)) >= 5, 120, "the job to compute")
     result = gang_json(directory, "checkpoint", job)

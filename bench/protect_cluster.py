@@ -105,7 +105,9 @@ def main() -> None:
     jobs: dict[str, int] = {}
     try:
         for level in LEVELS:
-            out = gang(directory, "submit", "-n", args.nodes, "--per-node", 1, "--ckpt-redundancy", level, "--", PY, program, args.mib)
+            # Whole files (--ckpt-mode full): each repeat protects the whole state, not the few blocks changed since the last.
+            out = gang(directory, "submit", "-n", args.nodes, "--per-node", 1, "--ckpt-redundancy", level, "--ckpt-mode", "full", "--",
+                       PY, program, args.mib)
             jobs[level] = int(out)
         deadline = time.monotonic() + 120
         while {r["id"]: r["state"] for r in json.loads(gang(directory, "ps", "--json"))} != dict.fromkeys(jobs.values(), "RUNNING"):

@@ -141,7 +141,8 @@ def test_checkpoint_of_a_suspended_job_while_the_other_runs(gc):
 def test_restart_continues_the_lineage_and_keeps_two_generations(gc):
     expected = reference(gc, [JOB, "--steps", "300"])
     held, release = hold(gc, 150)  # (three checkpoints and two restarts before its end, however loaded the machine)
-    job = submit(gc, [JOB, "--steps", "300", *held])
+    # Whole files: two generations kept is retention without chains (with them: tests/test_delta_cluster.py).
+    job = submit(gc, [JOB, "--steps", "300", *held], 4, "--ckpt-mode", "full")
     wait_holding(gc, job)
     first = checkpoint(gc, job)
     restarted = kill_and_restart(gc, job)
@@ -260,7 +261,8 @@ def test_sigusr1_to_any_daemon_checkpoints_every_running_job(gc):
 
 
 def test_periodic_checkpoints_with_ckpt_every(gc):
-    job = submit(gc, [JOB, "--steps", "100000", "--sleep", "0.01"], 4, "--ckpt-every", "1s")
+    # (whole files: two kept on disk is retention without chains, tests/test_delta_cluster.py has them)
+    job = submit(gc, [JOB, "--steps", "100000", "--sleep", "0.01"], 4, "--ckpt-every", "1s", "--ckpt-mode", "full")
     deadline = time.monotonic() + 40
     while len(taken := [g for g in generations(gc, job) if g["state"] in (*USABLE, "removed")]) < 3:
         assert time.monotonic() < deadline, generations(gc, job)

@@ -2,7 +2,7 @@
 
 Pure: retention by chains (:mod:`gangd.checkpoint.retention`), recovery's
 choice of a generation with links, the coordinator's gate (a job writes
-deltas only at redundancy ``local`` and when it asked for them).
+deltas unless its mode, its ``--ckpt-mode`` else the cluster's, is full).
 
 Cluster: a 2-node job in each mode checkpointed ten times with a few blocks
 changed between, killed and restarted twice from its newest generation (a
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -148,22 +149,25 @@ def test_the_begin_asks_for_whole_files_when_the_gate_is_closed():
     assert "force_full" not in begin(False)
 
 
-def test_the_gate_opens_only_for_a_job_that_asked_for_deltas():
+def test_the_gate_follows_the_jobs_mode_else_the_clusters_default_adaptive():
     from gangd.daemon.ckptcoord import delta_gate
+    from gangd.daemon.config import Config
 
-    assert delta_gate("incremental") and delta_gate("adaptive") and delta_gate("differential")
-    assert not delta_gate(None)  # (the cluster's [checkpoint] mode alone: whole files, for now)
-    assert not delta_gate("full")
+    assert Config.checkpoint_mode == "adaptive"
+    for cluster in ("full", "incremental", "differential", "adaptive"):
+        assert delta_gate("incremental", cluster) and delta_gate("adaptive", cluster) and delta_gate("differential", cluster)
+        assert not delta_gate("full", cluster)  # (the job's --ckpt-mode over the cluster's)
+        assert delta_gate(None, cluster) == (cluster != "full")  # (no --ckpt-mode: the cluster's [checkpoint] mode)
 
 
-def test_gang_run_and_submit_offer_ckpt_mode_and_say_a_job_without_it_writes_whole_files():
+def test_gang_run_and_submit_offer_ckpt_mode_and_say_a_job_without_it_follows_the_clusters_mode():
     import subprocess
     import sys
 
     for command in ("run", "submit"):
         shown = subprocess.run([sys.executable, "-m", "gangd.client.cli", command, "--help"], capture_output=True, text=True, check=True).stdout
         assert "--ckpt-mode [full|incremental|differential|adaptive]" in shown
-        assert "Without it a job writes whole files" in " ".join(shown.split())
+        assert "Default: the cluster's [checkpoint] mode (adaptive unless set)" in " ".join(shown.split())
 
 
 # ------------------------------------------------------------------ cluster
@@ -241,6 +245,36 @@ def on_disk(gc, lineage: int) -> set[int]:
     return out
 
 
+@dataclass
+class Chain:
+    """A Steered job in --ckpt-mode incremental with generations 1 (full) <- 2 <- 3 (see :func:`incremental_chain`)."""
+
+    expected: str  # an uninterrupted run's result
+    job: Steered
+    id: int
+    entries: dict[int, dict]  # gen -> its entry (settled, if asked)
+
+    @property
+    def newest(self) -> dict:
+        return self.entries[max(self.entries)]
+
+
+def incremental_chain(gc, tmp: Path, level: str = "local", *, n: int = 2, where: tuple[str, ...] = ("-N", "2"), settle: bool = False) -> Chain:
+    """An uninterrupted run's result, then a Steered job at ``level`` that took
+    three incremental checkpoints, the newest needing the two before it."""
+    from ckpthelpers import generations, settled
+
+    expected = reference_of(gc, tmp / "ref", n=n, where=where)
+    job = Steered(gc, tmp / "run")
+    current = job.submit("--ckpt-mode", "incremental", "--ckpt-redundancy", level, n=n, where=where)
+    for step in (2, 4, 6):
+        job.go(step)
+        assert take(gc, current)["state"] == "complete"
+    chain = Chain(expected, job, current, {e["gen"]: e for e in (settled if settle else generations)(gc, current)})
+    assert len(chain.newest.get("needs") or ()) == 2, chain.entries
+    return chain
+
+
 @pytest.mark.parametrize(("mode", "inline"), [("full", False), ("incremental", False), ("differential", True), ("adaptive", False)])
 def test_a_job_in_each_mode_checkpointed_and_restarted_from_its_deltas_ends_as_an_uninterrupted_run(gc2, tmp_path, mode, inline):
     """Ten generations, a few blocks changed between each, the job killed and
@@ -303,19 +337,12 @@ def test_a_damaged_link_is_named_and_the_restart_starts_from_the_newest_intact_c
     file of generation 2 on its node makes `gang restart` skip 3 and 2,
     naming generation 2, the node and the path, and start from 1; the
     job still ends with the uninterrupted result."""
-    from ckpthelpers import flip_byte, generations, result_of
+    from ckpthelpers import flip_byte, result_of
 
     gc = gc2
-    expected = reference_of(gc, tmp_path / "ref")
-    job = Steered(gc, tmp_path / "run")
-    current = job.submit("--ckpt-mode", "incremental", "--ckpt-redundancy", "local")
-    for step in (2, 4, 6):
-        job.go(step)
-        assert take(gc, current)["state"] == "complete"
-    entries = {e["gen"]: e for e in generations(gc, current)}
-    newest = max(entries)
-    assert entries[newest]["needs"] and len(entries[newest]["needs"]) == 2, entries
-    middle = entries[newest]["needs"][0]
+    chain = incremental_chain(gc, tmp_path)
+    job, current, entries = chain.job, chain.id, chain.entries
+    middle = chain.newest["needs"][0]
     record = gc.job(current)
     damaged = rank_file(gc, record, current, middle, 1)
     flip_byte(damaged, damaged.stat().st_size // 3)
@@ -326,7 +353,7 @@ def test_a_damaged_link_is_named_and_the_restart_starts_from_the_newest_intact_c
     assert f"it needs generation {middle}, which is damaged" in said and str(damaged) in said and record["placement"][1] in said, said
     assert out["record"]["restart_of"]["gen"] == min(entries), out["record"]["restart_of"]
     job.go(Steered.STEPS)
-    assert result_of(gc, restarted, timeout=120) == expected
+    assert result_of(gc, restarted, timeout=120) == chain.expected
 
 
 def test_a_restart_elsewhere_from_a_delta_stages_every_link(gc2, tmp_path):
@@ -337,14 +364,8 @@ def test_a_restart_elsewhere_from_a_delta_stages_every_link(gc2, tmp_path):
     from ckpthelpers import generations, result_of
 
     gc = gc2
-    expected = reference_of(gc, tmp_path / "ref")
-    job = Steered(gc, tmp_path / "run")
-    current = job.submit("--ckpt-mode", "incremental", "--ckpt-redundancy", "local")
-    for step in (2, 4, 6):
-        job.go(step)
-        assert take(gc, current)["state"] == "complete"
-    newest = max(generations(gc, current), key=lambda e: e["gen"])
-    assert len(newest["needs"]) == 2, newest
+    chain = incremental_chain(gc, tmp_path)
+    job, current, newest = chain.job, chain.id, chain.newest
     gc.gang("kill", current, check=True)
     out = json.loads(gc.gang("restart", current, "-g", newest["gen"], "-w", "n1", "--json", check=True).stdout)
     moved = out["record"]["id"]
@@ -352,7 +373,7 @@ def test_a_restart_elsewhere_from_a_delta_stages_every_link(gc2, tmp_path):
     for gen in (newest["gen"], *newest["needs"]):
         assert entries[gen]["copies"] == {"n1": [1]}, entries[gen]  # (recorded: retention removes them)
     job.go(Steered.STEPS)
-    assert result_of(gc, moved, timeout=120) == expected
+    assert result_of(gc, moved, timeout=120) == chain.expected
 
 
 
@@ -363,22 +384,15 @@ def test_a_lost_node_s_chain_is_rebuilt_link_by_link_and_the_restart_is_bit_iden
     rebuilds n2's files of the generation and of every link it needs on n4,
     from each one's own redundancy, and the job ends bit-identical to an
     uninterrupted run."""
-    from ckpthelpers import generations, kill_what_is_left, result_of, settled
+    from ckpthelpers import generations, kill_what_is_left, result_of
     from test_rebuild import lose
     from test_restart_anywhere import restart
 
     gc = make_cluster(4)
     try:
-        where = ("-w", "n1,n2,n3")
-        expected = reference_of(gc, tmp_path / "ref", n=3, where=where)
-        job = Steered(gc, tmp_path / "run")
-        current = job.submit("--ckpt-mode", "incremental", "--ckpt-redundancy", level, n=3, where=where)
-        for step in (2, 4, 6):
-            job.go(step)
-            assert take(gc, current)["state"] == "complete"
-        entries = {e["gen"]: e for e in settled(gc, current)}
-        newest = entries[max(entries)]
-        assert len(newest["needs"]) == 2 and all(entries[g]["state"] == "protected" for g in (newest["gen"], *newest["needs"])), entries
+        chain = incremental_chain(gc, tmp_path, level, n=3, where=("-w", "n1,n2,n3"), settle=True)
+        job, current, entries, newest = chain.job, chain.id, chain.entries, chain.newest
+        assert all(entries[g]["state"] == "protected" for g in (newest["gen"], *newest["needs"])), entries
         gc.gang("kill", current, check=True)
         lose(gc, "n2")
         answer = restart(gc, current)
@@ -387,7 +401,7 @@ def test_a_lost_node_s_chain_is_rebuilt_link_by_link_and_the_restart_is_bit_iden
         for gen in (newest["gen"], *newest["needs"]):
             assert recorded[gen]["copies"].get("n4") == [1], recorded[gen]
         job.go(Steered.STEPS)
-        assert result_of(gc, answer["record"]["id"], timeout=180) == expected
+        assert result_of(gc, answer["record"]["id"], timeout=180) == chain.expected
     finally:
         kill_what_is_left(gc)
 
@@ -405,14 +419,8 @@ def test_a_flushed_delta_comes_back_with_its_links_after_its_node_is_lost(make_c
     shared = tmp_path / "shared"
     gc = make_cluster(2, flush_dir=shared)
     try:
-        expected = reference_of(gc, tmp_path / "ref")
-        job = Steered(gc, tmp_path / "run")
-        current = job.submit("--ckpt-mode", "incremental", "--ckpt-redundancy", "local")
-        for step in (2, 4, 6):
-            job.go(step)
-            assert take(gc, current)["state"] == "complete"
-        newest = max(generations(gc, current), key=lambda e: e["gen"])
-        assert len(newest["needs"]) == 2, newest
+        chain = incremental_chain(gc, tmp_path)
+        job, current, newest = chain.job, chain.id, chain.newest
 
         def all_flushed():
             entries = {e["gen"]: e for e in generations(gc, current)}
@@ -429,6 +437,6 @@ def test_a_flushed_delta_comes_back_with_its_links_after_its_node_is_lost(make_c
         for gen in (newest["gen"], *newest["needs"]):
             assert recorded[gen]["copies"].get("n1") == [1], recorded[gen]
         job.go(Steered.STEPS)
-        assert result_of(gc, answer["record"]["id"], timeout=180) == expected
+        assert result_of(gc, answer["record"]["id"], timeout=180) == chain.expected
     finally:
         kill_what_is_left(gc)

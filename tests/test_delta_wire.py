@@ -577,7 +577,7 @@ def test_a_layout_change_forces_full_files_and_a_hostile_report_aborts_only_its_
     from ckpthelpers import generations
 
     gc, probe = probe_cluster
-    job = probe.submit("-w", "n1", "--ckpt-redundancy", "local", "--ckpt-mode", "adaptive")  # (deltas only for a job that asks, for now)
+    job = probe.submit("-w", "n1", "--ckpt-redundancy", "local", "--ckpt-mode", "adaptive")
     probe.wait_ready(job)
     assert {e["mode"] for e in probe.events(job, "attach")} == {"adaptive"}
     probe.claim(json.dumps({"role": "incr", "parent": 1, "links": [1]}))

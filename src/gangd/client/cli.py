@@ -169,7 +169,7 @@ def job_options(fn):
         "the previous checkpoint (smallest writes; a restore reads a chain of them, at most [checkpoint] chain_max long). "
         "differential: the blocks changed since the last full one (a restore reads two files; writes grow until the "
         "next full). adaptive: differential, and a new base whenever that saves more than [checkpoint] adaptive_threshold "
-        "of the state. Without it a job writes whole files (a restart keeps its lineage's mode). A program's "
+        "of the state. Default: the cluster's [checkpoint] mode (adaptive unless set); a restart keeps its lineage's mode. A program's "
         "ckptlib.init(mode=...) overrides it.",
     )(fn)
     fn = click.option(

@@ -44,7 +44,7 @@ report may name only a tail of that chain, at most ``chain_max`` long
 pin old generations against retention or point a restore elsewhere. The
 commit writes what each file needs into the MANIFEST (format 2), and a
 restart hands each rank its chain, every link checked to be listed here.
-Ranks that write whole files (today's writer) report no links: their
+Ranks that write whole files (mode full, or an SPC without blocks) report no links: their
 generations are what they always were, MANIFEST format 1 included.
 
 The round's state and every rule about what a rank's message means in which
@@ -109,6 +109,11 @@ RESTORE_TIMEOUT = 600.0
 VERIFY_THREADS = 2  # checksumming threads per daemon (restarts beyond that wait their turn)
 VERIFY_NICE = 10
 OFFER_CANDIDATES = 4  # newest usable generations searched for a rank's parent (each a MANIFEST read)
+MANIFESTS_KEPT = 256  # MANIFESTs this node committed, kept parsed for the offers (a begin then reads no file)
+
+
+class _NotKept(Exception):
+    """A MANIFEST the offer needs is not kept in memory: it is read in a thread."""
 
 
 class NoRoom(Exception):
@@ -235,6 +240,14 @@ class NodeCheckpoints:
         self.verified = Verified()  # files known intact since commit or a whole-file check (daemon/verified.py)
         self._protector: Protector | None = None
         self._bulk: BulkService | None = None
+        # (lineage, gen) -> the MANIFEST this node committed, newest last (MANIFESTS_KEPT at most): the offers' reads
+        self.kept: dict[tuple[int, int], ckptstore.Manifest] = {}
+
+    def _keep(self, manifest: ckptstore.Manifest) -> None:
+        self.kept.pop((manifest.lineage, manifest.gen), None)
+        self.kept[(manifest.lineage, manifest.gen)] = manifest
+        while len(self.kept) > MANIFESTS_KEPT:
+            del self.kept[next(iter(self.kept))]
 
     # ------------------------------------------------------------ the directories
 
@@ -553,7 +566,7 @@ class NodeCheckpoints:
         ``full``, or when the coordinator asks (``force_full``). Never fails
         the round: what cannot be read is not offered."""
         mode = self._job_mode(record)
-        if force_full:  # (the coordinator: this job writes whole files for now, ckptcoord.CheckpointCoordinator.delta_gate)
+        if force_full:  # (the coordinator: this job is in mode full, ckptcoord.CheckpointCoordinator.delta_gate)
             return dict.fromkeys(pending.ranks, self._full_offer("full"))
         full = self._full_offer(mode)
         offers = dict.fromkeys(pending.ranks, full)
@@ -573,19 +586,31 @@ class NodeCheckpoints:
         if not candidates.parents:
             log.debug("job %d checkpoint %d: full files (%s)", record["id"], pending.gen, candidates.why)
             return offers
-        chains = await trio.to_thread.run_sync(self._find_chains, lineage, pending.ranks, candidates)
+        try:  # (the MANIFESTs this node committed: no file read, no thread, the begin's common case)
+            chains = self._find_chains(lineage, pending.ranks, candidates, read=False)
+        except _NotKept:
+            chains = await trio.to_thread.run_sync(self._find_chains, lineage, pending.ranks, candidates)
         for rank, links in chains.items():
             offers[rank] = DeltaOffer(mode, full.block_kib, full.chain_max, full.threshold, False, links)
         return offers
 
-    def _find_chains(self, lineage: int, ranks: list[int], candidates: nd.Candidates) -> dict[int, tuple[Link, ...]]:
-        """(In a thread.) For each rank, the links of its newest candidate
-        parent whose whole chain this node's MANIFESTs list: the parent, then
-        what its file needs, newest first."""
+    def _find_chains(self, lineage: int, ranks: list[int], candidates: nd.Candidates, read: bool = True) -> dict[int, tuple[Link, ...]]:
+        """(In a thread, unless ``read`` is false.) For each rank, the links of
+        its newest candidate parent whose whole chain this node's MANIFESTs
+        list: the parent, then what its file needs, newest first. The
+        MANIFESTs this node committed are taken as it wrote them
+        (:attr:`kept`); ``read`` false: :class:`_NotKept` where one is not.
+        (Staging, rebuilds and unflushes write the same files, checksums
+        and all; a file gone since makes the rank, which checks each
+        offered link's size and index, write a full one.)"""
         manifests: dict[int, ckptstore.Manifest | None] = {}
 
         def manifest(gen: int) -> ckptstore.Manifest | None:
+            if gen not in manifests and (lineage, gen) in self.kept:
+                manifests[gen] = self.kept[(lineage, gen)]
             if gen not in manifests:
+                if not read:
+                    raise _NotKept
                 directory = ckptstore.gen_dir(self.root, lineage, gen)
                 try:
                     fd = self._gen_fd(directory)
@@ -700,6 +725,10 @@ class NodeCheckpoints:
         try:
             await trio.to_thread.run_sync(self._check_and_commit, pending, manifest)
         except StoreError as exc:
+            # (a link gone or rewritten since the offer: what was offered is read from disk again next time)
+            for offer in pending.planned.values():
+                for link in offer.links:
+                    self.kept.pop((pending.lineage, link.gen), None)
             raise RemoteError("write_failed", f"{self.daemon.node}: {exc}") from None
         except NoRoom as exc:
             raise RemoteError("no_space", f"{self.daemon.node}: after the ranks wrote, {exc}") from None
@@ -708,6 +737,7 @@ class NodeCheckpoints:
         self.rounds.finished(pending)
         if pending.failed:  # (aborted while the manifest was written: the abort removes the directory)
             raise RemoteError("checkpoint_failed", pending.failed)
+        self._keep(manifest)
         result = self._times(pending)
         result["bytes"] = sum(size for size, _ in files.values())
         result["state_bytes"] = sum(r.state for r in pending.written.values())  # (logical: a full file's size)
@@ -781,6 +811,7 @@ class NodeCheckpoints:
         if job_id in self.daemon.jobnet.states:
             await self.daemon.jobnet.hold_gate(job_id, "checkpoint", False)
         if args.get("lineage") is not None and gen is not None:
+            self.kept.pop((int(args["lineage"]), gen), None)
             await trio.to_thread.run_sync(self._remove, ckptstore.gen_dir(self.root, int(args["lineage"]), gen))
         return True
 
@@ -822,6 +853,7 @@ class NodeCheckpoints:
         lineage = int(args["lineage"])
         gens = [int(g) for g in args.get("gens") or []]
         for gen in gens:
+            self.kept.pop((lineage, gen), None)
             await trio.to_thread.run_sync(self._remove, ckptstore.gen_dir(self.root, lineage, gen))
         return gens
 

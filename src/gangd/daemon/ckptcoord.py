@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -138,7 +138,7 @@ class CheckpointCoordinator:
     def delta_gate(self, record: dict) -> bool:
         """Whether the ranks of ``record`` may write deltas (:func:`delta_gate`)."""
         asked = record.get("ckpt_mode") or next((r["ckpt_mode"] for r in self.lineage_records(record) if r.get("ckpt_mode")), None)
-        return delta_gate(asked)
+        return delta_gate(asked, self.daemon.config.checkpoint_mode)
 
     def level(self, record: dict) -> tuple[str, str]:
         """The redundancy level of the job's generations, and why it is not
@@ -432,13 +432,7 @@ class CheckpointCoordinator:
     async def _flush_failed(self, entry: dict, why: str) -> None:
         log.warning("job %d: checkpoint %d was not flushed: %s", entry["job"], entry["gen"], why)
 
-        def change(r):
-            for e in r.get("checkpoints") or []:
-                if e["gen"] == entry["gen"] and e["state"] in ("complete", "protected"):
-                    e["flush"] = f"failed: {why}"
-                    return None
-            return False
-
+        change = _entry_change(entry["gen"], _usable, lambda e: e.update(flush=f"failed: {why}"))
         try:
             await self.co.update(entry["job"], change)
         except RemoteError as exc:
@@ -465,17 +459,13 @@ class CheckpointCoordinator:
             fields = {"flushed": {"at": time.time(), "bytes": written, "seconds": round(seconds, 3)}}
         recorded = False
 
-        def change(r):
+        def record_flush(e: dict) -> None:
             nonlocal recorded
-            for e in r.get("checkpoints") or []:
-                if e["gen"] == gen and e["state"] in ("complete", "protected"):
-                    e.update(fields)
-                    recorded = "flushed" in fields
-                    return None
-            return False
+            e.update(fields)
+            recorded = "flushed" in fields
 
         try:
-            await self.co.update(job_id, change)
+            await self.co.update(job_id, _entry_change(gen, _usable, record_flush))
         except RemoteError as exc:
             log.warning("job %d: could not record the flush of checkpoint %d: %s", job_id, gen, exc)
         if not recorded:
@@ -513,16 +503,8 @@ class CheckpointCoordinator:
                 return
             if job_id is None:
                 return
-
-            def change(r):
-                for e in r.get("checkpoints") or []:
-                    if e["gen"] == gen and e.get("flushed"):
-                        del e["flushed"]
-                        return None
-                return False
-
             try:
-                await self.co.update(job_id, change)
+                await self.co.update(job_id, _entry_change(gen, lambda e: bool(e.get("flushed")), lambda e: e.pop("flushed")))
             except RemoteError as exc:
                 log.warning("job %d: could not record that generation %d left the flush directory: %s", job_id, gen, exc)
         finally:
@@ -1346,17 +1328,35 @@ class CheckpointCoordinator:
             self.periodic.discard(job_id)
 
 
-def delta_gate(asked: str | None) -> bool:
-    """Whether a job may write deltas: ``asked`` its (or its lineage's)
-    ``--ckpt-mode``; else the coordinator asks the nodes for whole files
-    (``force_full``: offers in mode full). Every path that moves a
-    generation's files moves its links too (a restart elsewhere stages them,
-    a lost node's are rebuilt from each link's redundancy, a flush flushes
-    them first and a restore from the flush directory restores them), so
-    neither the redundancy level nor a flush closes the gate; the cluster's
-    ``[checkpoint] mode`` alone does not turn deltas on yet (until the
-    benches and tests that read whole files ask for ``full``)."""
-    return asked in ("incremental", "differential", "adaptive")
+def delta_gate(asked: str | None, cluster: str) -> bool:
+    """Whether a job may write deltas: its mode is ``asked``, its (or its
+    lineage's) ``--ckpt-mode``, else ``cluster``, the cluster's ``[checkpoint]
+    mode`` (default adaptive); in mode full the coordinator asks the nodes
+    for whole files (``force_full``: offers in mode full, nothing held
+    against retention for it). Every path that moves a generation's files
+    moves its links too (a restart elsewhere stages them, a lost node's are
+    rebuilt from each link's redundancy, a flush flushes them first and a
+    restore from the flush directory restores them), so neither the
+    redundancy level nor a flush closes the gate."""
+    return (asked or cluster) != "full"
+
+
+def _usable(entry: dict) -> bool:
+    return entry["state"] in ("complete", "protected")
+
+
+def _entry_change(gen: int, wanted: Callable[[dict], bool], action: Callable[[dict], object]) -> Callable[[dict], bool | None]:
+    """A change of a job record (for ``co.update``): ``action`` on the entry
+    of generation ``gen`` if ``wanted(entry)``; no such entry: nothing to
+    write (False)."""
+    def change(record: dict) -> bool | None:
+        for e in record.get("checkpoints") or []:
+            if e["gen"] == gen and wanted(e):
+                action(e)
+                return None
+        return False
+
+    return change
 
 
 def _wiped_first(wiped: dict[str, str], problem: str) -> str:

@@ -240,13 +240,13 @@ def test_a_survivor_data_file_that_is_a_symlink_is_not_followed(tmp_path):
 # ================================================================ transfer
 
 
-async def channel_pair(nursery: trio.Nursery, handler) -> Channel:
-    """Two real Channels over a socket pair: returns the requester's; the
-    other serves ``handler``."""
+async def channel_pair(nursery: trio.Nursery, handler, peer: str = "n2", me: str = "n1") -> Channel:
+    """Two real Channels over a socket pair: returns the requester's (node
+    ``me``, its channel labelled ``node <peer>``); the other serves ``handler``."""
     secret = b"s" * 32
     a, b = socket.socketpair()
-    ours = Channel(trio.SocketStream(trio.socket.from_stdlib_socket(a)), Connection(dialer=True, node="n1", role=Role.PEER, secret=secret), label="node n2")
-    theirs = Channel(trio.SocketStream(trio.socket.from_stdlib_socket(b)), Connection(dialer=False, node="n2", secret=secret), label="node n1")
+    ours = Channel(trio.SocketStream(trio.socket.from_stdlib_socket(a)), Connection(dialer=True, node=me, role=Role.PEER, secret=secret), label=f"node {peer}")
+    theirs = Channel(trio.SocketStream(trio.socket.from_stdlib_socket(b)), Connection(dialer=False, node=peer, secret=secret), label=f"node {me}")
     async with trio.open_nursery() as hs:
         hs.start_soon(ours.handshake)
         hs.start_soon(theirs.handshake)

@@ -13,33 +13,15 @@ real ``xor.rebuild`` into a real directory; nothing is left behind.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import trio
-from test_redundancy import make_gen, serving
+from test_redundancy import channel_pair, make_gen, serving
 from test_xor_paths import PARITY, xor_set
 
 from gangd import ckptstore
 from gangd.daemon.rebuild import Rebuilder, RebuildRequest
-from gangd.protocol import Connection, Role
 from gangd.redundancy import transfer, xor
-from gangd.rpc import Channel, RemoteError, leaf_error
-
-
-async def labelled_channel(nursery: trio.Nursery, handler, peer: str) -> Channel:
-    """A requester's real Channel to ``peer`` (labelled ``node <peer>``), the other end serving ``handler``."""
-    secret = b"s" * 32
-    a, b = socket.socketpair()
-    ours = Channel(trio.SocketStream(trio.socket.from_stdlib_socket(a)), Connection(dialer=True, node="n9", role=Role.PEER, secret=secret),
-                   label=f"node {peer}")
-    theirs = Channel(trio.SocketStream(trio.socket.from_stdlib_socket(b)), Connection(dialer=False, node=peer, secret=secret), label="node n9")
-    async with trio.open_nursery() as hs:
-        hs.start_soon(ours.handshake)
-        hs.start_soon(theirs.handshake)
-    nursery.start_soon(theirs.run, handler)
-    nursery.start_soon(ours.run, None)
-    return ours
+from gangd.rpc import RemoteError, leaf_error
 
 
 @pytest.mark.parametrize("liar", ["n1", "n2"])
@@ -56,7 +38,7 @@ async def test_a_survivor_cut_during_a_rebuild_is_named_with_the_lost_file(tmp_p
                 if i == lost:
                     continue
                 lie = (lambda items: items[: len(items) // 2]) if node == liar else None
-                channel = await labelled_channel(nursery, serving(tmp_path / node, lie), node)
+                channel = await channel_pair(nursery, serving(tmp_path / node, lie), peer=node, me="n9")
                 data[i] = transfer.RemoteData(nursery, channel, 7, 3, protected=True)
                 parity[i] = transfer.RemoteFile(nursery, channel, 7, 3, PARITY, metas[i].parity_size, metas[i].parity_checksum)
             try:
@@ -92,7 +74,7 @@ async def test_a_rebuild_that_runs_out_of_time_names_the_files_it_did_not_rebuil
     root = tmp_path / "n9"
     root.mkdir(mode=0o711)
     async with trio.open_nursery() as nursery:
-        channel = await labelled_channel(nursery, stalling, "n2")
+        channel = await channel_pair(nursery, stalling, peer="n2", me="n9")
         rebuilder = Rebuilder(node="n9", root=root, channel=lambda node: channel, reserve=0, max_file=1 << 30)
         request = RebuildRequest(7, 3, (65534, 65534), "n3", "partner", ("n2",), 1.0)
         with pytest.raises(RemoteError) as err:

@@ -283,13 +283,17 @@ def test_periodic_checkpoints_with_ckpt_every(gc):
 
 
 def test_a_rank_killed_mid_checkpoint_aborts_that_generation_only(gc):
-    # Rank 3 becomes slow after iteration 60: the checkpoint waits for it to
+    # Rank 3 becomes slow after iteration 150: the checkpoint waits for it to
     # reach the cut, and it is killed meanwhile.
-    argv = [JOB, "--steps", "100000", "--sleep", "0.01", "--slow-rank", "3", "--slow-from", "150", "--slow-sleep", "5"]
+    # The good checkpoint is taken while the job idles at step 100 (however
+    # loaded the machine), so it lands before rank 3 turns slow.
+    held, release = hold(gc, 100)
+    argv = [JOB, "--steps", "100000", "--sleep", "0.01", "--slow-rank", "3", "--slow-from", "150", "--slow-sleep", "5", *held]
     job = submit(gc, argv)
-    wait_running_a_bit(gc, job, 0.3)
+    wait_holding(gc, job)
     good = checkpoint(gc, job)
     assert good["state"] == "complete" and good["iteration"] < 150, good
+    release.touch()
 
     async def start_checkpoint():
         async with connect(gc.dir) as gang:

@@ -46,7 +46,7 @@ jobs share the cores and the disk). Parts (``--parts``, default all):
            rank, ``--gens`` (10) generations one step apart, for the heat
            stencil and for the sparse app: the bytes written per generation
            (with each generation's mode: F full, i incremental, d
-           differential, m mixed = a rebase), their mean against full's; then
+           differential, R rebase, m mixed), their mean against full's; then
            each job killed and restarted from its last generation: the bytes a
            restore reads (``gang ckpt ls``'s RESTORE), the links it reads, the
            restart time (request -> every restarted rank has its state in
@@ -599,14 +599,14 @@ def disk_model(run: dict) -> dict:
     return model
 
 
-ROLE_OF_MODE = {"full": "F", "incremental": "i", "differential": "d", "mixed": "m"}
+ROLE_OF_MODE = {"full": "F", "incremental": "i", "differential": "d", "rebase": "R", "mixed": "m"}
 
 
 def say_modes_run(title: str, run: dict) -> dict:
     """Paper 003's table: bytes written per generation for each mode, and a restore of the last one."""
     gens = run["gens"]
     say(f"\n{title}")
-    say("  MiB written per generation (F full, i incremental, d differential, m mixed: a rebase, or ranks differing):")
+    say("  MiB written per generation (F full, i incremental, d differential, R rebase: adaptive's new base, m mixed: ranks differing):")
     say(f"  {'mode':<13}" + "".join(f"{g:>8}" for g in range(gens)) + f" | {'mean 1..':>8} {'x full':>7} {'time x':>7}")
     full = run["rows"]["full"]
     out: dict = {}

@@ -29,7 +29,7 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
-from ckpthelpers import checkpoint, kill_and_restart, kill_what_is_left, result_of, submit, wait_running_a_bit
+from ckpthelpers import checkpoint, hold, kill_and_restart, kill_what_is_left, result_of, submit, wait_holding
 from conftest import as_uid, shared_cluster
 
 from gangd import ckptstore
@@ -251,6 +251,7 @@ RING = textwrap.dedent(
     from gangd import ckptlib as ckpt, comm
 
     marker_dir, steps = sys.argv[1], int(sys.argv[2])
+    release = sys.argv[3] if len(sys.argv) > 3 else None  # (idle at step 30 until this file exists: ckptjob's hold)
     ckpt.init()
     w = comm.world()
 
@@ -260,7 +261,27 @@ RING = textwrap.dedent(
         return np.random.default_rng(w.rank).random(1 << 17)
 
     u = ckpt.protect("u", build)
-    for it in ckpt.loop(range(steps)):
+    info = ckpt.protect("info", {"step": 0, "released": release is None})
+
+    def items():  # one per step and one per idle iteration of the hold, as ckptjob's
+        k = 0
+        while info["step"] < steps:
+            yield k
+            k += 1
+
+    holding = False
+    for _ in ckpt.loop(items()):
+        if info["step"] == 30 and not info["released"]:  # (no message is sent in the hold)
+            if not holding:
+                print(f"rank {w.rank} holding at step 30", flush=True)
+                holding = True
+            if os.path.exists(release):
+                info["released"] = True
+            else:
+                time.sleep(0.01)
+            continue
+        it = info["step"]
+        info["step"] += 1
         u[it % u.size] += 1.0
         w.send(np.array([u.sum()]), (w.rank + 1) % w.size)
         u[0] += w.recv(source=(w.rank - 1) % w.size)[0] * 1e-9
@@ -292,10 +313,12 @@ def test_under_gangd_a_restart_never_calls_the_factory_and_ends_bit_identical(gc
         directory.mkdir(mode=0o777)
     try:
         expected = result_of(gc, submit(gc, [str(program), str(fresh), "150"], 2), timeout=120)
-        job = submit(gc, [str(program), str(first), "150"], 2)
-        wait_running_a_bit(gc, job)
+        _, release = hold(gc, 30)  # (the checkpoint lands at the hold, however loaded the machine: not after the job ended)
+        job = submit(gc, [str(program), str(first), "150", str(release)], 2)
+        wait_holding(gc, job)
         gen = checkpoint(gc, job)
         assert gen["state"] in ("complete", "protected"), gen
+        release.touch()
         restarted = kill_and_restart(gc, job)
         # (the argv is the checkpointed job's: the restart's builds would land in first/ too)
         assert result_of(gc, restarted, timeout=120) == expected
@@ -334,12 +357,14 @@ def test_gang_restart_sends_its_request_without_loading_trio_and_says_what_the_d
     try:
         missing = gang_cmd(gc.dir, "restart", 99999)
         assert (missing.returncode, missing.stderr.splitlines()) == (5, ["gang: no job 99999", "trio loaded: False"])
-        job = submit(gc, [str(program), str(out), "400"], 2)
-        wait_running_a_bit(gc, job)
+        _, release = hold(gc, 30)  # (the job still runs when it is refused and checkpointed, however loaded the machine)
+        job = submit(gc, [str(program), str(out), "400", str(release)], 2)
+        wait_holding(gc, job)
         running = gang_cmd(gc.dir, "restart", job)  # (a job that still runs is refused: kill it first)
         assert running.returncode == 1 and f"gang kill {job}" in running.stderr and "trio loaded: False" in running.stderr, running.stderr
         assert checkpoint(gc, job)["state"] in ("complete", "protected")
         gc.gang("kill", job, check=True)
+        release.touch()
         assert as_uid(65534, lambda: stranger_restarts(gc.dir, job)) == "permission_denied"  # (the daemon knows who asks from the socket)
         restarted = gang_cmd(gc.dir, "restart", "-q", job)
         assert restarted.returncode == 0, restarted.stderr

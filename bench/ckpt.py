@@ -48,6 +48,15 @@ checkpoint of a job on. ``--ckpt-mode`` measures another mode instead.
     python bench/ckpt.py --begin-cost [--begin-mib 1] [--checkpoints 8] [--repeats 2]
 
 ``--tables 2`` runs Table 2 alone (3 needs 2's calibration and runs it too).
+
+Every job runs with glibc's mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_``
+256 MiB, ``MALLOC_TRIM_THRESHOLD_`` 512 MiB; ``--malloc glibc`` leaves
+glibc's default). By default glibc moves the threshold with what a process
+freed before, so whether the stencil's 4 MiB temporaries are mmap'd and
+faulted in afresh at every iteration or reused from the heap depends on the
+process's history: a 23 % difference in loop time on this machine, which
+fell on either side of Table 2 from one session to the next (ckptlib
+0.89x and 1.03x plain) and hid the library's own cost.
 ``--quick`` is a small version (under a minute); ``--json`` prints every
 number as one JSON document on stdout (the tables go to stderr then).
 """
@@ -84,6 +93,11 @@ CKPT_BAND = 1 * MiB  # state relaxed per iteration of those jobs (what a snapsho
 STENCIL_COLS = 1024  # ckpt_app's default --n: 8 KiB rows
 
 CKPT_MODE = "full"  # every job's --ckpt-mode (see the docstring; --ckpt-mode)
+# glibc's allocator, the same in every job (--malloc): its mmap threshold otherwise moves with each process's
+# allocation history, and the stencil's 4 MiB temporaries are either mmap'd and faulted in at every iteration or
+# reused from the heap: 23 % of the loop time either way, whichever side the history favours (see the docstring).
+PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(512 << 20)}
+MALLOC = PINNED_MALLOC
 
 out = sys.stdout  # where the tables go (stderr under --json)
 
@@ -103,7 +117,7 @@ def job_env(background: bool | None) -> dict:
     """This environment for the ranks, minus anything that would change ckptlib's behaviour
     behind the benchmark's back; ``background=False`` asks for inline writes."""
     dropped = ("GANGD_CKPT_BACKGROUND", "GANGD_RESTART", "GANGD_CKPT_DIR", "GANGD_CKPT_MODE", "GANGD_CKPT_BLOCK_KIB")
-    env = {k: v for k, v in os.environ.items() if k not in dropped}
+    env = {k: v for k, v in os.environ.items() if k not in dropped} | MALLOC
     if background is False:
         env["GANGD_CKPT_BACKGROUND"] = "0"
     return env
@@ -587,6 +601,8 @@ def main() -> None:
     parser.add_argument("--breakdown-mib", type=int, default=64, help="state per node of Table 4")
     parser.add_argument("--state-mib", type=float, default=4.0, help="state per rank of Tables 2 and 3")
     parser.add_argument("--seconds", type=float, default=None, help="loop time of one Table 2 run (default 3.5, quick 1.5)")
+    parser.add_argument("--malloc", choices=["pinned", "glibc"], default="pinned",
+                        help="glibc's mmap threshold fixed in every job (default), or glibc's default (see the docstring)")
     parser.add_argument("--ckpt-mode", choices=["full", "incremental", "differential", "adaptive"], default="full",
                         help="every job's checkpoint mode (default full: the paper's figures are whole writes)")
     parser.add_argument("--begin-cost", action="store_true", help="only the begin's cost, mode full against adaptive (see the docstring)")
@@ -598,8 +614,9 @@ def main() -> None:
     tables = {t.strip() for t in args.tables.split(",") if t.strip()}
     if not tables or not tables <= {"2", "3", "4", "5"}:
         parser.error(f"--tables takes a comma-separated list of 2, 3 and 4, not {args.tables!r}")
-    global CKPT_MODE
+    global CKPT_MODE, MALLOC
     CKPT_MODE = args.ckpt_mode
+    MALLOC = PINNED_MALLOC if args.malloc == "pinned" else {}
     quick = args.quick
     repeats = args.repeats or (2 if quick else 3)
     restarts = args.repeats or (2 if quick else 3)
@@ -618,9 +635,11 @@ def main() -> None:
             "nodes": NODES, "ranks_per_node": 1, "cores": os.cpu_count(), "directory": str(directory), "quick": quick,
             "repeats": repeats, "restarts": restarts, "checkpoints_per_size": count, "sizes_mib": sizes, "state_mib": args.state_mib,
             "ckpt_job_sleep_s": CKPT_SLEEP, "ckpt_job_band_bytes": CKPT_BAND, "raw_chunk": RAW_CHUNK,
-            "loadavg_start": os.getloadavg(),
+            "loadavg_start": os.getloadavg(), "malloc": MALLOC,
         }
         say(f"gangd checkpoint benchmark: {NODES} nodes x 1 rank (1 core each) on {os.cpu_count()} cores, cluster in {directory}")
+        say("every job's glibc mmap threshold: " + ("fixed (" + " ".join(f"{k}={v}" for k, v in MALLOC.items()) + ")" if MALLOC
+                                                    else "glibc's default, moving with each process's history"))
         say(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (anything else running shares the cores and the disk)")
         local.up(directory, NODES, cores=1, log_level="warning")
         try:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -411,6 +410,8 @@ def verify(directory: Path, names: Iterable[str] | None = None, *, dir_fd: int |
 
 
 def remove(directory: Path) -> None:
+    import shutil  # (here: its import pulls in bz2, lzma and zlib, which a rank's start-up need not pay)
+
     shutil.rmtree(directory, ignore_errors=True)
 
 

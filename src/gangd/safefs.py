@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import stat
 from pathlib import Path
 
@@ -172,6 +171,8 @@ def rmtree_at(dir_fd: int, name: str) -> None:
         except FileNotFoundError:
             pass
         return
+    import shutil  # (here: its import pulls in bz2, lzma and zlib, which a rank's start-up need not pay)
+
     # With dir_fd, shutil.rmtree opens every level with O_NOFOLLOW and
     # compares it to its lstat: a link swapped in meanwhile is refused.
     if not shutil.rmtree.avoids_symlink_attacks:  # true on Linux; never fall back to a following rmtree

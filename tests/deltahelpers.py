@@ -13,6 +13,7 @@ import msgpack
 import numpy as np
 import xxhash
 
+from gangd.checkpoint import round as rd
 from gangd.ckptlib import blocks
 
 # ---------------------------------------------------------------- version 1 (read only in gangd now)
@@ -147,3 +148,17 @@ def assert_same_values(restored: dict, original: dict) -> None:
             assert got.tobytes() == want.tobytes(), name
         else:
             assert got == want, name
+
+
+# ---------------------------------------------------------------- the checkpoint round, up to its commit
+
+
+def round_at_commit() -> rd.Round:
+    """Job 7's round of generation 5 on n1 and n2, every phase answered up to the commit (its answers are the test's)."""
+    r = rd.Round(job=7, gen=5, lineage=7, nodes=frozenset({"n1", "n2"}), trigger="t", started=0.0, placement=["n1", "n2"],
+                 expect=lambda counters, n: {}, nranks=2)
+    r.handle(rd.Start(5))
+    for phase in (rd.Phase.BEGIN, rd.Phase.CUT, rd.Phase.CAPTURE, rd.Phase.RESUME):
+        for node in ("n1", "n2"):
+            r.handle(rd.Answered(5, phase, node, {"iteration": 3} if phase is rd.Phase.BEGIN else {}))
+    return r

@@ -21,7 +21,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from deltahelpers import Generations, rewrite_index
+from deltahelpers import Generations, rewrite_index, round_at_commit
 
 from gangd import ckptstore
 from gangd.checkpoint import messages as m
@@ -190,12 +190,7 @@ def test_a_report_whose_restore_reads_more_files_than_chain_max_is_refused():
 
 
 def committed_round(needs: list[int]) -> tuple[rd.Round, list]:
-    r = rd.Round(job=7, gen=5, lineage=7, nodes=frozenset({"n1", "n2"}), trigger="t", started=0.0, placement=["n1", "n2"],
-                 expect=lambda counters, n: {}, nranks=2)
-    r.handle(rd.Start(5))
-    for phase in (rd.Phase.BEGIN, rd.Phase.CUT, rd.Phase.CAPTURE, rd.Phase.RESUME):
-        for node in ("n1", "n2"):
-            r.handle(rd.Answered(5, phase, node, {"iteration": 3} if phase is rd.Phase.BEGIN else {}))
+    r = round_at_commit()
     base = {"ranks": 1, "bytes": 30, "state_bytes": 1000, "times": {"begin": 1.0}, "written": 10, "restore": 900, "modes": {"incr": 1}}
     out = r.handle(rd.Answered(5, rd.Phase.COMMIT, "n1", {**base, "node": "n1", "needs": [4, 3]}))
     out += r.handle(rd.Answered(5, rd.Phase.COMMIT, "n2", {**base, "node": "n2", "needs": needs}))

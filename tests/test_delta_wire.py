@@ -22,6 +22,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+from deltahelpers import round_at_commit
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -209,12 +210,7 @@ def test_a_generations_mode_follows_its_files_roles(modes, mode):
 
 
 def test_a_complete_round_records_mode_needs_written_and_restore_bytes():
-    r = rd.Round(job=7, gen=5, lineage=7, nodes=frozenset({"n1", "n2"}), trigger="t", started=0.0, placement=["n1", "n2"],
-                 expect=lambda counters, n: {}, nranks=2)
-    r.handle(rd.Start(5))
-    for phase in (rd.Phase.BEGIN, rd.Phase.CUT, rd.Phase.CAPTURE, rd.Phase.RESUME):
-        for node in ("n1", "n2"):
-            r.handle(rd.Answered(5, phase, node, {"iteration": 3} if phase is rd.Phase.BEGIN else {}))
+    r = round_at_commit()
     base = {"ranks": 1, "bytes": 30, "state_bytes": 1000, "times": {"begin": 1.0, "committed": 2.0}}
     out = []
     for node in ("n1", "n2"):

@@ -215,6 +215,29 @@ def _as_json(obj):
     return json.loads(json.dumps(obj, default=lambda b: b.decode(errors="replace")))
 
 
+async def tried_on(gang, job: int, actions=("job", "wait")) -> dict:
+    """What ``gang`` gets doing each of ``actions`` (``kill``, ``job``, ``wait``) and reading the output of ``job``:
+    "allowed", or the refusal as [code, message] (a stranger's view of someone else's job, run under :func:`as_uid`)."""
+    from gangd.errors import RemoteError
+
+    calls = {"kill": lambda: gang.kill(job), "job": lambda: gang.job(job), "wait": lambda: gang.wait_done(job)}
+    outcome: dict = {}
+    for action in actions:
+        try:
+            await calls[action]()
+            outcome[action] = "allowed"
+        except RemoteError as exc:
+            outcome[action] = [exc.code, exc.message]
+    try:
+        async with gang.output(job, follow=False) as chunks:
+            async for _ in chunks:
+                pass
+        outcome["output"] = "allowed"
+    except RemoteError as exc:
+        outcome["output"] = [exc.code, exc.message]
+    return outcome
+
+
 def as_uid(uid: int, fn):
     """Run ``fn()`` in a forked child that has dropped to ``uid``; return its JSON result."""
     read_fd, write_fd = os.pipe()

@@ -241,10 +241,9 @@ def test_jobs_retired_into_blocks_are_listed_waited_on_and_kept_from_strangers(m
     """Real daemons, a retention of one second: the jobs leave the hot table
     for the history's blocks; `gang ps --all` and `gang history` list them,
     their owner reads their output and waits on them, a stranger does neither."""
-    from conftest import as_uid, wait_for
+    from conftest import as_uid, tried_on, wait_for
 
     from gangd.client.api import connect
-    from gangd.rpc import RemoteError
 
     cluster = make_cluster(2, job_retention=1.0)
     ids = [int(cluster.gang("submit", "-n", 1, "--name", f"j{i}", "--", "sh", "-c", f"echo out{i}", check=True).stdout) for i in range(5)]
@@ -274,22 +273,8 @@ def test_jobs_retired_into_blocks_are_listed_waited_on_and_kept_from_strangers(m
 
     def meddle():
         async def main():
-            outcome = {}
             async with connect(cluster.dir) as gang:
-                for action, call in (("job", lambda: gang.job(ids[0])), ("wait", lambda: gang.wait_done(ids[0]))):
-                    try:
-                        await call()
-                        outcome[action] = "allowed"
-                    except RemoteError as exc:
-                        outcome[action] = [exc.code, exc.message]
-                try:
-                    async with gang.output(ids[0], follow=False) as chunks:
-                        async for _ in chunks:
-                            pass
-                    outcome["output"] = "allowed"
-                except RemoteError as exc:
-                    outcome["output"] = [exc.code, exc.message]
-            return outcome
+                return await tried_on(gang, ids[0])
 
         return trio.run(main)
 

@@ -4,8 +4,9 @@ Compressing random bytes (encrypted data, already-compressed images, noise)
 costs time and saves nothing, and different values want different codecs:
 numeric arrays compress far better through blosc2's filters, which use
 their item size, than through a general-purpose codec. So, per value, a few
-blocks spread through it (:data:`SAMPLES` of :data:`SAMPLE` bytes, at the
-start, the end and evenly between, aligned to whole items) are compressed
+blocks spread through it (:data:`SAMPLES` of :data:`SAMPLE` bytes, one in
+the middle of each of as many equal parts, aligned to whole items: a
+header or a tail of padding does not decide for the whole value) are compressed
 with the candidate that fits the value's kind, and if the sample's ratio is
 below :data:`MIN_RATIO` the value is stored raw (``none``).
 
@@ -47,8 +48,8 @@ def sample(data: BytesLike, itemsize: int) -> memoryview:
     if view.nbytes <= SAMPLE * SAMPLES:
         return view
     piece = SAMPLE - SAMPLE % itemsize if itemsize <= SAMPLE else SAMPLE
-    last = view.nbytes - piece
-    starts = [last * i // (SAMPLES - 1) for i in range(SAMPLES)]
+    part = view.nbytes // SAMPLES
+    starts = [part * i + (part - piece) // 2 for i in range(SAMPLES)]
     starts = [s - s % itemsize for s in starts]
     return memoryview(b"".join(view[s : s + piece] for s in starts))
 

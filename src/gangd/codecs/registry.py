@@ -67,11 +67,16 @@ def plugins() -> list[str]:
 
 def _builtin_factory(name: str) -> Callable[[tuple[str, ...]], Any]:
     module, package = _BUILTINS[name]
-    try:
-        factory: Callable[[tuple[str, ...]], Any] = importlib.import_module(f"{__package__}.{module}").make
-        return factory
-    except ImportError as e:
-        raise CodecMissing(name, f"needs the Python package {package!r}, which cannot be imported here ({e})", f"install it: pip install {package}") from None
+
+    def make(params: tuple[str, ...]) -> Any:
+        try:  # the library is imported by the module or by its codec's constructor
+            return importlib.import_module(f"{__package__}.{module}").make(params)
+        except ImportError as e:
+            raise CodecMissing(
+                name, f"needs the Python package {package!r}, which cannot be imported here ({e})", f"install it: pip install {package}"
+            ) from None
+
+    return make
 
 
 def _plugin_factory(name: str) -> Callable[[tuple[str, ...]], Any]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -372,6 +373,28 @@ def test_a_block_identity_that_is_not_canonical_is_refused(text):
         CodecId.parse(text)
 
 
+def test_codecs_are_shared_by_threads_compressing_and_decompressing_at_once():
+    # The pipeline runs its stages on threads over one codec object per spec (zstd keeps a compressor per thread).
+    values = [np.sin(np.linspace(0, k, 1 << 13)) * 10**k for k in range(1, 9)]
+    failures: list[str] = []
+
+    def work(spec: str, value: np.ndarray) -> None:
+        for _ in range(5):
+            ident, payload = codecs.encode(spec, _bytes_of(value), 8)
+            out = np.empty_like(value)
+            codecs.decode(ident, bytes(payload), memoryview(_bytes_of(out)))
+            if out.tobytes() != value.tobytes():
+                failures.append(spec)
+
+    for spec in CODECS:
+        threads = [threading.Thread(target=work, args=(spec, v)) for v in values]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not failures
+
+
 def test_a_bare_spec_is_version_one_so_blocks_written_before_codecs_read_as_raw():
     assert CodecId.parse("none") == CodecId(CodecSpec("none"), 1)
     assert codecs.for_block("none").name == "none"
@@ -380,6 +403,10 @@ def test_a_bare_spec_is_version_one_so_blocks_written_before_codecs_read_as_raw(
 def test_auto_compresses_nothing_itself_and_oversized_calls_are_refused():
     with pytest.raises(CodecError, match="auto"):
         codecs.get("auto")
+    with pytest.raises(CodecError, match=r"1\.\.22"):  # a spec built by hand is checked as if parsed
+        codecs.get(CodecSpec("zstd", ("99",)))
+    with pytest.raises(CodecError, match="not canonical"):
+        codecs.get(CodecSpec("zstd"))
     huge = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), shape=(codecs.MAX_BUFFER + 1,), strides=(0,))
     with pytest.raises(CodecError, match="cut the value into blocks"):
         codecs.get("lz4").compress(memoryview(huge), 1)

@@ -114,6 +114,8 @@ def get(spec: CodecSpec | str) -> Codec:
     with _lock:
         codec = _codecs.get(spec)
         if codec is None:
+            if spec.builtin and CodecSpec.parse(str(spec)) != spec:  # built by hand, not parsed: check it as parsed text
+                raise CodecError(spec.name, f"parameters {spec.params!r} are not canonical (CodecSpec.parse gives {CodecSpec.parse(str(spec))})")
             factory = _builtin_factory(spec.name) if spec.builtin else _plugin_factory(spec.name)
             codec = _made(spec, factory)
             _codecs[spec] = codec

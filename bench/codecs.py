@@ -12,7 +12,8 @@ each is compressed and decompressed through :func:`gangd.codecs.encode` /
 raw, as the writer will). Speeds are CPU time of this thread (the codecs
 run single-threaded), best of ``--repeats``, each repeat timing a memcpy
 of the same bytes (``numpy.copyto``) right before the codecs: the ratio
-``x memcpy`` is what survives a busy machine. ``auto`` is also timed
+``x memcpy`` is what survives a busy machine. (``none``'s encode hands back a view
+of the block, no copy, so its "compress" speed is not a copy's.) ``auto`` is also timed
 choosing alone, against compressing the whole value with what it chose.
 Import times of each library (a rank pays them only if it compresses) are
 the best of 5 fresh interpreters that already imported gangd.ckptlib (as a

@@ -85,7 +85,7 @@ def one_codec(spec: str, value: np.ndarray, block: int, repeats: int) -> dict:
 
         best["decompress"] = min(best["decompress"], cpu(restore))
     assert np.array_equal(out, raw), spec
-    packed = sum(len(memoryview(p)) for _, p in stored)
+    packed = sum(memoryview(p).nbytes for _, p in stored)
     raw_blocks = sum(1 for ident, _ in stored if ident.spec.name == "none")
     result = {
         "codec": spec, "chosen": chosen, "ratio": raw.nbytes / packed, "raw_blocks": raw_blocks, "blocks": len(blocks),

@@ -55,11 +55,7 @@ def flat(name: str, data: BytesLike) -> memoryview:
         raise CodecError(name, f"{view.nbytes} bytes in one call, more than the {MAX_BUFFER} a codec takes (cut the value into blocks)")
     if not view.c_contiguous:
         return memoryview(view.tobytes())
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    if view.nbytes > MAX_BUFFER:
-        raise CodecError(name, f"{view.nbytes} bytes in one call, more than the {MAX_BUFFER} a codec takes (cut the value into blocks)")
-    return view
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
 def destination(name: str, out: memoryview) -> memoryview:

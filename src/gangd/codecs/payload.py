@@ -22,15 +22,15 @@ from .spec import CodecId, CodecSpec
 RAW = CodecId(CodecSpec("none"), 1)
 
 
-def encode(spec: CodecSpec | str, data: BytesLike, itemsize: int = 1) -> tuple[CodecId, BytesLike]:
+def encode(spec: CodecSpec | str, data: BytesLike, itemsize: int = 1) -> tuple[CodecId, memoryview]:
     """``data`` compressed with ``spec`` and the identity to record, or raw (``none@1``) if it did not shrink."""
     spec = CodecSpec.parse(spec) if isinstance(spec, str) else spec
     src = flat(str(spec), data)
     if spec.name == "none":
         return RAW, src
     codec = get(spec)
-    packed = codec.compress(src, itemsize)
-    if len(memoryview(packed)) >= src.nbytes:
+    packed = flat(codec.name, codec.compress(src, itemsize))  # (a plug-in may hand back any buffer: counted in bytes)
+    if packed.nbytes >= src.nbytes:
         return RAW, src
     return identity(spec), packed
 

@@ -1,0 +1,178 @@
+"""A ring of preallocated buffers between two stages: the pipeline's only queue, and its bound.
+
+Paper 004's ring buffer queue: a fixed pool of equal buffers, each Empty
+(free), Busy (a stage is filling or draining it) or Ready (filled, waiting
+for the next stage). The producer fills buffers in ring order at ``head``,
+the consumer drains them in the same order at ``tail``, so the consumer
+sees items exactly in the order they were produced, with no sequence
+numbers and no reordering. When every buffer is Busy or Ready the producer
+waits: memory in flight between two stages is at most ``count`` buffers,
+whatever the speeds of the stages (back-pressure). Buffers are allocated
+once, when the pipeline starts, and reused; a drained buffer's records are
+cleared in place.
+
+A buffer carries the items packed into it as :class:`Record` s (key, where
+in the buffer, how long, and which part of the item if the item was split
+across buffers). An item too large for any buffer of a ring that must not
+split items travels *by reference*: the record holds a view of the bytes
+(the caller's array, or the bytes a codec returned) in a buffer of its own,
+so it is never copied just to be queued and still counts as one buffer in
+flight.
+
+:meth:`Ring.abort` wakes every waiter with :class:`Aborted`: that is how a
+failure in one stage stops the others at their next hand-off.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Hashable
+from enum import Enum
+
+MAX_RECORDS = 4096  # items per buffer: a stream of empty items must not grow a record list without bound
+
+
+class State(Enum):
+    EMPTY = "empty"
+    BUSY = "busy"
+    READY = "ready"
+
+
+class Aborted(Exception):
+    """The pipeline is being torn down; the stage that sees this stops without reporting an error."""
+
+
+class Record:
+    """One item (or one part of an item) in a buffer."""
+
+    __slots__ = ("key", "length", "part", "ref", "start", "total")
+
+    def __init__(self, key: Hashable, start: int, length: int, part: int, total: int, ref: memoryview | None):
+        self.key, self.start, self.length, self.part, self.total, self.ref = key, start, length, part, total, ref
+
+    @property
+    def whole(self) -> bool:
+        return self.length == self.total
+
+
+class Slot:
+    """One preallocated buffer of a ring, with the records of what it holds."""
+
+    __slots__ = ("capacity", "data", "index", "records", "state", "used", "view")
+
+    def __init__(self, index: int, capacity: int):
+        self.index, self.capacity = index, capacity
+        self.data = bytearray(capacity)
+        self.view = memoryview(self.data)
+        self.used = 0
+        self.records: list[Record] = []
+        self.state = State.EMPTY
+
+    def item(self, record: Record) -> memoryview:
+        """The bytes of ``record``: a slice of this buffer, or the view it holds by reference."""
+        if record.ref is not None:
+            return record.ref
+        return self.view[record.start:record.start + record.length]
+
+    @property
+    def full(self) -> bool:
+        return self.used >= self.capacity or len(self.records) >= MAX_RECORDS
+
+    def clear(self) -> None:
+        self.used = 0
+        self.records.clear()  # drops views held by reference: the caller's memory is not kept alive by the pool
+
+
+class Ring:
+    """``count`` buffers of ``capacity`` bytes between one producer thread and one consumer thread."""
+
+    def __init__(self, name: str, count: int, capacity: int):
+        self.name, self.capacity = name, capacity
+        self.slots = [Slot(i, capacity) for i in range(count)]
+        self._cond = threading.Condition()
+        self._head = 0  # buffers handed to the producer so far
+        self._tail = 0  # buffers handed to the consumer so far
+        self._closed = False
+        self._aborted = False
+        self.in_use = 0  # buffers not Empty
+        self.peak = 0  # most buffers ever not Empty at once
+
+    def acquire(self) -> tuple[Slot, float]:
+        """The next Empty buffer, now Busy for the producer; with the seconds spent waiting for it."""
+        waited = 0.0
+        with self._cond:
+            slot = self.slots[self._head % len(self.slots)]
+            if slot.state is not State.EMPTY and not self._aborted:
+                began = time.perf_counter()
+                while slot.state is not State.EMPTY and not self._aborted:
+                    self._cond.wait()
+                waited = time.perf_counter() - began
+            if self._aborted:
+                raise Aborted
+            slot.state = State.BUSY
+            self._head += 1
+            self.in_use += 1
+            self.peak = max(self.peak, self.in_use)
+            return slot, waited
+
+    def publish(self, slot: Slot) -> None:
+        """The producer is done with ``slot``: Busy -> Ready."""
+        with self._cond:
+            slot.state = State.READY
+            self._cond.notify_all()
+
+    def take(self) -> tuple[Slot | None, float]:
+        """The next Ready buffer in ring order, now Busy for the consumer (None once the producer closed the ring and all were taken)."""
+        began = None
+        found: Slot | None = None
+        with self._cond:
+            while True:
+                if self._aborted:
+                    raise Aborted
+                slot = self.slots[self._tail % len(self.slots)]
+                if self._tail < self._head and slot.state is State.READY:
+                    slot.state = State.BUSY
+                    self._tail += 1
+                    found = slot
+                    break
+                if self._closed and self._tail == self._head:
+                    break
+                if began is None:
+                    began = time.perf_counter()
+                self._cond.wait()
+        return found, (0.0 if began is None else time.perf_counter() - began)
+
+    def release(self, slot: Slot) -> None:
+        """The consumer is done with ``slot``: Busy -> Empty, its records cleared."""
+        slot.clear()
+        with self._cond:
+            slot.state = State.EMPTY
+            self.in_use -= 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """The producer will publish nothing more."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def abort(self) -> None:
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()
+
+    def reclaim(self) -> None:
+        """Every buffer back to Empty, after every thread using the ring has ended (teardown)."""
+        with self._cond:
+            for slot in self.slots:
+                slot.clear()
+                slot.state = State.EMPTY
+            self.in_use = 0
+
+    def states(self) -> dict[str, int]:
+        with self._cond:
+            counts = dict.fromkeys((s.value for s in State), 0)
+            for slot in self.slots:
+                counts[slot.state.value] += 1
+            return counts

@@ -259,7 +259,8 @@ def test_a_corrupt_item_under_the_decompressor_fails_the_restore(tmp_path):
     ({0: (0, 10), 1: (10, 10)}, [(0, 0, 10), (7, 10, 10)], "place", "no place"),
     ({0: (0, 10), 1: (15, 10)}, [(0, 0, 10), (1, 10, 10)], "place", "outside the target"),
     ({0: (0, 10), 1: (10, 10)}, [(0, 0, 10)], "place", "1 of 2 items never arrived"),
-    ({0: (0, 10), 1: (10, 10)}, [(0, 0, 10), (1, 30, 10)], "read", "file ends at 32"),
+    ({0: (0, 10), 1: (10, 10)}, [(0, 0, 10), (1, 30, 10)], "read", "past the end of the file (32 bytes)"),
+    ({0: (0, 10), 1: (10, 10)}, [(0, 0, 10), (1, 0, 2**40)], "read", "past the end of the file"),
     ({0: (0, 10), 1: (10, 10)}, [(0, 0, 10), (1, -1, 10)], "read", "negative range"),
 ])
 def test_a_hostile_landing_table_is_refused_by_the_restore(tmp_path, where, ranges, stage, says):

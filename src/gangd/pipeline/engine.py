@@ -140,9 +140,10 @@ class Pipeline:
     def submit(self, key: Hashable, data: object) -> None:
         """Queue one item; waits while every buffer of the first ring is in use (back-pressure).
 
-        A small item is copied into a buffer, so ``data`` may be reused when
-        this returns; an item larger than a buffer is queued by reference and
-        must stay unchanged until :meth:`finish` returns.
+        An item up to half a buffer is copied into one, so ``data`` may be
+        reused when this returns; a larger item is queued by reference and
+        must stay unchanged until :meth:`finish` returns (a snapshot's
+        arrays do).
         """
         if self._packer is None or self._finished:
             raise RuntimeError("submit() needs a running pipeline whose first stage is not a Source")

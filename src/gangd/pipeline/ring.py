@@ -13,8 +13,8 @@ cleared in place.
 
 A buffer carries the items packed into it as :class:`Record` s (key, where
 in the buffer, how long, and which part of the item if the item was split
-across buffers). An item too large for any buffer of a ring that must not
-split items travels *by reference*: the record holds a view of the bytes
+across buffers). An item over half a buffer, in a ring that must not split
+items, travels *by reference*: the record holds a view of the bytes
 (the caller's array, or the bytes a codec returned) in a buffer of its own,
 so it is never copied just to be queued and still counts as one buffer in
 flight.

@@ -103,8 +103,10 @@ class ReadRanges(Source):
 
     Ranges up to a buffer's size are read in place into the ring's buffers
     (``preadv``: no copy); a larger range is read into a buffer of its own,
-    passed on by reference. A file shorter than a range asks for is an
-    error naming the range, never a short item.
+    passed on by reference. The ranges come from an index a user can
+    write: a range past the end of the file (``fstat`` at the start) is an
+    error naming it before anything is allocated for it, and a file that
+    shrinks meanwhile is an error too, never a short item.
     """
 
     def __init__(self, fd: int, ranges: Iterable[tuple[Hashable, int, int]], *, name: str = "read"):
@@ -121,9 +123,12 @@ class ReadRanges(Source):
 
     def produce(self, out: Packer) -> None:
         capacity = out.ring.capacity
+        size = os.fstat(self.fd).st_size
         for key, offset, length in self.ranges:
             if offset < 0 or length < 0:
                 raise ValueError(f"item {key!r}: negative range ({offset}, {length})")
+            if offset + length > size:
+                raise ValueError(f"item {key!r} ({length} bytes at {offset}) lies past the end of the file ({size} bytes)")
             self.stats.items_in += 1
             self.stats.bytes_in += length
             if length <= capacity:

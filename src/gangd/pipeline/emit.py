@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from .ring import Record, Ring, Slot
+from .ring import MAX_RECORDS, Record, Ring, Slot
 from .stats import StageStats
 
 
@@ -59,40 +59,52 @@ class Packer:
 
     def emit(self, key: Hashable, data: object) -> None:
         """Queue one item (copied, or by reference if it is over half a buffer of a non-splitting ring)."""
-        view = as_bytes_view(data)
+        # The hot path (once per item per stage): locals, no helper calls for the common case.
+        view = data if type(data) is memoryview and data.format == "B" and data.ndim == 1 else as_bytes_view(data)
+        if not view.contiguous:
+            raise ValueError("pipeline items must be contiguous buffers")
         total = len(view)
-        self.stats.items_out += 1
-        self.stats.bytes_out += total
-        capacity = self.ring.capacity
+        stats = self.stats
+        stats.items_out += 1
+        stats.bytes_out += total
         if self.split:
-            part = 0
-            while True:
-                slot = self._current()
-                take = min(capacity - slot.used, total - part)
-                slot.data[slot.used:slot.used + take] = view[part:part + take]
-                slot.records.append(Record(key, slot.used, take, part, total, None))
-                slot.used += take
-                part += take
-                if slot.full:
-                    self._hand_on()
-                if part == total:
-                    return
+            self._emit_split(key, view, total)
+            return
+        capacity = self.ring.capacity
+        slot = self._slot
         if total * 2 > capacity:
-            if self._slot is not None and self._slot.records:
+            if slot is not None and slot.records:
                 self._hand_on()
             slot = self._current()
             slot.records.append(Record(key, 0, total, 0, total, view))
             self._hand_on()
             return
-        slot = self._current()
-        if slot.used + total > capacity:
+        if slot is None or slot.used + total > capacity:
             self._hand_on()
             slot = self._current()
-        slot.data[slot.used:slot.used + total] = view
-        slot.records.append(Record(key, slot.used, total, 0, total, None))
-        slot.used += total
-        if slot.full:
+        used = slot.used
+        end = used + total
+        slot.data[used:end] = view
+        records = slot.records
+        records.append(Record(key, used, total, 0, total, None))
+        slot.used = end
+        if end >= capacity or len(records) >= MAX_RECORDS:
             self._hand_on()
+
+    def _emit_split(self, key: Hashable, view: memoryview, total: int) -> None:
+        capacity = self.ring.capacity
+        part = 0
+        while True:
+            slot = self._current()
+            take = min(capacity - slot.used, total - part)
+            slot.data[slot.used:slot.used + take] = view[part:part + take]
+            slot.records.append(Record(key, slot.used, take, part, total, None))
+            slot.used += take
+            part += take
+            if slot.full:
+                self._hand_on()
+            if part == total:
+                return
 
     def reserve(self, length: int) -> memoryview:
         """Room for an item of ``length`` <= capacity bytes, to be filled in place (a read) and then :meth:`commit` ted."""

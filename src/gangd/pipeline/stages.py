@@ -33,6 +33,25 @@ class Transform(Stage):
         super().__init__(name)
         self.fn, self.many = fn, many
 
+    def process_slot(self, slot: Slot, out: Packer | None) -> None:
+        # Stage.process_slot inlined: this loop runs once per item.
+        fn, many, view = self.fn, self.many, slot.view
+        items = size = 0
+        for record in slot.records:
+            items += 1
+            size += record.length
+            data = record.ref if record.ref is not None else view[record.start:record.start + record.length]
+            produced = fn(record.key, data)
+            if out is None or produced is None:
+                continue
+            if many:
+                for new_key, item in produced:  # type: ignore[attr-defined]  # the contract of many=True
+                    out.emit(new_key, item)
+            else:
+                out.emit(record.key, produced)
+        self.stats.items_in += items
+        self.stats.bytes_in += size
+
     def process(self, key: Hashable, data: memoryview, out: Packer | None) -> None:
         produced = self.fn(key, data)
         if out is None or produced is None:

@@ -2,15 +2,15 @@
 
 Paper 004's ring buffer queue: a fixed pool of equal buffers, each Empty
 (free), Busy (a stage is filling or draining it) or Ready (filled, waiting
-for the next stage). The producer fills buffers in ring order at ``head``,
-the consumer drains them in the same order at ``tail``, so the consumer
-sees items exactly in the order they were produced, with no sequence
-numbers and no reordering. When every buffer is Busy or Ready the producer
-waits: memory in flight between two stages is at most ``count`` buffers,
-whatever the speeds of the stages (back-pressure). Buffers are allocated
-once, when the pipeline starts (anonymous memory, touched
-only when filled), and reused; a drained buffer's records are
-cleared in place.
+for the next stage). The producer takes Empty buffers in the order they
+were freed and publishes them in the order it filled them; the consumer
+drains them in that same order, so it sees items exactly in the order they
+were produced, with no sequence numbers and no reordering. When every
+buffer is Busy or Ready the producer waits: memory in flight between two
+stages is at most ``count`` buffers, whatever the speeds of the stages
+(back-pressure). Buffers are allocated once, when the pipeline starts
+(anonymous memory, whose pages cost nothing until filled), and reused; a
+drained buffer's records are cleared in place.
 
 A buffer carries the items packed into it as :class:`Record` s (key, where
 in the buffer, how long, and which part of the item if the item was split
@@ -91,10 +91,11 @@ class Slot:
 class Ring:
     """``count`` buffers of ``capacity`` bytes between one producer thread and one consumer thread.
 
-    The hand-offs are two C-level FIFO queues (:class:`queue.SimpleQueue`) of
-    buffers: ``free`` (Empty) and ``ready`` (Ready). Only ``count`` buffers
-    exist, so neither can hold more; a ``threading.Condition`` (pure Python,
-    a lock allocated per wait) cost twice as much CPU per hand-off here.
+    The hand-offs are two FIFO queues of buffers, ``free`` (Empty) and
+    ``ready`` (Ready): :class:`queue.SimpleQueue`, written in C, so a
+    hand-off takes no Python-level lock and abort is one sentinel per
+    queue. Only ``count`` buffers exist, so neither queue can hold more
+    (plus the sentinel).
     """
 
     def __init__(self, name: str, count: int, capacity: int):

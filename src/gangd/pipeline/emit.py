@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from .ring import MAX_RECORDS, Record, Ring, Slot
+from .ring import MAX_RECORDS, Ring, Slot
 from .stats import StageStats
 
 
@@ -76,7 +76,7 @@ class Packer:
             if slot is not None and slot.records:
                 self._hand_on()
             slot = self._current()
-            slot.records.append(Record(key, 0, total, 0, total, view))
+            slot.records.append((key, 0, total, 0, total, view))
             self._hand_on()
             return
         if slot is None or slot.used + total > capacity:
@@ -86,7 +86,7 @@ class Packer:
         end = used + total
         slot.data[used:end] = view
         records = slot.records
-        records.append(Record(key, used, total, 0, total, None))
+        records.append((key, used, total, 0, total, None))
         slot.used = end
         if end >= capacity or len(records) >= MAX_RECORDS:
             self._hand_on()
@@ -98,7 +98,7 @@ class Packer:
             slot = self._current()
             take = min(capacity - slot.used, total - part)
             slot.data[slot.used:slot.used + take] = view[part:part + take]
-            slot.records.append(Record(key, slot.used, take, part, total, None))
+            slot.records.append((key, slot.used, take, part, total, None))
             slot.used += take
             part += take
             if slot.full:
@@ -119,7 +119,7 @@ class Packer:
     def commit(self, key: Hashable, length: int) -> None:
         """The ``length`` bytes last reserved now hold item ``key``."""
         slot = self._current()
-        slot.records.append(Record(key, slot.used, length, 0, length, None))
+        slot.records.append((key, slot.used, length, 0, length, None))
         slot.used += length
         self.stats.items_out += 1
         self.stats.bytes_out += length

@@ -75,8 +75,8 @@ class Stage:
     def process_slot(self, slot: Slot, out: Packer | None) -> None:
         for record in slot.records:
             self.stats.items_in += 1
-            self.stats.bytes_in += record.length
-            self.process(record.key, slot.item(record), out)
+            self.stats.bytes_in += record[2]
+            self.process(record[0], slot.item(record), out)
 
     def close(self, out: Packer | None) -> None:
         """The stream ended (not called when the pipeline is torn down by an error)."""

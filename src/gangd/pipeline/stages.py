@@ -37,18 +37,17 @@ class Transform(Stage):
         # Stage.process_slot inlined: this loop runs once per item.
         fn, many, view = self.fn, self.many, slot.view
         items = size = 0
-        for record in slot.records:
+        for key, start, length, _, _, ref in slot.records:
             items += 1
-            size += record.length
-            data = record.ref if record.ref is not None else view[record.start:record.start + record.length]
-            produced = fn(record.key, data)
+            size += length
+            produced = fn(key, ref if ref is not None else view[start:start + length])
             if out is None or produced is None:
                 continue
             if many:
                 for new_key, item in produced:  # type: ignore[attr-defined]  # the contract of many=True
                     out.emit(new_key, item)
             else:
-                out.emit(record.key, produced)
+                out.emit(key, produced)
         self.stats.items_in += items
         self.stats.bytes_in += size
 
@@ -106,11 +105,11 @@ class Write(Stage):
             done += n
             landing.writes += 1
         landing.end = base + done
-        for record in slot.records:
-            if record.part == 0:
-                landing.entries.append((record.key, base + record.start, record.total))
+        for key, start, length, part, total, _ in slot.records:
+            if part == 0:
+                landing.entries.append((key, base + start, total))
                 self.stats.items_in += 1
-            self.stats.bytes_in += record.length
+            self.stats.bytes_in += length
 
     def close(self, out: Packer | None) -> None:
         if self.fsync:

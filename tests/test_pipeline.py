@@ -177,6 +177,32 @@ def test_the_mirror_pipeline_restores_the_arrays_bit_identical(tmp_path):
     assert bytes(target) == b"".join(data for _, data in items)
 
 
+def test_a_writer_without_offsets_streams_into_a_pipe():
+    """``Write(fd, offset=None)`` uses write(2) at the fd's position: a pipe (or socket) gets the same bytes, in order."""
+    items = [(i, os.urandom(i * 311 % 9000)) for i in range(120)]
+    reader, writer = os.pipe()
+    received = bytearray()
+
+    def drain():
+        while chunk := os.read(reader, 65536):
+            received.extend(chunk)
+
+    thread = threading.Thread(target=drain)
+    thread.start()
+    try:
+        with Pipeline([Transform("copy", identity), Write(writer, offset=None)], SMALL) as pipe:
+            for key, data in items:
+                pipe.submit(key, data)
+            landing = pipe.finish()
+    finally:
+        os.close(writer)
+        thread.join()
+        os.close(reader)
+    assert bytes(received) == b"".join(d for _, d in items)
+    assert [(k, at) for k, at, _ in landing.entries] == [(k, sum(len(d) for _, d in items[:i])) for i, (k, _) in enumerate(items)]
+    assert_torn_down(pipe)
+
+
 # ---------------------------------------------------------------------------------------------------- aggregation
 
 @pytest.mark.parametrize(("sizes", "what"), [

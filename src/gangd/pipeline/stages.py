@@ -77,7 +77,10 @@ class Landing:
 
 
 class Write(Stage):
-    """Writes whole buffers to ``fd`` from ``offset`` on (``pwrite``; ``offset=None``: ``write`` at the fd's position, for pipes).
+    """Writes whole buffers to ``fd`` from ``offset`` on, one ``pwrite`` per buffer.
+
+    ``offset=None`` writes with ``write`` at the fd's position instead (a
+    pipe or a socket); the landing offsets then count from 0.
 
     ``fsync=True`` syncs the file once the last buffer is written: a
     checkpoint generation is only complete once its bytes are on disk.

@@ -97,7 +97,12 @@ class Ring:
         self._ready: SimpleQueue[Slot | None] = SimpleQueue()
         for slot in self.slots:
             self._free.put(slot)
+        # Drained buffers go back to the producer in batches of half the ring (the consumer's own list):
+        # a producer held by back-pressure is then woken once per batch, not once per buffer.
+        self._freed: list[Slot] = []
+        self._batch = max(1, count // 2)
         self._aborted = False
+        self.producer_waiting = False
         self.peak = 0  # most buffers ever not Empty at once
 
     @property
@@ -116,7 +121,12 @@ class Ring:
 
     def acquire(self) -> tuple[Slot, float]:
         """The next Empty buffer, now Busy for the producer; with the seconds spent waiting for it."""
-        slot, waited = self._get(self._free)
+        try:
+            slot, waited = self._free.get_nowait(), 0.0
+        except Empty:
+            self.producer_waiting = True  # held by back-pressure (a statistic, and what tests wait for)
+            slot, waited = self._get(self._free)
+            self.producer_waiting = False
         if slot is None or self._aborted:
             self._free.put(None)  # the next waiter (if any) is woken too
             raise Aborted
@@ -131,7 +141,11 @@ class Ring:
 
     def take(self) -> tuple[Slot | None, float]:
         """The next Ready buffer in order, now Busy for the consumer (None once the producer closed the ring and all were taken)."""
-        slot, waited = self._get(self._ready)
+        try:
+            slot, waited = self._ready.get_nowait(), 0.0
+        except Empty:
+            self._give_back()  # never sleep on freed buffers: the producer may be waiting for one
+            slot, waited = self._get(self._ready)
         if self._aborted:
             self._ready.put(None)
             raise Aborted
@@ -145,7 +159,14 @@ class Ring:
         """The consumer is done with ``slot``: Busy -> Empty, its records cleared."""
         slot.clear()
         slot.state = State.EMPTY
-        self._free.put(slot)
+        self._freed.append(slot)
+        if len(self._freed) >= self._batch:
+            self._give_back()
+
+    def _give_back(self) -> None:
+        for slot in self._freed:
+            self._free.put(slot)
+        self._freed.clear()
 
     def close(self) -> None:
         """The producer will publish nothing more."""
@@ -160,6 +181,7 @@ class Ring:
     def reclaim(self) -> None:
         """Every buffer back to Empty, after every thread using the ring has ended (teardown)."""
         self._free, self._ready = SimpleQueue(), SimpleQueue()
+        self._freed.clear()
         for slot in self.slots:
             slot.clear()
             slot.state = State.EMPTY

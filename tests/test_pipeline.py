@@ -365,6 +365,20 @@ def test_cancel_from_another_thread_unblocks_a_caller_held_by_back_pressure(tmp_
     assert_torn_down(pipe)
 
 
+def test_leaving_the_block_normally_finishes_the_pipeline(tmp_path):
+    items = [(i, os.urandom(5 * KIB)) for i in range(40)]
+    fd = os.open(tmp_path / "out", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        with Pipeline([Transform("copy", identity), Write(fd)], SMALL) as pipe:
+            for key, data in items:
+                pipe.submit(key, data)
+    finally:
+        os.close(fd)
+    assert_torn_down(pipe)
+    assert (tmp_path / "out").read_bytes() == b"".join(d for _, d in items)
+    assert [k for k, _, _ in pipe.result.entries] == list(range(40))
+
+
 def test_leaving_the_block_early_tears_the_pipeline_down():
     pipe = Pipeline([Transform("copy", identity), Collect()], SMALL)
     with pytest.raises(KeyError), pipe:

@@ -20,6 +20,9 @@ every thread is joined, every buffer goes back to Empty, and the caller gets
 stuck inside a system call is joined once that call returns: "promptly"
 means at the stage's next buffer, not mid-call.
 
+Leaving the block normally finishes the pipeline (as if :meth:`Pipeline.finish`
+had been called: it waits for every stage and raises a failure).
+
 The first stage is either the caller (``submit``: the caller's thread packs
 items into the first ring) or a :class:`Source` with a thread of its own
 (the restart direction: reading file ranges). The last stage's ``result``
@@ -116,6 +119,7 @@ class Pipeline:
         self._entered = self._finished = False
         self._packer: Packer | None = None
         self._began = 0.0
+        self.result: object = None  # the last stage's result, once finished
 
     # -- the caller's side -------------------------------------------------------------------------------------------
     def __enter__(self) -> Pipeline:
@@ -168,16 +172,20 @@ class Pipeline:
             self.submitter.wall_s = time.perf_counter() - self._began
         self._teardown()
         self._raise_if_failed()
-        return self.stages[-1].result
+        self.result = self.stages[-1].result
+        return self.result
 
     def cancel(self) -> None:
         """Stop every stage (from any thread); the pipeline's ``finish`` raises :class:`PipelineCancelled`."""
         self._fail(PipelineCancelled("caller", RuntimeError("cancelled")))
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if exc is None and not self._finished:
+            self.finish()  # the block ended normally: like a nursery, wait for the stages (and raise their failure)
+            return
         if not self._finished:
             self._finished = True
-            self._fail(PipelineCancelled("caller", exc if exc is not None else RuntimeError("left without finish()")))
+            self._fail(PipelineCancelled("caller", exc if exc is not None else RuntimeError("cancelled")))
         self._teardown()
 
     # -- statistics --------------------------------------------------------------------------------------------------

@@ -183,9 +183,9 @@ class Pipeline:
         if exc is None and not self._finished:
             self.finish()  # the block ended normally: like a nursery, wait for the stages (and raise their failure)
             return
-        if not self._finished:
-            self._finished = True
-            self._fail(PipelineCancelled("caller", exc if exc is not None else RuntimeError("cancelled")))
+        # The caller's exception (an interrupt inside finish() included): stop the stages before joining them.
+        self._finished = True
+        self._fail(PipelineCancelled("caller", exc if exc is not None else RuntimeError("cancelled")))
         self._teardown()
 
     # -- statistics --------------------------------------------------------------------------------------------------

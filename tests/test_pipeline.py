@@ -24,6 +24,7 @@ import zlib
 from collections.abc import Hashable
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -236,6 +237,18 @@ def test_an_item_larger_than_a_buffer_passes_between_transforms_by_reference():
         got = pipe.finish()
     assert seen == [("small", 10, None), ("big", len(big), True), ("after", 10, None)]
     assert got == [("small", b"x" * 10), ("big", bytes(big)), ("after", b"y" * 10)]
+    assert_torn_down(pipe)
+
+
+def test_arrays_are_items_and_strided_views_are_refused():
+    """A contiguous numpy array is submitted as its bytes; a strided view cannot be written as one run and is refused."""
+    small, large = np.arange(100, dtype=np.float64), np.arange(4096, dtype=np.int32).reshape(64, 64)
+    with Pipeline([Transform("copy", identity), Collect()], SMALL) as pipe:
+        pipe.submit("small", small)
+        pipe.submit("large", large)  # 16 KiB, more than a 4 KiB buffer: by reference
+        with pytest.raises((TypeError, ValueError)):
+            pipe.submit("strided", large[:, ::2])
+    assert pipe.result == [("small", small.tobytes()), ("large", large.tobytes())]
     assert_torn_down(pipe)
 
 

@@ -1,0 +1,65 @@
+"""The pipeline's three knobs, checked once so no stage has to distrust them.
+
+Paper 004 (PCCR) found checkpoint time a U-shaped function of the ring
+buffer size: small buffers pay a hand-off per few KiB, huge ones leave the
+stages idle while the first buffer fills. Where the bottom of the U lies
+depends on the machine, so the size and count are settings, not constants;
+``bench/pipeline_engine.py`` measures the curve here. Writes are aggregated
+into buffers of ``aggregate_bytes`` (>= 4 MiB by default: most checkpoint
+writes are small, and a file system takes one large write far better than
+many small ones).
+
+The values may come from a user's file or a job's request, so
+:meth:`Settings.from_mapping` refuses unknown keys, non-integers and sizes
+outside the bounds below: the pool is allocated up front (count x size per
+ring), and an absurd count or size must be an error, not an out-of-memory
+kill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+KIB = 1024
+MIB = 1024 * KIB
+
+MIN_BUFFERS, MAX_BUFFERS = 2, 256
+MIN_SIZE, MAX_SIZE = 4 * KIB, 256 * MIB
+MAX_RING_BYTES = 1024 * MIB  # one ring's whole pool
+
+
+class SettingsError(ValueError):
+    """A pipeline setting out of its bounds or of the wrong type."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    buffer_count: int = 4  # buffers per ring (the bound on items in flight between two stages)
+    buffer_size: int = 1 * MIB  # capacity of a buffer between two transform stages
+    aggregate_bytes: int = 4 * MIB  # capacity of a buffer the writer takes: the size of one write
+
+    def __post_init__(self) -> None:
+        for name, low, high in (("buffer_count", MIN_BUFFERS, MAX_BUFFERS), ("buffer_size", MIN_SIZE, MAX_SIZE),
+                                ("aggregate_bytes", MIN_SIZE, MAX_SIZE)):
+            value = getattr(self, name)
+            if type(value) is not int:
+                raise SettingsError(f"pipeline setting {name} must be an integer, not {type(value).__name__}")
+            if not low <= value <= high:
+                raise SettingsError(f"pipeline setting {name}={value} is outside {low}..{high}")
+        for name in ("buffer_size", "aggregate_bytes"):
+            if self.buffer_count * getattr(self, name) > MAX_RING_BYTES:
+                raise SettingsError(f"pipeline settings buffer_count x {name} = {self.buffer_count * getattr(self, name)} bytes "
+                                    f"exceed {MAX_RING_BYTES} per ring")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, object]) -> Settings:
+        """Settings from a decoded file or request: unknown keys are refused, missing ones take the defaults."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(str(k) for k in values if k not in known)
+        if unknown:
+            raise SettingsError(f"unknown pipeline settings: {', '.join(unknown)[:200]}")
+        return cls(**values)  # type: ignore[arg-type]  # __post_init__ checks every type
+
+    def ring_bytes(self, capacity: int) -> int:
+        return self.buffer_count * capacity

@@ -302,6 +302,18 @@ def forget_cluster(cluster: LocalCluster) -> None:
             shutil.rmtree(cluster.dir.parent, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def tmpfs(directory: Path, size: str, mode: str | None = None):
+    """A real file system of ``size`` (tmpfs; root only) mounted on ``directory``
+    for the block, unmounted after: the disk that fills up in a test."""
+    options = f"size={size}" + (f",mode={mode}" if mode else "")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(directory)], check=True)
+    try:
+        yield directory
+    finally:  # (lazily: a daemon of the test may still hold a file there)
+        subprocess.run(["umount", "-l", str(directory)], check=True)
+
+
 def _world_traversable_tmpdir() -> Path:
     path = Path(tempfile.mkdtemp(prefix="gangd-test-"))
     os.chmod(path, 0o755)

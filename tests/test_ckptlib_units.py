@@ -34,6 +34,7 @@ import msgpack
 import numpy as np
 import pytest
 from ckpthelpers import flip_byte
+from conftest import tmpfs
 from deltahelpers import footer, save_v1
 
 from gangd import ckptstore
@@ -309,8 +310,7 @@ def test_write_atomic_full_disk(tmp_path):
         pytest.skip("mounting a tmpfs needs root")
     mnt = tmp_path / "small"
     mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], check=True)
-    try:
+    with tmpfs(mnt, "256k"):
         path = mnt / "rank-0.state"
         with pytest.raises(StoreError) as info:
             ckptstore.write_atomic(path, [np.zeros(1 << 20, dtype=np.uint8)])
@@ -324,8 +324,6 @@ def test_write_atomic_full_disk(tmp_path):
         assert os.listdir(mnt) == []
         size, digest = ckptstore.write_atomic(path, [b"fits"])
         assert (size, digest) == ckptstore.checksum_file(path)
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def make_generation(root: Path, gen: int = 1) -> Path:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 import threading
 import zlib
 from collections.abc import Hashable
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import tmpfs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -322,11 +322,8 @@ def tiny_fs(tmp_path):
         pytest.skip("mounting a tmpfs needs root")
     mount = tmp_path / "tiny"
     mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mount)], check=True)
-    try:
+    with tmpfs(mount, "1m", "0700"):
         yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
 
 
 @pytest.mark.root

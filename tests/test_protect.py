@@ -16,14 +16,13 @@ from __future__ import annotations
 import math
 import os
 import stat
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 from ckpthelpers import checkpoint, gen_dir, generations, kill_what_is_left, submit
-from conftest import wait_for
+from conftest import tmpfs, wait_for
 from test_control_plane import coordinator_seen_by
 
 from gangd import ckptstore
@@ -225,8 +224,7 @@ def test_a_redundancy_write_the_disk_cannot_take_is_refused_and_the_generation_s
     cluster = make_cluster(2, cores=2)
     directory = cluster.dir / "n2" / "state" / "checkpoints" / "n2"  # (each node its own, see checkpoint_dir)
     os.makedirs(directory, exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=14m,mode=0711", "tmpfs", str(directory)], check=True)
-    try:
+    with tmpfs(directory, "14m", "0711"):
         # 6 MiB of state per node: n2's own generation fits (14 MiB), a copy of n1's beside it does not with the reserve (3.5 MiB)
         job = submit(cluster, [JOB, "--steps", "100000", "--mb", "6", "--sleep", "0.02"], 2, "--per-node", 1, "--ckpt-redundancy", "partner")
         assert placement(cluster, job) == ["n1", "n2"]
@@ -239,5 +237,3 @@ def test_a_redundancy_write_the_disk_cannot_take_is_refused_and_the_generation_s
         assert "bytes free" in entry["redundancy"] and "the redundancy needs" in entry["redundancy"] and "n2" in entry["redundancy"], entry
         assert not (gen_dir(cluster, "n2", job, gen["gen"]) / "redundancy" / "partner-n1" / "MANIFEST").exists()
         kill_what_is_left(cluster)
-    finally:
-        subprocess.run(["umount", "-l", str(directory)], check=False)

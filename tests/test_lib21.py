@@ -182,3 +182,49 @@ def test_a_deferred_chunk_is_written_in_place_and_checksummed(tmp_path):
     h = ckptstore.hasher()
     h.update(b"head-tail-end")
     assert digest == h.hexdigest()
+
+
+def test_many_small_buffers_and_early_writeback_write_the_same_file(tmp_path):
+    """A delta's file is hundreds of block runs: they go out batched (writev) and pushed to the disk as
+    they are copied (``kick``); the file and its checksum are those of the buffers in order, a deferred
+    chunk in its place."""
+    rng = np.random.default_rng(7)
+    parts = [rng.bytes(int(n)) for n in rng.integers(1, 40_000, 1500)]  # ~29 MiB in 1500 pieces, > IOV per call
+    mid = len(parts) // 2
+    seen = []
+
+    def later(fd):
+        seen.append(os.fstat(fd).st_size)
+        return [b"index", b"footer"]
+
+    size, digest = ckptstore.write_atomic(tmp_path / "f", [*parts[:mid], later, *parts[mid:]], kick=1 << 20)
+    expect = b"".join(parts[:mid]) + b"indexfooter" + b"".join(parts[mid:])
+    assert (tmp_path / "f").read_bytes() == expect and size == len(expect)
+    assert seen == [len(b"".join(parts[:mid]))], "the deferred chunk is called once everything before it is written"
+    h = ckptstore.hasher()
+    h.update(expect)
+    assert digest == h.hexdigest()
+
+
+def test_a_delta_against_a_plain_array_does_not_load_the_dtype_recipes(tmp_path):
+    """A forked writer reads its parent's index to diff against it: for plain numeric arrays it decodes
+    their dtype without :mod:`gangd.ckptlib.dtypes` (pickletools, regular expressions), which each
+    writer would otherwise load again, per checkpoint."""
+    got = _fresh(
+        "import json, sys\n"
+        "import numpy as np\n"
+        "from gangd.ckptlib import blocks\n"
+        "v = {'u': np.arange(300_000, dtype=np.float64), 'n': np.zeros(5000, dtype='>i4'), 'b': np.ones(9000, dtype=bool)}\n"
+        f"r0 = blocks.save_generation({str(tmp_path / 'g0')!r}, v, gen=0, mode='adaptive')\n"
+        "v['u'][:10] = -1\n"
+        "before = 'gangd.ckptlib.dtypes' in sys.modules\n"
+        f"r1 = blocks.save_generation({str(tmp_path / 'g1')!r}, v, gen=1, mode='adaptive',\n"
+        f"                            offered=[(0, {str(tmp_path / 'g0')!r}, (r0['size'], r0['digest']))])\n"
+        "after = 'gangd.ckptlib.dtypes' in sys.modules\n"
+        f"back, _, _ = blocks.read_chain({str(tmp_path / 'g1')!r}, [(0, {str(tmp_path / 'g0')!r})])\n"
+        "same = all(np.array_equal(back[k], v[k]) and back[k].dtype == v[k].dtype for k in v)\n"
+        "print(json.dumps({'before': before, 'after': after, 'role': r1['role'], 'same': same}))\n",
+        tmp_path,
+    )
+    assert got["role"] != "full" and got["same"], got
+    assert not got["before"] and not got["after"], "the dtype recipes were loaded for plain arrays"

@@ -228,3 +228,46 @@ def test_a_delta_against_a_plain_array_does_not_load_the_dtype_recipes(tmp_path)
     )
     assert got["role"] != "full" and got["same"], got
     assert not got["before"] and not got["after"], "the dtype recipes were loaded for plain arrays"
+
+
+def test_a_background_writes_report_is_taken_before_the_writer_exits(tmp_path):
+    """The forked writer's report is the answer as soon as it is whole (the file is on disk by then);
+    its exit -- tearing down a copy of the job's memory -- is not waited for, and it is reaped later."""
+    from gangd.ckptlib import writer
+
+    hold_r, hold_w = os.pipe()
+    real_exit = os._exit
+
+    def linger(result):  # (in the child, before it reports: its exit then waits for the test)
+        def held_exit(code):
+            os.read(hold_r, 1)
+            real_exit(code)
+
+        os._exit = held_exit
+
+    values = {"u": np.arange(100_000.0)}
+    try:
+        written = writer.write(tmp_path / "state", values, 3, background=True, then=linger)
+        result = written.wait()
+        assert "error" not in result and result["size"] == (tmp_path / "state").stat().st_size
+        state = Path(f"/proc/{written.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        assert state != "Z", "the writer is still there, held before its exit"
+        assert written.pid in writer._unreaped
+    finally:
+        os.write(hold_w, b"x")
+        os.close(hold_w)
+    while Path(f"/proc/{written.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        os.sched_yield()
+    writer.reap()
+    assert written.pid not in writer._unreaped and not Path(f"/proc/{written.pid}").exists()
+    os.close(hold_r)
+
+
+def test_a_background_writer_that_dies_before_its_report_is_an_error_with_its_exit(tmp_path):
+    from gangd.ckptlib import writer
+
+    def die(result):
+        os.kill(os.getpid(), 9)
+
+    written = writer.write(tmp_path / "state", {"u": np.arange(1000.0)}, 3, background=True, then=die)
+    assert written.wait() == {"error": "the writer process died (killed by SIGKILL)"}

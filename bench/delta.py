@@ -65,7 +65,8 @@ agree (the ranks answer, the job runs on), cut (they reach the cut), save
 (they fork their snapshot, or write inline), resume, disk (every node's
 state hashed, compared, written, fsynced and committed: the forked writes),
 other (the request and the record around the round); and the job's blocked
-time and the slowest node's disk time.
+time, the slowest node's disk time and its commit (its last rank file on
+disk -> its MANIFEST written).
 
     python bench/delta.py [--quick] [--parts micro,sparse,dense,modes,ring] [--json] [--inline] [--redundancy local]
                           [--cluster-mib 256] [--modes-mib 64] [--gens 10] [--dirty 0.05] [--ring-gap 0] [--dir DIR]
@@ -401,6 +402,7 @@ async def checkpoint(gang, job: int) -> dict:
     return {
         "gen": entry["gen"], "iteration": entry.get("iteration"), "wall": wall,
         "blocked": max(n["blocked"] for n in nodes), "disk": max(n["disk"] for n in nodes),
+        "commit": max(n.get("commit", 0.0) for n in nodes),  # (a node's last rank file on disk -> its MANIFEST)
         "written": entry.get("written") if type(entry.get("written")) is int else sum(n["bytes"] for n in nodes),
         "state": state, "restore_bytes": entry.get("restore_bytes"), "mode": entry.get("mode") or "full",
         "needs": entry.get("needs") or [], "phases": phases(entry, wall),
@@ -523,7 +525,8 @@ def say_phases(label: str, rows: list[dict]) -> None:
     if p:
         say(f"    {label:<10} " + "  ".join(f"{k} {v * 1e3:.0f}" for k, v in p.items())
             + f"  | blocked {statistics.median(r['blocked'] for r in rows) * 1e3:.0f}, disk (slowest node) "
-              f"{statistics.median(r['disk'] for r in rows) * 1e3:.0f}")
+              f"{statistics.median(r['disk'] for r in rows) * 1e3:.0f}, node commit (slowest) "
+              f"{statistics.median(r.get('commit', 0.0) for r in rows) * 1e3:.1f}")
 
 
 def pairs(run: dict, mode: str) -> dict:

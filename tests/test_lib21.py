@@ -182,3 +182,92 @@ def test_a_deferred_chunk_is_written_in_place_and_checksummed(tmp_path):
     h = ckptstore.hasher()
     h.update(b"head-tail-end")
     assert digest == h.hexdigest()
+
+
+def test_many_small_buffers_and_early_writeback_write_the_same_file(tmp_path):
+    """A delta's file is hundreds of block runs: they go out batched (writev) and pushed to the disk as
+    they are copied (``kick``); the file and its checksum are those of the buffers in order, a deferred
+    chunk in its place."""
+    rng = np.random.default_rng(7)
+    parts = [rng.bytes(int(n)) for n in rng.integers(1, 40_000, 1500)]  # ~29 MiB in 1500 pieces, > IOV per call
+    mid = len(parts) // 2
+    seen = []
+
+    def later(fd):
+        seen.append(os.fstat(fd).st_size)
+        return [b"index", b"footer"]
+
+    size, digest = ckptstore.write_atomic(tmp_path / "f", [*parts[:mid], later, *parts[mid:]], kick=1 << 20)
+    expect = b"".join(parts[:mid]) + b"indexfooter" + b"".join(parts[mid:])
+    assert (tmp_path / "f").read_bytes() == expect and size == len(expect)
+    assert seen == [len(b"".join(parts[:mid]))], "the deferred chunk is called once everything before it is written"
+    h = ckptstore.hasher()
+    h.update(expect)
+    assert digest == h.hexdigest()
+
+
+def test_a_delta_against_a_plain_array_does_not_load_the_dtype_recipes(tmp_path):
+    """A forked writer reads its parent's index to diff against it: for plain numeric arrays it decodes
+    their dtype without :mod:`gangd.ckptlib.dtypes` (pickletools, regular expressions), which each
+    writer would otherwise load again, per checkpoint."""
+    got = _fresh(
+        "import json, sys\n"
+        "import numpy as np\n"
+        "from gangd.ckptlib import blocks\n"
+        "v = {'u': np.arange(300_000, dtype=np.float64), 'n': np.zeros(5000, dtype='>i4'), 'b': np.ones(9000, dtype=bool)}\n"
+        f"r0 = blocks.save_generation({str(tmp_path / 'g0')!r}, v, gen=0, mode='adaptive')\n"
+        "v['u'][:10] = -1\n"
+        "before = 'gangd.ckptlib.dtypes' in sys.modules\n"
+        f"r1 = blocks.save_generation({str(tmp_path / 'g1')!r}, v, gen=1, mode='adaptive',\n"
+        f"                            offered=[(0, {str(tmp_path / 'g0')!r}, (r0['size'], r0['digest']))])\n"
+        "after = 'gangd.ckptlib.dtypes' in sys.modules\n"
+        f"back, _, _ = blocks.read_chain({str(tmp_path / 'g1')!r}, [(0, {str(tmp_path / 'g0')!r})])\n"
+        "same = all(np.array_equal(back[k], v[k]) and back[k].dtype == v[k].dtype for k in v)\n"
+        "print(json.dumps({'before': before, 'after': after, 'role': r1['role'], 'same': same}))\n",
+        tmp_path,
+    )
+    assert got["role"] != "full" and got["same"], got
+    assert not got["before"] and not got["after"], "the dtype recipes were loaded for plain arrays"
+
+
+def test_a_background_writes_report_is_taken_before_the_writer_exits(tmp_path):
+    """The forked writer's report is the answer as soon as it is whole (the file is on disk by then);
+    its exit -- tearing down a copy of the job's memory -- is not waited for, and it is reaped later."""
+    from gangd.ckptlib import writer
+
+    hold_r, hold_w = os.pipe()
+    real_exit = os._exit
+
+    def linger(result):  # (in the child, before it reports: its exit then waits for the test)
+        def held_exit(code):
+            os.read(hold_r, 1)
+            real_exit(code)
+
+        os._exit = held_exit
+
+    values = {"u": np.arange(100_000.0)}
+    try:
+        written = writer.write(tmp_path / "state", values, 3, background=True, then=linger)
+        result = written.wait()
+        assert "error" not in result and result["size"] == (tmp_path / "state").stat().st_size
+        state = Path(f"/proc/{written.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        assert state != "Z", "the writer is still there, held before its exit"
+        assert written.pid in writer._unreaped
+    finally:
+        os.write(hold_w, b"x")
+        os.close(hold_w)
+    while Path(f"/proc/{written.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        os.sched_yield()
+    writer.reap()
+    assert written.pid not in writer._unreaped and not Path(f"/proc/{written.pid}").exists()
+    os.close(hold_r)
+
+
+def test_a_background_writer_that_dies_before_its_report_is_an_error_with_its_exit(tmp_path):
+    from gangd.ckptlib import writer
+
+    def die(result):
+        os.kill(os.getpid(), 9)
+
+    written = writer.write(tmp_path / "state", {"u": np.arange(1000.0)}, 3, background=True, then=die)
+    assert written.wait() == {"error": "the writer process died (killed by SIGKILL)"}

@@ -74,27 +74,7 @@ _ENTRY_KEYS = {"name", "kind", "meta", "nbytes", "nblocks", "whole", "codec"}
 _INDEX_KEYS = {"v", "iteration", "extra", "block", "gen", "role", "parent", "base", "links", "signed", "overhead", "entries"}
 
 _hash = xxhash.xxh3_128_digest
-_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>
-_libc: object = None  # ctypes' libc once looked up; False where it has no sync_file_range
-
-
-def _start_writeback(fd: int) -> None:
-    """Ask the kernel to start writing ``fd``'s dirty pages and return at once
-    (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which :mod:`os` does not
-    offer): the fsync that follows waits only for what is left."""
-    global _libc
-    if _libc is False:
-        return
-    try:
-        if _libc is None:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-            _libc = libc
-        _libc.sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # type: ignore[attr-defined]  # (an error: no head start, nothing else)
-    except (OSError, AttributeError):
-        _libc = False
+KICK = 4 << 20  # bytes: a delta's file is pushed to the disk in pieces this large while the rest is copied
 
 
 def _dtypes():
@@ -263,9 +243,17 @@ class Index:
         return self._by_name.get(name)
 
 
+#: The plain numeric dtypes' descriptions ("<f8", "|u1", ...) in either byte order: an index naming one is
+#: decoded without :mod:`.dtypes` (whose import -- pickletools, re, its patterns -- each forked writer
+#: otherwise paid again to read its parent's "<f8"); anything else goes through :func:`.dtypes.build`.
+_PLAIN = frozenset(s for c in "?bBhHiIlLqQefdgFDG" for s in (np.dtype(c).str, np.dtype(c).newbyteorder().str))
+
+
 def _dtype(spec: object, *, pickled: bool = False) -> np.dtype:
     """An index's dtype (:mod:`gangd.ckptlib.dtypes`); ``pickled``: a format 1
     file's pickled one is read too. ValueError for anything unusable."""
+    if type(spec) is str and spec in _PLAIN:
+        return np.dtype(spec)
     if isinstance(spec, bytes):
         if not pickled or len(spec) > MAX_DTYPE:
             raise ValueError("not a dtype description")
@@ -494,7 +482,9 @@ def write_delta(path: Path, values: Mapping[str, object] | State, choice: delta.
     """
     chunks, result = encode(values, choice, ref_sigs, gen=gen, iteration=iteration, extra=extra, block=block, changes=changes,
                             late=late, kick=late and durable)
-    size, digest = ckptstore.write_atomic(Path(path), chunks, durable=durable)
+    # (A late full kicks its blocks once, before hashing them: see encode. Anything else starts the disk
+    # on its blocks as they are copied, so the fsync after them waits for the last few MiB, not all.)
+    size, digest = ckptstore.write_atomic(Path(path), chunks, durable=durable, kick=0 if late else KICK)
     return {"size": size, "digest": digest, **result}
 
 
@@ -580,7 +570,7 @@ def encode(values: Mapping[str, object] | State, choice: delta.Choice, ref_sigs:
             # and ctypes lets go of the GIL), while this one hashes; the fsync after the index waits for what is left
             import threading
 
-            starter = threading.Thread(target=_start_writeback, args=(fd,), name="gangd-writeback", daemon=True)
+            starter = threading.Thread(target=ckptstore.start_writeback, args=(fd,), name="gangd-writeback", daemon=True)
             starter.start()
         signature(state)
         if starter is not None:

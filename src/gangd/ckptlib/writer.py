@@ -7,6 +7,9 @@ meanwhile are copied by the kernel, so the child still sees the state of the
 cut. The child reports (size, checksum) or the error through a pipe and
 leaves with ``os._exit`` (no atexit handlers, no flushing of the parent's
 buffers, no touching the parent's sockets).
+The parent takes the report as soon as it is whole, not at the
+child's exit: tearing down the child's copy of a large address space
+would otherwise lengthen every checkpoint (the child is reaped later).
 
 Incremental checkpoints (issue 17): given a ``delta`` plan (mode, block
 size, chain bound, threshold, this generation's number and the offered
@@ -27,6 +30,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgpack
 
@@ -53,21 +57,56 @@ class Written:
         return self.fd
 
     def wait(self) -> dict:
-        """Block until the write finished; returns {"size", "digest", "seconds"} or {"error"}."""
+        """Block until the write finished; returns {"size", "digest", "seconds"} or {"error"}.
+
+        The answer is the child's report as soon as it is whole: the child
+        wrote it after its file was on disk, and what is left -- its exit,
+        which tears down its copy of the job's address space (milliseconds
+        for a large state) -- is not waited for here; the child is reaped
+        later (:func:`reap`). A child that dies before its report is whole
+        is waited for, and its exit status is the error."""
         if self.result is None:
             if self.fd is None or self.pid is None:
                 raise RuntimeError("a write has neither its result nor a writer process")
-            data = b""
-            while chunk := os.read(self.fd, 65536):
-                data += chunk
-            os.close(self.fd)
-            _, status = os.waitpid(self.pid, 0)
+            unpacker = msgpack.Unpacker(raw=False, max_buffer_size=MAX_REPORT)
+            report: Any = None
+            whole = False
             try:
-                self.result = msgpack.unpackb(data, raw=False)
-            except Exception:  # noqa: BLE001 -- whatever a dead writer left half-written, the report is how it died
-                why = f"the writer process died ({_describe(status)})"
-                self.result = {"error": why}
+                while chunk := os.read(self.fd, 65536):
+                    unpacker.feed(chunk)
+                    try:
+                        report, whole = unpacker.unpack(), True
+                        break
+                    except msgpack.OutOfData:
+                        continue
+            except Exception:  # noqa: BLE001 -- whatever a dying writer left half-written, the report is how it died
+                whole = False
+            os.close(self.fd)
+            if whole:
+                self.result = report
+                _unreaped.append(self.pid)
+                reap()
+            else:
+                _, status = os.waitpid(self.pid, 0)
+                self.result = {"error": f"the writer process died ({_describe(status)})"}
         return self.result
+
+
+#: Bytes of a writer's report (a few hundred: sizes, a checksum, the links up to the chain bound).
+MAX_REPORT = 1 << 20
+_unreaped: list[int] = []  # writers whose report came, reaped once they are gone
+
+
+def reap() -> None:
+    """Collect the writers that reported and have exited since (never blocks; a zombie left
+    here is collected by the next write, wait or checkpoint)."""
+    for pid in list(_unreaped):
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # (someone else reaped it)
+            done = pid
+        if done:
+            _unreaped.remove(pid)
 
 
 def _describe(status: int) -> str:
@@ -88,6 +127,7 @@ def write(path: Path, values: dict, iteration: int, *, background: bool, then: C
     :func:`.blocks.read_chain` takes them, or a function returning them
     (called in the writing process).
     """
+    reap()
     if not background:
         return Written(result=_write_now(path, values, iteration, then, spc, delta))
     try:

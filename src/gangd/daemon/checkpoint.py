@@ -12,7 +12,9 @@ notes from :mod:`gangd.ckptlib`):
              the start sync and blocks); close the job's send gate and wait
              until every rank confirmed. Returns the send counters.
 ``capture``  drain the network up to those counters, write the network
-             context and the job record to the generation's directory,
+             context and the job record to the generation's directory
+             (into the page cache: their fsyncs run behind the round while
+             the ranks write, and the commit waits for them),
              release the ranks to write their state; wait until each wrote
              (or forked its snapshot).
 ``resume``   open the gate, answer the ranks' end sync: the job runs again.
@@ -194,6 +196,8 @@ class Pending(nd.NodeRound):
     times: dict[str, float] = field(default_factory=dict)
     planned: dict[int, DeltaOffer] = field(default_factory=dict)  # what each rank may write a delta of (made at the begin)
     changed: trio.Event = field(default_factory=trio.Event)
+    synced: trio.Event | None = None  # the daemon's own files fsynced behind the capture (see NodeCheckpoints.capture)
+    sync_error: str | None = None
 
     @property
     def job_id(self) -> int:
@@ -677,6 +681,10 @@ class NodeCheckpoints:
         except StoreError as exc:
             raise RemoteError("write_failed", f"{self.daemon.node}: {exc}") from None
         pending.files.update(files)
+        # Their fsyncs (and the directory's) run now, while the ranks write, not on the commit's path;
+        # the commit waits for them before the manifest, as it did when it made them itself.
+        pending.synced = trio.Event()
+        self.daemon.spawn(self._sync_daemon_files, pending)
         pending.times["released"] = time.time()
         pending.feed(nd.Released({rank: str(pending.directory / ckptstore.cluster_rank_file(rank)) for rank in pending.ranks}, pending.planned))
         await pending.until(pending.all_ended, self._timeout(args), "the ranks did not save their state")
@@ -702,6 +710,29 @@ class NodeCheckpoints:
             os.close(gen)
         return files
 
+    async def _sync_daemon_files(self, pending: Pending) -> None:
+        try:
+            await trio.to_thread.run_sync(self._sync_files, pending)
+        except StoreError as exc:
+            pending.sync_error = str(exc)
+        finally:
+            if pending.synced is not None:
+                pending.synced.set()
+
+    def _sync_files(self, pending: Pending) -> None:
+        """(In a thread.) fsync the daemon's own files of the generation, then its directory
+        (the ranks fsync theirs, and ``ranks/``)."""
+        try:
+            gen = self._gen_fd(pending.directory)
+        except (UnsafePath, OSError) as exc:
+            raise StoreError(f"{pending.directory}: {getattr(exc, 'strerror', None) or exc}") from None
+        try:
+            ckptstore.sync(pending.directory, list(pending.files), dir_fd=gen)
+        except OSError as exc:
+            raise StoreError(ckptstore.describe_os_error(exc, pending.directory)) from None
+        finally:
+            os.close(gen)
+
     async def resume(self, args: dict) -> dict:
         pending = self._pending(args)
         pending.times["resume"] = time.time()
@@ -717,6 +748,10 @@ class NodeCheckpoints:
         await pending.until(lambda: pending.phase is nd.NodePhase.WRITTEN, self._timeout(args), "the ranks did not finish writing")
         if pending.cut is None:  # (the coordinator commits only after the cut)
             raise RemoteError("no_checkpoint", f"checkpoint {pending.gen} of job {pending.job_id} has no cut on {self.daemon.node}")
+        if pending.synced is not None:
+            await pending.synced.wait()  # (in practice long done: the ranks wrote meanwhile)
+        if pending.sync_error is not None:
+            raise RemoteError("write_failed", f"{self.daemon.node}: {pending.sync_error}")
         files = dict(pending.files)
         for rank, report in pending.written.items():
             files[ckptstore.cluster_rank_file(rank)] = [report.size, report.digest]
@@ -773,10 +808,11 @@ class NodeCheckpoints:
                 if actual != size:
                     raise StoreError(f"{path} has {actual} bytes, its writer reported {size}")
             self._links_intact(pending)
-            try:
-                ckptstore.sync(pending.directory, pending.files, dir_fd=gen)  # the daemon's own files (the ranks fsynced theirs)
-            except OSError as exc:
-                raise StoreError(ckptstore.describe_os_error(exc, pending.directory)) from None
+            if pending.synced is None:  # (else fsynced behind the capture: _sync_files)
+                try:
+                    ckptstore.sync(pending.directory, pending.files, dir_fd=gen)  # the daemon's own files (the ranks fsynced theirs)
+                except OSError as exc:
+                    raise StoreError(ckptstore.describe_os_error(exc, pending.directory)) from None
             ckptstore.write_manifest(pending.directory, manifest, dir_fd=gen)
             for name, st in stats.items():  # (as its writer reported it; see daemon/verified.py)
                 self.verified.record(pending.directory, name, st, manifest.files[name][1])

@@ -650,12 +650,17 @@ class CheckpointCoordinator:
         for e in doomed + leftovers:
             for node in dict.fromkeys([*e["placement"], *(e.get("copies") or {})]):  # (copies: staged by a restart elsewhere)
                 by_node.setdefault(node, []).append(e["gen"])
-        for node, node_gens in by_node.items():
-            if self.daemon.membership.is_up(node) or node == self.daemon.node:
-                try:
-                    await self.co.call(node, "ckpt_prune", lineage=lineage, gens=node_gens)
-                except RemoteError as exc:
-                    log.warning("could not remove old checkpoints on %s: %s", node, exc)
+
+        async def prune_on(node: str, node_gens: list[int]) -> None:
+            try:
+                await self.co.call(node, "ckpt_prune", lineage=lineage, gens=node_gens)
+            except RemoteError as exc:
+                log.warning("could not remove old checkpoints on %s: %s", node, exc)
+
+        async with trio.open_nursery() as nursery:  # (every node at once: a full generation's removal takes each disk a while)
+            for node, node_gens in by_node.items():
+                if self.daemon.membership.is_up(node) or node == self.daemon.node:
+                    nursery.start_soon(prune_on, node, node_gens)
         if not doomed:
             return
         for e in doomed:

@@ -46,8 +46,10 @@ SHAPES = [(), (0,), (0, 3), (1,), (777,), (37, 11), (4, 5, 6)]
 
 @pytest.fixture(autouse=True)
 def small_units(monkeypatch):
-    """Units of 8 KiB (8 blocks of 1 KiB in most tests): many units, and units a newer delta covers only in part."""
+    """Units of 8 KiB (8 blocks of 1 KiB in most tests): many units, and units a newer delta covers only in part;
+    a restore reads more than 16 KiB of units through its read/decompress pipeline (else in the caller's thread)."""
     monkeypatch.setattr(units, "UNIT", 8192)
+    monkeypatch.setattr(units, "PIPELINED", 16384)
 
 
 def _array(dtype: np.dtype, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:

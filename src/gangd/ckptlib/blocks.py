@@ -802,6 +802,7 @@ def _place(fd: int, top: Index, index: Index, number: int, views: dict[str, memo
            source: dict[str, np.ndarray], digest) -> int:
     """Read the blocks ``index``'s file holds that no newer file placed; returns the bytes read."""
     got = 0
+    compressed: list[units.Job] = []  # a format 3 file's units, read and decompressed together below
     for e in top.entries:
         done = placed[e.name]
         if done.all():
@@ -814,8 +815,8 @@ def _place(fd: int, top: Index, index: Index, number: int, views: dict[str, memo
         if not need.any():
             continue
         if mine.units is not None and mine.unit_len is not None and mine.unit_codec is not None:
-            got += units.place(fd, index.path, e.name, index.codecs, mine.units, mine.unit_len, mine.unit_codec, mine.offset,
-                               views[e.name], need, top.block, e.nbytes, digest)
+            compressed += units.jobs(e.name, index.codecs, mine.units, mine.unit_len, mine.unit_codec, mine.offset, views[e.name],
+                                     need, top.block, e.nbytes)
             done |= need
             source[e.name][need] = number
             continue
@@ -829,6 +830,8 @@ def _place(fd: int, top: Index, index: Index, number: int, views: dict[str, memo
             got += len(part)
         done |= need
         source[e.name][need] = number
+    if compressed:
+        got += units.place(fd, index.path, compressed, digest)
     return got
 
 

@@ -166,45 +166,94 @@ def stream(path: Path, todo: Sequence[tuple[memoryview, Any, int]], settings: An
 # ====================================================================== reading
 
 
-def place(fd: int, path: Path, name: str, codecs: Sequence[str], units: Sequence[tuple[int, int]], lengths: np.ndarray,
-          unit_codec: np.ndarray, offset: int, view: memoryview, need: np.ndarray, block: int, nbytes: int, digest: Any) -> int:
-    """Read the units of one value that hold a block in ``need``, decompress them and place those blocks in ``view``.
+@dataclass(frozen=True)
+class Job:
+    """One stored unit a restore reads: blocks [a, b) of value ``name``, ``stored`` bytes at ``at``,
+    decoded into ``view`` (the value's bytes) where ``want`` (per block of the unit) says."""
 
-    A unit of which only some blocks are needed (newer files placed the others)
-    is decompressed aside and only those copied. ``digest``: the whole file's
-    checksum, when this is the file the manifest names (every unit is then read
-    in file order). Returns the stored bytes read. A codec's error is a
-    StoreError naming the file, the value and the blocks; a codec this machine
-    lacks is the :class:`gangd.codecs.CodecMissing` saying how to install it.
+    name: str
+    a: int
+    b: int
+    at: int
+    stored: int
+    ident: str
+    view: memoryview
+    want: np.ndarray
+    block: int
+    raw: int
+
+
+def jobs(name: str, codecs: Sequence[str], cuts: Sequence[tuple[int, int]], lengths: np.ndarray, unit_codec: np.ndarray,
+         offset: int, view: memoryview, need: np.ndarray, block: int, nbytes: int) -> list[Job]:
+    """The units of one value that hold a block in ``need``, in file order."""
+    out: list[Job] = []
+    at = offset
+    for (a, b), stored, number in zip(cuts, lengths.tolist(), unit_codec.tolist(), strict=True):
+        here, at = at, at + stored
+        want = need[a:b]
+        if want.any():
+            out.append(Job(name, a, b, here, stored, codecs[number], view, want, block, raw_length(a, b, block, nbytes)))
+    return out
+
+
+PIPELINED = 4 << 20  # stored bytes from which a file's units are read and decompressed by two threads (a pipeline)
+
+
+def place(fd: int, path: Path, todo: Sequence[Job], digest: Any, settings: Any = None) -> int:
+    """Read the units ``todo`` (in file order), decompress them and place their wanted blocks; returns the bytes read.
+
+    Reading and decompressing overlap (a :class:`gangd.pipeline.ReadRanges`
+    source and a decompress stage) once there is enough to overlap. A unit of
+    which only some blocks are wanted (newer files placed the others) is
+    decompressed aside and only those copied. ``digest``: the whole file's
+    checksum, when this is the file the manifest names (every unit is then
+    read, in file order). A codec's error is a StoreError naming the file, the
+    value and the blocks; a codec this machine lacks is the
+    :class:`gangd.codecs.CodecMissing` saying how to install it.
     """
     from ..codecs import CodecError, CodecMissing, decode
 
-    got = 0
-    at = offset
-    for (a, b), stored, number in zip(units, lengths.tolist(), unit_codec.tolist(), strict=True):
-        here, at = at, at + stored
-        want = need[a:b]
-        if not want.any():
-            continue
-        raw = raw_length(a, b, block, nbytes)
-        data = bytearray(stored)
-        pread(fd, memoryview(data), here, path)
-        got += stored
+    def decompress(key: Any, data: memoryview) -> None:
+        job = todo[key]
+        if len(data) != job.stored:
+            raise StoreError(f"{path} is truncated: unit at {job.at} of value {job.name!r} reads {len(data)} of {job.stored} bytes")
         if digest is not None:
             digest.update(data)
-        whole = bool(want.all())
-        out = view[a * block : a * block + raw] if whole else memoryview(bytearray(raw))
+        whole = bool(job.want.all())
+        start = job.a * job.block
+        out = job.view[start : start + job.raw] if whole else memoryview(bytearray(job.raw))
         try:
-            decode(codecs[number], data, out)
+            decode(job.ident, data, out)
         except CodecMissing:
             raise
         except CodecError as exc:
-            raise StoreError(f"{path} is corrupted: blocks {a}..{b - 1} of value {name!r} do not decompress ({exc})") from None
+            raise StoreError(f"{path} is corrupted: blocks {job.a}..{job.b - 1} of value {job.name!r} do not decompress ({exc})") from None
         if not whole:
-            for s, e in runs(want):
-                lo, hi = s * block, min(e * block, raw)
-                view[a * block + lo : a * block + hi] = out[lo:hi]
-    return got
+            for s, e in runs(job.want):
+                lo, hi = s * job.block, min(e * job.block, job.raw)
+                job.view[start + lo : start + hi] = out[lo:hi]
+
+    total = sum(job.stored for job in todo)
+    if total < PIPELINED or len(todo) < 2:
+        for key, job in enumerate(todo):
+            data = bytearray(job.stored)
+            pread(fd, memoryview(data), job.at, path)
+            decompress(key, memoryview(data))
+        return total
+    from .. import pipeline
+
+    try:
+        with pipeline.Pipeline([pipeline.ReadRanges(fd, [(key, job.at, job.stored) for key, job in enumerate(todo)]),
+                                pipeline.Transform("decompress", decompress)], settings, name="ckpt-read") as pipe:
+            pipe.finish()
+    except pipeline.PipelineError as exc:
+        cause = exc.__cause__
+        if isinstance(cause, StoreError | CodecMissing):
+            raise cause from None
+        if isinstance(cause, OSError):
+            raise StoreError(f"cannot read {path}: {cause.strerror or cause}") from None
+        raise StoreError(f"{path} is truncated or corrupted: {cause if cause is not None else exc}") from None
+    return total
 
 
 def pread(fd: int, view: memoryview, offset: int, path: Path) -> None:

@@ -535,8 +535,9 @@ def encode(values: Mapping[str, object] | State, choice: delta.Choice, ref_sigs:
     """
     state = values if isinstance(values, State) else plan(values, block)
     packed = _compressing(codec)
-    if packed and not state.signed:
-        signature(state)  # (a compressed file is always signed: its blocks are checked after decompressing)
+    # A compressed file is always signed (its blocks are checked after decompressing): an unhashed
+    # full's blocks are hashed by a stage of the pipeline that writes them, on its own thread.
+    hash_late = packed and not state.signed
     full = choice.role == "full"
     if choice.role not in delta.ROLES or full != (choice.against is None):
         raise ValueError(f"a {choice.role} checkpoint {'has no' if full else 'needs a'} reference generation")
@@ -566,6 +567,7 @@ def encode(values: Mapping[str, object] | State, choice: delta.Choice, ref_sigs:
     offset = len(MAGIC)
     per = units.per_unit(state.block)
     todo: list[tuple[memoryview, object, int]] = []  # compressed: the units, in file order
+    unit_at: list[tuple[Value, int, int]] = []  # compressed, hashed as written: each unit's value and blocks
     counts: list[int] = []  # compressed: units per value
     for v in state.values:
         count = nblocks(v.nbytes, state.block)
@@ -579,6 +581,9 @@ def encode(values: Mapping[str, object] | State, choice: delta.Choice, ref_sigs:
             spec_text = str(spec)
             cuts = units.cut(present, per)
             todo.extend((v.data[a * state.block : min(b * state.block, v.nbytes)], spec, itemsize) for a, b in cuts)
+            if hash_late:
+                v.sig = np.empty((count, SIG), dtype=np.uint8)
+                unit_at.extend((v, a, b) for a, b in cuts)
             counts.append(len(cuts))
         elif mask is None:
             if v.nbytes:
@@ -619,10 +624,15 @@ def encode(values: Mapping[str, object] | State, choice: delta.Choice, ref_sigs:
         return [index, FOOTER.pack(end, len(index), _hash(index), END)]
 
     if packed:
-        run, written = units.stream(path or Path(f"generation {gen}"), todo, pipeline)
+        def hash_unit(key: int, data: memoryview) -> None:
+            v, a, b = unit_at[key]
+            v.sig[a:b] = hash_blocks(data, state.block)  # type: ignore[index]  # (allocated with the unit list)
+
+        run, written = units.stream(path or Path(f"generation {gen}"), todo, pipeline, hash_unit if hash_late else None)
 
         def streamed(fd: int, digest) -> tuple[int, list]:
             n, _ = run(fd, digest)
+            state.signed = state.signed or hash_late
             result["stored"] = written.written
             result["pipeline"] = {"in": written.raw, "out": written.written, "stages": written.stages}
             return n, tail()

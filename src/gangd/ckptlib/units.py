@@ -32,7 +32,7 @@ compressed data claims.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,11 +100,14 @@ class Written:
     stages: dict = field(default_factory=dict)
 
 
-def stream(path: Path, todo: Sequence[tuple[memoryview, Any, int]], settings: Any = None) -> tuple[Any, Written]:
+def stream(path: Path, todo: Sequence[tuple[memoryview, Any, int]], settings: Any = None,
+           hash_unit: Callable[[int, memoryview], None] | None = None) -> tuple[Any, Written]:
     """A chunk for :func:`gangd.ckptstore.write_atomic` that compresses and writes the units ``todo``
     ((raw bytes, codec spec, item size) each, in file order) through a pipeline, and what it wrote
-    (filled in when the chunk has run). A failing stage aborts the write: a full disk is the
-    OSError :func:`~gangd.ckptstore.write_atomic` reports with the path, a codec's failure a StoreError."""
+    (filled in when the chunk has run). ``hash_unit(number, raw bytes)``: a stage before the
+    compression that hashes each unit's blocks for the signature (a full's). A failing stage aborts
+    the write: a full disk is the OSError :func:`~gangd.ckptstore.write_atomic` reports with the
+    path, a codec's failure a StoreError."""
     from .. import ckptstore, pipeline
     from ..codecs import CodecError, encode
 
@@ -141,7 +144,14 @@ def stream(path: Path, todo: Sequence[tuple[memoryview, Any, int]], settings: An
 
         writer = HashingWrite(fd, digest, os.lseek(fd, 0, os.SEEK_CUR))
         try:
-            with pipeline.Pipeline([pipeline.Transform("compress", compress), writer], settings, name="ckpt-write") as pipe:
+            stages: list = [pipeline.Transform("compress", compress), writer]
+            if hash_unit is not None:
+                def hashed(key: Any, data: memoryview) -> memoryview:
+                    hash_unit(key, data)
+                    return data
+
+                stages.insert(0, pipeline.Transform("hash", hashed))
+            with pipeline.Pipeline(stages, settings, name="ckpt-write") as pipe:
                 for key, (view, _, _) in enumerate(todo):
                     pipe.submit(key, view)
                 landing = pipe.finish()
@@ -156,8 +166,8 @@ def stream(path: Path, todo: Sequence[tuple[memoryview, Any, int]], settings: An
         done.unit_len = [length for _, _, length in entries]
         done.codecs = sorted(table, key=table.__getitem__)
         done.written = landing.size  # type: ignore[attr-defined]
-        done.stages = {s.name: {"bytes_in": s.bytes_in, "cpu_s": round(s.cpu_s, 6), "wall_s": round(s.wall_s, 6)}
-                       for s in pipe.stats()}
+        done.stages = {s.name: {k: round(v, 6) if isinstance(v, float) else v for k, v in s.as_dict().items() if k != "name"}
+                       for s in pipe.stats()}  # (per stage: bytes and items in and out, wall, idle, busy and CPU seconds)
         return done.written, []
 
     return run, done

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from codechelpers import ZLIB_PLUGIN, dist
 from conftest import tmpfs
 
 from gangd import ckptstore
@@ -255,44 +256,10 @@ def test_a_truncated_or_lying_compressed_file_is_refused_with_its_path(tmp_path)
         _load(path)
 
 
-_PLUGIN = '''
-    """A plug-in codec over zlib, as an accelerator's package would ship one."""
-    import zlib
-
-
-    class ZlibCodec:
-        name = "zlibtest"
-        version = 1
-
-        def __init__(self, level):
-            self.level = level
-
-        def compress(self, data, itemsize):
-            return zlib.compress(data, self.level)
-
-        def decompress_into(self, data, out):
-            d = zlib.decompressobj()
-            raw = d.decompress(data, len(out) + 1)
-            if len(raw) != len(out) or not d.eof:
-                raise ValueError(f"{len(raw)} bytes, expected {len(out)}")
-            out[:] = raw
-            return len(out)
-
-
-    def make(params):
-        (level,) = params or ("6",)
-        return ZlibCodec(int(level))
-'''
-
-
 def _plugin(directory: Path) -> Path:
-    """A real installed distribution providing the codec ``zlibtest`` through an entry point."""
+    """A real installed distribution providing the codec ``zlibtest`` (format version 2) through an entry point."""
     directory.mkdir()
-    info = directory / "gangd_zlibtest-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: gangd-zlibtest\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[gangd.codecs]\nzlibtest = gangd_zlibtest:make\n")
-    (directory / "gangd_zlibtest.py").write_text(textwrap.dedent(_PLUGIN))
+    dist(directory, "gangd-zlibtest", "zlibtest = gangd_zlibtest:make", {"gangd_zlibtest": ZLIB_PLUGIN})
     return directory
 
 
@@ -310,7 +277,7 @@ def test_a_generation_written_with_a_codec_this_machine_lacks_says_which_and_how
         m.syspath_prepend(str(plugin))
         path = tmp_path / "gen"
         result = _save(path, values, "zlibtest:6", gen=1, block=1024)
-        assert "zlibtest:6@1" in blocks.read_index(path).codecs
+        assert "zlibtest:6@2" in blocks.read_index(path).codecs
         _same(_load(path, result), values)
     registry.forget()
     sys.modules.pop("gangd_zlibtest", None)
@@ -443,7 +410,7 @@ def test_a_program_restarted_where_its_codec_is_missing_says_which_and_how_to_in
     killed = _run(work, T_REQUEST="5", T_KILL=20, PYTHONPATH=plugin, **env)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     gens = ckptstore.generations(work / "prog.ckpt", 0)
-    assert gens == [1] and "zlibtest:3@1" in blocks.read_index(_gen_file(work, 1)).codecs
+    assert gens == [1] and "zlibtest:3@2" in blocks.read_index(_gen_file(work, 1)).codecs
     lacking = _run(work, GANGD_RESTART="latest", **env)  # (no PYTHONPATH: the plug-in is not installed here)
     assert lacking.returncode != 0
     assert "cannot restart from generation 1" in lacking.stderr and "codec 'zlibtest'" in lacking.stderr

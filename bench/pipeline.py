@@ -20,7 +20,8 @@ minus waiting for input or for a free buffer) and total/longest, bytes on
 disk, effective bandwidth (state bytes per second of total time) and its
 ratio to ``none`` in the same run. The machine is shared (2 cores, other
 jobs): the load average is printed before and after; take the ratios, not
-the MB/s.
+the MB/s. ``restore s``: reading the file back into a new array (from the page cache: the
+file was just written), checked bit-identical.
 
     python bench/pipeline.py [--mib 256] [--rounds 3] [--codecs auto,blosc2:lz4:1:bytedelta] [--dir DIR]
 """
@@ -98,19 +99,28 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, run in variants:
                 path = where / "rank-0.state"
-                figures[name].append(run(path))  # type: ignore[operator]
+                row = run(path)  # type: ignore[operator]
+                if not name.startswith("serial"):  # (the serial baseline writes no checkpoint file)
+                    began = time.perf_counter()
+                    restored = blocks.read_chain(path, (), (row["size"], row["digest"]))[0]
+                    row["restore"] = time.perf_counter() - began
+                    assert restored["u"].tobytes() == values["u"].tobytes()
+                    del restored
+                figures[name].append(row)
                 path.unlink()
     finally:
         shutil.rmtree(where, ignore_errors=True)
     base = statistics.median(r["total"] for r in figures["none"])
     print(f"state {state >> 20} MiB smooth float64, {args.rounds} alternating rounds, medians:")
-    print(f"{'variant':34} {'total s':>8} {'longest s':>9} {'tot/long':>8} {'on disk MiB':>11} {'ratio':>6} {'MB/s':>7} {'x none':>7}")
+    print(f"{'variant':34} {'total s':>8} {'longest s':>9} {'tot/long':>8} {'on disk MiB':>11} {'ratio':>6} {'MB/s':>7} {'x none':>7} "
+          f"{'restore s':>9}")
     for name, rows in figures.items():
         total = statistics.median(r["total"] for r in rows)
         longest = statistics.median(r["longest"] for r in rows)
         size = statistics.median(r["size"] for r in rows)
         print(f"{name:34} {total:8.2f} {longest:9.2f} {total / longest:8.2f} {size / (1 << 20):11.1f} {state / size:6.2f} "
-              f"{state / total / 1e6:7.0f} {base / total:7.2f}")
+              f"{state / total / 1e6:7.0f} {base / total:7.2f} "
+              + (f"{statistics.median(r['restore'] for r in rows):9.2f}" if "restore" in rows[0] else f"{'-':>9}"))
     for name in figures:
         if not name.startswith("serial") and name != "none":
             mine = statistics.median(r["total"] for r in figures[name])

@@ -260,17 +260,13 @@ def check_same_kind(name: str, saved, given) -> None:
     )
 
 
-def raise_codec_missing(exc: BaseException, what: str) -> None:
-    """A CheckpointError saying ``what`` and which codec to install, if ``exc`` is a missing codec.
-
-    A generation written with a codec this machine lacks is not damaged (it is
-    neither marked nor skipped for an older one: installing the codec restores
-    it). The class is looked up where it lives only if codecs were loaded, so
-    a restart of uncompressed files never imports them."""
-    errors = sys.modules.get("gangd.codecs.errors")
-    missing = getattr(errors, "CodecMissing", None)
-    if missing is not None and isinstance(exc, missing):
-        raise CheckpointError(f"{what}: {exc}") from None
+def codec_missing(exc: BaseException) -> bool:
+    """Whether ``exc`` is :class:`gangd.codecs.CodecMissing`: a generation written with a codec this
+    machine lacks. It is not damaged (neither marked nor skipped for an older one: installing the
+    codec restores it), so a restart stops with its message (which codec, how to install it). The
+    class is looked up only if codecs were loaded: a restart of raw files never imports them."""
+    missing = getattr(sys.modules.get("gangd.codecs.errors"), "CodecMissing", None)
+    return missing is not None and isinstance(exc, missing)
 
 
 def warn(message: str) -> None:
@@ -362,7 +358,8 @@ class Standalone:
                 (directory / DAMAGED).write_text(f"{exc}\n")
                 continue
             except Exception as exc:
-                raise_codec_missing(exc, f"cannot restart from generation {gen}")
+                if codec_missing(exc):
+                    raise CheckpointError(f"cannot restart from generation {gen}: {exc}") from None
                 raise
             network = values.pop(COMM_VALUE, None)
             if network is not None:

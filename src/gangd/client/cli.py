@@ -618,7 +618,7 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Print the job's record as JSON.")
 @click.pass_context
 def job(ctx, job_id, as_json):
-    """Show one job: its state, owner, nodes, times and each rank's exit."""
+    """Show one job: its state, owner, nodes, times, checkpoint codec and each rank's exit."""
 
     async def go():
         async with connect(_cluster(ctx)) as gang:

@@ -98,9 +98,6 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from .. import text
-from ..codecs.errors import CodecError
-from ..codecs.spec import ACCEPTED as CODECS_ACCEPTED
-from ..codecs.spec import CodecSpec
 from .limits import NAMES as RLIMIT_NAMES
 
 DEFAULT_PORT = 7450
@@ -455,7 +452,12 @@ def _checkpoint_codec(value: object, path: str | os.PathLike | None) -> str:
     ``GANGD_CKPT_CODEC`` when their job does not ask); refused at load, with
     the file and the key, unless it is a spec :meth:`CodecSpec.parse`
     accepts. A plug-in this node lacks is accepted, as at submit: the
-    ranks that write are told, and say it is missing when they compress."""
+    ranks that write are told, and say it is missing when they compress.
+    (gangd.codecs is imported here, not by every importer of this module.)"""
+    from ..codecs.errors import CodecError
+    from ..codecs.spec import ACCEPTED as CODECS_ACCEPTED
+    from ..codecs.spec import CodecSpec
+
     try:
         return str(CodecSpec.parse(value))
     except CodecError as exc:

@@ -558,6 +558,29 @@ class NodeCheckpoints:
         members = self.daemon.table.lineage(record.get("lineage") or record["id"])
         return next((r["ckpt_mode"] for r in members if r.get("ckpt_mode")), None)
 
+    def job_codec(self, record: dict) -> str:
+        """The codec the job's ranks get as ``GANGD_CKPT_CODEC`` (issue 18):
+        its ``--ckpt-codec``, else its lineage's (a restart keeps it), else
+        the cluster's ``[checkpoint] codec``. Always given, unlike the mode
+        (which reaches ckptlib in each checkpoint's offer): the environment
+        is the codec's only way to the ranks, and the job spec must win over
+        a ``GANGD_CKPT_CODEC`` the submitter's environment happened to hold.
+        A record's value was canonicalised at submit; one that is not
+        (a record from elsewhere) is passed over, never handed to a rank."""
+        lineage = record.get("lineage") or record["id"]
+        # (A restart's record carries its lineage's codec (ckptcoord); older ones are looked up.)
+        members = [record] if record.get("ckpt_codec") or lineage == record["id"] else self.daemon.table.lineage(lineage)
+        for member in members:
+            asked = member.get("ckpt_codec")
+            if asked is not None:
+                try:
+                    if jobs.ckpt_codec(asked) == asked:
+                        return asked
+                except jobs.BadSpec:
+                    pass
+                log.warning("job %d: ignoring its recorded checkpoint codec %s (not a canonical spec)", member.get("id"), text.brief(asked, 40))
+        return self.daemon.config.checkpoint_codec
+
     def _full_offer(self, mode: str) -> DeltaOffer:
         config = self.daemon.config
         return DeltaOffer(mode, config.checkpoint_block_kib, config.checkpoint_chain_max, config.checkpoint_adaptive_threshold, True)

@@ -166,7 +166,7 @@ def file_source(fd: int, size: int, what: str) -> Source:
 
 def send_source(sock: socket.socket, source: Source) -> int:
     """Send ``source`` as chunks then the trailer, then half-close (blocking; a worker thread)."""
-    buf = aligned_buffer(min(CHUNK, source.size))  # (huge pages: fewer faults, and the copies miss the TLB less)
+    buf = memoryview(bytearray(min(CHUNK, max(source.size, 1))))
     off = 0
     while off < source.size:
         n = min(CHUNK, source.size - off)

@@ -13,7 +13,6 @@ cache, not the device's.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import mmap
@@ -24,29 +23,9 @@ ALIGN = 4096
 CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-#: Buffers of at least this many bytes are backed by transparent huge pages where the kernel allows it.
-HUGE = 2 << 20
-
-
 def aligned_buffer(size: int) -> memoryview:
-    """A page-aligned writable buffer of ``size`` bytes (at least 1).
-
-    One of :data:`HUGE` or more (or of half that: rounded up, a chunk's
-    1 MiB costs 1 MiB more) is private anonymous memory the kernel is asked
-    to back with transparent huge pages (``MADV_HUGEPAGE``; THP's "madvise"
-    mode): an O_DIRECT write then pins one page, not 256 per MiB, and a
-    fresh buffer faults once, not 256 times. Measured here (O_DIRECT writes
-    of 1 MiB pieces, a fresh buffer every 18 MiB as a transfer has): 0.23 ->
-    0.13 ms of CPU per MiB; from a reused buffer 0.15 -> 0.10. Without THP
-    it is an ordinary private mapping."""
-    size = max(size, 1)
-    if size < HUGE // 2:
-        return memoryview(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
-    whole = -(-size // HUGE) * HUGE  # (a multiple of the huge page: the kernel aligns such mappings to it)
-    buf = mmap.mmap(-1, whole, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(OSError, AttributeError):  # (no THP: small pages)
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    return memoryview(buf)[:size]
+    """A page-aligned writable buffer of ``size`` bytes (at least 1)."""
+    return memoryview(mmap.mmap(-1, max(size, 1)))
 
 
 class DirectFile:

@@ -45,10 +45,11 @@ socket timeout polls before every call. With it a chunk's header and its
 bytes are each one ``recv_into(MSG_WAITALL)`` (a Python-timeout socket is
 non-blocking underneath: ~6 calls, each after a poll, per MiB); measured on
 loopback, one sender and one receiver thread (1 MiB chunks, each read from
-the page cache and hashed at both ends): 0.59 ms of CPU per MiB -> 0.50.
-(``os.sendfile`` from the page cache was measured too and rejected: it
-saves the sender's copy, but the receiver then copies out of page-sized
-fragments, and the pair cost 0.73 ms/MiB.)
+the page cache and hashed at both ends): 0.59 ms of CPU per MiB -> 0.50;
+in ``bench/recovery.py`` (8 nodes, 56 connections at once on 2 CPUs) it is
+within that bench's noise. (``os.sendfile`` from the page cache was
+measured too and rejected: it saves the sender's copy, but the receiver then
+copies out of page-sized fragments, and the pair cost 0.73 ms/MiB.)
 """
 
 from __future__ import annotations

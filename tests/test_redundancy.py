@@ -683,6 +683,43 @@ async def test_a_liar_on_the_bulk_socket_is_refused_and_the_file_comes_over_the_
         assert [f.name for f in dest.iterdir()] == ["rank-0.state"] and (dest / "rank-0.state").read_bytes() == blob
 
 
+async def test_a_sender_that_stalls_mid_file_fails_the_bulk_path_and_the_file_comes_over_the_channel(tmp_path, caplog, monkeypatch):
+    # The bulk sockets are blocking with the kernel's timeout (SO_RCVTIMEO),
+    # not Python's: a peer that sends one chunk and then nothing, holding
+    # the connection open, still fails the transfer once the timeout passes.
+    from gangd.redundancy import bulk
+
+    monkeypatch.setattr(bulk, "IO_TIMEOUT", 0.5)
+    blob = random.Random(9).randbytes(2 * bulk.CHUNK + 5)
+    root = tmp_path / "n2"
+    manifest = make_gen(ckptstore.gen_dir(root, 7, 3), "n2", {"ranks/rank-0.state": blob})
+    size, checksum = manifest.files["ranks/rank-0.state"]
+    dest = tmp_path / "dest"
+    dest.mkdir()
+
+    def stall(sock, source):
+        first = bytearray(bulk.CHUNK)
+        source.read_into(0, memoryview(first))
+        sock.sendall(bulk.HEADER.pack(len(first), bulk.chunk_hash(first)) + first)
+        bulk.blocking(sock, 30.0)  # (this end waits longer than the puller)
+        try:  # then nothing, until the puller gives up and closes
+            while sock.recv(1):
+                pass
+        except OSError:
+            pass
+        return bulk.CHUNK
+
+    async with trio.open_nursery() as nursery:
+        server = await bulk_server(nursery)
+        channel = await channel_pair(nursery, bulk_serving(root, server, send=stall))
+        with caplog.at_level(logging.WARNING, logger="gangd.transfer"):
+            await transfer.fetch_file(channel, lineage=7, gen=3, name="ranks/rank-0.state", size=size, checksum=checksum,
+                                      dest_dir=dest, bulk=bulk.Bulk.from_secret(SECRET))
+        nursery.cancel_scope.cancel()
+    assert "the peer sent nothing for" in caplog.text and "pulling it over the peer channel instead" in caplog.text, caplog.text
+    assert (dest / "rank-0.state").read_bytes() == blob
+
+
 async def test_a_wrong_size_offer_or_a_listener_without_the_secret_is_refused(peer_gen, caplog):
     from gangd.redundancy import bulk
 

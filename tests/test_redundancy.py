@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from conftest import tmpfs
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -191,7 +192,6 @@ def test_a_survivor_file_of_the_wrong_size_is_named(tmp_path):
 def test_a_rebuild_onto_a_disk_that_fills_up_stops_naming_it_and_leaves_nothing(tmp_path):
     # The disk the lost node's files are rebuilt onto fills up halfway: the
     # rebuild ends with the error naming the file, and nothing is left.
-    import subprocess
     import threading
 
     rng = random.Random(3)
@@ -202,8 +202,7 @@ def test_a_rebuild_onto_a_disk_that_fills_up_stops_naming_it_and_leaves_nothing(
     xor.encode_set(dirs, nodes)
     small = tmp_path / "small"
     small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(small)], check=True)
-    try:
+    with tmpfs(small, "2m"):
         dest = ckptstore.gen_dir(small, 7, 3)
         dest.parent.mkdir(parents=True)
         outcome: list = []
@@ -221,8 +220,6 @@ def test_a_rebuild_onto_a_disk_that_fills_up_stops_naming_it_and_leaves_nothing(
         assert len(outcome) == 1 and isinstance(outcome[0], ckptstore.StoreError), outcome
         assert "no space left on device" in str(outcome[0]) and "rank-0.state" in str(outcome[0]), outcome[0]
         assert list(dest.parent.iterdir()) == []
-    finally:
-        subprocess.run(["umount", str(small)], check=True)
 
 
 def test_a_survivor_data_file_that_is_a_symlink_is_not_followed(tmp_path):

@@ -180,7 +180,7 @@ class Reader:
             return None  # the next segment begins
         if key in ("totspawns", "spawnssofar"):
             number = value.strip()
-            if not (number.isdigit() and len(number) <= 6):
+            if not (number.isascii() and number.isdigit() and len(number) <= 6):  # ('¹'.isdigit(), and int() refuses it)
                 raise PMIError(f"{key}={value[:20]!r} is not a count")
             if key == "totspawns":
                 self._segments = int(number)
@@ -298,7 +298,13 @@ def _field(fields: dict[str, str], name: str, limit: int, reply_cmd: str, *, req
 
 def command(fields: dict[str, str]) -> Command:
     """The typed command of one parsed line; :class:`Refused` if its values break PMI-1's limits."""
-    cmd = fields.get("cmd") or fields.get("mcmd") or ""
+    if "mcmd" in fields:
+        # A multi-line command is a spawn (never served). Its values may hold
+        # spaces and it may carry any key, ``cmd`` included: none of it is taken
+        # as another command (a put whose value has a space could not be answered).
+        name = token(fields["mcmd"])[:64] or "unknown"
+        return Unsupported(name, RESPONSES.get(fields["mcmd"], name))
+    cmd = fields.get("cmd") or ""
     if cmd == "init":
         return Init(fields.get("pmi_version", ""), fields.get("pmi_subversion", ""))
     if cmd in QUERIES:

@@ -118,6 +118,7 @@ class JobSpec:
     mpi: bool = False
     ckpt_redundancy: str | None = None  # local, partner, xor; None: the cluster's [checkpoint] redundancy
     ckpt_mode: str | None = None  # full, incremental, differential, adaptive; None: the cluster's [checkpoint] mode
+    ckpt_codec: str | None = None  # a canonical codec spec (zstd:3, blosc2:zstd:1:shuffle, auto...); None: the cluster's [checkpoint] codec
     requeue: bool | None = None  # restarted by itself when a node is lost; None: when it has checkpoints (see gangd.daemon.recover)
     net_context: dict[str, bytes] | None = None
 
@@ -183,6 +184,7 @@ class JobSpec:
         every = _number(spec, "ckpt_every", 1, 10**7, "the checkpoint period must be between 1 second and 115 days, not {value!r}")
         redundancy = _redundancy(spec, nranks, nodelist, nodes, node_names)
         mode = _ckpt_mode(spec)
+        codec = ckpt_codec(spec.get("ckpt_codec"))
         contexts = spec.get("net_context")
         if contexts is not None:
             if not isinstance(contexts, dict) or not all(
@@ -213,6 +215,7 @@ class JobSpec:
             mpi=_flag(spec, "mpi", False),
             ckpt_redundancy=redundancy,
             ckpt_mode=mode,
+            ckpt_codec=codec,
             requeue=None if spec.get("requeue") is None else _flag(spec, "requeue", True),
             net_context=dict(contexts) if contexts else None,
         )
@@ -228,7 +231,7 @@ class JobSpec:
             "per_node": self.per_node, "nodes": self.nodes, "nodelist": list(self.nodelist) if self.nodelist is not None else None,
             "kill_on_bad_exit": self.kill_on_bad_exit, "priority": self.priority, "slice": self.slice,
             "ckpt_every": self.ckpt_every, "mpi": self.mpi, "ckpt_redundancy": self.ckpt_redundancy,
-            "ckpt_mode": self.ckpt_mode, "requeue": self.requeue,
+            "ckpt_mode": self.ckpt_mode, "ckpt_codec": self.ckpt_codec, "requeue": self.requeue,
         }
 
 
@@ -271,6 +274,33 @@ def _ckpt_mode(spec: dict) -> str | None:
     return mode
 
 
+def ckpt_codec(value: object) -> str | None:
+    """The job's checkpoint codec (``--ckpt-codec``) in its canonical form
+    (``zstd`` -> ``zstd:3``), or None: the cluster's ``[checkpoint] codec``.
+
+    Parsed, never loaded: a plug-in codec this node lacks is accepted (the
+    ranks may run on nodes that have it; a rank that lacks it says so when
+    it writes), but its text is bounded and well-formed like any spec.
+    (gangd.codecs is imported here, for a job that names a codec: every
+    `gang` command imports this module, and the package cost it 12-17 ms.)"""
+    if value is None:
+        return None
+    from .codecs.errors import CodecError
+    from .codecs.spec import ACCEPTED as CODECS_ACCEPTED
+    from .codecs.spec import MAX_TEXT as MAX_CODEC_CHARS
+    from .codecs.spec import CodecSpec
+
+    try:
+        canonical = str(CodecSpec.parse(value))
+    except CodecError as exc:
+        shown = text.printable(text.brief(value, 40, quote=False), 40)
+        why = text.printable(exc.message, 200).split(" (accepted:", 1)[0]
+        raise BadSpec("bad_request", f"the checkpoint codec {shown!r} is not accepted: {why}; accepted: {CODECS_ACCEPTED}") from None
+    if len(canonical) > MAX_CODEC_CHARS:  # (parse keeps a spec's text; never longer than what it was given)
+        raise BadSpec("bad_request", f"the checkpoint codec is longer than {MAX_CODEC_CHARS} characters")
+    return canonical
+
+
 def _one_of(value: object, allowed: tuple[str, ...], what: str) -> None:
     """BadSpec unless ``value`` is one of ``allowed`` (quoted briefly: a huge value is not rendered whole)."""
     if value not in allowed:
@@ -310,6 +340,7 @@ def new_record(*, job_id: int, spec: dict, owner_uid: int, owner_name: str, owne
         "ckpt_every": spec.get("ckpt_every"),  # seconds between checkpoints, None: only on request
         "ckpt_redundancy": spec.get("ckpt_redundancy"),  # local/partner/xor; None: the cluster's default
         "ckpt_mode": spec.get("ckpt_mode"),  # full/incremental/differential/adaptive; None: the lineage's, else the cluster's
+        "ckpt_codec": spec.get("ckpt_codec"),  # canonical codec spec (zstd:3...); None: the lineage's, else the cluster's
         "checkpoints": [],  # generations this job took: see gangd.daemon.ckptcoord
         "requeue": spec.get("requeue"),  # True/False: --requeue/--no-requeue; None: requeue when it has checkpoints
         "lineage": job_id,  # the first job of a restart chain: its checkpoints are the chain's

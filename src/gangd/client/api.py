@@ -91,6 +91,7 @@ class Client:
         ckpt_redundancy: str | None = None,
         requeue: bool | None = None,
         ckpt_mode: str | None = None,
+        ckpt_codec: str | None = None,
     ) -> dict:
         """Submit a job. ``network_context`` ({rank: bytes}, as returned by
         :meth:`capture_network`) is handed to the ranks when they attach, so
@@ -114,6 +115,8 @@ class Client:
             spec["ckpt_redundancy"] = ckpt_redundancy
         if ckpt_mode is not None:  # (None: the cluster's [checkpoint] mode; full, incremental, differential, adaptive)
             spec["ckpt_mode"] = ckpt_mode
+        if ckpt_codec is not None:  # (None: the cluster's [checkpoint] codec; a spec such as zstd:9, checked by the coordinator)
+            spec["ckpt_codec"] = ckpt_codec
         if requeue is not None:  # (None: requeued when it checkpoints, see gangd.daemon.recover)
             spec["requeue"] = requeue
         if network_context:

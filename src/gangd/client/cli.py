@@ -173,6 +173,17 @@ def job_options(fn):
         "ckptlib.init(mode=...) overrides it.",
     )(fn)
     fn = click.option(
+        "--ckpt-codec", type=CodecChoice(), default=None, metavar="CODEC",
+        help="Compress the blocks each checkpoint writes (new: until now every checkpoint was raw). none; lz4; zstd[:1..22] "
+        "(level, default 3); blosc2[:zstd|lz4|lz4hc|blosclz|zlib][:1..9][:shuffle|bitshuffle|bytedelta|nofilter] "
+        "(for numeric arrays: the filter uses the item size; default blosc2:zstd:1:shuffle); auto: per value, the codec "
+        "that suits its type, tried on a sample, raw when it would shrink less than 1.1x; or a plug-in's NAME[:PARAM...] "
+        "(it must be installed where the ranks run). Examples: --ckpt-codec zstd:9, --ckpt-codec blosc2:lz4:bytedelta. "
+        "Default: the cluster's [checkpoint] codec (none unless set); a restart keeps its lineage's codec (and reads each "
+        "block with the codec it recorded). The ranks get it as GANGD_CKPT_CODEC, which replaces one in your environment; "
+        "a program's ckptlib.init(codec=...) overrides it.",
+    )(fn)
+    fn = click.option(
         "--requeue/--no-requeue", default=None,
         help="When a node of the job is lost, restart it by itself from its newest protected checkpoint on live nodes "
         "(spares first), as a new job that `gang wait` follows; --no-requeue: fail it. Default: requeue when the job checkpoints.",
@@ -210,11 +221,44 @@ class Duration(click.ParamType):
         return seconds
 
 
+class CodecChoice(click.ParamType):
+    """A checkpoint codec spec, checked here for a clear local message (the
+    coordinator checks it again) and sent in its canonical form.
+
+    A name that is neither a built-in nor a plug-in installed here is
+    refused here, though the coordinator would take it (the ranks may run
+    where it is installed): on the command line it is far more often a
+    typo, found now rather than at the job's first checkpoint. A site whose
+    plug-in lives only on the compute nodes submits through the API
+    (:meth:`gangd.client.api.Gang.submit`)."""
+
+    name = "codec"
+
+    def convert(self, value, param, ctx):
+        try:
+            canonical = jobs.ckpt_codec(value)
+        except jobs.BadSpec as exc:
+            self.fail(exc.message.removeprefix("the checkpoint codec "), param, ctx)
+        if canonical is None:  # (click gives no value for the default)
+            return None
+        from ..codecs import plugins  # (an entry-point scan: only for a name that is not a built-in)
+        from ..codecs.spec import ACCEPTED, AUTO, BUILTIN
+
+        name = canonical.split(":", 1)[0]
+        if name not in (*BUILTIN, AUTO):
+            installed = plugins()
+            if name not in installed:
+                here = f"plug-ins installed here: {', '.join(installed)}" if installed else "no plug-in codec is installed here"
+                self.fail(f"{value!r} is not a codec: not a built-in and not an installed plug-in ({here}); accepted: {ACCEPTED}", param, ctx)
+        return canonical
+
+
 def _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice=None, priority=None, ckpt_every=None, mpi=False,
-          ckpt_redundancy=None, requeue=None, ckpt_mode=None) -> dict:
+          ckpt_redundancy=None, requeue=None, ckpt_mode=None, ckpt_codec=None) -> dict:
     return {
         "requeue": requeue,
         "ckpt_mode": ckpt_mode,
+        "ckpt_codec": ckpt_codec,
         "ckpt_redundancy": ckpt_redundancy,
         "mpi": mpi,
         "ckpt_every": ckpt_every,
@@ -246,6 +290,7 @@ async def _submit(gang, spec: dict) -> dict:
         ckpt_redundancy=spec.get("ckpt_redundancy"),
         requeue=spec.get("requeue"),
         ckpt_mode=spec.get("ckpt_mode"),
+        ckpt_codec=spec.get("ckpt_codec"),
     )
 
 
@@ -327,6 +372,7 @@ Examples:
   gang run -n 8 -- python examples/hello.py
   gang run -n 16 --per-node 4 -- ./solver --steps 100
   gang run -n 4 -w n1,n2 --no-label -- hostname
+  gang run -n 4 --ckpt-every 10m --ckpt-codec blosc2 -- python sim.py
 
 Output of every rank is streamed live, each line prefixed with its rank.
 Ctrl-C (or closing the terminal) kills the job on every node. The exit code
@@ -339,11 +385,11 @@ is the worst rank's: its exit code, or 128+N if it died of signal N.
 @click.option("--label/--no-label", default=True, help="Prefix each output line with its rank (default: on).")
 @click.option("-v", "--verbose", is_flag=True, help="Say when the job is queued, started and finished.")
 @click.pass_context
-def run(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, ckpt_every, ckpt_redundancy, ckpt_mode, requeue, mpi, time_slice, priority, command,
-        label, verbose):
+def run(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, ckpt_every, ckpt_redundancy, ckpt_mode, ckpt_codec, requeue, mpi, time_slice,
+        priority, command, label, verbose):
     """Run a parallel job in the foreground (Ctrl-\\ checkpoints it, Ctrl-C kills it)."""
     spec = _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice, priority, ckpt_every, mpi, ckpt_redundancy, requeue,
-                 ckpt_mode)
+                 ckpt_mode, ckpt_codec)
     code = run_async(_run, _cluster(ctx), spec, label, verbose)
     sys.exit(code)
 
@@ -442,6 +488,8 @@ Examples:
   JOB=$(gang submit -n 4 -- ./solver) && gang wait $JOB
   gang submit -n 12 --ckpt-every 5m --ckpt-redundancy xor -- ./solver   # a lost node: it comes back by itself
   gang submit -n 4 --ckpt-every 5m --no-requeue -- ./solver             # a lost node: it fails
+  gang submit -n 4 --ckpt-every 5m --ckpt-codec zstd -- ./solver         # compressed checkpoints (zstd level 3)
+  gang submit -n 4 --ckpt-every 5m --ckpt-codec auto -- python app.py   # per array: blosc2 for numbers, raw for noise
 
 Prints the job id (or the job record with --json) and returns at once.
 """
@@ -451,11 +499,11 @@ Prints the job id (or the job record with --json) and returns at once.
 @job_options
 @click.option("--json", "as_json", is_flag=True, help="Print the job record as JSON.")
 @click.pass_context
-def submit(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, ckpt_every, ckpt_redundancy, ckpt_mode, requeue, mpi, time_slice, priority,
-           command, as_json):
+def submit(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, ckpt_every, ckpt_redundancy, ckpt_mode, ckpt_codec, requeue, mpi, time_slice,
+           priority, command, as_json):
     """Submit a parallel job and return at once (prints the job id)."""
     spec = _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice, priority, ckpt_every, mpi, ckpt_redundancy, requeue,
-                 ckpt_mode)
+                 ckpt_mode, ckpt_codec)
 
     async def go():
         async with connect(_cluster(ctx)) as gang:
@@ -570,7 +618,7 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Print the job's record as JSON.")
 @click.pass_context
 def job(ctx, job_id, as_json):
-    """Show one job: its state, owner, nodes, times and each rank's exit."""
+    """Show one job: its state, owner, nodes, times, checkpoint codec and each rank's exit."""
 
     async def go():
         async with connect(_cluster(ctx)) as gang:
@@ -591,6 +639,7 @@ def job(ctx, job_id, as_json):
         ("state", record["state"] + (f": {record['reason']}" if record.get("reason") else "")),
         ("ranks", f"{record['nranks']} on {nodes}"),
         ("elapsed", jobs.format_duration(jobs.elapsed(record, now))),
+        ("ckpt codec", record.get("ckpt_codec") or "the cluster's ([checkpoint] codec)"),
     ]
     if jobs.is_terminal(record):
         lines.append(("exits", ", ".join(f"{i}: {jobs.describe_status(st)}" for i, st in enumerate(record["ranks"]) if st) or "-"))

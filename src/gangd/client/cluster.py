@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from .. import jobs
 from ..daemon.config import Config, ConfigError, EtcdSettings, NodeSpec, render, toml_str
 from ..etcd.client import Etcd, EtcdError
 from .api import CLUSTER_FILE, connect, read_cluster_file
@@ -192,6 +193,7 @@ def up(
     grace: float | None = None,
     spares: Sequence[str] = (),
     max_recoveries: int | None = None,
+    checkpoint_codec: str | None = None,
     rank_server: bool | None = None,
     timeout: float = 30.0,
     progress: Callable[[str], object] | None = None,
@@ -215,10 +217,16 @@ def up(
     keeps its own in ``checkpoint_dir/<node>``), as a shared file system
     would be; default: each node's state directory. ``spares``: nodes (by
     name, n1..nN) marked ``spare = true``, held back for recoveries;
-    ``max_recoveries``: ``[checkpoint] max_recoveries``. On any failure nothing
+    ``max_recoveries``: ``[checkpoint] max_recoveries``; ``checkpoint_codec``:
+    ``[checkpoint] codec`` (a job's unless it asks). On any failure nothing
     this call started is left running."""
     if not 1 <= nodes <= 250:
         raise ClusterError(f"--nodes must be between 1 and 250, not {nodes}")
+    if checkpoint_codec is not None:
+        try:
+            checkpoint_codec = jobs.ckpt_codec(checkpoint_codec)
+        except jobs.BadSpec as exc:
+            raise ClusterError(f"[checkpoint] codec: {exc.message}") from None
     if etcd_members is not None and not 1 <= etcd_members <= 9:
         raise ClusterError(f"--etcd-members must be between 1 and 9 (3 or 5 for high availability), not {etcd_members}")
     directory = Path(directory).absolute()
@@ -276,7 +284,7 @@ def up(
             job_retention=job_retention,
             limits=limits, checkpoint_dir=checkpoint_dir, log_level=log_level, output_limit=output_limit, output_dir=output_dir,
             checkpoint_max_rank_bytes=checkpoint_max_rank_bytes, flush_dir=flush_dir, spares=tuple(spares), max_recoveries=max_recoveries,
-            rank_server=rank_server,
+            rank_server=rank_server, checkpoint_codec=checkpoint_codec,
         )
     except BaseException:
         down(directory)
@@ -472,7 +480,7 @@ def _start_daemons(
     heartbeat_interval: float, heartbeat_timeout: float, time_slice: float, max_slots: int, switch_lead: float, checkpoint_timeout: float,
     max_queued_per_user: int, job_retention: float, limits: tuple[tuple[str, int], ...], checkpoint_dir: Path | None, log_level: str, output_limit: int | None,
     output_dir: Path | None, checkpoint_max_rank_bytes: int | None, flush_dir: Path | None = None, spares: tuple[str, ...] = (),
-    max_recoveries: int | None = None, rank_server: bool | None = None,
+    max_recoveries: int | None = None, rank_server: bool | None = None, checkpoint_codec: str | None = None,
 ) -> list[NodeFiles]:
     secret = write_secret(directory / "secret")
     addresses = [f"127.0.0.{i}" for i in range(1, nodes + 1)]
@@ -517,6 +525,7 @@ def _start_daemons(
             etcd=settings,
             max_recoveries=Config.max_recoveries if max_recoveries is None else max_recoveries,
             rank_server=Config.rank_server if rank_server is None else rank_server,
+            checkpoint_codec=Config.checkpoint_codec if checkpoint_codec is None else checkpoint_codec,
         )
         nf.config.write_text(render(config))
         lines += ["[[nodes]]", f"name = {toml_str(spec.name)}", f"address = {toml_str(spec.endpoint)}"]

@@ -91,6 +91,7 @@ from .. import ckptstore, jobs, safefs, text
 from ..checkpoint import node as nd
 from ..checkpoint.messages import MAX_LINKS, BadMessage, DeltaOffer, Link, RankReport, RankWritten, rank_note
 from ..ckptstore import StoreError
+from ..failpoint import refuse
 from ..redundancy.bulk import Bulk, BulkServer
 from ..rpc import Channel, RemoteError
 from ..safefs import UnsafePath
@@ -102,6 +103,9 @@ from .verified import stamp as verified_stamp
 from .verified import stats_at as _stats
 
 log = logging.getLogger("gangd.checkpoint")
+
+#: A test's failpoint (:func:`gangd.failpoint.refuse`): the fsync of a generation's own files fails unforeseen.
+SYNC_FAILS = "checkpoint.sync"
 
 NOTE_TIMEOUT = 1.0
 RESTORED_REPEAT = 1.0  # seconds between reports that this node's ranks of a restarted job loaded their state
@@ -558,6 +562,29 @@ class NodeCheckpoints:
         members = self.daemon.table.lineage(record.get("lineage") or record["id"])
         return next((r["ckpt_mode"] for r in members if r.get("ckpt_mode")), None)
 
+    def job_codec(self, record: dict) -> str:
+        """The codec the job's ranks get as ``GANGD_CKPT_CODEC`` (issue 18):
+        its ``--ckpt-codec``, else its lineage's (a restart keeps it), else
+        the cluster's ``[checkpoint] codec``. Always given, unlike the mode
+        (which reaches ckptlib in each checkpoint's offer): the environment
+        is the codec's only way to the ranks, and the job spec must win over
+        a ``GANGD_CKPT_CODEC`` the submitter's environment happened to hold.
+        A record's value was canonicalised at submit; one that is not
+        (a record from elsewhere) is passed over, never handed to a rank."""
+        lineage = record.get("lineage") or record["id"]
+        # (A restart's record carries its lineage's codec (ckptcoord); older ones are looked up.)
+        members = [record] if record.get("ckpt_codec") or lineage == record["id"] else self.daemon.table.lineage(lineage)
+        for member in members:
+            asked = member.get("ckpt_codec")
+            if asked is not None:
+                try:
+                    if jobs.ckpt_codec(asked) == asked:
+                        return asked
+                except jobs.BadSpec:
+                    pass
+                log.warning("job %d: ignoring its recorded checkpoint codec %s (not a canonical spec)", member.get("id"), text.brief(asked, 40))
+        return self.daemon.config.checkpoint_codec
+
     def _full_offer(self, mode: str) -> DeltaOffer:
         config = self.daemon.config
         return DeltaOffer(mode, config.checkpoint_block_kib, config.checkpoint_chain_max, config.checkpoint_adaptive_threshold, True)
@@ -715,6 +742,9 @@ class NodeCheckpoints:
             await trio.to_thread.run_sync(self._sync_files, pending)
         except StoreError as exc:
             pending.sync_error = str(exc)
+        except Exception as exc:  # (whatever it was, these files are not known durable: the commit must fail)
+            log.exception("job %d: fsync of checkpoint %d's own files failed", pending.job_id, pending.gen)
+            pending.sync_error = f"could not fsync the generation's files: {type(exc).__name__}: {exc}"
         finally:
             if pending.synced is not None:
                 pending.synced.set()
@@ -722,6 +752,8 @@ class NodeCheckpoints:
     def _sync_files(self, pending: Pending) -> None:
         """(In a thread.) fsync the daemon's own files of the generation, then its directory
         (the ranks fsync theirs, and ``ranks/``)."""
+        if refuse(SYNC_FAILS):
+            raise RuntimeError(f"failpoint {SYNC_FAILS}")
         try:
             gen = self._gen_fd(pending.directory)
         except (UnsafePath, OSError) as exc:

@@ -33,6 +33,7 @@ Example (``/etc/gangd/gangd.toml``)::
     [checkpoint]                     # optional
     redundancy = "auto"              # a job's level unless it asks: local, partner, xor (auto: xor on 3+ nodes, partner on 2)
     mode = "adaptive"                # a job's checkpoint mode unless it asks: full, incremental, differential, adaptive
+    codec = "none"                   # a job's checkpoint codec unless it asks (--ckpt-codec): none, lz4, zstd:3, blosc2, auto...
     block_kib = 16                   # incremental checkpoints compare the state in blocks of this many KiB...
     chain_max = 8                    # ...a restore reads at most this many older generations (then a full is written)...
     adaptive_threshold = 0.10        # ...adaptive writes a new base when that saves more than this share of the state
@@ -96,6 +97,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from .. import text
 from .limits import NAMES as RLIMIT_NAMES
 
 DEFAULT_PORT = 7450
@@ -290,6 +292,7 @@ class Config:
     checkpoint_flush_every: int = 1  # [checkpoint] flush_every: every Nth generation of a job is flushed
     checkpoint_flush_mib_per_s: float = 0.0  # [checkpoint] flush_mib_per_s: per node (0: unthrottled)
     checkpoint_mode: str = "adaptive"  # [checkpoint] mode: a job's unless it asks (--ckpt-mode)
+    checkpoint_codec: str = "none"  # [checkpoint] codec: a job's unless it asks (--ckpt-codec), canonical (zstd -> zstd:3)
     checkpoint_block_kib: int = 16  # [checkpoint] block_kib: the block a delta is made of
     checkpoint_chain_max: int = 8  # [checkpoint] chain_max: older generations a restore may read
     checkpoint_adaptive_threshold: float = 0.10  # [checkpoint] adaptive_threshold: share of the state a new base must save
@@ -444,6 +447,26 @@ def _check_delta(config: Config) -> None:
         raise ConfigError(f"[checkpoint] adaptive_threshold must be a share of the state from 0 to 1 (0.10: 10 %), not {share!r}")
 
 
+def _checkpoint_codec(value: object, path: str | os.PathLike | None) -> str:
+    """``[checkpoint] codec`` in its canonical form (what ranks get as
+    ``GANGD_CKPT_CODEC`` when their job does not ask); refused at load, with
+    the file and the key, unless it is a spec :meth:`CodecSpec.parse`
+    accepts. A plug-in this node lacks is accepted, as at submit: the
+    ranks that write are told, and say it is missing when they compress.
+    (gangd.codecs is imported here, not by every importer of this module.)"""
+    from ..codecs.errors import CodecError
+    from ..codecs.spec import ACCEPTED as CODECS_ACCEPTED
+    from ..codecs.spec import CodecSpec
+
+    try:
+        return str(CodecSpec.parse(value))
+    except CodecError as exc:
+        where = f"{path}: " if path is not None else ""
+        shown = text.printable(text.brief(value, 40, quote=False), 40)
+        why = text.printable(exc.message, 200).split(" (accepted:", 1)[0]
+        raise ConfigError(f"{where}[checkpoint] codec {shown!r} is not accepted: {why}; accepted: {CODECS_ACCEPTED}") from None
+
+
 def _spare(value: object, index: int) -> bool:
     """``spare`` of a [[nodes]] entry: true or false, nothing else (a typo must not silently hold a node back)."""
     if not isinstance(value, bool):
@@ -514,6 +537,7 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         "checkpoint_flush_mib_per_s": _checkpoint_section(data).get("flush_mib_per_s", 0.0),
         "max_recoveries": _checkpoint_section(data).get("max_recoveries", 3),
         "checkpoint_mode": _checkpoint_section(data).get("mode", "adaptive"),
+        "checkpoint_codec": _checkpoint_section(data).get("codec", "none"),
         "checkpoint_block_kib": _checkpoint_section(data).get("block_kib", 16),
         "checkpoint_chain_max": _checkpoint_section(data).get("chain_max", 8),
         "checkpoint_adaptive_threshold": _checkpoint_section(data).get("adaptive_threshold", 0.10),
@@ -540,6 +564,7 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
     settings["etcd"] = _etcd(etcd_section)
     if not settings["node_name"]:
         raise ConfigError("this node has no name: set [node] name in the config or pass --name")
+    settings["checkpoint_codec"] = _checkpoint_codec(settings["checkpoint_codec"], path)
     config = Config(**settings)
     if not config.nodes:
         raise ConfigError("no [[nodes]] configured: the cluster needs at least this node")
@@ -699,6 +724,8 @@ def render(config: Config) -> str:
         section.append(f"max_recoveries = {config.max_recoveries}")
     if config.checkpoint_mode != Config.checkpoint_mode:
         section.append(f"mode = {toml_str(config.checkpoint_mode)}")
+    if config.checkpoint_codec != Config.checkpoint_codec:
+        section.append(f"codec = {toml_str(config.checkpoint_codec)}")
     for key in ("block_kib", "chain_max", "adaptive_threshold"):
         if getattr(config, f"checkpoint_{key}") != getattr(Config, f"checkpoint_{key}"):
             section.append(f"{key} = {getattr(config, f'checkpoint_{key}')}")

@@ -9,7 +9,11 @@ its node daemon serves the other end. The key-value space spans the job:
   leader (the node of rank 0), which answers once every node of the job
   came in — with everything anyone put. Then each local rank gets
   ``barrier_out`` and its ``get``s see the whole job's keys;
-* ``abort`` fails the whole job with the rank's message.
+* ``abort`` fails the whole job with the rank's message;
+* ``publish_name`` / ``lookup_name`` / ``unpublish_name`` go to the
+  coordinator's name service (:mod:`.names`: cluster-wide, per user);
+* everything else PMI-1 has (``spawn`` above all) gets the error reply
+  MPICH waits for, which the program sees as an MPI error.
 
 MPI's own traffic never passes through gangd: the ranks connect to each
 other with the business cards they exchanged here.
@@ -131,6 +135,8 @@ class PmiServer:
                         if isinstance(parsed, pmi.BarrierIn):
                             barriers += 1
                             reply = await self._barrier(state, record, rank, barriers)
+                        elif isinstance(parsed, pmi.Publish | pmi.Lookup | pmi.Unpublish):
+                            reply = await self._name(state, rank, parsed)
                         else:
                             reply = self._answer(state, record, rank, parsed)
                     if reply:
@@ -180,8 +186,32 @@ class PmiServer:
                 self.spawn(self._fail, state.job_id, why, code)
                 return None
             case pmi.Unsupported(cmd=cmd):
-                return pmi.line(cmd, rc=-1, msg="unsupported_by_gangd")
+                log.info("job %d rank %d: PMI %s is not served by gangd", state.job_id, rank, cmd)
+                return command.reply()
         return None
+
+    async def _name(self, state: PmiJob, rank: int, command: pmi.Publish | pmi.Lookup | pmi.Unpublish) -> bytes:
+        """The name service's answer, under the response name MPICH waits for.
+        The error messages are Hydra's (``key_already_present``, ``service_not_found``)."""
+        args = {"service": command.service}
+        if isinstance(command, pmi.Publish):
+            reply_cmd, args["what"], args["port"] = "publish_result", "publish", command.port
+        elif isinstance(command, pmi.Lookup):
+            reply_cmd, args["what"] = "lookup_result", "lookup"
+        else:
+            reply_cmd, args["what"] = "unpublish_result", "unpublish"
+        try:
+            answer = await self.calls.to_coordinator("coord_names", job=state.job_id, **args)
+        except RemoteError as exc:
+            msg = {"name_exists": "key_already_present", "name_not_found": "service_not_found"}.get(exc.code, exc.message)
+            if exc.code not in ("name_exists", "name_not_found"):
+                log.warning("job %d rank %d: PMI %s refused: %s", state.job_id, rank, args["what"], exc)
+            return pmi.line(reply_cmd, rc=1, msg=pmi.token(msg))
+        if isinstance(command, pmi.Lookup):
+            if type(answer) is not str or len(answer.encode()) > pmi.PORT_MAX or not answer or any(c.isspace() for c in answer):
+                return pmi.line(reply_cmd, rc=1, msg="service_not_found")
+            return pmi.line(reply_cmd, rc=0, port=answer)
+        return pmi.line(reply_cmd, rc=0)
 
     async def _fail(self, job_id: int, why: str, code: int) -> None:
         """The job fails with the aborting rank's message. MPICH exits with the

@@ -43,6 +43,7 @@ from .flush import Flusher
 from .handlers import Dispatcher, Services
 from .handlers.jobs import Listing
 from .jobnet import JobNet
+from .names import NameService
 from .node import NodeJobs
 from .notify import SystemdNotifier, watchdog_loop
 from .outputlog import OutputError, OutputStore
@@ -107,6 +108,10 @@ class Daemon:
         # (NodeCheckpoints still takes the daemon: it is being rewritten as a state machine's shell)
         self.checkpoints = NodeCheckpoints(self)
         self.pmi = PmiServer(node=self.node, table=self.table, calls=self.calls, spawn=self.tasks.spawn)
+        self.names = NameService(
+            etcd=self.etcd, keys=self.table.keys, table=self.table, spawn=self.tasks.spawn, fence=self.coordinator.current_fence,
+        )
+        self.table.listeners.append(self.names.on_record)
         self.node_jobs = NodeJobs(
             node=self.node, table=self.table, ranks=self.ranks, jobnet=self.jobnet, pmi=self.pmi, checkpoints=self.checkpoints,
             outputs=self.outputs, membership=self.membership, spawn=self.tasks.spawn, jobs_dir=config.state_dir / "jobs",
@@ -120,7 +125,7 @@ class Daemon:
                 node=self.node, config=config, table=self.table, membership=self.membership, calls=self.calls,
                 coordinator=self.coordinator, node_jobs=self.node_jobs,
                 listing=Listing(table=self.table, calls=self.calls, membership=self.membership),
-                jobnet=self.jobnet, pmi=self.pmi, checkpoints=self.checkpoints, peers=self.peers, ranks=self.ranks,
+                jobnet=self.jobnet, pmi=self.pmi, names=self.names, checkpoints=self.checkpoints, peers=self.peers, ranks=self.ranks,
                 flusher=self.flusher,
                 spawn=self.tasks.spawn, heartbeat_info=self.heartbeat_info, resend_exits=self.node_jobs.resend_exits,
             ),

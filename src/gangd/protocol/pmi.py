@@ -7,8 +7,19 @@ being ``cmd=<name>``::
     cmd=put kvsname=K key=k value=v               ->  cmd=put_result rc=0
     cmd=barrier_in                                ->  cmd=barrier_out rc=0
     cmd=get kvsname=K key=k                       ->  cmd=get_result rc=0 value=v
+    cmd=publish_name service=S port=P             ->  cmd=publish_result rc=0
+    cmd=lookup_name service=S                     ->  cmd=lookup_result rc=0 port=P
 
-(The de-facto standard; Flux RFC 13 documents it.) :class:`Reader` turns
+except ``spawn``, which is several lines (``mcmd=spawn``, then one
+``key=value`` per line, values may hold spaces, ``endcmd`` closing each of
+``totspawns`` segments) — MPICH's ``PMIU_cmd_output_v1_mcmd``.
+
+(The de-facto standard; Flux RFC 13 documents it; MPICH's own list is
+``src/pmi/maint/pmi-1.2.txt``.) Every query a rank may send gets an answer
+under the response name MPICH waits for (:data:`RESPONSES`), an error one
+for what gangd does not serve: MPICH compares the name before it looks at
+``rc``, and a reply under another name (or a dropped connection) is not an
+error it reports cleanly to the program. :class:`Reader` turns
 bytes into field dicts; :func:`command` turns one into a typed, validated
 :data:`Command` — or raises :class:`Refused` carrying the error reply the
 rank gets. Everything a rank sends is hostile until it passed here: the
@@ -31,6 +42,40 @@ KEYLEN_MAX = 64
 VALLEN_MAX = 1024
 #: A line is at most a put of the longest kvsname, key and value, and then some.
 MAX_LINE = 4096
+#: The name service's limits: a service name as long as a kvsname; a port as
+#: MPICH's PMI_MAX_PORT_NAME (1024, with its NUL: PMI_Lookup_name copies the
+#: answer into a buffer that size).
+SERVICE_MAX = 256
+PORT_MAX = 1023
+#: A ``spawn`` (many lines) is kept up to this many bytes; past it, its lines
+#: are only counted until its end, and it is refused.
+MAX_MCMD = 65536
+
+#: Each PMI-1 query a rank may send, with the name of the response MPICH waits for
+#: (``abort`` has none). From MPICH's pmi-1.2.txt, plus the KVS commands of the
+#: older simple PMI (create_kvs, destroy_kvs, getbyidx).
+RESPONSES = {
+    "init": "response_to_init",
+    "initack": "initack",
+    "finalize": "finalize_ack",
+    "get_maxes": "maxes",
+    "get_universe_size": "universe_size",
+    "get_appnum": "appnum",
+    "get_my_kvsname": "my_kvsname",
+    "get_rank": "my_rank",
+    "get_size": "my_size",
+    "put": "put_result",
+    "get": "get_result",
+    "barrier_in": "barrier_out",
+    "publish_name": "publish_result",
+    "unpublish_name": "unpublish_result",
+    "lookup_name": "lookup_result",
+    "spawn": "spawn_result",
+    "singinit": "singinit_info",
+    "create_kvs": "newkvs",
+    "destroy_kvs": "kvs_destroyed",
+    "getbyidx": "getbyidx_results",
+}
 #: What one job's key-value space may hold, per rank (with a floor for small jobs).
 KVS_BYTES_PER_RANK = 16 * 1024
 KVS_KEYS_PER_RANK = 64
@@ -51,10 +96,10 @@ class Refused(PMIError):
         self.msg = msg
 
     def reply(self) -> bytes:
-        return line(self.reply_cmd, rc=-1, msg=_token(self.msg))
+        return line(self.reply_cmd, rc=-1, msg=token(self.msg))
 
 
-def _token(text: str) -> str:
+def token(text: str) -> str:
     """``text`` as one PMI-1 value (no quoting exists: spaces become underscores)."""
     return "".join(c if c.isprintable() and not c.isspace() and c != "=" else "_" for c in text)[:200]
 
@@ -83,10 +128,18 @@ def line(cmd: str, **fields: object) -> bytes:
 
 
 class Reader:
-    """Bytes in, commands (field dicts) out."""
+    """Bytes in, commands (field dicts) out.
+
+    A ``spawn`` comes as one dict: the fields of its first segment, with
+    ``mcmd=spawn``, its ``totspawns``, and ``oversized=1`` when it passed
+    :data:`MAX_MCMD` (then only what fit is kept)."""
 
     def __init__(self) -> None:
         self._buf = bytearray()
+        self._mcmd: dict[str, str] | None = None  # the spawn being read
+        self._mcmd_bytes = 0
+        self._segment = 1  # which of its segments
+        self._segments = 1  # how many it announced
 
     def feed(self, data: bytes) -> list[dict[str, str]]:
         self._buf += data
@@ -96,12 +149,48 @@ class Reader:
                 raise PMIError(f"a line longer than {MAX_LINE} bytes")
             raw = bytes(self._buf[:end])
             del self._buf[: end + 1]
-            text = raw.decode("utf-8", errors="replace").strip()
-            if text:
+            text = raw.decode("utf-8", errors="replace")
+            if self._mcmd is not None:
+                done = self._mcmd_line(self._mcmd, text)
+                if done is not None:
+                    commands.append(done)
+                continue
+            text = text.strip()
+            if text.startswith("mcmd="):
+                self._mcmd, self._mcmd_bytes, self._segment, self._segments = {"mcmd": text[5:]}, len(raw), 1, 1
+            elif text:
                 commands.append(parse(text))
         if len(self._buf) > MAX_LINE:
             raise PMIError(f"a line longer than {MAX_LINE} bytes")
         return commands
+
+    def _mcmd_line(self, fields: dict[str, str], text: str) -> dict[str, str] | None:
+        """One line of the multi-line command ``fields``; the command once its last segment ended."""
+        self._mcmd_bytes += len(text) + 1
+        if text.strip() == "endcmd":
+            if self._segment >= self._segments:
+                self._mcmd = None
+                return fields
+            return None
+        key, sep, value = text.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise PMIError(f"not a key=value line in a multi-line command: {text[:80]!r}")
+        if key == "mcmd":
+            return None  # the next segment begins
+        if key in ("totspawns", "spawnssofar"):
+            number = value.strip()
+            if not (number.isascii() and number.isdigit() and len(number) <= 6):  # ('¹'.isdigit(), and int() refuses it)
+                raise PMIError(f"{key}={value[:20]!r} is not a count")
+            if key == "totspawns":
+                self._segments = int(number)
+            else:
+                self._segment = int(number)
+        if self._mcmd_bytes > MAX_MCMD:
+            fields["oversized"] = "1"
+        elif self._segment <= 1:  # (the first segment's fields are all a refusal needs)
+            fields.setdefault(key, value)
+        return None
 
 
 # ---------------------------------------------------------------- typed commands
@@ -167,11 +256,33 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class Publish:
+    service: str
+    port: str
+
+
+@dataclass(frozen=True)
+class Lookup:
+    service: str
+
+
+@dataclass(frozen=True)
+class Unpublish:
+    service: str
+
+
+@dataclass(frozen=True)
 class Unsupported:
+    """A query gangd does not serve: ``reply`` is the error MPICH reports for it."""
+
     cmd: str
+    reply_cmd: str
+
+    def reply(self) -> bytes:
+        return line(self.reply_cmd, rc=-1, msg=f"{self.cmd}_is_not_supported_by_gangd")
 
 
-Command = Init | Query | Put | Get | BarrierIn | Finalize | Abort | Unsupported
+Command = Init | Query | Put | Get | BarrierIn | Finalize | Abort | Publish | Lookup | Unpublish | Unsupported
 
 QUERIES = ("get_maxes", "get_appnum", "get_my_kvsname", "get_universe_size", "get_rank", "get_size")
 
@@ -187,7 +298,13 @@ def _field(fields: dict[str, str], name: str, limit: int, reply_cmd: str, *, req
 
 def command(fields: dict[str, str]) -> Command:
     """The typed command of one parsed line; :class:`Refused` if its values break PMI-1's limits."""
-    cmd = fields.get("cmd") or fields.get("mcmd") or ""
+    if "mcmd" in fields:
+        # A multi-line command is a spawn (never served). Its values may hold
+        # spaces and it may carry any key, ``cmd`` included: none of it is taken
+        # as another command (a put whose value has a space could not be answered).
+        name = token(fields["mcmd"])[:64] or "unknown"
+        return Unsupported(name, RESPONSES.get(fields["mcmd"], name))
+    cmd = fields.get("cmd") or ""
     if cmd == "init":
         return Init(fields.get("pmi_version", ""), fields.get("pmi_subversion", ""))
     if cmd in QUERIES:
@@ -207,9 +324,17 @@ def command(fields: dict[str, str]) -> Command:
     if cmd == "abort":
         raw = fields.get("exitcode", "1")
         code, ok = clamp_exit_code(raw)
-        asked = _token(raw)[:24] + ("..." if len(raw) > 24 else "")
+        asked = token(raw)[:24] + ("..." if len(raw) > 24 else "")
         return Abort(code, asked, ok)
-    return Unsupported(_token(cmd)[:64] or "unknown")
+    if cmd == "publish_name":
+        return Publish(_field(fields, "service", SERVICE_MAX, "publish_result"), _field(fields, "port", PORT_MAX, "publish_result"))
+    if cmd == "lookup_name":
+        return Lookup(_field(fields, "service", SERVICE_MAX, "lookup_result"))
+    if cmd == "unpublish_name":
+        return Unpublish(_field(fields, "service", SERVICE_MAX, "unpublish_result"))
+    name = token(cmd)[:64] or "unknown"
+    # (a query outside PMI-1 has no response MPICH waits for: it gets its own name back, as an error)
+    return Unsupported(name, RESPONSES.get(cmd, name))
 
 
 def kvs_budget(nranks: int) -> tuple[int, int]:

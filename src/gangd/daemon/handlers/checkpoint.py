@@ -57,7 +57,8 @@ async def ckpt_list(s, call: Call):
         entry = co.ckpt.live[record["id"]]
         live = {"gen": entry["gen"], "phase": entry["phase"], "trigger": entry["trigger"], "started": entry["started"]}
     return {"job": record["id"], "lineage": record.get("lineage") or record["id"], "generations": generations, "under_way": live,
-            "recoveries": recoveries(co.ckpt.lineage_records(record))}
+            "recoveries": recoveries(co.ckpt.lineage_records(record)),
+            "codec": s.checkpoints.job_codec(record)}  # (what its ranks are told to write new generations with: issue 18)
 
 
 # ------------------------------------------------------------ ranks

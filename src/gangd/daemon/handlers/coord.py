@@ -5,6 +5,7 @@ elsewhere: the sender retries with whoever leads, see :mod:`..calls`)."""
 
 from __future__ import annotations
 
+from ...protocol import pmi
 from ...rpc import RemoteError
 from ..access import integer
 from .registry import PEER, Call, op
@@ -61,3 +62,27 @@ async def coord_fail(s, call: Call):
         code = args.get("code")
         await co.set_reason(integer(args, "job"), str(args.get("reason") or "failed"), code if isinstance(code, int) else None)
     return True
+
+
+@op("coord_names", audience=PEER)
+async def coord_names(s, call: Call):
+    """MPI's name service for a rank of ``job`` (:mod:`..names`); the lengths were checked by the rank's node."""
+    args = call.args
+    coordinator(s)
+    job_id = integer(args, "job")
+    service = args.get("service")
+    if type(service) is not str or not service or len(service.encode()) > pmi.SERVICE_MAX:
+        raise RemoteError("bad_request", f"a service name is text of 1 to {pmi.SERVICE_MAX} bytes")
+    what = args.get("what")
+    if what == "publish":
+        port = args.get("port")
+        if type(port) is not str or len(port.encode()) > pmi.PORT_MAX:
+            raise RemoteError("bad_request", f"a port is text of at most {pmi.PORT_MAX} bytes")
+        await s.names.publish(job_id, service, port)
+        return True
+    if what == "lookup":
+        return await s.names.lookup(job_id, service)
+    if what == "unpublish":
+        await s.names.unpublish(job_id, service)
+        return True
+    raise RemoteError("bad_request", f"no name service operation {str(what)[:40]!r}")

@@ -35,6 +35,7 @@ class Services:
     listing: Any = None  # .jobs.Listing
     jobnet: Any = None
     pmi: Any = None
+    names: Any = None  # .names.NameService (serves only while this node leads)
     checkpoints: Any = None  # .checkpoint.NodeCheckpoints
     flusher: Any = None  # .flush.Flusher
     peers: Any = None

@@ -23,6 +23,8 @@
 ``PREFIX/lineage/<root>/<id>``  job ``id`` of checkpoint lineage ``root`` is in the history
                            (written as it moves there: a restart finds its lineage's
                            generations without reading the whole history)
+``PREFIX/names/<uid>/<hex>``  MPI's name service: a service name (hex of its bytes)
+                           published by a job of user ``uid``, see daemon.names
 ``PREFIX/lineage-indexed``  the index above covers the whole history (older
                            gangd versions moved jobs there without it: the
                            first coordinator that finds this key missing adds
@@ -52,6 +54,14 @@ class Keys:
         self.lineages_indexed = f"{prefix}/lineage-indexed"
         self.placed = f"{prefix}/on/"
         self.placed_on_many = f"{prefix}/on/+/"
+        self.names = f"{prefix}/names/"
+
+    def names_of(self, uid: int) -> str:
+        """The prefix of the service names user ``uid`` published."""
+        return f"{self.names}{uid}/"
+
+    def name(self, uid: int, service: str) -> str:
+        return self.names_of(uid) + service.encode().hex()
 
     def placed_on(self, node: str) -> str:
         """The prefix of the copies of the jobs placed on ``node``."""

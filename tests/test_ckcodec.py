@@ -184,6 +184,16 @@ def test_chains_over_several_generations_restore_bit_identical(tmp_path, mode, c
         _same(_load(paths[gen], results[gen], _chain_of(results, paths, gen)), states[gen])
 
 
+@pytest.mark.parametrize("mode", ["incremental", "differential", "adaptive"])
+def test_a_delta_in_which_nothing_changed_writes_no_unit_and_restores(tmp_path, mode):
+    values = {"u": _smooth(20_000), "empty": np.zeros(0)}
+    first = _save(tmp_path / "1", values, "auto", gen=1, mode=mode, block=1024)
+    offered = [(1, tmp_path / "1", (first["size"], first["digest"]))]
+    second = _save(tmp_path / "2", values, "auto", gen=2, mode=mode, offered=offered, block=1024)
+    assert second["role"] != "full" and second["stored"] == 0 and blocks.read_index(tmp_path / "2").codecs == ()
+    _same(_load(tmp_path / "2", second, offered), values)
+
+
 def test_incompressible_data_is_stored_raw_and_compressible_data_shrinks(tmp_path):
     noise = np.frombuffer(np.random.default_rng(3).bytes(1 << 20), dtype=np.uint8)
     for codec in ("zstd:3", "blosc2:zstd:1:shuffle", "auto"):
@@ -419,3 +429,43 @@ def test_a_program_restarted_where_its_codec_is_missing_says_which_and_how_to_in
     again = _run(work, GANGD_RESTART="latest", PYTHONPATH=plugin, **env)
     assert again.returncode == 0, again.stderr
     assert _field(again, "digest") == [reference]
+
+
+# ====================================================================== under the daemons
+
+
+@pytest.mark.parametrize(("codec", "mode", "inline"), [("auto", "incremental", False), ("blosc2:lz4:1:bytedelta", "adaptive", True)])
+def test_a_job_run_with_a_codec_is_checkpointed_compressed_and_restarted_bit_identical(make_cluster, tmp_path, codec, mode, inline):
+    """``gang submit --ckpt-codec``: every rank writes compressed generations (format 3, smaller than
+    its state), a delta chain among them; killed and restarted from the newest, twice, the job ends
+    as an uninterrupted raw run did."""
+    from ckpthelpers import generations, kill_and_restart, kill_what_is_left, result_of
+    from test_delta_cluster import Steered, rank_file, reference_of, take
+
+    gc = make_cluster(2)
+    try:
+        options = ("--inline",) if inline else ()
+        expected = reference_of(gc, tmp_path / "ref", options)
+        job = Steered(gc, tmp_path / "run", *options)
+        current = first = job.submit("--ckpt-mode", mode, "--ckpt-codec", codec, "--ckpt-redundancy", "local")
+        step = 0
+        for n in range(1, 7):
+            step += 2
+            job.go(step)
+            taken = take(gc, current)
+            assert taken["state"] == "complete", taken
+            if n in (3, 5):
+                current = kill_and_restart(gc, current)
+        entries = {e["gen"]: e for e in generations(gc, current)}
+        newest = max(g for g, e in entries.items() if e["state"] in ("complete", "protected"))
+        record = gc.job(current)
+        for rank in (0, 1):
+            path = rank_file(gc, record, first, newest, rank)
+            index = blocks.read_index(path)
+            assert path.read_bytes()[:8] == blocks.MAGIC3 and index.version == 3
+            assert path.stat().st_size < 0.9 * index.state, (rank, path.stat().st_size, index.state)
+        assert any(entries[g].get("needs") for g in entries), entries  # (the chain had deltas)
+        job.go(Steered.STEPS)
+        assert result_of(gc, current, timeout=120) == expected
+    finally:
+        kill_what_is_left(gc)

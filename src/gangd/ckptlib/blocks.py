@@ -298,7 +298,7 @@ def _decode(path: Path, size: int, index_offset: int, tail: bytes, version: int 
         from ..codecs import CodecError, CodecId
 
         table, per = head["codecs"], head["unit"]
-        if not isinstance(table, list) or not 1 <= len(table) <= units.MAX_CODECS or not _is_int(per, 1, 1 << 30):
+        if not isinstance(table, list) or len(table) > units.MAX_CODECS or not _is_int(per, 1, 1 << 30):  # (empty: no unit written)
             raise bad("its index has an unusable codec table or unit size")
         try:
             table = tuple(str(CodecId.parse(text)) for text in table)

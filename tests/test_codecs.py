@@ -21,6 +21,7 @@ import threading
 import numpy as np
 import pytest
 import xxhash
+from codechelpers import ZLIB_PLUGIN, dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -245,16 +246,6 @@ def test_a_builtin_whose_library_is_not_installed_names_the_package_to_install(l
     assert f"codec '{spec.split(':')[0]}'" in done.stdout and f"pip install {library}" in done.stdout, done.stdout
 
 
-def _dist(tmp_path, name: str, entry_points: str, modules: dict[str, str] | None = None):
-    """A real installed distribution: a dist-info with METADATA and entry_points.txt (and its modules) in ``tmp_path``."""
-    info = tmp_path / f"{name.replace('-', '_')}-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text(f"[gangd.codecs]\n{entry_points}\n")
-    for module, source in (modules or {}).items():
-        (tmp_path / f"{module}.py").write_text(textwrap.dedent(source))
-
-
 @pytest.fixture
 def fresh_registry():
     registry.forget()
@@ -262,47 +253,11 @@ def fresh_registry():
     registry.forget()
 
 
-_ZLIB_PLUGIN = '''
-    """A plug-in codec over the standard library's zlib, as an accelerator's package would ship one."""
-    import zlib
-
-
-    class ZlibCodec:
-        name = "zlibtest"
-        version = 2
-
-        def __init__(self, level):
-            self.level = level
-
-        def compress(self, data, itemsize):
-            return zlib.compress(data, self.level)
-
-        def decompress_into(self, data, out):
-            d = zlib.decompressobj()
-            raw = d.decompress(data, len(out) + 1)  # bounded: at most one byte more than the block holds
-            if len(raw) != len(out) or not d.eof:
-                raise ValueError(f"{len(raw)} bytes, expected {len(out)}")
-            out[:] = raw
-            return len(out)
-
-
-    def make(params):
-        (level,) = params or ("6",)
-        if not level.isdigit() or not 0 <= int(level) <= 9:
-            raise ValueError("the level is 0..9")
-        return ZlibCodec(int(level))
-
-
-    def wrong_name(params):
-        codec = ZlibCodec(1)
-        codec.name = "zstd"
-        return codec
-'''
 
 
 def test_a_plugin_codec_registered_through_an_entry_point_is_found_and_used(tmp_path, monkeypatch, fresh_registry):
-    _dist(tmp_path, "gangd-zlibtest", "zlibtest = gangd_zlibtest:make\nmislabelled = gangd_zlibtest:wrong_name\nzstd = gangd_zlibtest:make",
-          {"gangd_zlibtest": _ZLIB_PLUGIN})
+    dist(tmp_path, "gangd-zlibtest", "zlibtest = gangd_zlibtest:make\nmislabelled = gangd_zlibtest:wrong_name\nzstd = gangd_zlibtest:make",
+          {"gangd_zlibtest": ZLIB_PLUGIN})
     with pytest.raises(CodecMissing):
         codecs.get("zlibtest")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -332,7 +287,7 @@ def test_a_codec_no_installed_package_provides_is_named_with_how_to_get_it(fresh
 
 
 def test_a_plugin_whose_module_cannot_be_imported_names_its_package(tmp_path, monkeypatch, fresh_registry):
-    _dist(tmp_path, "gangd-gpucodec", "gpucodec = gangd_gpucodec_missing_module:make\nbroken = gangd_broken:make",
+    dist(tmp_path, "gangd-gpucodec", "gpucodec = gangd_gpucodec_missing_module:make\nbroken = gangd_broken:make",
           {"gangd_broken": "raise RuntimeError('no GPU found')\n"})
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(CodecMissing) as e:

@@ -41,9 +41,10 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import xxhash
@@ -141,10 +142,21 @@ def _writev(fd: int, views: list[memoryview]) -> None:
             views[0] = views[0][n:]
 
 
+class Streamed:
+    """A chunk that writes itself: ``fn(fd, digest)`` writes at ``fd``'s position (advancing it, the
+    digest updated with what it wrote) and returns (bytes written, the buffers to write after it).
+    A compressed checkpoint's blocks: their sizes are known only once compressed, by the pipeline
+    that writes them (:mod:`gangd.ckptlib.blocks`)."""
+
+    def __init__(self, fn: Callable[[int, Any], tuple[int, list]]):
+        self.fn = fn
+
+
 def write_chunks(fd: int, chunks: Iterable, digest=None, *, kick: int = 0, _at: int = 0) -> int:
     """Write every buffer of ``chunks`` (bytes-like, any size) to ``fd``; returns bytes written.
     A callable chunk is called with ``fd`` once everything before it is written, and the buffers it
-    returns are written in its place (a checkpoint's index, hashed while the disk writes its blocks).
+    returns are written in its place (a checkpoint's index, hashed while the disk writes its blocks);
+    a :class:`Streamed` one writes its own bytes first.
 
     Small buffers go out together (``writev``, up to :data:`CHUNK` bytes or :data:`IOV` buffers a
     call): a delta's file is hundreds of 16 KiB runs. ``kick``: each time that many more bytes are
@@ -164,6 +176,13 @@ def write_chunks(fd: int, chunks: Iterable, digest=None, *, kick: int = 0, _at: 
             kicked = total
 
     for chunk in chunks:
+        if isinstance(chunk, Streamed):
+            flush()
+            written, after = chunk.fn(fd, digest)
+            total += written
+            total += write_chunks(fd, after, digest, kick=kick, _at=_at + total)
+            kicked = total
+            continue
         if callable(chunk):
             flush()
             total += write_chunks(fd, chunk(fd), digest, kick=kick, _at=_at + total)
@@ -220,7 +239,7 @@ def write_atomic(path: Path, chunks: Iterable, *, mode: int = 0o600, owner: tupl
             os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             if durable:
                 os.fsync(dir_fd)
-        except OSError:
+        except BaseException:  # (a failing chunk -- a codec's error in a Streamed one -- leaves no temporary file either)
             try:
                 os.unlink(tmp, dir_fd=dir_fd)
             except OSError:

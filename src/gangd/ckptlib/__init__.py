@@ -65,7 +65,7 @@ _cp: Checkpointer | None = None
 
 def init(*, directory: str | os.PathLike | None = None, restart=None, background: bool | None = None,
          every: float | None = None, keep: int = 2, spc=None, mode: str | None = None, block_kib: int | None = None,
-         chain_max: int | None = None, threshold: float | None = None) -> Checkpointer:
+         chain_max: int | None = None, threshold: float | None = None, codec: str | None = None) -> Checkpointer:
     """Set up checkpointing for this process; call once, before :func:`protect`.
 
     ``restart`` (alone only; gangd decides under ``gang restart``): ``"latest"``
@@ -82,6 +82,14 @@ def init(*, directory: str | os.PathLike | None = None, restart=None, background
     (``GANGD_CKPT_BLOCK_KIB``, 16), ``chain_max`` (8 generations a restore
     reads at most), ``threshold`` (adaptive's new-base rule, 0.10 of the
     state): how generations are written alone (issue 17).
+    ``codec`` (``GANGD_CKPT_CODEC``, which ``gang run --ckpt-codec`` sets):
+    how the blocks are compressed -- ``"none"`` (the default: uncompressed,
+    exactly as without this setting), ``"lz4"``, ``"zstd[:LEVEL]"``,
+    ``"blosc2[:INNER][:LEVEL][:FILTER]"``, ``"auto"`` (per value, from a
+    sample; raw where it would not shrink) or a plug-in's name; checked here
+    (a :class:`CheckpointError` names a bad one). Compressed generations are
+    written through a compress/write pipeline and recorded per unit of
+    blocks, so a restart never guesses (issue 18).
     """
     global _cp
     if _cp is not None and not _cp.closed:
@@ -99,7 +107,7 @@ def init(*, directory: str | os.PathLike | None = None, restart=None, background
     if restart is True:
         restart = "latest"
     info = job_info()
-    settings = DeltaSettings.from_options(mode, block_kib, chain_max, threshold)
+    settings = DeltaSettings.from_options(mode, block_kib, chain_max, threshold, codec)
     cp = Checkpointer(None, background=background, spc=spc_mod.select(spc), settings=settings)
     # The handler first: once the daemon knows this rank takes checkpoints it
     # may send SIGQUIT at any moment, and SIGQUIT's default action kills.

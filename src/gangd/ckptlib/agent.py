@@ -53,7 +53,7 @@ from ..comm.control import DaemonLink
 from ..comm.errors import CommError
 from ..protocol import Note, Reply
 from . import spc
-from .core import Checkpointer, CheckpointError, warn
+from .core import Checkpointer, CheckpointError, codec_missing, warn
 
 if TYPE_CHECKING:  # (imported at the first checkpoint or restore: a rank that takes none does not pay for them)
     from ..checkpoint import messages
@@ -122,6 +122,11 @@ class DaemonAgent:
             # the chain handed over, and every placed block against this generation's signatures.
             values, iteration = spc.read(cp.spc, path, expect, _chain_of(self.restart))
         except StoreError as exc:
+            self._note("ckpt_restored", {"gen": gen, "error": str(exc)})
+            raise CheckpointError(f"cannot restore rank {self.info.rank}: {exc}") from None
+        except Exception as exc:
+            if not codec_missing(exc):
+                raise
             self._note("ckpt_restored", {"gen": gen, "error": str(exc)})
             raise CheckpointError(f"cannot restore rank {self.info.rank}: {exc}") from None
         cp.restored, cp.start, cp.generation = values, iteration, gen

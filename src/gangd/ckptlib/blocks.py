@@ -58,8 +58,12 @@ import xxhash
 from .. import ckptstore
 from ..checkpoint import delta
 from ..ckptstore import StoreError
+from . import units
+from .units import pread as _pread
+from .units import runs as _runs
 
 MAGIC = b"GANGDCK2"
+MAGIC3 = b"GANGDCK3"  # compressed units (issue 18, :mod:`.units`); written only when a codec other than none is asked for
 END = b"GANGDEND"
 FOOTER = struct.Struct("<QQ16s8s")  # index offset, index length, xxh3-128(index), END
 SIG = 16  # bytes of one block's hash
@@ -72,6 +76,7 @@ MAX_DTYPE = 1 << 16  # bytes of a dtype's description (a pickled record dtype wi
 CODECS = ("none",)
 _ENTRY_KEYS = {"name", "kind", "meta", "nbytes", "nblocks", "whole", "codec"}
 _INDEX_KEYS = {"v", "iteration", "extra", "block", "gen", "role", "parent", "base", "links", "signed", "overhead", "entries"}
+_INDEX_KEYS3 = _INDEX_KEYS | {"unit", "codecs"}
 
 _hash = xxhash.xxh3_128_digest
 KICK = 4 << 20  # bytes: a delta's file is pushed to the disk in pieces this large while the rest is copied
@@ -195,6 +200,10 @@ class Entry:
     present: np.ndarray  # (nblocks,) bool: the blocks this file stores
     offset: int  # where this value's first stored block starts in the file
     stored: int  # bytes of this value's stored blocks
+    # Format 3 (compressed units, :mod:`.units`): each unit's [a, b) blocks, codec (a number in the file's table), stored length.
+    units: tuple[tuple[int, int], ...] | None = None
+    unit_codec: np.ndarray | None = None
+    unit_len: np.ndarray | None = None
 
     def same_value(self, other: Entry) -> bool:
         """Whether blocks of ``other`` can stand in for blocks of this value (same kind, layout and size)."""
@@ -220,6 +229,8 @@ class Index:
     entries: tuple[Entry, ...]
     index_offset: int
     tail: bytes = field(repr=False, compare=False)  # index + footer, as read (the whole-file checksum covers them)
+    version: int = 2
+    codecs: tuple[str, ...] = ()  # format 3: the codec identities its units name (zstd:3@1)
 
     @property
     def own_overhead(self) -> int:
@@ -265,7 +276,7 @@ def _is_int(x: object, low: int = 0, high: int = 1 << 62) -> bool:
     return type(x) is int and low <= x <= high
 
 
-def _decode(path: Path, size: int, index_offset: int, tail: bytes) -> Index:
+def _decode(path: Path, size: int, index_offset: int, tail: bytes, version: int = 2) -> Index:
     """The index of ``tail`` (index + footer), every field checked; StoreError on anything off."""
     index = memoryview(tail)[: len(tail) - FOOTER.size]
 
@@ -279,8 +290,22 @@ def _decode(path: Path, size: int, index_offset: int, tail: bytes) -> Index:
         used = unpacker.tell()
     except Exception as exc:  # noqa: BLE001 -- any way a damaged index fails to decode is a StoreError
         raise bad(f"unreadable index ({type(exc).__name__})") from None
-    if not isinstance(head, dict) or set(head) != _INDEX_KEYS or head["v"] != 2:
-        raise bad("its index is not a version 2 index")
+    if not isinstance(head, dict) or set(head) != (_INDEX_KEYS3 if version == 3 else _INDEX_KEYS) or head["v"] != version:
+        raise bad(f"its index is not a version {version} index")
+    table: tuple[str, ...] = ()
+    per = 0
+    if version == 3:
+        from ..codecs import CodecError, CodecId
+
+        table, per = head["codecs"], head["unit"]
+        if not isinstance(table, list) or len(table) > units.MAX_CODECS or not _is_int(per, 1, 1 << 30):  # (empty: no unit written)
+            raise bad("its index has an unusable codec table or unit size")
+        try:
+            table = tuple(str(CodecId.parse(text)) for text in table)
+        except CodecError as exc:
+            raise bad(f"its codec table names no codec ({exc})") from None
+        if not head["signed"]:
+            raise bad("a compressed file is always signed (its blocks are checked after decompressing)")
     gen, role, parent, base, links = head["gen"], head["role"], head["parent"], head["base"], head["links"]
     block, signed, overhead, iteration, extra = head["block"], head["signed"], head["overhead"], head["iteration"], head["extra"]
     if not _is_int(gen) or role not in delta.ROLES or not isinstance(links, list) or not _is_int(block, MIN_BLOCK, MAX_BLOCK):
@@ -310,7 +335,8 @@ def _decode(path: Path, size: int, index_offset: int, tail: bytes) -> Index:
         name, kind, meta, nbytes, count, whole, codec = (e[k] for k in ("name", "kind", "meta", "nbytes", "nblocks", "whole", "codec"))
         what = f"value {name!r}"
         names.add(name)
-        if kind not in ("nd", "pk") or not isinstance(meta, dict) or type(whole) is not bool or codec not in CODECS:
+        known = (isinstance(codec, str) and 0 < len(codec) <= 160) if version == 3 else codec in CODECS
+        if kind not in ("nd", "pk") or not isinstance(meta, dict) or type(whole) is not bool or not known:
             raise bad(f"{what} has an unusable kind, layout or codec")
         if not _is_int(nbytes) or not _is_int(count) or count != nblocks(nbytes, block):
             raise bad(f"{what} has {count!r} blocks of {block} bytes for {nbytes!r} bytes")
@@ -351,14 +377,32 @@ def _decode(path: Path, size: int, index_offset: int, tail: bytes) -> Index:
         stored = n_present * block
         if count and present[-1]:
             stored -= count * block - nbytes  # the last block is short
-        entries.append(Entry(name, kind, meta, nbytes, count, whole, codec, sig, present, offset, stored))
+        if version != 3:
+            entries.append(Entry(name, kind, meta, nbytes, count, whole, codec, sig, present, offset, stored))
+            offset += stored
+            continue
+        cuts = tuple(units.cut(present, per))
+        if at + 9 * len(cuts) > len(index):
+            raise bad(f"its index is too short for {what}'s {len(cuts)} compressed units")
+        unit_codec = np.frombuffer(index, dtype=np.uint8, count=len(cuts), offset=at)
+        at += len(cuts)
+        unit_len = np.frombuffer(index, dtype="<u8", count=len(cuts), offset=at)
+        at += 8 * len(cuts)
+        raws = np.array([units.raw_length(a, b, block, nbytes) for a, b in cuts], dtype=np.int64)
+        if len(cuts) and (int(unit_codec.max()) >= len(table) or int(unit_len.min()) < 1 or bool(np.any(unit_len > raws))):
+            raise bad(f"{what} has a compressed unit with an unknown codec or a stored length of none or more than its raw bytes")
+        raw_units = unit_codec == table.index(units.RAW) if units.RAW in table else np.zeros(len(cuts), bool)
+        if bool(np.any(unit_len[raw_units] != raws[raw_units])):
+            raise bad(f"{what} has a unit stored raw whose length is not its raw length")
+        stored = int(unit_len.sum())
+        entries.append(Entry(name, kind, meta, nbytes, count, whole, codec, sig, present, offset, stored, cuts, unit_codec, unit_len))
         offset += stored
     if at != len(index):
         raise bad(f"its index has {len(index) - at} bytes after its last value")
     if offset != index_offset:
         raise bad(f"its blocks take {offset - len(MAGIC)} bytes, but its index starts at {index_offset}")
     return Index(Path(path), size, gen, role, parent, base, tuple(links), iteration, extra, block, signed, overhead,
-                 tuple(entries), index_offset, bytes(tail))
+                 tuple(entries), index_offset, bytes(tail), version, table)
 
 
 def _open(path: Path) -> int:
@@ -366,18 +410,6 @@ def _open(path: Path) -> int:
         return ckptstore.open_regular(path)
     except OSError as exc:
         raise StoreError(f"cannot open {path}: {exc.strerror or exc}") from None
-
-
-def _pread(fd: int, view: memoryview, offset: int, path: Path) -> None:
-    got = 0
-    while got < len(view):
-        try:
-            n = os.preadv(fd, [view[got:]], offset + got)
-        except OSError as exc:
-            raise StoreError(f"cannot read {path}: {exc.strerror or exc}") from None
-        if not n:
-            raise StoreError(f"{path} is truncated (ends before byte {offset + len(view)})")
-        got += n
 
 
 def _index_of(fd: int, path: Path, expect_size: int | None = None) -> Index:
@@ -388,8 +420,8 @@ def _index_of(fd: int, path: Path, expect_size: int | None = None) -> Index:
         raise StoreError(f"{path} is truncated: {size} bytes cannot hold a checkpoint")
     magic = bytearray(len(MAGIC))
     _pread(fd, memoryview(magic), 0, path)
-    if bytes(magic) != MAGIC:
-        raise StoreError(f"{path} is not a version 2 gangd checkpoint image (bad magic)")
+    if bytes(magic) not in (MAGIC, MAGIC3):
+        raise StoreError(f"{path} is not a version 2 or 3 gangd checkpoint image (bad magic)")
     footer = bytearray(FOOTER.size)
     _pread(fd, memoryview(footer), size - FOOTER.size, path)
     index_offset, index_len, index_hash, end = FOOTER.unpack(footer)
@@ -401,7 +433,7 @@ def _index_of(fd: int, path: Path, expect_size: int | None = None) -> Index:
     _pread(fd, memoryview(tail), index_offset, path)
     if _hash(memoryview(tail)[:index_len]) != index_hash:
         raise StoreError(f"{path} is corrupted: its index does not match its checksum")
-    return _decode(path, size, index_offset, bytes(tail))
+    return _decode(path, size, index_offset, bytes(tail), 3 if bytes(magic) == MAGIC3 else 2)
 
 
 def read_index(path: Path, expect: Sequence | None = None) -> Index:
@@ -453,20 +485,9 @@ def diff(state: State, ref: Index | None) -> Diff:
     return Diff(changed, total)
 
 
-def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
-    """[start, end) of each run of True."""
-    idx = np.flatnonzero(mask)
-    if not len(idx):
-        return []
-    breaks = np.flatnonzero(np.diff(idx) != 1)
-    starts = idx[np.concatenate(([0], breaks + 1))]
-    ends = idx[np.concatenate((breaks, [len(idx) - 1]))] + 1
-    return list(zip(starts.tolist(), ends.tolist(), strict=True))
-
-
 def write_delta(path: Path, values: Mapping[str, object] | State, choice: delta.Choice, ref_sigs: Index | None, *,
                 gen: int, iteration: int = 0, extra: dict | None = None, block: int = DEFAULT_BLOCK, durable: bool = True,
-                changes: Diff | None = None, late: bool = False) -> dict:
+                changes: Diff | None = None, late: bool = False, codec: object = None, pipeline: object = None) -> dict:
     """Pass 2: write generation ``gen``'s file with the blocks ``choice`` asks for.
 
     ``values``: the values, or the :class:`State` pass 1 hashed (an unhashed
@@ -479,18 +500,30 @@ def write_delta(path: Path, values: Mapping[str, object] | State, choice: delta.
     "state", "restore"}: ``state`` the values' bytes, ``restore`` the bytes
     a restore of this generation reads (each block once, plus every file's
     magic, index and footer).
+
+    ``codec`` (a :class:`gangd.codecs.CodecSpec` other than ``none``): the blocks
+    are compressed in units and written by a pipeline (format 3, :mod:`.units`;
+    ``pipeline``: its :class:`gangd.pipeline.Settings`); the state is then hashed
+    before it is written (a compressed file is always signed), and the result
+    also has "stored" (the units' bytes) and "pipeline" (bytes and busy time per stage).
     """
+    if _compressing(codec):
+        late = False  # (encode hashes a compressed file's state before its units are written)
     chunks, result = encode(values, choice, ref_sigs, gen=gen, iteration=iteration, extra=extra, block=block, changes=changes,
-                            late=late, kick=late and durable)
+                            late=late, kick=late and durable, codec=codec, pipeline=pipeline, path=Path(path))
     # (A late full kicks its blocks once, before hashing them: see encode. Anything else starts the disk
     # on its blocks as they are copied, so the fsync after them waits for the last few MiB, not all.)
     size, digest = ckptstore.write_atomic(Path(path), chunks, durable=durable, kick=0 if late else KICK)
     return {"size": size, "digest": digest, **result}
 
 
+def _compressing(codec: object) -> bool:
+    return codec is not None and getattr(codec, "name", "none") != "none"
+
+
 def encode(values: Mapping[str, object] | State, choice: delta.Choice, ref_sigs: Index | None, *, gen: int, iteration: int = 0,
            extra: dict | None = None, block: int = DEFAULT_BLOCK, changes: Diff | None = None, late: bool = False,
-           kick: bool = False) -> tuple[list, dict]:
+           kick: bool = False, codec: object = None, pipeline: object = None, path: Path | None = None) -> tuple[list, dict]:
     """The file :func:`write_delta` writes, as a list of buffers (the values' blocks by reference), and its result fields.
 
     ``late`` (a full only): the state is hashed after its blocks are written,
@@ -501,6 +534,10 @@ def encode(values: Mapping[str, object] | State, choice: delta.Choice, ref_sigs:
     disk instead of preceding the fsync (the dense case of :func:`save_generation`).
     """
     state = values if isinstance(values, State) else plan(values, block)
+    packed = _compressing(codec)
+    # A compressed file is always signed (its blocks are checked after decompressing): an unhashed
+    # full's blocks are hashed by a stage of the pipeline that writes them, on its own thread.
+    hash_late = packed and not state.signed
     full = choice.role == "full"
     if choice.role not in delta.ROLES or full != (choice.against is None):
         raise ValueError(f"a {choice.role} checkpoint {'has no' if full else 'needs a'} reference generation")
@@ -524,42 +561,83 @@ def encode(values: Mapping[str, object] | State, choice: delta.Choice, ref_sigs:
         parent = ref_sigs.gen
         base = ref_sigs.base
         overhead = ref_sigs.overhead + ref_sigs.own_overhead
-    chunks: list = [MAGIC]
+    chunks: list = [MAGIC3 if packed else MAGIC]
     meta_entries: list[dict] = []
     presents: list[np.ndarray] = []
     offset = len(MAGIC)
+    per = units.per_unit(state.block)
+    todo: list[tuple[memoryview, object, int]] = []  # compressed: the units, in file order
+    unit_at: list[tuple[Value, int, int]] = []  # compressed, hashed as written: each unit's value and blocks
+    counts: list[int] = []  # compressed: units per value
     for v in state.values:
         count = nblocks(v.nbytes, state.block)
         mask = None if changes is None else changes.changed.get(v.name)
         whole = mask is None
-        if mask is None:
-            present = np.ones(count, dtype=bool)
+        present = np.ones(count, dtype=bool) if mask is None else mask
+        spec_text = "none"
+        if packed:
+            dtype = _dtype(v.meta["dtype"]) if v.kind == "nd" else None
+            spec, itemsize = units.choose(codec, v.data, dtype)
+            spec_text = str(spec)
+            cuts = units.cut(present, per)
+            todo.extend((v.data[a * state.block : min(b * state.block, v.nbytes)], spec, itemsize) for a, b in cuts)
+            if hash_late:
+                v.sig = np.empty((count, SIG), dtype=np.uint8)
+                unit_at.extend((v, a, b) for a, b in cuts)
+            counts.append(len(cuts))
+        elif mask is None:
             if v.nbytes:
                 chunks.append(v.data)
             offset += v.nbytes
         else:
-            present = mask
             for a, b in _runs(mask):
                 part = v.data[a * state.block : min(b * state.block, v.nbytes)]
                 chunks.append(part)
                 offset += len(part)
         meta_entries.append({"name": v.name, "kind": v.kind, "meta": v.meta, "nbytes": v.nbytes, "nblocks": count,
-                             "whole": whole, "codec": "none"})
+                             "whole": whole, "codec": spec_text})
         presents.append(present)
-    result = {"role": choice.role, "parent": parent, "base": delta.base_of(gen, choice, base), "links": links, "state": state.total}
+    result: dict[str, object] = {"role": choice.role, "parent": parent, "base": delta.base_of(gen, choice, base), "links": links, "state": state.total}
+    written = None
 
     def tail() -> list[bytes]:
         raw: list[bytes] = []
-        for v, present in zip(state.values, presents, strict=True):
+        done = 0
+        for number, (v, present) in enumerate(zip(state.values, presents, strict=True)):
             if state.signed and v.sig is not None:
                 raw.append(v.sig.tobytes())
             raw.append(np.packbits(present).tobytes())
-        head = msgpack.packb({"v": 2, "iteration": iteration, "extra": extra or {}, "block": state.block, "gen": gen,
-                              "role": choice.role, "parent": parent, "base": result["base"], "links": links,
-                              "signed": state.signed, "overhead": overhead, "entries": meta_entries}, use_bin_type=True)
-        index = head + b"".join(raw)
+            if written is not None:
+                n = counts[number]
+                raw.append(np.array(written.unit_codec[done : done + n], dtype=np.uint8).tobytes())
+                raw.append(np.array(written.unit_len[done : done + n], dtype="<u8").tobytes())
+                done += n
+        fields = {"v": 2, "iteration": iteration, "extra": extra or {}, "block": state.block, "gen": gen,
+                  "role": choice.role, "parent": parent, "base": result["base"], "links": links,
+                  "signed": state.signed, "overhead": overhead, "entries": meta_entries}
+        end = offset
+        if written is not None:
+            fields.update({"v": 3, "unit": per, "codecs": written.codecs})
+            end = len(MAGIC3) + written.written
+        index = msgpack.packb(fields, use_bin_type=True) + b"".join(raw)
         result["restore"] = state.total + overhead + len(MAGIC) + len(index) + FOOTER.size
-        return [index, FOOTER.pack(offset, len(index), _hash(index), END)]
+        return [index, FOOTER.pack(end, len(index), _hash(index), END)]
+
+    if packed:
+        def hash_unit(key: int, data: memoryview) -> None:
+            v, a, b = unit_at[key]
+            v.sig[a:b] = hash_blocks(data, state.block)  # type: ignore[index]  # (allocated with the unit list)
+
+        run, written = units.stream(path or Path(f"generation {gen}"), todo, pipeline, hash_unit if hash_late else None)
+
+        def streamed(fd: int, digest) -> tuple[int, list]:
+            n, _ = run(fd, digest)
+            state.signed = state.signed or hash_late
+            result["stored"] = written.written
+            result["pipeline"] = {"in": written.raw, "out": written.written, "stages": written.stages}
+            return n, tail()
+
+        return [chunks[0], ckptstore.Streamed(streamed)], result
 
     if not late:
         return chunks + tail(), result
@@ -663,7 +741,7 @@ def read_chain(path: Path, chain: Iterable = (), expect: Sequence | None = None,
             source[e.name] = np.zeros(e.nblocks, dtype=np.int32)
         digest = ckptstore.hasher() if expect is not None else None
         if digest is not None:
-            digest.update(MAGIC)
+            digest.update(MAGIC3 if top.version == 3 else MAGIC)
         blocks_read += _place(fd, top, top, 0, views, placed, source, digest)
         if digest is not None:
             digest.update(top.tail)
@@ -734,6 +812,7 @@ def _place(fd: int, top: Index, index: Index, number: int, views: dict[str, memo
            source: dict[str, np.ndarray], digest) -> int:
     """Read the blocks ``index``'s file holds that no newer file placed; returns the bytes read."""
     got = 0
+    compressed: list[units.Job] = []  # a format 3 file's units, read and decompressed together below
     for e in top.entries:
         done = placed[e.name]
         if done.all():
@@ -745,6 +824,12 @@ def _place(fd: int, top: Index, index: Index, number: int, views: dict[str, memo
         need = mine.present & ~done
         if not need.any():
             continue
+        if mine.units is not None and mine.unit_len is not None and mine.unit_codec is not None:
+            compressed += units.jobs(e.name, index.codecs, mine.units, mine.unit_len, mine.unit_codec, mine.offset, views[e.name],
+                                     need, top.block, e.nbytes)
+            done |= need
+            source[e.name][need] = number
+            continue
         stored_before = np.cumsum(mine.present) - mine.present  # stored blocks ahead of each block
         view, block = views[e.name], top.block
         for a, b in _runs(need):
@@ -755,6 +840,8 @@ def _place(fd: int, top: Index, index: Index, number: int, views: dict[str, memo
             got += len(part)
         done |= need
         source[e.name][need] = number
+    if compressed:
+        got += units.place(fd, index.path, compressed, digest)
     return got
 
 
@@ -802,7 +889,8 @@ def looks_dense(state: State, refs: Sequence[Index], full_above: float = delta.D
 def save_generation(path: Path, values: Mapping[str, object], *, gen: int, iteration: int = 0, mode: str = delta.DEFAULT_MODE,
                     offered: Iterable = (), block: int = DEFAULT_BLOCK, chain_max: int = delta.DEFAULT_CHAIN_MAX,
                     threshold: float = delta.DEFAULT_THRESHOLD, full_above: float = delta.DEFAULT_FULL_ABOVE,
-                    force_full: bool = False, extra: dict | None = None, durable: bool = True) -> dict:
+                    force_full: bool = False, extra: dict | None = None, durable: bool = True, codec: object = None,
+                    pipeline: object = None) -> dict:
     """Write generation ``gen`` of the values in ``mode``: hash (unless
     ``full``), compare with the offered parent and its base, :func:`delta.choose`,
     write. ``offered``: the parent generation's file first, then its chain
@@ -822,6 +910,10 @@ def save_generation(path: Path, values: Mapping[str, object], *, gen: int, itera
     is not signed at all, so a run of dense generations hashes every other
     one, and its next generation is a signed full (never a delta against an
     unsigned file). Dense adaptive then costs a plain full plus the sample.
+
+    ``codec`` (a :class:`gangd.codecs.CodecSpec`; None or ``none``: raw, format 2
+    exactly as before): the blocks written are compressed and written by a
+    pipeline (:func:`write_delta`); ``auto`` picks per value.
     """
     if mode not in delta.MODES:
         raise ValueError(f"checkpoint mode {mode!r} is not one of {', '.join(delta.MODES)}")
@@ -857,7 +949,8 @@ def save_generation(path: Path, values: Mapping[str, object], *, gen: int, itera
             # generations signs every other one (the next is then a signed full, never a delta against
             # an unsigned one).
             sign = not (dense and parent is not None and parent.role == "full")
-            result = write_delta(path, state, delta.FULL, None, gen=gen, iteration=iteration, extra=extra, durable=durable, late=sign)
+            result = write_delta(path, state, delta.FULL, None, gen=gen, iteration=iteration, extra=extra, durable=durable, late=sign,
+                                 codec=codec, pipeline=pipeline)
             result["mode"] = mode
             if why_full is not None:
                 result["why_full"] = why_full
@@ -874,7 +967,8 @@ def save_generation(path: Path, values: Mapping[str, object], *, gen: int, itera
     ref, changes = None, None
     if choice.against is not None and parent is not None and base is not None:
         ref, changes = (parent, d_prev) if choice.against == parent.gen else (base, d_base)
-    result = write_delta(path, state, choice, ref, gen=gen, iteration=iteration, extra=extra, durable=durable, changes=changes)
+    result = write_delta(path, state, choice, ref, gen=gen, iteration=iteration, extra=extra, durable=durable, changes=changes,
+                         codec=codec, pipeline=pipeline)
     result["mode"] = mode
     if why_full is not None:
         result["why_full"] = why_full

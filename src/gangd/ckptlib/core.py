@@ -49,20 +49,25 @@ class CheckpointError(Exception):
     """A checkpoint or a restart could not be done; the message says why."""
 
 
+DEFAULT_CODEC = "none"  # uncompressed unless a codec is asked for: every existing behaviour and figure unchanged
+
+
 @dataclass(frozen=True)
 class DeltaSettings:
-    """How a rank's generations are written: mode, block size, chain bound, adaptive threshold."""
+    """How a rank's generations are written: mode, block size, chain bound, adaptive threshold, codec."""
 
     mode: str = delta.DEFAULT_MODE
     block_kib: int = delta.DEFAULT_BLOCK_KIB
     chain_max: int = delta.DEFAULT_CHAIN_MAX
     threshold: float = delta.DEFAULT_THRESHOLD
     given: frozenset[str] = frozenset()  # the settings the program (init, GANGD_CKPT_BLOCK_KIB) chose: they win over a daemon's offer
+    codec: str = DEFAULT_CODEC  # a canonical gangd.codecs spec (CodecSpec.parse checked it): the job's, whoever runs it
 
     @classmethod
     def from_options(cls, mode: str | None = None, block_kib: int | None = None, chain_max: int | None = None,
-                     threshold: float | None = None) -> DeltaSettings:
-        """From ``init()``'s arguments, else ``GANGD_CKPT_MODE`` / ``GANGD_CKPT_BLOCK_KIB``, else the defaults; checked."""
+                     threshold: float | None = None, codec: str | None = None) -> DeltaSettings:
+        """From ``init()``'s arguments, else ``GANGD_CKPT_MODE`` / ``GANGD_CKPT_BLOCK_KIB`` /
+        ``GANGD_CKPT_CODEC``, else the defaults (codec ``none``); checked."""
         given = frozenset(name for name, value in (("mode", mode), ("block_kib", block_kib), ("chain_max", chain_max), ("threshold", threshold))
                           if value is not None) | (frozenset({"block_kib"}) if os.environ.get("GANGD_CKPT_BLOCK_KIB") else frozenset())
         mode = mode or os.environ.get("GANGD_CKPT_MODE") or delta.DEFAULT_MODE
@@ -82,7 +87,7 @@ class DeltaSettings:
         threshold = delta.DEFAULT_THRESHOLD if threshold is None else threshold
         if not isinstance(threshold, int | float) or not 0 <= threshold <= 1:
             raise CheckpointError(f"the adaptive threshold is a share of the state from 0 to 1, not {threshold!r}")
-        return cls(mode, block_kib, chain_max, float(threshold), given)
+        return cls(mode, block_kib, chain_max, float(threshold), given, checked_codec(codec))
 
     def under(self, offer) -> DeltaSettings:
         """The settings a rank under a daemon writes with, given its offer
@@ -92,12 +97,29 @@ class DeltaSettings:
         return DeltaSettings(self.mode if "mode" in self.given else offer.mode,
                              self.block_kib if "block_kib" in self.given else offer.block_kib,
                              min(self.chain_max, offer.chain_max) if "chain_max" in self.given else offer.chain_max,
-                             self.threshold if "threshold" in self.given else offer.threshold, self.given)
+                             self.threshold if "threshold" in self.given else offer.threshold, self.given, self.codec)
 
     def plan(self, gen: int, offered, force_full: bool = False) -> dict:
         """What :func:`writer.write` takes as ``delta``."""
         return {"gen": gen, "mode": self.mode, "block": self.block_kib << 10, "chain_max": self.chain_max,
-                "threshold": self.threshold, "force_full": force_full, "offered": offered}
+                "threshold": self.threshold, "force_full": force_full, "offered": offered, "codec": self.codec}
+
+
+def checked_codec(codec: object = None) -> str:
+    """The canonical codec spec of ``codec``, else of ``GANGD_CKPT_CODEC``, else ``none``; a
+    CheckpointError naming the bad value and what is accepted. (gangd.codecs is imported only
+    for a codec other than none: it is small, but a program that does not compress pays nothing.)"""
+    where = "init(codec=...)"
+    if codec is None:
+        codec, where = os.environ.get("GANGD_CKPT_CODEC") or DEFAULT_CODEC, "GANGD_CKPT_CODEC"
+    if codec == DEFAULT_CODEC:
+        return DEFAULT_CODEC
+    from ..codecs import CodecError, CodecSpec
+
+    try:
+        return str(CodecSpec.parse(codec))
+    except CodecError as exc:
+        raise CheckpointError(f"{where}: checkpoint codec {str(codec)[:140]!r} is refused: {exc}") from None
 
 
 class Checkpointer:
@@ -238,6 +260,15 @@ def check_same_kind(name: str, saved, given) -> None:
     )
 
 
+def codec_missing(exc: BaseException) -> bool:
+    """Whether ``exc`` is :class:`gangd.codecs.CodecMissing`: a generation written with a codec this
+    machine lacks. It is not damaged (neither marked nor skipped for an older one: installing the
+    codec restores it), so a restart stops with its message (which codec, how to install it). The
+    class is looked up only if codecs were loaded: a restart of raw files never imports them."""
+    missing = getattr(sys.modules.get("gangd.codecs.errors"), "CodecMissing", None)
+    return missing is not None and isinstance(exc, missing)
+
+
 def warn(message: str) -> None:
     print(f"gangd.ckptlib: {message}", file=sys.stderr, flush=True)
 
@@ -278,7 +309,7 @@ class Standalone:
             try:
                 fd = ckptstore.open_regular(path)  # (no symlink; a FIFO is refused, never waited on)
                 try:
-                    v2 = os.pread(fd, len(blocks.MAGIC), 0) == blocks.MAGIC
+                    v2 = os.pread(fd, len(blocks.MAGIC), 0) in (blocks.MAGIC, blocks.MAGIC3)
                 finally:
                     os.close(fd)
             except OSError as exc:
@@ -326,6 +357,10 @@ class Standalone:
                 # Marked (not deleted: evidence), so retention never keeps it over intact ones.
                 (directory / DAMAGED).write_text(f"{exc}\n")
                 continue
+            except Exception as exc:
+                if codec_missing(exc):
+                    raise CheckpointError(f"cannot restart from generation {gen}: {exc}") from None
+                raise
             network = values.pop(COMM_VALUE, None)
             if network is not None:
                 importlib.import_module("gangd.comm.world").restore_alone_context(network)

@@ -47,6 +47,7 @@ from ..ckptstore import StoreError
 # (bench/ckpt.py Table 2).
 MAGIC = b"GANGDCK1"  # version 1, read only
 MAGIC2 = b"GANGDCK2"  # version 2, written (blocks.MAGIC)
+MAGIC3 = b"GANGDCK3"  # version 3 (compressed units), written when a codec is asked for (blocks.MAGIC3)
 DEFAULT_BLOCK = 16 << 10  # blocks.DEFAULT_BLOCK (checkpoint.delta.DEFAULT_BLOCK_KIB)
 _LEN = struct.Struct("<Q")
 
@@ -83,7 +84,7 @@ def load(path: Path, expect: tuple[int, str] | None = None) -> tuple[dict[str, o
     except OSError as exc:
         raise StoreError(f"cannot open {path}: {exc.strerror or exc}") from None
     with fh:
-        if fh.read(len(MAGIC2)) != MAGIC2:
+        if fh.read(len(MAGIC2)) not in (MAGIC2, MAGIC3):
             fh.seek(0)
             return _load_v1(fh, path, expect)
     from . import blocks

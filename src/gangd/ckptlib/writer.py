@@ -153,6 +153,15 @@ def write(path: Path, values: dict, iteration: int, *, background: bool, then: C
     return Written(pid=pid, fd=read_end)
 
 
+def _codec(text: object):
+    """The spec a plan's codec names (None for none: the uncompressed path, gangd.codecs not imported)."""
+    if text in (None, "none"):
+        return None
+    from ..codecs import CodecSpec
+
+    return CodecSpec.parse(text)
+
+
 def _write_now(path: Path, values: dict, iteration: int, then, spc, delta: dict | None = None) -> dict:
     started = time.monotonic()
     try:
@@ -162,7 +171,7 @@ def _write_now(path: Path, values: dict, iteration: int, then, spc, delta: dict 
             result = blocks.save_generation(path, handed, gen=delta["gen"], iteration=iteration, mode=delta["mode"],
                                             offered=offered() if callable(offered) else offered, block=delta["block"],
                                             chain_max=delta["chain_max"], threshold=delta["threshold"],
-                                            force_full=bool(delta.get("force_full")))
+                                            force_full=bool(delta.get("force_full")), codec=_codec(delta.get("codec")))
             result["seconds"] = time.monotonic() - started
         else:
             size, digest = spc_mod.write(spc or spc_mod.Registered(), path, values, iteration)

@@ -271,3 +271,21 @@ def test_a_background_writer_that_dies_before_its_report_is_an_error_with_its_ex
 
     written = writer.write(tmp_path / "state", {"u": np.arange(1000.0)}, 3, background=True, then=die)
     assert written.wait() == {"error": "the writer process died (killed by SIGKILL)"}
+
+
+def test_a_writer_that_dies_unreported_in_a_program_ignoring_sigchld_is_an_error_not_an_exception(tmp_path):
+    """A program that ignores SIGCHLD has its children reaped by the kernel: the
+    dead writer's status is gone, and the write is still an error, not a crash."""
+    import signal
+
+    from gangd.ckptlib import writer
+
+    def die(result):
+        os.kill(os.getpid(), 9)
+
+    previous = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    try:
+        written = writer.write(tmp_path / "state", {"u": np.arange(1000.0)}, 3, background=True, then=die)
+        assert written.wait() == {"error": "the writer process died (its exit status was collected elsewhere)"}
+    finally:
+        signal.signal(signal.SIGCHLD, previous)

@@ -87,8 +87,12 @@ class Written:
                 _unreaped.append(self.pid)
                 reap()
             else:
-                _, status = os.waitpid(self.pid, 0)
-                self.result = {"error": f"the writer process died ({_describe(status)})"}
+                try:
+                    _, status = os.waitpid(self.pid, 0)
+                    how = _describe(status)
+                except ChildProcessError:  # (the program ignores SIGCHLD, or reaped it itself: no status to tell)
+                    how = "its exit status was collected elsewhere"
+                self.result = {"error": f"the writer process died ({how})"}
         return self.result
 
 

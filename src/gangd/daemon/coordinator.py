@@ -30,7 +30,7 @@ from .. import jobs
 from ..checkpoint import round as rd
 from ..failpoint import hold
 from ..rpc import RemoteError
-from . import clock
+from . import clock, spawns
 from .access import check_may_resume, permission_check
 from .ckptcoord import CheckpointCoordinator
 from .gang import Matrix
@@ -214,6 +214,7 @@ class Coordinator:
         JobTable.update: computed from the record it writes); ``change`` may
         still run twice if the record changed in etcd meanwhile, so it must
         only change the record."""
+        before = self.table.get(job_id)
         lock = self._job_locks.setdefault(job_id, trio.Lock())
         if lock.locked() and self.table.waiting_write(job_id):
             record = await self.table.update(self._fence(), job_id, change)
@@ -227,6 +228,8 @@ class Coordinator:
             self.acct.pop(record["id"], None)
             if record["id"] in self.matrix.usage:
                 self._leave_matrix(record["id"])
+            if before is not None and not jobs.is_terminal(before) and (record.get("children") or record.get("spawned_by") is not None):
+                spawns.family_ended(self, record)
         return record
 
     def kick(self) -> None:
@@ -514,6 +517,13 @@ class Coordinator:
         spares = {n.name for n in self.config.nodes if getattr(n, "spare", False)}
         admitted_jobs: list[tuple[int, list[str]]] = []
         for record in self.table.unplaced():  # (highest priority first, then first come first served)
+            if record.get("spawned_by") is not None:  # spawned processes: in their parent's slot, or not at all
+                child = spawns.admit(self.matrix, record, place, up)
+                if isinstance(child, str):
+                    self.spawn(self.fail, record["id"], f"cannot place the spawned processes: {child}")
+                    continue
+                admitted_jobs.append((record["id"], child[1]))
+                continue
             try:
                 # Spares are kept for recoveries: a job goes there only if it fits nowhere else.
                 admitted = self.matrix.admit(record, without(spares), up) if spares else None
@@ -729,6 +739,55 @@ class Coordinator:
                 await self.table.wait_changed()
         return record
 
+    async def kill_for(self, job_id: int, reason: str) -> None:
+        """gangd kills the job (its parent ended, see :mod:`.spawns`): as `gang kill`, ``reason`` said."""
+        def change(r):
+            if jobs.is_terminal(r):
+                return False
+            r["kill_requested"] = "gangd"
+            r["reason"] = r["reason"] or reason
+            if not r["placement"] or (r["state"] == jobs.QUEUED and not r["started"]):
+                r["ranks"] = [s or {"killed": True, "signal": signal.SIGKILL, "never_started": True} for s in r["ranks"]]
+            self._finish_if_done(r)
+
+        await self.update(job_id, change)
+        await self._kill_everywhere(job_id)
+        self.kick()
+
+    async def spawn_job(self, parent_id: int, rank: int, segments: list, preput: dict[str, str]) -> dict:
+        """MPI_Comm_spawn from rank ``rank`` of ``parent_id``: a child job (:mod:`.spawns`),
+        answered once it runs, or an error saying why it cannot."""
+        parent = self.table.get(parent_id)
+        if parent is None:
+            raise RemoteError("no_such_job", f"no job {parent_id}")
+        if parent["state"] != jobs.RUNNING or not parent.get("mpi"):
+            raise RemoteError("bad_state", f"job {parent_id} is {parent['state']}; only a running --mpi job can spawn")
+        children = [c for c in (self.table.get(i) for i in parent.get("children") or ()) if c is not None]
+        spawns.bounds_check(parent, children, sum(int(n) for _, n, _ in segments))
+        spec, cred, internal = spawns.child_request(parent, await self.table.env(parent_id), segments, preput, rank)
+        child = await self.submit(spec, cred, internal=internal)
+        child_id = child["id"]
+
+        def adopt(r):
+            if jobs.is_terminal(r):
+                return False
+            r["children"] = [*(r.get("children") or []), child_id]
+
+        parent = await self.update(parent_id, adopt)
+        if jobs.is_terminal(parent):
+            await self.kill_for(child_id, f"its parent job {parent_id} ended ({parent['state']})")
+            raise RemoteError("job_ended", f"job {parent_id} ended while its spawn was being placed")
+        with trio.move_on_after(spawns.SPAWN_TIMEOUT):
+            while (child := self.table.get(child_id)) is not None and child["state"] == jobs.QUEUED:
+                await self.table.wait_changed()
+        if child is None or child["state"] == jobs.QUEUED:
+            await self.kill_for(child_id, f"not started within {spawns.SPAWN_TIMEOUT:g} s of the spawn")
+            raise RemoteError("spawn_failed", f"the spawned processes (job {child_id}) did not start within {spawns.SPAWN_TIMEOUT:g} s")
+        if jobs.is_terminal(child) and child["state"] != jobs.DONE:  # (DONE: it ran, and ended before this looked)
+            raise RemoteError("spawn_failed", f"spawned job {child_id} {child['state']}: {child['reason']}")
+        log.info("job %d rank %d spawned job %d (%d processes)", parent_id, rank, child_id, child["nranks"])
+        return {"job": child_id}
+
     async def kill_everywhere(self, job_id: int) -> None:
         """Kill the job's ranks on every live node of it (a recovery's survivors too)."""
         await self._kill_everywhere(job_id)
@@ -858,7 +917,12 @@ class Coordinator:
                 continue  # (its ranks are gone; it holds no cores)
             if not record["placement"] or not set(record["placement"]) <= self.matrix.cores.keys():
                 continue  # (not placed yet; or on a node the configuration dropped: check_nodes fails it)
-            self.matrix.add(record["id"], len(self.matrix.slots), record["placement"])
+            parent_slot = self.matrix.slot_of(record["spawned_by"]) if record.get("spawned_by") is not None else None
+            if parent_slot is not None:  # (a child shares its parent's slot: spawns.admit)
+                self.matrix.add(record["id"], parent_slot, record["placement"])
+                self.matrix.tied.update((record["spawned_by"], record["id"]))
+            else:
+                self.matrix.add(record["id"], len(self.matrix.slots), record["placement"])
             self.matrix.compact()
             if record["state"] in (jobs.RUNNING, jobs.SUSPENDED):
                 self.acct.setdefault(record["id"], {"run": 0.0, "suspended": 0.0, "since": time.time(), "on": False})

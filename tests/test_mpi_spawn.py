@@ -1,0 +1,137 @@
+"""MPI_Comm_spawn under `gang run --mpi` (issue 20, second part): the spawned
+processes are a child job of the spawning one (gangd.daemon.spawns).
+
+Real MPICH through mpi4py across 2 nodes, as in test_mpi.py: the children
+find their parent through the key-value space gangd seeds, talk to it over
+the intercommunicator, merge it and run a collective on the merged
+communicator; killing the parent kills every spawned process; a crashing
+child fails its parent with its message; hostile spawns are refused with a
+reason, never a hang.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import shared_cluster, wait_for
+
+from gangd.protocol.pmi import SPAWN_NPROCS_MAX
+
+PY = sys.executable
+SPAWN = Path(__file__).resolve().parent / "jobs" / "mpi_spawn.py"
+ENDED = ("DONE", "FAILED", "KILLED")
+
+
+@pytest.fixture(scope="module")
+def mc():
+    # 2 cores a node: a 1-rank parent on n1 leaves 1 core there, so its children spread over both nodes.
+    with shared_cluster(2, cores=2, time_slice=0.05, max_slots=4) as cluster:
+        yield cluster
+
+
+def submit(mc, *args, nranks=1, per_node=None):
+    extra = ["-N", 2] if per_node else []
+    return int(mc.gang("submit", "--mpi", "-n", nranks, *extra, "--", PY, SPAWN, *args, check=True).stdout)
+
+
+def finished(mc, job):
+    """(the job's final record, its output lines sorted, its children's final records)."""
+    record = mc.wait_state(job, ENDED, timeout=120)
+    lines = sorted(mc.gang("logs", job).stdout.splitlines())
+    children = [mc.wait_state(child, ENDED, timeout=60) for child in record.get("children") or []]
+    return record, lines, children
+
+
+def test_one_rank_spawns_children_that_talk_to_it_merge_and_reduce(mc):
+    job = submit(mc, "self", 2)
+    record, lines, children = finished(mc, job)
+    assert record["state"] == "DONE", (record, lines)
+    assert lines == [
+        "0: child says hello-0 rank 0 of 2 appnum 0 args 0",
+        "0: child says hello-1 rank 1 of 2 appnum 0 args 0",
+        "0: merged size 3 sum 3 ok True",
+    ], lines
+    # The children are a job of their own, linked to the parent, with their exit codes, across both nodes.
+    [child] = children
+    assert child["spawned_by"] == job and child["state"] == "DONE" and child["nranks"] == 2
+    assert [s["code"] for s in child["ranks"]] == [0, 0]
+    assert set(record["placement"] + child["placement"]) == {"n1", "n2"}
+    assert "rank 0 of 2" in mc.gang("logs", job).stdout  # (the parent's output; the child's has its own)
+
+
+def test_gang_run_returns_once_parent_and_children_are_done(mc):
+    run = mc.gang("run", "--mpi", "-n", 1, "--", PY, SPAWN, "self", 1, timeout=120)
+    assert run.returncode == 0, (run.stdout, run.stderr)
+    assert "0: merged size 2 sum 1 ok True" in run.stdout
+
+
+def test_two_ranks_spawn_together_over_their_world(mc):
+    job = submit(mc, "world", 2, nranks=2, per_node=True)
+    record, lines, children = finished(mc, job)
+    assert record["state"] == "DONE", (record, lines)
+    assert "0: child says hello-0 rank 0 of 2 appnum 0 args w" in lines
+    assert "0: child says hello-1 rank 1 of 2 appnum 0 args w" in lines
+    # both parent ranks are in the merged communicator of 4
+    assert [line for line in lines if "merged" in line] == ["0: merged size 4 sum 6 ok True", "1: merged size 4 sum 6 ok True"]
+    assert len(children) == 1 and children[0]["state"] == "DONE"
+
+
+def test_spawn_multiple_runs_each_command_with_its_arguments_and_appnum(mc):
+    job = submit(mc, "multiple")
+    record, lines, children = finished(mc, job)
+    assert record["state"] == "DONE", (record, lines)
+    assert lines == [
+        "0: child says hello-0 rank 0 of 3 appnum 0 args a 1",
+        "0: child says hello-1 rank 1 of 3 appnum 1 args b 2 3",
+        "0: child says hello-2 rank 2 of 3 appnum 1 args b 2 3",
+        "0: merged size 4 sum 6 ok True",
+    ], lines
+    assert [child["nranks"] for child in children] == [3]
+
+
+def _children_pids(mc, job):
+    text = mc.gang("logs", job).stdout
+    return [int(p) for line in text.splitlines() if "children " in line for p in line.split("children ", 1)[1].split()]
+
+
+def test_killing_the_parent_kills_every_spawned_process(mc):
+    job = submit(mc, "hold", 2)
+    pids = wait_for(lambda: _children_pids(mc, job), 60, "the children's pids")
+    assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+    mc.gang("kill", job, check=True)
+    record, _, children = finished(mc, job)
+    assert record["state"] == "KILLED"
+    assert [c["state"] for c in children] == ["KILLED"]
+    assert "its parent job" in children[0]["reason"]
+    wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids), 30, "the children gone")
+
+
+def test_a_crashing_child_fails_the_parent_with_its_message(mc):
+    run = mc.gang("run", "--mpi", "-n", 1, "--", PY, SPAWN, "crash", timeout=120)
+    assert run.returncode != 0, (run.stdout, run.stderr)
+    assert "spawned job" in run.stderr and "failed: rank 1 on" in run.stderr and "SIGSEGV" in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "nprocs", "why"),
+    [
+        ("/nonexistent/program", 1, "/nonexistent/program: command not found"),
+        ("/etc/passwd", 1, "/etc/passwd: permission denied"),
+        (PY, SPAWN_NPROCS_MAX + 1, f"nprocs={SPAWN_NPROCS_MAX + 1} is not a number from 1 to {SPAWN_NPROCS_MAX}"),
+        (PY, 64, "job asks for 64 ranks but the cluster can hold at most 4"),
+        (PY, 4, "no room for 4 spawned processes beside job"),  # (3 cores free in the parent's slot)
+    ],
+    ids=["missing", "not-executable", "absurd-nprocs", "beyond-the-cluster", "no-room-in-the-slot"],
+)
+def test_a_spawn_gangd_refuses_is_an_mpi_error_with_the_reason_and_the_job_goes_on(mc, command, nprocs, why):
+    job = submit(mc, "refused", command, nprocs)
+    record, lines, children = finished(mc, job)
+    assert record["state"] == "DONE", (record, lines)
+    assert "0: spawn failed: Other MPI error, error stack:" in lines, lines  # (MPICH's error: no reason in it)
+    said = [line for line in mc.gang("logs", job).stderr.splitlines() if "MPI_Comm_spawn refused" in line]
+    assert len(said) == 1 and why in said[0], said  # gangd's reason, in the rank's stderr
+    assert all(c["state"] == "FAILED" and not c["started"] for c in children)  # (no room: placed nowhere, never started)
+    assert len(children) == (nprocs == 4)

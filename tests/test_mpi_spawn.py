@@ -22,6 +22,7 @@ from gangd.protocol.pmi import SPAWN_NPROCS_MAX
 
 PY = sys.executable
 SPAWN = Path(__file__).resolve().parent / "jobs" / "mpi_spawn.py"
+FUTURES = Path(__file__).resolve().parent / "jobs" / "mpi_futures.py"
 ENDED = ("DONE", "FAILED", "KILLED")
 
 
@@ -92,6 +93,27 @@ def test_spawn_multiple_runs_each_command_with_its_arguments_and_appnum(mc):
     assert [child["nranks"] for child in children] == [3]
 
 
+def test_each_of_two_ranks_spawns_its_own_children_at_once(mc):
+    run = mc.gang("run", "--mpi", "-n", 2, "-N", 2, "--", PY, SPAWN, "self", 1, timeout=120)
+    assert run.returncode == 0, (run.stdout, run.stderr)
+    assert sorted(run.stdout.splitlines()) == [
+        "0: child says hello-0 rank 0 of 1 appnum 0 args 0", "0: merged size 2 sum 1 ok True",
+        "1: child says hello-0 rank 0 of 1 appnum 0 args 1", "1: merged size 2 sum 1 ok True",
+    ]
+
+
+def test_mpi4py_futures_pool_spawns_its_workers_and_maps_100_tasks(mc):
+    run = mc.gang("run", "--mpi", "-n", 1, "--", PY, FUTURES, 100, 2, timeout=120)
+    assert run.returncode == 0, (run.stdout, run.stderr)
+    assert run.stdout.splitlines() == ["0: results 100 sum 328350 in order True", "0: workers 2"]
+
+
+def test_mpi4py_futures_with_workers_from_the_job_itself(mc):
+    run = mc.gang("run", "--mpi", "-n", 3, "--", PY, "-m", "mpi4py.futures", FUTURES, 100, 2, timeout=120)
+    assert run.returncode == 0, (run.stdout, run.stderr)
+    assert "0: results 100 sum 328350 in order True" in run.stdout.splitlines()
+
+
 def _children_pids(mc, job):
     text = mc.gang("logs", job).stdout
     return [int(p) for line in text.splitlines() if "children " in line for p in line.split("children ", 1)[1].split()]
@@ -107,6 +129,21 @@ def test_killing_the_parent_kills_every_spawned_process(mc):
     assert [c["state"] for c in children] == ["KILLED"]
     assert "its parent job" in children[0]["reason"]
     wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids), 30, "the children gone")
+
+
+def test_a_checkpoint_of_a_job_with_spawned_processes_is_refused_with_the_reason(mc):
+    job = submit(mc, "hold", 1)
+    try:
+        wait_for(lambda: _children_pids(mc, job), 60, "the children's pids")
+        [child] = mc.job(job)["children"]
+        refused = mc.gang("checkpoint", job)
+        assert refused.returncode != 0
+        assert f"job {job} has spawned processes (MPI_Comm_spawn): gangd does not checkpoint jobs with dynamic processes" in refused.stderr
+        refused = mc.gang("checkpoint", child)
+        assert refused.returncode != 0 and f"was spawned by job {job}" in refused.stderr, refused.stderr
+    finally:
+        mc.gang("kill", job, check=True)
+    assert mc.wait_state(child, ENDED, timeout=60)["state"] == "KILLED"
 
 
 def test_a_crashing_child_fails_the_parent_with_its_message(mc):

@@ -131,6 +131,28 @@ def test_killing_the_parent_kills_every_spawned_process(mc):
     wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids), 30, "the children gone")
 
 
+def test_children_share_their_parents_time_slot_and_take_turns_with_other_jobs(mc):
+    sleep = [PY, "-c", "import time; time.sleep(600)"]
+    fillers = [int(mc.gang("submit", "-n", 4, "--", *sleep, check=True).stdout) for _ in range(3)]  # slots 0-2, full
+    job = submit(mc, "hold", 2)  # slot 3, one core of four
+    for other in fillers + [job]:
+        mc.wait_state(other, "RUNNING", timeout=60)
+    waiting = int(mc.gang("submit", "-n", 4, "--", *sleep, check=True).stdout)  # no slot left: the head of the queue
+    try:
+        pids = wait_for(lambda: _children_pids(mc, job), 90, "the children's pids")  # (placed past the head of the queue)
+        assert len(pids) == 2
+        [child] = mc.job(job)["children"]
+        slots = mc.ask(lambda gang: gang.schedule())["slots"]
+        slot_of = {j: i for i, row in enumerate(slots) for ids in row.values() for j in ids}
+        assert slot_of[child] == slot_of[job] and len(slots) == 4, slots
+        assert mc.job(waiting)["state"] == "QUEUED"
+    finally:
+        for other in [job, waiting, *fillers]:
+            mc.gang("kill", other)
+    parent, child_record = mc.wait_state(job, ENDED, timeout=60), mc.wait_state(child, ENDED, timeout=60)
+    assert parent["suspended_seconds"] > 0 and child_record["suspended_seconds"] > 0  # they took turns with the others
+
+
 def test_a_checkpoint_of_a_job_with_spawned_processes_is_refused_with_the_reason(mc):
     job = submit(mc, "hold", 1)
     try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import logging
 import math
 import os
@@ -173,6 +174,8 @@ class Coordinator:
         self._gang_changed = trio.Event()
         self._switch_lock = trio.Lock()
         self._contexts: dict[int, dict[str, bytes]] = {}  # network contexts to restore at launch
+        self._spawning: dict[int, list[int]] = {}  # parent job -> processes of its spawns under way (counted by the bounds)
+        self._spawned_waiting: set[int] = set()  # spawned jobs to place before the queue (see _schedule)
         self.pinned: set[int] = set()  # jobs that must run whatever their slot (checkpoint under way)
         # What the checkpoint coordinator reaches through (``coordinator.daemon``)
         # until its rewrite gives it a narrow port of its own.
@@ -427,6 +430,8 @@ class Coordinator:
             # Handed to the nodes with the launch, not kept in the (replicated) record.
             self._contexts[job_id] = contexts
         log.info("job %d (%s) submitted by %s: %d ranks", job_id, record["name"], cred["user"], nranks)
+        if record.get("spawned_by") is not None:
+            self._spawned_waiting.add(job_id)
         self.kick()
         return record
 
@@ -516,11 +521,20 @@ class Coordinator:
         up = {name for name in self.matrix.cores if self.membership.is_up(name)}
         spares = {n.name for n in self.config.nodes if getattr(n, "spare", False)}
         admitted_jobs: list[tuple[int, list[str]]] = []
-        for record in self.table.unplaced():  # (highest priority first, then first come first served)
+        # Spawned processes first (their parent runs and waits for them: the
+        # head of the queue must not hold them up), then the queue: highest
+        # priority first, then first come first served.
+        spawned = [r for j in sorted(self._spawned_waiting) if (r := self.table.get(j)) is not None]
+        self._spawned_waiting.clear()
+        seen: set[int] = set()
+        for record in itertools.chain(spawned, self.table.unplaced()):
             if record.get("spawned_by") is not None:  # spawned processes: in their parent's slot, or not at all
+                if record["id"] in seen or record["state"] != jobs.QUEUED or record["placement"]:
+                    continue
+                seen.add(record["id"])
                 child = spawns.admit(self.matrix, record, place, up)
                 if isinstance(child, str):
-                    self.spawn(self.fail, record["id"], f"cannot place the spawned processes: {child}")
+                    await self.fail(record["id"], f"cannot place the spawned processes: {child}")
                     continue
                 admitted_jobs.append((record["id"], child[1]))
                 continue
@@ -762,18 +776,27 @@ class Coordinator:
             raise RemoteError("no_such_job", f"no job {parent_id}")
         if parent["state"] != jobs.RUNNING or not parent.get("mpi"):
             raise RemoteError("bad_state", f"job {parent_id} is {parent['state']}; only a running --mpi job can spawn")
+        nprocs = sum(int(n) for _, n, _ in segments)
+        under_way = self._spawning.setdefault(parent_id, [])
         children = [c for c in (self.table.get(i) for i in parent.get("children") or ()) if c is not None]
-        spawns.bounds_check(parent, children, sum(int(n) for _, n, _ in segments))
-        spec, cred, internal = spawns.child_request(parent, await self.table.env(parent_id), segments, preput, rank)
-        child = await self.submit(spec, cred, internal=internal)
-        child_id = child["id"]
+        # (spawns of other ranks under way count too: two ranks spawning at once cannot both pass the bound)
+        spawns.bounds_check(parent, children + [{"nranks": n} for n in under_way], nprocs)
+        under_way.append(nprocs)
+        try:
+            spec, cred, internal = spawns.child_request(parent, await self.table.env(parent_id), segments, preput, rank)
+            child = await self.submit(spec, cred, internal=internal)
+            child_id = child["id"]
 
-        def adopt(r):
-            if jobs.is_terminal(r):
-                return False
-            r["children"] = [*(r.get("children") or []), child_id]
+            def adopt(r):
+                if jobs.is_terminal(r):
+                    return False
+                r["children"] = [*(r.get("children") or []), child_id]
 
-        parent = await self.update(parent_id, adopt)
+            parent = await self.update(parent_id, adopt)
+        finally:
+            under_way.remove(nprocs)
+            if not under_way:
+                self._spawning.pop(parent_id, None)
         if jobs.is_terminal(parent):
             await self.kill_for(child_id, f"its parent job {parent_id} ended ({parent['state']})")
             raise RemoteError("job_ended", f"job {parent_id} ended while its spawn was being placed")

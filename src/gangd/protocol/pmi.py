@@ -12,7 +12,11 @@ being ``cmd=<name>``::
 
 except ``spawn``, which is several lines (``mcmd=spawn``, then one
 ``key=value`` per line, values may hold spaces, ``endcmd`` closing each of
-``totspawns`` segments) — MPICH's ``PMIU_cmd_output_v1_mcmd``.
+``totspawns`` segments) — MPICH's ``PMIU_cmd_output_v1_mcmd``; the reader
+keeps every segment (:class:`Multi`), :func:`spawn` makes it a typed
+:class:`Spawn` within the bounds below. (PMI-1 has no escaping: an argument
+holding a newline cannot be spawned; its lines read as commands of their
+own, the connection breaks, as it does under Hydra.)
 
 (The de-facto standard; Flux RFC 13 documents it; MPICH's own list is
 ``src/pmi/maint/pmi-1.2.txt``.) Every query a rank may send gets an answer

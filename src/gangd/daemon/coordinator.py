@@ -732,20 +732,7 @@ class Coordinator:
         permission_check(record, cred, "kill")
         if jobs.is_terminal(record):
             return record
-
-        def change(r):
-            if jobs.is_terminal(r):
-                return False
-            r["kill_requested"] = cred["user"]
-            r["reason"] = r["reason"] or f"killed by {cred['user']}"
-            if not r["placement"] or (r["state"] == jobs.QUEUED and not r["started"]):
-                # never launched: nothing to wait for
-                r["ranks"] = [s or {"killed": True, "signal": signal.SIGKILL, "never_started": True} for s in r["ranks"]]
-            self._finish_if_done(r)
-
-        await self.update(job_id, change)
-        await self._kill_everywhere(job_id)
-        self.kick()
+        await self._kill(job_id, cred["user"], f"killed by {cred['user']}")
         # Every rank is reaped by now; answer once their exit reports are in,
         # so `gang kill` returns when the job really is over.
         with trio.move_on_after(KILL_REPORT_WAIT):
@@ -755,12 +742,16 @@ class Coordinator:
 
     async def kill_for(self, job_id: int, reason: str) -> None:
         """gangd kills the job (its parent ended, see :mod:`.spawns`): as `gang kill`, ``reason`` said."""
+        await self._kill(job_id, "gangd", reason)
+
+    async def _kill(self, job_id: int, who: str, reason: str) -> None:
         def change(r):
             if jobs.is_terminal(r):
                 return False
-            r["kill_requested"] = "gangd"
+            r["kill_requested"] = who
             r["reason"] = r["reason"] or reason
             if not r["placement"] or (r["state"] == jobs.QUEUED and not r["started"]):
+                # never launched: nothing to wait for
                 r["ranks"] = [s or {"killed": True, "signal": signal.SIGKILL, "never_started": True} for s in r["ranks"]]
             self._finish_if_done(r)
 

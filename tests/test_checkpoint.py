@@ -42,7 +42,7 @@ from ckpthelpers import (
     wait_holding,
     wait_running_a_bit,
 )
-from conftest import as_uid, shared_cluster, wait_for
+from conftest import as_uid, shared_cluster, tmpfs, wait_for
 
 from gangd import ckptstore
 from gangd.client.api import connect
@@ -355,8 +355,7 @@ def test_corrupted_or_truncated_files_fall_back_to_an_older_generation(gc):
 @root_only
 def test_a_full_disk_fails_the_checkpoint_and_the_job_runs_on(gc):
     directory = gc.dir / "n2" / "state" / "checkpoints" / "n2"  # (each node its own, see checkpoint_dir)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0711", "tmpfs", str(directory)], check=True)
-    try:
+    with tmpfs(directory, "1m", "0711"):
         expected = reference(gc, [JOB, "--steps", "250", "--mb", "2"])
         held, release = hold(gc, 125)
         job = submit(gc, [JOB, "--steps", "250", "--mb", "2", *held])
@@ -367,8 +366,6 @@ def test_a_full_disk_fails_the_checkpoint_and_the_job_runs_on(gc):
         release.touch()
         assert result_of(gc, job) == expected
         assert list(directory.iterdir()) == [] or all(not any(p.iterdir()) for p in directory.iterdir())
-    finally:
-        subprocess.run(["umount", str(directory)], check=True)
 
 
 @root_only

@@ -373,6 +373,22 @@ def test_a_block_identity_that_is_not_canonical_is_refused(text):
         CodecId.parse(text)
 
 
+@pytest.mark.parametrize("value", [b"x" * (8 << 20), list(range(1 << 20)), {i: i for i in range(1 << 18)}])
+def test_a_hostile_identity_of_another_type_is_refused_without_being_turned_into_text(value):
+    """A block's identity comes from an index a user can write (msgpack: bytes, lists, maps of any
+    size); the refusal names its type, it does not build str() of the whole value to cut 40 characters."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(CodecError, match="identity is a short string"):
+            CodecId.parse(value)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 10, peak
+
+
 def test_codecs_are_shared_by_threads_compressing_and_decompressing_at_once():
     # The pipeline runs its stages on threads over one codec object per spec (zstd keeps a compressor per thread).
     values = [np.sin(np.linspace(0, k, 1 << 13)) * 10**k for k in range(1, 9)]

@@ -315,6 +315,23 @@ def test_a_hostile_landing_table_is_refused_by_the_restore(tmp_path, where, rang
     assert_torn_down(pipe)
 
 
+def test_a_range_inside_a_huge_sparse_file_is_refused_before_it_is_allocated(tmp_path):
+    """The file's size bounds nothing a user wants bounded: a sparse file of 1 TiB costs its owner
+    no disk, and an index naming all of it as one item must not become a 1 TiB read buffer."""
+    with open(tmp_path / "gen", "wb") as f:
+        f.write(bytes(range(32)))
+        f.truncate(2**40 + 32)
+    fd = os.open(tmp_path / "gen", os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        pipe = Pipeline([ReadRanges(fd, [(0, 0, 10), (1, 32, 2**40)]), Place(memoryview(bytearray(20)), {0: (0, 10), 1: (10, 10)})], SMALL)
+        with pytest.raises(PipelineError) as caught, pipe:
+            pipe.finish()
+    finally:
+        os.close(fd)
+    assert caught.value.stage == "read" and "larger than" in str(caught.value), caught.value
+    assert_torn_down(pipe)
+
+
 @pytest.fixture
 def tiny_fs(tmp_path):
     """A real 1 MiB file system (tmpfs), unmounted after the test."""

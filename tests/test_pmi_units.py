@@ -113,6 +113,32 @@ def test_a_spawn_of_too_many_commands_is_refused_and_kept_bounded():
         pmi.command(fields)
 
 
+@pytest.mark.parametrize("text", [
+    b"mcmd=put\nkvsname=k\nkey=a\nvalue=b c\nendcmd\n",
+    b"mcmd=spawn\ncmd=put\nkey=a\nvalue=b c\nendcmd\n",
+    b"mcmd=publish_name\nservice=s\nport=p q\nendcmd\n",
+])
+def test_a_multi_line_command_is_never_taken_for_a_put_or_publish_whose_values_hold_spaces(text):
+    """Its values may hold spaces (PMI-1 lines cannot): a put of one would make every later get
+    of that key unanswerable, on every node of the job."""
+    try:
+        (command,) = commands_of(text)
+    except pmi.Refused as exc:  # (a spawn without its fields: refused as a spawn, still no put)
+        assert exc.reply_cmd == "spawn_result" and text.startswith(b"mcmd=spawn\n")
+        return
+    assert isinstance(command, pmi.Unsupported)
+    assert command.reply().startswith(f"cmd={pmi.RESPONSES[command.cmd]} rc=-1 ".encode())
+
+
+@pytest.mark.parametrize("count", ["\u00b9", "\u0663", "1\u00b2"])
+@pytest.mark.parametrize("key", ["totspawns", "spawnssofar"])
+def test_a_spawn_count_in_other_digits_breaks_the_connection_cleanly(key, count):
+    """str.isdigit() is true of '¹' (which int() refuses) and '٣': the rank's connection ends as any
+    other broken one (PMIError), not by a ValueError out of the reader."""
+    with pytest.raises(pmi.PMIError):
+        pmi.Reader().feed(f"mcmd=spawn\n{key}={count}\nendcmd\n".encode())
+
+
 def test_an_oversized_spawn_is_still_one_command_and_memory_stays_bounded():
     data = spawn_text([["x" * 4000] * 40])  # 160 KB of arguments
     reader = pmi.Reader()
@@ -182,7 +208,7 @@ def test_hostile_lines_are_answered_refused_or_end_the_connection(name, fields, 
                 continue
         # a reply is one line, under a response name when the query has one
         assert reply.endswith(b"\n") and reply.count(b"\n") == 1 and len(reply) < 400
-        cmd = got.get("cmd") or got.get("mcmd")
+        cmd = got.get("mcmd") or got.get("cmd")
         if cmd in pmi.RESPONSES:
             assert reply.startswith(f"cmd={pmi.RESPONSES[cmd]} rc=-1 ".encode()), (got, reply)
 

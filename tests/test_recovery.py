@@ -457,7 +457,7 @@ def test_a_new_coordinator_finds_the_job_recovering_and_finishes_it_with_one_res
 
 
 @pytest.mark.parametrize("together", [True, False], ids=["together", "one-during-the-recovery"])
-def test_two_nodes_of_one_xor_set_lost_fail_the_job_naming_what_cannot_be_rebuilt(make_cluster, together):
+def test_two_nodes_of_one_xor_set_lost_fail_the_job_naming_what_cannot_be_rebuilt(make_cluster, points, together):
     cluster = make_cluster(4, cores=2, time_slice=0.1, spares=("n4",))
     try:
         argv, _release = held(cluster)  # (never released: the job fails)
@@ -469,9 +469,14 @@ def test_two_nodes_of_one_xor_set_lost_fail_the_job_naming_what_cannot_be_rebuil
         doomed = [n for n in jobs.nodes_of(cluster.job(job)) if n != lead][-2:]  # (two of its three nodes, not the coordinator)
         if together:
             lose(cluster, *doomed)
-        else:  # the second fails while the recovery of the first runs: the recovery starts again, knowing
+        else:  # the second fails while the recovery of the first runs (held after killing the survivors, before
+            # its rebuild: else, on a loaded machine, the rebuild could be done before the second loss): it goes on knowing
+            (points / "recover.hold").touch()
             lose(cluster, doomed[0])
+            cluster.wait_state(job, "RECOVERING", timeout=60)
             lose(cluster, doomed[1])
+            wait_for(lambda: {r["name"]: r["state"] for r in cluster.gang_json("nodes")["nodes"]}.get(doomed[1]) != "up", 60, f"{doomed[1]} down")
+            os.unlink(points / "recover.hold")
         record_ = cluster.wait_state(job, ENDED, timeout=120)
         assert record_["state"] == "FAILED", record_
         reason = record_["reason"]

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from conftest import tmpfs
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -191,7 +192,6 @@ def test_a_survivor_file_of_the_wrong_size_is_named(tmp_path):
 def test_a_rebuild_onto_a_disk_that_fills_up_stops_naming_it_and_leaves_nothing(tmp_path):
     # The disk the lost node's files are rebuilt onto fills up halfway: the
     # rebuild ends with the error naming the file, and nothing is left.
-    import subprocess
     import threading
 
     rng = random.Random(3)
@@ -202,8 +202,7 @@ def test_a_rebuild_onto_a_disk_that_fills_up_stops_naming_it_and_leaves_nothing(
     xor.encode_set(dirs, nodes)
     small = tmp_path / "small"
     small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(small)], check=True)
-    try:
+    with tmpfs(small, "2m"):
         dest = ckptstore.gen_dir(small, 7, 3)
         dest.parent.mkdir(parents=True)
         outcome: list = []
@@ -221,8 +220,6 @@ def test_a_rebuild_onto_a_disk_that_fills_up_stops_naming_it_and_leaves_nothing(
         assert len(outcome) == 1 and isinstance(outcome[0], ckptstore.StoreError), outcome
         assert "no space left on device" in str(outcome[0]) and "rank-0.state" in str(outcome[0]), outcome[0]
         assert list(dest.parent.iterdir()) == []
-    finally:
-        subprocess.run(["umount", str(small)], check=True)
 
 
 def test_a_survivor_data_file_that_is_a_symlink_is_not_followed(tmp_path):
@@ -681,6 +678,43 @@ async def test_a_liar_on_the_bulk_socket_is_refused_and_the_file_comes_over_the_
         assert list(dest.iterdir()) == []
     else:
         assert [f.name for f in dest.iterdir()] == ["rank-0.state"] and (dest / "rank-0.state").read_bytes() == blob
+
+
+async def test_a_sender_that_stalls_mid_file_fails_the_bulk_path_and_the_file_comes_over_the_channel(tmp_path, caplog, monkeypatch):
+    # The bulk sockets are blocking with the kernel's timeout (SO_RCVTIMEO),
+    # not Python's: a peer that sends one chunk and then nothing, holding
+    # the connection open, still fails the transfer once the timeout passes.
+    from gangd.redundancy import bulk
+
+    monkeypatch.setattr(bulk, "IO_TIMEOUT", 0.5)
+    blob = random.Random(9).randbytes(2 * bulk.CHUNK + 5)
+    root = tmp_path / "n2"
+    manifest = make_gen(ckptstore.gen_dir(root, 7, 3), "n2", {"ranks/rank-0.state": blob})
+    size, checksum = manifest.files["ranks/rank-0.state"]
+    dest = tmp_path / "dest"
+    dest.mkdir()
+
+    def stall(sock, source):
+        first = bytearray(bulk.CHUNK)
+        source.read_into(0, memoryview(first))
+        sock.sendall(bulk.HEADER.pack(len(first), bulk.chunk_hash(first)) + first)
+        bulk.blocking(sock, 30.0)  # (this end waits longer than the puller)
+        try:  # then nothing, until the puller gives up and closes
+            while sock.recv(1):
+                pass
+        except OSError:
+            pass
+        return bulk.CHUNK
+
+    async with trio.open_nursery() as nursery:
+        server = await bulk_server(nursery)
+        channel = await channel_pair(nursery, bulk_serving(root, server, send=stall))
+        with caplog.at_level(logging.WARNING, logger="gangd.transfer"):
+            await transfer.fetch_file(channel, lineage=7, gen=3, name="ranks/rank-0.state", size=size, checksum=checksum,
+                                      dest_dir=dest, bulk=bulk.Bulk.from_secret(SECRET))
+        nursery.cancel_scope.cancel()
+    assert "the peer sent nothing for" in caplog.text and "pulling it over the peer channel instead" in caplog.text, caplog.text
+    assert (dest / "rank-0.state").read_bytes() == blob
 
 
 async def test_a_wrong_size_offer_or_a_listener_without_the_secret_is_refused(peer_gen, caplog):

@@ -128,7 +128,9 @@ class CodecId:
     def parse(cls, text: object) -> CodecId:
         """``spec@version`` (a bare spec, as format-2 files' ``"none"``, is version 1); ``auto`` is never an identity."""
         if not isinstance(text, str) or len(text) > MAX_TEXT + 8:
-            raise CodecError("?", f"a block's codec identity is a short string, not {str(text)[:40]!r}")
+            # (only a prefix is shown: str() of a whole hostile value would cost memory in proportion to it)
+            shown = text[:40] if isinstance(text, str) else f"a {type(text).__name__}"
+            raise CodecError("?", f"a block's codec identity is a short string, not {shown!r}")
         body, at, version = text.partition("@")
         spec = CodecSpec.parse(body)
         if spec.auto:

@@ -91,6 +91,7 @@ from .. import ckptstore, jobs, safefs, text
 from ..checkpoint import node as nd
 from ..checkpoint.messages import MAX_LINKS, BadMessage, DeltaOffer, Link, RankReport, RankWritten, rank_note
 from ..ckptstore import StoreError
+from ..failpoint import refuse
 from ..redundancy.bulk import Bulk, BulkServer
 from ..rpc import Channel, RemoteError
 from ..safefs import UnsafePath
@@ -102,6 +103,9 @@ from .verified import stamp as verified_stamp
 from .verified import stats_at as _stats
 
 log = logging.getLogger("gangd.checkpoint")
+
+#: A test's failpoint (:func:`gangd.failpoint.refuse`): the fsync of a generation's own files fails unforeseen.
+SYNC_FAILS = "checkpoint.sync"
 
 NOTE_TIMEOUT = 1.0
 RESTORED_REPEAT = 1.0  # seconds between reports that this node's ranks of a restarted job loaded their state
@@ -738,6 +742,9 @@ class NodeCheckpoints:
             await trio.to_thread.run_sync(self._sync_files, pending)
         except StoreError as exc:
             pending.sync_error = str(exc)
+        except Exception as exc:  # (whatever it was, these files are not known durable: the commit must fail)
+            log.exception("job %d: fsync of checkpoint %d's own files failed", pending.job_id, pending.gen)
+            pending.sync_error = f"could not fsync the generation's files: {type(exc).__name__}: {exc}"
         finally:
             if pending.synced is not None:
                 pending.synced.set()
@@ -745,6 +752,8 @@ class NodeCheckpoints:
     def _sync_files(self, pending: Pending) -> None:
         """(In a thread.) fsync the daemon's own files of the generation, then its directory
         (the ranks fsync theirs, and ``ranks/``)."""
+        if refuse(SYNC_FAILS):
+            raise RuntimeError(f"failpoint {SYNC_FAILS}")
         try:
             gen = self._gen_fd(pending.directory)
         except (UnsafePath, OSError) as exc:

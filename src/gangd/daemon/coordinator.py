@@ -193,6 +193,10 @@ class Coordinator:
     def term(self) -> int:
         return self.fence.term if self.fence is not None else 0
 
+    def current_fence(self) -> Fence:
+        """This node's term, :class:`~.store.Deposed` when it has none (or its lease ran out): what a write is fenced by."""
+        return self._fence()
+
     def _fence(self) -> Fence:
         fence = self.fence
         if fence is None or (self._lease is not None and self._lease.remaining() <= 0):

@@ -19,19 +19,25 @@ job end; a name whose job ended unseen (a coordinator change in between)
 counts as absent wherever it is read, and is removed then.
 
 Publishes and unpublishes run one at a time (a lock): the count a publish
-checks is the count it writes against.
+checks is the count it writes against. Every write is fenced by the
+coordinator's term, as the job table's are: a deposed coordinator (whose
+cache no longer knows the jobs the new one started, so their names look
+stale to it) neither deletes the new term's names nor publishes past the
+per-user bound beside the new coordinator's lock.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 
 import trio
 
 from .. import jobs
-from ..etcd.client import Compare, EtcdError, KeyValue, Op
+from ..etcd.client import Compare, EtcdError, KeyValue, Op, Range
 from ..rpc import RemoteError
+from .store import Deposed, Fence
 
 log = logging.getLogger("gangd.names")
 
@@ -39,9 +45,11 @@ NAMES_PER_USER = 64
 
 
 class NameService:
-    def __init__(self, *, etcd, keys, table, spawn):
-        """``spawn``: the daemon's contained tasks (a removal after a job ended runs in one)."""
+    def __init__(self, *, etcd, keys, table, spawn, fence: Callable[[], Fence]):
+        """``spawn``: the daemon's contained tasks (a removal after a job ended runs in one);
+        ``fence``: this node's term as coordinator (raises :class:`~.store.Deposed` when it has none)."""
         self.etcd = etcd
+        self.fence = fence
         self.keys = keys
         self.table = table
         self.spawn = spawn
@@ -54,7 +62,8 @@ class NameService:
         uid = self._owner(job_id)
         key = self.keys.name(uid, service)
         async with self._lock:
-            found = await self._live_names(uid)
+            fence = self.fence()
+            found = await self._live_names(fence, uid)
             if key.encode() in found:
                 raise RemoteError("name_exists", f"service {service!r} is already published")
             if len(found) >= NAMES_PER_USER:
@@ -62,12 +71,12 @@ class NameService:
             self._publishers.add(job_id)
             value = json.dumps({"job": job_id, "port": port}).encode()
             # (absent now: a stale name of an ended job was removed by _live_names)
-            result = await self._etcd(self.etcd.txn([Compare.create_revision(key) == 0], [Op.put(key, value)]))
-            if not result.succeeded:
+            if not await self._fenced(fence, [Compare.create_revision(key) == 0], [Op.put(key, value)]):
                 raise RemoteError("name_exists", f"service {service!r} is already published")
         log.info("job %d (uid %d) published service %r", job_id, uid, service)
 
     async def lookup(self, job_id: int, service: str) -> str:
+        self.fence()  # (a deposed coordinator's table no longer says which jobs run)
         uid = self._owner(job_id)
         kv = await self._etcd(self.etcd.get(self.keys.name(uid, service)))
         entry = self._live(kv) if kv is not None else None
@@ -79,10 +88,11 @@ class NameService:
         uid = self._owner(job_id)
         key = self.keys.name(uid, service)
         async with self._lock:
+            fence = self.fence()
             kv = await self._etcd(self.etcd.get(key))
             if kv is None or self._live(kv) is None:
                 raise RemoteError("name_not_found", f"service {service!r} is not published")
-            await self._delete(kv)
+            await self._delete(fence, kv)
         log.info("job %d (uid %d) unpublished service %r", job_id, uid, service)
 
     # ------------------------------------------------------------ a job ends
@@ -96,10 +106,11 @@ class NameService:
     async def _drop_job(self, job_id: int, uid: int) -> None:
         async with self._lock:
             try:
+                fence = self.fence()
                 response = await self.etcd.range(self.keys.names_of(uid), prefix=True, limit=NAMES_PER_USER * 2)
                 for kv in response.kvs:
                     if self._entry(kv)[0] == job_id:
-                        await self._delete(kv)
+                        await self._delete(fence, kv)
             except (EtcdError, RemoteError) as exc:  # (read as absent meanwhile; the next publish of that user removes them)
                 log.warning("could not remove the service names of job %d: %s", job_id, exc)
 
@@ -127,20 +138,32 @@ class NameService:
             return None
         return job_id, port
 
-    async def _live_names(self, uid: int) -> set[bytes]:
+    async def _live_names(self, fence: Fence, uid: int) -> set[bytes]:
         """The keys of ``uid``'s names whose jobs still run; the others are removed."""
         response = await self._etcd(self.etcd.range(self.keys.names_of(uid), prefix=True, limit=NAMES_PER_USER * 2))
         live = set()
         for kv in response.kvs:
             if self._live(kv) is None:
-                await self._delete(kv)
+                await self._delete(fence, kv)
             else:
                 live.add(kv.key)
         return live
 
-    async def _delete(self, kv: KeyValue) -> None:
+    async def _delete(self, fence: Fence, kv: KeyValue) -> None:
         """Delete a name as read (not one published again since)."""
-        await self._etcd(self.etcd.txn([Compare.mod_revision(kv.key) == kv.mod_revision], [Op.delete(kv.key)]))
+        await self._fenced(fence, [Compare.mod_revision(kv.key) == kv.mod_revision], [Op.delete(kv.key)])
+
+    async def _fenced(self, fence: Fence, compare: list, ops: list) -> bool:
+        """Apply ``ops`` if ``compare`` holds and ``fence``'s term still does; whether they were applied.
+        :class:`~.store.Deposed` when the term is over (the node asking retries with the new coordinator)."""
+        result = await self._etcd(self.etcd.txn([fence.compare(), *compare], ops, [Op.get(fence.key)]))
+        if result.succeeded:
+            return True
+        found = result.responses[0] if result.responses else None
+        held = found.kvs[0] if isinstance(found, Range) and found.kvs else None
+        if held is None or held.create_revision != fence.term:
+            raise Deposed(f"this node's term {fence.term} as coordinator is over (etcd holds another leader)")
+        return False
 
     @staticmethod
     async def _etcd(awaitable):

@@ -108,7 +108,9 @@ class Daemon:
         # (NodeCheckpoints still takes the daemon: it is being rewritten as a state machine's shell)
         self.checkpoints = NodeCheckpoints(self)
         self.pmi = PmiServer(node=self.node, table=self.table, calls=self.calls, spawn=self.tasks.spawn, note=self.ranks.note)
-        self.names = NameService(etcd=self.etcd, keys=self.table.keys, table=self.table, spawn=self.tasks.spawn)
+        self.names = NameService(
+            etcd=self.etcd, keys=self.table.keys, table=self.table, spawn=self.tasks.spawn, fence=self.coordinator.current_fence,
+        )
         self.table.listeners.append(self.names.on_record)
         self.node_jobs = NodeJobs(
             node=self.node, table=self.table, ranks=self.ranks, jobnet=self.jobnet, pmi=self.pmi, checkpoints=self.checkpoints,

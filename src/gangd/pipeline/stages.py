@@ -24,6 +24,12 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from .emit import Packer
 from .engine import Source, Stage
 from .ring import Slot
+from .settings import MAX_RING_BYTES
+
+#: The largest range :class:`ReadRanges` reads as one item (into a buffer of its own): a ring's
+#: whole pool. The file's size does not bound a range: a user's file can be sparse, terabytes
+#: of holes that cost its owner nothing, and reading a range allocates all of it.
+MAX_ITEM = MAX_RING_BYTES
 
 
 class Transform(Stage):
@@ -125,9 +131,10 @@ class ReadRanges(Source):
     Ranges up to a buffer's size are read in place into the ring's buffers
     (``preadv``: no copy); a larger range is read into a buffer of its own,
     passed on by reference. The ranges come from an index a user can
-    write: a range past the end of the file (``fstat`` at the start) is an
-    error naming it before anything is allocated for it, and a file that
-    shrinks meanwhile is an error too, never a short item.
+    write: a range past the end of the file (``fstat`` at the start) or
+    longer than :data:`MAX_ITEM` (a sparse file is as long as its owner
+    likes) is an error naming it before anything is allocated for it, and
+    a file that shrinks meanwhile is an error too, never a short item.
     """
 
     def __init__(self, fd: int, ranges: Iterable[tuple[Hashable, int, int]], *, name: str = "read"):
@@ -150,6 +157,8 @@ class ReadRanges(Source):
                 raise ValueError(f"item {key!r}: negative range ({offset}, {length})")
             if offset + length > size:
                 raise ValueError(f"item {key!r} ({length} bytes at {offset}) lies past the end of the file ({size} bytes)")
+            if length > MAX_ITEM:
+                raise ValueError(f"item {key!r} ({length} bytes at {offset}) is larger than the {MAX_ITEM} bytes one item may be")
             self.stats.items_in += 1
             self.stats.bytes_in += length
             if length <= capacity:

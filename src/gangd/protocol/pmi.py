@@ -210,7 +210,7 @@ class Reader:
             return None
         if key in ("totspawns", "spawnssofar"):
             number = value.strip()
-            if not (number.isdigit() and len(number) <= 6):
+            if not (number.isascii() and number.isdigit() and len(number) <= 6):  # ('¹'.isdigit(), and int() refuses it)
                 raise PMIError(f"{key}={value[:20]!r} is not a count")
             if key == "totspawns":
                 self._segments = int(number)
@@ -351,7 +351,15 @@ def _field(fields: dict[str, str], name: str, limit: int, reply_cmd: str, *, req
 
 def command(fields: dict[str, str]) -> Command:
     """The typed command of one parsed line; :class:`Refused` if its values break PMI-1's limits."""
-    cmd = fields.get("cmd") or fields.get("mcmd") or ""
+    if "mcmd" in fields:
+        # A multi-line command is a spawn, or not served. Its values may hold
+        # spaces and it may carry any key, ``cmd`` included: none of it is taken
+        # as another command (a put whose value has a space could not be answered).
+        if fields["mcmd"] == "spawn" and isinstance(fields, Multi):
+            return spawn(fields)
+        name = token(fields["mcmd"])[:64] or "unknown"
+        return Unsupported(name, RESPONSES.get(fields["mcmd"], name))
+    cmd = fields.get("cmd") or ""
     if cmd == "init":
         return Init(fields.get("pmi_version", ""), fields.get("pmi_subversion", ""))
     if cmd in QUERIES:
@@ -379,8 +387,6 @@ def command(fields: dict[str, str]) -> Command:
         return Lookup(_field(fields, "service", SERVICE_MAX, "lookup_result"))
     if cmd == "unpublish_name":
         return Unpublish(_field(fields, "service", SERVICE_MAX, "unpublish_result"))
-    if cmd == "spawn" and isinstance(fields, Multi):
-        return spawn(fields)
     name = token(cmd)[:64] or "unknown"
     # (a query outside PMI-1 has no response MPICH waits for: it gets its own name back, as an error)
     return Unsupported(name, RESPONSES.get(cmd, name))
@@ -388,7 +394,7 @@ def command(fields: dict[str, str]) -> Command:
 
 def _count(fields: dict[str, str], name: str, low: int, high: int) -> int:
     text = fields.get(name, "").strip()
-    if not (text.isdigit() and len(text) <= 9 and low <= int(text) <= high):
+    if not (text.isascii() and text.isdigit() and len(text) <= 9 and low <= int(text) <= high):
         raise Refused("spawn_result", f"{name}={text[:20]} is not a number from {low} to {high}")
     return int(text)
 

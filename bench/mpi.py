@@ -8,6 +8,10 @@ in the same run; latency (8 B) and bandwidth (largest size) are compared:
 * two nodes: one rank on each of two gangd nodes, MPICH forced onto TCP
   (MPIR_CVAR_NOLOCAL=1, ofi/tcp) for both launchers, as between two hosts.
 
+Then spawn latency (issue 20): how long ``MPI.COMM_SELF.Spawn`` of 4
+processes takes to return in a 1-rank job (the children start Python,
+MPI_Init, connect to the parent), under each launcher, alternating.
+
     python bench/mpi.py [--repeats 3] [--max-size 4194304] [--json]
 """
 
@@ -28,6 +32,21 @@ from gangd.client import cluster as local
 PY = sys.executable
 MPIEXEC = shutil.which("mpiexec", path=str(Path(PY).parent)) or "mpiexec"
 OVER_TCP = {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
+SPAWNED = 4
+#: A 1-rank program timing Spawn of SPAWNED copies of itself (which only disconnect).
+#: (A file: PMI-1 is line-based, an argument holding newlines cannot be spawned, by Hydra either.)
+SPAWN = f"""
+import sys, time
+from mpi4py import MPI
+parent = MPI.Comm.Get_parent()
+if parent != MPI.COMM_NULL:
+    parent.Disconnect()
+else:
+    start = time.perf_counter()
+    inter = MPI.COMM_SELF.Spawn(sys.executable, [sys.argv[0]], maxprocs={SPAWNED})
+    print("spawn seconds", time.perf_counter() - start, flush=True)
+    inter.Disconnect()
+"""
 
 
 def parse(text: str) -> dict[int, tuple[float, float]]:
@@ -50,6 +69,13 @@ def run(cmd: list[str], env: dict) -> dict:
     return parse(result.stdout)
 
 
+def spawn_seconds(cmd: list[str], program: Path) -> float:
+    result = subprocess.run([*cmd, PY, str(program)], capture_output=True, text=True, timeout=300, check=False)
+    if result.returncode or "spawn seconds" not in result.stdout:
+        raise RuntimeError(f"{' '.join(cmd[:6])}... exited {result.returncode}: {result.stdout[-1000:]} {result.stderr[-2000:]}")
+    return float(result.stdout.split("spawn seconds", 1)[1].split()[0])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -58,7 +84,7 @@ def main() -> None:
     args = parser.parse_args()
     bench = ["-m", "mpi4py.bench", "pingpong", "-n", str(args.max_size)]
     directory = Path(tempfile.mkdtemp(prefix="gangd-bench-mpi-")) / "cluster"
-    local.up(directory, 2, cores=2)
+    local.up(directory, 2, cores=SPAWNED)  # (room for a parent and its SPAWNED children in one slot)
     gang = [PY, "-m", "gangd.client.cli", "--cluster", str(directory), "run", "--mpi", "-n", "2"]
     results = {}
     try:
@@ -79,6 +105,14 @@ def main() -> None:
             row["bandwidth_ratio"] = row["gangd"]["bandwidth_mb_s"] / row["mpiexec"]["bandwidth_mb_s"]
             row["large_size"] = large
             results[name] = row
+        spawn: dict[str, list[float]] = {"mpiexec": [], "gangd": []}
+        program = directory.parent / "spawn4.py"
+        program.write_text(SPAWN)
+        for _ in range(args.repeats):
+            spawn["mpiexec"].append(spawn_seconds([MPIEXEC, "-n", "1"], program))
+            spawn["gangd"].append(spawn_seconds([*gang[:-1], "1", "--"], program))
+        results["spawn"] = {launcher: {"seconds": statistics.median(runs), "runs": runs} for launcher, runs in spawn.items()}
+        results["spawn"]["ratio"] = results["spawn"]["gangd"]["seconds"] / results["spawn"]["mpiexec"]["seconds"]
     finally:
         local.down(directory)
         shutil.rmtree(directory.parent, ignore_errors=True)
@@ -88,12 +122,15 @@ def main() -> None:
     print(f"mpi4py.bench pingpong, 2 ranks, median of {args.repeats} (alternating launchers)")
     print(f"{'':18} {'8 B latency us':>28} {'bandwidth MB/s (largest)':>34}")
     print(f"{'':18} {'mpiexec':>9} {'gangd':>9} {'ratio':>8} {'mpiexec':>11} {'gangd':>11} {'ratio':>8}")
+    spawn = results.pop("spawn")
     for name, row in results.items():
         m, g = row["mpiexec"], row["gangd"]
         print(f"{name:18} {m['latency_us']:9.2f} {g['latency_us']:9.2f} {row['latency_ratio']:8.3f} "
               f"{m['bandwidth_mb_s']:11.1f} {g['bandwidth_mb_s']:11.1f} {row['bandwidth_ratio']:8.3f}")
     worst = max(max(abs(r["latency_ratio"] - 1), abs(r["bandwidth_ratio"] - 1)) for r in results.values())
     print(f"target: within 5 % of mpiexec -> {'ok' if worst <= 0.05 else 'MISS'} (worst {worst * 100:.1f} %)")
+    print(f"Spawn of {SPAWNED} processes from 1 rank, median of {args.repeats} (alternating): "
+          f"mpiexec {spawn['mpiexec']['seconds']:.3f} s, gangd {spawn['gangd']['seconds']:.3f} s, ratio {spawn['ratio']:.2f}")
 
 
 if __name__ == "__main__":

@@ -196,7 +196,7 @@ def test_the_wire_keeps_every_operation_name_and_audience():
     peer = fenced | {
         "ping", "ranks_exited", "coord_submit", "coord_kill", "output_local", "coord_suspend", "coord_schedule",
         "job_usage", "comm_gather", "net_gate", "net_wait_closed", "net_counters", "net_capture_local", "net_restore",
-        "pmi_fence", "coord_names", "coord_fail", "ckpt_job_env", "coord_checkpoint", "coord_checkpoint_all", "coord_restart",
+        "pmi_fence", "coord_names", "coord_spawn", "coord_fail", "ckpt_job_env", "coord_checkpoint", "coord_checkpoint_all", "coord_restart",
         "coord_ckpt_restored", "ckpt_file_read", "ckpt_data_read", "ckpt_bulk_read",  # (peer-only: the files hold network contexts)
         "ckpt_holds",  # (whether a node still holds a generation's files: its disk may have been wiped)
     }

@@ -359,3 +359,58 @@ def test_admission_is_first_come_first_served_into_the_first_slot_with_room(core
     for j in range(1, 2 * cores + 1):
         slot, _ = admit(m, rec(j, 1, nodelist=["n1"]))
         assert slot == (j - 1) // cores
+
+
+# ---------------------------------------------------------------- spawned jobs (gangd.daemon.spawns)
+
+
+def child_rec(job_id: int, nranks: int, parent: int) -> dict:
+    return dict(rec(job_id, nranks), spawned_by=parent)
+
+
+def test_a_spawned_job_goes_in_its_parents_slot_or_is_refused_with_the_reason():
+    from gangd.daemon import spawns
+
+    matrix = Matrix(cluster(2, cores=2), max_slots=4)
+    admit(matrix, rec(1, 4))  # slot 0, full
+    admit(matrix, rec(2, 1))  # slot 1, 3 cores free
+    assert matrix.slot_of(2) == 1
+    assert spawns.admit(matrix, child_rec(3, 3, parent=2), place, set(matrix.cores)) == (1, ["n1", "n2", "n2"])
+    why = spawns.admit(matrix, child_rec(4, 1, parent=2), place, set(matrix.cores))
+    assert why == "no room for 1 spawned processes beside job 2 in its time slot (0 cores free there); spawned processes run in their parent's slot"
+    assert matrix.slot_of(4) is None
+    assert spawns.admit(matrix, child_rec(5, 1, parent=99), place, set(matrix.cores)) == "its parent job 99 holds no time slot (it is not running)"
+
+
+def test_compaction_never_moves_a_parent_or_its_children_apart():
+    from gangd.daemon import spawns
+
+    matrix = Matrix(cluster(2, cores=2), max_slots=4)
+    admit(matrix, rec(1, 2))  # slot 0: n1 n1
+    admit(matrix, rec(2, 3))  # slot 1
+    spawns.admit(matrix, child_rec(3, 1, parent=2), place, set(matrix.cores))
+    assert matrix.slot_of(3) == 1
+    matrix.remove(1)  # slot 0 empties: the family moves together (as a slot), never one job of it alone
+    assert matrix.slot_of(2) == matrix.slot_of(3) == 0
+    # A parent that would fit in an earlier slot alone is not pulled there without its child; an untied job is.
+    matrix = Matrix(cluster(2, cores=2), max_slots=4)
+    matrix.add(1, 0, ["n1", "n1", "n2"])  # slot 0: one core free, on n2
+    matrix.add(2, 1, ["n2"])  # the parent
+    matrix.add(3, 1, ["n1"])  # its child
+    matrix.tied.update((2, 3))
+    matrix.add(9, 1, ["n2"])  # untied, the parent's shape
+    matrix.add(5, 2, ["n1"])
+    matrix.remove(5)  # (a compaction)
+    assert (matrix.slot_of(2), matrix.slot_of(3), matrix.slot_of(9)) == (1, 1, 0)
+
+
+def test_spawns_per_job_and_processes_spawned_per_job_are_bounded():
+    from gangd.daemon import spawns
+    from gangd.rpc import RemoteError
+
+    parent = rec(1, 1)
+    spawns.bounds_check(parent, [rec(i, 1) for i in range(spawns.MAX_SPAWNS_PER_JOB - 1)], 1)
+    with pytest.raises(RemoteError, match="has spawned 16 times"):
+        spawns.bounds_check(parent, [rec(i, 1) for i in range(spawns.MAX_SPAWNS_PER_JOB)], 1)
+    with pytest.raises(RemoteError, match="has spawned 250 processes; 7 more would pass the 256"):
+        spawns.bounds_check(parent, [rec(2, 250)], 7)

@@ -1,8 +1,8 @@
 """MPI programs under gangd that use what PMI-1 has beyond start-up (issue 20, first part).
 
-Real MPICH through mpi4py, as in test_mpi.py. ``MPI_Comm_spawn``, which
-gangd does not serve yet, must be an MPI error the program sees, never a
-crash of the rank; MPI's name service works between jobs of one user on
+Real MPICH through mpi4py, as in test_mpi.py. A spawn gangd refuses
+(here: a program that does not exist; test_mpi_spawn.py has the rest)
+must be an MPI error the program sees, never a crash of the rank; MPI's name service works between jobs of one user on
 any nodes, and is invisible to another user.
 """
 
@@ -172,7 +172,7 @@ def ask(text):
 out = {"init": ask("cmd=init pmi_version=1 pmi_subversion=1")}
 for cmd in ("singinit", "initack", "create_kvs", "destroy_kvs", "getbyidx", "no_such_command"):
     out[cmd] = ask(f"cmd={cmd} pmiid=1")
-out["spawn"] = ask("mcmd=spawn\nnprocs=1\nexecname=/bin/true\ntotspawns=1\nspawnssofar=1\nargcnt=1\narg1=a b c\n"
+out["spawn"] = ask("mcmd=spawn\nnprocs=1\nexecname=/nonexistent/x\ntotspawns=1\nspawnssofar=1\nargcnt=1\narg1=a b c\n"
                    "preput_num=0\ninfo_num=0\nendcmd")
 out["long_service"] = ask("cmd=publish_name service=" + "s" * 257 + " port=p")
 out["long_port"] = ask("cmd=publish_name service=s port=" + "p" * 1024)
@@ -190,9 +190,10 @@ def test_every_pmi1_query_is_answered_on_the_wire_and_the_connection_goes_on(mc)
     out = json.loads(run.stdout.split("PMI ", 1)[1])
     assert out["init"] == "cmd=response_to_init pmi_version=1 pmi_subversion=1 rc=0"
     for cmd, reply in [("singinit", "singinit_info"), ("initack", "initack"), ("create_kvs", "newkvs"),
-                       ("destroy_kvs", "kvs_destroyed"), ("getbyidx", "getbyidx_results"), ("spawn", "spawn_result"),
+                       ("destroy_kvs", "kvs_destroyed"), ("getbyidx", "getbyidx_results"),
                        ("no_such_command", "no_such_command")]:
         assert out[cmd] == f"cmd={reply} rc=-1 msg={cmd}_is_not_supported_by_gangd", out
+    assert out["spawn"] == "cmd=spawn_result rc=-1 msg=/nonexistent/x:_command_not_found", out
     assert out["long_service"] == "cmd=publish_result rc=-1 msg=service_longer_than_256_bytes"
     assert out["long_port"] == "cmd=publish_result rc=-1 msg=port_longer_than_1023_bytes"
     assert out["widest"] == "cmd=publish_result rc=0"

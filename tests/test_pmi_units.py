@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from gangd.protocol import pmi
 
 # Every query of MPICH's pmi-1.2.txt that gangd does not serve, with the response MPICH compares against.
+# (``cmd=spawn`` on one line is not how MPICH spawns, ``mcmd=spawn`` is: it is not served either.)
 NOT_SERVED = {"spawn": "spawn_result", "initack": "initack", "singinit": "singinit_info",
               "create_kvs": "newkvs", "destroy_kvs": "kvs_destroyed", "getbyidx": "getbyidx_results"}
 
@@ -46,19 +47,70 @@ def spawn_text(segments: list[list[str]], preput: int = 0) -> bytes:
     return ("\n".join(lines) + "\n").encode()
 
 
-def test_spawn_of_many_lines_is_one_command_refused_with_spawn_result():
+SPAWNED = pmi.Spawn(
+    (pmi.Segment(("/usr/bin/python3", "-c", "print('a b')"), 2), pmi.Segment(("/usr/bin/python3", "x"), 2)),
+    (("PARENT_ROOT_PORT_NAME", "tag#0$x$"),),
+)
+
+
+def test_spawn_of_many_lines_is_one_command_with_each_segment_and_the_preput_keys():
     data = spawn_text([["-c", "print('a b')"], ["x"]], preput=1) + b"cmd=get_maxes\n"
     spawn, after = commands_of(data)
-    assert spawn == pmi.Unsupported("spawn", "spawn_result")
+    assert spawn == SPAWNED
+    assert spawn.nprocs == 4
     assert after == pmi.Query("get_maxes")  # the connection goes on
 
 
 def test_spawn_split_anywhere_across_reads_is_the_same_command():
-    data = spawn_text([["a"], ["b"], ["c"]])
+    data = spawn_text([["-c", "print('a b')"], ["x"]], preput=1)
     for cut in range(1, len(data)):
         reader = pmi.Reader()
         got = reader.feed(data[:cut]) + reader.feed(data[cut:])
-        assert [pmi.command(f) for f in got] == [pmi.Unsupported("spawn", "spawn_result")], cut
+        assert [pmi.command(f) for f in got] == [SPAWNED], cut
+
+
+def test_the_wdir_info_key_is_where_the_spawned_processes_start():
+    data = spawn_text([["a"]]).replace(b"info_num=0", b"info_num=2\ninfo_key_0=host\ninfo_val_0=n2\ninfo_key_1=wdir\ninfo_val_1=/srv/w")
+    (spawn,) = commands_of(data)
+    assert spawn.segments == (pmi.Segment(("/usr/bin/python3", "a"), 2, "/srv/w"),)
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ((b"nprocs=2", b"nprocs=0"), b"nprocs=0_is_not_a_number_from_1_to_256"),
+        ((b"nprocs=2", b"nprocs=257"), b"nprocs=257_is_not_a_number_from_1_to_256"),
+        ((b"nprocs=2", b"nprocs=99999999999999"), b"nprocs=99999999999999_is_not_a_number_from_1_to_256"),
+        ((b"nprocs=2", b"nprocs=-1"), b"nprocs=-1_is_not_a_number_from_1_to_256"),
+        ((b"execname=/usr/bin/python3", b"execname="), b"execname_missing"),
+        ((b"argcnt=1", b"argcnt=2"), b"arg2_missing"),
+        ((b"argcnt=1", b"argcnt=257"), b"argcnt=257_is_not_a_number_from_0_to_256"),
+        ((b"preput_num=0", b"preput_num=17"), b"preput_num=17_is_not_a_number_from_0_to_16"),
+        ((b"preput_num=0", b"preput_num=1\npreput_key_0=" + b"k" * 65), b"preput_key_0_is_longer_than_64_bytes_or_holds_a_NUL"),
+        ((b"arg1=a", b"arg1=" + b"a" * 4001), b"arg1_is_longer_than_4000_bytes_or_holds_a_NUL"),
+        ((b"arg1=a", b"arg1=a\0b"), b"arg1_is_longer_than_4000_bytes_or_holds_a_NUL"),
+    ],
+    ids=["no-procs", "too-many-procs", "absurd-procs", "negative-procs", "no-command", "missing-arg", "too-many-args",
+         "too-many-preput", "long-preput-key", "long-arg", "nul-in-arg"],
+)
+def test_hostile_spawns_are_refused_with_spawn_result_and_a_reason(change, why):
+    (fields,) = pmi.Reader().feed(spawn_text([["a"]]).replace(*change))
+    with pytest.raises(pmi.Refused) as refused:
+        pmi.command(fields)
+    assert refused.value.reply() == b"cmd=spawn_result rc=-1 msg=" + why.replace(b"=", b"_") + b"\n"  # (PMI-1 values have no "=")
+
+
+def test_a_spawn_of_more_processes_than_one_spawn_may_start_in_all_is_refused():
+    (fields,) = pmi.Reader().feed(spawn_text([["a"]] * 3).replace(b"nprocs=2", b"nprocs=100"))
+    with pytest.raises(pmi.Refused, match="at most 256 processes"):
+        pmi.command(fields)
+
+
+def test_a_spawn_of_too_many_commands_is_refused_and_kept_bounded():
+    (fields,) = pmi.Reader().feed(spawn_text([["a"]] * (pmi.SPAWN_SEGMENTS_MAX + 4)))
+    assert len(fields.segments) == pmi.SPAWN_SEGMENTS_MAX
+    with pytest.raises(pmi.Refused, match="more than 16 commands"):
+        pmi.command(fields)
 
 
 @pytest.mark.parametrize("text", [
@@ -69,7 +121,11 @@ def test_spawn_split_anywhere_across_reads_is_the_same_command():
 def test_a_multi_line_command_is_never_taken_for_a_put_or_publish_whose_values_hold_spaces(text):
     """Its values may hold spaces (PMI-1 lines cannot): a put of one would make every later get
     of that key unanswerable, on every node of the job."""
-    (command,) = commands_of(text)
+    try:
+        (command,) = commands_of(text)
+    except pmi.Refused as exc:  # (a spawn without its fields: refused as a spawn, still no put)
+        assert exc.reply_cmd == "spawn_result" and text.startswith(b"mcmd=spawn\n")
+        return
     assert isinstance(command, pmi.Unsupported)
     assert command.reply().startswith(f"cmd={pmi.RESPONSES[command.cmd]} rc=-1 ".encode())
 
@@ -88,8 +144,10 @@ def test_an_oversized_spawn_is_still_one_command_and_memory_stays_bounded():
     reader = pmi.Reader()
     (fields,) = reader.feed(data)
     assert fields["oversized"] == "1"
-    assert sum(len(k) + len(v) for k, v in fields.items()) <= pmi.MAX_MCMD + 100
-    assert pmi.command(fields).reply().startswith(b"cmd=spawn_result rc=-1")
+    assert sum(len(k) + len(v) for segment in fields.segments for k, v in segment.items()) <= pmi.MAX_MCMD + 100
+    with pytest.raises(pmi.Refused) as refused:
+        pmi.command(fields)
+    assert refused.value.reply().startswith(b"cmd=spawn_result rc=-1 msg=the_spawn_command_is_longer_than_65536_bytes")
 
 
 def test_name_service_commands_and_their_limits():
@@ -141,6 +199,10 @@ def test_hostile_lines_are_answered_refused_or_end_the_connection(name, fields, 
                 continue
             elif isinstance(command, pmi.Lookup | pmi.Unpublish):
                 assert 0 < len(command.service.encode()) <= pmi.SERVICE_MAX
+                continue
+            elif isinstance(command, pmi.Spawn):
+                assert 1 <= command.nprocs <= pmi.SPAWN_NPROCS_MAX and 1 <= len(command.segments) <= pmi.SPAWN_SEGMENTS_MAX
+                assert all(s.argv[0] and len(s.argv) <= pmi.SPAWN_ARGS_MAX + 1 for s in command.segments)
                 continue
             else:
                 continue

@@ -350,6 +350,18 @@ def new_record(*, job_id: int, spec: dict, owner_uid: int, owner_name: str, owne
     }
 
 
+def segment_of(record: dict, rank: int) -> tuple[list[str], int]:
+    """(the command rank ``rank`` runs, its MPI appnum). A job spawned by
+    ``MPI_Comm_spawn_multiple`` runs one command per segment, in rank order
+    (its record's ``segments``: ``[argv, nprocs]`` each); any other job its ``argv``."""
+    first = 0
+    for appnum, (argv, nprocs) in enumerate(record.get("segments") or ()):
+        if rank < first + nprocs:
+            return list(argv), appnum
+        first += nprocs
+    return record["argv"], 0
+
+
 def is_terminal(record: dict) -> bool:
     return record["state"] in TERMINAL_STATES
 

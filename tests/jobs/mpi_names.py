@@ -5,7 +5,7 @@
     mpi_names.py lookup SERVICE              rank 0 looks it up: "found PORT" or "absent CLASS"
     mpi_names.py unpublish SERVICE           rank 0 unpublishes: "unpublished" or "refused CLASS"
     mpi_names.py publish-many PREFIX N       rank 0 publishes PREFIX0..N-1 until one is refused
-    mpi_names.py spawn                       every rank spawns a process from COMM_SELF
+    mpi_names.py spawn                       every rank spawns a program that does not exist from COMM_SELF
 
 Error classes are printed by name (MPI_ERR_NAME, MPI_ERR_SERVICE, ...).
 """
@@ -27,7 +27,7 @@ comm = MPI.COMM_WORLD
 what = sys.argv[1]
 if what == "spawn":
     try:
-        MPI.COMM_SELF.Spawn(sys.executable, ["-c", "pass"], maxprocs=1)
+        MPI.COMM_SELF.Spawn("/nonexistent/gangd-test-program", [], maxprocs=1)
         print(f"{comm.rank}: spawned", flush=True)
     except MPI.Exception as exc:
         print(f"{comm.rank}: spawn failed {err(exc)}: {exc.Get_error_string()}", flush=True)

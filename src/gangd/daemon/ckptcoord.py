@@ -168,6 +168,10 @@ class CheckpointCoordinator:
         permission_check(record, cred, "checkpoint")
         if record["state"] not in (jobs.RUNNING, jobs.SUSPENDED):
             raise RemoteError("bad_state", f"job {job_id} is {record['state']}; only a running or suspended job can be checkpointed")
+        if record.get("children") or record.get("spawned_by") is not None:
+            # (see gangd.daemon.spawns: the intercommunicators between them are in no rank's image)
+            related = f"was spawned by job {record['spawned_by']}" if record.get("spawned_by") is not None else "has spawned processes (MPI_Comm_spawn)"
+            raise RemoteError("not_supported", f"job {job_id} {related}: gangd does not checkpoint jobs with dynamic processes")
         await self.daemon.table.read_lineage(record.get("lineage") or job_id)  # (its generations in the history count too)
         live = self.live.get(job_id)
         if live is None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import logging
 import math
 import os
@@ -30,7 +31,7 @@ from .. import jobs
 from ..checkpoint import round as rd
 from ..failpoint import hold
 from ..rpc import RemoteError
-from . import clock
+from . import clock, spawns
 from .access import check_may_resume, permission_check
 from .ckptcoord import CheckpointCoordinator
 from .gang import Matrix
@@ -173,6 +174,8 @@ class Coordinator:
         self._gang_changed = trio.Event()
         self._switch_lock = trio.Lock()
         self._contexts: dict[int, dict[str, bytes]] = {}  # network contexts to restore at launch
+        self._spawning: dict[int, list[int]] = {}  # parent job -> processes of its spawns under way (counted by the bounds)
+        self._spawned_waiting: set[int] = set()  # spawned jobs to place before the queue (see _schedule)
         self.pinned: set[int] = set()  # jobs that must run whatever their slot (checkpoint under way)
         # What the checkpoint coordinator reaches through (``coordinator.daemon``)
         # until its rewrite gives it a narrow port of its own.
@@ -218,6 +221,7 @@ class Coordinator:
         JobTable.update: computed from the record it writes); ``change`` may
         still run twice if the record changed in etcd meanwhile, so it must
         only change the record."""
+        before = self.table.get(job_id)
         lock = self._job_locks.setdefault(job_id, trio.Lock())
         if lock.locked() and self.table.waiting_write(job_id):
             record = await self.table.update(self._fence(), job_id, change)
@@ -231,6 +235,8 @@ class Coordinator:
             self.acct.pop(record["id"], None)
             if record["id"] in self.matrix.usage:
                 self._leave_matrix(record["id"])
+            if before is not None and not jobs.is_terminal(before) and (record.get("children") or record.get("spawned_by") is not None):
+                spawns.family_ended(self, record)
         return record
 
     def kick(self) -> None:
@@ -428,6 +434,8 @@ class Coordinator:
             # Handed to the nodes with the launch, not kept in the (replicated) record.
             self._contexts[job_id] = contexts
         log.info("job %d (%s) submitted by %s: %d ranks", job_id, record["name"], cred["user"], nranks)
+        if record.get("spawned_by") is not None:
+            self._spawned_waiting.add(job_id)
         self.kick()
         return record
 
@@ -517,7 +525,23 @@ class Coordinator:
         up = {name for name in self.matrix.cores if self.membership.is_up(name)}
         spares = {n.name for n in self.config.nodes if getattr(n, "spare", False)}
         admitted_jobs: list[tuple[int, list[str]]] = []
-        for record in self.table.unplaced():  # (highest priority first, then first come first served)
+        # Spawned processes first (their parent runs and waits for them: the
+        # head of the queue must not hold them up), then the queue: highest
+        # priority first, then first come first served.
+        spawned = [r for j in sorted(self._spawned_waiting) if (r := self.table.get(j)) is not None]
+        self._spawned_waiting.clear()
+        seen: set[int] = set()
+        for record in itertools.chain(spawned, self.table.unplaced()):
+            if record.get("spawned_by") is not None:  # spawned processes: in their parent's slot, or not at all
+                if record["id"] in seen or record["state"] != jobs.QUEUED or record["placement"]:
+                    continue
+                seen.add(record["id"])
+                child = spawns.admit(self.matrix, record, place, up)
+                if isinstance(child, str):
+                    await self.fail(record["id"], f"cannot place the spawned processes: {child}")
+                    continue
+                admitted_jobs.append((record["id"], child[1]))
+                continue
             try:
                 # Spares are kept for recoveries: a job goes there only if it fits nowhere else.
                 admitted = self.matrix.admit(record, without(spares), up) if spares else None
@@ -712,12 +736,24 @@ class Coordinator:
         permission_check(record, cred, "kill")
         if jobs.is_terminal(record):
             return record
+        await self._kill(job_id, cred["user"], f"killed by {cred['user']}")
+        # Every rank is reaped by now; answer once their exit reports are in,
+        # so `gang kill` returns when the job really is over.
+        with trio.move_on_after(KILL_REPORT_WAIT):
+            while not jobs.is_terminal(record := self.table.get(job_id)):
+                await self.table.wait_changed()
+        return record
 
+    async def kill_for(self, job_id: int, reason: str) -> None:
+        """gangd kills the job (its parent ended, see :mod:`.spawns`): as `gang kill`, ``reason`` said."""
+        await self._kill(job_id, "gangd", reason)
+
+    async def _kill(self, job_id: int, who: str, reason: str) -> None:
         def change(r):
             if jobs.is_terminal(r):
                 return False
-            r["kill_requested"] = cred["user"]
-            r["reason"] = r["reason"] or f"killed by {cred['user']}"
+            r["kill_requested"] = who
+            r["reason"] = r["reason"] or reason
             if not r["placement"] or (r["state"] == jobs.QUEUED and not r["started"]):
                 # never launched: nothing to wait for
                 r["ranks"] = [s or {"killed": True, "signal": signal.SIGKILL, "never_started": True} for s in r["ranks"]]
@@ -726,12 +762,49 @@ class Coordinator:
         await self.update(job_id, change)
         await self._kill_everywhere(job_id)
         self.kick()
-        # Every rank is reaped by now; answer once their exit reports are in,
-        # so `gang kill` returns when the job really is over.
-        with trio.move_on_after(KILL_REPORT_WAIT):
-            while not jobs.is_terminal(record := self.table.get(job_id)):
+
+    async def spawn_job(self, parent_id: int, rank: int, segments: list, preput: dict[str, str]) -> dict:
+        """MPI_Comm_spawn from rank ``rank`` of ``parent_id``: a child job (:mod:`.spawns`),
+        answered once it runs, or an error saying why it cannot."""
+        parent = self.table.get(parent_id)
+        if parent is None:
+            raise RemoteError("no_such_job", f"no job {parent_id}")
+        if parent["state"] != jobs.RUNNING or not parent.get("mpi"):
+            raise RemoteError("bad_state", f"job {parent_id} is {parent['state']}; only a running --mpi job can spawn")
+        nprocs = sum(int(n) for _, n, _ in segments)
+        under_way = self._spawning.setdefault(parent_id, [])
+        children = [c for c in (self.table.get(i) for i in parent.get("children") or ()) if c is not None]
+        # (spawns of other ranks under way count too: two ranks spawning at once cannot both pass the bound)
+        spawns.bounds_check(parent, children + [{"nranks": n} for n in under_way], nprocs)
+        under_way.append(nprocs)
+        try:
+            spec, cred, internal = spawns.child_request(parent, await self.table.env(parent_id), segments, preput, rank)
+            child = await self.submit(spec, cred, internal=internal)
+            child_id = child["id"]
+
+            def adopt(r):
+                if jobs.is_terminal(r):
+                    return False
+                r["children"] = [*(r.get("children") or []), child_id]
+
+            parent = await self.update(parent_id, adopt)
+        finally:
+            under_way.remove(nprocs)
+            if not under_way:
+                self._spawning.pop(parent_id, None)
+        if jobs.is_terminal(parent):
+            await self.kill_for(child_id, f"its parent job {parent_id} ended ({parent['state']})")
+            raise RemoteError("job_ended", f"job {parent_id} ended while its spawn was being placed")
+        with trio.move_on_after(spawns.SPAWN_TIMEOUT):
+            while (child := self.table.get(child_id)) is not None and child["state"] == jobs.QUEUED:
                 await self.table.wait_changed()
-        return record
+        if child is None or child["state"] == jobs.QUEUED:
+            await self.kill_for(child_id, f"not started within {spawns.SPAWN_TIMEOUT:g} s of the spawn")
+            raise RemoteError("spawn_failed", f"the spawned processes (job {child_id}) did not start within {spawns.SPAWN_TIMEOUT:g} s")
+        if jobs.is_terminal(child) and child["state"] != jobs.DONE:  # (DONE: it ran, and ended before this looked)
+            raise RemoteError("spawn_failed", f"spawned job {child_id} {child['state']}: {child['reason']}")
+        log.info("job %d rank %d spawned job %d (%d processes)", parent_id, rank, child_id, child["nranks"])
+        return {"job": child_id}
 
     async def kill_everywhere(self, job_id: int) -> None:
         """Kill the job's ranks on every live node of it (a recovery's survivors too)."""
@@ -862,7 +935,12 @@ class Coordinator:
                 continue  # (its ranks are gone; it holds no cores)
             if not record["placement"] or not set(record["placement"]) <= self.matrix.cores.keys():
                 continue  # (not placed yet; or on a node the configuration dropped: check_nodes fails it)
-            self.matrix.add(record["id"], len(self.matrix.slots), record["placement"])
+            parent_slot = self.matrix.slot_of(record["spawned_by"]) if record.get("spawned_by") is not None else None
+            if parent_slot is not None:  # (a child shares its parent's slot: spawns.admit)
+                self.matrix.add(record["id"], parent_slot, record["placement"])
+                self.matrix.tied.update((record["spawned_by"], record["id"]))
+            else:
+                self.matrix.add(record["id"], len(self.matrix.slots), record["placement"])
             self.matrix.compact()
             if record["state"] in (jobs.RUNNING, jobs.SUSPENDED):
                 self.acct.setdefault(record["id"], {"run": 0.0, "suspended": 0.0, "since": time.time(), "on": False})

@@ -26,6 +26,9 @@ class Matrix:
         self.slots: list[list[int]] = []  # job ids per slot, in admission order
         self.usage: dict[int, Counter] = {}  # job id -> ranks per node
         self.active = 0  # index of the slot running now
+        #: Jobs a compaction leaves where they are: spawning jobs and their
+        #: spawned children, which must share a slot (see gangd.daemon.spawns).
+        self.tied: set[int] = set()
 
     # ------------------------------------------------------------ queries
 
@@ -87,6 +90,7 @@ class Matrix:
             return {}
         self.slots[index].remove(job_id)
         del self.usage[job_id]
+        self.tied.discard(job_id)
         return self.compact()
 
     def compact(self) -> dict[int, int]:
@@ -98,6 +102,8 @@ class Matrix:
         frees = [self.free(slot) for slot in range(len(self.slots))]
         for source in range(1, len(self.slots)):
             for job_id in list(self.slots[source]):
+                if job_id in self.tied:
+                    continue
                 usage = self.usage[job_id]
                 for target in range(source):
                     if all(frees[target].get(node, 0) >= count for node, count in usage.items()):

@@ -12,8 +12,15 @@ its node daemon serves the other end. The key-value space spans the job:
 * ``abort`` fails the whole job with the rank's message;
 * ``publish_name`` / ``lookup_name`` / ``unpublish_name`` go to the
   coordinator's name service (:mod:`.names`: cluster-wide, per user);
-* everything else PMI-1 has (``spawn`` above all) gets the error reply
-  MPICH waits for, which the program sees as an MPI error.
+* ``spawn`` (``MPI_Comm_spawn`` / ``_multiple``) becomes a child job
+  (:mod:`.spawns`): its commands are checked here (bounds, and that the
+  job's owner could exec them), then the coordinator submits, places and
+  launches it; the rank's ``spawn_result`` comes once it runs, or with
+  the reason it cannot. A spawned job's ranks get ``PMI_SPAWNED=1``, the
+  spawn's ``preput`` keys in their key-value space from the start, and
+  their segment's appnum;
+* everything else PMI-1 has gets the error reply MPICH waits for, which
+  the program sees as an MPI error.
 
 MPI's own traffic never passes through gangd: the ranks connect to each
 other with the business cards they exchanged here.
@@ -31,12 +38,15 @@ import trio
 from .. import jobs
 from ..protocol import pmi
 from ..rpc import RemoteError
+from . import spawns
 from .gather import Gathers
 
 log = logging.getLogger("gangd.pmi")
 
 READ_SIZE = 65536
 ABORT_GRACE = 2.0  # seconds an aborting rank has to exit with its code
+#: A spawn's answer from the coordinator comes within its own timeout (spawns.SPAWN_TIMEOUT); this is the rank's bound.
+SPAWN_WAIT = spawns.SPAWN_TIMEOUT + 15.0
 
 
 @dataclass
@@ -72,9 +82,11 @@ class PmiJob:
 
 
 class PmiServer:
-    def __init__(self, *, node: str, table, calls, spawn):
-        """``calls``: :class:`.calls.Calls` (the barrier's leader, the coordinator); ``spawn``: the daemon's contained tasks."""
+    def __init__(self, *, node: str, table, calls, spawn, note=None):
+        """``calls``: :class:`.calls.Calls` (the barrier's leader, the coordinator); ``spawn``: the daemon's contained tasks;
+        ``note(job, rank, text)``: a line in the rank's stderr (a refused spawn's reason: MPICH's error string has none)."""
         self.node = node
+        self.note = note
         self.table = table
         self.calls = calls
         self.spawn = spawn
@@ -87,7 +99,11 @@ class PmiServer:
         if record["id"] not in self.jobs:
             # (not the token itself: kvsnames show in /dev/shm, and the token keys the job's network)
             tag = hashlib.sha256(b"gangd kvsname " + str(record["token"]).encode()).hexdigest()[:12]
-            self.jobs[record["id"]] = PmiJob(record["id"], f"gangd_{record['id']}_{tag}", jobs.ranks_on(record, self.node), nranks=int(record["nranks"]))
+            state = PmiJob(record["id"], f"gangd_{record['id']}_{tag}", jobs.ranks_on(record, self.node), nranks=int(record["nranks"]))
+            preput = record.get("pmi_preput")  # (a spawned job's: what its parent put, checked by the coordinator)
+            if isinstance(preput, dict):
+                state.merge({k: v for k, v in preput.items() if type(k) is str and type(v) is str})
+            self.jobs[record["id"]] = state
         return self.jobs[record["id"]]
 
     def forget(self, job_id: int) -> None:
@@ -103,6 +119,8 @@ class PmiServer:
         ours.setblocking(False)
         spawn(self._serve, state, record, rank, trio.SocketStream(trio.socket.from_stdlib_socket(ours)))
         env = {"PMI_FD": str(theirs.fileno()), "PMI_RANK": str(rank), "PMI_SIZE": str(record["nranks"]), "PMI_JOBID": state.kvsname}
+        if record.get("spawned_by") is not None:
+            env["PMI_SPAWNED"] = "1"  # (MPICH's PMI_Init: then it gets PARENT_ROOT_PORT_NAME and connects to its parent)
         return env, theirs.detach()
 
     # ------------------------------------------------------------ one rank's connection
@@ -130,6 +148,8 @@ class PmiServer:
                         parsed = pmi.command(fields)
                     except pmi.Refused as exc:
                         reply: bytes | None = exc.reply()
+                        if exc.reply_cmd == "spawn_result":
+                            self._spawn_refused(state.job_id, rank, exc.msg)
                     else:
                         command = parsed
                         if isinstance(parsed, pmi.BarrierIn):
@@ -137,6 +157,8 @@ class PmiServer:
                             reply = await self._barrier(state, record, rank, barriers)
                         elif isinstance(parsed, pmi.Publish | pmi.Lookup | pmi.Unpublish):
                             reply = await self._name(state, rank, parsed)
+                        elif isinstance(parsed, pmi.Spawn):
+                            reply = await self._spawn(state, record, rank, parsed)
                         else:
                             reply = self._answer(state, record, rank, parsed)
                     if reply:
@@ -154,7 +176,7 @@ class PmiServer:
             case pmi.Query(what="get_maxes"):
                 return pmi.line("maxes", kvsname_max=pmi.KVSNAME_MAX, keylen_max=pmi.KEYLEN_MAX, vallen_max=pmi.VALLEN_MAX, rc=0)
             case pmi.Query(what="get_appnum"):
-                return pmi.line("appnum", appnum=0, rc=0)
+                return pmi.line("appnum", appnum=jobs.segment_of(record, rank)[1], rc=0)
             case pmi.Query(what="get_my_kvsname"):
                 return pmi.line("my_kvsname", kvsname=state.kvsname, rc=0)
             case pmi.Query(what="get_universe_size"):
@@ -212,6 +234,28 @@ class PmiServer:
                 return pmi.line(reply_cmd, rc=1, msg="service_not_found")
             return pmi.line(reply_cmd, rc=0, port=answer)
         return pmi.line(reply_cmd, rc=0)
+
+    async def _spawn(self, state: PmiJob, record: dict, rank: int, command: pmi.Spawn) -> bytes:
+        """MPI_Comm_spawn: the child job's start, or an error reply saying why not (within :data:`SPAWN_WAIT`)."""
+        why = await trio.to_thread.run_sync(spawns.check_commands, record, command)
+        if why is None:
+            segments = [[list(s.argv), s.nprocs, s.wdir] for s in command.segments]
+            with trio.move_on_after(SPAWN_WAIT):
+                try:
+                    answer = await self.calls.to_coordinator("coord_spawn", job=state.job_id, rank=rank, segments=segments, preput=dict(command.preput))
+                except RemoteError as exc:
+                    why = exc.message
+                else:
+                    log.info("job %d rank %d: spawned job %s", state.job_id, rank, answer.get("job") if isinstance(answer, dict) else answer)
+                    return pmi.line("spawn_result", rc=0)
+            why = why or f"no answer within {SPAWN_WAIT:g} s"
+        self._spawn_refused(state.job_id, rank, why)
+        return pmi.line("spawn_result", rc=-1, msg=pmi.token(why))
+
+    def _spawn_refused(self, job_id: int, rank: int, why: str) -> None:
+        log.info("job %d rank %d: spawn refused: %s", job_id, rank, why)
+        if self.note is not None:
+            self.note(job_id, rank, f"MPI_Comm_spawn refused: {why}")
 
     async def _fail(self, job_id: int, why: str, code: int) -> None:
         """The job fails with the aborting rank's message. MPICH exits with the

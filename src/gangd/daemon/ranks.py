@@ -598,9 +598,10 @@ class LocalRanks:
                     log.debug("job %d rank %d: forked by rank server %d as %d", record["id"], rank, served.server_pid, served.pid)
                     continue
             failed = LaunchFailed()
+            argv, _ = jobs.segment_of(record, rank)
             try:
                 proc = await RankProcess.spawn(
-                    record["argv"],
+                    argv,
                     env=env,
                     preexec_fn=_make_preexec(
                         self.cgroups.join_files(cgroup) if cgroup is not None else [],
@@ -627,7 +628,7 @@ class LocalRanks:
                     # Same convention as a shell: 127 not found, 126 cannot execute.
                     code = 127 if isinstance(exc, FileNotFoundError) else 126
                     what = getattr(exc, "strerror", None) or str(exc)
-                    line = f"gangd: cannot start rank {rank} on {self.node}: {record['argv'][0]}: {what}\n"
+                    line = f"gangd: cannot start rank {rank} on {self.node}: {argv[0]}: {what}\n"
                 if cgroup is not None:
                     await trio.to_thread.run_sync(self.cgroups.remove, cgroup)
                 output.append(STDERR, line.encode())
@@ -645,6 +646,12 @@ class LocalRanks:
             spawn(self._watch, entry, proc)
             log.debug("job %d rank %d: exec'd as %d", record["id"], rank, proc.pid)
         return pids
+
+    def note(self, job_id: int, rank: int, text: str) -> None:
+        """A line of the daemon's own in the rank's stderr (what `gang logs` shows), while its output is open."""
+        output = self.logs.get((job_id, rank))
+        if output is not None and not output.closed:
+            output.append(STDERR, f"gangd: {text}\n".encode())
 
     async def _watch(self, entry: Rank, proc: RankProcess | ServedRank) -> None:
         async with trio.open_nursery() as nursery:

@@ -107,7 +107,7 @@ class Daemon:
         self.table.listeners.append(self.jobnet.on_record)
         # (NodeCheckpoints still takes the daemon: it is being rewritten as a state machine's shell)
         self.checkpoints = NodeCheckpoints(self)
-        self.pmi = PmiServer(node=self.node, table=self.table, calls=self.calls, spawn=self.tasks.spawn)
+        self.pmi = PmiServer(node=self.node, table=self.table, calls=self.calls, spawn=self.tasks.spawn, note=self.ranks.note)
         self.names = NameService(
             etcd=self.etcd, keys=self.table.keys, table=self.table, spawn=self.tasks.spawn, fence=self.coordinator.current_fence,
         )

@@ -12,7 +12,11 @@ being ``cmd=<name>``::
 
 except ``spawn``, which is several lines (``mcmd=spawn``, then one
 ``key=value`` per line, values may hold spaces, ``endcmd`` closing each of
-``totspawns`` segments) — MPICH's ``PMIU_cmd_output_v1_mcmd``.
+``totspawns`` segments) — MPICH's ``PMIU_cmd_output_v1_mcmd``; the reader
+keeps every segment (:class:`Multi`), :func:`spawn` makes it a typed
+:class:`Spawn` within the bounds below. (PMI-1 has no escaping: an argument
+holding a newline cannot be spawned; its lines read as commands of their
+own, the connection breaks, as it does under Hydra.)
 
 (The de-facto standard; Flux RFC 13 documents it; MPICH's own list is
 ``src/pmi/maint/pmi-1.2.txt``.) Every query a rank may send gets an answer
@@ -50,6 +54,18 @@ PORT_MAX = 1023
 #: A ``spawn`` (many lines) is kept up to this many bytes; past it, its lines
 #: are only counted until its end, and it is refused.
 MAX_MCMD = 65536
+#: What one ``spawn`` may ask for: segments (``spawn_multiple``'s commands),
+#: processes in all, arguments per command, keys the parent puts in the
+#: children's key-value space (MPICH puts one: ``PARENT_ROOT_PORT_NAME``),
+#: info keys per command. The job-wide bounds (spawns per job, processes
+#: spawned per job) are the coordinator's (:mod:`gangd.daemon.spawns`).
+SPAWN_SEGMENTS_MAX = 16
+SPAWN_NPROCS_MAX = 256
+SPAWN_ARGS_MAX = 256
+SPAWN_PREPUT_MAX = 16
+SPAWN_INFO_MAX = 16
+#: An executable's name or an argument (each came as one line of the spawn, at most MAX_LINE).
+SPAWN_ARG_BYTES = 4000
 
 #: Each PMI-1 query a rank may send, with the name of the response MPICH waits for
 #: (``abort`` has none). From MPICH's pmi-1.2.txt, plus the KVS commands of the
@@ -127,16 +143,25 @@ def line(cmd: str, **fields: object) -> bytes:
     return (" ".join(parts) + "\n").encode()
 
 
+class Multi(dict[str, str]):
+    """A multi-line command: the fields of its first segment (a dict, as any
+    command), and :attr:`segments`, every segment's fields in order."""
+
+    segments: list[dict[str, str]]
+
+
 class Reader:
     """Bytes in, commands (field dicts) out.
 
-    A ``spawn`` comes as one dict: the fields of its first segment, with
+    A ``spawn`` comes as one :class:`Multi`: the fields of its first segment, with
     ``mcmd=spawn``, its ``totspawns``, and ``oversized=1`` when it passed
-    :data:`MAX_MCMD` (then only what fit is kept)."""
+    :data:`MAX_MCMD` (then only what fit is kept); each segment's fields in
+    its ``segments`` (at most :data:`SPAWN_SEGMENTS_MAX`: past that the
+    command is marked ``oversized`` too)."""
 
     def __init__(self) -> None:
         self._buf = bytearray()
-        self._mcmd: dict[str, str] | None = None  # the spawn being read
+        self._mcmd: Multi | None = None  # the spawn being read
         self._mcmd_bytes = 0
         self._segment = 1  # which of its segments
         self._segments = 1  # how many it announced
@@ -157,14 +182,15 @@ class Reader:
                 continue
             text = text.strip()
             if text.startswith("mcmd="):
-                self._mcmd, self._mcmd_bytes, self._segment, self._segments = {"mcmd": text[5:]}, len(raw), 1, 1
+                self._mcmd, self._mcmd_bytes, self._segment, self._segments = Multi(mcmd=text[5:]), len(raw), 1, 1
+                self._mcmd.segments = [self._mcmd]
             elif text:
                 commands.append(parse(text))
         if len(self._buf) > MAX_LINE:
             raise PMIError(f"a line longer than {MAX_LINE} bytes")
         return commands
 
-    def _mcmd_line(self, fields: dict[str, str], text: str) -> dict[str, str] | None:
+    def _mcmd_line(self, fields: Multi, text: str) -> dict[str, str] | None:
         """One line of the multi-line command ``fields``; the command once its last segment ended."""
         self._mcmd_bytes += len(text) + 1
         if text.strip() == "endcmd":
@@ -176,8 +202,12 @@ class Reader:
         key = key.strip()
         if not sep or not key:
             raise PMIError(f"not a key=value line in a multi-line command: {text[:80]!r}")
-        if key == "mcmd":
-            return None  # the next segment begins
+        if key == "mcmd":  # the next segment begins
+            if len(fields.segments) < SPAWN_SEGMENTS_MAX:
+                fields.segments.append({"mcmd": value.strip()})
+            else:
+                fields["oversized"] = "1"
+            return None
         if key in ("totspawns", "spawnssofar"):
             number = value.strip()
             if not (number.isascii() and number.isdigit() and len(number) <= 6):  # ('¹'.isdigit(), and int() refuses it)
@@ -188,8 +218,8 @@ class Reader:
                 self._segment = int(number)
         if self._mcmd_bytes > MAX_MCMD:
             fields["oversized"] = "1"
-        elif self._segment <= 1:  # (the first segment's fields are all a refusal needs)
-            fields.setdefault(key, value)
+        else:
+            fields.segments[-1].setdefault(key, value)
         return None
 
 
@@ -272,6 +302,29 @@ class Unpublish:
 
 
 @dataclass(frozen=True)
+class Segment:
+    """One command of a spawn: ``nprocs`` copies of ``argv``; ``wdir``: MPI's
+    ``wdir`` info key (where they start), or ""."""
+
+    argv: tuple[str, ...]
+    nprocs: int
+    wdir: str = ""
+
+
+@dataclass(frozen=True)
+class Spawn:
+    """``MPI_Comm_spawn`` / ``MPI_Comm_spawn_multiple``: one segment per command;
+    ``preput``: what the children's key-value space holds from the start."""
+
+    segments: tuple[Segment, ...]
+    preput: tuple[tuple[str, str], ...]
+
+    @property
+    def nprocs(self) -> int:
+        return sum(s.nprocs for s in self.segments)
+
+
+@dataclass(frozen=True)
 class Unsupported:
     """A query gangd does not serve: ``reply`` is the error MPICH reports for it."""
 
@@ -282,7 +335,7 @@ class Unsupported:
         return line(self.reply_cmd, rc=-1, msg=f"{self.cmd}_is_not_supported_by_gangd")
 
 
-Command = Init | Query | Put | Get | BarrierIn | Finalize | Abort | Publish | Lookup | Unpublish | Unsupported
+Command = Init | Query | Put | Get | BarrierIn | Finalize | Abort | Publish | Lookup | Unpublish | Spawn | Unsupported
 
 QUERIES = ("get_maxes", "get_appnum", "get_my_kvsname", "get_universe_size", "get_rank", "get_size")
 
@@ -299,9 +352,11 @@ def _field(fields: dict[str, str], name: str, limit: int, reply_cmd: str, *, req
 def command(fields: dict[str, str]) -> Command:
     """The typed command of one parsed line; :class:`Refused` if its values break PMI-1's limits."""
     if "mcmd" in fields:
-        # A multi-line command is a spawn (never served). Its values may hold
+        # A multi-line command is a spawn, or not served. Its values may hold
         # spaces and it may carry any key, ``cmd`` included: none of it is taken
         # as another command (a put whose value has a space could not be answered).
+        if fields["mcmd"] == "spawn" and isinstance(fields, Multi):
+            return spawn(fields)
         name = token(fields["mcmd"])[:64] or "unknown"
         return Unsupported(name, RESPONSES.get(fields["mcmd"], name))
     cmd = fields.get("cmd") or ""
@@ -335,6 +390,52 @@ def command(fields: dict[str, str]) -> Command:
     name = token(cmd)[:64] or "unknown"
     # (a query outside PMI-1 has no response MPICH waits for: it gets its own name back, as an error)
     return Unsupported(name, RESPONSES.get(cmd, name))
+
+
+def _count(fields: dict[str, str], name: str, low: int, high: int) -> int:
+    text = fields.get(name, "").strip()
+    if not (text.isascii() and text.isdigit() and len(text) <= 9 and low <= int(text) <= high):
+        raise Refused("spawn_result", f"{name}={text[:20]} is not a number from {low} to {high}")
+    return int(text)
+
+
+def _text(fields: dict[str, str], name: str, limit: int, *, empty: bool = False) -> str:
+    value = fields.get(name)
+    if value is None or (not value and not empty):
+        raise Refused("spawn_result", f"{name} missing")
+    if len(value.encode()) > limit or "\0" in value:
+        raise Refused("spawn_result", f"{name} is longer than {limit} bytes or holds a NUL")
+    return value
+
+
+def spawn(fields: Multi) -> Spawn:
+    """The typed spawn of a multi-line command; :class:`Refused` (a ``spawn_result``
+    with rc=-1) for anything past the bounds above, the rank's own command too long
+    (``oversized``), or a field missing."""
+    if fields.get("oversized"):
+        raise Refused("spawn_result", f"the spawn command is longer than {MAX_MCMD} bytes or has more than {SPAWN_SEGMENTS_MAX} commands")
+    total = _count(fields, "totspawns", 1, SPAWN_SEGMENTS_MAX)
+    if len(fields.segments) != total:
+        raise Refused("spawn_result", f"totspawns={total} but {len(fields.segments)} commands came")
+    segments = []
+    for seg in fields.segments:
+        nprocs = _count(seg, "nprocs", 1, SPAWN_NPROCS_MAX)
+        execname = _text(seg, "execname", SPAWN_ARG_BYTES).strip()
+        argc = _count(seg, "argcnt", 0, SPAWN_ARGS_MAX)
+        argv = (execname, *(_text(seg, f"arg{i}", SPAWN_ARG_BYTES, empty=True) for i in range(1, argc + 1)))
+        wdir = ""
+        for i in range(_count(seg, "info_num", 0, SPAWN_INFO_MAX) if "info_num" in seg else 0):
+            if _text(seg, f"info_key_{i}", KEYLEN_MAX).strip() == "wdir":
+                wdir = _text(seg, f"info_val_{i}", SPAWN_ARG_BYTES).strip()
+        segments.append(Segment(argv, nprocs, wdir))
+    if sum(s.nprocs for s in segments) > SPAWN_NPROCS_MAX:
+        raise Refused("spawn_result", f"a spawn may start at most {SPAWN_NPROCS_MAX} processes")
+    first = fields.segments[0]
+    preput = tuple(
+        (_text(first, f"preput_key_{i}", KEYLEN_MAX), _text(first, f"preput_val_{i}", VALLEN_MAX, empty=True))
+        for i in range(_count(first, "preput_num", 0, SPAWN_PREPUT_MAX) if "preput_num" in first else 0)
+    )
+    return Spawn(tuple(segments), preput)
 
 
 def kvs_budget(nranks: int) -> tuple[int, int]:

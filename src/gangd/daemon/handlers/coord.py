@@ -86,3 +86,30 @@ async def coord_names(s, call: Call):
         await s.names.unpublish(job_id, service)
         return True
     raise RemoteError("bad_request", f"no name service operation {str(what)[:40]!r}")
+
+
+@op("coord_spawn", audience=PEER)
+async def coord_spawn(s, call: Call):
+    """MPI_Comm_spawn from a rank of ``job`` (:mod:`..spawns`); the command was checked
+    (:func:`gangd.protocol.pmi.spawn`) by the rank's node, the shapes are checked again here."""
+    args = call.args
+    co = coordinator(s)
+    job_id, rank = integer(args, "job"), integer(args, "rank")
+    segments, preput = args.get("segments"), args.get("preput")
+    if not isinstance(segments, list) or not 1 <= len(segments) <= pmi.SPAWN_SEGMENTS_MAX:
+        raise RemoteError("bad_request", f"a spawn has 1 to {pmi.SPAWN_SEGMENTS_MAX} commands")
+    checked = []
+    for segment in segments:
+        if not (isinstance(segment, list) and len(segment) == 3):
+            raise RemoteError("bad_request", "a spawn's command is [argv, nprocs, wdir]")
+        argv, nprocs, wdir = segment
+        if not (isinstance(argv, list) and 1 <= len(argv) <= pmi.SPAWN_ARGS_MAX + 1 and all(type(a) is str for a in argv) and argv[0]):
+            raise RemoteError("bad_request", "a spawn's argv is a list of text")
+        if type(nprocs) is not int or not 1 <= nprocs <= pmi.SPAWN_NPROCS_MAX or type(wdir) is not str:
+            raise RemoteError("bad_request", f"a spawn starts 1 to {pmi.SPAWN_NPROCS_MAX} processes")
+        checked.append((argv, nprocs, wdir))
+    if not isinstance(preput, dict) or len(preput) > pmi.SPAWN_PREPUT_MAX or not all(
+        type(k) is str and type(v) is str and len(k) <= pmi.KEYLEN_MAX and len(v) <= pmi.VALLEN_MAX for k, v in preput.items()
+    ):
+        raise RemoteError("bad_request", "a spawn's preput maps keys to values within PMI's limits")
+    return await co.spawn_job(job_id, rank, checked, preput)

@@ -357,6 +357,7 @@ def _summary(record: dict) -> dict:
         "ranks", "kill_requested", "priority", "slice", "held", "run_seconds", "suspended_seconds",
         "lineage", "restart_of", "ckpt_every",
         "requeue", "requeued_as", "recovery", "recovery_of", "recoveries",  # (a lost node's job recovered: gangd.daemon.recover)
+        "spawned_by", "children",  # (MPI_Comm_spawn: gangd.daemon.spawns)
     )
     summary = {k: record.get(k) for k in keys}
     summary["nodes"] = jobs.nodes_of(record)

@@ -1,0 +1,201 @@
+"""MPI's dynamic processes (``MPI_Comm_spawn``, ``MPI_Comm_spawn_multiple``) as child jobs.
+
+Why a child job and not more ranks of the spawning job: MPI gives the
+spawned processes a ``MPI_COMM_WORLD`` of their own, so they need their own
+key-value space, ranks numbered from 0 and their own PMI barriers, which
+is what a job already is in gangd. As a job of its own (``spawned_by``
+names its parent, the parent's ``children`` lists it) it gets everything a
+job gets without new code paths: placement by the coordinator, ``gang ps``,
+``gang logs CHILD``, its exit codes in its own record, ``gang kill``.
+
+What ties it to its parent:
+
+* it is submitted by gangd for the parent's owner (uid, gid, rlimits),
+  with the parent's environment and working directory (or MPI's ``wdir``
+  info key); its ranks get ``PMI_SPAWNED=1`` and a key-value space that
+  holds the spawn's ``preput`` keys from the start (MPICH's
+  ``PARENT_ROOT_PORT_NAME``: how the children find the parent's port);
+  each command of a ``spawn_multiple`` is a *segment* of its ranks, with
+  its own argv and appnum (:func:`gangd.jobs.segment_of`);
+* it runs in its parent's gang time slot (:func:`admit`), or the spawn is
+  refused: a child stopped while its parent runs (or the reverse) would
+  leave either side blocked in MPI every other slice. Free cores of that
+  slot are used; there is no oversubscription of the parent's cores;
+  MPI's ``host``/``hosts`` info keys are not followed. A parent and its
+  children are never moved apart by the matrix's compaction
+  (:attr:`gangd.daemon.gang.Matrix.tied`);
+* the parent's rank gets its ``spawn_result`` once the child job is
+  RUNNING, or an error with the reason when it cannot be (no room, a
+  bound, a command the user cannot run, not started within
+  :data:`SPAWN_TIMEOUT`): never a hang;
+* when the parent is killed or fails, every child still running is
+  killed; when it ends well (DONE), its children have
+  :data:`CHILD_GRACE` seconds to end by themselves, then they are killed;
+  when a child that started fails (not killed), the parent fails with the
+  child's message (:func:`family_ended`); one that could not be placed
+  fails the spawn only;
+* a checkpoint of a job with children (or of a child) is refused
+  (:mod:`.ckptcoord`): the intercommunicators between them are not in
+  any rank's image.
+
+The bounds: :data:`MAX_SPAWNS_PER_JOB` spawns per job and
+:data:`MAX_SPAWNED_PER_JOB` processes spawned per job, over its life; one
+spawn's own bounds are in :mod:`gangd.protocol.pmi`.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import stat
+
+import trio
+
+from .. import jobs
+from ..protocol import pmi
+from ..rpc import RemoteError
+
+MAX_SPAWNS_PER_JOB = 16
+MAX_SPAWNED_PER_JOB = 256
+#: Seconds from a spawn's request to its children RUNNING (queued behind a
+#: commit, placed, launched on every node); past it the spawn fails.
+SPAWN_TIMEOUT = 60.0
+#: Seconds the children of a parent that ended well (DONE) have to end by
+#: themselves before they are killed: MPI lets them outlive a parent that
+#: disconnected from them, gangd does not let them linger.
+CHILD_GRACE = 30.0
+DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+# ---------------------------------------------------------------- the spawning rank's node
+
+
+def cannot_run(argv0: str, path_var: str | None, cwd: str, uid: int, gid: int, user: str) -> str | None:
+    """Why the job's owner could not exec ``argv0`` (looked up as execvp
+    would, in the parent's ``PATH``), or None. Only metadata is read (no file
+    is opened): the rank's exec, as the user, is the final word; this is
+    for a spawn to fail with a reason instead of children that exit 127."""
+    if "/" in argv0:
+        candidates = [argv0 if argv0.startswith("/") else os.path.join(cwd, argv0)]
+    else:
+        candidates = [os.path.join(d or ".", argv0) for d in (path_var or DEFAULT_PATH).split(":")[:64]]
+    try:
+        groups = set(os.getgrouplist(user, gid))
+    except (KeyError, OSError):
+        groups = {gid}
+    for path in candidates:
+        try:
+            st = os.stat(path)
+        except (OSError, ValueError):
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        if uid == 0:
+            bits = stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH
+        elif st.st_uid == uid:
+            bits = stat.S_IXUSR
+        elif st.st_gid in groups:
+            bits = stat.S_IXGRP
+        else:
+            bits = stat.S_IXOTH
+        if st.st_mode & bits:
+            return None
+        return f"{argv0}: permission denied"
+    return f"{argv0}: command not found"
+
+
+def check_commands(record: dict, command: pmi.Spawn) -> str | None:
+    env = record.get("env") or {}
+    try:
+        user = pwd.getpwuid(record["owner_uid"]).pw_name
+    except KeyError:
+        user = str(record.get("owner") or "")
+    for segment in command.segments:
+        cwd = segment.wdir or record.get("cwd") or "/"
+        why = cannot_run(segment.argv[0], env.get("PATH"), cwd, record["owner_uid"], record["owner_gid"], user)
+        if why:
+            return why
+    return None
+
+
+# ---------------------------------------------------------------- the coordinator
+
+
+def bounds_check(parent: dict, children: list[dict], nprocs: int) -> None:
+    if len(children) >= MAX_SPAWNS_PER_JOB:
+        raise RemoteError("too_many_spawns", f"job {parent['id']} has spawned {len(children)} times, the most gangd allows one job")
+    spawned = sum(c["nranks"] for c in children)
+    if spawned + nprocs > MAX_SPAWNED_PER_JOB:
+        raise RemoteError(
+            "too_many_spawns",
+            f"job {parent['id']} has spawned {spawned} processes; {nprocs} more would pass the {MAX_SPAWNED_PER_JOB} one job may spawn",
+        )
+
+
+def child_request(parent: dict, env: dict[str, str], segments: list, preput: dict[str, str], rank: int) -> tuple[dict, dict, dict]:
+    """(spec, cred, internal fields) of the child job a spawn asks for."""
+    argvs = [[str(a) for a in argv] for argv, _, _ in segments]
+    nprocs = [int(n) for _, n, _ in segments]
+    wdir = next((w for _, _, w in segments if w), "")
+    spec = {
+        "argv": argvs[0],
+        "nranks": sum(nprocs),
+        "cwd": wdir or parent.get("cwd") or "/",
+        "env": env,
+        "mpi": True,
+        "name": f"{parent['name']}.spawn{len(parent.get('children') or []) + 1}",
+        "kill_on_bad_exit": True,
+    }
+    if parent.get("slice"):
+        spec["slice"] = parent["slice"]
+    cred = {"uid": parent["owner_uid"], "user": parent["owner"], "gid": parent["owner_gid"], "rlimits": parent.get("rlimits")}
+    internal = {
+        "spawned_by": parent["id"],
+        "spawned_from_rank": rank,
+        "segments": [[a, n] for a, n in zip(argvs, nprocs, strict=True)] if len(argvs) > 1 else None,
+        "pmi_preput": dict(preput),
+    }
+    return spec, cred, internal
+
+
+def admit(matrix, record: dict, place, up: set[str]) -> tuple[int, list[str]] | str:
+    """(slot, placement) of a child job in its parent's time slot, or why it has no room there."""
+    parent = record["spawned_by"]
+    slot = matrix.slot_of(parent)
+    if slot is None:
+        return f"its parent job {parent} holds no time slot (it is not running)"
+    free = {n: c for n, c in matrix.free(slot, up).items() if c > 0}
+    placement = place(record, free)
+    if placement is None:
+        return (
+            f"no room for {record['nranks']} spawned processes beside job {parent} in its time slot "
+            f"({sum(free.values())} cores free there); spawned processes run in their parent's slot"
+        )
+    matrix.add(record["id"], slot, placement)
+    matrix.tied.update((parent, record["id"]))
+    return slot, placement
+
+
+async def end_child(co, child_id: int, reason: str, grace: float) -> None:
+    if grace:
+        with trio.move_on_after(grace):
+            while (child := co.table.get(child_id)) is not None and not jobs.is_terminal(child):
+                await co.table.wait_changed()
+    child = co.table.get(child_id)
+    if child is not None and not jobs.is_terminal(child):
+        await co.kill_for(child_id, reason)
+
+
+def family_ended(co, record: dict) -> None:
+    """``record`` just ended: its children go with it; a failed child fails its parent."""
+    for child_id in record.get("children") or ():
+        child = co.table.get(child_id)
+        if child is not None and not jobs.is_terminal(child):
+            # (a parent that is DONE disconnected from its children first: they get a moment to finish too)
+            grace = CHILD_GRACE if record["state"] == jobs.DONE else 0.0
+            co.spawn(end_child, co, child_id, f"its parent job {record['id']} ended ({record['state']})", grace)
+    parent_id = record.get("spawned_by")
+    if parent_id is not None and record["state"] == jobs.FAILED and record.get("started"):  # (never started: the spawn failed instead)
+        parent = co.table.get(parent_id)
+        if parent is not None and not jobs.is_terminal(parent):
+            co.spawn(co.fail, parent_id, f"spawned job {record['id']} failed: {record['reason'] or 'a process failed'}")

@@ -1,0 +1,226 @@
+"""MPI_Comm_spawn under `gang run --mpi` (issue 20, second part): the spawned
+processes are a child job of the spawning one (gangd.daemon.spawns).
+
+Real MPICH through mpi4py across 2 nodes, as in test_mpi.py: the children
+find their parent through the key-value space gangd seeds, talk to it over
+the intercommunicator, merge it and run a collective on the merged
+communicator; killing the parent kills every spawned process; a crashing
+child fails its parent with its message; hostile spawns are refused with a
+reason, never a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import trio
+from conftest import as_uid, shared_cluster, wait_for
+
+from gangd.client.api import connect
+from gangd.protocol.pmi import SPAWN_NPROCS_MAX
+
+PY = sys.executable
+SPAWN = Path(__file__).resolve().parent / "jobs" / "mpi_spawn.py"
+FUTURES = Path(__file__).resolve().parent / "jobs" / "mpi_futures.py"
+ENDED = ("DONE", "FAILED", "KILLED")
+NOBODY = 65534
+SYSTEM_PY = "/usr/bin/python3.11"
+
+
+@pytest.fixture(scope="module")
+def mc():
+    # 2 cores a node: a 1-rank parent on n1 leaves 1 core there, so its children spread over both nodes.
+    with shared_cluster(2, cores=2, time_slice=0.05, max_slots=4) as cluster:
+        yield cluster
+
+
+def submit(mc, *args, nranks=1, per_node=None):
+    extra = ["-N", 2] if per_node else []
+    return int(mc.gang("submit", "--mpi", "-n", nranks, *extra, "--", PY, SPAWN, *args, check=True).stdout)
+
+
+def finished(mc, job):
+    """(the job's final record, its output lines sorted, its children's final records)."""
+    record = mc.wait_state(job, ENDED, timeout=120)
+    lines = sorted(mc.gang("logs", job).stdout.splitlines())
+    children = [mc.wait_state(child, ENDED, timeout=60) for child in record.get("children") or []]
+    return record, lines, children
+
+
+def test_one_rank_spawns_children_that_talk_to_it_merge_and_reduce(mc):
+    job = submit(mc, "self", 2)
+    record, lines, children = finished(mc, job)
+    assert record["state"] == "DONE", (record, lines)
+    assert lines == [
+        "0: child says hello-0 rank 0 of 2 appnum 0 args 0",
+        "0: child says hello-1 rank 1 of 2 appnum 0 args 0",
+        "0: merged size 3 sum 3 ok True",
+    ], lines
+    # The children are a job of their own, linked to the parent, with their exit codes, across both nodes.
+    [child] = children
+    assert child["spawned_by"] == job and child["state"] == "DONE" and child["nranks"] == 2
+    assert [s["code"] for s in child["ranks"]] == [0, 0]
+    assert set(record["placement"] + child["placement"]) == {"n1", "n2"}
+    assert "rank 0 of 2" in mc.gang("logs", job).stdout  # (the parent's output; the child's has its own)
+
+
+def test_gang_run_returns_once_parent_and_children_are_done(mc):
+    run = mc.gang("run", "--mpi", "-n", 1, "--", PY, SPAWN, "self", 1, timeout=120)
+    assert run.returncode == 0, (run.stdout, run.stderr)
+    assert "0: merged size 2 sum 1 ok True" in run.stdout
+
+
+def test_two_ranks_spawn_together_over_their_world(mc):
+    job = submit(mc, "world", 2, nranks=2, per_node=True)
+    record, lines, children = finished(mc, job)
+    assert record["state"] == "DONE", (record, lines)
+    assert "0: child says hello-0 rank 0 of 2 appnum 0 args w" in lines
+    assert "0: child says hello-1 rank 1 of 2 appnum 0 args w" in lines
+    # both parent ranks are in the merged communicator of 4
+    assert [line for line in lines if "merged" in line] == ["0: merged size 4 sum 6 ok True", "1: merged size 4 sum 6 ok True"]
+    assert len(children) == 1 and children[0]["state"] == "DONE"
+
+
+def test_spawn_multiple_runs_each_command_with_its_arguments_and_appnum(mc):
+    job = submit(mc, "multiple")
+    record, lines, children = finished(mc, job)
+    assert record["state"] == "DONE", (record, lines)
+    assert lines == [
+        "0: child says hello-0 rank 0 of 3 appnum 0 args a 1",
+        "0: child says hello-1 rank 1 of 3 appnum 1 args b 2 3",
+        "0: child says hello-2 rank 2 of 3 appnum 1 args b 2 3",
+        "0: merged size 4 sum 6 ok True",
+    ], lines
+    assert [child["nranks"] for child in children] == [3]
+
+
+def test_each_of_two_ranks_spawns_its_own_children_at_once(mc):
+    run = mc.gang("run", "--mpi", "-n", 2, "-N", 2, "--", PY, SPAWN, "self", 1, timeout=120)
+    assert run.returncode == 0, (run.stdout, run.stderr)
+    assert sorted(run.stdout.splitlines()) == [
+        "0: child says hello-0 rank 0 of 1 appnum 0 args 0", "0: merged size 2 sum 1 ok True",
+        "1: child says hello-0 rank 0 of 1 appnum 0 args 1", "1: merged size 2 sum 1 ok True",
+    ]
+
+
+def test_mpi4py_futures_pool_spawns_its_workers_and_maps_100_tasks(mc):
+    run = mc.gang("run", "--mpi", "-n", 1, "--", PY, FUTURES, 100, 2, timeout=120)
+    assert run.returncode == 0, (run.stdout, run.stderr)
+    assert run.stdout.splitlines() == ["0: results 100 sum 328350 in order True", "0: workers 2"]
+
+
+def test_mpi4py_futures_with_workers_from_the_job_itself(mc):
+    run = mc.gang("run", "--mpi", "-n", 3, "--", PY, "-m", "mpi4py.futures", FUTURES, 100, 2, timeout=120)
+    assert run.returncode == 0, (run.stdout, run.stderr)
+    assert "0: results 100 sum 328350 in order True" in run.stdout.splitlines()
+
+
+def _children_pids(mc, job):
+    text = mc.gang("logs", job).stdout
+    return [int(p) for line in text.splitlines() if "children " in line for p in line.split("children ", 1)[1].split()]
+
+
+def test_killing_the_parent_kills_every_spawned_process(mc):
+    job = submit(mc, "hold", 2)
+    pids = wait_for(lambda: _children_pids(mc, job), 60, "the children's pids")
+    assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+    mc.gang("kill", job, check=True)
+    record, _, children = finished(mc, job)
+    assert record["state"] == "KILLED"
+    assert [c["state"] for c in children] == ["KILLED"]
+    assert "its parent job" in children[0]["reason"]
+    wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids), 30, "the children gone")
+
+
+def test_children_share_their_parents_time_slot_and_take_turns_with_other_jobs(mc):
+    sleep = [PY, "-c", "import time; time.sleep(600)"]
+    fillers = [int(mc.gang("submit", "-n", 4, "--", *sleep, check=True).stdout) for _ in range(3)]  # slots 0-2, full
+    job = submit(mc, "hold", 2)  # slot 3, one core of four
+    for other in fillers + [job]:
+        mc.wait_state(other, "RUNNING", timeout=60)
+    waiting = int(mc.gang("submit", "-n", 4, "--", *sleep, check=True).stdout)  # no slot left: the head of the queue
+    try:
+        pids = wait_for(lambda: _children_pids(mc, job), 90, "the children's pids")  # (placed past the head of the queue)
+        assert len(pids) == 2
+        [child] = mc.job(job)["children"]
+        slots = mc.ask(lambda gang: gang.schedule())["slots"]
+        slot_of = {j: i for i, row in enumerate(slots) for ids in row.values() for j in ids}
+        assert slot_of[child] == slot_of[job] and len(slots) == 4, slots
+        assert mc.job(waiting)["state"] == "QUEUED"
+    finally:
+        for other in [job, waiting, *fillers]:
+            mc.gang("kill", other)
+    parent, child_record = mc.wait_state(job, ENDED, timeout=60), mc.wait_state(child, ENDED, timeout=60)
+    assert parent["suspended_seconds"] > 0 and child_record["suspended_seconds"] > 0  # they took turns with the others
+
+
+def test_a_checkpoint_of_a_job_with_spawned_processes_is_refused_with_the_reason(mc):
+    job = submit(mc, "hold", 1)
+    try:
+        wait_for(lambda: _children_pids(mc, job), 60, "the children's pids")
+        [child] = mc.job(job)["children"]
+        refused = mc.gang("checkpoint", job)
+        assert refused.returncode != 0
+        assert f"job {job} has spawned processes (MPI_Comm_spawn): gangd does not checkpoint jobs with dynamic processes" in refused.stderr
+        refused = mc.gang("checkpoint", child)
+        assert refused.returncode != 0 and f"was spawned by job {job}" in refused.stderr, refused.stderr
+    finally:
+        mc.gang("kill", job, check=True)
+    assert mc.wait_state(child, ENDED, timeout=60)["state"] == "KILLED"
+
+
+def test_a_crashing_child_fails_the_parent_with_its_message(mc):
+    run = mc.gang("run", "--mpi", "-n", 1, "--", PY, SPAWN, "crash", timeout=120)
+    assert run.returncode != 0, (run.stdout, run.stderr)
+    assert "spawned job" in run.stderr and "failed: rank 1 on" in run.stderr and "SIGSEGV" in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "nprocs", "why"),
+    [
+        ("/nonexistent/program", 1, "/nonexistent/program: command not found"),
+        ("/etc/passwd", 1, "/etc/passwd: permission denied"),
+        (PY, SPAWN_NPROCS_MAX + 1, f"nprocs={SPAWN_NPROCS_MAX + 1} is not a number from 1 to {SPAWN_NPROCS_MAX}"),
+        (PY, 64, "job asks for 64 ranks but the cluster can hold at most 4"),
+        (PY, 4, "no room for 4 spawned processes beside job"),  # (3 cores free in the parent's slot)
+    ],
+    ids=["missing", "not-executable", "absurd-nprocs", "beyond-the-cluster", "no-room-in-the-slot"],
+)
+def test_a_spawn_gangd_refuses_is_an_mpi_error_with_the_reason_and_the_job_goes_on(mc, command, nprocs, why):
+    job = submit(mc, "refused", command, nprocs)
+    record, lines, children = finished(mc, job)
+    assert record["state"] == "DONE", (record, lines)
+    assert "0: spawn failed: Other MPI error, error stack:" in lines, lines  # (MPICH's error: no reason in it)
+    said = [line for line in mc.gang("logs", job).stderr.splitlines() if "MPI_Comm_spawn refused" in line]
+    assert len(said) == 1 and why in said[0], said  # gangd's reason, in the rank's stderr
+    assert all(c["state"] == "FAILED" and not c["started"] for c in children)  # (no room: placed nowhere, never started)
+    assert len(children) == (nprocs == 4)
+
+
+def test_a_program_only_root_may_run_cannot_be_spawned_by_another_user(mc, tmp_path):
+    secret = tmp_path / "root-only"
+    secret.write_text("#!/bin/sh\necho ran\n")
+    secret.chmod(0o700)  # (root's; tmp_path's directories let anyone reach it)
+    os.chmod(tmp_path, 0o755)
+    venv = Path(sys.prefix)
+
+    async def main():  # as uid 65534, through the client API, with the system's Python (as test_mpi_names.py)
+        async with connect(mc.dir) as gang:
+            env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(venv / "lib" / "python3.11" / "site-packages"),
+                   "LD_LIBRARY_PATH": str(venv / "lib")}
+            record = await gang.submit([SYSTEM_PY, str(SPAWN), "refused", str(secret), "1"], 1, cwd="/", env=env, mpi=True)
+            final = await gang.wait_done(record["id"])
+            text = b""
+            async with gang.output(record["id"], follow=False) as chunks:
+                async for item in chunks:
+                    text += item["data"]
+            return [final["state"], text.decode()]
+
+    state, text = as_uid(NOBODY, lambda: trio.run(main))
+    assert state == "DONE", text
+    assert f"gangd: MPI_Comm_spawn refused: {secret}: permission denied" in text and "spawn failed" in text, text
+    assert "ran" not in text.split()

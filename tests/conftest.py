@@ -314,6 +314,15 @@ def tmpfs(directory: Path, size: str, mode: str | None = None):
         subprocess.run(["umount", "-l", str(directory)], check=True)
 
 
+def first_difference(got: bytes, want: bytes) -> str | None:
+    """None if the bytes are equal, else where they first differ: what an assertion on
+    megabytes should say (pytest's own diff of two large bytes objects takes minutes)."""
+    if got == want:
+        return None
+    at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+    return f"{len(got)} bytes against {len(want)} wanted, first difference at offset {at}"
+
+
 def _world_traversable_tmpdir() -> Path:
     path = Path(tempfile.mkdtemp(prefix="gangd-test-"))
     os.chmod(path, 0o755)

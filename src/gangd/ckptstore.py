@@ -152,14 +152,16 @@ class Streamed:
         self.fn = fn
 
 
-def write_chunks(fd: int, chunks: Iterable, digest=None, *, kick: int = 0, _at: int = 0) -> int:
+def write_chunks(fd: int, chunks: Iterable, digest=None, *, kick: int = 0, stable: bool = False, _at: int = 0) -> int:
     """Write every buffer of ``chunks`` (bytes-like, any size) to ``fd``; returns bytes written.
     A callable chunk is called with ``fd`` once everything before it is written, and the buffers it
     returns are written in its place (a checkpoint's index, hashed while the disk writes its blocks);
     a :class:`Streamed` one writes its own bytes first.
 
-    Small buffers go out together (``writev``, up to :data:`CHUNK` bytes or :data:`IOV` buffers a
-    call): a delta's file is hundreds of 16 KiB runs. ``kick``: each time that many more bytes are
+    ``stable``: the chunks stay as they are until this returns (views of a snapshot's arrays), so
+    small ones go out together (``writev``, up to :data:`CHUNK` bytes or :data:`IOV` buffers a
+    call): a delta's file is hundreds of 16 KiB runs. Otherwise each chunk is written before the
+    next is asked for: a stream may hand out one buffer refilled for every chunk. ``kick``: each time that many more bytes are
     written, the disk is asked to start on them (:func:`start_writeback`), so it works while the
     rest is copied and the writer's fsync waits only for the tail (``_at``: the file's offset of
     the first chunk, for a callable's recursion)."""
@@ -180,12 +182,12 @@ def write_chunks(fd: int, chunks: Iterable, digest=None, *, kick: int = 0, _at: 
             flush()
             written, after = chunk.fn(fd, digest)
             total += written
-            total += write_chunks(fd, after, digest, kick=kick, _at=_at + total)
+            total += write_chunks(fd, after, digest, kick=kick, stable=stable, _at=_at + total)
             kicked = total
             continue
         if callable(chunk):
             flush()
-            total += write_chunks(fd, chunk(fd), digest, kick=kick, _at=_at + total)
+            total += write_chunks(fd, chunk(fd), digest, kick=kick, stable=stable, _at=_at + total)
             kicked = total
             continue
         view = memoryview(chunk).cast("B")
@@ -198,12 +200,14 @@ def write_chunks(fd: int, chunks: Iterable, digest=None, *, kick: int = 0, _at: 
             batch.append(part)
             queued += len(part)
             total += len(part)
+        if not stable:
+            flush()
     flush()
     return total
 
 
 def write_atomic(path: Path, chunks: Iterable, *, mode: int = 0o600, owner: tuple[int, int] | None = None,
-                 durable: bool = True, dir_fd: int | None = None, kick: int = 0) -> tuple[int, str]:
+                 durable: bool = True, dir_fd: int | None = None, kick: int = 0, stable: bool = False) -> tuple[int, str]:
     """Write ``chunks`` to ``path`` via a temporary name, fsync, rename, fsync the directory.
 
     Returns (size, checksum). Raises :class:`StoreError` with the path on any
@@ -213,7 +217,8 @@ def write_atomic(path: Path, chunks: Iterable, *, mode: int = 0o600, owner: tupl
     ``dir_fd``: the directory, opened by the caller (``path`` then only names
     the file in messages; its last component is the name in ``dir_fd``).
     ``kick``: start the disk on every that many bytes as they are written (:func:`write_chunks`;
-    durable writes only: a file left to a later :func:`sync` is not pushed out early).
+    durable writes only: a file left to a later :func:`sync` is not pushed out early); ``stable``: the
+    chunks do not change until this returns (:func:`write_chunks`).
     """
     path = Path(path)
     name, tmp = path.name, f".{path.name}.tmp"
@@ -231,7 +236,7 @@ def write_atomic(path: Path, chunks: Iterable, *, mode: int = 0o600, owner: tupl
             try:
                 if owner is not None:
                     os.fchown(fd, *owner)
-                size = write_chunks(fd, chunks, digest, kick=kick if durable else 0)
+                size = write_chunks(fd, chunks, digest, kick=kick if durable else 0, stable=stable)
                 if durable:
                     os.fsync(fd)
             finally:

@@ -513,7 +513,7 @@ def write_delta(path: Path, values: Mapping[str, object] | State, choice: delta.
                             late=late, kick=late and durable, codec=codec, pipeline=pipeline, path=Path(path))
     # (A late full kicks its blocks once, before hashing them: see encode. Anything else starts the disk
     # on its blocks as they are copied, so the fsync after them waits for the last few MiB, not all.)
-    size, digest = ckptstore.write_atomic(Path(path), chunks, durable=durable, kick=0 if late else KICK)
+    size, digest = ckptstore.write_atomic(Path(path), chunks, durable=durable, kick=0 if late else KICK, stable=True)  # (views of the snapshot)
     return {"size": size, "digest": digest, **result}
 
 

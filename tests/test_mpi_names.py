@@ -99,6 +99,20 @@ def test_published_name_is_found_by_another_job_of_the_user_on_another_node(mc, 
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not os.access(SYSTEM_PY, os.X_OK), reason="needs root to switch to a second uid, and a system Python 3.11")
+def test_two_jobs_of_the_user_connect_through_a_published_port(mc):
+    # MPI_Open_port / Publish_name / Comm_accept in one job (2 ranks on n1), Lookup_name /
+    # Comm_connect in another (2 ranks on n2): the two merge into one communicator of 4 ranks.
+    server = int(mc.gang("submit", "--mpi", "-n", 2, "-w", "n1", "--", PY, NAMES, "serve", "rendezvous", check=True).stdout)
+    _wait_output(mc, server, ("serving",))
+    client = mc.gang("run", "--mpi", "-n", 2, "-w", "n2", "--", PY, NAMES, "connect", "rendezvous", cwd="/")
+    assert client.returncode == 0, (client.stdout, client.stderr)
+    assert "0: connected 10 over 4 ranks" in client.stdout, client.stdout
+    assert mc.wait_state(server, ("DONE", "FAILED"), timeout=60)["state"] == "DONE"
+    assert "served 10 over 4 ranks" in mc.gang("logs", server).stdout
+    code, out, _ = names(mc, "lookup", "rendezvous")  # (the server unpublished it)
+    assert out == "absent MPI_ERR_NAME", out
+
+
 def test_another_user_cannot_see_overwrite_or_unpublish_a_name(mc, tmp_path):
     hold = tmp_path / "hold"
     job = publishing(mc, "secret", "port-of-root", hold)

@@ -6,6 +6,11 @@
     mpi_names.py unpublish SERVICE           rank 0 unpublishes: "unpublished" or "refused CLASS"
     mpi_names.py publish-many PREFIX N       rank 0 publishes PREFIX0..N-1 until one is refused
     mpi_names.py spawn                       every rank spawns a program that does not exist from COMM_SELF
+    mpi_names.py serve SERVICE               Open_port, publish it as SERVICE, Accept over the job's ranks,
+                                             Merge (low), an allreduce of rank+1 over the merged ranks:
+                                             "served N" (N the sum); then unpublish and close the port
+    mpi_names.py connect SERVICE             look SERVICE up, Connect over the job's ranks, Merge (high),
+                                             the same allreduce: "connected N"
 
 Error classes are printed by name (MPI_ERR_NAME, MPI_ERR_SERVICE, ...).
 """
@@ -32,6 +37,29 @@ if what == "spawn":
     except MPI.Exception as exc:
         print(f"{comm.rank}: spawn failed {err(exc)}: {exc.Get_error_string()}", flush=True)
     comm.Barrier()
+elif what == "serve":
+    port = MPI.Open_port() if comm.rank == 0 else None
+    if comm.rank == 0:
+        MPI.Publish_name(sys.argv[2], port)
+        print("serving", flush=True)
+    inter = comm.Accept(port, root=0)
+    merged = inter.Merge(high=False)
+    total = merged.allreduce(merged.rank + 1)
+    if comm.rank == 0:
+        print(f"served {total} over {merged.size} ranks", flush=True)
+        MPI.Unpublish_name(sys.argv[2], port)
+        MPI.Close_port(port)
+    merged.Free()
+    inter.Disconnect()
+elif what == "connect":
+    port = MPI.Lookup_name(sys.argv[2]) if comm.rank == 0 else None
+    inter = comm.Connect(port, root=0)
+    merged = inter.Merge(high=True)
+    total = merged.allreduce(merged.rank + 1)
+    if comm.rank == 0:
+        print(f"connected {total} over {merged.size} ranks", flush=True)
+    merged.Free()
+    inter.Disconnect()
 elif comm.rank == 0:
     if what == "publish":
         service, port = sys.argv[2:4]
@@ -64,5 +92,5 @@ elif comm.rank == 0:
                 break
         else:
             print(f"published {n}", flush=True)
-if what != "spawn":
+if what not in ("spawn", "serve", "connect"):
     comm.Barrier()

@@ -109,8 +109,8 @@ def test_two_jobs_of_the_user_connect_through_a_published_port(mc):
     assert "0: connected 10 over 4 ranks" in client.stdout, client.stdout
     assert mc.wait_state(server, ("DONE", "FAILED"), timeout=60)["state"] == "DONE"
     assert "served 10 over 4 ranks" in mc.gang("logs", server).stdout
-    code, out, _ = names(mc, "lookup", "rendezvous")  # (the server unpublished it)
-    assert out == "absent MPI_ERR_NAME", out
+    code, out, err = names(mc, "lookup", "rendezvous")  # (the server unpublished it)
+    assert code == 0 and out == "absent MPI_ERR_NAME", (out, err)
 
 
 def test_another_user_cannot_see_overwrite_or_unpublish_a_name(mc, tmp_path):

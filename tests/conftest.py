@@ -323,6 +323,31 @@ def first_difference(got: bytes, want: bytes) -> str | None:
     return f"{len(got)} bytes against {len(want)} wanted, first difference at offset {at}"
 
 
+#: The system's Python 3.11: what a second uid can run (the venv's interpreter is under root's home).
+SYSTEM_PY = "/usr/bin/python3.11"
+
+
+def mpi_job_through_api(cluster, argv: list, nodelist: list[str] | None = None) -> list:
+    """A one-rank ``--mpi`` job of ``argv`` (a script and its arguments) submitted through the
+    client API and run by :data:`SYSTEM_PY` with this venv's packages (mpi4py, and MPICH's libmpi
+    beside them): what a second uid, in :func:`as_uid`'s child, can run. [final state, its output]."""
+    venv = Path(sys.prefix)
+
+    async def main():
+        async with connect(cluster.dir) as gang:
+            env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(venv / "lib" / "python3.11" / "site-packages"),
+                   "LD_LIBRARY_PATH": str(venv / "lib")}
+            record = await gang.submit([SYSTEM_PY, *map(str, argv)], 1, cwd="/", env=env, mpi=True, **({"nodelist": nodelist} if nodelist else {}))
+            final = await gang.wait_done(record["id"])
+            text = b""
+            async with gang.output(record["id"], follow=False) as chunks:
+                async for item in chunks:
+                    text += item["data"]
+            return [final["state"], text.decode()]
+
+    return trio.run(main)
+
+
 def _world_traversable_tmpdir() -> Path:
     path = Path(tempfile.mkdtemp(prefix="gangd-test-"))
     os.chmod(path, 0o755)

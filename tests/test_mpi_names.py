@@ -14,15 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import trio
-from conftest import as_uid, shared_cluster
-
-from gangd.client.api import connect
+from conftest import SYSTEM_PY, as_uid, mpi_job_through_api, shared_cluster
 
 PY = sys.executable
 NAMES = Path(__file__).resolve().parent / "jobs" / "mpi_names.py"
 NOBODY = 65534
-SYSTEM_PY = "/usr/bin/python3.11"
 
 
 @pytest.fixture(scope="module")
@@ -38,25 +34,9 @@ def names(mc, *args, nodelist="n2"):
 
 
 def names_through_api(mc, *args):
-    """:func:`names` for a second uid (in :func:`conftest.as_uid`'s child, which
-    cannot run the venv's interpreter, under root's home): through the client
-    API, the job run by the system's Python 3.11 with the venv's packages
-    (mpi4py, and MPICH's libmpi beside them). (final state, rank 0's output)."""
-    venv = Path(sys.prefix)
-
-    async def main():
-        async with connect(mc.dir) as gang:
-            env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(venv / "lib" / "python3.11" / "site-packages"),
-                   "LD_LIBRARY_PATH": str(venv / "lib")}
-            record = await gang.submit([SYSTEM_PY, str(NAMES), *map(str, args)], 1, nodelist=["n2"], cwd="/", env=env, mpi=True)
-            final = await gang.wait_done(record["id"])
-            text = b""
-            async with gang.output(record["id"], follow=False) as chunks:
-                async for item in chunks:
-                    text += item["data"]
-            return [final["state"], text.decode().strip()]
-
-    return trio.run(main)
+    """:func:`names` for a second uid (in :func:`conftest.as_uid`'s child): (final state, rank 0's output)."""
+    state, text = mpi_job_through_api(mc, [NAMES, *args], nodelist=["n2"])
+    return [state, text.strip()]
 
 
 def publishing(mc, service, port, hold: Path, nodelist="n1"):

@@ -17,10 +17,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-import trio
-from conftest import as_uid, shared_cluster, wait_for
+from conftest import as_uid, mpi_job_through_api, shared_cluster, wait_for
 
-from gangd.client.api import connect
 from gangd.protocol.pmi import SPAWN_NPROCS_MAX
 
 PY = sys.executable
@@ -28,7 +26,6 @@ SPAWN = Path(__file__).resolve().parent / "jobs" / "mpi_spawn.py"
 FUTURES = Path(__file__).resolve().parent / "jobs" / "mpi_futures.py"
 ENDED = ("DONE", "FAILED", "KILLED")
 NOBODY = 65534
-SYSTEM_PY = "/usr/bin/python3.11"
 
 
 @pytest.fixture(scope="module")
@@ -206,21 +203,7 @@ def test_a_program_only_root_may_run_cannot_be_spawned_by_another_user(mc, tmp_p
     secret.write_text("#!/bin/sh\necho ran\n")
     secret.chmod(0o700)  # (root's; tmp_path's directories let anyone reach it)
     os.chmod(tmp_path, 0o755)
-    venv = Path(sys.prefix)
-
-    async def main():  # as uid 65534, through the client API, with the system's Python (as test_mpi_names.py)
-        async with connect(mc.dir) as gang:
-            env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(venv / "lib" / "python3.11" / "site-packages"),
-                   "LD_LIBRARY_PATH": str(venv / "lib")}
-            record = await gang.submit([SYSTEM_PY, str(SPAWN), "refused", str(secret), "1"], 1, cwd="/", env=env, mpi=True)
-            final = await gang.wait_done(record["id"])
-            text = b""
-            async with gang.output(record["id"], follow=False) as chunks:
-                async for item in chunks:
-                    text += item["data"]
-            return [final["state"], text.decode()]
-
-    state, text = as_uid(NOBODY, lambda: trio.run(main))
+    state, text = as_uid(NOBODY, lambda: mpi_job_through_api(mc, [SPAWN, "refused", secret, "1"]))  # (as test_mpi_names.py)
     assert state == "DONE", text
     assert f"gangd: MPI_Comm_spawn refused: {secret}: permission denied" in text and "spawn failed" in text, text
     assert "ran" not in text.split()

@@ -279,7 +279,7 @@ async def test_a_creation_whose_answer_was_lost_is_settled_and_reported_once(etc
 
 async def test_a_creation_whose_answer_was_lost_and_etcd_stays_away_says_the_job_may_exist(etcd_endpoints, keys, lossy, monkeypatch):
     monkeypatch.setattr(jobtable, "INDETERMINATE_PATIENCE", 1.0)
-    async with Etcd(etcd_endpoints) as direct, open_lease(direct, 10) as lease, Etcd([f"http://127.0.0.1:{lossy.port}"], timeout=1) as etcd:
+    async with Etcd(etcd_endpoints) as direct, open_lease(direct, 10) as lease, Etcd([f"http://127.0.0.1:{lossy.port}"]) as etcd:
         fence = await leader(direct, keys, lease)
         table = JobTable(etcd, keys)
         await table.create_many(fence, [(build, {})])

@@ -26,8 +26,8 @@ machine's disk takes raw bytes, so a compressed checkpoint took longer than
 a raw one. The units still reach the writer in file order (the pipeline
 hands on in order), and each worker records its unit's codec by the unit's
 number, so the index does not depend on which worker finished first.
-Restores mirror it: read, then the file's checksum (in file order, one
-thread), then a parallel decompress stage. The codecs and the pipeline are
+Restores mirror it: read (and the file's checksum, in file order, in the
+reading thread), then a parallel decompress stage. The codecs and the pipeline are
 imported only when a codec other than ``none`` is used: an uncompressed
 checkpoint keeps its direct, tuned write path (``GANGDCK2``, unchanged).
 
@@ -235,16 +235,10 @@ def place(fd: int, path: Path, todo: Sequence[Job], digest: Any, settings: Any =
     """
     from ..codecs import CodecError, CodecMissing, decode
 
-    def check(key: Any, data: memoryview) -> memoryview:
+    def decompress(key: Any, data: memoryview) -> None:  # (run by several workers at once: each fills its own unit's bytes)
         job = todo[key]
         if len(data) != job.stored:
             raise StoreError(f"{path} is truncated: unit at {job.at} of value {job.name!r} reads {len(data)} of {job.stored} bytes")
-        if digest is not None:
-            digest.update(data)
-        return data
-
-    def decompress(key: Any, data: memoryview) -> None:  # (run by several workers at once: each fills its own unit's bytes)
-        job = todo[key]
         whole = bool(job.want.all())
         start = job.a * job.block
         out = job.view[start : start + job.raw] if whole else memoryview(bytearray(job.raw))
@@ -264,13 +258,23 @@ def place(fd: int, path: Path, todo: Sequence[Job], digest: Any, settings: Any =
         for key, job in enumerate(todo):
             data = bytearray(job.stored)
             pread(fd, memoryview(data), job.at, path)
-            decompress(key, check(key, memoryview(data)))
+            if digest is not None:
+                digest.update(data)
+            decompress(key, memoryview(data))
         return total
     from .. import pipeline
 
+    class DigestedRead(pipeline.ReadRanges):
+        """Reads the units in file order and adds each to the file's checksum as it is read (the order the
+        checksum needs, which the parallel decompress stage after it does not keep while it works)."""
+
+        def _read_into(self, view: memoryview, offset: int, key: Any) -> None:
+            super()._read_into(view, offset, key)
+            if digest is not None:
+                digest.update(view)
+
     try:
-        with pipeline.Pipeline([pipeline.ReadRanges(fd, [(key, job.at, job.stored) for key, job in enumerate(todo)]),
-                                pipeline.Transform("check", check),
+        with pipeline.Pipeline([DigestedRead(fd, [(key, job.at, job.stored) for key, job in enumerate(todo)]),
                                 pipeline.Transform("decompress", decompress, parallel=True)], settings, name="ckpt-read") as pipe:
             pipe.finish()
     except pipeline.PipelineError as exc:

@@ -505,7 +505,8 @@ def write_delta(path: Path, values: Mapping[str, object] | State, choice: delta.
     are compressed in units and written by a pipeline (format 3, :mod:`.units`;
     ``pipeline``: its :class:`gangd.pipeline.Settings`); the state is then hashed
     before it is written (a compressed file is always signed), and the result
-    also has "stored" (the units' bytes) and "pipeline" (bytes and busy time per stage).
+    also has "stored" (the units' bytes), "pipeline" (bytes and busy time per stage) and "codecs" (the
+    identities its units were stored with, as its index records them).
     """
     if _compressing(codec):
         late = False  # (encode hashes a compressed file's state before its units are written)
@@ -620,7 +621,11 @@ def encode(values: Mapping[str, object] | State, choice: delta.Choice, ref_sigs:
             fields.update({"v": 3, "unit": per, "codecs": written.codecs})
             end = len(MAGIC3) + written.written
         index = msgpack.packb(fields, use_bin_type=True) + b"".join(raw)
-        result["restore"] = state.total + overhead + len(MAGIC) + len(index) + FOOTER.size
+        # What a restore reads: every block once (this file's, stored compressed in a format-3 file: ``ckpt ls``
+        # then shows the bytes on disk, not the state's; a link's blocks are counted raw), the links' overhead,
+        # this file's header, index and footer.
+        body = state.total if written is None else written.written + state.total - written.raw
+        result["restore"] = body + overhead + len(MAGIC) + len(index) + FOOTER.size
         return [index, FOOTER.pack(end, len(index), _hash(index), END)]
 
     if packed:
@@ -635,6 +640,7 @@ def encode(values: Mapping[str, object] | State, choice: delta.Choice, ref_sigs:
             state.signed = state.signed or hash_late
             result["stored"] = written.written
             result["pipeline"] = {"in": written.raw, "out": written.written, "stages": written.stages}
+            result["codecs"] = list(written.codecs)
             return n, tail()
 
         return [chunks[0], ckptstore.Streamed(streamed)], result

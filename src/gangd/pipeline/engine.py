@@ -275,19 +275,27 @@ class Pipeline:
                         break
                     stage.process_slot(slot, out)
                     ring_in.release(slot)
-            stage.close(out)
-            if out is not None and ring_out is not None:
-                out.flush()
-                ring_out.close()
+            self._end_stream(stage, out, ring_out)
         except Aborted:
             pass
         except BaseException as exc:  # noqa: BLE001 -- handed to the caller as PipelineError (the stage named), not swallowed
-            error = PipelineError(stage.name, exc)
-            error.__cause__ = exc
-            self._fail(error)
+            self._stage_failed(stage, exc)
         finally:
             stats.wall_s = time.perf_counter() - began
             stats.cpu_s = time.thread_time() - cpu
+
+    @staticmethod
+    def _end_stream(stage: Stage, out: Packer | None, ring_out: Ring | None) -> None:
+        """The stage's input ended: its own end of stream, its last buffer handed on, the next ring closed."""
+        stage.close(out)
+        if out is not None and ring_out is not None:
+            out.flush()
+            ring_out.close()
+
+    def _stage_failed(self, stage: Stage, exc: BaseException) -> None:
+        error = PipelineError(stage.name, exc)
+        error.__cause__ = exc
+        self._fail(error)
 
     def _run_worker(self, index: int, worker: int) -> None:
         """One of a parallel stage's workers (the module docstring says how they keep the order)."""
@@ -332,16 +340,11 @@ class Pipeline:
                 turns.ended += 1
                 last = turns.ended == turns.workers
             if last:  # every other worker has handed on its last buffer: the stream ends here
-                stage.close(out)
-                if out is not None and ring_out is not None:
-                    out.flush()
-                    ring_out.close()
+                self._end_stream(stage, out, ring_out)
         except Aborted:
             pass
         except BaseException as exc:  # noqa: BLE001 -- handed to the caller as PipelineError (the stage named), not swallowed
-            error = PipelineError(stage.name, exc)
-            error.__cause__ = exc
-            self._fail(error)
+            self._stage_failed(stage, exc)
         finally:
             with turns.cond:
                 turns.idle_in += idle_in

@@ -154,6 +154,17 @@ def test_every_rank_gets_its_jobs_codec_else_the_clusters_and_a_restart_keeps_it
         assert checkpoint_when_ready(gc, asked)["state"] == "complete"
         listing = gc.gang("ckpt", "ls", asked, check=True).stdout
         assert "codec: zstd:5 " in listing, listing
+        # What each generation recorded (CODEC), what a restore reads (RESTORE: the compressed bytes on disk, not
+        # the state's), and per node the codec's bytes in and out and each stage's busy time (gang ckpt stats).
+        assert "CODEC" in listing and "zstd:5@1" in listing, listing
+        (gen,) = [g for g in gc.gang_json("ckpt", "ls", asked)["generations"] if g["state"] == "complete"]
+        assert "zstd:5@1" in gen["codecs"] and gen["restore_bytes"] == gen["written"], gen  # (none@1: a unit zstd could not shrink)
+        for node, figures in gen["nodes"].items():
+            pipeline = figures["pipeline"]
+            assert pipeline["in"] > 1 << 20 > 10 * pipeline["out"] > 0, (node, pipeline)  # (1 MiB of zeros per rank)
+            assert {"compress", "write"} <= set(pipeline["stages"]) and figures["blocked"] >= 0 and figures["disk"] > 0, figures
+        stats = gc.gang("ckpt", "stats", asked, check=True).stdout
+        assert all(word in stats for word in ("IN", "OUT", "RATIO", "BLOCKED", "DISK", "compress", "write")), stats
         restarted = kill_and_restart(gc, asked)
         assert _codecs_printed(gc, restarted, 2) == {0: "zstd:5", 1: "zstd:5"}
         assert gc.gang_json("job", restarted)["ckpt_codec"] == "zstd:5"  # (the restart's record carries its lineage's)

@@ -202,6 +202,42 @@ def test_a_commit_answer_of_a_daemon_before_deltas_reads_as_full_files():
             m.CommitAnswer.from_wire({**old, **bad})
 
 
+def test_a_compressed_write_s_figures_travel_checked_from_rank_to_entry():
+    """Issue 18: a rank's pipeline figures and codecs reach the node's commit answer (summed over its ranks,
+    the slowest rank's busy time per stage) and the generation's entry (node_stats, the codecs of delta_fields)."""
+    def figures(raw, packed, busy):
+        return {"in": raw, "out": packed, "stages": {"compress": {"busy_s": busy, "cpu_s": busy, "workers": 2, "bytes_in": raw},
+                                                     "write": {"busy_s": 0.1, "cpu_s": 0.01, "evil": "x" * 100}}}
+    reports = [m.WriteReport.parse({"size": 900, "digest": "d", "seconds": 0.5, "pipeline": figures(4000, 900, b), "codecs": c}, 10**6)
+               for b, c in ((0.3, ["zstd:5@1", "none@1"]), (0.7, ["zstd:5@1"]))]
+    assert reports[0].codecs == ("none@1", "zstd:5@1") and "evil" not in reports[0].pipeline["stages"]["write"]
+    assert m.WriteReport.parse(reports[0].to_wire(), 10**6) == reports[0]
+    node = m.merge_pipelines([r.pipeline for r in reports] + [None])
+    assert (node["in"], node["out"]) == (8000, 1800)
+    assert node["stages"]["compress"] == {"busy_s": 0.7, "cpu_s": 1.0, "workers": 2, "bytes_in": 8000}
+    old = {"node": "n1", "ranks": 2, "bytes": 1800, "state_bytes": 8000, "times": {"released": 1.0, "written": 2.0, "at_cut": 0.9, "resumed": 1.1}}
+    answer = m.CommitAnswer.from_wire({**old, "pipeline": node, "codecs": ["zstd:5@1", "none@1"]})
+    assert m.CommitAnswer.from_wire(answer.to_wire()) == answer
+    stats = rd.node_stats(answer.to_wire(), answer)
+    assert stats["pipeline"] == node and stats["blocked"] == pytest.approx(0.2) and stats["disk"] == pytest.approx(1.0)
+    assert "pipeline" not in rd.node_stats(old, m.CommitAnswer.from_wire(old))  # (a raw write, or a daemon before issue 18)
+    assert rd.delta_fields([answer])["codecs"] == ["none@1", "zstd:5@1"] and "codecs" not in rd.delta_fields([m.CommitAnswer.from_wire(old)])
+
+
+@pytest.mark.parametrize("bad", [
+    {"pipeline": []}, {"pipeline": {"in": -1}}, {"pipeline": {"in": 1, "out": 1, "stages": {"a b": {}}}},
+    {"pipeline": {"in": 1, "out": 1, "stages": {"w": {"busy_s": float("nan")}}}},
+    {"pipeline": {"in": 1, "out": 1, "stages": {"w": {"bytes_in": 1.5}}}},
+    {"pipeline": {"in": 1, "out": 1, "stages": {f"s{i}": {} for i in range(9)}}},
+    {"codecs": "zstd"}, {"codecs": ["zstd:5@1"] * 65}, {"codecs": ["\x1b[31m"]}, {"codecs": ["x" * 65]}, {"codecs": [5]},
+])
+def test_hostile_pipeline_figures_or_codecs_are_refused(bad):
+    with pytest.raises(m.BadMessage):
+        m.WriteReport.parse({"size": 1, "digest": "d", **bad}, 10**6)
+    with pytest.raises(m.BadMessage):
+        m.CommitAnswer.from_wire({"node": "n1", "ranks": 1, "bytes": 1, "state_bytes": 1, "times": {}, **bad})
+
+
 @pytest.mark.parametrize("modes, mode", [({}, "full"), ({"full": 3}, "full"), ({"incr": 2, "full": 0}, "incremental"),
                                          ({"diff": 1}, "differential"), ({"diff": 1, "rebase": 1}, "mixed"),
                                          ({"rebase": 2}, "rebase"), ({"full": 1, "incr": 1}, "mixed")])

@@ -11,7 +11,10 @@
   hostile landing tables, a real full file system (a 1 MiB tmpfs) -- each
   ends with every thread joined, every buffer Empty and an error naming the
   stage; the caller cancelling or leaving the block early likewise;
-* back-pressure: a writer that does not drain holds the caller to the pool.
+* back-pressure: a writer that does not drain holds the caller to the pool;
+* parallel stages (several compress workers): the order survives random
+  worker timing, the file is the serial one's byte for byte, and a worker
+  failing while the others are busy aborts the whole pipeline cleanly.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 import zlib
 from collections.abc import Hashable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -344,13 +349,14 @@ def tiny_fs(tmp_path):
 
 
 @pytest.mark.root
-def test_a_full_disk_under_the_writer_aborts_the_pipeline_cleanly(tiny_fs):
+@pytest.mark.parametrize("workers", [1, 3])
+def test_a_full_disk_under_the_writer_aborts_the_pipeline_cleanly(tiny_fs, workers):
     items = [(i, os.urandom(64 * KIB)) for i in range(64)]  # 4 MiB of incompressible data into 1 MiB
-    config = Settings(buffer_count=2, buffer_size=64 * KIB, aggregate_bytes=256 * KIB)
+    config = Settings(buffer_count=2, buffer_size=64 * KIB, aggregate_bytes=256 * KIB, workers=workers)
     fd = os.open(tiny_fs / "gen", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     submitted = 0
     try:
-        pipe = Pipeline([Transform("compress", compress), Write(fd, fsync=True)], config)
+        pipe = Pipeline([Transform("compress", compress, parallel=True), Write(fd, fsync=True)], config)
         with pytest.raises(PipelineError) as caught, pipe:
             for key, data in items:
                 pipe.submit(key, data)
@@ -416,6 +422,94 @@ def test_leaving_the_block_early_tears_the_pipeline_down():
         pipe.submit(1, b"b")
 
 
+# ---------------------------------------------------------------------------------------------------- parallel stages
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.integers(0, 12 * KIB), max_size=40), delays=st.lists(st.sampled_from([0, 0, 1, 3]), min_size=1, max_size=40),
+       workers=st.integers(2, 4), count=st.integers(2, 4))
+def test_parallel_workers_hand_on_in_submission_order_whatever_their_timing(tmp_path, sizes, delays, workers, count):
+    """Workers that finish out of order (random per-item delays) still feed the writer in order: the file is
+    byte for byte what one thread writes, and the mirror pipeline (parallel decompress) restores every item."""
+    config = Settings(buffer_count=count, buffer_size=8 * KIB, aggregate_bytes=8 * KIB, workers=workers)
+    items = [(i, payload(i, n)) for i, n in enumerate(sizes)]
+
+    def jittery(key, data):
+        time.sleep(delays[key % len(delays)] / 1000)
+        return zlib.compress(data, 1)
+
+    landing, pipe = write_pipeline(tmp_path / "parallel", items, [Transform("compress", jittery, parallel=True)], config)
+    serial, _ = write_pipeline(tmp_path / "serial", items, [Transform("compress", compress)], replace(config, workers=1))
+    assert landing.entries == serial.entries and [k for k, _, _ in landing.entries] == [k for k, _ in items]
+    assert (tmp_path / "parallel").read_bytes() == (tmp_path / "serial").read_bytes()
+    stage = pipe.stats()[1]
+    assert (stage.name, stage.workers, stage.items_in, stage.items_out) == ("compress", workers, len(items), len(items))
+    total = sum(len(d) for _, d in items)
+    where, at = {}, 0
+    for key, data in items:
+        where[key] = (at, len(data))
+        at += len(data)
+    target = bytearray(total)
+    fd = os.open(tmp_path / "parallel", os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        with Pipeline([ReadRanges(fd, landing.entries), Transform("decompress", lambda k, d: zlib.decompress(d), parallel=True),
+                       Place(memoryview(target), where)], config) as back:
+            assert back.finish() == total
+    finally:
+        os.close(fd)
+    assert_torn_down(back)
+    assert bytes(target) == b"".join(d for _, d in items)
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_a_worker_failing_while_the_others_are_busy_aborts_the_pipeline_cleanly(tmp_path, workers):
+    """One compress worker raises while the others are inside their codec calls: the error names the stage,
+    the caller is stopped at its next submit, every worker and stage thread is joined, every buffer Empty."""
+    class Broken(Exception):
+        pass
+
+    failing = threading.Event()
+    busy = threading.Semaphore(0)
+
+    def compress_or_fail(key, data):
+        if key == 0:
+            for _ in range(workers - 1):  # the others are in their calls (or the caller has nothing more to give them)
+                busy.acquire(timeout=5)
+            failing.set()
+            raise Broken("codec state corrupted")
+        busy.release()
+        failing.wait(5)
+        time.sleep(0.01)  # still busy when the failure is raised
+        return zlib.compress(data, 1)
+
+    config = Settings(buffer_count=2, buffer_size=4 * KIB, aggregate_bytes=8 * KIB, workers=workers)
+    items = [(i, payload(i, 3 * KIB)) for i in range(400)]
+    submitted = 0
+    fd = os.open(tmp_path / "out", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        pipe = Pipeline([Transform("compress", compress_or_fail, parallel=True), Write(fd, fsync=True)], config)
+        with pytest.raises(PipelineError) as caught, pipe:
+            for key, data in items:
+                pipe.submit(key, data)
+                submitted += 1
+            pipe.finish()
+    finally:
+        os.close(fd)
+    assert caught.value.stage == "compress" and isinstance(caught.value.__cause__, Broken)
+    assert submitted < len(items)
+    assert_torn_down(pipe)
+    assert not [t for t in threading.enumerate() if t.name.startswith("pipeline:")]
+
+
+def test_a_parallel_stage_with_one_worker_is_the_single_thread_stage():
+    items = [(i, payload(i, 2 * KIB)) for i in range(30)]
+    with Pipeline([Transform("compress", compress, parallel=True), Collect()], replace(SMALL, workers=1)) as pipe:
+        for key, data in items:
+            pipe.submit(key, data)
+        got = pipe.finish()
+    assert got == [(k, zlib.compress(d, 1)) for k, d in items]
+    assert pipe.stats()[1].workers == 1 and len(pipe.rings[0].slots) == SMALL.buffer_count
+
+
 # ---------------------------------------------------------------------------------------------------- back-pressure
 
 @pytest.mark.parametrize("count", [2, 3, 8])
@@ -465,7 +559,8 @@ def test_settings_defaults_and_bounds():
     assert default.aggregate_bytes >= 4 * 1024 * KIB and default.buffer_count >= 2
     for bad in ({"buffer_count": 1}, {"buffer_count": 10**6}, {"buffer_size": 100}, {"aggregate_bytes": 2**40},
                 {"buffer_count": True}, {"buffer_size": 4096.0}, {"buffer_count": 256, "aggregate_bytes": 256 * 1024 * KIB},
-                {"block": 4}):
+                {"block": 4}, {"workers": 0}, {"workers": 65}, {"workers": 2.0}):
         with pytest.raises(SettingsError):
             Settings.from_mapping(bad)
     assert Settings.from_mapping({"buffer_count": 8}) == Settings(buffer_count=8)
+    assert 1 <= default.workers <= 4 and Settings(buffer_count=2, workers=4).parallel_count == 6

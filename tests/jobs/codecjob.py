@@ -5,12 +5,16 @@ ckpt.init(), then idles in the checkpointed loop (every iteration a
 checkpoint candidate) until the file named by its one argument exists: a
 test checkpoints, kills and restarts it whenever it is ready, however
 loaded the machine is, and a restart prints the codec its ranks got too.
+Its state includes 1 MiB of zeros, so a compressed checkpoint has a ratio
+to show.
 """
 
 import itertools
 import os
 import sys
 import time
+
+import numpy as np
 
 from gangd import ckptlib as ckpt
 
@@ -19,6 +23,7 @@ ckpt.init()
 rank = int(os.environ["GANGD_RANK"])
 print(f"rank {rank} codec {os.environ.get('GANGD_CKPT_CODEC', '<unset>')}", flush=True)
 state = ckpt.protect("state", {"iterations": 0})
+field = ckpt.protect("field", lambda: np.zeros(1 << 17))  # 1 MiB that compresses: ckpt stats shows the codec's ratio
 for _ in ckpt.loop(itertools.count()):
     if os.path.exists(release):
         break

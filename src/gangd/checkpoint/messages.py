@@ -183,6 +183,76 @@ def _count(result: dict, key: str, default: int, hi: int) -> int:
     return value
 
 
+#: A compressed write's figures (issue 18), as ranks report them and nodes pass them on: bounded, every number
+#: checked. Per stage: these fields (seconds, bytes, threads); stage names are short words ("hash", "compress").
+STAGE_FIELDS = {"busy_s": float, "cpu_s": float, "wall_s": float, "bytes_in": int, "bytes_out": int, "workers": int}
+MAX_STAGES = 8
+MAX_CODECS = 64  # identities one report may list (ckptlib.units.MAX_CODECS)
+MAX_CODEC = 64  # characters of one identity ("blosc2:zstd:9:bytedelta@1")
+
+
+def parse_pipeline(raw: Any) -> dict | None:
+    """``{"in": bytes, "out": bytes, "stages": {name: {field: number}}}`` from a hostile peer, or None (none reported).
+    Unknown stage fields are dropped; a malformed value is a :class:`BadMessage`."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise BadMessage(f"'pipeline' must be a map, not {_show(raw)}")
+    out: dict = {"in": _count(raw, "in", 0, MAX_BYTES), "out": _count(raw, "out", 0, MAX_BYTES), "stages": {}}
+    stages = raw.get("stages") or {}
+    if not isinstance(stages, dict) or len(stages) > MAX_STAGES:
+        raise BadMessage(f"'pipeline' stages must be a map of at most {MAX_STAGES}, not {_show(stages)}")
+    for name, figures in stages.items():
+        if not isinstance(name, str) or not 0 < len(name) <= 32 or not name.isidentifier():
+            raise BadMessage(f"a pipeline stage name that is not a short word ({_show(name)})")
+        if not isinstance(figures, dict):
+            raise BadMessage(f"pipeline stage {name}'s figures must be a map, not {_show(figures)}")
+        kept: dict = {}
+        for key, kind in STAGE_FIELDS.items():
+            value = figures.get(key)
+            if value is None:
+                continue
+            if kind is int and (type(value) is not int or not 0 <= value <= MAX_BYTES):
+                raise BadMessage(f"pipeline stage {name}'s {key} is not a count ({_show(value)})")
+            if kind is float and (type(value) not in (int, float) or not math.isfinite(value) or not 0 <= value <= 1e9):
+                raise BadMessage(f"pipeline stage {name}'s {key} is not a number of seconds ({_show(value)})")
+            kept[key] = value
+        out["stages"][name] = kept
+    return out
+
+
+def parse_codecs(raw: Any) -> tuple[str, ...]:
+    """The codec identities a file's units were stored with, from a hostile peer (empty: none reported, raw)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, (list, tuple)) or len(raw) > MAX_CODECS:
+        raise BadMessage(f"'codecs' must list at most {MAX_CODECS} codec identities, not {_show(raw)}")
+    for ident in raw:
+        if not isinstance(ident, str) or not 0 < len(ident) <= MAX_CODEC or text.printable(ident) != ident or " " in ident:
+            raise BadMessage(f"a codec identity that is not a short printable word ({_show(ident)})")
+    return tuple(sorted(set(raw)))
+
+
+def merge_pipelines(reports: list[dict | None]) -> dict | None:
+    """One node's figures from its ranks' (each parsed): bytes and CPU summed; a stage's busy, wall time and
+    workers the largest of the node's ranks (they write at the same time: the node waits for the slowest)."""
+    got = [r for r in reports if r]
+    if not got:
+        return None
+    out: dict = {"in": sum(r["in"] for r in got), "out": sum(r["out"] for r in got), "stages": {}}
+    for r in got:
+        for name, figures in r["stages"].items():
+            mine = out["stages"].setdefault(name, {})
+            for key, value in figures.items():
+                summed = key in ("cpu_s", "bytes_in", "bytes_out")
+                mine[key] = (mine.get(key, 0) + value) if summed else max(mine.get(key, 0), value)
+    for figures in out["stages"].values():
+        for key in ("busy_s", "cpu_s", "wall_s"):
+            if key in figures:
+                figures[key] = round(figures[key], 6)
+    return out
+
+
 @dataclass(frozen=True)
 class WriteReport:
     """What a rank says it wrote: checked before anything uses it.
@@ -203,6 +273,8 @@ class WriteReport:
     links: tuple[int, ...] = ()
     state: int = 0
     restore: int = 0
+    pipeline: dict | None = None  # a compressed write's figures (:func:`parse_pipeline`)
+    codecs: tuple[str, ...] = ()  # the codec identities its units were stored with (none: a raw file)
 
     @classmethod
     def parse(cls, result: Any, max_size: int, offer: DeltaOffer | None = None, gen: int | None = None) -> WriteReport:
@@ -240,7 +312,8 @@ class WriteReport:
         chain = len(links) + 1
         state = _count(result, "state", size, MAX_BYTES)
         restore = _count(result, "restore", size, min(MAX_BYTES, max_size * chain))  # (each link's file is at most max_size)
-        return cls(size, digest, float(seconds), role, parent, base, links, state, restore)
+        return cls(size, digest, float(seconds), role, parent, base, links, state, restore,
+                   parse_pipeline(result.get("pipeline")), parse_codecs(result.get("codecs")))
 
     @staticmethod
     def _links(raw: Any, role: str, offer: DeltaOffer | None) -> tuple[int, ...]:
@@ -277,6 +350,10 @@ class WriteReport:
             out["state"] = self.state
         if self.restore != self.size:
             out["restore"] = self.restore
+        if self.pipeline is not None:
+            out["pipeline"] = self.pipeline
+        if self.codecs:
+            out["codecs"] = list(self.codecs)
         return out
 
 
@@ -494,6 +571,8 @@ class CommitAnswer:
     restore: int = 0
     needs: tuple[int, ...] = ()
     modes: dict = field(default_factory=dict)
+    pipeline: dict | None = None  # its ranks' compressed writes together (:func:`merge_pipelines`)
+    codecs: tuple[str, ...] = ()  # every codec identity its ranks' files were stored with
 
     @classmethod
     def from_wire(cls, result: Any) -> CommitAnswer:
@@ -515,11 +594,17 @@ class CommitAnswer:
         modes = result.get("modes") or {}
         if not isinstance(modes, dict) or not all(k in ROLES and type(v) is int and 0 <= v <= MAX_RANKS for k, v in modes.items()):
             raise BadMessage(f"'modes' must count rank files by role ({', '.join(ROLES)}), not {_show(modes)}")
-        return cls(node, ranks, total, state, dict(times), written, restore, tuple(sorted(set(needs), reverse=True)), dict(modes))
+        return cls(node, ranks, total, state, dict(times), written, restore, tuple(sorted(set(needs), reverse=True)), dict(modes),
+                   parse_pipeline(result.get("pipeline")), parse_codecs(result.get("codecs")))
 
     def to_wire(self) -> dict:
-        return {"node": self.node, "ranks": self.ranks, "bytes": self.bytes, "state_bytes": self.state_bytes, "times": dict(self.times),
-                "written": self.written, "restore": self.restore, "needs": list(self.needs), "modes": dict(self.modes)}
+        out = {"node": self.node, "ranks": self.ranks, "bytes": self.bytes, "state_bytes": self.state_bytes, "times": dict(self.times),
+               "written": self.written, "restore": self.restore, "needs": list(self.needs), "modes": dict(self.modes)}
+        if self.pipeline is not None:
+            out["pipeline"] = self.pipeline
+        if self.codecs:
+            out["codecs"] = list(self.codecs)
+        return out
 
 
 def generation_mode(modes: dict) -> str:

@@ -186,8 +186,11 @@ Instruction = CallNodes | AbortNodes | Record | Prune | WriteRedundancy | Finish
 # ---------------------------------------------------------------- the machine
 
 
-def node_stats(result: dict) -> dict:
-    """One node's checkpoint, broken down like paper 000's Table 4 (seconds)."""
+def node_stats(result: dict, answer: CommitAnswer | None = None) -> dict:
+    """One node's checkpoint, broken down like paper 000's Table 4 (seconds); with ``pipeline``, the
+    node's compressed writes (issue 18: bytes in and out, each stage's busy and CPU seconds) from its
+    checked ``answer``. ``blocked`` (the job stopped) and ``disk`` (until the state was durable) stay
+    two figures: a forked snapshot's job is blocked milliseconds while its disk time is seconds."""
     t = result["times"]
 
     def span(a: str, b: str) -> float:
@@ -211,6 +214,7 @@ def node_stats(result: dict) -> dict:
         "commit": span("written", "committed"),
         "sync_overhead": round(max(0.0, prep - prep_wait) + max(0.0, finish - finish_wait), 6),
         "bandwidth": round(result["bytes"] / disk, 1) if disk > 0 else None,
+        **({"pipeline": answer.pipeline} if answer is not None and answer.pipeline is not None else {}),
     }
 
 
@@ -224,8 +228,12 @@ def delta_fields(answers: list[CommitAnswer]) -> dict:
         for role, count in answer.modes.items():
             modes[role] = modes.get(role, 0) + count
     needs = sorted({g for answer in answers for g in answer.needs}, reverse=True)
-    return {"mode": generation_mode(modes), "needs": needs, "written": sum(a.written for a in answers),
-            "restore_bytes": sum(a.restore for a in answers)}
+    out = {"mode": generation_mode(modes), "needs": needs, "written": sum(a.written for a in answers),
+           "restore_bytes": sum(a.restore for a in answers)}
+    codecs = sorted({c for a in answers for c in a.codecs})
+    if codecs:  # (issue 18: the codecs its files record; none listed: raw files)
+        out["codecs"] = codecs
+    return out
 
 
 @dataclass
@@ -374,8 +382,10 @@ class Round:
         self.marks["committed"] = now
         committed = self.answers
         self._to(Phase.COMPLETE, "answered")
-        self.entry.update(state="complete", nodes={node: node_stats(r) for node, r in sorted(committed.items())}, ended=now, marks=dict(self.marks))
-        self.entry.update(delta_fields([CommitAnswer.from_wire(r) for r in committed.values()]))  # (issue 17)
+        answers = {node: CommitAnswer.from_wire(r) for node, r in committed.items()}
+        self.entry.update(state="complete", nodes={node: node_stats(r, answers[node]) for node, r in sorted(committed.items())}, ended=now,
+                          marks=dict(self.marks))
+        self.entry.update(delta_fields(list(answers.values())))  # (issue 17)
         out: list[Instruction] = [Record(dict(self.entry)), Prune(self.gen), Finish(self._result())]
         if self.redundancy != "local":
             out.append(WriteRedundancy(self.gen, self.redundancy))

@@ -381,7 +381,9 @@ class DaemonAgent:
             os.close(self.wake)
 
 
-_REPORTED = ("size", "digest", "seconds", "role", "parent", "base", "links", "state", "restore", "error")
+#: "pipeline" (bytes in and out, each stage's busy and CPU seconds) and "codecs" are a compressed write's
+#: (issue 18): ``gang ckpt stats`` and ``gang ckpt ls`` show them per node and per generation.
+_REPORTED = ("size", "digest", "seconds", "role", "parent", "base", "links", "state", "restore", "error", "pipeline", "codecs")
 
 
 def _report(result: dict) -> dict:

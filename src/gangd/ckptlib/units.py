@@ -19,7 +19,15 @@ compressing on one thread while another writes the previous units costs
 about the longer one (paper 004). :func:`stream` runs
 :class:`gangd.pipeline.Pipeline` with a compress stage and a write stage
 (aggregated 4 MiB writes, hashed for the manifest's checksum as they go, the
-disk started on them as they are written). The codecs and the pipeline are
+disk started on them as they are written). The compress stage is parallel
+(``Settings.workers`` threads, ``min(cores, 4)`` by default): with one
+thread, compression ran at one core's codec speed, slower than this
+machine's disk takes raw bytes, so a compressed checkpoint took longer than
+a raw one. The units still reach the writer in file order (the pipeline
+hands on in order), and each worker records its unit's codec by the unit's
+number, so the index does not depend on which worker finished first.
+Restores mirror it: read (and the file's checksum, in file order, in the
+reading thread), then a parallel decompress stage. The codecs and the pipeline are
 imported only when a codec other than ``none`` is used: an uncompressed
 checkpoint keeps its direct, tuned write path (``GANGDCK2``, unchanged).
 
@@ -32,6 +40,7 @@ compressed data claims.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,20 +140,23 @@ def stream(path: Path, todo: Sequence[tuple[memoryview, Any, int]], settings: An
 
     def run(fd: int, digest: Any) -> tuple[int, list]:
         table: dict[str, int] = {}
+        numbering = threading.Lock()
+        done.unit_codec = [0] * len(todo)
 
-        def compress(key: Any, data: memoryview) -> memoryview:
+        def compress(key: Any, data: memoryview) -> memoryview:  # (run by several workers at once: see the docstring)
             _, spec, itemsize = todo[key]
             ident, packed = encode(spec, data, itemsize)
             text = str(ident)
-            number = table.setdefault(text, len(table))
+            with numbering:
+                number = table.setdefault(text, len(table))
             if number >= MAX_CODECS:
                 raise CodecError(text, f"a checkpoint file records at most {MAX_CODECS} codecs")
-            done.unit_codec.append(number)
+            done.unit_codec[key] = number
             return packed
 
         writer = HashingWrite(fd, digest, os.lseek(fd, 0, os.SEEK_CUR))
         try:
-            stages: list = [pipeline.Transform("compress", compress), writer]
+            stages: list = [pipeline.Transform("compress", compress, parallel=True), writer]
             if hash_unit is not None:
                 def hashed(key: Any, data: memoryview) -> memoryview:
                     hash_unit(key, data)
@@ -161,7 +173,7 @@ def stream(path: Path, todo: Sequence[tuple[memoryview, Any, int]], settings: An
                 raise cause from None  # (write_atomic says "no space left on device writing PATH" and removes the file)
             raise StoreError(f"cannot write {path}: {cause if cause is not None else exc}") from None
         entries = landing.entries  # type: ignore[attr-defined]  # (the write stage's Landing)
-        if len(entries) != len(todo) or len(done.unit_codec) != len(todo):
+        if len(entries) != len(todo):
             raise StoreError(f"cannot write {path}: the pipeline wrote {len(entries)} of {len(todo)} units")
         done.unit_len = [length for _, _, length in entries]
         done.codecs = sorted(table, key=table.__getitem__)
@@ -223,12 +235,10 @@ def place(fd: int, path: Path, todo: Sequence[Job], digest: Any, settings: Any =
     """
     from ..codecs import CodecError, CodecMissing, decode
 
-    def decompress(key: Any, data: memoryview) -> None:
+    def decompress(key: Any, data: memoryview) -> None:  # (run by several workers at once: each fills its own unit's bytes)
         job = todo[key]
         if len(data) != job.stored:
             raise StoreError(f"{path} is truncated: unit at {job.at} of value {job.name!r} reads {len(data)} of {job.stored} bytes")
-        if digest is not None:
-            digest.update(data)
         whole = bool(job.want.all())
         start = job.a * job.block
         out = job.view[start : start + job.raw] if whole else memoryview(bytearray(job.raw))
@@ -248,13 +258,24 @@ def place(fd: int, path: Path, todo: Sequence[Job], digest: Any, settings: Any =
         for key, job in enumerate(todo):
             data = bytearray(job.stored)
             pread(fd, memoryview(data), job.at, path)
+            if digest is not None:
+                digest.update(data)
             decompress(key, memoryview(data))
         return total
     from .. import pipeline
 
+    class DigestedRead(pipeline.ReadRanges):
+        """Reads the units in file order and adds each to the file's checksum as it is read (the order the
+        checksum needs, which the parallel decompress stage after it does not keep while it works)."""
+
+        def _read_into(self, view: memoryview, offset: int, key: Any) -> None:
+            super()._read_into(view, offset, key)
+            if digest is not None:
+                digest.update(view)
+
     try:
-        with pipeline.Pipeline([pipeline.ReadRanges(fd, [(key, job.at, job.stored) for key, job in enumerate(todo)]),
-                                pipeline.Transform("decompress", decompress)], settings, name="ckpt-read") as pipe:
+        with pipeline.Pipeline([DigestedRead(fd, [(key, job.at, job.stored) for key, job in enumerate(todo)]),
+                                pipeline.Transform("decompress", decompress, parallel=True)], settings, name="ckpt-read") as pipe:
             pipe.finish()
     except pipeline.PipelineError as exc:
         cause = exc.__cause__

@@ -129,17 +129,17 @@ def ckpt_ls(ctx, job, as_json):
         took = f"{g['ended'] - g['started']:.2f}s" if g.get("ended") else "-"
         iteration = "-" if g["iteration"] is None else g["iteration"]
         why = g.get("reason") or (f"redundancy {g['redundancy']}" if g.get("redundancy") else "") or g["trigger"]
-        rows.append([g["gen"], g["job"], g["state"], _level(g), *_delta_columns(g), iteration, started, took, per_node, why])
+        rows.append([g["gen"], g["job"], g["state"], _level(g), *_delta_columns(g), _codecs(g), iteration, started, took, per_node, why])
     live = listing["under_way"]
     if live:
         started = time.strftime("%H:%M:%S", time.localtime(live["started"]))
-        rows.append([live["gen"], job, f"running ({live['phase']})", "-", "-", "-", "-", "-", "-", started, "-", "-", live["trigger"]])
+        rows.append([live["gen"], job, f"running ({live['phase']})", "-", "-", "-", "-", "-", "-", "-", started, "-", "-", live["trigger"]])
     recovered = listing.get("recoveries") or []
     if not rows and not recovered:
         click.echo(f"job {job} has no checkpoints")
         return
     if rows:
-        headers = ["GEN", "JOB", "STATE", "REDUNDANCY", "MODE", "BASE", "WRITTEN", "RESTORE", "ITER", "STARTED", "TOOK", "SIZE PER NODE"]
+        headers = ["GEN", "JOB", "STATE", "REDUNDANCY", "MODE", "BASE", "WRITTEN", "RESTORE", "CODEC", "ITER", "STARTED", "TOOK", "SIZE PER NODE"]
         click.echo(table(rows, [*headers, "TRIGGER / REASON"]))
     codec = listing.get("codec")
     if isinstance(codec, str) and rows:  # (a daemon from before issue 18 does not say)
@@ -165,6 +165,17 @@ def _delta_columns(g: dict) -> list[str]:
             _size(restore if type(restore) is int else written)]
 
 
+def _codecs(g: dict) -> str:
+    """CODEC: the codecs a generation's files record (issue 18), as recorded (``name:params@version``);
+    ``none`` for raw files, ``-`` for one that wrote nothing."""
+    if not g.get("nodes"):
+        return "-"
+    codecs = g.get("codecs")
+    if not isinstance(codecs, list) or not codecs:
+        return "none"
+    return text.printable(",".join(str(c) for c in codecs[:4]) + (",..." if len(codecs) > 4 else ""), 80)
+
+
 def _level(g: dict) -> str:
     """A generation's redundancy as ``ckpt ls`` shows it: the level, and for a
     complete one whose level is not local, whether its write failed, a
@@ -187,7 +198,12 @@ Examples:
 Columns (milliseconds; paper 000's Table 4): PREP start sync + network
 context, WRITE ranks saving (or forking their snapshot), FINISH end sync
 including the wait for the slowest node, BLOCKED how long the ranks were
-stopped, DISK until the state was on disk, SYNC prep + finish minus waiting.
+stopped, DISK until the state was on disk (time to durable: a forked
+snapshot's job is blocked for milliseconds of it), SYNC prep + finish minus
+waiting. For compressed writes (issue 18): IN and OUT the node's bytes
+into and out of the compression, RATIO IN/OUT, STAGES each stage's busy
+milliseconds (the slowest rank's; xN: N threads) -- the largest is the
+bottleneck (paper 004: total ~ the longest stage).
 """)
 @click.argument("job", type=int)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
@@ -208,5 +224,22 @@ def ckpt_stats(ctx, job, as_json):
             ms = lambda v: f"{v * 1000:.1f}"  # noqa: E731 -- a one-line formatter for the row below
             bw = f"{s['bandwidth'] / 2**20:.0f} MiB/s" if s.get("bandwidth") else "-"
             times = [ms(s[k]) for k in ("prep", "write", "finish", "blocked", "disk", "sync_overhead")]
-            rows.append([g["gen"], node, _size(s["bytes"]), *times, bw])
-    click.echo(table(rows, ["GEN", "NODE", "SIZE", "PREP", "WRITE", "FINISH", "BLOCKED", "DISK", "SYNC", "BANDWIDTH"]))
+            rows.append([g["gen"], node, _size(s["bytes"]), *times, bw, *_pipeline_columns(s.get("pipeline"))])
+    click.echo(table(rows, ["GEN", "NODE", "SIZE", "PREP", "WRITE", "FINISH", "BLOCKED", "DISK", "SYNC", "BANDWIDTH",
+                            "IN", "OUT", "RATIO", "STAGES (busy ms)"]))
+
+
+def _pipeline_columns(p: object) -> list[str]:
+    """IN, OUT, RATIO and STAGES of a node's compressed writes; dashes for raw ones (or a daemon before issue 18)."""
+    if not isinstance(p, dict) or type(p.get("in")) is not int or type(p.get("out")) is not int:
+        return ["-", "-", "-", "-"]
+    stages = p.get("stages")
+    if not isinstance(stages, dict):
+        stages = {}
+    busy = []
+    for name, f in list(stages.items())[:8]:
+        if name != "submit" and isinstance(f, dict) and type(f.get("busy_s")) in (int, float):  # (submit: the rank handing units over)
+            workers = f.get("workers")
+            busy.append(f"{text.printable(str(name), 16)} {f['busy_s'] * 1000:.0f}" + (f" x{workers}" if type(workers) is int and workers > 1 else ""))
+    ratio = f"{p['in'] / p['out']:.2f}" if p["out"] else "-"
+    return [_size(p["in"]), _size(p["out"]), ratio, ", ".join(busy) or "-"]

@@ -89,7 +89,7 @@ import trio
 
 from .. import ckptstore, jobs, safefs, text
 from ..checkpoint import node as nd
-from ..checkpoint.messages import MAX_LINKS, BadMessage, DeltaOffer, Link, RankReport, RankWritten, rank_note
+from ..checkpoint.messages import MAX_LINKS, BadMessage, DeltaOffer, Link, RankReport, RankWritten, merge_pipelines, rank_note
 from ..ckptstore import StoreError
 from ..failpoint import refuse
 from ..redundancy.bulk import Bulk, BulkServer
@@ -813,6 +813,12 @@ class NodeCheckpoints:
         result["needs"] = sorted({g for links in needs.values() for g in links}, reverse=True)
         result["modes"] = dict(Counter(r.role for r in pending.written.values()))
         result["rank_write_seconds"] = max((r.seconds for r in pending.written.values()), default=0.0)
+        pipeline = merge_pipelines([r.pipeline for r in pending.written.values()])  # (issue 18: compressed writes)
+        if pipeline is not None:
+            result["pipeline"] = pipeline
+        codecs = sorted({c for r in pending.written.values() for c in r.codecs})
+        if codecs:
+            result["codecs"] = codecs
         return result
 
     def _check_and_commit(self, pending: Pending, manifest: ckptstore.Manifest) -> None:

@@ -5,12 +5,14 @@ running capture, compression and writing as concurrent stages costs about
 the longest one. This package is that engine, independent of the block
 format and the codecs, which plug in as stage functions:
 
-* :mod:`.settings` -- buffer count, buffer size, aggregation size, validated;
+* :mod:`.settings` -- buffer count, buffer size, aggregation size, workers of a
+  parallel stage, validated;
 * :mod:`.ring` -- the fixed pool of buffers between two stages (Empty -> Busy
   -> Ready), the only queue and the memory bound;
 * :mod:`.emit` -- packing items into buffers (aggregation of small items,
   whole buffers for the writer);
-* :mod:`.engine` -- threads, ordering, failure and cancellation, statistics;
+* :mod:`.engine` -- threads (several for a parallel stage such as compression,
+  handing on in order), ordering, failure and cancellation, statistics;
 * :mod:`.stages` -- transform, write, read ranges, place into an array.
 
 Dependencies run one way: settings, stats <- ring <- emit <- engine <- stages.

@@ -12,6 +12,12 @@ stages is at most ``count`` buffers, whatever the speeds of the stages
 (anonymous memory, whose pages cost nothing until filled), and reused; a
 drained buffer's records are cleared in place.
 
+A parallel stage (several worker threads, :mod:`.engine`) drains its ring
+from several threads: :meth:`take` is then called under the stage's take
+lock (which also numbers the buffers, so the workers can hand on in order)
+and buffers go back with :meth:`release_now`, which shares no list between
+threads.
+
 A buffer carries the items packed into it as records (key, where
 in the buffer, how long, and which part of the item if the item was split
 across buffers). An item over half a buffer, in a ring that must not split
@@ -162,6 +168,13 @@ class Ring:
         self._freed.append(slot)
         if len(self._freed) >= self._batch:
             self._give_back()
+
+    def release_now(self, slot: Slot) -> None:
+        """:meth:`release` for a ring drained by several threads (a parallel stage's workers): no batch, so no
+        list shared between threads; one hand-off per buffer, each through the C queue (thread-safe)."""
+        slot.clear()
+        slot.state = State.EMPTY
+        self._free.put(slot)
 
     def _give_back(self) -> None:
         for slot in self._freed:

@@ -1,4 +1,4 @@
-"""The pipeline's three knobs, checked once so no stage has to distrust them.
+"""The pipeline's four knobs, checked once so no stage has to distrust them.
 
 Paper 004 (PCCR) found checkpoint time a U-shaped function of the ring
 buffer size: small buffers pay a hand-off per few KiB, huge ones leave the
@@ -9,6 +9,17 @@ into buffers of ``aggregate_bytes`` (>= 4 MiB by default: most checkpoint
 writes are small, and a file system takes one large write far better than
 many small ones).
 
+``workers`` is how many threads run a *parallel* stage (a Transform made
+with ``parallel=True``: compression and decompression, whose codecs release
+the GIL). With one compress thread the pipeline is as slow as one core's
+codec, which on a fast disk is slower than writing raw; with ``workers``
+threads the stage takes up to that many cores, and the units still reach the
+writer in order (:mod:`.engine`). The default is ``min(cores, 4)``. The
+ring in front of a parallel stage holds ``max(buffer_count, workers + 2)``
+buffers (each worker holds the buffer it works on until its turn to hand on,
+and the producer needs at least two more to keep going), so the memory bound
+per ring is that many buffers.
+
 The values may come from a user's file or a job's request, so
 :meth:`Settings.from_mapping` refuses unknown keys, non-integers and sizes
 outside the bounds below: the pool is allocated up front (count x size per
@@ -18,8 +29,9 @@ kill.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -27,6 +39,16 @@ MIB = 1024 * KIB
 MIN_BUFFERS, MAX_BUFFERS = 2, 256
 MIN_SIZE, MAX_SIZE = 4 * KIB, 256 * MIB
 MAX_RING_BYTES = 1024 * MIB  # one ring's whole pool
+MIN_WORKERS, MAX_WORKERS = 1, 64
+
+
+def default_workers() -> int:
+    """Threads for a parallel stage by default: the cores this process may use, at most 4."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, 4))
 
 
 class SettingsError(ValueError):
@@ -38,19 +60,20 @@ class Settings:
     buffer_count: int = 4  # buffers per ring (the bound on items in flight between two stages)
     buffer_size: int = 1 * MIB  # capacity of a buffer between two transform stages
     aggregate_bytes: int = 4 * MIB  # capacity of a buffer the writer takes: the size of one write
+    workers: int = field(default_factory=default_workers)  # threads of a parallel stage (compress, decompress)
 
     def __post_init__(self) -> None:
         for name, low, high in (("buffer_count", MIN_BUFFERS, MAX_BUFFERS), ("buffer_size", MIN_SIZE, MAX_SIZE),
-                                ("aggregate_bytes", MIN_SIZE, MAX_SIZE)):
+                                ("aggregate_bytes", MIN_SIZE, MAX_SIZE), ("workers", MIN_WORKERS, MAX_WORKERS)):
             value = getattr(self, name)
             if type(value) is not int:
                 raise SettingsError(f"pipeline setting {name} must be an integer, not {type(value).__name__}")
             if not low <= value <= high:
                 raise SettingsError(f"pipeline setting {name}={value} is outside {low}..{high}")
         for name in ("buffer_size", "aggregate_bytes"):
-            if self.buffer_count * getattr(self, name) > MAX_RING_BYTES:
-                raise SettingsError(f"pipeline settings buffer_count x {name} = {self.buffer_count * getattr(self, name)} bytes "
-                                    f"exceed {MAX_RING_BYTES} per ring")
+            if self.parallel_count * getattr(self, name) > MAX_RING_BYTES:
+                raise SettingsError(f"pipeline settings max(buffer_count, workers + 2) x {name} = "
+                                    f"{self.parallel_count * getattr(self, name)} bytes exceed {MAX_RING_BYTES} per ring")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, object]) -> Settings:
@@ -60,6 +83,11 @@ class Settings:
         if unknown:
             raise SettingsError(f"unknown pipeline settings: {', '.join(unknown)[:200]}")
         return cls(**values)  # type: ignore[arg-type]  # __post_init__ checks every type
+
+    @property
+    def parallel_count(self) -> int:
+        """Buffers of the ring in front of a parallel stage (each worker holds one until its turn)."""
+        return max(self.buffer_count, self.workers + 2)
 
     def ring_bytes(self, capacity: int) -> int:
         return self.buffer_count * capacity

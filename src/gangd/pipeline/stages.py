@@ -33,11 +33,34 @@ MAX_ITEM = MAX_RING_BYTES
 
 
 class Transform(Stage):
-    """``fn(key, data)`` -> a bytes-like item, or None to drop it; with ``many=True``, an iterable of (key, bytes-like)."""
+    """``fn(key, data)`` -> a bytes-like item, or None to drop it; with ``many=True``, an iterable of (key, bytes-like).
 
-    def __init__(self, name: str, fn: Callable[[Hashable, memoryview], object], *, many: bool = False):
+    ``parallel=True``: ``fn`` is thread-safe and worth several threads (a
+    codec that releases the GIL); it is then called by ``Settings.workers``
+    threads at once, and its results still go on in order.
+    """
+
+    def __init__(self, name: str, fn: Callable[[Hashable, memoryview], object], *, many: bool = False, parallel: bool = False):
         super().__init__(name)
-        self.fn, self.many = fn, many
+        self.fn, self.many, self.parallel = fn, many, parallel
+
+    def work_slot(self, slot: Slot) -> object:
+        fn, view = self.fn, slot.view
+        return [fn(key, ref if ref is not None else view[start:start + length]) for key, start, length, _, _, ref in slot.records]
+
+    def hand_on(self, slot: Slot, work: object, out: Packer | None) -> None:
+        size = 0
+        for record, produced in zip(slot.records, work, strict=True):  # type: ignore[call-overload]  # work_slot's list
+            size += record[2]
+            if out is None or produced is None:
+                continue
+            if self.many:
+                for new_key, item in produced:
+                    out.emit(new_key, item)
+            else:
+                out.emit(record[0], produced)
+        self.stats.items_in += len(slot.records)
+        self.stats.bytes_in += size
 
     def process_slot(self, slot: Slot, out: Packer | None) -> None:
         # Stage.process_slot inlined: this loop runs once per item.

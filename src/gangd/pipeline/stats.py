@@ -24,7 +24,8 @@ class StageStats:
     wall_s: float = 0.0  # from the stage's start to its end
     idle_in_s: float = 0.0  # waiting for the stage before to hand over a buffer
     idle_out_s: float = 0.0  # waiting for the stage after to free a buffer
-    cpu_s: float = 0.0  # this stage's thread's CPU time
+    cpu_s: float = 0.0  # this stage's threads' CPU time (every worker's, for a parallel stage)
+    workers: int = 1  # threads that ran the stage (idle times are then the workers' mean, so busy_s is one worker's)
 
     @property
     def busy_s(self) -> float:

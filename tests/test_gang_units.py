@@ -376,9 +376,23 @@ def test_a_spawned_job_goes_in_its_parents_slot_or_is_refused_with_the_reason():
     admit(matrix, rec(2, 1))  # slot 1, 3 cores free
     assert matrix.slot_of(2) == 1
     assert spawns.admit(matrix, child_rec(3, 3, parent=2), place, set(matrix.cores)) == (1, ["n1", "n2", "n2"])
-    why = spawns.admit(matrix, child_rec(4, 1, parent=2), place, set(matrix.cores))
-    assert why == "no room for 1 spawned processes beside job 2 in its time slot (0 cores free there); spawned processes run in their parent's slot"
-    assert matrix.slot_of(4) is None
+    # The slot is full: the next child shares the parent's core on n1 (as many past the cores as the parent has ranks there) ...
+    assert spawns.admit(matrix, child_rec(4, 1, parent=2), place, set(matrix.cores)) == (1, ["n1"])
+    assert matrix.free(1)["n1"] == -1
+    # ... and no more: n1 already runs one process past its cores for job 2's single rank there.
+    why = spawns.admit(matrix, child_rec(6, 1, parent=2), place, set(matrix.cores))
+    assert why == (
+        "no room for 1 spawned processes beside job 2: 0 cores free in its time slot, and 0 more processes its own nodes "
+        "may run on its cores (a node takes at most as many spawned processes past its cores as the job has ranks there)"
+    )
+    assert matrix.slot_of(6) is None
+    # A spawn's hosts (its nodelist) limit both: free cores elsewhere are not taken, the parent's nodes only where named.
+    matrix = Matrix(cluster(2, cores=2), max_slots=4)
+    admit(matrix, rec(1, 2, nodelist=["n1"]))  # n1 full, n2 free
+    assert spawns.admit(matrix, dict(child_rec(2, 2, parent=1), nodelist=["n1"]), place, set(matrix.cores)) == (0, ["n1", "n1"])
+    why = spawns.admit(matrix, dict(child_rec(3, 1, parent=1), nodelist=["n1"]), place, set(matrix.cores))
+    assert why.startswith("no room for 1 spawned processes beside job 1 on n1 (its host info key): 0 cores free"), why
+    assert spawns.admit(matrix, dict(child_rec(4, 2, parent=1), nodelist=["n2"]), place, set(matrix.cores)) == (0, ["n2", "n2"])
     assert spawns.admit(matrix, child_rec(5, 1, parent=99), place, set(matrix.cores)) == "its parent job 99 holds no time slot (it is not running)"
 
 

@@ -176,6 +176,35 @@ def test_a_crashing_child_fails_the_parent_with_its_message(mc):
     assert "spawned job" in run.stderr and "failed: rank 1 on" in run.stderr and "SIGSEGV" in run.stderr, run.stderr
 
 
+def test_a_job_filling_its_slot_spawns_onto_its_own_nodes_sharing_their_cores(mc):
+    job = submit(mc, "world", 2, nranks=4, per_node=True)  # every core of the cluster in its slot
+    record, lines, children = finished(mc, job)
+    assert record["state"] == "DONE", (record, lines)
+    assert "0: child says hello-1 rank 1 of 2 appnum 0 args w" in lines, lines
+    assert [line for line in lines if "merged" in line] == [f"{r}: merged size 6 sum 15 ok True" for r in range(4)], lines
+    [child] = children
+    assert child["state"] == "DONE" and sorted(child["placement"]) == ["n1", "n2"], child  # (one past the cores on each)
+
+
+def test_sharing_the_parents_cores_is_bounded_by_its_ranks_on_the_node_and_refused_past_it(mc):
+    sleep = [PY, "-c", "import time; time.sleep(600)"]
+    filler = int(mc.gang("submit", "-n", 3, "--", *sleep, check=True).stdout)  # n1 n1 n2
+    try:
+        mc.wait_state(filler, "RUNNING", timeout=60)
+        job = submit(mc, "refused", PY, 2)  # its one rank takes the last core of the slot, on n2
+        record, lines, children = finished(mc, job)
+    finally:
+        mc.gang("kill", filler)
+    assert record["state"] == "DONE" and record["placement"] == ["n2"], (record, lines)
+    assert "0: spawn failed: Other MPI error, error stack:" in lines, lines
+    [said] = [line for line in mc.gang("logs", job).stderr.splitlines() if "MPI_Comm_spawn refused" in line]
+    assert (
+        f"no room for 2 spawned processes beside job {job}: 0 cores free in its time slot, and 1 more processes its own nodes "
+        "may run on its cores (a node takes at most as many spawned processes past its cores as the job has ranks there)"
+    ) in said, said
+    assert len(children) == 1 and children[0]["state"] == "FAILED" and not children[0]["started"], children
+
+
 @pytest.mark.parametrize(
     ("command", "nprocs", "why"),
     [

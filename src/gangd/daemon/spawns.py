@@ -20,8 +20,13 @@ What ties it to its parent:
 * it runs in its parent's gang time slot (:func:`admit`), or the spawn is
   refused: a child stopped while its parent runs (or the reverse) would
   leave either side blocked in MPI every other slice. Free cores of that
-  slot are used; there is no oversubscription of the parent's cores;
-  MPI's ``host``/``hosts`` info keys are not followed. A parent and its
+  slot are used first; when there are too few, the children go on the
+  parent's own nodes and share its cores — a job that fills the cluster
+  (the usual ``gang run --mpi -n ALL``) can still spawn, as under
+  ``mpiexec``, which oversubscribes freely. That is bounded: a node runs
+  at most its cores plus as many processes as the parent has ranks
+  there (so at most twice its cores), over all the parent's children;
+  past it the spawn is refused with the counts. A parent and its
   children are never moved apart by the matrix's compaction
   (:attr:`gangd.daemon.gang.Matrix.tied`);
 * the parent's rank gets its ``spawn_result`` once the child job is
@@ -159,21 +164,51 @@ def child_request(parent: dict, env: dict[str, str], segments: list, preput: dic
 
 
 def admit(matrix, record: dict, place, up: set[str]) -> tuple[int, list[str]] | str:
-    """(slot, placement) of a child job in its parent's time slot, or why it has no room there."""
+    """(slot, placement) of a child job in its parent's time slot, or why it has no room there.
+
+    Free cores of the slot first (on any node, or the spawn's hosts:
+    ``record["nodelist"]``); else the parent's own nodes, sharing its cores:
+    a node then runs at most its cores plus as many processes as the
+    parent has ranks there (:func:`shared_room`), over all of the
+    parent's children — at most twice its cores, whatever a program
+    spawns."""
     parent = record["spawned_by"]
     slot = matrix.slot_of(parent)
     if slot is None:
         return f"its parent job {parent} holds no time slot (it is not running)"
-    free = {n: c for n, c in matrix.free(slot, up).items() if c > 0}
+    free_all = matrix.free(slot, up)
+    free = {n: c for n, c in free_all.items() if c > 0}
     placement = place(record, free)
     if placement is None:
-        return (
-            f"no room for {record['nranks']} spawned processes beside job {parent} in its time slot "
-            f"({sum(free.values())} cores free there); spawned processes run in their parent's slot"
-        )
+        shared = shared_room(free_all, matrix.usage.get(parent) or {})
+        placement = place(record, shared)
+        if placement is None:
+            return no_room(record, free, shared)
     matrix.add(record["id"], slot, placement)
     matrix.tied.update((parent, record["id"]))
     return slot, placement
+
+
+def shared_room(free: dict[str, int], parent_usage) -> dict[str, int]:
+    """Processes each of the parent's (up) nodes may still take past its free
+    cores: the parent's ranks there, less what earlier children already
+    took past the cores (``free`` is negative by that much)."""
+    room = {n: free[n] + k for n, k in parent_usage.items() if n in free}
+    return {n: c for n, c in room.items() if c > 0}
+
+
+def no_room(record: dict, free: dict[str, int], shared: dict[str, int]) -> str:
+    hosts = record.get("nodelist")
+    where = ""
+    if hosts:
+        where = f" on {', '.join(hosts)} (its host info key)"
+        free = {n: c for n, c in free.items() if n in hosts}
+        shared = {n: c for n, c in shared.items() if n in hosts}
+    return (
+        f"no room for {record['nranks']} spawned processes beside job {record['spawned_by']}{where}: "
+        f"{sum(free.values())} cores free in its time slot, and {sum(shared.values())} more processes its own nodes "
+        "may run on its cores (a node takes at most as many spawned processes past its cores as the job has ranks there)"
+    )
 
 
 async def end_child(co, child_id: int, reason: str, grace: float) -> None:

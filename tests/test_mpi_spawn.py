@@ -6,7 +6,8 @@ find their parent through the key-value space gangd seeds, talk to it over
 the intercommunicator, merge it and run a collective on the merged
 communicator; killing the parent kills every spawned process; a crashing
 child fails its parent with its message; hostile spawns are refused with a
-reason, never a hang.
+reason, never a hang; a parent that fills its slot spawns onto its own
+nodes, within a bound; MPI's host info key places the children.
 """
 
 from __future__ import annotations
@@ -205,13 +206,49 @@ def test_sharing_the_parents_cores_is_bounded_by_its_ranks_on_the_node_and_refus
     assert len(children) == 1 and children[0]["state"] == "FAILED" and not children[0]["started"], children
 
 
+def spawn_on(mc, key, hosts, nprocs):
+    """A one-rank parent on n1 spawning with MPI's ``key`` info key: (its record, output lines, gangd's stderr notes, children)."""
+    job = int(mc.gang("submit", "--mpi", "-n", 1, "-w", "n1", "--", PY, SPAWN, "on", key, hosts, nprocs, check=True).stdout)
+    record, lines, children = finished(mc, job)
+    notes = [line for line in mc.gang("logs", job).stderr.splitlines() if "MPI_Comm_spawn refused" in line]
+    return record, lines, notes, children
+
+
+@pytest.mark.parametrize(("key", "hosts"), [("host", "n2"), ("hosts", "127.0.0.2")], ids=["name", "address"])
+def test_the_host_info_key_puts_the_children_on_the_node_it_names(mc, key, hosts):
+    record, lines, notes, children = spawn_on(mc, key, hosts, 2)
+    assert record["state"] == "DONE" and not notes, (record, lines, notes)
+    assert lines == ["0: child rank 0 on n2", "0: child rank 1 on n2"], lines  # (GANGD_NODE, as each child's daemon set it)
+    [child] = children
+    assert child["placement"] == ["n2", "n2"], child
+
+
+@pytest.mark.parametrize(
+    ("key", "hosts", "why"),
+    [
+        ("host", "n9", "host 'n9' (the spawn's host info key) is not a node of this cluster (nodes: n1, n2)"),
+        ("host", "n2,nowhere:2", "host 'nowhere' (the spawn's host info key) is not a node of this cluster (nodes: n1, n2)"),
+        ("hostfile", "/etc/hosts", "the hostfile info key is not served by gangd: name the nodes with the host info key"),
+        ("host", "n1", "no room for 3 spawned processes beside job"),  # (1 core free on n1, 1 more sharing the parent's)
+    ],
+    ids=["unknown", "one-unknown", "hostfile", "no-room-there"],
+)
+def test_a_host_info_key_gangd_cannot_follow_is_an_mpi_error_naming_it(mc, key, hosts, why):
+    record, lines, notes, children = spawn_on(mc, key, hosts, 3)
+    assert record["state"] == "DONE", (record, lines)
+    assert any(line.startswith("0: spawn failed: ") for line in lines), lines
+    assert not [line for line in lines if "child rank" in line], lines
+    assert len(notes) == 1 and why in notes[0], notes
+    assert all(not c["started"] for c in children)
+
+
 @pytest.mark.parametrize(
     ("command", "nprocs", "why"),
     [
         ("/nonexistent/program", 1, "/nonexistent/program: command not found"),
         ("/etc/passwd", 1, "/etc/passwd: permission denied"),
         (PY, SPAWN_NPROCS_MAX + 1, f"nprocs={SPAWN_NPROCS_MAX + 1} is not a number from 1 to {SPAWN_NPROCS_MAX}"),
-        (PY, 64, "job asks for 64 ranks but the cluster can hold at most 4"),
+        (PY, 64, "no room for 64 spawned processes beside job"),
         (PY, 4, "no room for 4 spawned processes beside job"),  # (3 cores free in the parent's slot)
     ],
     ids=["missing", "not-executable", "absurd-nprocs", "beyond-the-cluster", "no-room-in-the-slot"],
@@ -224,7 +261,7 @@ def test_a_spawn_gangd_refuses_is_an_mpi_error_with_the_reason_and_the_job_goes_
     said = [line for line in mc.gang("logs", job).stderr.splitlines() if "MPI_Comm_spawn refused" in line]
     assert len(said) == 1 and why in said[0], said  # gangd's reason, in the rank's stderr
     assert all(c["state"] == "FAILED" and not c["started"] for c in children)  # (no room: placed nowhere, never started)
-    assert len(children) == (nprocs == 4)
+    assert len(children) == (nprocs in (4, 64))  # (refused by the placement: after the child job was made)
 
 
 def test_a_program_only_root_may_run_cannot_be_spawned_by_another_user(mc, tmp_path):

@@ -397,7 +397,8 @@ class Coordinator:
         spec = checked.as_spec()
         nranks = checked.nranks
         capacity, how = self.capacity(spec)
-        if nranks > capacity:
+        # (spawned processes may share their parent's cores: spawns.admit bounds them, with its own reason)
+        if nranks > capacity and (internal or {}).get("spawned_by") is None:
             raise RemoteError(
                 "too_large",
                 f"job asks for {nranks} ranks but the cluster can hold at most {capacity} ({how})",
@@ -763,14 +764,16 @@ class Coordinator:
         await self._kill_everywhere(job_id)
         self.kick()
 
-    async def spawn_job(self, parent_id: int, rank: int, segments: list, preput: dict[str, str]) -> dict:
+    async def spawn_job(self, parent_id: int, rank: int, segments: list, preput: dict[str, str], hosts: list[str] | None = None) -> dict:
         """MPI_Comm_spawn from rank ``rank`` of ``parent_id``: a child job (:mod:`.spawns`),
-        answered once it runs, or an error saying why it cannot."""
+        answered once it runs, or an error saying why it cannot. ``hosts``: its
+        ``host`` info key's nodes (:func:`.spawns.resolve_hosts`)."""
         parent = self.table.get(parent_id)
         if parent is None:
             raise RemoteError("no_such_job", f"no job {parent_id}")
         if parent["state"] != jobs.RUNNING or not parent.get("mpi"):
             raise RemoteError("bad_state", f"job {parent_id} is {parent['state']}; only a running --mpi job can spawn")
+        nodelist = spawns.resolve_hosts(hosts or [], self.config.nodes, parent_id, self.membership.is_up) if hosts else None
         nprocs = sum(int(n) for _, n, _ in segments)
         under_way = self._spawning.setdefault(parent_id, [])
         children = [c for c in (self.table.get(i) for i in parent.get("children") or ()) if c is not None]
@@ -778,7 +781,7 @@ class Coordinator:
         spawns.bounds_check(parent, children + [{"nranks": n} for n in under_way], nprocs)
         under_way.append(nprocs)
         try:
-            spec, cred, internal = spawns.child_request(parent, await self.table.env(parent_id), segments, preput, rank)
+            spec, cred, internal = spawns.child_request(parent, await self.table.env(parent_id), segments, preput, rank, nodelist)
             child = await self.submit(spec, cred, internal=internal)
             child_id = child["id"]
 

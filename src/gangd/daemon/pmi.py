@@ -242,7 +242,9 @@ class PmiServer:
             segments = [[list(s.argv), s.nprocs, s.wdir] for s in command.segments]
             with trio.move_on_after(SPAWN_WAIT):
                 try:
-                    answer = await self.calls.to_coordinator("coord_spawn", job=state.job_id, rank=rank, segments=segments, preput=dict(command.preput))
+                    answer = await self.calls.to_coordinator(
+                        "coord_spawn", job=state.job_id, rank=rank, segments=segments, preput=dict(command.preput), hosts=list(command.hosts),
+                    )
                 except RemoteError as exc:
                     why = exc.message
                 else:

@@ -26,7 +26,11 @@ What ties it to its parent:
   ``mpiexec``, which oversubscribes freely. That is bounded: a node runs
   at most its cores plus as many processes as the parent has ranks
   there (so at most twice its cores), over all the parent's children;
-  past it the spawn is refused with the counts. A parent and its
+  past it the spawn is refused with the counts. MPI's ``host``/``hosts``
+  info key (parsed in :mod:`gangd.protocol.pmi`) limits both to the nodes
+  it names (:func:`resolve_hosts`: a node's name or configured address;
+  unknown or down is refused, naming it), as the child's ``nodelist``;
+  ``hostfile`` is refused, unknown keys ignored (Hydra's way). A parent and its
   children are never moved apart by the matrix's compaction
   (:attr:`gangd.daemon.gang.Matrix.tied`);
 * the parent's rank gets its ``spawn_result`` once the child job is
@@ -56,7 +60,7 @@ import stat
 
 import trio
 
-from .. import jobs
+from .. import jobs, text
 from ..protocol import pmi
 from ..rpc import RemoteError
 
@@ -137,8 +141,31 @@ def bounds_check(parent: dict, children: list[dict], nprocs: int) -> None:
         )
 
 
-def child_request(parent: dict, env: dict[str, str], segments: list, preput: dict[str, str], rank: int) -> tuple[dict, dict, dict]:
-    """(spec, cred, internal fields) of the child job a spawn asks for."""
+def resolve_hosts(hosts: list[str], nodes, parent_id: int, is_up) -> list[str]:
+    """The gangd nodes a spawn's ``host`` info key names, or a refusal naming
+    the one that is not usable. A host is a node's name or its address in the
+    cluster's configuration (an address shared by several nodes names them
+    all: they are one machine); it must be up. (The parent's ``--nodelist``
+    does not limit its children: it says where the parent runs, and
+    children without a host key are placed anywhere too.)"""
+    names = [n.name for n in nodes]
+    chosen: list[str] = []
+    for host in hosts:
+        matched = [n.name for n in nodes if host in (n.name, n.address)]
+        shown = text.printable(host, 64)
+        if not matched:
+            raise RemoteError("no_such_node", f"host {shown!r} (the spawn's host info key) is not a node of this cluster (nodes: {', '.join(names)})")
+        up = [m for m in matched if is_up(m)]
+        if not up:
+            raise RemoteError("node_down", f"host {shown!r} (the spawn's host info key): {', '.join(matched)} is down (job {parent_id}'s spawn)")
+        chosen.extend(m for m in up if m not in chosen)
+    return chosen
+
+
+def child_request(
+    parent: dict, env: dict[str, str], segments: list, preput: dict[str, str], rank: int, nodelist: list[str] | None = None,
+) -> tuple[dict, dict, dict]:
+    """(spec, cred, internal fields) of the child job a spawn asks for; ``nodelist``: its hosts."""
     argvs = [[str(a) for a in argv] for argv, _, _ in segments]
     nprocs = [int(n) for _, n, _ in segments]
     wdir = next((w for _, _, w in segments if w), "")
@@ -153,6 +180,8 @@ def child_request(parent: dict, env: dict[str, str], segments: list, preput: dic
     }
     if parent.get("slice"):
         spec["slice"] = parent["slice"]
+    if nodelist:
+        spec["nodelist"] = nodelist
     cred = {"uid": parent["owner_uid"], "user": parent["owner"], "gid": parent["owner_gid"], "rlimits": parent.get("rlimits")}
     internal = {
         "spawned_by": parent["id"],

@@ -273,3 +273,27 @@ def test_a_program_only_root_may_run_cannot_be_spawned_by_another_user(mc, tmp_p
     assert state == "DONE", text
     assert f"gangd: MPI_Comm_spawn refused: {secret}: permission denied" in text and "spawn failed" in text, text
     assert "ran" not in text.split()
+
+
+def test_a_spawn_whose_coordinator_dies_right_after_making_the_child_job_makes_one_child_not_two(make_cluster, tmp_path, monkeypatch):
+    points = tmp_path / "failpoints"
+    points.mkdir()
+    monkeypatch.setenv("GANGD_FAILPOINTS", str(points))
+    cluster = make_cluster(3, lease_ttl=3, cores=2)
+    [leader] = [row["name"] for row in cluster.gang_json("nodes")["nodes"] if row["coordinator"]]
+    parent_node, child_node = [n for n in ("n1", "n2", "n3") if n != leader]
+    go = tmp_path / "go"
+    job = int(cluster.gang("submit", "--mpi", "-n", 1, "-w", parent_node, "--", PY, SPAWN, "after", go, child_node, check=True).stdout)
+    cluster.wait_state(job, "RUNNING", timeout=60)
+    (points / "jobtable.created").touch()  # the coordinator dies right after etcd committed the child job
+    go.touch()
+    wait_for(lambda: cluster.files[leader].pid() is None, 60, "the coordinator's crash")
+    assert "failpoint jobtable.created reached" in cluster.log(leader)
+    # The rank's node asked the next coordinator again, which found the child the first one made.
+    record = cluster.wait_state(job, ENDED, timeout=120)
+    lines = sorted(cluster.gang("logs", job).stdout.splitlines())
+    assert record["state"] == "DONE", (record, lines, cluster.gang("logs", job).stderr)
+    spawned = [r for r in cluster.gang_json("ps", "--all") if r.get("spawned_by") == job]
+    assert [r["id"] for r in spawned] == record["children"] and len(spawned) == 1, spawned  # (without the spawn's token: 2)
+    assert lines == ["0: child says hello-0 rank 0 of 1 appnum 0 args after", "0: merged size 2 sum 1 ok True"], lines
+    assert cluster.wait_state(spawned[0]["id"], ENDED, timeout=60)["state"] == "DONE"

@@ -6,6 +6,7 @@
     mpi_spawn.py hold N        spawn N children that print their pid and wait for ever
     mpi_spawn.py crash         spawn 2 children; child rank 1 dies of SIGSEGV
     mpi_spawn.py refused ARGS  spawn "ARGS" (a command, nprocs) and print the error or "spawned"
+    mpi_spawn.py after PATH HOST   once PATH exists, spawn 1 child on HOST; it talks to the parent
     mpi_spawn.py on KEY HOSTS N  spawn N children with the info key KEY=HOSTS; print the node
                                each runs on (GANGD_NODE, as gangd gives it) or the error
 
@@ -100,6 +101,12 @@ def main():
             print("spawned", flush=True)
         except MPI.Exception as exc:
             print(f"spawn failed: {exc.Get_error_string()}", flush=True)
+    elif what == "after":
+        while not os.path.exists(sys.argv[2]):
+            time.sleep(0.1)
+        info = MPI.Info.Create()
+        info.Set("host", sys.argv[3])
+        talk_as_parent(MPI.COMM_SELF.Spawn(PY, [ME, "child", "after"], maxprocs=1, info=info))
     elif what == "on":
         key, hosts, nprocs = sys.argv[2], sys.argv[3], int(sys.argv[4])
         info = MPI.Info.Create()

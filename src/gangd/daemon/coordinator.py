@@ -764,10 +764,17 @@ class Coordinator:
         await self._kill_everywhere(job_id)
         self.kick()
 
-    async def spawn_job(self, parent_id: int, rank: int, segments: list, preput: dict[str, str], hosts: list[str] | None = None) -> dict:
+    async def spawn_job(
+        self, parent_id: int, rank: int, segments: list, preput: dict[str, str], hosts: list[str] | None = None, token: str | None = None,
+    ) -> dict:
         """MPI_Comm_spawn from rank ``rank`` of ``parent_id``: a child job (:mod:`.spawns`),
         answered once it runs, or an error saying why it cannot. ``hosts``: its
-        ``host`` info key's nodes (:func:`.spawns.resolve_hosts`)."""
+        ``host`` info key's nodes (:func:`.spawns.resolve_hosts`).
+
+        ``token``: the spawn's own, chosen by the rank's node, which retries
+        the call when the coordinator changes; as a submission's token, it
+        makes a retry after the child job was created (the answer lost with
+        the old coordinator) wait for that child instead of making a second."""
         parent = self.table.get(parent_id)
         if parent is None:
             raise RemoteError("no_such_job", f"no job {parent_id}")
@@ -775,19 +782,28 @@ class Coordinator:
             raise RemoteError("bad_state", f"job {parent_id} is {parent['state']}; only a running --mpi job can spawn")
         nodelist = spawns.resolve_hosts(hosts or [], self.config.nodes, parent_id, self.membership.is_up) if hosts else None
         nprocs = sum(int(n) for _, n, _ in segments)
+        made = self.table.get(self.table.by_token[token]) if token is not None and token in self.table.by_token else None
+        if made is not None and made.get("spawned_by") != parent_id:
+            raise RemoteError("bad_request", f"spawn token {str(token)[:64]!r} is another job's")
         under_way = self._spawning.setdefault(parent_id, [])
-        children = [c for c in (self.table.get(i) for i in parent.get("children") or ()) if c is not None]
-        # (spawns of other ranks under way count too: two ranks spawning at once cannot both pass the bound)
-        spawns.bounds_check(parent, children + [{"nranks": n} for n in under_way], nprocs)
+        if made is None:
+            children = [c for c in (self.table.get(i) for i in parent.get("children") or ()) if c is not None]
+            # (spawns of other ranks under way count too: two ranks spawning at once cannot both pass the bound)
+            spawns.bounds_check(parent, children + [{"nranks": n} for n in under_way], nprocs)
         under_way.append(nprocs)
         try:
-            spec, cred, internal = spawns.child_request(parent, await self.table.env(parent_id), segments, preput, rank, nodelist)
-            child = await self.submit(spec, cred, internal=internal)
-            child_id = child["id"]
+            if made is None:
+                spec, cred, internal = spawns.child_request(parent, await self.table.env(parent_id), segments, preput, rank, nodelist)
+                made = await self.submit(spec, cred, internal=internal, token=token)
+            else:
+                log.info("job %d rank %d: the spawn of job %d asked again (the coordinator changed): the same child", parent_id, rank, made["id"])
+            child_id = made["id"]
 
             def adopt(r):
                 if jobs.is_terminal(r):
                     return False
+                if child_id in (r.get("children") or ()):
+                    return False  # (a retried spawn whose child the parent holds already)
                 r["children"] = [*(r.get("children") or []), child_id]
 
             parent = await self.update(parent_id, adopt)

@@ -33,6 +33,10 @@ What ties it to its parent:
   ``hostfile`` is refused, unknown keys ignored (Hydra's way). A parent and its
   children are never moved apart by the matrix's compaction
   (:attr:`gangd.daemon.gang.Matrix.tied`);
+* a spawn is made once: the rank's node gives it a token (as a
+  submission's) and retries it with the next coordinator when the
+  coordinator changes; a retry whose child job the old coordinator had
+  made gets that child (:meth:`.coordinator.Coordinator.spawn_job`);
 * the parent's rank gets its ``spawn_result`` once the child job is
   RUNNING, or an error with the reason when it cannot be (no room, a
   bound, a command the user cannot run, not started within

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import itertools
 import logging
 import math
 import os
@@ -175,7 +174,6 @@ class Coordinator:
         self._switch_lock = trio.Lock()
         self._contexts: dict[int, dict[str, bytes]] = {}  # network contexts to restore at launch
         self._spawning: dict[int, list[int]] = {}  # parent job -> processes of its spawns under way (counted by the bounds)
-        self._spawned_waiting: set[int] = set()  # spawned jobs to place before the queue (see _schedule)
         self.pinned: set[int] = set()  # jobs that must run whatever their slot (checkpoint under way)
         # What the checkpoint coordinator reaches through (``coordinator.daemon``)
         # until its rewrite gives it a narrow port of its own.
@@ -435,8 +433,6 @@ class Coordinator:
             # Handed to the nodes with the launch, not kept in the (replicated) record.
             self._contexts[job_id] = contexts
         log.info("job %d (%s) submitted by %s: %d ranks", job_id, record["name"], cred["user"], nranks)
-        if record.get("spawned_by") is not None:
-            self._spawned_waiting.add(job_id)
         self.kick()
         return record
 
@@ -527,22 +523,20 @@ class Coordinator:
         spares = {n.name for n in self.config.nodes if getattr(n, "spare", False)}
         admitted_jobs: list[tuple[int, list[str]]] = []
         # Spawned processes first (their parent runs and waits for them: the
-        # head of the queue must not hold them up), then the queue: highest
+        # head of the queue must not hold them up), in their parent's slot or
+        # not at all; then the queue (which holds no spawned job): highest
         # priority first, then first come first served.
-        spawned = [r for j in sorted(self._spawned_waiting) if (r := self.table.get(j)) is not None]
-        self._spawned_waiting.clear()
-        seen: set[int] = set()
-        for record in itertools.chain(spawned, self.table.unplaced()):
-            if record.get("spawned_by") is not None:  # spawned processes: in their parent's slot, or not at all
-                if record["id"] in seen or record["state"] != jobs.QUEUED or record["placement"]:
-                    continue
-                seen.add(record["id"])
+        for record in self.table.unplaced_spawned():
+            try:
                 child = spawns.admit(self.matrix, record, place, up)
-                if isinstance(child, str):
-                    await self.fail(record["id"], f"cannot place the spawned processes: {child}")
-                    continue
-                admitted_jobs.append((record["id"], child[1]))
+            except Exception as exc:  # a bug: fail it (its spawn fails with the reason), keep scheduling
+                log.exception("placing spawned job %d failed", record["id"])
+                child = str(exc)
+            if isinstance(child, str):
+                await self.fail(record["id"], f"cannot place the spawned processes: {child}")
                 continue
+            admitted_jobs.append((record["id"], child[1]))
+        for record in self.table.unplaced():
             try:
                 # Spares are kept for recoveries: a job goes there only if it fits nowhere else.
                 admitted = self.matrix.admit(record, without(spares), up) if spares else None

@@ -386,6 +386,12 @@ def test_a_spawned_job_goes_in_its_parents_slot_or_is_refused_with_the_reason():
         "may run on its cores (a node takes at most as many spawned processes past its cores as the job has ranks there)"
     )
     assert matrix.slot_of(6) is None
+    # Too few free cores: every one of them, and only the rest share the parent's.
+    matrix = Matrix(cluster(2, cores=2), max_slots=4)
+    admit(matrix, rec(1, 2, nodelist=["n1"]))  # the parent fills n1
+    admit(matrix, rec(2, 1, nodelist=["n2"]))  # one core free, on n2
+    assert spawns.admit(matrix, child_rec(3, 3, parent=1), place, set(matrix.cores)) == (0, ["n1", "n1", "n2"])
+    assert spawns.admit(matrix, child_rec(4, 1, parent=1), place, set(matrix.cores)).startswith("no room for 1 spawned processes")
     # A spawn's hosts (its nodelist) limit both: free cores elsewhere are not taken, the parent's nodes only where named.
     matrix = Matrix(cluster(2, cores=2), max_slots=4)
     admit(matrix, rec(1, 2, nodelist=["n1"]))  # n1 full, n2 free
@@ -394,6 +400,38 @@ def test_a_spawned_job_goes_in_its_parents_slot_or_is_refused_with_the_reason():
     assert why.startswith("no room for 1 spawned processes beside job 1 on n1 (its host info key): 0 cores free"), why
     assert spawns.admit(matrix, dict(child_rec(4, 2, parent=1), nodelist=["n2"]), place, set(matrix.cores)) == (0, ["n2", "n2"])
     assert spawns.admit(matrix, child_rec(5, 1, parent=99), place, set(matrix.cores)) == "its parent job 99 holds no time slot (it is not running)"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    cores=st.integers(1, 4),
+    others=st.lists(st.integers(1, 6), max_size=3),
+    parent=st.integers(1, 6),
+    spawns_asked=st.lists(st.tuples(st.integers(1, 6), st.sampled_from([None, ["n1"], ["n2"], ["n1", "n3"]])), max_size=8),
+)
+def test_spawned_processes_never_pass_cores_plus_the_parents_ranks_on_a_node(cores, others, parent, spawns_asked):
+    """Whatever a program spawns, a node of the parent's slot runs at most its
+    cores plus the parent's ranks there (and only the parent's nodes run past
+    their cores); a spawn either gets all its processes placed or none."""
+    from gangd.daemon import spawns
+
+    matrix = Matrix(cluster(3, cores=cores), max_slots=4)
+    for job_id, nranks in enumerate(others, start=10):
+        admit(matrix, rec(job_id, nranks))
+    if admit(matrix, rec(1, parent)) is None:
+        return
+    slot = matrix.slot_of(1)
+    for job_id, (nprocs, hosts) in enumerate(spawns_asked, start=100):
+        answer = spawns.admit(matrix, dict(child_rec(job_id, nprocs, parent=1), nodelist=hosts), place, set(matrix.cores))
+        if isinstance(answer, str):
+            assert matrix.slot_of(job_id) is None and answer.startswith(f"no room for {nprocs} spawned processes beside job 1")
+            continue
+        assert answer[0] == slot and len(answer[1]) == nprocs and (not hosts or set(answer[1]) <= set(hosts))
+        used = Counter()
+        for member in matrix.slots[slot]:
+            used.update(matrix.usage[member])
+        for node, count in used.items():
+            assert count <= cores + matrix.usage[1].get(node, 0), (node, used, matrix.usage[1])
 
 
 def test_compaction_never_moves_a_parent_or_its_children_apart():

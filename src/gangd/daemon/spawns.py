@@ -20,8 +20,8 @@ What ties it to its parent:
 * it runs in its parent's gang time slot (:func:`admit`), or the spawn is
   refused: a child stopped while its parent runs (or the reverse) would
   leave either side blocked in MPI every other slice. Free cores of that
-  slot are used first; when there are too few, the children go on the
-  parent's own nodes and share its cores — a job that fills the cluster
+  slot are used; when there are too few, every free core and the rest on
+  the parent's own nodes, sharing its cores — a job that fills the cluster
   (the usual ``gang run --mpi -n ALL``) can still spawn, as under
   ``mpiexec``, which oversubscribes freely. That is bounded: a node runs
   at most its cores plus as many processes as the parent has ranks
@@ -67,6 +67,7 @@ import trio
 from .. import jobs, text
 from ..protocol import pmi
 from ..rpc import RemoteError
+from .peers import natural_key
 
 MAX_SPAWNS_PER_JOB = 16
 MAX_SPAWNED_PER_JOB = 256
@@ -199,22 +200,25 @@ def child_request(
 def admit(matrix, record: dict, place, up: set[str]) -> tuple[int, list[str]] | str:
     """(slot, placement) of a child job in its parent's time slot, or why it has no room there.
 
-    Free cores of the slot first (on any node, or the spawn's hosts:
-    ``record["nodelist"]``); else the parent's own nodes, sharing its cores:
-    a node then runs at most its cores plus as many processes as the
-    parent has ranks there (:func:`shared_room`), over all of the
-    parent's children — at most twice its cores, whatever a program
-    spawns."""
+    Free cores of the slot if they are enough (on any node, or the spawn's
+    hosts: ``record["nodelist"]``, placed as any job); else every free core
+    and the rest on the parent's own nodes, sharing its cores
+    (:func:`shared_room`, :func:`fill`)."""
     parent = record["spawned_by"]
     slot = matrix.slot_of(parent)
     if slot is None:
         return f"its parent job {parent} holds no time slot (it is not running)"
     free_all = matrix.free(slot, up)
     free = {n: c for n, c in free_all.items() if c > 0}
+    hosts = record.get("nodelist")
+    if hosts:
+        free = {n: c for n, c in free.items() if n in hosts}
     placement = place(record, free)
     if placement is None:
         shared = shared_room(free_all, matrix.usage.get(parent) or {})
-        placement = place(record, shared)
+        if hosts:
+            shared = {n: c for n, c in shared.items() if n in hosts}
+        placement = fill(record["nranks"], free, shared)
         if placement is None:
             return no_room(record, free, shared)
     matrix.add(record["id"], slot, placement)
@@ -223,20 +227,34 @@ def admit(matrix, record: dict, place, up: set[str]) -> tuple[int, list[str]] | 
 
 
 def shared_room(free: dict[str, int], parent_usage) -> dict[str, int]:
-    """Processes each of the parent's (up) nodes may still take past its free
-    cores: the parent's ranks there, less what earlier children already
-    took past the cores (``free`` is negative by that much)."""
-    room = {n: free[n] + k for n, k in parent_usage.items() if n in free}
+    """Processes each of the parent's (up) nodes may take past its cores: as
+    many as the parent has ranks there, less what earlier children already
+    took past them (``free`` is negative by that much). Over all of a
+    parent's children a node runs at most its cores plus the parent's ranks
+    there: at most twice its cores, whatever a program spawns."""
+    room = {n: k + min(free[n], 0) for n, k in parent_usage.items() if n in free}
     return {n: c for n, c in room.items() if c > 0}
+
+
+def fill(nprocs: int, free: dict[str, int], shared: dict[str, int]) -> list[str] | None:
+    """Every free core, then the rest of ``nprocs`` spread over ``shared``
+    (one more per node in turn), ranks in node order; None past the room."""
+    rest = nprocs - sum(free.values())
+    if rest > sum(shared.values()):
+        return None
+    counts, left = dict(free), dict(shared)
+    while rest > 0:
+        for node in sorted(left, key=natural_key):
+            if rest and left[node] > 0:
+                left[node] -= 1
+                counts[node] = counts.get(node, 0) + 1
+                rest -= 1
+    return [node for node in sorted(counts, key=natural_key) for _ in range(counts[node])]
 
 
 def no_room(record: dict, free: dict[str, int], shared: dict[str, int]) -> str:
     hosts = record.get("nodelist")
-    where = ""
-    if hosts:
-        where = f" on {', '.join(hosts)} (its host info key)"
-        free = {n: c for n, c in free.items() if n in hosts}
-        shared = {n: c for n, c in shared.items() if n in hosts}
+    where = f" on {', '.join(hosts)} (its host info key)" if hosts else ""
     return (
         f"no room for {record['nranks']} spawned processes beside job {record['spawned_by']}{where}: "
         f"{sum(free.values())} cores free in its time slot, and {sum(shared.values())} more processes its own nodes "

@@ -434,6 +434,23 @@ def test_spawned_processes_never_pass_cores_plus_the_parents_ranks_on_a_node(cor
             assert count <= cores + matrix.usage[1].get(node, 0), (node, used, matrix.usage[1])
 
 
+def test_a_new_coordinators_matrix_keeps_each_family_together_and_within_its_cores():
+    from gangd.daemon.coordinator import rebuilt
+
+    # Job 1 on n1 ended; its slot held job 3 (n2), the next slot the family of
+    # job 2 (n1) and its child 4 (n2): rebuilt in id order, job 3 would
+    # have been compacted beside job 2 and left job 4 no core on n2.
+    records = [
+        dict(rec(2, 1), placement=["n1"]),
+        dict(rec(3, 1), placement=["n2"]),
+        dict(child_rec(4, 1, parent=2), placement=["n2"]),
+        dict(rec(5, 1), placement=["n9"]),  # (a node the configuration dropped: left out)
+    ]
+    matrix = rebuilt(cluster(2, cores=1), 4, records)
+    assert matrix.slot_of(2) == matrix.slot_of(4) != matrix.slot_of(3) and matrix.slot_of(5) is None, matrix.slots
+    assert {2, 4} <= matrix.tied and all(c >= 0 for slot in range(len(matrix.slots)) for c in matrix.free(slot).values())
+
+
 def test_compaction_never_moves_a_parent_or_its_children_apart():
     from gangd.daemon import spawns
 

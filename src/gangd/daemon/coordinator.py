@@ -143,6 +143,33 @@ def without(spares: set[str]) -> Callable[[dict, dict[str, int]], list[str] | No
     return placer
 
 
+def rebuilt(cores: dict[str, int], max_slots: int, placed: list[dict]) -> Matrix:
+    """The matrix of a new coordinator from the placed jobs' records, each in a
+    slot of its own then compacted, in id order; a job on a node the
+    configuration dropped is left out (check_nodes fails it).
+
+    A family (a job and the jobs it spawned) goes in together, the parent
+    tied from the start and its children in its slot: compacted alone into
+    an earlier slot, or joined there by another job in the cores its
+    children hold, it would leave them no room, or more than
+    :func:`.spawns.admit`'s bound past the cores."""
+    matrix = Matrix(cores, max_slots)
+    parents = {r["spawned_by"] for r in placed if r.get("spawned_by") is not None}
+    for record in sorted(placed, key=lambda r: (r["spawned_by"] if r.get("spawned_by") is not None else r["id"], r["id"])):
+        if not set(record["placement"]) <= cores.keys():
+            continue
+        parent_slot = matrix.slot_of(record["spawned_by"]) if record.get("spawned_by") is not None else None
+        if parent_slot is not None:
+            matrix.add(record["id"], parent_slot, record["placement"])
+            matrix.tied.update((record["spawned_by"], record["id"]))
+        else:
+            matrix.add(record["id"], len(matrix.slots), record["placement"])
+            if record["id"] in parents:
+                matrix.tied.add(record["id"])
+        matrix.compact()
+    return matrix
+
+
 class Coordinator:
     """Built with what it uses: this node's name, the cluster's config, the
     job table, who is up and who leads (``membership``), calls to the nodes
@@ -941,21 +968,11 @@ class Coordinator:
     def _rebuild_matrix(self) -> None:
         """After a takeover: the matrix from the placed jobs in the table; who
         runs right now is unknown until the first switch says so everywhere."""
-        self.matrix = Matrix(self.matrix.cores, self.matrix.max_slots)
         self.acct = {}  # whatever an earlier term as coordinator left is stale
-        for record in sorted(self.table.active(), key=lambda r: r["id"]):
-            if record["state"] == jobs.RECOVERING:
-                continue  # (its ranks are gone; it holds no cores)
-            if not record["placement"] or not set(record["placement"]) <= self.matrix.cores.keys():
-                continue  # (not placed yet; or on a node the configuration dropped: check_nodes fails it)
-            parent_slot = self.matrix.slot_of(record["spawned_by"]) if record.get("spawned_by") is not None else None
-            if parent_slot is not None:  # (a child shares its parent's slot: spawns.admit)
-                self.matrix.add(record["id"], parent_slot, record["placement"])
-                self.matrix.tied.update((record["spawned_by"], record["id"]))
-            else:
-                self.matrix.add(record["id"], len(self.matrix.slots), record["placement"])
-            self.matrix.compact()
-            if record["state"] in (jobs.RUNNING, jobs.SUSPENDED):
+        placed = [r for r in self.table.active() if r["placement"] and r["state"] != jobs.RECOVERING]  # (recovering: no ranks, no cores)
+        self.matrix = rebuilt(self.matrix.cores, self.matrix.max_slots, placed)
+        for record in placed:
+            if record["id"] in self.matrix.usage and record["state"] in (jobs.RUNNING, jobs.SUSPENDED):
                 self.acct.setdefault(record["id"], {"run": 0.0, "suspended": 0.0, "since": time.time(), "on": False})
         self.running = None
         self._gang_changed.set()

@@ -111,10 +111,11 @@ def test_the_host_keys_of_a_spawn_are_one_list_for_all_its_commands_and_path_is_
         (info(("host", " , ")), b"the_host_info_key_names_no_node"),
         (info(("host", ",".join(f"n{i}" for i in range(65)))), b"the_host_info_key_names_65_nodes,_more_than_the_64_gangd_reads"),
         (info(("host", "n1" * 2001)), b"info_val_0_is_longer_than_4000_bytes_or_holds_a_NUL"),
+        (info(("host", "n1," + "n" * 256)), b"the_host_info_key_names_a_node_longer_than_255_bytes"),
         ((b"info_num=0", b"info_num=1\ninfo_key_0=host"), b"info_val_0_missing"),
     ],
     ids=["no-procs", "too-many-procs", "absurd-procs", "negative-procs", "no-command", "missing-arg", "too-many-args",
-         "too-many-preput", "long-preput-key", "long-arg", "nul-in-arg", "hostfile", "no-host", "too-many-hosts", "long-host",
+         "too-many-preput", "long-preput-key", "long-arg", "nul-in-arg", "hostfile", "no-host", "too-many-hosts", "long-value", "long-host",
          "host-without-value"],
 )
 def test_hostile_spawns_are_refused_with_spawn_result_and_a_reason(change, why):

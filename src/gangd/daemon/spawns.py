@@ -239,10 +239,14 @@ def shared_room(free: dict[str, int], parent_usage) -> dict[str, int]:
 def fill(nprocs: int, free: dict[str, int], shared: dict[str, int]) -> list[str] | None:
     """Every free core, then the rest of ``nprocs`` spread over ``shared``
     (one more per node in turn), ranks in node order; None past the room."""
-    rest = nprocs - sum(free.values())
-    if rest > sum(shared.values()):
+    if nprocs > sum(free.values()) + sum(shared.values()):
         return None
-    counts, left = dict(free), dict(shared)
+    counts: dict[str, int] = {}
+    rest = nprocs
+    for node in sorted(free, key=natural_key):
+        counts[node] = min(free[node], rest)
+        rest -= counts[node]
+    left = dict(shared)
     while rest > 0:
         for node in sorted(left, key=natural_key):
             if rest and left[node] > 0:

@@ -64,8 +64,9 @@ SPAWN_NPROCS_MAX = 256
 SPAWN_ARGS_MAX = 256
 SPAWN_PREPUT_MAX = 16
 SPAWN_INFO_MAX = 16
-#: Nodes a spawn's ``host`` info key may name.
+#: Nodes a spawn's ``host`` info key may name, and the longest name (a host name's limit).
 SPAWN_HOSTS_MAX = 64
+SPAWN_HOST_BYTES = 255
 #: An executable's name or an argument (each came as one line of the spawn, at most MAX_LINE).
 SPAWN_ARG_BYTES = 4000
 
@@ -471,6 +472,8 @@ def _hosts(value: str) -> tuple[str, ...]:
         raise Refused("spawn_result", "the host info key names no node")
     if len(names) > SPAWN_HOSTS_MAX:
         raise Refused("spawn_result", f"the host info key names {len(names)} nodes, more than the {SPAWN_HOSTS_MAX} gangd reads")
+    if any(len(n.encode()) > SPAWN_HOST_BYTES for n in names):
+        raise Refused("spawn_result", f"the host info key names a node longer than {SPAWN_HOST_BYTES} bytes")
     return tuple(dict.fromkeys(names))
 
 

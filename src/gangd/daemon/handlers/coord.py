@@ -113,7 +113,9 @@ async def coord_spawn(s, call: Call):
     ):
         raise RemoteError("bad_request", "a spawn's preput maps keys to values within PMI's limits")
     hosts = args.get("hosts") or []
-    if not isinstance(hosts, list) or len(hosts) > pmi.SPAWN_HOSTS_MAX or not all(type(h) is str and 0 < len(h) <= 255 for h in hosts):
-        raise RemoteError("bad_request", f"a spawn's hosts are at most {pmi.SPAWN_HOSTS_MAX} names")
+    if not isinstance(hosts, list) or len(hosts) > pmi.SPAWN_HOSTS_MAX or not all(
+        type(h) is str and 0 < len(h.encode()) <= pmi.SPAWN_HOST_BYTES for h in hosts
+    ):
+        raise RemoteError("bad_request", f"a spawn's hosts are at most {pmi.SPAWN_HOSTS_MAX} names of at most {pmi.SPAWN_HOST_BYTES} bytes")
     token = args.get("token")
     return await co.spawn_job(job_id, rank, checked, preput, hosts, token if isinstance(token, str) and 0 < len(token) <= 64 else None)

@@ -376,10 +376,79 @@ def test_a_spawned_job_goes_in_its_parents_slot_or_is_refused_with_the_reason():
     admit(matrix, rec(2, 1))  # slot 1, 3 cores free
     assert matrix.slot_of(2) == 1
     assert spawns.admit(matrix, child_rec(3, 3, parent=2), place, set(matrix.cores)) == (1, ["n1", "n2", "n2"])
-    why = spawns.admit(matrix, child_rec(4, 1, parent=2), place, set(matrix.cores))
-    assert why == "no room for 1 spawned processes beside job 2 in its time slot (0 cores free there); spawned processes run in their parent's slot"
-    assert matrix.slot_of(4) is None
+    # The slot is full: the next child shares the parent's core on n1 (as many past the cores as the parent has ranks there) ...
+    assert spawns.admit(matrix, child_rec(4, 1, parent=2), place, set(matrix.cores)) == (1, ["n1"])
+    assert matrix.free(1)["n1"] == -1
+    # ... and no more: n1 already runs one process past its cores for job 2's single rank there.
+    why = spawns.admit(matrix, child_rec(6, 1, parent=2), place, set(matrix.cores))
+    assert why == (
+        "no room for 1 spawned processes beside job 2: 0 cores free in its time slot, and 0 more processes its own nodes "
+        "may run on its cores (a node takes at most as many spawned processes past its cores as the job has ranks there)"
+    )
+    assert matrix.slot_of(6) is None
+    # Too few free cores: every one of them, and only the rest share the parent's.
+    matrix = Matrix(cluster(2, cores=2), max_slots=4)
+    admit(matrix, rec(1, 2, nodelist=["n1"]))  # the parent fills n1
+    admit(matrix, rec(2, 1, nodelist=["n2"]))  # one core free, on n2
+    assert spawns.admit(matrix, child_rec(3, 3, parent=1), place, set(matrix.cores)) == (0, ["n1", "n1", "n2"])
+    assert spawns.admit(matrix, child_rec(4, 1, parent=1), place, set(matrix.cores)).startswith("no room for 1 spawned processes")
+    # A spawn's hosts (its nodelist) limit both: free cores elsewhere are not taken, the parent's nodes only where named.
+    matrix = Matrix(cluster(2, cores=2), max_slots=4)
+    admit(matrix, rec(1, 2, nodelist=["n1"]))  # n1 full, n2 free
+    assert spawns.admit(matrix, dict(child_rec(2, 2, parent=1), nodelist=["n1"]), place, set(matrix.cores)) == (0, ["n1", "n1"])
+    why = spawns.admit(matrix, dict(child_rec(3, 1, parent=1), nodelist=["n1"]), place, set(matrix.cores))
+    assert why.startswith("no room for 1 spawned processes beside job 1 on n1 (its host info key): 0 cores free"), why
+    assert spawns.admit(matrix, dict(child_rec(4, 2, parent=1), nodelist=["n2"]), place, set(matrix.cores)) == (0, ["n2", "n2"])
     assert spawns.admit(matrix, child_rec(5, 1, parent=99), place, set(matrix.cores)) == "its parent job 99 holds no time slot (it is not running)"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    cores=st.integers(1, 4),
+    others=st.lists(st.integers(1, 6), max_size=3),
+    parent=st.integers(1, 6),
+    spawns_asked=st.lists(st.tuples(st.integers(1, 6), st.sampled_from([None, ["n1"], ["n2"], ["n1", "n3"]])), max_size=8),
+)
+def test_spawned_processes_never_pass_cores_plus_the_parents_ranks_on_a_node(cores, others, parent, spawns_asked):
+    """Whatever a program spawns, a node of the parent's slot runs at most its
+    cores plus the parent's ranks there (and only the parent's nodes run past
+    their cores); a spawn either gets all its processes placed or none."""
+    from gangd.daemon import spawns
+
+    matrix = Matrix(cluster(3, cores=cores), max_slots=4)
+    for job_id, nranks in enumerate(others, start=10):
+        admit(matrix, rec(job_id, nranks))
+    if admit(matrix, rec(1, parent)) is None:
+        return
+    slot = matrix.slot_of(1)
+    for job_id, (nprocs, hosts) in enumerate(spawns_asked, start=100):
+        answer = spawns.admit(matrix, dict(child_rec(job_id, nprocs, parent=1), nodelist=hosts), place, set(matrix.cores))
+        if isinstance(answer, str):
+            assert matrix.slot_of(job_id) is None and answer.startswith(f"no room for {nprocs} spawned processes beside job 1")
+            continue
+        assert answer[0] == slot and len(answer[1]) == nprocs and (not hosts or set(answer[1]) <= set(hosts))
+        used = Counter()
+        for member in matrix.slots[slot]:
+            used.update(matrix.usage[member])
+        for node, count in used.items():
+            assert count <= cores + matrix.usage[1].get(node, 0), (node, used, matrix.usage[1])
+
+
+def test_a_new_coordinators_matrix_keeps_each_family_together_and_within_its_cores():
+    from gangd.daemon.coordinator import rebuilt
+
+    # Job 1 on n1 ended; its slot held job 3 (n2), the next slot the family of
+    # job 2 (n1) and its child 4 (n2): rebuilt in id order, job 3 would
+    # have been compacted beside job 2 and left job 4 no core on n2.
+    records = [
+        dict(rec(2, 1), placement=["n1"]),
+        dict(rec(3, 1), placement=["n2"]),
+        dict(child_rec(4, 1, parent=2), placement=["n2"]),
+        dict(rec(5, 1), placement=["n9"]),  # (a node the configuration dropped: left out)
+    ]
+    matrix = rebuilt(cluster(2, cores=1), 4, records)
+    assert matrix.slot_of(2) == matrix.slot_of(4) != matrix.slot_of(3) and matrix.slot_of(5) is None, matrix.slots
+    assert {2, 4} <= matrix.tied and all(c >= 0 for slot in range(len(matrix.slots)) for c in matrix.free(slot).values())
 
 
 def test_compaction_never_moves_a_parent_or_its_children_apart():

@@ -358,6 +358,26 @@ def test_the_queue_is_kept_in_admission_order_as_records_change():
     assert table.queued_of(1000) == set()
 
 
+def test_spawned_jobs_wait_apart_from_the_queue_until_placed_or_ended():
+    """A spawned job (MPI_Comm_spawn) goes in its parent's slot before the
+    queue, or fails: the scheduling pass reads it from its own list, so it is
+    never met twice nor behind the head of the queue; the list is kept from
+    the records, so a new coordinator's table has it too."""
+    table = JobTable(None, Keys("/s"))  # (the cache only: no etcd)
+    revision = iter(range(1, 1000))
+    table.take(dict(build(1), priority=-5), next(revision))
+    for job_id in (3, 2):
+        table.take(dict(build(job_id), spawned_by=1), next(revision))
+    assert [r["id"] for r in table.unplaced()] == [1]
+    assert [r["id"] for r in table.unplaced_spawned()] == [2, 3]
+    table.take(dict(table.get(2), placement=["n1"]), next(revision))  # placed
+    table.take(dict(table.get(3), state=jobs.FAILED), next(revision))  # could not be
+    assert table.unplaced_spawned() == [] and [r["id"] for r in table.unplaced()] == [1]
+    table.take(dict(build(4), spawned_by=1), next(revision))
+    table._forget(4)
+    assert table.unplaced_spawned() == []
+
+
 async def test_lineages_an_older_gangd_moved_to_the_history_unindexed_are_indexed_once(etcd_endpoints, keys):
     """Jobs moved to the history before the lineage index existed have no
     index key: a restart of their lineage found none of their generations.

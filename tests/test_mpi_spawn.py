@@ -6,7 +6,8 @@ find their parent through the key-value space gangd seeds, talk to it over
 the intercommunicator, merge it and run a collective on the merged
 communicator; killing the parent kills every spawned process; a crashing
 child fails its parent with its message; hostile spawns are refused with a
-reason, never a hang.
+reason, never a hang; a parent that fills its slot spawns onto its own
+nodes, within a bound; MPI's host info key places the children.
 """
 
 from __future__ import annotations
@@ -176,14 +177,79 @@ def test_a_crashing_child_fails_the_parent_with_its_message(mc):
     assert "spawned job" in run.stderr and "failed: rank 1 on" in run.stderr and "SIGSEGV" in run.stderr, run.stderr
 
 
+def test_a_job_filling_its_slot_spawns_onto_its_own_nodes_sharing_their_cores(mc):
+    job = submit(mc, "world", 2, nranks=4, per_node=True)  # every core of the cluster in its slot
+    record, lines, children = finished(mc, job)
+    assert record["state"] == "DONE", (record, lines)
+    assert "0: child says hello-1 rank 1 of 2 appnum 0 args w" in lines, lines
+    assert [line for line in lines if "merged" in line] == [f"{r}: merged size 6 sum 15 ok True" for r in range(4)], lines
+    [child] = children
+    assert child["state"] == "DONE" and sorted(child["placement"]) == ["n1", "n2"], child  # (one past the cores on each)
+
+
+def test_sharing_the_parents_cores_is_bounded_by_its_ranks_on_the_node_and_refused_past_it(mc):
+    sleep = [PY, "-c", "import time; time.sleep(600)"]
+    filler = int(mc.gang("submit", "-n", 3, "--", *sleep, check=True).stdout)  # n1 n1 n2
+    try:
+        mc.wait_state(filler, "RUNNING", timeout=60)
+        job = submit(mc, "refused", PY, 2)  # its one rank takes the last core of the slot, on n2
+        record, lines, children = finished(mc, job)
+    finally:
+        mc.gang("kill", filler)
+    assert record["state"] == "DONE" and record["placement"] == ["n2"], (record, lines)
+    assert "0: spawn failed: Other MPI error, error stack:" in lines, lines
+    [said] = [line for line in mc.gang("logs", job).stderr.splitlines() if "MPI_Comm_spawn refused" in line]
+    assert (
+        f"no room for 2 spawned processes beside job {job}: 0 cores free in its time slot, and 1 more processes its own nodes "
+        "may run on its cores (a node takes at most as many spawned processes past its cores as the job has ranks there)"
+    ) in said, said
+    assert len(children) == 1 and children[0]["state"] == "FAILED" and not children[0]["started"], children
+
+
+def spawn_on(mc, key, hosts, nprocs):
+    """A one-rank parent on n1 spawning with MPI's ``key`` info key: (its record, output lines, gangd's stderr notes, children)."""
+    job = int(mc.gang("submit", "--mpi", "-n", 1, "-w", "n1", "--", PY, SPAWN, "on", key, hosts, nprocs, check=True).stdout)
+    record, lines, children = finished(mc, job)
+    notes = [line for line in mc.gang("logs", job).stderr.splitlines() if "MPI_Comm_spawn refused" in line]
+    return record, lines, notes, children
+
+
+@pytest.mark.parametrize(("key", "hosts"), [("host", "n2"), ("hosts", "127.0.0.2")], ids=["name", "address"])
+def test_the_host_info_key_puts_the_children_on_the_node_it_names(mc, key, hosts):
+    record, lines, notes, children = spawn_on(mc, key, hosts, 2)
+    assert record["state"] == "DONE" and not notes, (record, lines, notes)
+    assert lines == ["0: child rank 0 on n2", "0: child rank 1 on n2"], lines  # (GANGD_NODE, as each child's daemon set it)
+    [child] = children
+    assert child["placement"] == ["n2", "n2"], child
+
+
+@pytest.mark.parametrize(
+    ("key", "hosts", "why"),
+    [
+        ("host", "n9", "host 'n9' (the spawn's host info key) is not a node of this cluster (nodes: n1, n2)"),
+        ("host", "n2,nowhere:2", "host 'nowhere' (the spawn's host info key) is not a node of this cluster (nodes: n1, n2)"),
+        ("hostfile", "/etc/hosts", "the hostfile info key is not served by gangd: name the nodes with the host info key"),
+        ("host", "n1", "no room for 3 spawned processes beside job"),  # (1 core free on n1, 1 more sharing the parent's)
+    ],
+    ids=["unknown", "one-unknown", "hostfile", "no-room-there"],
+)
+def test_a_host_info_key_gangd_cannot_follow_is_an_mpi_error_naming_it(mc, key, hosts, why):
+    record, lines, notes, children = spawn_on(mc, key, hosts, 3)
+    assert record["state"] == "DONE", (record, lines)
+    assert any(line.startswith("0: spawn failed: ") for line in lines), lines
+    assert not [line for line in lines if "child rank" in line], lines
+    assert len(notes) == 1 and why in notes[0], notes
+    assert all(not c["started"] for c in children)
+
+
 @pytest.mark.parametrize(
     ("command", "nprocs", "why"),
     [
         ("/nonexistent/program", 1, "/nonexistent/program: command not found"),
         ("/etc/passwd", 1, "/etc/passwd: permission denied"),
         (PY, SPAWN_NPROCS_MAX + 1, f"nprocs={SPAWN_NPROCS_MAX + 1} is not a number from 1 to {SPAWN_NPROCS_MAX}"),
-        (PY, 64, "job asks for 64 ranks but the cluster can hold at most 4"),
-        (PY, 4, "no room for 4 spawned processes beside job"),  # (3 cores free in the parent's slot)
+        (PY, 64, "no room for 64 spawned processes beside job"),
+        (PY, 5, "no room for 5 spawned processes beside job"),  # (3 cores free in the parent's slot, 1 sharing its own)
     ],
     ids=["missing", "not-executable", "absurd-nprocs", "beyond-the-cluster", "no-room-in-the-slot"],
 )
@@ -195,7 +261,7 @@ def test_a_spawn_gangd_refuses_is_an_mpi_error_with_the_reason_and_the_job_goes_
     said = [line for line in mc.gang("logs", job).stderr.splitlines() if "MPI_Comm_spawn refused" in line]
     assert len(said) == 1 and why in said[0], said  # gangd's reason, in the rank's stderr
     assert all(c["state"] == "FAILED" and not c["started"] for c in children)  # (no room: placed nowhere, never started)
-    assert len(children) == (nprocs == 4)
+    assert len(children) == (nprocs in (5, 64))  # (refused by the placement: after the child job was made)
 
 
 def test_a_program_only_root_may_run_cannot_be_spawned_by_another_user(mc, tmp_path):
@@ -207,3 +273,27 @@ def test_a_program_only_root_may_run_cannot_be_spawned_by_another_user(mc, tmp_p
     assert state == "DONE", text
     assert f"gangd: MPI_Comm_spawn refused: {secret}: permission denied" in text and "spawn failed" in text, text
     assert "ran" not in text.split()
+
+
+def test_a_spawn_whose_coordinator_dies_right_after_making_the_child_job_makes_one_child_not_two(make_cluster, tmp_path, monkeypatch):
+    points = tmp_path / "failpoints"
+    points.mkdir()
+    monkeypatch.setenv("GANGD_FAILPOINTS", str(points))
+    cluster = make_cluster(3, lease_ttl=3, cores=2)
+    [leader] = [row["name"] for row in cluster.gang_json("nodes")["nodes"] if row["coordinator"]]
+    parent_node, child_node = [n for n in ("n1", "n2", "n3") if n != leader]
+    go = tmp_path / "go"
+    job = int(cluster.gang("submit", "--mpi", "-n", 1, "-w", parent_node, "--", PY, SPAWN, "after", go, child_node, check=True).stdout)
+    cluster.wait_state(job, "RUNNING", timeout=60)
+    (points / "jobtable.created").touch()  # the coordinator dies right after etcd committed the child job
+    go.touch()
+    wait_for(lambda: cluster.files[leader].pid() is None, 60, "the coordinator's crash")
+    assert "failpoint jobtable.created reached" in cluster.log(leader)
+    # The rank's node asked the next coordinator again, which found the child the first one made.
+    record = cluster.wait_state(job, ENDED, timeout=120)
+    lines = sorted(cluster.gang("logs", job).stdout.splitlines())
+    assert record["state"] == "DONE", (record, lines, cluster.gang("logs", job).stderr)
+    spawned = [r for r in cluster.gang_json("ps", "--all") if r.get("spawned_by") == job]
+    assert [r["id"] for r in spawned] == record["children"] and len(spawned) == 1, spawned  # (without the spawn's token: 2)
+    assert lines == ["0: child says hello-0 rank 0 of 1 appnum 0 args after", "0: merged size 2 sum 1 ok True"], lines
+    assert cluster.wait_state(spawned[0]["id"], ENDED, timeout=60)["state"] == "DONE"

@@ -69,10 +69,28 @@ def test_spawn_split_anywhere_across_reads_is_the_same_command():
         assert [pmi.command(f) for f in got] == [SPAWNED], cut
 
 
-def test_the_wdir_info_key_is_where_the_spawned_processes_start():
-    data = spawn_text([["a"]]).replace(b"info_num=0", b"info_num=2\ninfo_key_0=host\ninfo_val_0=n2\ninfo_key_1=wdir\ninfo_val_1=/srv/w")
+def info(*pairs: tuple[str, str]) -> tuple[bytes, bytes]:
+    """The change that gives a spawn's segment these info keys, as MPICH's simple PMI writes them."""
+    lines = [f"info_num={len(pairs)}"] + [f"info_{kind}_{i}={v}" for i, (k, val) in enumerate(pairs) for kind, v in (("key", k), ("val", val))]
+    return b"info_num=0", "\n".join(lines).encode()
+
+
+def test_the_wdir_info_key_is_where_the_spawned_processes_start_and_host_where_they_run():
+    data = spawn_text([["a"]]).replace(*info(("host", "n2"), ("wdir", "/srv/w")))
     (spawn,) = commands_of(data)
-    assert spawn.segments == (pmi.Segment(("/usr/bin/python3", "a"), 2, "/srv/w"),)
+    assert spawn.segments == (pmi.Segment(("/usr/bin/python3", "a"), 2, "/srv/w", ("n2",)),)
+    assert spawn.hosts == ("n2",)
+
+
+def test_the_host_keys_of_a_spawn_are_one_list_for_all_its_commands_and_path_is_where_the_command_is():
+    data = spawn_text([["a"], ["b"]])
+    first, second = data.split(b"endcmd\n")[:2]
+    data = first.replace(*info(("hosts", "n3, n1:2,n3"))) + b"endcmd\n" + second.replace(*info(("host", "10.0.0.2"), ("soft", "1:4"))) + b"endcmd\n"
+    (spawn,) = commands_of(data)
+    assert spawn.hosts == ("n3", "n1", "10.0.0.2")  # (Hydra's name:count is the name; an unknown key, soft, is ignored)
+    data = spawn_text([["a"]]).replace(b"execname=/usr/bin/python3", b"execname=python3").replace(*info(("path", "/opt/py/bin/")))
+    (spawn,) = commands_of(data)
+    assert spawn.segments[0].argv == ("/opt/py/bin/python3", "a")
 
 
 @pytest.mark.parametrize(
@@ -89,9 +107,16 @@ def test_the_wdir_info_key_is_where_the_spawned_processes_start():
         ((b"preput_num=0", b"preput_num=1\npreput_key_0=" + b"k" * 65), b"preput_key_0_is_longer_than_64_bytes_or_holds_a_NUL"),
         ((b"arg1=a", b"arg1=" + b"a" * 4001), b"arg1_is_longer_than_4000_bytes_or_holds_a_NUL"),
         ((b"arg1=a", b"arg1=a\0b"), b"arg1_is_longer_than_4000_bytes_or_holds_a_NUL"),
+        (info(("hostfile", "/etc/hosts")), b"the_hostfile_info_key_is_not_served_by_gangd:_name_the_nodes_with_the_host_info_key"),
+        (info(("host", " , ")), b"the_host_info_key_names_no_node"),
+        (info(("host", ",".join(f"n{i}" for i in range(65)))), b"the_host_info_key_names_65_nodes,_more_than_the_64_gangd_reads"),
+        (info(("host", "n1" * 2001)), b"info_val_0_is_longer_than_4000_bytes_or_holds_a_NUL"),
+        (info(("host", "n1," + "n" * 256)), b"the_host_info_key_names_a_node_longer_than_255_bytes"),
+        ((b"info_num=0", b"info_num=1\ninfo_key_0=host"), b"info_val_0_missing"),
     ],
     ids=["no-procs", "too-many-procs", "absurd-procs", "negative-procs", "no-command", "missing-arg", "too-many-args",
-         "too-many-preput", "long-preput-key", "long-arg", "nul-in-arg"],
+         "too-many-preput", "long-preput-key", "long-arg", "nul-in-arg", "hostfile", "no-host", "too-many-hosts", "long-value", "long-host",
+         "host-without-value"],
 )
 def test_hostile_spawns_are_refused_with_spawn_result_and_a_reason(change, why):
     (fields,) = pmi.Reader().feed(spawn_text([["a"]]).replace(*change))

@@ -6,6 +6,9 @@
     mpi_spawn.py hold N        spawn N children that print their pid and wait for ever
     mpi_spawn.py crash         spawn 2 children; child rank 1 dies of SIGSEGV
     mpi_spawn.py refused ARGS  spawn "ARGS" (a command, nprocs) and print the error or "spawned"
+    mpi_spawn.py after PATH HOST   once PATH exists, spawn 1 child on HOST; it talks to the parent
+    mpi_spawn.py on KEY HOSTS N  spawn N children with the info key KEY=HOSTS; print the node
+                               each runs on (GANGD_NODE, as gangd gives it) or the error
 
 A child (started by the parent as ``mpi_spawn.py child ...``) reports its
 argv, appnum and rank to the parent over the intercommunicator; both sides
@@ -55,6 +58,9 @@ def main():
     parent = MPI.Comm.Get_parent()
     if what == "child":
         child(parent)
+    elif what == "where":
+        parent.send(f"rank {world.rank} on {os.environ.get('GANGD_NODE')}", dest=0, tag=4)
+        parent.Disconnect()
     elif what == "holder":
         print(f"pid {os.getpid()}", flush=True)
         parent.send(os.getpid(), dest=0, tag=3)
@@ -95,6 +101,25 @@ def main():
             print("spawned", flush=True)
         except MPI.Exception as exc:
             print(f"spawn failed: {exc.Get_error_string()}", flush=True)
+    elif what == "after":
+        while not os.path.exists(sys.argv[2]):
+            time.sleep(0.1)
+        info = MPI.Info.Create()
+        info.Set("host", sys.argv[3])
+        talk_as_parent(MPI.COMM_SELF.Spawn(PY, [ME, "child", "after"], maxprocs=1, info=info))
+    elif what == "on":
+        key, hosts, nprocs = sys.argv[2], sys.argv[3], int(sys.argv[4])
+        info = MPI.Info.Create()
+        info.Set(key, hosts)
+        MPI.COMM_SELF.Set_errhandler(MPI.ERRORS_RETURN)
+        try:
+            inter = MPI.COMM_SELF.Spawn(PY, [ME, "where"], maxprocs=nprocs, info=info)
+        except MPI.Exception as exc:
+            print(f"spawn failed: {exc.Get_error_string()}", flush=True)
+            return
+        for child_rank in range(inter.Get_remote_size()):
+            print(f"child {inter.recv(source=child_rank, tag=4)}", flush=True)
+        inter.Disconnect()
 
 
 main()

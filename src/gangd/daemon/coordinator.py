@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import itertools
 import logging
 import math
 import os
@@ -144,6 +143,33 @@ def without(spares: set[str]) -> Callable[[dict, dict[str, int]], list[str] | No
     return placer
 
 
+def rebuilt(cores: dict[str, int], max_slots: int, placed: list[dict]) -> Matrix:
+    """The matrix of a new coordinator from the placed jobs' records, each in a
+    slot of its own then compacted, in id order; a job on a node the
+    configuration dropped is left out (check_nodes fails it).
+
+    A family (a job and the jobs it spawned) goes in together, the parent
+    tied from the start and its children in its slot: compacted alone into
+    an earlier slot, or joined there by another job in the cores its
+    children hold, it would leave them no room, or more than
+    :func:`.spawns.admit`'s bound past the cores."""
+    matrix = Matrix(cores, max_slots)
+    parents = {r["spawned_by"] for r in placed if r.get("spawned_by") is not None}
+    for record in sorted(placed, key=lambda r: (r["spawned_by"] if r.get("spawned_by") is not None else r["id"], r["id"])):
+        if not set(record["placement"]) <= cores.keys():
+            continue
+        parent_slot = matrix.slot_of(record["spawned_by"]) if record.get("spawned_by") is not None else None
+        if parent_slot is not None:
+            matrix.add(record["id"], parent_slot, record["placement"])
+            matrix.tied.update((record["spawned_by"], record["id"]))
+        else:
+            matrix.add(record["id"], len(matrix.slots), record["placement"])
+            if record["id"] in parents:
+                matrix.tied.add(record["id"])
+        matrix.compact()
+    return matrix
+
+
 class Coordinator:
     """Built with what it uses: this node's name, the cluster's config, the
     job table, who is up and who leads (``membership``), calls to the nodes
@@ -175,7 +201,6 @@ class Coordinator:
         self._switch_lock = trio.Lock()
         self._contexts: dict[int, dict[str, bytes]] = {}  # network contexts to restore at launch
         self._spawning: dict[int, list[int]] = {}  # parent job -> processes of its spawns under way (counted by the bounds)
-        self._spawned_waiting: set[int] = set()  # spawned jobs to place before the queue (see _schedule)
         self.pinned: set[int] = set()  # jobs that must run whatever their slot (checkpoint under way)
         # What the checkpoint coordinator reaches through (``coordinator.daemon``)
         # until its rewrite gives it a narrow port of its own.
@@ -397,7 +422,8 @@ class Coordinator:
         spec = checked.as_spec()
         nranks = checked.nranks
         capacity, how = self.capacity(spec)
-        if nranks > capacity:
+        # (spawned processes may share their parent's cores: spawns.admit bounds them, with its own reason)
+        if nranks > capacity and (internal or {}).get("spawned_by") is None:
             raise RemoteError(
                 "too_large",
                 f"job asks for {nranks} ranks but the cluster can hold at most {capacity} ({how})",
@@ -434,8 +460,6 @@ class Coordinator:
             # Handed to the nodes with the launch, not kept in the (replicated) record.
             self._contexts[job_id] = contexts
         log.info("job %d (%s) submitted by %s: %d ranks", job_id, record["name"], cred["user"], nranks)
-        if record.get("spawned_by") is not None:
-            self._spawned_waiting.add(job_id)
         self.kick()
         return record
 
@@ -526,22 +550,20 @@ class Coordinator:
         spares = {n.name for n in self.config.nodes if getattr(n, "spare", False)}
         admitted_jobs: list[tuple[int, list[str]]] = []
         # Spawned processes first (their parent runs and waits for them: the
-        # head of the queue must not hold them up), then the queue: highest
+        # head of the queue must not hold them up), in their parent's slot or
+        # not at all; then the queue (which holds no spawned job): highest
         # priority first, then first come first served.
-        spawned = [r for j in sorted(self._spawned_waiting) if (r := self.table.get(j)) is not None]
-        self._spawned_waiting.clear()
-        seen: set[int] = set()
-        for record in itertools.chain(spawned, self.table.unplaced()):
-            if record.get("spawned_by") is not None:  # spawned processes: in their parent's slot, or not at all
-                if record["id"] in seen or record["state"] != jobs.QUEUED or record["placement"]:
-                    continue
-                seen.add(record["id"])
+        for record in self.table.unplaced_spawned():
+            try:
                 child = spawns.admit(self.matrix, record, place, up)
-                if isinstance(child, str):
-                    await self.fail(record["id"], f"cannot place the spawned processes: {child}")
-                    continue
-                admitted_jobs.append((record["id"], child[1]))
+            except Exception as exc:  # a bug: fail it (its spawn fails with the reason), keep scheduling
+                log.exception("placing spawned job %d failed", record["id"])
+                child = str(exc)
+            if isinstance(child, str):
+                await self.fail(record["id"], f"cannot place the spawned processes: {child}")
                 continue
+            admitted_jobs.append((record["id"], child[1]))
+        for record in self.table.unplaced():
             try:
                 # Spares are kept for recoveries: a job goes there only if it fits nowhere else.
                 admitted = self.matrix.admit(record, without(spares), up) if spares else None
@@ -763,28 +785,46 @@ class Coordinator:
         await self._kill_everywhere(job_id)
         self.kick()
 
-    async def spawn_job(self, parent_id: int, rank: int, segments: list, preput: dict[str, str]) -> dict:
+    async def spawn_job(
+        self, parent_id: int, rank: int, segments: list, preput: dict[str, str], hosts: list[str] | None = None, token: str | None = None,
+    ) -> dict:
         """MPI_Comm_spawn from rank ``rank`` of ``parent_id``: a child job (:mod:`.spawns`),
-        answered once it runs, or an error saying why it cannot."""
+        answered once it runs, or an error saying why it cannot. ``hosts``: its
+        ``host`` info key's nodes (:func:`.spawns.resolve_hosts`).
+
+        ``token``: the spawn's own, chosen by the rank's node, which retries
+        the call when the coordinator changes; as a submission's token, it
+        makes a retry after the child job was created (the answer lost with
+        the old coordinator) wait for that child instead of making a second."""
         parent = self.table.get(parent_id)
         if parent is None:
             raise RemoteError("no_such_job", f"no job {parent_id}")
         if parent["state"] != jobs.RUNNING or not parent.get("mpi"):
             raise RemoteError("bad_state", f"job {parent_id} is {parent['state']}; only a running --mpi job can spawn")
+        nodelist = spawns.resolve_hosts(hosts or [], self.config.nodes, parent_id, self.membership.is_up) if hosts else None
         nprocs = sum(int(n) for _, n, _ in segments)
+        made = self.table.get(self.table.by_token[token]) if token is not None and token in self.table.by_token else None
+        if made is not None and made.get("spawned_by") != parent_id:
+            raise RemoteError("bad_request", f"spawn token {str(token)[:64]!r} is another job's")
         under_way = self._spawning.setdefault(parent_id, [])
-        children = [c for c in (self.table.get(i) for i in parent.get("children") or ()) if c is not None]
-        # (spawns of other ranks under way count too: two ranks spawning at once cannot both pass the bound)
-        spawns.bounds_check(parent, children + [{"nranks": n} for n in under_way], nprocs)
+        if made is None:
+            children = [c for c in (self.table.get(i) for i in parent.get("children") or ()) if c is not None]
+            # (spawns of other ranks under way count too: two ranks spawning at once cannot both pass the bound)
+            spawns.bounds_check(parent, children + [{"nranks": n} for n in under_way], nprocs)
         under_way.append(nprocs)
         try:
-            spec, cred, internal = spawns.child_request(parent, await self.table.env(parent_id), segments, preput, rank)
-            child = await self.submit(spec, cred, internal=internal)
-            child_id = child["id"]
+            if made is None:
+                spec, cred, internal = spawns.child_request(parent, await self.table.env(parent_id), segments, preput, rank, nodelist)
+                made = await self.submit(spec, cred, internal=internal, token=token)
+            else:
+                log.info("job %d rank %d: the spawn of job %d asked again (the coordinator changed): the same child", parent_id, rank, made["id"])
+            child_id = made["id"]
 
             def adopt(r):
                 if jobs.is_terminal(r):
                     return False
+                if child_id in (r.get("children") or ()):
+                    return False  # (a retried spawn whose child the parent holds already)
                 r["children"] = [*(r.get("children") or []), child_id]
 
             parent = await self.update(parent_id, adopt)
@@ -928,21 +968,11 @@ class Coordinator:
     def _rebuild_matrix(self) -> None:
         """After a takeover: the matrix from the placed jobs in the table; who
         runs right now is unknown until the first switch says so everywhere."""
-        self.matrix = Matrix(self.matrix.cores, self.matrix.max_slots)
         self.acct = {}  # whatever an earlier term as coordinator left is stale
-        for record in sorted(self.table.active(), key=lambda r: r["id"]):
-            if record["state"] == jobs.RECOVERING:
-                continue  # (its ranks are gone; it holds no cores)
-            if not record["placement"] or not set(record["placement"]) <= self.matrix.cores.keys():
-                continue  # (not placed yet; or on a node the configuration dropped: check_nodes fails it)
-            parent_slot = self.matrix.slot_of(record["spawned_by"]) if record.get("spawned_by") is not None else None
-            if parent_slot is not None:  # (a child shares its parent's slot: spawns.admit)
-                self.matrix.add(record["id"], parent_slot, record["placement"])
-                self.matrix.tied.update((record["spawned_by"], record["id"]))
-            else:
-                self.matrix.add(record["id"], len(self.matrix.slots), record["placement"])
-            self.matrix.compact()
-            if record["state"] in (jobs.RUNNING, jobs.SUSPENDED):
+        placed = [r for r in self.table.active() if r["placement"] and r["state"] != jobs.RECOVERING]  # (recovering: no ranks, no cores)
+        self.matrix = rebuilt(self.matrix.cores, self.matrix.max_slots, placed)
+        for record in placed:
+            if record["id"] in self.matrix.usage and record["state"] in (jobs.RUNNING, jobs.SUSPENDED):
                 self.acct.setdefault(record["id"], {"run": 0.0, "suspended": 0.0, "since": time.time(), "on": False})
         self.running = None
         self._gang_changed.set()

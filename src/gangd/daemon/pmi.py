@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import secrets
 import socket
 from dataclasses import dataclass, field
 
@@ -240,9 +241,15 @@ class PmiServer:
         why = await trio.to_thread.run_sync(spawns.check_commands, record, command)
         if why is None:
             segments = [[list(s.argv), s.nprocs, s.wdir] for s in command.segments]
+            # The spawn's own token: the call is retried when the coordinator changes, and one
+            # whose child job the old coordinator made must get that child, not a second one.
+            token = f"spawn-{state.job_id}-{rank}-{secrets.token_hex(8)}"
             with trio.move_on_after(SPAWN_WAIT):
                 try:
-                    answer = await self.calls.to_coordinator("coord_spawn", job=state.job_id, rank=rank, segments=segments, preput=dict(command.preput))
+                    answer = await self.calls.to_coordinator(
+                        "coord_spawn", job=state.job_id, rank=rank, segments=segments, preput=dict(command.preput), hosts=list(command.hosts),
+                        token=token,
+                    )
                 except RemoteError as exc:
                     why = exc.message
                 else:

@@ -20,10 +20,23 @@ What ties it to its parent:
 * it runs in its parent's gang time slot (:func:`admit`), or the spawn is
   refused: a child stopped while its parent runs (or the reverse) would
   leave either side blocked in MPI every other slice. Free cores of that
-  slot are used; there is no oversubscription of the parent's cores;
-  MPI's ``host``/``hosts`` info keys are not followed. A parent and its
+  slot are used; when there are too few, every free core and the rest on
+  the parent's own nodes, sharing its cores — a job that fills the cluster
+  (the usual ``gang run --mpi -n ALL``) can still spawn, as under
+  ``mpiexec``, which oversubscribes freely. That is bounded: a node runs
+  at most its cores plus as many processes as the parent has ranks
+  there (so at most twice its cores), over all the parent's children;
+  past it the spawn is refused with the counts. MPI's ``host``/``hosts``
+  info key (parsed in :mod:`gangd.protocol.pmi`) limits both to the nodes
+  it names (:func:`resolve_hosts`: a node's name or configured address;
+  unknown or down is refused, naming it), as the child's ``nodelist``;
+  ``hostfile`` is refused, unknown keys ignored (Hydra's way). A parent and its
   children are never moved apart by the matrix's compaction
   (:attr:`gangd.daemon.gang.Matrix.tied`);
+* a spawn is made once: the rank's node gives it a token (as a
+  submission's) and retries it with the next coordinator when the
+  coordinator changes; a retry whose child job the old coordinator had
+  made gets that child (:meth:`.coordinator.Coordinator.spawn_job`);
 * the parent's rank gets its ``spawn_result`` once the child job is
   RUNNING, or an error with the reason when it cannot be (no room, a
   bound, a command the user cannot run, not started within
@@ -51,9 +64,10 @@ import stat
 
 import trio
 
-from .. import jobs
+from .. import jobs, text
 from ..protocol import pmi
 from ..rpc import RemoteError
+from .peers import natural_key
 
 MAX_SPAWNS_PER_JOB = 16
 MAX_SPAWNED_PER_JOB = 256
@@ -132,8 +146,31 @@ def bounds_check(parent: dict, children: list[dict], nprocs: int) -> None:
         )
 
 
-def child_request(parent: dict, env: dict[str, str], segments: list, preput: dict[str, str], rank: int) -> tuple[dict, dict, dict]:
-    """(spec, cred, internal fields) of the child job a spawn asks for."""
+def resolve_hosts(hosts: list[str], nodes, parent_id: int, is_up) -> list[str]:
+    """The gangd nodes a spawn's ``host`` info key names, or a refusal naming
+    the one that is not usable. A host is a node's name or its address in the
+    cluster's configuration (an address shared by several nodes names them
+    all: they are one machine); it must be up. (The parent's ``--nodelist``
+    does not limit its children: it says where the parent runs, and
+    children without a host key are placed anywhere too.)"""
+    names = [n.name for n in nodes]
+    chosen: list[str] = []
+    for host in hosts:
+        matched = [n.name for n in nodes if host in (n.name, n.address)]
+        shown = text.printable(host, 64)
+        if not matched:
+            raise RemoteError("no_such_node", f"host {shown!r} (the spawn's host info key) is not a node of this cluster (nodes: {', '.join(names)})")
+        up = [m for m in matched if is_up(m)]
+        if not up:
+            raise RemoteError("node_down", f"host {shown!r} (the spawn's host info key): {', '.join(matched)} is down (job {parent_id}'s spawn)")
+        chosen.extend(m for m in up if m not in chosen)
+    return chosen
+
+
+def child_request(
+    parent: dict, env: dict[str, str], segments: list, preput: dict[str, str], rank: int, nodelist: list[str] | None = None,
+) -> tuple[dict, dict, dict]:
+    """(spec, cred, internal fields) of the child job a spawn asks for; ``nodelist``: its hosts."""
     argvs = [[str(a) for a in argv] for argv, _, _ in segments]
     nprocs = [int(n) for _, n, _ in segments]
     wdir = next((w for _, _, w in segments if w), "")
@@ -148,6 +185,8 @@ def child_request(parent: dict, env: dict[str, str], segments: list, preput: dic
     }
     if parent.get("slice"):
         spec["slice"] = parent["slice"]
+    if nodelist:
+        spec["nodelist"] = nodelist
     cred = {"uid": parent["owner_uid"], "user": parent["owner"], "gid": parent["owner_gid"], "rlimits": parent.get("rlimits")}
     internal = {
         "spawned_by": parent["id"],
@@ -159,21 +198,72 @@ def child_request(parent: dict, env: dict[str, str], segments: list, preput: dic
 
 
 def admit(matrix, record: dict, place, up: set[str]) -> tuple[int, list[str]] | str:
-    """(slot, placement) of a child job in its parent's time slot, or why it has no room there."""
+    """(slot, placement) of a child job in its parent's time slot, or why it has no room there.
+
+    Free cores of the slot if they are enough (on any node, or the spawn's
+    hosts: ``record["nodelist"]``, placed as any job); else every free core
+    and the rest on the parent's own nodes, sharing its cores
+    (:func:`shared_room`, :func:`fill`)."""
     parent = record["spawned_by"]
     slot = matrix.slot_of(parent)
     if slot is None:
         return f"its parent job {parent} holds no time slot (it is not running)"
-    free = {n: c for n, c in matrix.free(slot, up).items() if c > 0}
+    free_all = matrix.free(slot, up)
+    free = {n: c for n, c in free_all.items() if c > 0}
+    hosts = record.get("nodelist")
+    if hosts:
+        free = {n: c for n, c in free.items() if n in hosts}
     placement = place(record, free)
     if placement is None:
-        return (
-            f"no room for {record['nranks']} spawned processes beside job {parent} in its time slot "
-            f"({sum(free.values())} cores free there); spawned processes run in their parent's slot"
-        )
+        shared = shared_room(free_all, matrix.usage.get(parent) or {})
+        if hosts:
+            shared = {n: c for n, c in shared.items() if n in hosts}
+        placement = fill(record["nranks"], free, shared)
+        if placement is None:
+            return no_room(record, free, shared)
     matrix.add(record["id"], slot, placement)
     matrix.tied.update((parent, record["id"]))
     return slot, placement
+
+
+def shared_room(free: dict[str, int], parent_usage) -> dict[str, int]:
+    """Processes each of the parent's (up) nodes may take past its cores: as
+    many as the parent has ranks there, less what earlier children already
+    took past them (``free`` is negative by that much). Over all of a
+    parent's children a node runs at most its cores plus the parent's ranks
+    there: at most twice its cores, whatever a program spawns."""
+    room = {n: k + min(free[n], 0) for n, k in parent_usage.items() if n in free}
+    return {n: c for n, c in room.items() if c > 0}
+
+
+def fill(nprocs: int, free: dict[str, int], shared: dict[str, int]) -> list[str] | None:
+    """Every free core, then the rest of ``nprocs`` spread over ``shared``
+    (one more per node in turn), ranks in node order; None past the room."""
+    if nprocs > sum(free.values()) + sum(shared.values()):
+        return None
+    counts: dict[str, int] = {}
+    rest = nprocs
+    for node in sorted(free, key=natural_key):
+        counts[node] = min(free[node], rest)
+        rest -= counts[node]
+    left = dict(shared)
+    while rest > 0:
+        for node in sorted(left, key=natural_key):
+            if rest and left[node] > 0:
+                left[node] -= 1
+                counts[node] = counts.get(node, 0) + 1
+                rest -= 1
+    return [node for node in sorted(counts, key=natural_key) for _ in range(counts[node])]
+
+
+def no_room(record: dict, free: dict[str, int], shared: dict[str, int]) -> str:
+    hosts = record.get("nodelist")
+    where = f" on {', '.join(hosts)} (its host info key)" if hosts else ""
+    return (
+        f"no room for {record['nranks']} spawned processes beside job {record['spawned_by']}{where}: "
+        f"{sum(free.values())} cores free in its time slot, and {sum(shared.values())} more processes its own nodes "
+        "may run on its cores (a node takes at most as many spawned processes past its cores as the job has ranks there)"
+    )
 
 
 async def end_child(co, child_id: int, reason: str, grace: float) -> None:

@@ -64,6 +64,9 @@ SPAWN_NPROCS_MAX = 256
 SPAWN_ARGS_MAX = 256
 SPAWN_PREPUT_MAX = 16
 SPAWN_INFO_MAX = 16
+#: Nodes a spawn's ``host`` info key may name, and the longest name (a host name's limit).
+SPAWN_HOSTS_MAX = 64
+SPAWN_HOST_BYTES = 255
 #: An executable's name or an argument (each came as one line of the spawn, at most MAX_LINE).
 SPAWN_ARG_BYTES = 4000
 
@@ -304,11 +307,14 @@ class Unpublish:
 @dataclass(frozen=True)
 class Segment:
     """One command of a spawn: ``nprocs`` copies of ``argv``; ``wdir``: MPI's
-    ``wdir`` info key (where they start), or ""."""
+    ``wdir`` info key (where they start), or ""; ``hosts``: the nodes its
+    ``host``/``hosts`` info key names (as the rank wrote them: the
+    coordinator resolves them), or none."""
 
     argv: tuple[str, ...]
     nprocs: int
     wdir: str = ""
+    hosts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -322,6 +328,13 @@ class Spawn:
     @property
     def nprocs(self) -> int:
         return sum(s.nprocs for s in self.segments)
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        """The nodes the spawn's children may run on (none: wherever gangd
+        places them): every segment's, in order, once each. One list for the
+        whole spawn, as under Hydra (the children are one job)."""
+        return tuple(dict.fromkeys(h for s in self.segments for h in s.hosts))
 
 
 @dataclass(frozen=True)
@@ -423,11 +436,22 @@ def spawn(fields: Multi) -> Spawn:
         execname = _text(seg, "execname", SPAWN_ARG_BYTES).strip()
         argc = _count(seg, "argcnt", 0, SPAWN_ARGS_MAX)
         argv = (execname, *(_text(seg, f"arg{i}", SPAWN_ARG_BYTES, empty=True) for i in range(1, argc + 1)))
-        wdir = ""
+        wdir, path = "", ""
+        hosts: tuple[str, ...] = ()
         for i in range(_count(seg, "info_num", 0, SPAWN_INFO_MAX) if "info_num" in seg else 0):
-            if _text(seg, f"info_key_{i}", KEYLEN_MAX).strip() == "wdir":
+            key = _text(seg, f"info_key_{i}", KEYLEN_MAX).strip()
+            if key == "wdir":
                 wdir = _text(seg, f"info_val_{i}", SPAWN_ARG_BYTES).strip()
-        segments.append(Segment(argv, nprocs, wdir))
+            elif key == "path":
+                path = _text(seg, f"info_val_{i}", SPAWN_ARG_BYTES).strip()
+            elif key in ("host", "hosts"):
+                hosts = _hosts(_text(seg, f"info_val_{i}", SPAWN_ARG_BYTES))
+            elif key == "hostfile":
+                raise Refused("spawn_result", "the hostfile info key is not served by gangd: name the nodes with the host info key")
+            # (any other key is ignored, as Hydra and MPI's own rule for info keys do)
+        if path and "/" not in argv[0]:  # (Hydra's: the command is looked for in that directory)
+            argv = (f"{path.rstrip('/')}/{argv[0]}", *argv[1:])
+        segments.append(Segment(argv, nprocs, wdir, hosts))
     if sum(s.nprocs for s in segments) > SPAWN_NPROCS_MAX:
         raise Refused("spawn_result", f"a spawn may start at most {SPAWN_NPROCS_MAX} processes")
     first = fields.segments[0]
@@ -436,6 +460,26 @@ def spawn(fields: Multi) -> Spawn:
         for i in range(_count(first, "preput_num", 0, SPAWN_PREPUT_MAX) if "preput_num" in first else 0)
     )
     return Spawn(tuple(segments), preput)
+
+
+def _hosts(value: str) -> tuple[str, ...]:
+    """The ``host``/``hosts`` info key's nodes: names separated by commas (or
+    spaces); Hydra's ``name:count`` form is taken as ``name`` (gangd places
+    the processes over the nodes named)."""
+    names = [part.strip().rpartition(":")[0] if _counted(part.strip()) else part.strip() for part in value.replace(" ", ",").split(",")]
+    names = [n for n in names if n]
+    if not names:
+        raise Refused("spawn_result", "the host info key names no node")
+    if len(names) > SPAWN_HOSTS_MAX:
+        raise Refused("spawn_result", f"the host info key names {len(names)} nodes, more than the {SPAWN_HOSTS_MAX} gangd reads")
+    if any(len(n.encode()) > SPAWN_HOST_BYTES for n in names):
+        raise Refused("spawn_result", f"the host info key names a node longer than {SPAWN_HOST_BYTES} bytes")
+    return tuple(dict.fromkeys(names))
+
+
+def _counted(part: str) -> bool:
+    head, colon, count = part.rpartition(":")
+    return bool(colon and head and count.isascii() and count.isdigit())
 
 
 def kvs_budget(nranks: int) -> tuple[int, int]:

@@ -112,4 +112,10 @@ async def coord_spawn(s, call: Call):
         type(k) is str and type(v) is str and len(k) <= pmi.KEYLEN_MAX and len(v) <= pmi.VALLEN_MAX for k, v in preput.items()
     ):
         raise RemoteError("bad_request", "a spawn's preput maps keys to values within PMI's limits")
-    return await co.spawn_job(job_id, rank, checked, preput)
+    hosts = args.get("hosts") or []
+    if not isinstance(hosts, list) or len(hosts) > pmi.SPAWN_HOSTS_MAX or not all(
+        type(h) is str and 0 < len(h.encode()) <= pmi.SPAWN_HOST_BYTES for h in hosts
+    ):
+        raise RemoteError("bad_request", f"a spawn's hosts are at most {pmi.SPAWN_HOSTS_MAX} names of at most {pmi.SPAWN_HOST_BYTES} bytes")
+    token = args.get("token")
+    return await co.spawn_job(job_id, rank, checked, preput, hosts, token if isinstance(token, str) and 0 < len(token) <= 64 else None)

@@ -392,6 +392,8 @@ class JobTable:
         # the order they are admitted: job id -> its sort key, and the keys sorted.
         self._unplaced: dict[int, tuple[int, int]] = {}
         self._queue: list[tuple[int, int]] = []
+        # Spawned jobs (MPI_Comm_spawn) with no placement yet: not in the queue (see unplaced_spawned).
+        self._unplaced_spawned: set[int] = set()
         # Queued jobs of each owner (what a submit checks a user's room against, without reading every record).
         self._queued_by_uid: dict[int, set[int]] = {}
         # Environments this node committed with their jobs, until the launch takes them (see :meth:`env`).
@@ -427,6 +429,13 @@ class JobTable:
             if record is not None and job_id in self._unplaced:
                 yield record
 
+    def unplaced_spawned(self) -> list[dict]:
+        """Spawned jobs not placed yet, oldest first. They are not in
+        :meth:`unplaced`'s queue: their parent runs and waits for them, so they
+        go before it, in the parent's time slot or nowhere (see
+        :func:`gangd.daemon.spawns.admit`)."""
+        return [record for job_id in sorted(self._unplaced_spawned) if (record := self.records.get(job_id)) is not None]
+
     def queued_of(self, uid: int) -> set[int]:
         """The ids of ``uid``'s queued jobs (placed or not)."""
         return self._queued_by_uid.get(uid, set())
@@ -443,6 +452,12 @@ class JobTable:
 
     def _set_unplaced(self, record: dict) -> None:
         job_id = record["id"]
+        if record.get("spawned_by") is not None:  # (set when the job is made, never changed)
+            if record["state"] == jobs.QUEUED and not record["placement"]:
+                self._unplaced_spawned.add(job_id)
+            else:
+                self._unplaced_spawned.discard(job_id)
+            return
         old = self._unplaced.get(job_id)
         priority = record.get("priority", 0)
         key = (-priority if isinstance(priority, int) else 0, job_id)
@@ -454,6 +469,7 @@ class JobTable:
             bisect.insort(self._queue, key)
 
     def _drop_unplaced(self, job_id: int) -> None:
+        self._unplaced_spawned.discard(job_id)
         key = self._unplaced.pop(job_id, None)
         if key is not None:
             i = bisect.bisect_left(self._queue, key)

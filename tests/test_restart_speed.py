@@ -17,6 +17,7 @@ Real processes, real files, real SIGKILL; the gangd test runs real daemons.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -371,6 +372,49 @@ def test_gang_restart_sends_its_request_without_loading_trio_and_says_what_the_d
         assert restarted.stderr.splitlines() == ["trio loaded: False"]
         new = int(restarted.stdout)
         assert gc.job(new)["restart_of"]["job"] == job
+    finally:
+        kill_what_is_left(gc)
+
+
+def test_the_commands_that_only_ask_answer_without_loading_trio_and_the_streaming_ones_still_follow(gc):
+    """submit, ps, job, nodes, history, suspend, resume, net, checkpoint,
+    ckpt ls and kill send requests and print answers: they run over
+    gangd.client.oneshot's blocking socket (half a command's CPU was
+    importing trio), with the same output and exit codes; wait and logs
+    follow streams and keep trio."""
+    def ask(*args):
+        result = gang_cmd(gc.dir, *args)
+        lines = result.stderr.splitlines()
+        assert lines[-1:] == ["trio loaded: False"], (args, result.stderr)
+        return result.returncode, result.stdout, lines[:-1]
+
+    try:
+        code, out, _ = ask("submit", "-n", 2, "--name", "asked", "--", "sleep", "300")
+        job = int(out)
+        assert code == 0 and gc.wait_state(job, "RUNNING")["name"] == "asked"
+        code, out, _ = ask("ps", "--all", "--json")
+        assert code == 0 and [r["state"] for r in json.loads(out) if r["id"] == job] == ["RUNNING"]
+        code, out, _ = ask("ps")
+        assert code == 0 and out.splitlines()[0].split()[:2] == ["JOBID", "NAME"] and any(line.split()[:2] == [str(job), "asked"] for line in out.splitlines())
+        code, out, _ = ask("job", job, "--json")
+        assert code == 0 and json.loads(out)["id"] == job
+        code, out, _ = ask("nodes", "--json")
+        assert code == 0 and [n["name"] for n in json.loads(out)["nodes"]] == ["n1", "n2"]
+        assert ask("suspend", job)[:2] == (0, f"job {job}: SUSPENDED\n")
+        assert ask("resume", job)[:2] == (0, f"job {job}: RUNNING\n")
+        code, out, _ = ask("net", job, "--json")
+        assert code == 0 and isinstance(json.loads(out), dict)
+        code, _, err = ask("checkpoint", job)  # (sleep takes no checkpoints: refused, with the daemon's reason)
+        assert code == 1 and "does not take checkpoints" in err[0]
+        code, out, _ = ask("ckpt", "ls", job)
+        assert code == 0 and "no checkpoints" in out
+        assert ask("kill", job)[:2] == (0, f"job {job}: KILLED\n")
+        code, out, _ = ask("history", "--json")
+        assert code == 0 and job in [r["id"] for r in json.loads(out)]
+        assert ask("job", 99999)[0::2] == (5, ["gang: no job 99999"])
+        # The streaming commands still work (through trio).
+        waited = gang_cmd(gc.dir, "wait", job)
+        assert waited.returncode == 137 and waited.stderr.splitlines()[-1] == "trio loaded: True", waited.stderr
     finally:
         kill_what_is_left(gc)
 

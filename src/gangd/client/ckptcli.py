@@ -8,7 +8,7 @@ import time
 import click
 
 from .. import text
-from .cli import EXIT_ERROR, _cluster, _size, connect, describe_generation, emit_json, main, run_async, run_sync, table
+from .cli import EXIT_ERROR, _cluster, _size, ask, describe_generation, emit_json, main, run_sync, table
 
 
 @main.command(epilog="""\\b
@@ -29,11 +29,7 @@ checkpoint was aborted (the previous complete one stays usable).
 def checkpoint(ctx, job, wait, as_json):
     """Take a consistent checkpoint of a running or suspended job."""
 
-    async def go():
-        async with connect(_cluster(ctx)) as gang:
-            return await gang.checkpoint(job, wait=wait)
-
-    result = run_async(go)
+    result = ask(_cluster(ctx), lambda gang: gang.checkpoint(job, wait=wait))
     if as_json:
         emit_json(result)
     elif not wait:
@@ -101,11 +97,7 @@ def ckpt():
 
 
 def _generations(ctx, job):
-    async def go():
-        async with connect(_cluster(ctx)) as gang:
-            return await gang.checkpoints(job)
-
-    return run_async(go)
+    return ask(_cluster(ctx), lambda gang: gang.checkpoints(job))
 
 
 @ckpt.command("ls", epilog="""\\b

@@ -32,8 +32,9 @@ from ..errors import RemoteError
 from .locate import ClusterNotFound, cluster_dir
 
 # trio and the async API (gangd.client.api) are imported by the commands that
-# use them, not here: importing trio takes ~0.13 s, and commands that send one
-# request (`gang restart`, gangd.client.oneshot) do without it.
+# use them, not here: importing trio takes ~0.13 s, and commands that only send
+# requests and read their answers (`gang ps`, `submit`, `kill`, ...) do without
+# it: ``ask`` runs them over gangd.client.oneshot's blocking socket.
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -65,10 +66,24 @@ def connect(cluster=None):
 
 
 def stale_warning(stale: dict | None) -> str | None:
-    """:func:`gangd.client.api.stale_warning`, imported on first use."""
-    from .api import stale_warning as warning
+    """:func:`gangd.client.session.stale_warning`, imported on first use."""
+    from .session import stale_warning as warning
 
     return warning(stale)
+
+
+def ask(cluster, call):
+    """``await call(gang)`` for a command that only sends requests (the
+    :class:`gangd.client.session.Client` of :func:`gangd.client.oneshot.connect`,
+    whose requests block): no trio, no event loop; errors become messages
+    and exit codes as in :func:`run_sync`."""
+    from . import oneshot
+
+    async def go():
+        async with oneshot.connect(cluster) as gang:
+            return await call(gang)
+
+    return run_sync(oneshot.drive, go)
 
 
 def run_async(fn, *args):
@@ -397,7 +412,7 @@ def run(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, ckpt_
 async def _run(cluster, spec, label, verbose) -> int:
     import trio
 
-    from .api import MAX_FOLLOW
+    from .session import MAX_FOLLOW
 
     printer = OutputPrinter(spec["nranks"], label)
     final: dict = {}
@@ -505,11 +520,7 @@ def submit(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, ck
     spec = _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice, priority, ckpt_every, mpi, ckpt_redundancy, requeue,
                  ckpt_mode, ckpt_codec)
 
-    async def go():
-        async with connect(_cluster(ctx)) as gang:
-            return await _submit(gang, spec)
-
-    record = run_async(go)
+    record = ask(_cluster(ctx), lambda gang: _submit(gang, spec))
     if as_json:
         emit_json(record)
     else:
@@ -564,49 +575,34 @@ def ps(ctx, show_all, limit, as_json):
             r["reason"] or "",
         ]
 
-    import trio
-
-    from .api import JobList
-
-    async def go():
+    async def go(gang):
         shown = 0
         warned = False
         found: list[dict] = []
-        async with connect(_cluster(ctx)) as gang, trio.open_nursery() as nursery:
-            # The next page is asked for while this one is printed.
-            send, receive = trio.open_memory_channel[JobList](1)
-
-            async def fetch() -> None:
-                async with send, contextlib.aclosing(gang.job_pages(all=show_all)) as pages:
-                    async for page in pages:
-                        await send.send(page)
-
-            nursery.start_soon(fetch)
-            async with receive:
-                async for page in receive:
-                    if limit is not None:
-                        page[limit - shown:] = []
-                    shown += len(page)
-                    warning = stale_warning(page.stale)
-                    if warning and not warned:  # (on stderr: a script reading stdout, or the JSON, is not disturbed)
-                        warned = True
-                        click.echo(warning, err=True)
-                    if as_json:
-                        # Each record says so too: a script cannot see stderr's warning in what it parses.
-                        found += [dict(r, stale=page.stale) for r in page] if page.stale else page
-                    elif page:
-                        now = time.time()
-                        lines = table([row(r, now) for r in page], headers)
-                        click.echo(lines if shown == len(page) else lines.split("\n", 1)[1])  # (the header once)
-                    if limit is not None and shown >= limit:
-                        break
-            nursery.cancel_scope.cancel()
+        async with contextlib.aclosing(gang.job_pages(all=show_all)) as pages:
+            async for page in pages:  # (each page printed as it arrives)
+                if limit is not None:
+                    page[limit - shown:] = []
+                shown += len(page)
+                warning = stale_warning(page.stale)
+                if warning and not warned:  # (on stderr: a script reading stdout, or the JSON, is not disturbed)
+                    warned = True
+                    click.echo(warning, err=True)
+                if as_json:
+                    # Each record says so too: a script cannot see stderr's warning in what it parses.
+                    found += [dict(r, stale=page.stale) for r in page] if page.stale else page
+                elif page:
+                    now = time.time()
+                    lines = table([row(r, now) for r in page], headers)
+                    click.echo(lines if shown == len(page) else lines.split("\n", 1)[1])  # (the header once)
+                if limit is not None and shown >= limit:
+                    break
         if as_json:
             emit_json(found)
         elif not shown:
             click.echo(table([], headers))
 
-    run_async(go)
+    ask(_cluster(ctx), go)
 
 
 @main.command(epilog="""\b
@@ -620,11 +616,7 @@ Examples:
 def job(ctx, job_id, as_json):
     """Show one job: its state, owner, nodes, times, checkpoint codec and each rank's exit."""
 
-    async def go():
-        async with connect(_cluster(ctx)) as gang:
-            return await gang.job(job_id)
-
-    record = run_async(go)
+    record = ask(_cluster(ctx), lambda gang: gang.job(job_id))
     warning = stale_warning(record.get("stale"))
     if warning:
         click.echo(warning.replace("this list", "this record"), err=True)
@@ -678,11 +670,7 @@ def history(ctx, limit, user, before, as_json):
             except KeyError:
                 raise click.BadParameter(f"no user named {user!r}", param_hint="--user") from None
 
-    async def go():
-        async with connect(_cluster(ctx)) as gang:
-            return await gang.history(limit=limit, before=before, uid=uid)
-
-    records = run_async(go)
+    records = ask(_cluster(ctx), lambda gang: gang.history(limit=limit, before=before, uid=uid))
     if as_json:
         emit_json(records)
         return
@@ -730,16 +718,15 @@ def nodes(ctx, as_json):
     node reads on its own clock, corrected by this estimate.
     """
 
-    async def go():
-        async with connect(_cluster(ctx)) as gang:
-            rows = await gang.nodes()
-            try:
-                schedule = await gang.schedule()
-            except RemoteError:
-                schedule = None
-            return rows, schedule
+    async def go(gang):
+        rows = await gang.nodes()
+        try:
+            schedule = await gang.schedule()
+        except RemoteError:
+            schedule = None
+        return rows, schedule
 
-    rows, schedule = run_async(go)
+    rows, schedule = ask(_cluster(ctx), go)
     if as_json:
         emit_json({"nodes": rows, "schedule": schedule})
         return
@@ -817,13 +804,12 @@ def resume(ctx, job_ids):
 
 
 def _suspend_or_resume(ctx, job_ids, hold: bool) -> None:
-    async def go():
-        async with connect(_cluster(ctx)) as gang:
-            for job_id in job_ids:
-                record = await (gang.suspend(job_id) if hold else gang.resume(job_id))
-                click.echo(f"job {job_id}: {record['state']}")
+    async def go(gang):
+        for job_id in job_ids:
+            record = await (gang.suspend(job_id) if hold else gang.resume(job_id))
+            click.echo(f"job {job_id}: {record['state']}")
 
-    run_async(go)
+    ask(_cluster(ctx), go)
 
 
 @main.command(epilog="""\b
@@ -841,11 +827,7 @@ def net(ctx, job, as_json):
     daemons — also while the job is suspended.
     """
 
-    async def go():
-        async with connect(_cluster(ctx)) as gang:
-            return await gang.net(job)
-
-    info = run_async(go)
+    info = ask(_cluster(ctx), lambda gang: gang.net(job))
     if as_json:
         emit_json(info)
         return
@@ -893,13 +875,12 @@ Examples:
 def kill(ctx, job_ids):
     """Kill jobs on every node (owner or root only)."""
 
-    async def go():
-        async with connect(_cluster(ctx)) as gang:
-            for job_id in job_ids:
-                record = await gang.kill(job_id)
-                click.echo(f"job {job_id}: {record['state']}")
+    async def go(gang):
+        for job_id in job_ids:
+            record = await gang.kill(job_id)
+            click.echo(f"job {job_id}: {record['state']}")
 
-    run_async(go)
+    ask(_cluster(ctx), go)
 
 
 @main.command(epilog="""\b

@@ -8,18 +8,28 @@ handshake, framing and limits — from a plain socket, and finds its daemon
 as :func:`gangd.client.api.connect` does (:mod:`gangd.client.locate`), with
 the same errors: :class:`~gangd.client.locate.ClusterNotFound` when no
 daemon answers, :class:`~gangd.errors.RemoteError` when the request fails.
-Commands that follow streams (``wait``, ``output``, ``run``) use
-:mod:`gangd.client.api`.
+:func:`connect` gives the same :class:`~gangd.client.session.Client` as
+the trio API over such a socket, and :func:`drive` runs a command's
+coroutine over it without an event loop (its requests block, so it never
+suspends): ``gang ps``, ``submit``, ``kill``, ``job`` and the other
+request-and-answer commands cost half the CPU they did with trio. Commands
+that follow streams (``wait``, ``logs``, ``run``) use :mod:`gangd.client.api`.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
 
 from ..errors import Disconnected, RemoteError, handshake_failure, reply_result
 from ..protocol import HANDSHAKE_MAX_FRAME, Connection, Item, Note, ProtocolError, Ready, RemoteClosed, Reply, Request, Role, State
 from .locate import REFUSALS, locate, unreachable
+from .session import Client
+
+T = TypeVar("T")
 
 #: Seconds to connect and finish the handshake (as gangd.rpc's dial_unix).
 HANDSHAKE_TIMEOUT = 5.0
@@ -39,6 +49,7 @@ class _Link:
             event = self._next_event()
             if not isinstance(event, Ready):
                 raise handshake_failure(event, self.label)
+            self.node = event.node  # (the daemon's node name)
             self._flush()
             self.sock.settimeout(None)  # (a request such as a restart that stages files takes as long as it takes)
         except BaseException:
@@ -95,23 +106,66 @@ class _Link:
             raise Disconnected(f"connection to {self.label} lost before {op!r} was answered: {exc.strerror or exc}") from None
 
 
-def request(cluster: str | os.PathLike | None, op: str, **args) -> object:
-    """Send ``op`` to the first daemon of ``cluster`` that answers (see
-    :func:`~gangd.client.locate.locate`) and return its answer."""
+def _dial(cluster: str | os.PathLike | None) -> _Link:
+    """A link to the first daemon of ``cluster`` that answers (see :func:`~gangd.client.locate.locate`)."""
     errors = []
     for path in locate(cluster):
         try:
-            link = _Link(path)
+            return _Link(path)
         except ProtocolError as exc:
             if exc.code in REFUSALS:  # it is up and said why: trying another node would not help
                 raise RemoteError(exc.code, f"gangd at {path} refused the connection: {exc.message.split(': ', 1)[-1]}") from None
             errors.append(f"{path}: {exc}")
-            continue
         except OSError as exc:
             errors.append(f"{path}: {exc.strerror or exc}")
-            continue
-        try:
-            return link.request(op, args)
-        finally:
-            link.sock.close()
     raise unreachable(errors)
+
+
+def request(cluster: str | os.PathLike | None, op: str, **args) -> object:
+    """Send ``op`` to the first daemon of ``cluster`` that answers and return its answer."""
+    link = _dial(cluster)
+    try:
+        return link.request(op, args)
+    finally:
+        link.sock.close()
+
+
+class _BlockingChannel:
+    """What :class:`~gangd.client.session.Client` needs of a channel, over a
+    :class:`_Link`: its ``request`` is a coroutine that never suspends (it
+    blocks on the socket), so :func:`drive` runs it without an event loop."""
+
+    def __init__(self, link: _Link):
+        self.link = link
+        self.remote_node = link.node
+
+    async def request(self, op: str, **args) -> object:
+        return self.link.request(op, args)
+
+    def stream(self, op: str, **args):
+        raise TypeError(f"{op!r} follows a stream: use gangd.client.api.connect (trio), not gangd.client.oneshot")
+
+
+@asynccontextmanager
+async def connect(cluster: str | os.PathLike | None = None) -> AsyncIterator[Client]:
+    """:func:`gangd.client.api.connect` without trio: a
+    :class:`~gangd.client.session.Client` whose requests block. Only for
+    coroutines run by :func:`drive` (or that may block their event loop)."""
+    link = _dial(cluster)
+    try:
+        yield Client(_BlockingChannel(link))
+    finally:
+        link.sock.close()
+
+
+def drive(fn: Callable[..., Coroutine[Any, Any, T]], *args) -> T:
+    """Run ``fn(*args)``, a coroutine that awaits only :func:`connect`'s
+    requests (which never suspend), to its end: one step, no event loop.
+    A coroutine that does suspend (it awaited trio) is a programming error."""
+    coro = fn(*args)
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise RuntimeError(f"{getattr(fn, '__qualname__', fn)} suspended: it awaited something other than a blocking request")

@@ -61,6 +61,7 @@ import hmac
 import os
 import socket
 import struct
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -310,14 +311,58 @@ def receive_file(sock: socket.socket, dest_dir: Path, leaf: str, size: int, chec
 # ---------------------------------------------------------------- the dialer's side
 
 
-def dial(host: str, port: int, key: bytes, ticket: bytes, what: str) -> socket.socket:
+class Line:
+    """The bulk socket of a transfer that a worker thread opens, uses and
+    closes, and that the event loop can cut at any moment (:meth:`cut`:
+    the thread's blocking call fails at once; a socket attached after the
+    cut is closed before a byte moves). The thread owns the fd; the event
+    loop only ever shuts it down."""
+
+    def __init__(self, sock: socket.socket | None = None, owned: tuple[Callable[[], None], ...] = ()) -> None:
+        self._lock = threading.Lock()
+        self.sock = sock
+        #: What the thread is handed to close: closed by the event loop instead if the thread never starts.
+        self.owned = owned
+        self._cut = self._started = False
+
+    def begin(self) -> bool:
+        """The thread starts using the line: False if it was cut first (then the thread does nothing)."""
+        with self._lock:
+            self._started = not self._cut
+            return self._started
+
+    def attach(self, sock: socket.socket, what: str) -> None:
+        with self._lock:
+            if self._cut:
+                sock.close()
+                raise BulkError(f"{what}: the transfer was cancelled")
+            self.sock = sock
+
+    def cut(self) -> None:
+        with self._lock:
+            self._cut = True
+            if self.sock is not None:
+                with contextlib.suppress(OSError):
+                    self.sock.shutdown(socket.SHUT_RDWR)
+            started = self._started
+        if not started:
+            for close in self.owned:
+                with contextlib.suppress(OSError):
+                    close()
+
+
+def dial(host: str, port: int, key: bytes, ticket: bytes, what: str, line: Line | None = None) -> socket.socket:
     """Connect to a peer's bulk listener and prove we hold the cluster secret
     (blocking: a worker thread); the peer must prove it too. Returns the
-    socket, blocking with the kernel's :data:`IO_TIMEOUT` (:func:`blocking`)."""
+    socket, blocking with the kernel's :data:`IO_TIMEOUT` (:func:`blocking`).
+    ``line``: the socket is attached to it before the handshake (a cut
+    stops the handshake too)."""
     try:
         sock = socket.create_connection((host, port), timeout=HANDSHAKE_TIMEOUT)
     except OSError as exc:
         raise BulkError(f"{what}: cannot connect to the peer's bulk port {host}:{port}: {exc.strerror or exc}") from None
+    if line is not None:
+        line.attach(sock, what)
     try:
         _tune(sock)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -439,7 +484,7 @@ async def serve(server: BulkServer, open_source: Callable[[], Source], what: str
     async def produce(emit) -> None:
         # (opened here, not before: a stream that never starts holds no fd)
         source = await trio.to_thread.run_sync(open_source)
-        ticket, slot = None, None
+        ticket, slot, handed = None, None, False
         try:
             ticket, slot = server.issue()
             await emit({"ticket": ticket, "port": server.port, "size": source.size})
@@ -447,27 +492,52 @@ async def serve(server: BulkServer, open_source: Callable[[], Source], what: str
                 await slot.claimed.wait()
             if waited.cancelled_caught or slot.sock is None:
                 raise BulkError(f"{what}: the puller did not open its bulk connection within {CLAIM_TIMEOUT:.0f} s")
-            sent = await run_on_socket(slot.sock, send, slot.sock, source)
+            sock, slot.sock, handed = slot.sock, None, True  # (from here the worker thread owns both, and closes them)
+            sent = await run_on_line(Line(sock, owned=(source.close, sock.close)), _send_then_close, send, sock, source)
             await emit({"end": sent})
         finally:
             if ticket is not None:
                 server.tickets.pop(ticket, None)
             if slot is not None and slot.sock is not None:
                 slot.sock.close()
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(source.close)
+            if not handed:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(source.close)
 
     return Stream(produce)
+
+
+def _send_then_close(send: Callable[[socket.socket, Source], int], sock: socket.socket, source: Source) -> int:
+    """The sender's thread: ``send``, then the socket and the source closed
+    here (one hand-off per transfer, not one to send and one to close)."""
+    try:
+        return send(sock, source)
+    finally:
+        try:
+            source.close()
+        finally:
+            sock.close()
 
 
 async def run_on_socket(sock: socket.socket, fn, *args):
     """``fn(*args)`` in a worker thread; cancelled, the socket is shut down so
     the thread's blocking call fails at once (the thread still owns its fds)."""
+    return await run_on_line(Line(sock), fn, *args)
+
+
+async def run_on_line(line: Line, fn, *args):
+    """``fn(*args)`` in a worker thread, which uses (and may open:
+    :func:`dial` with ``line``) the line's socket; cancelled, the line is
+    cut so the thread's blocking call fails at once."""
+    def guarded():
+        if not line.begin():
+            raise BulkError("the transfer was cancelled")  # (nobody waits for this: the caller was cancelled)
+        return fn(*args)
+
     try:
-        return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+        return await trio.to_thread.run_sync(guarded, abandon_on_cancel=True)
     except trio.Cancelled:
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)
+        line.cut()
         raise
     except OSError as exc:
         if _timed_out(exc):

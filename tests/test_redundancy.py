@@ -717,6 +717,57 @@ async def test_a_sender_that_stalls_mid_file_fails_the_bulk_path_and_the_file_co
     assert first_difference((dest / "rank-0.state").read_bytes(), blob) is None
 
 
+async def test_a_bulk_file_transfer_cancelled_while_the_sender_stalls_stops_at_once_and_leaves_nothing(tmp_path):
+    # The worker thread that dialled and receives is blocked on its socket;
+    # cancelling the transfer cuts it (the thread's call fails now, not
+    # after the 60 s timeout), the sender sees the close, and neither the
+    # file nor its temporary name is left.
+    import threading
+
+    from gangd.redundancy import bulk
+
+    assert bulk.IO_TIMEOUT >= 60
+    blob = random.Random(10).randbytes(2 * bulk.CHUNK + 5)
+    root = tmp_path / "n2"
+    manifest = make_gen(ckptstore.gen_dir(root, 7, 3), "n2", {"ranks/rank-0.state": blob})
+    size, checksum = manifest.files["ranks/rank-0.state"]
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    stalled, released = threading.Event(), threading.Event()
+
+    def stall(sock, source):
+        first = bytearray(bulk.CHUNK)
+        source.read_into(0, memoryview(first))
+        sock.sendall(bulk.HEADER.pack(len(first), bulk.chunk_hash(first)) + first)
+        bulk.blocking(sock, 120.0)
+        stalled.set()
+        try:
+            while sock.recv(1):
+                pass
+        except OSError:
+            pass
+        released.set()
+        return bulk.CHUNK
+
+    async with trio.open_nursery() as nursery:
+        server = await bulk_server(nursery)
+        channel = await channel_pair(nursery, bulk_serving(root, server, send=stall))
+        with trio.fail_after(30):
+            async with trio.open_nursery() as transfer_scope:
+
+                async def cancel_once_stalled() -> None:
+                    await trio.to_thread.run_sync(stalled.wait)
+                    transfer_scope.cancel_scope.cancel()
+
+                transfer_scope.start_soon(cancel_once_stalled)
+                await transfer.fetch_file(channel, lineage=7, gen=3, name="ranks/rank-0.state", size=size, checksum=checksum,
+                                          dest_dir=dest, bulk=bulk.Bulk.from_secret(SECRET))
+                raise AssertionError("the transfer was not cancelled")
+            await trio.to_thread.run_sync(released.wait)
+        nursery.cancel_scope.cancel()
+    assert list(dest.iterdir()) == []
+
+
 async def test_a_wrong_size_offer_or_a_listener_without_the_secret_is_refused(peer_gen, caplog):
     from gangd.redundancy import bulk
 

@@ -36,9 +36,32 @@ must be the manifest's. A file lands under a temporary name, fsynced,
 renamed; a refused transfer leaves nothing. Paths come from the receiver's
 own arguments, never from the peer.
 
-Blocking I/O runs in worker threads (``trio.to_thread``); a cancelled
-transfer shuts its socket down so the thread's next call fails at once, and
-the thread owns (and closes) every fd it uses. A peer that stops sending
+Blocking I/O runs in worker threads, one per transfer and per side, each
+doing its side's whole share in one hand-off from the event loop: the
+sender's thread sends and then closes the socket and the source; the
+puller's dials, proves itself and receives (for an XOR slice, the parity's
+own thread does it, and it waits for the sender's offer on a
+``threading.Event``, not through the event loop). The thread owns (and
+closes) every fd it uses; the event loop holds a :class:`Line` per
+transfer and, when the transfer is cancelled, cuts it: the socket is shut
+down so the thread's blocking call fails at once, on either side, even if
+the peer is hung and never lets go of its end (a socket the thread
+attaches after the cut is closed before a byte moves; what a thread that
+never started was handed is closed by the event loop).
+
+Why so few hand-offs: a transfer's fixed cost is control, not bytes — a
+channel request and its items, a ticket, the handshake, a TCP connection,
+and each crossing between the event loop and a thread (~0.1-0.2 ms of CPU
+each here, on a loaded 2-CPU machine). With a ``to_thread`` to open, to
+dial, to send and to close, and ``from_thread`` round trips to start the
+request, take the socket and release the request, a 64 KiB slice cost
+4.9-5.4 ms of CPU (both ends, 7 at once in one process: the XOR's pattern);
+with the hand-offs above, 3.0-3.6 ms (load 8-11). In ``bench/recovery.py``
+(8 nodes, XOR set of 8) every node pulls one slice from each of 7 peers and
+serves 7, one transfer per peer pair and direction per generation: there
+is nothing to batch there, so a connection reused across a generation's
+transfers would not lower their count; the cost per transfer is what was
+left to cut. A peer that stops sending
 fails the transfer after :data:`IO_TIMEOUT` seconds: the kernel's timeout
 (``SO_RCVTIMEO``/``SO_SNDTIMEO``, :func:`blocking`), not Python's, whose
 socket timeout polls before every call. With it a chunk's header and its
@@ -211,10 +234,35 @@ def _recv_exact(sock: socket.socket, view: memoryview, what: str, at: str) -> No
         done += n
 
 
+def _recv_parts(sock: socket.socket, views: list[memoryview], what: str, ats: list[str]) -> None:
+    """Fill every view in turn with one ``recvmsg_into`` (MSG_WAITALL), again
+    only after a signal or a timeout that cut it short; ``ats[i]``: where
+    the stream is if it ends inside ``views[i]``."""
+    left = [v for v in views if len(v)]
+    places = [at for v, at in zip(views, ats, strict=True) if len(v)]
+    while left:
+        try:
+            n = sock.recvmsg_into(left, 0, socket.MSG_WAITALL)[0]
+        except OSError as exc:
+            if _timed_out(exc):
+                raise BulkError(f"{what}: the peer sent nothing for {IO_TIMEOUT:.0f} s ({places[0]})") from None
+            raise BulkError(f"{what}: the connection failed ({places[0]}): {exc.strerror or exc}") from None
+        if n == 0:
+            raise BulkError(f"{what}: the connection ended {places[0]}")
+        while left and n >= len(left[0]):
+            n -= len(left[0])
+            left.pop(0)
+            places.pop(0)
+        if left and n:
+            left[0] = left[0][n:]
+
+
 class Receiver:
     """Reads a sender's chunks from ``sock`` into one buffer, each checked
     (its length the one expected, its hash right), never past ``size``; then
-    the trailer and the end of the connection, nothing after it."""
+    the trailer and the end of the connection, nothing after it. A chunk's
+    bytes and the header after them (the next chunk's, or the trailer) come
+    in one call: one system call and one release of the GIL per chunk, not two."""
 
     def __init__(self, sock: socket.socket, size: int, what: str, *, digest=None):
         self.sock, self.size, self.what, self.digest = sock, size, what, digest
@@ -225,9 +273,9 @@ class Receiver:
 
     def chunks(self) -> Iterator[memoryview]:
         """Each verified chunk (a view of the one buffer: used before the next is asked for)."""
+        _recv_exact(self.sock, self.header, self.what, f"after 0 of {self.size} bytes" if self.size else "before its trailer")
         while self.off < self.size:
             want = min(CHUNK, self.size - self.off)
-            _recv_exact(self.sock, self.header, self.what, f"after {self.off} of {self.size} bytes")
             n, h = HEADER.unpack(self.header)
             if n != want:
                 if n == 0:
@@ -236,17 +284,19 @@ class Receiver:
                     raise BulkError(f"{self.what}: the peer sent more than the {self.size} bytes expected")
                 raise BulkError(f"{self.what}: the peer sent a chunk of {n} bytes at offset {self.off}, {want} were expected")
             view = self.buf[:n]
-            _recv_exact(self.sock, view, self.what, f"inside the chunk at offset {self.off}")
+            after = self.off + n
+            _recv_parts(self.sock, [view, self.header], self.what,
+                        [f"inside the chunk at offset {self.off}", f"after {after} of {self.size} bytes" if after < self.size else "before its trailer"])
             if chunk_hash(view) != h:
                 raise BulkError(f"{self.what}: the chunk at offset {self.off} is corrupted (its checksum does not match)")
             if self.digest is not None:
                 self.digest.update(view)
-            self.off += n
+            self.off = after
             yield view
         self.finish()
 
     def finish(self) -> None:
-        _recv_exact(self.sock, self.header, self.what, "before its trailer")
+        """The header after the last chunk (read with it) must be the trailer, and then the end of the connection."""
         if HEADER.unpack(self.header) != (0, 0):
             raise BulkError(f"{self.what}: the peer sent more than the {self.size} bytes expected")
         try:

@@ -646,11 +646,14 @@ class RemoteData:
     """A peer's data as a :class:`gangd.redundancy.xor.Source`, for the XOR
     code running in a worker thread (``trio.to_thread.run_sync``).
 
-    With ``bulk``, each ``blocks()`` call opens its bulk connection at once
-    (a task in ``nursery``: every source of a parity or a rebuild dials in
-    parallel, before the first byte is wanted), and the thread reads the
-    socket itself (:class:`gangd.redundancy.bulk.Receiver`, every chunk
-    checked). If the bulk path is refused (no listener, a listener without
+    With ``bulk``, each ``blocks()`` call starts its control request at once
+    (a task in ``nursery``, started with ``run_sync_soon``: the thread does
+    not wait for the event loop; every source of a parity or a rebuild asks
+    in parallel, before the first byte is wanted), and when the bytes are
+    wanted the thread waits for the offer, dials and reads the socket itself
+    (:class:`gangd.redundancy.bulk.Receiver`, every chunk checked). The
+    request is held until the sender's ``{end}``; cancelled, it cuts the
+    thread's socket (:class:`gangd.redundancy.bulk.Line`). If the bulk path is refused (no listener, a listener without
     the secret, a malformed offer) or breaks (a chunk short, corrupted, cut,
     or bytes after the end), the rest of the slice comes over the channel,
     every byte checked the same way, as :func:`fetch_file` does; the bytes

@@ -680,6 +680,31 @@ async def test_a_liar_on_the_bulk_socket_is_refused_and_the_file_comes_over_the_
         assert [f.name for f in dest.iterdir()] == ["rank-0.state"] and first_difference((dest / "rank-0.state").read_bytes(), blob) is None
 
 
+def _stall_after_one_chunk(wait: float, stalled=None, released=None):
+    """A bulk sender that sends one chunk, then nothing, holding its connection
+    open (up to ``wait`` s) until the puller closes it; ``stalled`` and
+    ``released`` (threading.Events) set once it stalls and once it saw the close."""
+    from gangd.redundancy import bulk
+
+    def stall(sock, source):
+        first = bytearray(bulk.CHUNK)
+        source.read_into(0, memoryview(first))
+        sock.sendall(bulk.HEADER.pack(len(first), bulk.chunk_hash(first)) + first)
+        bulk.blocking(sock, wait)
+        if stalled is not None:
+            stalled.set()
+        try:  # then nothing, until the puller gives up and closes
+            while sock.recv(1):
+                pass
+        except OSError:
+            pass
+        if released is not None:
+            released.set()
+        return bulk.CHUNK
+
+    return stall
+
+
 async def test_a_sender_that_stalls_mid_file_fails_the_bulk_path_and_the_file_comes_over_the_channel(tmp_path, caplog, monkeypatch):
     # The bulk sockets are blocking with the kernel's timeout (SO_RCVTIMEO),
     # not Python's: a peer that sends one chunk and then nothing, holding
@@ -694,18 +719,7 @@ async def test_a_sender_that_stalls_mid_file_fails_the_bulk_path_and_the_file_co
     dest = tmp_path / "dest"
     dest.mkdir()
 
-    def stall(sock, source):
-        first = bytearray(bulk.CHUNK)
-        source.read_into(0, memoryview(first))
-        sock.sendall(bulk.HEADER.pack(len(first), bulk.chunk_hash(first)) + first)
-        bulk.blocking(sock, 30.0)  # (this end waits longer than the puller)
-        try:  # then nothing, until the puller gives up and closes
-            while sock.recv(1):
-                pass
-        except OSError:
-            pass
-        return bulk.CHUNK
-
+    stall = _stall_after_one_chunk(30.0)  # (this end waits longer than the puller)
     async with trio.open_nursery() as nursery:
         server = await bulk_server(nursery)
         channel = await channel_pair(nursery, bulk_serving(root, server, send=stall))
@@ -734,21 +748,7 @@ async def test_a_bulk_file_transfer_cancelled_while_the_sender_stalls_stops_at_o
     dest = tmp_path / "dest"
     dest.mkdir()
     stalled, released = threading.Event(), threading.Event()
-
-    def stall(sock, source):
-        first = bytearray(bulk.CHUNK)
-        source.read_into(0, memoryview(first))
-        sock.sendall(bulk.HEADER.pack(len(first), bulk.chunk_hash(first)) + first)
-        bulk.blocking(sock, 120.0)
-        stalled.set()
-        try:
-            while sock.recv(1):
-                pass
-        except OSError:
-            pass
-        released.set()
-        return bulk.CHUNK
-
+    stall = _stall_after_one_chunk(120.0, stalled, released)
     async with trio.open_nursery() as nursery:
         server = await bulk_server(nursery)
         channel = await channel_pair(nursery, bulk_serving(root, server, send=stall))

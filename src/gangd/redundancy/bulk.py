@@ -34,7 +34,10 @@ another length, a chunk whose hash does not match, a trailer that is not
 one, a byte after it, a connection that ends short; a file's whole XXH3-128
 must be the manifest's. A file lands under a temporary name, fsynced,
 renamed; a refused transfer leaves nothing. Paths come from the receiver's
-own arguments, never from the peer.
+own arguments, never from the peer. The receiver reads a chunk's bytes and
+the header after them in one ``recvmsg_into`` (its length already checked,
+both into buffers of their own fixed size): one system call, one release
+of the GIL, per chunk.
 
 Blocking I/O runs in worker threads, one per transfer and per side, each
 doing its side's whole share in one hand-off from the event loop: the
@@ -221,17 +224,7 @@ def _send_parts(sock: socket.socket, parts: list) -> None:
 def _recv_exact(sock: socket.socket, view: memoryview, what: str, at: str) -> None:
     """Fill ``view`` (one call, normally: MSG_WAITALL on a blocking socket;
     again after a signal or a timeout that cut it short)."""
-    done = 0
-    while done < len(view):
-        try:
-            n = sock.recv_into(view[done:], 0, socket.MSG_WAITALL)
-        except OSError as exc:
-            if _timed_out(exc):
-                raise BulkError(f"{what}: the peer sent nothing for {IO_TIMEOUT:.0f} s ({at})") from None
-            raise BulkError(f"{what}: the connection failed ({at}): {exc.strerror or exc}") from None
-        if n == 0:
-            raise BulkError(f"{what}: the connection ended {at}")
-        done += n
+    _recv_parts(sock, [view], what, [at])
 
 
 def _recv_parts(sock: socket.socket, views: list[memoryview], what: str, ats: list[str]) -> None:

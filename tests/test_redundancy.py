@@ -731,11 +731,13 @@ async def test_a_sender_that_stalls_mid_file_fails_the_bulk_path_and_the_file_co
     assert first_difference((dest / "rank-0.state").read_bytes(), blob) is None
 
 
-async def test_a_bulk_file_transfer_cancelled_while_the_sender_stalls_stops_at_once_and_leaves_nothing(tmp_path):
+async def test_a_bulk_file_transfer_cancelled_while_the_sender_stalls_stops_at_once_and_leaves_nothing(tmp_path, monkeypatch):
     # The worker thread that dialled and receives is blocked on its socket;
     # cancelling the transfer cuts it (the thread's call fails now, not
     # after the 60 s timeout), the sender sees the close, and neither the
-    # file nor its temporary name is left.
+    # file nor its temporary name is left once the cancel returns: it waits
+    # for the cut thread's cleanup (slowed here, as a busy disk would:
+    # before, it could still be there: seen once under load).
     import threading
 
     from gangd.redundancy import bulk
@@ -749,6 +751,13 @@ async def test_a_bulk_file_transfer_cancelled_while_the_sender_stalls_stops_at_o
     dest.mkdir()
     stalled, released = threading.Event(), threading.Event()
     stall = _stall_after_one_chunk(120.0, stalled, released)
+    real_close = bulk.DirectFile.close
+
+    def slow_close(self) -> None:
+        time.sleep(0.3)
+        real_close(self)
+
+    monkeypatch.setattr(bulk.DirectFile, "close", slow_close)
     async with trio.open_nursery() as nursery:
         server = await bulk_server(nursery)
         channel = await channel_pair(nursery, bulk_serving(root, server, send=stall))

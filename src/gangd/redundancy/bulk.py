@@ -50,7 +50,10 @@ transfer and, when the transfer is cancelled, cuts it: the socket is shut
 down so the thread's blocking call fails at once, on either side, even if
 the peer is hung and never lets go of its end (a socket the thread
 attaches after the cut is closed before a byte moves; what a thread that
-never started was handed is closed by the event loop).
+never started was handed is closed by the event loop). The cancel then
+waits, up to :data:`HANDSHAKE_TIMEOUT`, for the cut thread to clean up
+(its fds closed, a temporary file removed): a cancelled transfer has left
+nothing when the cancel returns.
 
 Why so few hand-offs: a transfer's fixed cost is control, not bytes — a
 channel request and its items, a ticket, the handshake, a TCP connection,
@@ -367,6 +370,8 @@ class Line:
         #: What the thread is handed to close: closed by the event loop instead if the thread never starts.
         self.owned = owned
         self._cut = self._started = False
+        #: Set when the thread is done (its fds closed, a refused file's temporary name removed).
+        self.done = threading.Event()
 
     def begin(self) -> bool:
         """The thread starts using the line: False if it was cut first (then the thread does nothing)."""
@@ -381,7 +386,9 @@ class Line:
                 raise BulkError(f"{what}: the transfer was cancelled")
             self.sock = sock
 
-    def cut(self) -> None:
+    def cut(self) -> bool:
+        """Shut the socket down; True if the thread had started (it closes
+        what it holds), else what it was handed is closed here."""
         with self._lock:
             self._cut = True
             if self.sock is not None:
@@ -392,6 +399,7 @@ class Line:
             for close in self.owned:
                 with contextlib.suppress(OSError):
                     close()
+        return started
 
 
 def dial(host: str, port: int, key: bytes, ticket: bytes, what: str, line: Line | None = None) -> socket.socket:
@@ -573,14 +581,22 @@ async def run_on_line(line: Line, fn, *args):
     :func:`dial` with ``line``) the line's socket; cancelled, the line is
     cut so the thread's blocking call fails at once."""
     def guarded():
-        if not line.begin():
-            raise BulkError("the transfer was cancelled")  # (nobody waits for this: the caller was cancelled)
-        return fn(*args)
+        try:
+            if not line.begin():
+                raise BulkError("the transfer was cancelled")  # (nobody waits for this: the caller was cancelled)
+            return fn(*args)
+        finally:
+            line.done.set()
 
     try:
         return await trio.to_thread.run_sync(guarded, abandon_on_cancel=True)
     except trio.Cancelled:
-        line.cut()
+        if line.cut():
+            # The cut thread fails at once and cleans up (closes its fds,
+            # removes a temporary file): wait for that, a little, so a
+            # cancelled transfer has left nothing when the cancel returns.
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(line.done.wait, HANDSHAKE_TIMEOUT)
         raise
     except OSError as exc:
         if _timed_out(exc):

@@ -43,15 +43,18 @@ control (a channel request, a ticket, the handshake, a connection, the
 hand-offs between the event loop and threads) is a fixed cost per node
 and generation: with the hand-offs cut to one per side and transfer
 (:mod:`gangd.redundancy.bulk`), CPU per MiB of the redundancy phase went
-from 13.3-16.5 to 10.6-11.3 ms at 4 MiB per node, 5.1-6.0 to 3.6-4.5 at
-16 MiB, 1.8-2.0 to 1.7-1.8 at 128 MiB (alternating runs against the code
-before). At 128 MiB the bytes dominate: reading them from the page cache,
-sending, receiving, hashing and XORing them costs ~0.8-1.2 ms/MiB of CPU
-on this machine, about half to two thirds of the local write's own; while
-the CPUs and not the disk bound a run (here, always), xor's ratio to a
-local write stays near local / (local + redundancy) CPU, ~0.5-0.6 here,
-whatever the control costs; the 0.75 target needs each node's own CPUs
-(``--alone``), as on a cluster.
+from 13.3-16.5 to 10.6-11.3 ms at 4 MiB per node (2 runs each), 4.2-6.0
+to 3.6-4.5 at 16 MiB (4 each), and at 128 MiB from 1.75-2.03 to
+1.66-1.91 (4 each: within this machine's noise), alternating with the code
+before in the same session. At 128 MiB the bytes dominate: reading them
+from the page cache, sending, receiving, hashing and XORing them costs
+~0.8-1.2 ms/MiB of CPU here, about what the local write itself costs
+(0.9-1.9 ms/MiB in those runs). While the CPUs and not the disk bound a
+run (here, always: 8 nodes on 2 CPUs), xor's ratio to a local write stays
+near local / (local + redundancy) CPU — 0.4-0.7 in run in those runs, on
+either code — whatever the control costs: the 0.75 target is out of reach
+on this machine (a cluster's nodes each have CPUs of their own; the
+bench's ``--alone`` mode is the nearest this machine gets to one).
 """
 
 from __future__ import annotations

@@ -62,7 +62,9 @@ each here, on a loaded 2-CPU machine). With a ``to_thread`` to open, to
 dial, to send and to close, and ``from_thread`` round trips to start the
 request, take the socket and release the request, a 64 KiB slice cost
 4.9-5.4 ms of CPU (both ends, 7 at once in one process: the XOR's pattern);
-with the hand-offs above, 3.0-3.6 ms (load 8-11). In ``bench/recovery.py``
+with the hand-offs above, 3.0-3.6 ms (load 8-11); ``bench/bulk_control.py``,
+6 alternating runs at load 2.4-9: medians 5.1 -> 4.1 ms, and 1.45x -> 1.15x
+the channel path's own cost in the same run. In ``bench/recovery.py``
 (8 nodes, XOR set of 8) every node pulls one slice from each of 7 peers and
 serves 7, one transfer per peer pair and direction per generation: there
 is nothing to batch there, so a connection reused across a generation's

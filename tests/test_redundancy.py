@@ -680,6 +680,31 @@ async def test_a_liar_on_the_bulk_socket_is_refused_and_the_file_comes_over_the_
         assert [f.name for f in dest.iterdir()] == ["rank-0.state"] and first_difference((dest / "rank-0.state").read_bytes(), blob) is None
 
 
+def _stall_after_one_chunk(wait: float, stalled=None, released=None):
+    """A bulk sender that sends one chunk, then nothing, holding its connection
+    open (up to ``wait`` s) until the puller closes it; ``stalled`` and
+    ``released`` (threading.Events) set once it stalls and once it saw the close."""
+    from gangd.redundancy import bulk
+
+    def stall(sock, source):
+        first = bytearray(bulk.CHUNK)
+        source.read_into(0, memoryview(first))
+        sock.sendall(bulk.HEADER.pack(len(first), bulk.chunk_hash(first)) + first)
+        bulk.blocking(sock, wait)
+        if stalled is not None:
+            stalled.set()
+        try:  # then nothing, until the puller gives up and closes
+            while sock.recv(1):
+                pass
+        except OSError:
+            pass
+        if released is not None:
+            released.set()
+        return bulk.CHUNK
+
+    return stall
+
+
 async def test_a_sender_that_stalls_mid_file_fails_the_bulk_path_and_the_file_comes_over_the_channel(tmp_path, caplog, monkeypatch):
     # The bulk sockets are blocking with the kernel's timeout (SO_RCVTIMEO),
     # not Python's: a peer that sends one chunk and then nothing, holding
@@ -694,18 +719,7 @@ async def test_a_sender_that_stalls_mid_file_fails_the_bulk_path_and_the_file_co
     dest = tmp_path / "dest"
     dest.mkdir()
 
-    def stall(sock, source):
-        first = bytearray(bulk.CHUNK)
-        source.read_into(0, memoryview(first))
-        sock.sendall(bulk.HEADER.pack(len(first), bulk.chunk_hash(first)) + first)
-        bulk.blocking(sock, 30.0)  # (this end waits longer than the puller)
-        try:  # then nothing, until the puller gives up and closes
-            while sock.recv(1):
-                pass
-        except OSError:
-            pass
-        return bulk.CHUNK
-
+    stall = _stall_after_one_chunk(30.0)  # (this end waits longer than the puller)
     async with trio.open_nursery() as nursery:
         server = await bulk_server(nursery)
         channel = await channel_pair(nursery, bulk_serving(root, server, send=stall))
@@ -715,6 +729,52 @@ async def test_a_sender_that_stalls_mid_file_fails_the_bulk_path_and_the_file_co
         nursery.cancel_scope.cancel()
     assert "the peer sent nothing for" in caplog.text and "pulling it over the peer channel instead" in caplog.text, caplog.text
     assert first_difference((dest / "rank-0.state").read_bytes(), blob) is None
+
+
+async def test_a_bulk_file_transfer_cancelled_while_the_sender_stalls_stops_at_once_and_leaves_nothing(tmp_path, monkeypatch):
+    # The worker thread that dialled and receives is blocked on its socket;
+    # cancelling the transfer cuts it (the thread's call fails now, not
+    # after the 60 s timeout), the sender sees the close, and neither the
+    # file nor its temporary name is left once the cancel returns: it waits
+    # for the cut thread's cleanup (slowed here, as a busy disk would:
+    # before, it could still be there: seen once under load).
+    import threading
+
+    from gangd.redundancy import bulk
+
+    assert bulk.IO_TIMEOUT >= 60
+    blob = random.Random(10).randbytes(2 * bulk.CHUNK + 5)
+    root = tmp_path / "n2"
+    manifest = make_gen(ckptstore.gen_dir(root, 7, 3), "n2", {"ranks/rank-0.state": blob})
+    size, checksum = manifest.files["ranks/rank-0.state"]
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    stalled, released = threading.Event(), threading.Event()
+    stall = _stall_after_one_chunk(120.0, stalled, released)
+    real_close = bulk.DirectFile.close
+
+    def slow_close(self) -> None:
+        time.sleep(0.3)
+        real_close(self)
+
+    monkeypatch.setattr(bulk.DirectFile, "close", slow_close)
+    async with trio.open_nursery() as nursery:
+        server = await bulk_server(nursery)
+        channel = await channel_pair(nursery, bulk_serving(root, server, send=stall))
+        with trio.fail_after(30):
+            async with trio.open_nursery() as transfer_scope:
+
+                async def cancel_once_stalled() -> None:
+                    await trio.to_thread.run_sync(stalled.wait)
+                    transfer_scope.cancel_scope.cancel()
+
+                transfer_scope.start_soon(cancel_once_stalled)
+                await transfer.fetch_file(channel, lineage=7, gen=3, name="ranks/rank-0.state", size=size, checksum=checksum,
+                                          dest_dir=dest, bulk=bulk.Bulk.from_secret(SECRET))
+                raise AssertionError("the transfer was not cancelled")
+            await trio.to_thread.run_sync(released.wait)
+        nursery.cancel_scope.cancel()
+    assert list(dest.iterdir()) == []
 
 
 async def test_a_wrong_size_offer_or_a_listener_without_the_secret_is_refused(peer_gen, caplog):

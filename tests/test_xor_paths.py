@@ -335,3 +335,86 @@ def test_a_survivor_wiped_during_the_recovery_of_an_xor_set_falls_back_to_the_ol
     finally:
         (points / "flush.hold").unlink(missing_ok=True)
         kill_what_is_left(cluster)
+
+
+# ================================================================ a cancelled transfer stops at once
+
+
+def hung(root, kept: list, sent: trio.Event):
+    """A daemon's handler whose bulk sender of data slices sends one chunk,
+    then nothing, and never lets go: its connection is left open when the
+    request is cancelled (a peer that is hung or hostile; an honest sender
+    shuts its socket down then). ``kept``: those sockets, for the test;
+    ``sent`` set once the chunk is sent."""
+    from gangd.rpc import Stream
+
+    channel_ops = serving(root)
+
+    async def make(nursery):
+        server = await bulk_server(nursery)
+
+        async def handler(channel, request):
+            if request.op != "ckpt_bulk_read":
+                return await channel_ops(channel, request)
+
+            async def produce(emit) -> None:
+                ticket, slot = server.issue()
+                await emit({"ticket": ticket, "port": server.port, "size": request.args["length"]})
+                await slot.claimed.wait()
+                sock, slot.sock = slot.sock, None
+                kept.append(sock)
+                first = bytes(bulk.CHUNK)
+                sock.sendall(bulk.HEADER.pack(len(first), bulk.chunk_hash(first)) + first)
+                sent.set()
+                await trio.sleep_forever()
+
+            return Stream(produce)
+
+        return handler
+
+    return make
+
+
+async def test_a_parity_write_cancelled_while_a_peer_stalls_stops_at_once_and_leaves_nothing(tmp_path):
+    # The parity's thread is blocked reading a peer's bulk socket, the peer
+    # hung (or hostile): one chunk sent, then nothing, and it never lets go
+    # of its connection, not even when the request is cancelled. Cancelling
+    # the parity (as the daemon does when the redundancy write fails or the
+    # daemon stops) cuts the socket on this side: the thread stops now, not
+    # after the bulk path's 60 s timeout; the peer sees the connection end;
+    # no parity, temporary file or meta is left. Before: the task holding
+    # the request was cancelled but the socket the thread read was not shut
+    # down, and the thread waited out the timeout (an honest sender, whose
+    # request is cancelled too, shuts its end down: that hid it).
+    nodes, dirs, _, _ = xor_set(tmp_path, n=3, seed=8)
+    shutil.rmtree(dirs[0] / xor.REDUNDANCY_DIR)
+    manifests = [ckptstore.read_manifest(d) for d in dirs]
+    key = bulk.Bulk.from_secret(SECRET)
+    kept: list = []
+    sent = trio.Event()
+    assert bulk.IO_TIMEOUT >= 60
+    async with trio.open_nursery() as peers:  # the peers live on: only the parity is cancelled
+        channels = [await channel_pair(peers, await honest(tmp_path / "n1")(peers)),
+                    await channel_pair(peers, await hung(tmp_path / "n2", kept, sent)(peers))]
+        with trio.fail_after(30):
+            async with trio.open_nursery() as parity:
+                sources: list = [None] + [transfer.RemoteData(parity, channel, 7, 3, bulk=key) for channel in channels]
+
+                async def cancel_once_stalled() -> None:
+                    await sent.wait()
+                    await trio.sleep(0.2)  # (the thread is then blocked reading the second chunk)
+                    parity.cancel_scope.cancel()
+
+                parity.start_soon(cancel_once_stalled)
+                with pytest.raises(BaseException) as err:  # (whatever the thread ends with: it ends)
+                    await trio.to_thread.run_sync(xor.write_parity, dirs[0], xor.meta_for(manifests, nodes, 0), sources)
+        # the puller closed its end: the hung peer sees the end of the stream after the one chunk
+        bulk.blocking(kept[0], 10.0)
+        rest = b""
+        while chunk := kept[0].recv(1 << 16):
+            rest += chunk
+        kept[0].close()
+        peers.cancel_scope.cancel()
+    assert rest == b""
+    assert isinstance(err.value, (xor.RebuildError, trio.Cancelled)), repr(err.value)
+    assert sorted(p.name for p in (dirs[0] / xor.REDUNDANCY_DIR).iterdir()) == []

@@ -33,7 +33,7 @@ import contextlib
 import logging
 import os
 import re
-import socket
+import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -394,8 +394,9 @@ async def fetch_file(channel: Channel, *, lineage: int, gen: int, name: str, siz
         try:
             async with channel.stream("ckpt_bulk_read", lineage=lineage, gen=gen, name=name) as items:
                 ticket, port = bulkpath.check_offer(await bulkpath.first_item(items, what), size, what)
-                sock = await trio.to_thread.run_sync(bulkpath.dial, bulk.host_of(channel), port, bulk.key, ticket, what)
-                await bulkpath.run_on_socket(sock, bulkpath.receive_file, sock, dest_dir, leaf, size, checksum, owner, what, durable)
+                line = bulkpath.Line()
+                await bulkpath.run_on_line(line, _dial_and_receive, line, bulk.host_of(channel), port, bulk.key, ticket,
+                                           dest_dir, leaf, size, checksum, owner, what, durable)
             return
         except bulkpath.BulkMismatch:
             raise  # (the bytes arrived whole and are wrong: the channel would bring the same)
@@ -462,6 +463,17 @@ async def fetch_file(channel: Channel, *, lineage: int, gen: int, name: str, siz
             except OSError:
                 pass
         os.close(dir_fd)
+
+
+def _dial_and_receive(line: bulkpath.Line, host: str, port: int, key: bytes, ticket: bytes, dest_dir: Path, leaf: str, size: int,
+                      checksum: str, owner: tuple[int, int] | None, what: str, durable: bool) -> None:
+    """A worker thread's whole share of a bulk file transfer: dial, then
+    receive (one hand-off from the event loop, not one per step)."""
+    try:
+        sock = bulkpath.dial(host, port, key, ticket, what, line=line)
+    except OSError as exc:
+        raise bulkpath.BulkError(f"{what}: the bulk handshake failed: {exc.strerror or exc}") from None
+    bulkpath.receive_file(sock, dest_dir, leaf, size, checksum, owner, what, durable)
 
 
 def _write_all(fd: int, chunk: bytes) -> None:
@@ -607,36 +619,41 @@ async def data_stream(channel: Channel, *, lineage: int, gen: int, start: int, l
         yield verified_chunks(items, length, None, what)
 
 
-@dataclass
 class _Opening:
-    """A bulk connection being opened for one slice, by a task on the event
-    loop that holds its control request open until the reader is done
-    (``done``). Once ``ready``, the reader takes the socket (:meth:`take`;
-    None: ``error`` says why); a socket nobody took is closed by that task."""
+    """A bulk connection being opened for one slice. A task on the event
+    loop (:meth:`RemoteData._begin_bulk`) sends the control request and
+    holds it open until the sender has sent everything (its ``{end}``);
+    the reader thread waits for the offer on a ``threading.Event`` (no
+    round trip through the event loop), then dials and reads on ``line``
+    itself, which that task cuts if it is cancelled."""
 
-    ready: trio.Event
-    done: trio.Event
-    sock: socket.socket | None = None
-    error: str = ""
-    taken: bool = False
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self.ready = threading.Event()
+        self.offer: tuple[bytes, int] | None = None
+        self.error = ""
+        self.line = bulkpath.Line()
 
-    async def take(self) -> socket.socket | None:
-        await self.ready.wait()
-        if self.sock is None:
-            return None
-        self.taken = True
-        return self.sock
+    def wait(self, what: str) -> tuple[bytes, int]:
+        if not self.ready.wait(bulkpath.CLAIM_TIMEOUT):
+            raise bulkpath.BulkError(f"{what}: no offer from the peer within {bulkpath.CLAIM_TIMEOUT:.0f} s")
+        if self.offer is None:
+            raise bulkpath.BulkError(self.error or f"{what}: the transfer was cancelled")
+        return self.offer
 
 
 class RemoteData:
     """A peer's data as a :class:`gangd.redundancy.xor.Source`, for the XOR
     code running in a worker thread (``trio.to_thread.run_sync``).
 
-    With ``bulk``, each ``blocks()`` call opens its bulk connection at once
-    (a task in ``nursery``: every source of a parity or a rebuild dials in
-    parallel, before the first byte is wanted), and the thread reads the
-    socket itself (:class:`gangd.redundancy.bulk.Receiver`, every chunk
-    checked). If the bulk path is refused (no listener, a listener without
+    With ``bulk``, each ``blocks()`` call starts its control request at once
+    (a task in ``nursery``, started with ``run_sync_soon``: the thread does
+    not wait for the event loop; every source of a parity or a rebuild asks
+    in parallel, before the first byte is wanted), and when the bytes are
+    wanted the thread waits for the offer, dials and reads the socket itself
+    (:class:`gangd.redundancy.bulk.Receiver`, every chunk checked). The
+    request is held until the sender's ``{end}``; cancelled, it cuts the
+    thread's socket (:class:`gangd.redundancy.bulk.Line`). If the bulk path is refused (no listener, a listener without
     the secret, a malformed offer) or breaks (a chunk short, corrupted, cut,
     or bytes after the end), the rest of the slice comes over the channel,
     every byte checked the same way, as :func:`fetch_file` does; the bytes
@@ -656,6 +673,11 @@ class RemoteData:
         self.protected = protected
         self.name: str | None = None
         self.checksum: str | None = None
+        self.host = bulk.host_of(channel) if bulk is not None else ""
+        try:  # (made on the event loop's thread, as the daemon and the tests do; else a round trip per request)
+            self.token: trio.lowlevel.TrioToken | None = trio.lowlevel.current_trio_token()
+        except RuntimeError:
+            self.token = None
 
     def _what(self, start: int, length: int) -> str:
         if self.name:
@@ -692,45 +714,58 @@ class RemoteData:
     def _request_args(self, start: int, length: int) -> dict:
         return {"start": start, "length": length, **({"protected": True} if self.protected else {})}
 
-    def _begin_bulk(self, bulk: Bulk, start: int, length: int, what: str) -> _Opening:
-        """Start opening the bulk connection (on the event loop; returns at once)."""
-        opening = _Opening(trio.Event(), trio.Event())
+    def _begin_bulk(self, opening: _Opening, start: int, length: int, what: str) -> None:
+        """Start the control request of ``opening`` (on the event loop, from
+        ``run_sync_soon``: it must not raise)."""
 
         async def hold() -> None:
+            settled = False
             try:
                 async with self.channel.stream("ckpt_bulk_read", lineage=self.lineage, gen=self.gen,
                                                **self._request_args(start, length)) as items:
-                    ticket, port = bulkpath.check_offer(await bulkpath.first_item(items, what), length, what)
-                    opening.sock = await trio.to_thread.run_sync(bulkpath.dial, bulk.host_of(self.channel), port, bulk.key, ticket, what)
+                    opening.offer = bulkpath.check_offer(await bulkpath.first_item(items, what), length, what)
                     opening.ready.set()
-                    await opening.done.wait()
+                    async for _ in items:  # (the sender's {end}: the request lives until every byte is sent)
+                        pass
+                settled = True
             except (RemoteError, OSError) as exc:
+                settled = True  # (the reader learns it from its socket, or already has every byte)
                 opening.error = exc.message if isinstance(exc, RemoteError) else str(exc)
             finally:
-                if opening.sock is not None and not opening.taken:
-                    opening.sock.close()
-                    opening.sock = None
-                if not opening.error and not opening.ready.is_set():
-                    opening.error = f"{what}: the transfer was cancelled"
+                if not settled:  # cancelled: the reader's blocking call fails at once
+                    opening.line.cut()
                 opening.ready.set()
 
-        self.nursery.start_soon(hold)
-        return opening
+        try:
+            self.nursery.start_soon(hold)
+        except RuntimeError as exc:  # (the nursery is closed)
+            opening.error = f"{what}: {exc}"
+            opening.ready.set()
 
     def blocks(self, start: int, length: int) -> Iterator[bytes | memoryview]:
         if self.bulk is not None:
             what = self._what(start, length)
-            opening = trio.from_thread.run_sync(self._begin_bulk, self.bulk, start, length, what)
-            return self._bulk_blocks(opening, start, length, what)
+            opening = _Opening(self.host)
+            if self.token is not None:
+                try:  # (no wait for the event loop: the request starts while this thread goes on)
+                    self.token.run_sync_soon(self._begin_bulk, opening, start, length, what)
+                except trio.RunFinishedError:
+                    opening.error = f"{what}: the event loop has finished"
+                    opening.ready.set()
+            else:
+                trio.from_thread.run_sync(self._begin_bulk, opening, start, length, what)
+            return self._bulk_blocks(self.bulk.key, opening, start, length, what)
         return self._channel_blocks(start, length)
 
-    def _bulk_blocks(self, opening: _Opening, start: int, length: int, what: str) -> Iterator[bytes | memoryview]:
+    def _bulk_blocks(self, key: bytes, opening: _Opening, start: int, length: int, what: str) -> Iterator[bytes | memoryview]:
         got = 0
         digest = ckptstore.hasher() if self.checksum is not None else None
         try:
-            sock = trio.from_thread.run(opening.take)
-            if sock is None:
-                raise bulkpath.BulkError(opening.error)
+            ticket, port = opening.wait(what)
+            try:
+                sock = bulkpath.dial(opening.host, port, key, ticket, what, line=opening.line)
+            except OSError as exc:
+                raise bulkpath.BulkError(f"{what}: the bulk handshake failed: {exc.strerror or exc}") from None
             try:
                 for chunk in bulkpath.Receiver(sock, length, what, digest=digest).chunks():
                     got += len(chunk)
@@ -744,11 +779,6 @@ class RemoteData:
             if digest is not None and self.checksum is not None and (mine := digest.hexdigest()) != self.checksum:
                 raise xor.Damaged(f"{what}: checksum {mine[:16]}… of the bytes received does not match {self.checksum[:16]}…")
             return
-        finally:
-            try:
-                trio.from_thread.run_sync(opening.done.set)
-            except RuntimeError:  # (finalised on the event loop's own thread)
-                opening.done.set()
         yield from self._fallback(start, length, got, digest)
 
     def _fallback(self, start: int, length: int, got: int, digest) -> Iterator[bytes | memoryview]:

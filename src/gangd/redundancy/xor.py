@@ -31,7 +31,30 @@ redundancy phase). Sources are
 anything with ``blocks(start, length)``: a local directory
 (:class:`NodeData`, :class:`ParityFile`) or a peer's stream
 (:mod:`gangd.redundancy.transfer`). All of it is blocking file I/O: the
-daemon runs it in a thread (``trio.to_thread.run_sync``).
+daemon runs it in a thread (``trio.to_thread.run_sync``); a peer's source
+reads its bulk socket in that same thread (it dials there too), so a
+parity's transfers cost no thread of their own on the puller's side.
+
+What a parity costs (``bench/recovery.py``: 8 nodes, one XOR set of 8, on
+2 CPUs shared by the 8 "nodes" and by other work, load 10-20): each node
+pulls a slice from each of its 7 peers and serves one to each, 14
+transfers, one per peer pair and direction; nothing to batch. Their
+control (a channel request, a ticket, the handshake, a connection, the
+hand-offs between the event loop and threads) is a fixed cost per node
+and generation: with the hand-offs cut to one per side and transfer
+(:mod:`gangd.redundancy.bulk`), CPU per MiB of the redundancy phase went
+from 13.3-16.5 to 10.6-11.3 ms at 4 MiB per node (2 runs each), 4.2-6.0
+to 3.6-4.5 at 16 MiB (4 each), and at 128 MiB from 1.75-2.03 to
+1.66-1.91 (4 each: within this machine's noise), alternating with the code
+before in the same session. At 128 MiB the bytes dominate: reading them
+from the page cache, sending, receiving, hashing and XORing them costs
+~0.8-1.2 ms/MiB of CPU here, about what the local write itself costs
+(0.9-1.9 ms/MiB in those runs). While the CPUs and not the disk bound a
+run (here, always: 8 nodes on 2 CPUs), xor's ratio to a local write stays
+near local / (local + redundancy) CPU — 0.4-0.7 in run in those runs, on
+either code — whatever the control costs: the 0.75 target is out of reach
+on this machine (a cluster's nodes each have CPUs of their own; the
+bench's ``--alone`` mode is the nearest this machine gets to one).
 """
 
 from __future__ import annotations

@@ -84,8 +84,8 @@ def checkpoint(gc, job: int, timeout: float = 90) -> dict:
     Asked in this process, as the command asks (``gang.checkpoint(job, wait=True)``):
     the checkpoint tests take hundreds, and a `gang` for each was a Python
     start-up on a 2-core machine. The command itself is run by the tests of
-    its output and exit code (test_checkpoint, test_submit_path,
-    test_delta_cluster's ``take``)."""
+    its output and exit code (test_checkpoint's refusals, test_submit_path's
+    checkpointed job, test_protect_takeover's)."""
 
     async def take(gang):
         with trio.fail_after(timeout):  # (as the command's subprocess timeout was)

@@ -100,7 +100,12 @@ def checkpoint_when_ready(gc, job: int, timeout: float = 60) -> dict:
     asked for again, as a user's script would."""
     deadline = time.monotonic() + timeout
     while True:
-        gen = checkpoint(gc, job)
+        try:
+            gen = checkpoint(gc, job)
+        except AssertionError as exc:  # (refused as an error: the same wait)
+            if "has not called gangd.ckptlib.init()" not in str(exc):
+                raise
+            gen = {"state": "refused", "reason": str(exc)}
         if gen["state"] != "refused" or "has not called gangd.ckptlib.init()" not in (gen.get("reason") or ""):
             return gen
         assert time.monotonic() < deadline, f"job {job}'s ranks did not take checkpoints within {timeout} s: {gen['reason']}"

@@ -217,8 +217,8 @@ def take(gc, job: int, timeout: float = 90) -> dict:
     while True:
         try:
             taken = checkpoint(gc, job)  # (asked in this process, as `gang checkpoint --json` asks: 55 of them in this file)
-        except AssertionError as exc:
-            if "has not called gangd.ckptlib.init()" not in str(exc):
+        except AssertionError as exc:  # (a restart just submitted may still be QUEUED, its ranks not in ckpt.init())
+            if "has not called gangd.ckptlib.init()" not in str(exc) and "is QUEUED; only a running" not in str(exc):
                 raise
         else:
             if taken["state"] != "refused" or "has not called gangd.ckptlib.init()" not in (taken.get("reason") or ""):

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import trio
+
 from gangd import ckptstore
 from gangd.rpc import RemoteError
 
@@ -71,16 +73,25 @@ def result_of(gc, job: int, timeout: float = 60) -> str:
         if record["state"] != "REQUEUED":
             break
         job = record["requeued_as"]
-    logs = gc.gang("logs", job, check=True).stdout
+    logs = gc.logs(job)  # (what `gang logs` prints, read in this process)
     assert record["state"] == "DONE", f"job {job} {record['state']}: {record['reason']}\n{logs}"
     return result_line(logs)
 
 
-def checkpoint(gc, job: int) -> dict:
-    """The generation (complete or aborted: `gang checkpoint` exits 1 for those)."""
-    result = gc.gang("checkpoint", job, "--json", timeout=90)
-    assert result.stdout, f"gang checkpoint {job} exited {result.returncode}: {result.stderr}"
-    return json.loads(result.stdout)
+def checkpoint(gc, job: int, timeout: float = 90) -> dict:
+    """The generation (complete or aborted), as `gang checkpoint JOB --json` prints it.
+
+    Asked in this process, as the command asks (``gang.checkpoint(job, wait=True)``):
+    the checkpoint tests take hundreds, and a `gang` for each was a Python
+    start-up on a 2-core machine. The command itself is run by the tests of
+    its output and exit code (test_checkpoint's refusals, test_submit_path's
+    checkpointed job, test_protect_takeover's)."""
+
+    async def take(gang):
+        with trio.fail_after(timeout):  # (as the command's subprocess timeout was)
+            return await gang.checkpoint(job, wait=True)
+
+    return gc.ask(take, f"checkpoint {job}")
 
 
 def checkpoint_when_ready(gc, job: int, timeout: float = 60) -> dict:
@@ -89,7 +100,12 @@ def checkpoint_when_ready(gc, job: int, timeout: float = 60) -> dict:
     asked for again, as a user's script would."""
     deadline = time.monotonic() + timeout
     while True:
-        gen = checkpoint(gc, job)
+        try:
+            gen = checkpoint(gc, job)
+        except AssertionError as exc:  # (refused as an error: the same wait)
+            if "has not called gangd.ckptlib.init()" not in str(exc):
+                raise
+            gen = {"state": "refused", "reason": str(exc)}
         if gen["state"] != "refused" or "has not called gangd.ckptlib.init()" not in (gen.get("reason") or ""):
             return gen
         assert time.monotonic() < deadline, f"job {job}'s ranks did not take checkpoints within {timeout} s: {gen['reason']}"
@@ -128,7 +144,7 @@ def wait_generations(gc, job: int, count: int, timeout: float = 30) -> list[dict
 
 
 def kill_and_restart(gc, job: int, *extra) -> int:
-    gc.gang("kill", job, check=True)
+    gc.ask(lambda gang: gang.kill(job), f"kill {job}")  # (as `gang kill` asks; `gang restart` is run as the user would)
     out = gc.gang("restart", job, "--json", *extra, check=True).stdout
     return json.loads(out)["record"]["id"]
 
@@ -165,7 +181,7 @@ def wait_holding(gc, job: int, timeout: float = 60) -> None:
     """Until every rank of ``job`` (ckptjob with ``hold``) idles at its hold: each has called ckpt.init() and takes checkpoints."""
     deadline = time.monotonic() + timeout
     nranks = gc.job(job)["nranks"]
-    while gc.gang("logs", job).stdout.count(" holding at step ") < nranks:
+    while gc.logs(job).count(" holding at step ") < nranks:  # (read in this process: polled)
         assert time.monotonic() < deadline, f"job {job} did not reach its hold in {timeout} s\n{why_stuck(gc, job)}"
         time.sleep(0.1)
 

@@ -71,16 +71,52 @@ class LocalCluster:
         if trio.lowlevel.in_trio_run():
             records = self.gang_json("ps", "--all")
         else:
-            records = self._ps_all()
+            records = self.ps(all=True)
         for record in records:
             if record["id"] == job_id:
                 return record
         raise KeyError(job_id)
 
-    def _ps_all(self) -> list[dict]:
-        found = self.ask(lambda gang: gang.jobs(all=True), "ps --all", as_json=False)
+    def ps(self, *, all: bool = False) -> list[dict]:
+        """What `gang ps [--all] --json` prints, asked in this process (for polls)."""
+        found = self.ask(lambda gang: gang.jobs(all=all), "ps --all" if all else "ps", as_json=False)
         # As the command prints them: each marked stale if the answer may be out of date.
         return _as_json([dict(r, stale=found.stale) for r in found] if found.stale else list(found))
+
+    def node_states(self) -> dict[str, str]:
+        """Each node's state as `gang nodes --json` lists it ({"n1": "up", ...}), asked in this process
+        (the tests poll it while a node dies or comes back: a `gang` per poll is a Python start-up)."""
+        return {row["name"]: row["state"] for row in self.ask(lambda gang: gang.nodes(), "nodes")}
+
+    def logs(self, job_id: int) -> str:
+        """What `gang logs JOB` prints on stdout (each rank's stdout, line by line, labelled with
+        its rank), read in this process: for the tests' polls of a job's output."""
+
+        async def read(gang):
+            record = await gang.job(job_id)
+            width = len(str(max(0, record["nranks"] - 1)))
+            partial: dict = {}
+            lines: list[str] = []
+
+            def put(rank, line: bytes) -> None:
+                label = f"{rank:>{width}}: " if rank is not None else ""
+                lines.append(label + line.decode(errors="replace"))
+
+            async with gang.output(job_id, follow=False) as chunks:
+                async for item in chunks:
+                    if item.get("stream", 1) != 1:
+                        continue
+                    rank = item.get("rank")
+                    *done, rest = (partial.pop(rank, b"") + item.get("data", b"")).split(b"\n")
+                    for line in done:
+                        put(rank, line + b"\n")
+                    if rest:
+                        partial[rank] = rest
+            for rank, rest in partial.items():
+                put(rank, rest + b"\n")
+            return "".join(lines)
+
+        return self.ask(read, f"logs {job_id}", as_json=False)
 
     def ask(self, request, what: str = "request", *, as_json: bool = True):
         """``await request(client)`` on the cluster's first reachable daemon (as
@@ -365,11 +401,19 @@ def points(tmp_path, monkeypatch):
     return directory
 
 
-#: Test files by decreasing duration (their CI times, roughly), handed out first.
+#: Test files by decreasing duration, handed out first (largest first, the two workers end within
+#: about the last small file of each other). From the durations of a whole run (`--durations=0`, per
+#: file: call + setup + teardown); every file that took 20 s or more is listed, the rest come after
+#: in collection order. Update it when a file grows a lot (a new file of minutes left out runs last).
 _SLOW_FILES = (
-    "test_checkpoint", "test_recovery", "test_restart_anywhere", "test_disk_loss", "test_mpi_checkpoint", "test_cluster_etcd",
-    "test_control_plane", "test_security_wire", "test_flush", "test_rebuild", "test_xor_paths", "test_redundancy", "test_security_fs", "test_security_review",
-    "test_security_values", "test_security_procs", "test_etcd", "test_submit_path", "test_mpi", "test_gang", "test_messaging",
+    "test_recovery", "test_delta_cluster", "test_checkpoint", "test_security_wire", "test_gang", "test_disk_loss", "test_control_plane",
+    "test_rebuild", "test_mpi_checkpoint", "test_mpi_names", "test_cluster_etcd", "test_mpi_spawn", "test_history_blocks", "test_cluster",
+    "test_failures", "test_flush", "test_restart_anywhere", "test_messaging", "test_security_fs", "test_xor_paths", "test_ckcodec",
+    "test_security_procs", "test_rank_server", "test_protect", "test_security_values", "test_submit_path", "test_mpi", "test_restart_speed",
+    "test_etcd", "test_node_watch", "test_delta_units", "test_spc21", "test_security_jobs", "test_security_review", "test_comm_auth",
+    "test_disk_replaced", "test_mpi_delta21", "test_live_nodes", "test_delta_wire", "test_nodelog", "test_comm_units", "test_delta_hostile",
+    "test_security_disk", "test_restart21", "test_checkpoint_machines", "test_protect_takeover", "test_jobtable", "test_ckptlib_units",
+    "test_codecflag", "test_dflt21", "test_checkpoint_sync", "test_daemon_wiring",
 )
 
 
@@ -524,7 +568,7 @@ def restart_gc(restart_cluster):
     for node in sorted(restart_cluster.files):
         if not restart_cluster.files[node].pid():
             restart_cluster.start_daemon(node)
-    wait_for(lambda: all(r["state"] == "up" for r in restart_cluster.gang_json("nodes")["nodes"]), 60, "every node up again")
+    wait_for(lambda: all(state == "up" for state in restart_cluster.node_states().values()), 60, "every node up again")
 
 
 @pytest.fixture(scope="module")

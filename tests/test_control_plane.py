@@ -355,7 +355,7 @@ def test_ended_jobs_move_to_the_history_and_every_command_still_finds_them(make_
         cluster.wait_state(job, "DONE")
     cluster.wait_state(bad, "FAILED")
     # Retired from the hot table: `ps` no longer lists them, the history does.
-    wait_for(lambda: not cluster.gang_json("ps"), 30, "the ended jobs to leave the hot table")
+    wait_for(lambda: not cluster.ps(), 30, "the ended jobs to leave the hot table")
     history = cluster.gang_json("history")
     assert [r["id"] for r in history] == [bad, *reversed(ok)]
     assert history[0]["state"] == "FAILED" and "exit 3" in history[0]["reason"]

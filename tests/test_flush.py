@@ -40,7 +40,7 @@ def _entry(cluster, job: int, gen: int) -> dict:
 
 
 def _wait_node(cluster, node: str, state: str) -> None:
-    wait_for(lambda: {r["name"]: r["state"] for r in cluster.gang_json("nodes")["nodes"]}.get(node) == state, 60, f"{node} {state}")
+    wait_for(lambda: cluster.node_states().get(node) == state, 60, f"{node} {state}")
 
 
 def test_with_both_nodes_of_a_partner_pair_lost_the_restart_takes_the_flushed_generation(make_cluster, tmp_path):

@@ -27,7 +27,7 @@ def submit(cluster, *args) -> int:
 def test_a_job_waiting_for_a_dead_node_does_not_block_the_jobs_behind_it(make_cluster):
     cluster = make_cluster(3, cores=2, lease_ttl=3)
     cluster.kill_node("n3")
-    wait_for(lambda: not any(n["name"] == "n3" and n["state"] == "up" for n in cluster.gang_json("nodes")["nodes"]), 30, "n3 to be down")
+    wait_for(lambda: not any(n["name"] == "n3" and n["state"] == "up" for n in cluster.ask(lambda gang: gang.nodes(), "nodes")), 30, "n3 to be down")
     pinned = submit(cluster, "-n", 2, "-w", "n3", "--", "true")  # needs the dead node itself
     wide = submit(cluster, "-n", 6, "--", "true")  # needs every node's cores: n3's too
     small = submit(cluster, "-n", 2, "--", "true")  # fits on the live nodes
@@ -56,7 +56,7 @@ def test_a_node_dropped_from_the_configuration_is_forgotten_cleanly(make_cluster
         cluster.start_daemon(node)
     wait_for(lambda: cluster.gang("nodes").returncode == 0, 30, "the daemons to answer again")
     # (until the dropped n3's lease runs out, etcd may still name it the coordinator: wait for one of the others)
-    wait_for(lambda: any(r["coordinator"] and r["name"] in ("n1", "n2") for r in cluster.gang_json("nodes")["nodes"]), 30,
+    wait_for(lambda: any(r["coordinator"] and r["name"] in ("n1", "n2") for r in cluster.ask(lambda gang: gang.nodes(), "nodes")), 30,
              "a coordinator among the nodes left")
     record = cluster.wait_state(on_n3, "FAILED", timeout=60)
     assert "n3" in record["reason"] and "configuration" in record["reason"], record

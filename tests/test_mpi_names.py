@@ -50,7 +50,7 @@ def publishing(mc, service, port, hold: Path, nodelist="n1"):
 def _wait_output(mc, job, words):
     from conftest import wait_for
 
-    wait_for(lambda: any(w in mc.gang("logs", job).stdout for w in words), 60, f"job {job} to say one of {words}")
+    wait_for(lambda: any(map(mc.logs(job).__contains__, words)), 60, f"job {job} to say one of {words}")  # (polled in this process)
     return mc.gang("logs", job).stdout
 
 

@@ -278,7 +278,7 @@ def test_a_job_whose_node_and_disk_are_lost_comes_back_by_itself_bit_identical(s
     runner = None
     if level == "xor":  # `gang run` in the foreground follows the recovery too, output and exit code
         runner = cluster.popen_gang("run", "-n", 3, "--per-node", 1, "--ckpt-redundancy", level, "--", PY, *argv)
-        job = wait_for(lambda: next((r["id"] for r in cluster.gang_json("ps") if r["state"] not in ENDED), None), 60, "the job of gang run")
+        job = wait_for(lambda: next((r["id"] for r in cluster.ps() if r["state"] not in ENDED), None), 60, "the job of gang run")
     else:
         job = submit(cluster, argv, 3, "--per-node", "1", "--ckpt-redundancy", level)
     first = running(cluster, job)
@@ -394,7 +394,7 @@ def test_a_node_lost_during_a_checkpoint_leaves_the_previous_protected_generatio
         taken = checkpoint(cluster, job)
         assert taken["state"] == "complete" and taken["iteration"] < 150, taken  # (before the rank is slow)
         wait_protected(cluster, job, taken["gen"])
-        wait_for(lambda: f"rank {slow} is slow from now on" in cluster.gang("logs", job).stdout, 60, f"rank {slow} slow")
+        wait_for(lambda: f"rank {slow} is slow from now on" in cluster.logs(job), 60, f"rank {slow} slow")
         cluster.gang("checkpoint", job, "--no-wait", check=True)
         time.sleep(1)  # (the round waits for the slow rank, 4 s an iteration)
         lose(cluster, victim)
@@ -475,7 +475,7 @@ def test_two_nodes_of_one_xor_set_lost_fail_the_job_naming_what_cannot_be_rebuil
             lose(cluster, doomed[0])
             cluster.wait_state(job, "RECOVERING", timeout=60)
             lose(cluster, doomed[1])
-            wait_for(lambda: {r["name"]: r["state"] for r in cluster.gang_json("nodes")["nodes"]}.get(doomed[1]) != "up", 60, f"{doomed[1]} down")
+            wait_for(lambda: cluster.node_states().get(doomed[1]) != "up", 60, f"{doomed[1]} down")
             os.unlink(points / "recover.hold")
         record_ = cluster.wait_state(job, ENDED, timeout=120)
         assert record_["state"] == "FAILED", record_

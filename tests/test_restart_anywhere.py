@@ -198,7 +198,7 @@ def checkpointed_and_killed(gc, n: int, *options) -> tuple[int, dict]:
 
 def wait_node(gc, node: str, state: str, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
-    while {r["name"]: r["state"] for r in gc.gang_json("nodes")["nodes"]}.get(node) != state:
+    while gc.node_states().get(node) != state:
         assert time.monotonic() < deadline, f"node {node} is not {state} after {timeout} s"
         time.sleep(0.2)
 

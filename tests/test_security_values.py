@@ -286,9 +286,10 @@ def test_a_jobs_environment_is_gone_from_every_replica_once_it_ends_and_restart_
     # a restart still gives the ranks the environment (from the checkpoint), though not from this user's shell
     restarted = json.loads(vc.gang("restart", job, "--json", env={"PATH": os.environ["PATH"]}, check=True).stdout)["record"]["id"]
     deadline = time.monotonic() + 60
-    while (logs := vc.gang("logs", restarted).stdout).count("TOKEN=") < 2:
+    while (logs := vc.logs(restarted)).count("TOKEN=") < 2:  # (polled in this process; then read as the command prints it)
         assert time.monotonic() < deadline, logs
         time.sleep(0.2)
+    logs = vc.gang("logs", restarted).stdout
     assert logs.count(f"TOKEN={token} restart={gen['gen']}") == 2, logs
     vc.gang("kill", restarted, check=True)
     wait_on_every_node(vc, restarted)

@@ -276,27 +276,33 @@ def test_a_node_cut_off_from_etcd_says_its_listings_may_be_out_of_date(make_clus
 
 def test_a_checkpointed_job_moves_to_the_history_and_still_restarts_from_there(make_cluster):
     cluster = make_cluster(1, cores=2, job_retention=1)
-    ring = [sys.executable, str(Path(__file__).resolve().parent.parent / "examples" / "ring.py"), "--steps", "200", "--size", "1024"]
-    job = int(cluster.gang("submit", "-n", 2, "--", *ring, "--sleep", "0.02", check=True).stdout)
-    cluster.wait_state(job, "RUNNING")
-    time.sleep(1)
-    gen = json.loads(cluster.gang("checkpoint", job, "--json", timeout=90, check=True).stdout)
+    from ckpthelpers import hold, wait_holding
+
+    # ckptjob idles after 20 steps until released (taking checkpoints): it is still there to be
+    # checkpointed and killed however loaded the machine (ring.py, 4 s long, sometimes ended first).
+    options, release = hold(cluster, 20)
+    job = int(cluster.gang("submit", "-n", 2, "--", sys.executable, Path(__file__).resolve().parent / "jobs" / "ckptjob.py",
+                           "--steps", "40", *options, check=True).stdout)
+    wait_holding(cluster, job)
+    taken = cluster.gang("checkpoint", job, "--json", timeout=90, check=True)
+    gen = json.loads(taken.stdout)
     assert gen["state"] == "complete", gen
     cluster.gang("kill", job)  # (on a loaded machine the ring may have ended by itself meanwhile: either way it ends)
     cluster.wait_state(job, ("KILLED", "DONE"))
     # Retired like any other job: out of the hot table, into the history.
-    wait_for(lambda: job not in [r["id"] for r in cluster.gang_json("ps")], 30, "the checkpointed job to leave the hot table")
+    wait_for(lambda: job not in [r["id"] for r in cluster.ps()], 30, "the checkpointed job to leave the hot table")
     assert job in [r["id"] for r in cluster.gang_json("history")]
     # Its generations are still found, and a restart from them works.
     listed = cluster.gang_json("ckpt", "ls", job)
     assert [(g["gen"], g["state"], g["job"]) for g in listed["generations"]] == [(gen["gen"], "complete", job)]
+    release.touch()  # (the restart, in the hold too, runs to its end)
     restarted = json.loads(cluster.gang("restart", job, "--json", check=True).stdout)
     new = restarted["record"]["id"]
     record = cluster.wait_state(new, ("DONE", "FAILED", "KILLED"), timeout=120)
     assert record["state"] == "DONE", record
     assert record["restart_of"] == {"job": job, "gen": gen["gen"], "iteration": gen["iteration"]}
     # The restart retires too; the lineage (both jobs) is found from either, in the history.
-    wait_for(lambda: new not in [r["id"] for r in cluster.gang_json("ps")], 30, "the restart to leave the hot table")
+    wait_for(lambda: new not in [r["id"] for r in cluster.ps()], 30, "the restart to leave the hot table")
     assert [g["gen"] for g in cluster.gang_json("ckpt", "ls", new)["generations"]] == [gen["gen"]]
     again = cluster.gang("restart", new, "--json")
     assert again.returncode == 0, again.stderr

@@ -337,6 +337,23 @@ def test_a_range_inside_a_huge_sparse_file_is_refused_before_it_is_allocated(tmp
     assert_torn_down(pipe)
 
 
+def feed_until_it_fails(path, compress_fn, config, items):
+    """(pipe, the PipelineError raised, items submitted) of a parallel compress -> write pipeline into
+    ``path`` fed ``items`` until a stage fails (the test fails if none does)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    submitted = 0
+    try:
+        pipe = Pipeline([Transform("compress", compress_fn, parallel=True), Write(fd, fsync=True)], config)
+        with pytest.raises(PipelineError) as caught, pipe:
+            for key, data in items:
+                pipe.submit(key, data)
+                submitted += 1
+            pipe.finish()
+    finally:
+        os.close(fd)
+    return pipe, caught, submitted
+
+
 @pytest.fixture
 def tiny_fs(tmp_path):
     """A real 1 MiB file system (tmpfs), unmounted after the test."""
@@ -353,17 +370,7 @@ def tiny_fs(tmp_path):
 def test_a_full_disk_under_the_writer_aborts_the_pipeline_cleanly(tiny_fs, workers):
     items = [(i, os.urandom(64 * KIB)) for i in range(64)]  # 4 MiB of incompressible data into 1 MiB
     config = Settings(buffer_count=2, buffer_size=64 * KIB, aggregate_bytes=256 * KIB, workers=workers)
-    fd = os.open(tiny_fs / "gen", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    submitted = 0
-    try:
-        pipe = Pipeline([Transform("compress", compress, parallel=True), Write(fd, fsync=True)], config)
-        with pytest.raises(PipelineError) as caught, pipe:
-            for key, data in items:
-                pipe.submit(key, data)
-                submitted += 1
-            pipe.finish()
-    finally:
-        os.close(fd)
+    pipe, caught, submitted = feed_until_it_fails(tiny_fs / "gen", compress, config, items)
     assert caught.value.stage == "write" and caught.value.errno == errno.ENOSPC
     assert isinstance(caught.value.__cause__, OSError) and caught.value.__cause__.errno == errno.ENOSPC
     assert submitted < len(items)  # the caller was stopped at its next submit, not left to feed a dead pipeline
@@ -483,17 +490,7 @@ def test_a_worker_failing_while_the_others_are_busy_aborts_the_pipeline_cleanly(
 
     config = Settings(buffer_count=2, buffer_size=4 * KIB, aggregate_bytes=8 * KIB, workers=workers)
     items = [(i, payload(i, 3 * KIB)) for i in range(400)]
-    submitted = 0
-    fd = os.open(tmp_path / "out", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        pipe = Pipeline([Transform("compress", compress_or_fail, parallel=True), Write(fd, fsync=True)], config)
-        with pytest.raises(PipelineError) as caught, pipe:
-            for key, data in items:
-                pipe.submit(key, data)
-                submitted += 1
-            pipe.finish()
-    finally:
-        os.close(fd)
+    pipe, caught, submitted = feed_until_it_fails(tmp_path / "out", compress_or_fail, config, items)
     assert caught.value.stage == "compress" and isinstance(caught.value.__cause__, Broken)
     assert submitted < len(items)
     assert_torn_down(pipe)

@@ -30,6 +30,7 @@ import click
 from .. import jobs, text
 from ..errors import RemoteError
 from .locate import ClusterNotFound, cluster_dir
+from .session import stale_warning
 
 # trio and the async API (gangd.client.api) are imported by the commands that
 # use them, not here: importing trio takes ~0.13 s, and commands that only send
@@ -63,13 +64,6 @@ def connect(cluster=None):
     from .api import connect as connect_api
 
     return connect_api(cluster)
-
-
-def stale_warning(stale: dict | None) -> str | None:
-    """:func:`gangd.client.session.stale_warning`, imported on first use."""
-    from .session import stale_warning as warning
-
-    return warning(stale)
 
 
 def ask(cluster, call):

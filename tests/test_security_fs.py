@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from ckpthelpers import checkpoint, gen_dir, kill_what_is_left, result_of
+from ckpthelpers import checkpoint, checkpoint_when_ready, gen_dir, kill_what_is_left, result_of
 from conftest import as_uid, up
 
 from gangd import ckptstore
@@ -238,8 +238,7 @@ def test_nodes_sharing_a_checkpoint_dir_keep_their_generations_apart_and_restart
         argv = [JOB, "--steps", "300", "--sleep", "0.01"]
         job = int(cluster.gang("submit", "-n", 4, "--", PY, *argv, check=True).stdout)
         cluster.wait_state(job, "RUNNING")
-        time.sleep(0.5)
-        gen = checkpoint(cluster, job)
+        gen = checkpoint_when_ready(cluster, job)  # (asked again while a rank has not reached ckpt.init())
         assert gen["state"] == "complete", gen
         ranks: set[int] = set()
         for node in ("n1", "n2"):

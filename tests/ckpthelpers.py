@@ -78,37 +78,41 @@ def result_of(gc, job: int, timeout: float = 60) -> str:
     return result_line(logs)
 
 
-def checkpoint(gc, job: int, timeout: float = 90) -> dict:
+#: Why a checkpoint asked too early is refused: the job's ranks have not
+#: reached ckpt.init() yet (or a restart just submitted is still QUEUED).
+NOT_READY = ("has not called gangd.ckptlib.init()", "is QUEUED; only a running")
+
+
+def checkpoint(gc, job: int, timeout: float = 90, *, ready: float = 60) -> dict:
     """The generation (complete or aborted), as `gang checkpoint JOB --json` prints it.
 
     Asked in this process, as the command asks (``gang.checkpoint(job, wait=True)``):
     the checkpoint tests take hundreds, and a `gang` for each was a Python
     start-up on a 2-core machine. The command itself is run by the tests of
     its output and exit code (test_checkpoint's refusals, test_submit_path's
-    checkpointed job, test_protect_takeover's)."""
+    checkpointed job, test_protect_takeover's).
+
+    One refused because the ranks do not take checkpoints *yet* (not in
+    ckpt.init(), or the job still QUEUED) is asked again for up to ``ready``
+    seconds, as a user's script would: a test cannot see the moment its ranks
+    register, and a sleep before the first checkpoint was a race that a fast
+    daemon lost (CI, 1 run in 2)."""
 
     async def take(gang):
         with trio.fail_after(timeout):  # (as the command's subprocess timeout was)
             return await gang.checkpoint(job, wait=True)
 
-    return gc.ask(take, f"checkpoint {job}")
-
-
-def checkpoint_when_ready(gc, job: int, timeout: float = 60) -> dict:
-    """A checkpoint as soon as every rank takes them: one refused because a
-    rank has not called ckpt.init() yet (the condition a test can see) is
-    asked for again, as a user's script would."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + ready
     while True:
         try:
-            gen = checkpoint(gc, job)
+            gen = gc.ask(take, f"checkpoint {job}")
         except AssertionError as exc:  # (refused as an error: the same wait)
-            if "has not called gangd.ckptlib.init()" not in str(exc):
+            if not any(words in str(exc) for words in NOT_READY):
                 raise
             gen = {"state": "refused", "reason": str(exc)}
-        if gen["state"] != "refused" or "has not called gangd.ckptlib.init()" not in (gen.get("reason") or ""):
+        if gen["state"] != "refused" or not any(words in (gen.get("reason") or "") for words in NOT_READY):
             return gen
-        assert time.monotonic() < deadline, f"job {job}'s ranks did not take checkpoints within {timeout} s: {gen['reason']}"
+        assert time.monotonic() < deadline, f"job {job}'s ranks did not take checkpoints within {ready} s: {gen['reason']}"
         time.sleep(0.1)
 
 

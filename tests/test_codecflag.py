@@ -129,7 +129,7 @@ def _codecs_printed(gc, job: int, nranks: int, timeout: float = 60) -> dict[int,
 def test_every_rank_gets_its_jobs_codec_else_the_clusters_and_a_restart_keeps_it(make_cluster, tmp_path):
     import os
 
-    from ckpthelpers import PY, checkpoint_when_ready, kill_and_restart, kill_what_is_left
+    from ckpthelpers import PY, checkpoint, kill_and_restart, kill_what_is_left
 
     gc = make_cluster(2, checkpoint_codec="lz4")  # ([checkpoint] codec: not the default, so that it shows)
     release = tmp_path / "release"
@@ -151,7 +151,7 @@ def test_every_rank_gets_its_jobs_codec_else_the_clusters_and_a_restart_keeps_it
         shown = gc.gang("job", asked, check=True).stdout
         assert any(line.split() == ["CKPT", "CODEC", "zstd:5"] for line in shown.splitlines()), shown
 
-        assert checkpoint_when_ready(gc, asked)["state"] == "complete"
+        assert checkpoint(gc, asked)["state"] == "complete"
         listing = gc.gang("ckpt", "ls", asked, check=True).stdout
         assert "codec: zstd:5 " in listing, listing
         # What each generation recorded (CODEC), what a restore reads (RESTORE: the compressed bytes on disk, not

@@ -209,22 +209,9 @@ class Steered:
 
 def take(gc, job: int, timeout: float = 90) -> dict:
     """A checkpoint of ``job`` once its ranks take them (a restarted job's ranks register a moment after it starts)."""
-    import time
-
     from ckpthelpers import checkpoint
 
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            taken = checkpoint(gc, job)  # (asked in this process, as `gang checkpoint --json` asks: 55 of them in this file)
-        except AssertionError as exc:  # (a restart just submitted may still be QUEUED, its ranks not in ckpt.init())
-            if "has not called gangd.ckptlib.init()" not in str(exc) and "is QUEUED; only a running" not in str(exc):
-                raise
-        else:
-            if taken["state"] != "refused" or "has not called gangd.ckptlib.init()" not in (taken.get("reason") or ""):
-                return taken
-        assert time.monotonic() < deadline, f"job {job}'s ranks did not take checkpoints within {timeout} s"
-        time.sleep(0.1)
+    return checkpoint(gc, job, ready=timeout)  # (asked in this process, as `gang checkpoint --json` asks: 55 of them in this file)
 
 
 #: Uninterrupted runs' results by (options, ranks, placement): the job is deterministic (its result

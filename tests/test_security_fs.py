@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from ckpthelpers import checkpoint, checkpoint_when_ready, gen_dir, kill_what_is_left, result_of
+from ckpthelpers import checkpoint, gen_dir, kill_what_is_left, result_of
 from conftest import as_uid, up
 
 from gangd import ckptstore
@@ -156,7 +156,7 @@ def test_checkpoint_files_root_parses_are_roots_and_an_oversized_manifest_is_a_c
     cluster = make_cluster(2, cores=2)
     job = _submit_as_nobody(cluster, [NOBODY_PY, JOB, "--steps", "400", "--sleep", "0.01"], 4)
     cluster.wait_state(job, "RUNNING")
-    older = checkpoint_when_ready(cluster, job)
+    older = checkpoint(cluster, job)
     time.sleep(0.3)
     newer = checkpoint(cluster, job)
     assert older["state"] == newer["state"] == "complete", (older.get("reason"), newer.get("reason"))
@@ -205,7 +205,7 @@ def test_a_link_the_owner_puts_among_the_rank_states_is_not_followed(make_cluste
     cluster = make_cluster(1, cores=2)
     job = _submit_as_nobody(cluster, [NOBODY_PY, JOB, "--steps", "400", "--sleep", "0.01"], 2)
     cluster.wait_state(job, "RUNNING")
-    gen = checkpoint_when_ready(cluster, job)
+    gen = checkpoint(cluster, job)
     assert gen["state"] == "complete", gen
     cluster.gang("kill", job, check=True)
     state = gen_dir(cluster, "n1", job, gen["gen"]) / ckptstore.cluster_rank_file(1)
@@ -236,7 +236,7 @@ def test_nodes_sharing_a_checkpoint_dir_keep_their_generations_apart_and_restart
         argv = [JOB, "--steps", "300", "--sleep", "0.01"]
         job = int(cluster.gang("submit", "-n", 4, "--", PY, *argv, check=True).stdout)
         cluster.wait_state(job, "RUNNING")
-        gen = checkpoint_when_ready(cluster, job)  # (asked again while a rank has not reached ckpt.init())
+        gen = checkpoint(cluster, job)  # (asked again while a rank has not reached ckpt.init())
         assert gen["state"] == "complete", gen
         ranks: set[int] = set()
         for node in ("n1", "n2"):

@@ -20,7 +20,10 @@ seconds more:
 
     Γ = λ⁻¹ e^{λ(R + L - C)} (e^{λ(T+C)} - 1)
 
-The factor e^{λ(L-C)} multiplies Γ, so the optimal T does not move with L; only the overhead grows. This is
+The factor e^{λ(L-C)} multiplies Γ, so the optimal T does not move with L; only the overhead grows. (The
+model has at most one checkpoint in flight: it holds for T + C ≥ L. When L - C exceeds the optimum, the best
+interval the model allows is T = L - C, since r falls and then rises in T; the planner applies that bound --
+Vaidya's "typically independent of latency".) This is
 how gangd accounts for redundancy levels (``overhead_ratio(..., L=...)``): a node loss is survived only by a
 *protected* generation (its partner or XOR copy written), so for partner/XOR redundancy L is the time from a
 checkpoint's beginning until it is protected. For ``local`` redundancy L is the time until the generation is
@@ -40,8 +43,9 @@ __all__ = ["vaidya_gamma", "overhead_ratio", "vaidya_optimum", "young", "daly"]
 
 # Past this, e^x overflows a double (math.exp raises OverflowError above ~709.78).
 _EXP_MAX = 709.0
-# Above this λC the optimum's 1 - λT is below e^-38 ≈ 3e-17: λT is 1 to double precision.
-_C_SATURATED = 37.0
+# From this λC on, the optimum's 1 - λT is e^{-(1+λC)} to within a relative 3e-16 (it is e^{-(1+c)+(1-x)}), at
+# most 2.3e-16: λT = 1 - e^{-(1+c)} is correctly rounded, and the iteration's start would round to 1.
+_C_SATURATED = 35.0
 # Below this λC the asymptotic root sqrt(2c) (1 - sqrt(2c)/3 + 2c/36) is exact to double precision
 # (its first omitted term is relatively O(c^1.5) ≈ 1e-45) and x² would underflow in the iteration.
 _C_TINY = 1e-30
@@ -186,8 +190,9 @@ def vaidya_optimum(C: float, lam: float, *, rel_tol: float = 1e-12) -> float:
     c = λC. Precision: with the default ``rel_tol`` (the iteration stops once a Newton step is below it,
     relative; the error left is of the order of that step squared) T is within a relative 1e-14 of the exact
     root for every λC (a few ulp: the tests check it with a Decimal residual at 60+ digits). Independent of R
-    and of the latency L. ``lam == 0`` (no failures) gives ``inf``; ``C == 0`` (free checkpoints) gives 0;
-    for λC ≥ 37, λT rounds to 1: T = 1/λ, the MTBF.
+    and of the latency L (the planner bounds it below by L - C: see the module docstring). ``lam == 0`` (no
+    failures) gives ``inf``; ``C == 0`` (free checkpoints) gives 0; for λC ≥ 35, λT is within 2.3e-16 of 1:
+    T = 1/λ, the MTBF.
     """
     C, lam = _real("C", C), _real("lam", lam)
     if isinstance(rel_tol, bool) or not isinstance(rel_tol, int | float) or not 0 < rel_tol < 1:

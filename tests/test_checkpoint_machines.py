@@ -722,3 +722,174 @@ class Cluster(RuleBasedStateMachine):
 
 Cluster.TestCase.settings = settings(max_examples=200, stateful_step_count=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 test_cluster = Cluster.TestCase
+
+
+# ---------------------------------------------------------------- the rank: an interval plan (issue 19)
+
+
+def _planned(next_: int, every: int, lead: int) -> rk.RankAgreement:
+    a = rk.RankAgreement()
+    a.on_note(m.PlanNote(next_, every, lead))
+    return a
+
+
+def test_a_planned_rank_asks_lead_iterations_ahead_and_every_rank_saves_at_the_planned_iteration():
+    asker, other = _planned(10, 5, 2), _planned(10, 5, 2)
+    assert asker.due(7, False, now=0.0).reports == []  # (not yet: 10 - 2 = 8)
+    step = asker.due(8, False, now=0.0)
+    assert step.request is True and step.reports == [m.RankReport(None, 10)]
+    assert asker.boundary(8, True).action is rk.Action.RUN  # (no stop: it asked for 10)
+    # The daemons begin the generation at the planned iteration; both report it, whatever their own position.
+    for a, at in ((asker, 8), (other, 3)):
+        assert a.on_note(m.BeginNote(4, at=10)).request is True
+        assert a.report(True, at, 0, None).reports == [m.RankReport(4, 10)]
+    for a in (asker, other):
+        a.on_note(m.CutNote(4, 10))
+        assert a.boundary(9, True).action is rk.Action.RUN
+        step = a.boundary(10, True)
+        assert (step.action, step.gen) == (rk.Action.SAVE, 4)
+        assert a.plan == m.PlanNote(15, 5, 2)  # then every 5
+
+
+def test_with_no_lead_the_rank_stops_at_the_planned_iteration_and_reports_it_not_the_next():
+    a = _planned(6, 3, 0)
+    step = a.due(6, False, now=0.0)
+    assert step.reports == [m.RankReport(None, 6)]
+    assert a.boundary(6, True).action is rk.Action.WAIT  # (it sits at 6: it can still stop there)
+    a.on_note(m.BeginNote(2, at=6))
+    assert a.report(True, 6, 0, None).reports == [m.RankReport(2, 6)]
+    a.on_note(m.CutNote(2, 6))
+    assert a.boundary(6, True).action is rk.Action.SAVE and a.plan.next == 9
+
+
+def test_a_plan_that_arrives_late_is_checkpointed_at_once_never_skipped():
+    a = rk.RankAgreement()
+    a.on_note(m.PlanNote(5, 4, 1))
+    step = a.due(9, False, now=0.0)  # (already past 5)
+    assert step.reports == [m.RankReport(None, 9)] and step.request is True
+    a.on_note(m.BeginNote(3, at=9))
+    a.report(True, 9, 0, None)
+    a.on_note(m.CutNote(3, 10))  # (another rank was further on)
+    assert a.boundary(9, True).action is rk.Action.RUN
+    assert a.boundary(10, True).action is rk.Action.SAVE and a.plan.next == 14
+
+
+def test_a_planned_request_that_was_not_taken_up_is_asked_again_after_a_pause():
+    a = _planned(4, 4, 1)
+    assert a.due(3, False, now=100.0).reports == [m.RankReport(None, 4)]
+    a.on_note(m.NoneNote())  # (refused: say a checkpoint was still being committed)
+    assert a.reported is None
+    assert a.due(4, False, now=100.5).reports == []  # (not at once)
+    assert a.due(5, False, now=100.0 + rk.PLAN_RETRY).reports == [m.RankReport(None, 5)]
+
+
+def test_a_manual_checkpoint_during_a_plan_is_not_held_to_the_planned_iteration_and_resets_the_count():
+    a = _planned(50, 10, 1)
+    a.on_note(m.BeginNote(7))  # (gang checkpoint: no `at`)
+    assert a.report(True, 12, 0, None).reports == [m.RankReport(7, 13)]
+    a.on_note(m.CutNote(7, 13))
+    assert a.boundary(13, True).action is rk.Action.SAVE
+    assert a.plan.next == 23
+    a.clear(7)  # (the agent, once the generation is saved)
+    assert a.due(21, False, now=0.0).reports == []  # (23 - lead 1 = 22)
+    assert a.due(22, False, now=0.0).reports == [m.RankReport(None, 23)]
+
+
+def test_no_plan_request_while_a_generation_is_under_way_and_a_zero_plan_is_none():
+    a = _planned(5, 5, 1)
+    a.on_note(m.BeginNote(2))
+    assert a.due(6, True, now=0.0).reports == []
+    a.on_note(m.PlanNote(0, 0))
+    assert a.plan is None
+
+
+def test_plan_and_begin_notes_are_checked_at_the_boundary():
+    assert m.daemon_note("ckpt_plan", {"next": -1, "every": 3}) is None
+    assert m.daemon_note("ckpt_plan", {"next": 3, "every": "x"}) is None
+    assert m.daemon_note("ckpt_begin", {"gen": 2, "at": "soon"}) is None
+    assert m.daemon_note("ckpt_plan", {"next": 3, "every": 2}) == m.PlanNote(3, 2, 0)
+    with pytest.raises(m.BadMessage):
+        m.rank_note("ckpt_progress", {"iteration": 3, "t_iter": float("nan")})
+    with pytest.raises(m.BadMessage):
+        m.rank_note("ckpt_progress", {"iteration": 3, "t_iter": -1.0})
+    assert m.rank_note("ckpt_progress", {"iteration": 3, "t_iter": 0.5}) == m.RankProgress(3, 0.5)
+
+
+class PlannedRanks(RuleBasedStateMachine):
+    """Ranks under a plan compute at their own pace and ask for the planned
+    checkpoint themselves; the daemons begin at the first request's
+    iteration and cut at the largest report. Every save is at the cut, and
+    when every rank was still before the planned iteration as the begin came,
+    the cut is the planned iteration."""
+
+    N = 3
+
+    def __init__(self):
+        super().__init__()
+        self.plan = m.PlanNote(6, 4, 1)
+        self.ranks = [_planned(6, 4, 1) for _ in range(self.N)]
+        self.k = [0] * self.N  # the boundary each rank reaches next (or waits at)
+        self.requested = [False] * self.N
+        self.asked: list[int] = []
+        self.gen = 0
+        self.reports: dict[int, int] = {}
+        self.cut: int | None = None
+        self.saved: dict[int, int] = {}
+        self.before_plan = True
+        self.now = 0.0
+
+    def _apply(self, i, step):
+        if step.request is not None:
+            self.requested[i] = step.request
+        for report in step.reports:
+            assert report.iteration is not None, report.why
+            if report.gen is None:
+                self.asked.append(report.iteration)
+            elif report.gen == self.gen:
+                self.reports[i] = report.iteration
+
+    @rule(i=st.integers(0, N - 1))
+    def compute(self, i):
+        if i in self.saved:
+            return
+        k = self.k[i]
+        self._apply(i, self.ranks[i].due(k, self.requested[i], self.now))
+        step = self.ranks[i].boundary(k, self.requested[i])
+        self._apply(i, step)
+        if step.action is rk.Action.WAIT:
+            return
+        if step.action is rk.Action.SAVE:
+            assert k == self.cut
+            self.saved[i] = k
+            assert self.ranks[i].plan.next == k + self.plan.every
+            return
+        self.k[i] = k + 1
+
+    @precondition(lambda self: self.gen == 0 and self.asked)
+    @rule()
+    def begin(self):
+        self.gen = 1
+        at = self.asked[0]
+        self.before_plan = all(k <= self.plan.next for k in self.k)  # (none has passed it)
+        for i, a in enumerate(self.ranks):
+            self._apply(i, a.on_note(m.BeginNote(1, at=at)))
+            # (the last boundary passed, as cp.iteration says: the one it waits at, else the one before the next)
+            iteration = self.k[i] if a.waiting == self.k[i] else self.k[i] - 1
+            self._apply(i, a.report(self.requested[i], iteration, 0, None))
+
+    @precondition(lambda self: self.gen == 1 and self.cut is None and len(self.reports) == PlannedRanks.N)
+    @rule()
+    def cut_note(self):
+        self.cut = max(self.reports.values())
+        if self.before_plan:
+            assert self.cut == self.plan.next, (self.cut, self.k)
+        for a in self.ranks:
+            a.on_note(m.CutNote(1, self.cut))
+
+    @invariant()
+    def every_save_is_at_the_cut(self):
+        assert all(k == self.cut for k in self.saved.values())
+
+
+PlannedRanks.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+test_planned_ranks = PlannedRanks.TestCase

@@ -114,7 +114,7 @@ class JobSpec:
     kill_on_bad_exit: bool = True
     priority: int | None = None
     slice: float | None = None
-    ckpt_every: float | None = None
+    ckpt_every: float | str | None = None  # seconds, or "auto": the interval planned from measurements (issue 19)
     mpi: bool = False
     ckpt_redundancy: str | None = None  # local, partner, xor; None: the cluster's [checkpoint] redundancy
     ckpt_mode: str | None = None  # full, incremental, differential, adaptive; None: the cluster's [checkpoint] mode
@@ -181,7 +181,8 @@ class JobSpec:
         if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool) or abs(priority) > 1 << 31):
             raise BadSpec("bad_request", f"'priority' must be an integer, not {priority!r}")
         slice_ = _number(spec, "slice", 0.001, 3600, "the time slice must be between 0.001 and 3600 seconds, not {value!r}")
-        every = _number(spec, "ckpt_every", 1, 10**7, "the checkpoint period must be between 1 second and 115 days, not {value!r}")
+        every: float | str | None = "auto" if spec.get("ckpt_every") == "auto" else _number(
+            spec, "ckpt_every", 1, 10**7, "the checkpoint period must be 'auto' or between 1 second and 115 days, not {value!r}")
         redundancy = _redundancy(spec, nranks, nodelist, nodes, node_names)
         mode = _ckpt_mode(spec)
         codec = ckpt_codec(spec.get("ckpt_codec"))

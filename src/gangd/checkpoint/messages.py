@@ -445,11 +445,38 @@ class EndSync:
         return out
 
 
+MAX_T_ITER = 1e7  # seconds: an iteration longer than 115 days is not a measurement
+
+
+@dataclass(frozen=True)
+class RankProgress:
+    """``ckpt_progress``: a rank under ``--ckpt-every auto`` says where it is
+    (the last boundary passed) and how long its iterations take without
+    checkpoints (``t_iter``, seconds, smoothed): what the interval is planned
+    in (issue 19). Sent at most once a second; a hostile rank can only make
+    its own job's plan worse, within the bounds checked here."""
+
+    op: ClassVar[str] = "ckpt_progress"
+    iteration: int
+    t_iter: float | None
+
+    @classmethod
+    def from_wire(cls, args: Any) -> RankProgress:
+        args = _dict(args)
+        t_iter = args.get("t_iter")
+        if t_iter is not None and (type(t_iter) not in (int, float) or not 0 < t_iter <= MAX_T_ITER):
+            raise BadMessage(f"'t_iter' must be seconds from 0 to {MAX_T_ITER:g}, not {_show(t_iter)}")
+        return cls(_int(args, "iteration", lo=-1, hi=MAX_ITERATION), None if t_iter is None else float(t_iter))
+
+    def to_wire(self) -> dict:
+        return {"iteration": self.iteration, "t_iter": self.t_iter}
+
+
 #: What ranks send as notes, by op.
-RANK_NOTES: dict[str, Any] = {m.op: m for m in (RankReport, RankWritten, RankRestored)}
+RANK_NOTES: dict[str, Any] = {m.op: m for m in (RankReport, RankWritten, RankRestored, RankProgress)}
 
 
-def rank_note(op: str, args: Any) -> RankReport | RankWritten | RankRestored:
+def rank_note(op: str, args: Any) -> RankReport | RankWritten | RankRestored | RankProgress:
     """A rank's note, checked; raises :class:`BadMessage` (an unknown op too)."""
     kind = RANK_NOTES.get(op)
     if kind is None:
@@ -462,15 +489,44 @@ def rank_note(op: str, args: Any) -> RankReport | RankWritten | RankRestored:
 
 @dataclass(frozen=True)
 class BeginNote:
+    """A generation begins. ``at``: the iteration it was planned at (issue
+    19's ``--ckpt-every auto``): no rank reports a boundary before it, so the
+    cut is the planned iteration unless a rank is already past it."""
+
     op: ClassVar[str] = "ckpt_begin"
     gen: int
+    at: int | None = None
 
     @classmethod
     def from_wire(cls, args: Any) -> BeginNote:
-        return cls(_int(_dict(args), "gen", lo=1))
+        args = _dict(args)
+        return cls(_int(args, "gen", lo=1), _int(args, "at", optional=True, lo=0, hi=MAX_ITERATION))
 
     def to_wire(self) -> dict:
-        return {"gen": self.gen}
+        return {"gen": self.gen} if self.at is None else {"gen": self.gen, "at": self.at}
+
+
+@dataclass(frozen=True)
+class PlanNote:
+    """Paper 002's "checkpoint at iteration ``next``, then every ``every``"
+    (issue 19): the rank asks for the checkpoint ``lead`` iterations before
+    ``next`` (so that every rank hears of it before any passes it), and after
+    each checkpoint plans the next ``every`` iterations on. ``every`` 0: no
+    plan (the job's interval is not ``auto`` any more)."""
+
+    op: ClassVar[str] = "ckpt_plan"
+    next: int
+    every: int
+    lead: int = 0
+
+    @classmethod
+    def from_wire(cls, args: Any) -> PlanNote:
+        args = _dict(args)
+        return cls(_int(args, "next", lo=0, hi=MAX_ITERATION), _int(args, "every", lo=0, hi=MAX_ITERATION),
+                   _int(args, "lead", optional=True, lo=0, hi=1 << 20) or 0)
+
+    def to_wire(self) -> dict:
+        return {"next": self.next, "every": self.every, "lead": self.lead}
 
 
 @dataclass(frozen=True)
@@ -518,10 +574,10 @@ class NoneNote:
         return {}
 
 
-DAEMON_NOTES: dict[str, Any] = {m.op: m for m in (BeginNote, CutNote, AbortNote, NoneNote)}
+DAEMON_NOTES: dict[str, Any] = {m.op: m for m in (BeginNote, CutNote, AbortNote, NoneNote, PlanNote)}
 
 
-def daemon_note(op: str, args: Any) -> BeginNote | CutNote | AbortNote | NoneNote | None:
+def daemon_note(op: str, args: Any) -> BeginNote | CutNote | AbortNote | NoneNote | PlanNote | None:
     """A note from the daemon to a rank, or None if it is not one (ignored)."""
     kind = DAEMON_NOTES.get(op)
     if kind is None:

@@ -251,6 +251,7 @@ class Round:
     nranks: int
     redundancy: str = "local"
     force_full: bool = False  # every rank writes its whole state (no delta offered: see ckptcoord.delta_gate)
+    at: int | None = None  # the iteration an interval plan named (issue 19): no rank reports before it
     clock: Callable[[], float] = field(default=lambda: 0.0)
     phase: Phase = Phase.BEGIN
     answers: dict[str, Any] = field(default_factory=dict)  # node -> answer of the current phase
@@ -267,6 +268,8 @@ class Round:
             "gen": self.gen, "state": "running", "trigger": self.trigger, "started": self.started, "ended": None,
             "iteration": None, "reason": "", "placement": list(self.placement), "nodes": {},
         }
+        if self.at is not None:  # (issue 19: the iteration an interval plan named; the cut is it unless a rank was past it)
+            self.entry["planned_at"] = self.at
 
     @property
     def over(self) -> bool:
@@ -325,6 +328,8 @@ class Round:
             base["lineage"] = self.lineage
         if self.phase is Phase.BEGIN and self.force_full:
             base["force_full"] = True
+        if self.phase is Phase.BEGIN and self.at is not None:
+            base["at"] = self.at
         if self.phase is Phase.CUT:
             base["iteration"] = self.cut
         if self.phase is Phase.CAPTURE:

@@ -64,14 +64,18 @@ _cp: Checkpointer | None = None
 
 
 def init(*, directory: str | os.PathLike | None = None, restart=None, background: bool | None = None,
-         every: float | None = None, keep: int = 2, spc=None, mode: str | None = None, block_kib: int | None = None,
+         every: float | str | None = None, keep: int = 2, spc=None, mode: str | None = None, block_kib: int | None = None,
          chain_max: int | None = None, threshold: float | None = None, codec: str | None = None) -> Checkpointer:
     """Set up checkpointing for this process; call once, before :func:`protect`.
 
     ``restart`` (alone only; gangd decides under ``gang restart``): ``"latest"``
     (or True) restarts from the newest complete generation and fails if there
     is none, ``"auto"`` restarts if there is one, a number picks a generation.
-    ``every`` (alone only; gangd has ``--ckpt-every``): seconds between checkpoints.
+    ``every`` (alone only; gangd has ``--ckpt-every``): seconds between checkpoints,
+    or ``"auto"``: at the interval that minimises lost time (paper 002), planned
+    from this process's measured checkpoint cost and pace of iterations and
+    the mean time between failures in ``GANGD_MTBF`` (a duration such as
+    ``7d``; default 30 days) — the first checkpoint at once, to measure it.
     ``keep``: complete generations kept (alone; the daemons have their own setting).
     ``spc``: how this process's state is written — a name (``"registered"``,
     the default; ``GANGD_CKPT_SPC``; anything :func:`spc.register`-ed or in

@@ -54,6 +54,7 @@ from ..comm.errors import CommError
 from ..protocol import Note, Reply
 from . import spc
 from .core import Checkpointer, CheckpointError, codec_missing, warn
+from .pace import Pace
 
 if TYPE_CHECKING:  # (imported at the first checkpoint or restore: a rank that takes none does not pay for them)
     from ..checkpoint import messages
@@ -85,6 +86,9 @@ class DaemonAgent:
         except CommError as exc:
             raise CheckpointError(f"cannot register with the gangd node daemon: {exc}") from None
         self.restart = attached.get("restart")
+        # ``--ckpt-every auto`` (issue 19): the daemons plan the interval from this rank's pace (its
+        # progress reports) and send the plan (``ckpt_plan``); the rank then sees every boundary.
+        self.pace: Pace | None = Pace() if attached.get("auto") is True else None
         self.io = threading.Lock()  # the protocol machine and socket writes, shared by two threads
         self.cond = threading.Condition()
         self.wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -135,6 +139,8 @@ class DaemonAgent:
 
     def attach(self, cp: Checkpointer) -> None:
         self.cp = cp
+        if self.pace is not None:
+            cp.watch = 0  # every boundary: the pace is measured, the plan's iteration recognised
         self.thread.start()
         if cp.requested:  # SIGQUIT came while this rank was registering
             self.on_request(cp)
@@ -272,9 +278,26 @@ class DaemonAgent:
         if not self.cond.wait(REQUEST_AGAIN):
             self._apply(self.agreement.again(cp.requested))
 
+    def _paced(self, cp: Checkpointer, k: int) -> None:
+        """An interval-planned job's boundary ``k``: measure the pace, report
+        progress now and then, and ask for the planned checkpoint when due."""
+        pace = self.pace
+        assert pace is not None  # noqa: S101 (only called with one)
+        now = time.monotonic()
+        pace.boundary(k, now)
+        if pace.progress_due(now) and not self.gone:
+            self._note("ckpt_progress", {"iteration": k, "t_iter": pace.t_iter})
+        if self._agreement is not None and self._agreement.plan is not None and not cp.requested:
+            with self.cond:
+                self._apply(self.agreement.due(k, cp.requested, now))
+
     def at_boundary(self, cp: Checkpointer, k: int) -> None:
         from ..checkpoint.rank import Action
 
+        if self.pace is not None:
+            self._paced(cp, k)
+            if not cp.requested:
+                return
         with self.cond:
             while True:
                 if self.gone:
@@ -306,6 +329,8 @@ class DaemonAgent:
         """
         from ..checkpoint.rank import Action
 
+        if self.pace is not None:
+            self._paced(cp, k)
         deadline = time.monotonic() + FORCE_RETRY
         agreement = self.agreement
         with self.cond:
@@ -338,6 +363,7 @@ class DaemonAgent:
         return gen if self._checkpoint(cp, gen, k, resume) else None
 
     def _checkpoint(self, cp: Checkpointer, gen: int, k: int, resume: int | None = None) -> bool:
+        began = time.monotonic()
         try:
             where = self.call("ckpt_start", {"gen": gen, "iteration": k})
             offer = _offer_of(where)
@@ -364,6 +390,8 @@ class DaemonAgent:
         finally:
             with self.cond:
                 self._clear(gen)
+            if self.pace is not None:
+                self.pace.checkpointed(time.monotonic() - began)
 
     def fini(self, cp: Checkpointer) -> None:
         with self.cond:

@@ -36,6 +36,7 @@ from . import spc as spc_mod
 
 if TYPE_CHECKING:
     from . import writer
+    from .pace import AlonePlan
 
 # The writer and the block format (:mod:`.writer`, :mod:`.blocks`) are
 # imported at the first checkpoint or restore, not with ckptlib: a program
@@ -135,6 +136,7 @@ class Checkpointer:
         self.in_loop = False
         self.loop_done = False
         self.requested = False  # set by the signal handler, a timer or request()
+        self.watch = sys.maxsize  # the backend sees every boundary from this one on (an interval plan: issue 19)
         self.generation: int | None = None  # of the restart, then of the last checkpoint taken
         self.restarted_from: int | None = None
         self.writes: list[writer.Written] = []
@@ -175,12 +177,12 @@ class Checkpointer:
         try:
             for item in items:
                 self.iteration = k
-                if self.requested:
+                if self.requested or k >= self.watch:
                     self.backend.at_boundary(self, k)
                 yield item
                 k += 1
             self.iteration = k
-            if self.requested:  # after the last item: a candidate point too (a rank may have reported it)
+            if self.requested or k >= self.watch:  # after the last item: a candidate point too (a rank may have reported it)
                 self.backend.at_boundary(self, k)
         finally:
             self.in_loop = False
@@ -276,9 +278,20 @@ def warn(message: str) -> None:
 class Standalone:
     """One process, no daemon: generations in a directory, a checkpoint at the next boundary."""
 
-    def __init__(self, directory: Path, *, keep: int = 2, every: float | None = None):
+    def __init__(self, directory: Path, *, keep: int = 2, every: float | str | None = None):
         self.directory = Path(directory)
         self.keep = max(1, keep)
+        self.auto: AlonePlan | None = None  # every="auto": the interval planned from this process's measurements (issue 19)
+        if every == "auto":
+            from .pace import AlonePlan
+
+            try:
+                self.auto = AlonePlan.from_environment(os.environ.get("GANGD_MTBF"))
+            except ValueError as exc:
+                raise CheckpointError(str(exc)) from None
+            every = None
+        elif every is not None and (isinstance(every, bool) or not isinstance(every, int | float) or not every > 0):
+            raise CheckpointError(f"every is seconds between checkpoints or \"auto\", not {every!r}")
         self.every = every
         self._timer: threading.Timer | None = None
         self._cp: Checkpointer | None = None
@@ -371,6 +384,8 @@ class Standalone:
 
     def attach(self, cp: Checkpointer) -> None:
         self._cp = cp
+        if self.auto is not None:
+            cp.watch = 0  # every boundary: the pace is measured, the planned iteration recognised
         if self.every:
             self._arm()
 
@@ -392,13 +407,18 @@ class Standalone:
     def agree(self, cp: Checkpointer, k: int, force: bool = False) -> int | None:
         """At ``ckptlib.mpi.checkpoint()`` call ``k``: save here? (Alone: when asked.)"""
         cp.iteration = k
+        if self.auto is not None and self.auto.due(k, time.monotonic()):
+            cp.requested = True
         return 0 if cp.requested else None
 
     def decline(self, cp: Checkpointer, gen: int, why: str) -> None:
         cp.requested = False
 
     def save(self, cp: Checkpointer, gen: int, k: int, resume: int) -> int | None:
-        self.at_boundary(cp, k, resume)
+        began = time.monotonic()
+        self._save(cp, k, resume)
+        if self.auto is not None:
+            self.auto.saved(k, time.monotonic() - began)
         return cp.generation
 
     def _offer(self) -> tuple[int | None, set[int]]:
@@ -412,7 +432,18 @@ class Standalone:
         return None, set()
 
     def at_boundary(self, cp: Checkpointer, k: int, resume: int | None = None) -> None:
-        """Save at boundary ``k``; a restart resumes at ``resume`` (default ``k``: the loop runs item k again)."""
+        """Save at boundary ``k``; a restart resumes at ``resume`` (default ``k``: the loop runs item k again).
+        Under ``every="auto"`` every boundary comes here: only the planned ones (or a request) save."""
+        if self.auto is None:
+            self._save(cp, k, resume)
+            return
+        began = time.monotonic()
+        if not (self.auto.due(k, began) or cp.requested):
+            return
+        self._save(cp, k, resume)
+        self.auto.saved(k, time.monotonic() - began)
+
+    def _save(self, cp: Checkpointer, k: int, resume: int | None) -> None:
         cp.requested = False
         gen = max(ckptstore.generations(self.directory, 0), default=cp.generation or 0) + 1
         directory = self._dir(gen)

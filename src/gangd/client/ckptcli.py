@@ -235,3 +235,66 @@ def _pipeline_columns(p: object) -> list[str]:
             busy.append(f"{text.printable(str(name), 16)} {f['busy_s'] * 1000:.0f}" + (f" x{workers}" if type(workers) is int and workers > 1 else ""))
     ratio = f"{p['in'] / p['out']:.2f}" if p["out"] else "-"
     return [_size(p["in"]), _size(p["out"]), ratio, ", ".join(busy) or "-"]
+
+
+@ckpt.command("plan", epilog="""\\b
+Examples:
+  gang submit -n 8 --ckpt-every auto -- python sim.py   # then:
+  gang ckpt plan 12
+  gang ckpt plan 12 --json
+
+What the plan is made of (paper 002; Vaidya's model): C the overhead one
+checkpoint costs the job (the time its ranks are blocked), L the time until
+a generation survives a node loss (protected; with --ckpt-redundancy local
+only when the node comes back), R the restart cost, λ the summed failure
+rate of the job's nodes (from their history in etcd, the configured MTBF as
+the prior: see `gang nodes`), and the time per iteration. The interval is
+Vaidya's optimum; Young's sqrt(2·C·MTBF) and Daly's refinement are shown
+beside it. The ranks are told "checkpoint at iteration N, then every M";
+the plan is made again when C, R, L, λ or the time per iteration move by
+more than [checkpoint] replan (default 25 %). For a job without
+--ckpt-every auto the interval it would get is shown, in seconds.
+""")
+@click.argument("job", type=int)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.pass_context
+def ckpt_plan(ctx, job, as_json):
+    """Show a job's checkpoint interval plan: C, R, λ, the optimal interval, the next checkpoint."""
+    plan = ask(_cluster(ctx), lambda gang: gang.interval_plan(job))
+    if as_json:
+        emit_json(plan)
+        return
+    m = plan.get("inputs") or {}
+    basis = m.get("basis") or {}
+    lam = m.get("lam") or 0.0
+
+    def line(label: str, value: str, why: str | None = None) -> None:
+        click.echo(f"  {label:<22}{value}" + (f"   ({text.printable(str(why), 200)})" if why else ""))
+
+    mode = "planned (--ckpt-every auto)" if plan.get("auto") else f"not planned (--ckpt-every {plan.get('ckpt_every') or 'not set'})"
+    click.echo(f"job {job}: {plan.get('state', '?')}, {mode}")
+    line("checkpoint cost C", _seconds(m.get("C")), basis.get("C"))
+    line("latency L", _seconds(m.get("L")), basis.get("L"))
+    line("restart cost R", _seconds(m.get("R")), basis.get("R"))
+    line("failure rate λ", f"{lam:.3g}/s (MTBF {_seconds(1 / lam) if lam else 'infinite'})", basis.get("lam"))
+    if plan.get("auto"):
+        line("time per iteration", _seconds(m.get("t_iter")), basis.get("t_iter"))
+    line("optimal interval", f"{_seconds(plan.get('every_s'))} of computation (Young {_seconds(plan.get('young_s'))}, Daly {_seconds(plan.get('daly_s'))})")
+    overhead = plan.get("overhead")
+    line("predicted overhead", "-" if overhead is None else f"{overhead * 100:.2f} % (time lost to checkpoints and failures)")
+    if plan.get("auto"):
+        every, nxt = plan.get("every"), plan.get("next")
+        line("plan", f"checkpoint at iteration {nxt}, then every {every} iterations" if nxt is not None else "not made yet")
+        if plan.get("iteration") is not None:
+            line("ranks are at", f"iteration {plan['iteration']}")
+    if not m.get("node_loss_survivable", True):
+        click.echo("  note: with --ckpt-redundancy local a lost node's checkpoint files are lost with it; "
+                   "the interval assumes the node comes back")
+
+
+def _seconds(value: object) -> str:
+    if not isinstance(value, int | float):
+        return "-"
+    if value >= 120:
+        return f"{value:.0f} s ({value / 60:.1f} min)" if value < 7200 else f"{value / 3600:.2f} h"
+    return f"{value:.3g} s"

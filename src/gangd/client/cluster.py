@@ -45,7 +45,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -195,6 +195,8 @@ def up(
     max_recoveries: int | None = None,
     checkpoint_codec: str | None = None,
     rank_server: bool | None = None,
+    mtbf: float | None = None,
+    node_mtbf: Mapping[str, float] | None = None,
     timeout: float = 30.0,
     progress: Callable[[str], object] | None = None,
 ) -> list[NodeFiles]:
@@ -217,6 +219,8 @@ def up(
     keeps its own in ``checkpoint_dir/<node>``), as a shared file system
     would be; default: each node's state directory. ``spares``: nodes (by
     name, n1..nN) marked ``spare = true``, held back for recoveries;
+    ``mtbf``: ``[failure] mtbf`` (seconds), ``node_mtbf``: a node's own
+    prior MTBF (--ckpt-every auto's failure rates: issue 19);
     ``max_recoveries``: ``[checkpoint] max_recoveries``; ``checkpoint_codec``:
     ``[checkpoint] codec`` (a job's unless it asks). On any failure nothing
     this call started is left running."""
@@ -284,7 +288,7 @@ def up(
             job_retention=job_retention,
             limits=limits, checkpoint_dir=checkpoint_dir, log_level=log_level, output_limit=output_limit, output_dir=output_dir,
             checkpoint_max_rank_bytes=checkpoint_max_rank_bytes, flush_dir=flush_dir, spares=tuple(spares), max_recoveries=max_recoveries,
-            rank_server=rank_server, checkpoint_codec=checkpoint_codec,
+            rank_server=rank_server, checkpoint_codec=checkpoint_codec, mtbf=mtbf, node_mtbf=dict(node_mtbf or {}),
         )
     except BaseException:
         down(directory)
@@ -481,6 +485,7 @@ def _start_daemons(
     max_queued_per_user: int, job_retention: float, limits: tuple[tuple[str, int], ...], checkpoint_dir: Path | None, log_level: str, output_limit: int | None,
     output_dir: Path | None, checkpoint_max_rank_bytes: int | None, flush_dir: Path | None = None, spares: tuple[str, ...] = (),
     max_recoveries: int | None = None, rank_server: bool | None = None, checkpoint_codec: str | None = None,
+    mtbf: float | None = None, node_mtbf: dict[str, float] | None = None,
 ) -> list[NodeFiles]:
     secret = write_secret(directory / "secret")
     addresses = [f"127.0.0.{i}" for i in range(1, nodes + 1)]
@@ -488,7 +493,12 @@ def _start_daemons(
     unknown = [name for name in spares if name not in {f"n{i}" for i in range(1, nodes + 1)}]
     if unknown:
         raise ClusterError(f"spare node {unknown[0]} is not one of n1..n{nodes}")
-    specs = tuple(NodeSpec(f"n{i}", address, port, cores, spare=f"n{i}" in spares) for i, address in enumerate(addresses, 1))
+    node_mtbf = node_mtbf or {}
+    unknown = [name for name in node_mtbf if name not in {f"n{i}" for i in range(1, nodes + 1)}]
+    if unknown:
+        raise ClusterError(f"node {unknown[0]} (given an MTBF) is not one of n1..n{nodes}")
+    specs = tuple(NodeSpec(f"n{i}", address, port, cores, spare=f"n{i}" in spares, mtbf=node_mtbf.get(f"n{i}"))
+                  for i, address in enumerate(addresses, 1))
     files = [NodeFiles(spec.name, directory / spec.name) for spec in specs]
     lines = [
         f'# written by gang cluster up; `gang --cluster {directory}` reads it',
@@ -526,6 +536,7 @@ def _start_daemons(
             max_recoveries=Config.max_recoveries if max_recoveries is None else max_recoveries,
             rank_server=Config.rank_server if rank_server is None else rank_server,
             checkpoint_codec=Config.checkpoint_codec if checkpoint_codec is None else checkpoint_codec,
+            failure_mtbf=Config.failure_mtbf if mtbf is None else float(mtbf),
         )
         nf.config.write_text(render(config))
         lines += ["[[nodes]]", f"name = {toml_str(spec.name)}", f"address = {toml_str(spec.endpoint)}"]

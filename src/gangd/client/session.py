@@ -70,7 +70,7 @@ class Client:
         priority: int | None = None,
         time_slice: float | None = None,
         network_context: dict[int, bytes] | None = None,
-        ckpt_every: float | None = None,
+        ckpt_every: float | str | None = None,
         mpi: bool = False,
         ckpt_redundancy: str | None = None,
         requeue: bool | None = None,
@@ -184,6 +184,10 @@ class Client:
         ``nodes`` live nodes (the files of ranks that move are copied there
         first); returns {"record": the new job, "gen", "iteration", "skipped", "placement"}."""
         return await self.request("restart", job=job_id, gen=generation, nodelist=nodelist, nodes=nodes)
+
+    async def interval_plan(self, job_id: int) -> dict:
+        """The job's checkpoint interval plan: C, R, L, λ, the optimal interval and the next planned iteration."""
+        return await self.request("ckpt_interval", job=job_id)
 
     async def checkpoints(self, job_id: int) -> dict:
         """The checkpoint generations of the job's lineage and the one under way."""

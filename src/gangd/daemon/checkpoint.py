@@ -89,7 +89,19 @@ import trio
 
 from .. import ckptstore, jobs, safefs, text
 from ..checkpoint import node as nd
-from ..checkpoint.messages import MAX_LINKS, BadMessage, DeltaOffer, Link, RankReport, RankWritten, merge_pipelines, rank_note
+from ..checkpoint.messages import (
+    MAX_ITERATION,
+    MAX_LINKS,
+    BadMessage,
+    DeltaOffer,
+    Link,
+    PlanNote,
+    RankProgress,
+    RankReport,
+    RankWritten,
+    merge_pipelines,
+    rank_note,
+)
 from ..ckptstore import StoreError
 from ..failpoint import refuse
 from ..redundancy.bulk import Bulk, BulkServer
@@ -120,6 +132,13 @@ MANIFESTS_KEPT = 256  # MANIFESTs this node committed, kept parsed for the offer
 
 class _NotKept(Exception):
     """A MANIFEST the offer needs is not kept in memory: it is read in a thread."""
+
+
+def _job_arg(args: dict) -> int:
+    job = args.get("job")
+    if type(job) is not int or job < 1:
+        raise RemoteError("bad_request", f"'job' must be a job number, not {text.printable(str(job))[:40]}")
+    return job
 
 
 class NoRoom(Exception):
@@ -250,6 +269,10 @@ class NodeCheckpoints:
         self._bulk: BulkService | None = None
         # (lineage, gen) -> the MANIFEST this node committed, newest last (MANIFESTS_KEPT at most): the offers' reads
         self.kept: dict[tuple[int, int], ckptstore.Manifest] = {}
+        # ``--ckpt-every auto`` (issue 19): each job's interval plan as the coordinator last sent it (a
+        # rank that attaches later hears it too), and each attached rank's last progress report.
+        self.plans: dict[int, PlanNote] = {}
+        self.progress: dict[tuple[int, int], tuple[RankProgress, float]] = {}  # (job, rank) -> (report, when)
 
     def _keep(self, manifest: ckptstore.Manifest) -> None:
         self.kept.pop((manifest.lineage, manifest.gen), None)
@@ -344,7 +367,10 @@ class NodeCheckpoints:
             old.close()
         self.agents[(job_id, rank)] = RankAgent(job_id, rank, pid, pidfd, channel)
         channel.context["ckpt_of"] = (job_id, rank)
-        reply: dict = {"restart": None}
+        reply: dict = {"restart": None, "auto": record.get("ckpt_every") == "auto"}
+        plan = self.plans.get(job_id)
+        if plan is not None:  # (after the reply: the rank's thread reads it as its first note)
+            self.daemon.spawn(self._note, channel, plan.op, plan.to_wire())
         restart = self.restarts.get(job_id)
         if restart is not None:
             name = ckptstore.cluster_rank_file(rank)
@@ -361,6 +387,7 @@ class NodeCheckpoints:
         if key is None or self.agents.get(key, None) is None or self.agents[key].channel is not channel:
             return
         self.agents.pop(key).close()
+        self.progress.pop(key, None)
         pending = self.pending.get(key[0])
         if pending is not None and not pending.resumed:
             pending.feed(nd.RankGone(key[1], f"rank {key[1]} on {self.daemon.node} closed its checkpoint connection (it exited or called fini)"))
@@ -421,12 +448,15 @@ class NodeCheckpoints:
         if op == "ckpt_restored":
             self._restored(job_id, rank, args)
             return
+        if isinstance(note, RankProgress):
+            self.progress[(job_id, rank)] = (note, time.monotonic())
+            return
         pending = self.pending.get(job_id)
         if isinstance(note, RankReport):
             if pending is None:
                 what = nd.outside_round(note)
-                if what is nd.Outside.REQUEST:  # the program's own SIGQUIT or ckpt.request(): checkpoint the job
-                    self._requested_by_rank(job_id, rank, channel)
+                if what is nd.Outside.REQUEST:  # the program's own SIGQUIT or ckpt.request(), or its interval plan
+                    self._requested_by_rank(job_id, rank, channel, note.iteration)
                 elif what is nd.Outside.ABORT:  # a generation that is over: let the rank go
                     self.daemon.spawn(self._note, channel, "ckpt_abort", {"gen": note.gen, "why": "it is over"})
                 else:
@@ -436,17 +466,21 @@ class NodeCheckpoints:
         elif isinstance(note, RankWritten) and pending is not None and note.gen == pending.gen:
             pending.feed(nd.Written(rank, note.result))
 
-    def _requested_by_rank(self, job_id: int, rank: int, channel: Channel) -> None:
+    def _requested_by_rank(self, job_id: int, rank: int, channel: Channel, at: int | None) -> None:
         if job_id in self._requesting:
             return
         self._requesting.add(job_id)
-        self.daemon.spawn(self._request_checkpoint, job_id, rank, channel)
+        self.daemon.spawn(self._request_checkpoint, job_id, rank, channel, at)
 
-    async def _request_checkpoint(self, job_id: int, rank: int, channel: Channel) -> None:
+    async def _request_checkpoint(self, job_id: int, rank: int, channel: Channel, at: int | None) -> None:
         record = self.daemon.table.get(job_id)
+        plan = self.plans.get(job_id)
+        planned = plan is not None and at is not None and at >= plan.next  # (its plan's iteration, or the first it can reach)
+        trigger = f"planned interval (iteration {at})" if planned else f"SIGQUIT or ckpt.request() in rank {rank}"
         try:
             cred = {"uid": record["owner_uid"], "gid": record["owner_gid"], "user": record["owner"]}
-            await self.daemon.ops.to_coordinator("coord_checkpoint", job=job_id, cred=cred, wait=False, trigger=f"SIGQUIT or ckpt.request() in rank {rank}")
+            await self.daemon.ops.to_coordinator("coord_checkpoint", job=job_id, cred=cred, wait=False, trigger=trigger,
+                                                 **({"at": at} if planned else {}))
         except RemoteError as exc:
             log.info("job %d: rank %d asked for a checkpoint: %s", job_id, rank, exc.message)
             await self._note(channel, "ckpt_none", {})
@@ -533,6 +567,8 @@ class NodeCheckpoints:
             # have come first; what was made is removed here.
             await trio.to_thread.run_sync(self._remove, directory)
             raise RemoteError("checkpoint_failed", pending.failed)
+        at = args.get("at")  # (a planned generation's iteration: no rank reports a boundary before it)
+        begin_note = {"gen": gen, **({"at": at} if type(at) is int and 0 <= at <= MAX_ITERATION else {})}
         for rank in mine:
             agent = self.agents[(job_id, rank)]
             try:
@@ -540,7 +576,7 @@ class NodeCheckpoints:
             except OSError as exc:
                 pending.fail(f"cannot signal rank {rank} on {self.daemon.node}: {exc.strerror}")
             # The note reaches the rank's thread even while its main thread is in a long C call.
-            await self._bounded_note(agent, "ckpt_begin", {"gen": gen})
+            await self._bounded_note(agent, "ckpt_begin", begin_note)
         pending.planned = await self._plan_offers(record, pending, force_full=args.get("force_full") is True)
         silent = f"ranks {sorted(set(mine) - set(pending.reports))} did not answer SIGQUIT"
         await pending.until(pending.all_reported, AGREE_TIMEOUT, silent)
@@ -1100,8 +1136,37 @@ class NodeCheckpoints:
             await self.daemon.jobnet.hold_gate(job_id, "restart", False)
         return True
 
+    # ------------------------------------------------------------ the interval plan (issue 19)
+
+    def pace(self, args: dict) -> dict:
+        """Where this node's ranks of a job are, for the coordinator's
+        planner: the furthest boundary any reported, the slowest smoothed
+        time per iteration, and how many ranks reported (the latest report
+        of each rank still attached)."""
+        job_id = _job_arg(args)
+        reports = [(p, when) for (job, _), (p, when) in self.progress.items() if job == job_id]
+        paces = [p.t_iter for p, _ in reports if p.t_iter is not None]
+        return {"ranks": len(reports), "iteration": max((p.iteration for p, _ in reports), default=None),
+                "t_iter": max(paces, default=None), "age": round(time.monotonic() - max((w for _, w in reports), default=time.monotonic()), 3)}
+
+    async def set_plan(self, args: dict) -> bool:
+        """The coordinator's plan for a job: kept for ranks that attach later, and told to each rank here now."""
+        job_id = _job_arg(args)
+        try:
+            plan = PlanNote.from_wire(args.get("plan"))
+        except BadMessage as exc:
+            raise RemoteError("bad_request", f"a malformed plan: {exc}") from None
+        self.plans[job_id] = plan
+        for (job, _), agent in list(self.agents.items()):
+            if job == job_id:
+                await self._bounded_note(agent, plan.op, plan.to_wire())
+        return True
+
     def forget(self, job_id: int) -> None:
         """The job ended on this node."""
+        self.plans.pop(job_id, None)
+        for key in [k for k in self.progress if k[0] == job_id]:
+            del self.progress[key]
         self.restarts.pop(job_id, None)
         self.rounds.forget(job_id)
         pending = self.pending.get(job_id)

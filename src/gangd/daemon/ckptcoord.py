@@ -51,6 +51,7 @@ from ..redundancy.plan import PlanError, default_level, make_plan
 from ..rpc import RemoteError
 from .access import permission_check
 from .checkpoint import OFFER_CANDIDATES
+from .interval import IntervalPlanner, Ports
 from .jobnet import expected_deliveries
 from .peers import natural_key
 
@@ -111,6 +112,16 @@ class CheckpointCoordinator:
         # retention never removes it meanwhile), and flushed copies being removed.
         self.flushing: dict[int, int] = {}
         self.unflushing: set[tuple[int, int]] = set()
+        config = self.daemon.config
+        membership = coordinator.membership
+        self.planner = IntervalPlanner(Ports(
+            record=self.daemon.table.get, generations=self.generations, lineage_records=self.lineage_records,
+            level=lambda record: self.level(record)[0], on_job_nodes=self.daemon.ops.on_job_nodes,
+            histories=membership.nodelog.histories,
+            priors=lambda: {n.name: n.mtbf or config.failure_mtbf for n in config.nodes}, prior_weight=config.failure_prior_weight,
+            replan=config.checkpoint_replan, interval_min=config.checkpoint_interval_min, interval_max=config.checkpoint_interval_max,
+            term=lambda: self.co._fence().term, active=lambda: self.co.active,
+        ))
 
     # ------------------------------------------------------------ lineage
 
@@ -161,7 +172,7 @@ class CheckpointCoordinator:
 
     # ------------------------------------------------------------ requests
 
-    async def request(self, job_id: int, cred: dict, trigger: str, wait: bool = True) -> dict:
+    async def request(self, job_id: int, cred: dict, trigger: str, wait: bool = True, at: int | None = None) -> dict:
         record = self.daemon.table.get(job_id)
         if record is None:
             raise RemoteError("no_such_job", f"no job {job_id}")
@@ -180,7 +191,7 @@ class CheckpointCoordinator:
                 job=job_id, gen=self._next_gen(record), lineage=record.get("lineage") or job_id,
                 nodes=frozenset(jobs.nodes_of(record)), trigger=trigger, started=time.time(),
                 placement=list(record["placement"]), expect=expected_deliveries, nranks=record["nranks"], clock=time.time,
-                redundancy=level, force_full=not self.delta_gate(record),
+                redundancy=level, force_full=not self.delta_gate(record), at=at,
             )
             rnd.entry["level"] = level
             if note:
@@ -1288,6 +1299,16 @@ class CheckpointCoordinator:
             await self._all(record, "ckpt_open")  # (fails: the nodes report again, and this is retried)
             if self.restored.pop(job_id, None) is not None:
                 log.info("job %d: every rank restored generation %d; gates open", job_id, record["restart_of"]["gen"])
+                # The restart cost R that --ckpt-every auto plans with (issue 19): submitted -> every rank restored.
+                seconds = round(max(0.0, time.time() - float(record.get("submitted") or time.time())), 3)
+
+                def note(r: dict) -> None:
+                    r["restart_seconds"] = seconds
+
+                try:
+                    await self.co.update(job_id, note)
+                except RemoteError as exc:  # (a measurement: the job runs on without it)
+                    log.info("job %d: could not record its restart time: %s", job_id, exc.message)
 
     async def _damaged_on_restore(self, record: dict, node: str) -> None:
         """A rank on ``node`` could not restore its state: check that node's
@@ -1317,6 +1338,9 @@ class CheckpointCoordinator:
     # ------------------------------------------------------------ periodic checkpoints
 
     def job_started(self, record: dict) -> None:
+        if record.get("ckpt_every") == "auto":  # (issue 19: the interval planned from measurements)
+            self.planner.start(self.co.spawn, record["id"])
+            return
         if record.get("ckpt_every") and record["id"] not in self.periodic:
             self.periodic.add(record["id"])
             self.co.spawn(self._periodic, record["id"])

@@ -65,12 +65,21 @@ Example (``/etc/gangd/gangd.toml``)::
     redundancy = "auto"              # local, partner, xor; auto: xor on 3+ nodes, partner on 2
     max_recoveries = 3               # automatic restarts of one job's lineage after lost nodes (0: never)
 
+    replan = 0.25                    # --ckpt-every auto re-plans when C, R, L, λ or the iteration time move by 25 %...
+    interval_min = 1                 # ...and keeps a planned interval between these (seconds)
+    interval_max = 86400
+
+    [failure]                        # optional: the failure rates --ckpt-every auto plans with
+    mtbf = "30d"                     # a node's mean time between losses until its own history in etcd says otherwise
+    prior_weight = 1.0               # that prior counts as this many observed losses
+
     [[nodes]]
     name = "n1"
     address = "10.0.0.1"
     port = 7450
     cores = 16
     spare = false                    # true: held back for recoveries (and jobs that fit nowhere else)
+    mtbf = "90d"                     # optional: this node's prior MTBF (paper 002's host -> rate table)
 
 The cluster's state (who coordinates, which nodes are alive, the job table)
 lives in etcd rather than in the daemons: a home-made consensus is what let
@@ -261,6 +270,10 @@ class NodeSpec:
     #: Held back for recoveries: a job lost on another node is restarted here
     #: first; normal placement uses it only when the job fits nowhere else.
     spare: bool = False
+    #: This node's mean time between losses as the site knows it (paper 002's
+    #: host -> rate table), in seconds; None: the cluster's [failure] mtbf. A
+    #: prior only: the node's own history in etcd takes over as it grows.
+    mtbf: float | None = None
 
     @property
     def endpoint(self) -> str:
@@ -297,6 +310,11 @@ class Config:
     checkpoint_chain_max: int = 8  # [checkpoint] chain_max: older generations a restore may read
     checkpoint_adaptive_threshold: float = 0.10  # [checkpoint] adaptive_threshold: share of the state a new base must save
     max_recoveries: int = 3  # [checkpoint] max_recoveries: automatic restarts of a lineage after lost nodes (0: never)
+    checkpoint_replan: float = 0.25  # [checkpoint] replan: --ckpt-every auto re-plans when C, R, L, λ or the iteration time move by this share
+    checkpoint_interval_min: float = 1.0  # [checkpoint] interval_min / interval_max: the bounds of a planned interval (seconds)
+    checkpoint_interval_max: float = 86400.0
+    failure_mtbf: float = 30 * 86400.0  # [failure] mtbf: a node's mean time between losses before its history says otherwise
+    failure_prior_weight: float = 1.0  # [failure] prior_weight: how many losses' worth of evidence that prior is
     output_dir: Path | None = None  # rank output (default: state_dir/output)
     runtime_dir: Path | None = None  # rank sockets and counters, in memory (default: the socket's directory/jobs)
     output_limit: int = 1 << 30  # bytes of output a job may leave on this node; the rest is dropped with a notice
@@ -481,6 +499,38 @@ def _checkpoint_section(data: dict) -> dict:
     return section
 
 
+def _table(data: dict, name: str) -> dict:
+    section = data.get(name, {})
+    if not isinstance(section, dict):
+        raise ConfigError(f"[{name}] must be a table")
+    return section
+
+
+def _duration(value: object, where: str) -> float:
+    """Seconds, from a number or a string such as "30d", "12h", "90m", "45s"."""
+    from ..interval.rates import parse_duration
+
+    try:
+        seconds = parse_duration(value) if isinstance(value, str) else float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where} must be a duration (seconds, or e.g. \"30d\", \"12h\", \"90m\"), not {value!r}: {exc}") from None
+    if isinstance(value, bool) or not math.isfinite(seconds) or not 0 < seconds <= 1e10:
+        raise ConfigError(f"{where} must be a positive duration, not {value!r}")
+    return seconds
+
+
+def _fraction(value: object, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 10:
+        raise ConfigError(f"{where} must be a share such as 0.25 (25 %), not {value!r}")
+    return float(value)
+
+
+def _positive(value: object, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or not 0 < value <= 1e6:
+        raise ConfigError(f"{where} must be a positive number, not {value!r}")
+    return float(value)
+
+
 def load(path: str | os.PathLike | None, **overrides) -> Config:
     """Read a config file (if any) and apply non-None ``overrides``.
 
@@ -508,6 +558,7 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
                     port=int(entry.get("port", DEFAULT_PORT)),
                     cores=int(entry.get("cores", os.cpu_count() or 1)),
                     spare=_spare(entry.get("spare", False), i),
+                    mtbf=None if entry.get("mtbf") is None else _duration(entry["mtbf"], f"[[nodes]] entry {i + 1}: mtbf"),
                 )
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -541,6 +592,11 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         "checkpoint_block_kib": _checkpoint_section(data).get("block_kib", 16),
         "checkpoint_chain_max": _checkpoint_section(data).get("chain_max", 8),
         "checkpoint_adaptive_threshold": _checkpoint_section(data).get("adaptive_threshold", 0.10),
+        "checkpoint_replan": _fraction(_checkpoint_section(data).get("replan", 0.25), "[checkpoint] replan"),
+        "checkpoint_interval_min": _duration(_checkpoint_section(data).get("interval_min", 1.0), "[checkpoint] interval_min"),
+        "checkpoint_interval_max": _duration(_checkpoint_section(data).get("interval_max", 86400.0), "[checkpoint] interval_max"),
+        "failure_mtbf": _duration(_table(data, "failure").get("mtbf", 30 * 86400.0), "[failure] mtbf"),
+        "failure_prior_weight": _positive(_table(data, "failure").get("prior_weight", 1.0), "[failure] prior_weight"),
         "output_dir": Path(node["output_dir"]) if node.get("output_dir") else None,
         "output_limit": int(node.get("output_limit", 1 << 30)),
         "output_reserve": int(node.get("output_reserve", 64 << 20)),
@@ -595,6 +651,8 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
     if not isinstance(config.max_recoveries, int) or isinstance(config.max_recoveries, bool) or not 0 <= config.max_recoveries <= 1000:
         raise ConfigError(f"[checkpoint] max_recoveries must be a whole number from 0 (never recover) to 1000, not {config.max_recoveries!r}")
     _check_delta(config)
+    if config.checkpoint_interval_min > config.checkpoint_interval_max:
+        raise ConfigError(f"[checkpoint] interval_min ({config.checkpoint_interval_min:g} s) is above interval_max ({config.checkpoint_interval_max:g} s)")
     if all(spec.spare for spec in config.nodes):
         raise ConfigError("every node in [[nodes]] is marked spare = true: at least one must run jobs")
     if config.checkpoint_max_rank_bytes < 0:
@@ -729,11 +787,18 @@ def render(config: Config) -> str:
     for key in ("block_kib", "chain_max", "adaptive_threshold"):
         if getattr(config, f"checkpoint_{key}") != getattr(Config, f"checkpoint_{key}"):
             section.append(f"{key} = {getattr(config, f'checkpoint_{key}')}")
+    for key in ("replan", "interval_min", "interval_max"):
+        if getattr(config, f"checkpoint_{key}") != getattr(Config, f"checkpoint_{key}"):
+            section.append(f"{key} = {getattr(config, f'checkpoint_{key}')}")
     if config.checkpoint_flush_dir is not None:
         section += [f"flush_dir = {toml_str(str(config.checkpoint_flush_dir))}", f"flush_every = {config.checkpoint_flush_every}",
                     f"flush_mib_per_s = {config.checkpoint_flush_mib_per_s}"]
     if section:
         lines += ["", "[checkpoint]", *section]
+    failure = [f"{key} = {getattr(config, f'failure_{key}')}" for key in ("mtbf", "prior_weight")
+               if getattr(config, f"failure_{key}") != getattr(Config, f"failure_{key}")]
+    if failure:
+        lines += ["", "[failure]", *failure]
     if config.limits:
         lines += ["", "[limits]"] + [f"{key} = {value}" for key, value in config.limits]
     lines += ["", *render_etcd(config.etcd)]
@@ -741,6 +806,8 @@ def render(config: Config) -> str:
         lines += ["", "[[nodes]]", f"name = {toml_str(spec.name)}", f"address = {toml_str(spec.address)}", f"port = {spec.port}", f"cores = {spec.cores}"]
         if spec.spare:
             lines.append("spare = true")
+        if spec.mtbf is not None:
+            lines.append(f"mtbf = {spec.mtbf}")
     return "\n".join(lines) + "\n"
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import trio
 
+from ...checkpoint.messages import MAX_ITERATION
 from ...failpoint import failpoint, refuse
 from ...redundancy import transfer
 from ...redundancy.plan import NODE_NAME
@@ -85,7 +86,26 @@ async def ckpt_end(s, call: Call):
 @op("coord_checkpoint", audience=PEER)
 async def coord_checkpoint(s, call: Call):
     args = call.args
-    return await coordinator(s).ckpt.request(integer(args, "job"), args["cred"], str(args.get("trigger")), bool(args.get("wait", True)))
+    at = args.get("at")  # (a rank's planned iteration: issue 19)
+    if at is not None and (type(at) is not int or not 0 <= at <= MAX_ITERATION):
+        raise RemoteError("bad_request", "'at' must be an iteration number")
+    return await coordinator(s).ckpt.request(integer(args, "job"), args["cred"], str(args.get("trigger")), bool(args.get("wait", True)), at=at)
+
+
+@op("ckpt_interval", audience=CLIENT)
+async def ckpt_interval(s, call: Call):
+    """A job's checkpoint interval plan (issue 19): C, R, L, λ, the optimal interval, the next planned iteration."""
+    record = await job_for(s.table, call.args, call.user, "inspect")
+    return await s.calls.to_coordinator("coord_ckpt_interval", job=record["id"])
+
+
+@op("coord_ckpt_interval", audience=PEER)
+async def coord_ckpt_interval(s, call: Call):
+    ckpt = coordinator(s).ckpt
+    record = ckpt.daemon.table.get(integer(call.args, "job"))
+    if record is None:
+        raise RemoteError("no_such_job", f"no job {call.args.get('job')} in the coordinator's table")
+    return {"job": record["id"], "state": record["state"], "ckpt_every": record.get("ckpt_every"), **await ckpt.planner.view(record)}
 
 
 @op("coord_checkpoint_all", audience=PEER)
@@ -123,6 +143,18 @@ for _name, _method in (
     ("ckpt_open", "open_restarted"), ("ckpt_abort_all", "abort_all"),
 ):
     _node_op(_name, _method)
+
+
+@op("ckpt_pace", audience=PEER)
+async def ckpt_pace(s, call: Call):
+    """Where this node's ranks of an interval-planned job are, and their pace (issue 19)."""
+    return s.checkpoints.pace(call.args)
+
+
+@op("ckpt_set_plan", audience=PEER, fenced=True)
+async def ckpt_set_plan(s, call: Call):
+    """The coordinator's interval plan for a job: told to its ranks here (issue 19)."""
+    return await s.checkpoints.set_plan(call.args)
 
 
 @op("ckpt_job_env", audience=PEER)

@@ -18,6 +18,7 @@ import trio
 
 from ... import jobs
 from ...etcd.client import EtcdError
+from ...interval.rates import node_rate
 from ...rpc import RemoteError, Stream
 from ..access import integer, job_for
 from ..limits import read_process_limits
@@ -119,6 +120,13 @@ async def schedule(s, call: Call):
     return await s.calls.to_coordinator("coord_schedule", switches=bool(call.args.get("switches")))
 
 
+def _failure_rate(config, spec, history) -> dict:
+    """The node's failure rate estimate: its history in etcd with its prior MTBF (issue 19)."""
+    rate = node_rate(history.losses if history else 0, history.exposure if history else 0.0, spec.mtbf or config.failure_mtbf,
+                     config.failure_prior_weight)
+    return {"lam": rate.lam, "mtbf": rate.mtbf, "basis": rate.basis}
+
+
 @op("nodes", audience=CLIENT)
 async def nodes(s, call: Call):
     peers = s.peers
@@ -158,6 +166,7 @@ async def nodes(s, call: Call):
                 "clock": offset,  # its wall clock minus this node's, as estimated here (s)
                 "why": why,
                 "history": histories[spec.name].to_wire() if spec.name in histories else None,
+                "failure": _failure_rate(s.config, spec, histories.get(spec.name)),  # (what --ckpt-every auto plans with)
             }
         )
     return rows

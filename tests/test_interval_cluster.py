@@ -1,0 +1,153 @@
+"""``--ckpt-every auto`` on a real cluster (issue 19): the daemons measure the
+job, plan the interval (paper 002's "checkpoint at iteration n, then every
+m"), and every rank checkpoints at the iterations the plan names — with
+iterations of irregular length and one longer than the whole interval — and
+the plan moves when checkpoints get cheaper or a node's failure rate rises.
+
+The clusters are given a short MTBF prior (a minute) so that the optimal
+interval is seconds, not the hours a real cluster's would be."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+from ckpthelpers import PY, TERMINAL, generations, kill_what_is_left
+
+from gangd.interval.planner import Measured, make_plan
+
+APP = str(Path(__file__).parent / "interval_app.py")
+MTBF = 60.0
+
+
+def plan_of(cluster, job: int) -> dict:
+    """What `gang ckpt plan JOB --json` prints (asked in this process: the tests poll it)."""
+    return cluster.ask(lambda gang: gang.interval_plan(job), f"ckpt plan {job}")
+
+
+def saved_lines(cluster, job: int) -> dict[int, set[int]]:
+    """iteration -> the ranks that printed they saved there."""
+    out: dict[int, set[int]] = {}
+    for rank, _gen, iteration in re.findall(r"SAVED rank (\d+) gen (\d+) iteration (\d+)", cluster.logs(job)):
+        out.setdefault(int(iteration), set()).add(int(rank))
+    return out
+
+
+def test_every_rank_checkpoints_at_the_planned_iterations_with_irregular_and_overlong_iterations(make_cluster):
+    cluster = make_cluster(2, cores=2, time_slice=0.1, mtbf=MTBF)
+    try:
+        job = int(cluster.gang("submit", "-n", 2, "--per-node", 1, "--ckpt-every", "auto", "--",
+                               PY, APP, "--steps", 400, "--sleep", 0.02, "--jitter", 0.5, "--long-at", 150, "--long", 4, check=True).stdout)
+        seen = []
+        deadline = time.monotonic() + 120
+        while (state := cluster.job(job)["state"]) not in TERMINAL:
+            plan = plan_of(cluster, job)
+            if plan.get("next") is not None:
+                seen.append(plan)
+            assert time.monotonic() < deadline, "the job did not end in 120 s"
+            time.sleep(0.3)
+        assert state == "DONE", cluster.job(job)
+        assert seen, "no plan was shown while the job ran"
+        # The plan is Vaidya's optimum of what was measured, in iterations of the measured pace.
+        last = seen[-1]
+        m = last["inputs"]
+        assert last["auto"] is True and m["lam"] == pytest.approx(2 / MTBF, rel=0.5)  # (two nodes: their rates summed)
+        assert last["every_s"] > m["C"] and last["every"] == max(1, round(last["every_s"] / m["t_iter"]))
+        # A longer interval than the plan's, or a shorter one, would lose more time (the model's optimum).
+        assert last["young_s"] is not None and last["daly_s"] is not None
+
+        taken = [g for g in generations(cluster, job) if g["trigger"].startswith("planned interval")]
+        assert len(taken) >= 3, [(g["gen"], g["iteration"], g["trigger"]) for g in generations(cluster, job)]
+        saved = saved_lines(cluster, job)
+        for g in taken:
+            # The cut is the iteration the plan named, and every rank saved its state there.
+            assert g["iteration"] == g["planned_at"], g
+            assert saved.get(g["iteration"]) == {0, 1}, (g["iteration"], saved)
+        # The iteration four seconds long (longer than the whole interval) did not make it skip:
+        # the next planned checkpoint after it was taken at its planned iteration, and so on to the end.
+        after = [g["iteration"] for g in taken if g["iteration"] > 150]
+        assert after, [g["iteration"] for g in taken]
+        cuts = [g["iteration"] for g in taken]
+        gaps = [b - a for a, b in zip(cuts, cuts[1:], strict=False)]
+        assert max(gaps) <= max(p["every"] for p in seen) + max(p["lead"] for p in seen) + 1, (cuts, [p["every"] for p in seen])
+    finally:
+        kill_what_is_left(cluster)
+
+
+def test_the_plan_shortens_when_incremental_checkpoints_make_them_cheaper(make_cluster):
+    cluster = make_cluster(2, cores=2, time_slice=0.1, mtbf=MTBF)
+    try:
+        # 32 MiB of state, a few blocks of it changed per iteration, written inline (the ranks are blocked
+        # for the write): the first generation writes it all, the ones after only what changed.
+        env = dict(os.environ, GANGD_CKPT_BACKGROUND="0")
+        job = int(cluster.gang("submit", "-n", 2, "--per-node", 1, "--ckpt-every", "auto", "--ckpt-mode", "adaptive", "--ckpt-redundancy", "local",
+                               "--", PY, APP, "--steps", 100000, "--sleep", 0.02, "--jitter", 0.2, "--mib", 32, env=env, check=True).stdout)
+        plans: list[dict] = []
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            plan = plan_of(cluster, job)
+            m = plan["inputs"]
+            if plan.get("next") is not None and (not plans or plans[-1]["inputs"]["C"] != m["C"]):
+                plans.append(plan)
+            done = [g for g in generations(cluster, job) if g["state"] in ("complete", "protected")]
+            if len(done) >= 4 and "last 3" in m["basis"]["C"]:
+                break
+            time.sleep(0.3)
+        modes = [g.get("mode") for g in generations(cluster, job)]
+        assert modes[0] == "full" and set(modes[1:4]) & {"differential", "incremental"}, modes
+        after_full = next(p for p in plans if "last 1 " in p["inputs"]["basis"]["C"])
+        latest = plans[-1]
+        assert "last 3" in latest["inputs"]["basis"]["C"], [p["inputs"]["basis"]["C"] for p in plans]
+        # Cheaper checkpoints: a lower C, and Vaidya's optimum ~ sqrt(2C/λ) a shorter interval.
+        assert latest["inputs"]["C"] < after_full["inputs"]["C"] / 1.25, [(p["inputs"]["C"], p["every_s"]) for p in plans]
+        assert latest["every_s"] < after_full["every_s"], [(p["inputs"]["C"], p["every_s"]) for p in plans]
+    finally:
+        kill_what_is_left(cluster)
+
+
+def test_a_node_loss_raises_its_failure_rate_and_shortens_the_plan_of_jobs_on_it(make_cluster):
+    cluster = make_cluster(3, cores=2, time_slice=0.1, mtbf=MTBF)
+    try:
+        argv = ["--", PY, APP, "--steps", 100000, "--sleep", 0.02]
+
+        def planned(job: int) -> dict:
+            deadline = time.monotonic() + 60
+            while (plan := plan_of(cluster, job)).get("next") is None or "last 1 " not in plan["inputs"]["basis"]["C"]:
+                assert time.monotonic() < deadline, plan
+                time.sleep(0.3)
+            return plan
+
+        before = planned(int(cluster.gang("submit", "-n", 2, "-w", "n1,n2", "--ckpt-every", "auto", *argv, check=True).stdout))
+        kill_what_is_left(cluster)
+        nodes = {r["name"]: r for r in cluster.gang_json("nodes")["nodes"]}
+        assert nodes["n2"]["failure"]["basis"].startswith("history: 0 losses")
+
+        cluster.kill_node("n2")  # (its lease ends: the coordinator records the loss in n2's history in etcd)
+        cluster.start_daemon("n2")
+        deadline = time.monotonic() + 30
+        while (n2 := {r["name"]: r for r in cluster.gang_json("nodes")["nodes"]}["n2"])["state"] != "up" or n2["history"]["losses"] < 1:
+            assert time.monotonic() < deadline, n2
+            time.sleep(0.3)
+        n1 = {r["name"]: r for r in cluster.gang_json("nodes")["nodes"]}["n1"]
+        assert n2["failure"]["lam"] > 1.5 * n1["failure"]["lam"] and n2["failure"]["basis"].startswith("history: 1 loss"), (n1, n2)
+
+        after = planned(int(cluster.gang("submit", "-n", 2, "-w", "n1,n2", "--ckpt-every", "auto", *argv, check=True).stdout))
+        # The job's rate is its nodes' rates summed, as `gang nodes` shows them, now with n2's loss in it.
+        assert after["inputs"]["lam"] == pytest.approx(n1["failure"]["lam"] + n2["failure"]["lam"], rel=0.1)
+        assert after["inputs"]["lam"] > 1.3 * before["inputs"]["lam"], (before["inputs"], after["inputs"])
+        # Each plan is the model's optimum for what it shows; at the same checkpoint cost the higher
+        # rate gives the shorter interval (the measured costs of two runs differ; the rate is the point).
+        for plan in (before, after):
+            assert plan["every_s"] == pytest.approx(replanned(plan["inputs"]), rel=1e-9)
+        assert replanned({**after["inputs"], "C": before["inputs"]["C"], "L": before["inputs"]["L"]}) < replanned(before["inputs"])
+    finally:
+        kill_what_is_left(cluster)
+
+
+def replanned(inputs: dict) -> float:
+    """The interval (s) make_plan gives for the inputs a plan shows (the cluster's default bounds)."""
+    m = Measured(**{k: inputs[k] for k in ("C", "L", "R", "lam", "t_iter")}, node_loss_survivable=inputs["node_loss_survivable"])
+    return make_plan(m).every_s

@@ -39,5 +39,7 @@ for i in ckpt.loop(range(args.steps)):
     where = rng.randrange(len(state))
     state[where] += i
     acc[0] += state[where]
+if ckpt.generation() != seen:  # (a checkpoint at the loop's last boundary, after its last iteration)
+    print(f"SAVED rank {rank} gen {ckpt.generation()} iteration {args.steps}", flush=True)
 print(f"RESULT rank {rank} {acc[0]:.1f}", flush=True)
 sys.exit(0)

@@ -72,7 +72,13 @@ def test_every_rank_checkpoints_at_the_planned_iterations_with_irregular_and_ove
         assert after, [g["iteration"] for g in taken]
         cuts = [g["iteration"] for g in taken]
         gaps = [b - a for a, b in zip(cuts, cuts[1:], strict=False)]
-        assert max(gaps) <= max(p["every"] for p in seen) + max(p["lead"] for p in seen) + 1, (cuts, [p["every"] for p in seen])
+        # (a plan made again names its iteration no sooner than ``reach`` ahead of the ranks: the plan's trip to them)
+        assert max(gaps) <= max(p["every"] for p in seen) + max(p["reach"] for p in seen) + 1, (cuts, [(p["every"], p["reach"]) for p in seen])
+        # What a user reads.
+        shown = cluster.gang("ckpt", "plan", job, check=True).stdout
+        for words in ("planned (--ckpt-every auto)", "checkpoint cost C", "failure rate λ", "optimal interval", "Young", "Daly",
+                      "predicted overhead", "then every"):
+            assert words in shown, shown
     finally:
         kill_what_is_left(cluster)
 
@@ -132,6 +138,8 @@ def test_a_node_loss_raises_its_failure_rate_and_shortens_the_plan_of_jobs_on_it
             assert time.monotonic() < deadline, n2
             time.sleep(0.3)
         n1 = {r["name"]: r for r in cluster.gang_json("nodes")["nodes"]}["n1"]
+        table = cluster.gang("nodes", check=True).stdout.splitlines()
+        assert "MTBF" in table[0] and "(history)" in next(line for line in table if line.startswith("n2")), table
         assert n2["failure"]["lam"] > 1.5 * n1["failure"]["lam"] and n2["failure"]["basis"].startswith("history: 1 loss"), (n1, n2)
 
         after = planned(int(cluster.gang("submit", "-n", 2, "-w", "n1,n2", "--ckpt-every", "auto", *argv, check=True).stdout))

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 SPAN = 0.2  # s: the shortest stretch of boundaries measured as one sample
 SAMPLES = 9  # spans the median is taken over
-PROGRESS_EVERY = 1.0  # s between a rank's progress reports to its daemon
+PROGRESS_EVERY = 0.25  # s between a rank's progress reports to its daemon (a few dozen bytes each)
 
 
 class Pace:

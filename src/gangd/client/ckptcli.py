@@ -285,8 +285,10 @@ def ckpt_plan(ctx, job, as_json):
     if plan.get("auto"):
         every, nxt = plan.get("every"), plan.get("next")
         line("plan", f"checkpoint at iteration {nxt}, then every {every} iterations" if nxt is not None else "not made yet")
-        if plan.get("iteration") is not None:
-            line("ranks are at", f"iteration {plan['iteration']}")
+        at, t_iter = plan.get("iteration"), m.get("t_iter")
+        if at is not None:
+            soon = f", the next checkpoint in about {_seconds(max(0, nxt - at) * t_iter)}" if nxt is not None and isinstance(t_iter, int | float) else ""
+            line("ranks are at", f"iteration {at}{soon}")
     if not m.get("node_loss_survivable", True):
         click.echo("  note: with --ckpt-redundancy local a lost node's checkpoint files are lost with it; "
                    "the interval assumes the node comes back")

@@ -54,9 +54,11 @@ from ..rpc import RemoteError
 log = logging.getLogger("gangd.interval")
 
 RECENT = 3  # generations whose blocked time make C
+PLANS_KEPT = 1024  # jobs whose last plan `gang ckpt plan` still shows (the running ones and the newest ended)
 C_UNMEASURED = 1.0  # s: C before the job's first checkpoint (the first plan is re-made once it is measured)
 POLL_MIN, POLL_MAX = 1.0, 30.0  # s between a planner's looks at the job's pace
 LEAD_TIME = 0.05  # s: a rank asks this long ahead of the planned iteration (a request's round trip, with room)
+REPORT_AGE = 0.4  # s: a computing rank reports its progress this often at least (gangd.ckptlib.pace: every 0.25 s)
 DELIVERY = 0.5  # s: a plan names an iteration at least this far ahead of the ranks (the plan's trip to them, under load)
 
 
@@ -67,12 +69,14 @@ class JobPlan:
     plan: Plan
     next: int | None = None
     lead: int = 0
+    reach: int = 0  # how far ahead of the ranks the plan had to name its iteration (lead + delivery)
     iteration: int | None = None  # the furthest boundary a rank reported
     made: float = field(default_factory=time.time)
     sent: bool = False  # told to every node of the job
 
     def to_wire(self) -> dict:
-        return {**self.plan.to_wire(), "next": self.next, "lead": self.lead, "iteration": self.iteration, "made": self.made, "sent": self.sent}
+        return {**self.plan.to_wire(), "next": self.next, "lead": self.lead, "reach": self.reach, "iteration": self.iteration, "made": self.made,
+                "sent": self.sent}
 
 
 # ---------------------------------------------------------------- measurements (pure: records in, figures out)
@@ -82,17 +86,33 @@ def usable(generations: list[dict]) -> list[dict]:
     return [g for g in generations if g.get("state") in ("complete", "protected") and isinstance(g.get("nodes"), dict) and g["nodes"]]
 
 
+def _seconds(node: dict, key: str) -> float | None:
+    t = node.get(key)
+    return float(t) if isinstance(t, int | float) and math.isfinite(t) and t >= 0 else None
+
+
 def measure_c(generations: list[dict]) -> tuple[float, str]:
-    """C: the mean blocked time of the newest :data:`RECENT` usable generations (the slowest node of each)."""
-    blocked = []
+    """C: the time the ranks are blocked by a checkpoint, the mean of the newest :data:`RECENT` usable
+    generations (each its slowest node's). Blocked time spent *waiting* for another node's ranks to
+    reach the cut or to finish is left out (``write`` + ``sync_overhead`` of :func:`gangd.checkpoint.round.node_stats`):
+    it is the ranks' misalignment, which the job pays at its next collective anyway, and it swamped the
+    cost itself (a node waiting 240 ms at the start sync for a write of 90 ms)."""
+    costs = []
     for g in usable(generations)[-RECENT:]:
-        times = [float(t) for n in g["nodes"].values() if isinstance(n, dict)
-                 and isinstance(t := n.get("blocked"), int | float) and math.isfinite(t) and t >= 0]
+        times = []
+        for n in g["nodes"].values():
+            if not isinstance(n, dict):
+                continue
+            write, sync, blocked = _seconds(n, "write"), _seconds(n, "sync_overhead"), _seconds(n, "blocked")
+            if write is not None and sync is not None:
+                times.append(min(write + sync, blocked) if blocked is not None else write + sync)
+            elif blocked is not None:
+                times.append(blocked)
         if times:
-            blocked.append(max(times))
-    if not blocked:
+            costs.append(max(times))
+    if not costs:
         return C_UNMEASURED, f"assumed {C_UNMEASURED:g} s until the first checkpoint"
-    return max(1e-4, sum(blocked) / len(blocked)), f"measured: mean blocked time of the last {len(blocked)} checkpoint(s)"
+    return max(1e-4, sum(costs) / len(costs)), f"measured: mean time blocked saving, last {len(costs)} checkpoint(s)"
 
 
 def measure_l(generations: list[dict], level: str, c: float) -> tuple[float, str]:
@@ -101,7 +121,12 @@ def measure_l(generations: list[dict], level: str, c: float) -> tuple[float, str
         started, ended = g.get("started"), g.get("ended")
         if not isinstance(started, int | float) or not isinstance(ended, int | float):
             continue
-        latency = max(0.0, float(ended) - float(started))
+        # From the cut, not from the begin: a planned round begins ``lead`` iterations ahead, and the
+        # ranks computing up to the cut (``agree`` + ``reach``) is the job's work, not the checkpoint's
+        # latency (a round that waited out a 4 s iteration raised the plan to 4 s through L - C).
+        ahead = [a + r for n in g["nodes"].values() if isinstance(n, dict)
+                 and (a := _seconds(n, "agree")) is not None and (r := _seconds(n, "reach")) is not None]
+        latency = max(0.0, float(ended) - float(started) - min(ahead, default=0.0))
         if level == "local":
             return max(latency, c), "measured: begin to complete (local: a node loss is survived only when the node comes back)"
         protect = g.get("protect_seconds")
@@ -119,13 +144,15 @@ def measure_r(records: list[dict], record: dict, generations: list[dict]) -> tup
     if isinstance(record.get("started"), int | float) and isinstance(record.get("submitted"), int | float):
         startup = max(0.0, float(record["started"]) - float(record["submitted"]))
     read = 0.0
-    last = usable(generations)[-1:] if generations else []
-    if last:
-        nodes = [n for n in last[0]["nodes"].values() if isinstance(n, dict)]
-        rates = [n["bandwidth"] for n in nodes if isinstance(n.get("bandwidth"), int | float) and n["bandwidth"] > 0]
-        restore = last[0].get("restore_bytes") or sum(n.get("bytes", 0) for n in nodes if isinstance(n.get("bytes"), int))
+    recent = usable(generations)[-RECENT:]
+    if recent:
+        nodes = [n for n in recent[-1]["nodes"].values() if isinstance(n, dict)]
+        # (the best bandwidth the recent writes showed: a small delta's write is slow per byte, the disk is not)
+        rates = [n["bandwidth"] for g in recent for n in g["nodes"].values()
+                 if isinstance(n, dict) and isinstance(n.get("bandwidth"), int | float) and n["bandwidth"] > 0]
+        restore = recent[-1].get("restore_bytes") or sum(n.get("bytes", 0) for n in nodes if isinstance(n.get("bytes"), int))
         if rates and isinstance(restore, int):
-            read = restore / max(1, len(nodes)) / min(rates)
+            read = restore / max(1, len(nodes)) / max(rates)
     return max(0.01, startup + read), "estimated: this job's start-up plus reading its state at its checkpoints' bandwidth"
 
 
@@ -226,7 +253,10 @@ class IntervalPlanner:
         now = []
         for a in answers.values():
             if type(a.get("iteration")) is int:
-                age = a.get("age") if type(a.get("age")) in (int, float) and 0 <= a["age"] < 3600 else 0.0
+                # A report is at most REPORT_AGE old while the rank computes; an older one means it
+                # is inside a long iteration, where it is not moving: no more than that is run on (an
+                # extrapolation over a 4 s iteration named an iteration 200 further on, a skipped checkpoint).
+                age = min(float(a["age"]), REPORT_AGE) if type(a.get("age")) in (int, float) and a["age"] >= 0 else 0.0
                 fast = min(paces, default=None)  # (the fastest pace: a rank is at least this far on)
                 now.append(a["iteration"] + (math.ceil(age / fast) if fast else 0))
         return max(now, default=None), t_iter
@@ -237,8 +267,7 @@ class IntervalPlanner:
         while True:
             record = p.record(job_id)
             if record is None or jobs.is_terminal(record) or not p.active():
-                self.plans.pop(job_id, None)
-                return
+                return  # (its last plan stays for `gang ckpt plan`, the newest PLANS_KEPT jobs')
             try:
                 iteration, t_iter = await self._pace(record)
             except RemoteError as exc:
@@ -259,8 +288,11 @@ class IntervalPlanner:
                 # allows (C, L and R are then measured, and the plan made again).
                 reach = lead + math.ceil(DELIVERY / t_iter)
                 nxt = next_at(last_cut, current, plan.every if usable(p.generations(record)) else 1, reach)
-                held = JobPlan(plan, nxt, lead, iteration)
+                held = JobPlan(plan, nxt, lead, reach, iteration)
+                self.plans.pop(job_id, None)
                 self.plans[job_id] = held
+                while len(self.plans) > PLANS_KEPT:
+                    del self.plans[next(iter(self.plans))]
                 try:
                     await p.on_job_nodes(record, "ckpt_set_plan", job=job_id, plan={"next": nxt, "every": plan.every, "lead": lead}, term=p.term())
                     held.sent = True

@@ -9,6 +9,7 @@ import time
 
 import pytest
 import trio
+from conftest import wait_for
 
 from gangd.client.api import connect
 
@@ -159,6 +160,49 @@ def test_ctrl_c_on_gang_run_kills_the_whole_job(cluster4):
     assert cluster4.wait_state(job, "KILLED")["state"] == "KILLED"
 
 
+# SIGINT at its default, as a shell in a terminal starts a command: this process may run with SIGINT ignored
+# (started in the background), which a child inherits, and Python then does not turn Ctrl-C into
+# KeyboardInterrupt. Reset in an exec'ing wrapper rather than a preexec_fn (this process has threads).
+DEFAULT_SIGINT = [PY, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"]
+
+
+def _as_from_a_terminal(argv, **kwargs):
+    """``argv`` (a `gang` command) started as from a terminal, once it is talking to a daemon (a Ctrl-C
+    before that would land in Python's start-up, not in gang)."""
+    import subprocess
+
+    import psutil
+
+    proc = subprocess.Popen([*DEFAULT_SIGINT, *map(str, argv)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+    child = psutil.Process(proc.pid)
+    wait_for(lambda: proc.poll() is not None or child.net_connections(kind="unix"), 30, f"{argv[3:]} to connect to a daemon")
+    return proc
+
+
+def test_ctrl_c_on_gang_wait_stops_waiting_and_the_job_runs_on(cluster4):
+    job = int(cluster4.gang("submit", "-n", 2, "--name", "waited", "--", "sleep", "300", check=True).stdout)
+    try:
+        cluster4.wait_state(job, "RUNNING")
+        proc = _as_from_a_terminal([PY, "-m", "gangd.client.cli", "--cluster", cluster4.dir, "wait", job])
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=20)
+        assert (proc.returncode, out, err) == (130, "", f"gang: interrupted: stopped waiting for job {job}; the job runs on\n")
+        assert cluster4.job(job)["state"] == "RUNNING"  # as `gang wait --help` says
+    finally:
+        cluster4.gang("kill", job)
+
+
+def test_ctrl_c_on_gang_run_as_from_a_terminal_kills_the_job_and_says_so_in_one_line(cluster4):
+    proc = _as_from_a_terminal([PY, "-m", "gangd.client.cli", "--cluster", cluster4.dir, "run", "-n", 2, "--name", "run-tty", "--", "sleep", 300])
+    job = _wait_for_running_job(cluster4, "run-tty")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=20)
+    assert (proc.returncode, out) == (130, "")
+    assert err.strip() == f"gang: SIGINT: killing job {job}", err
+    assert cluster4.wait_state(job, "KILLED")["state"] == "KILLED"
+    cluster4.wait_no_rank_processes(job)
+
+
 @pytest.mark.parametrize("how", ["SIGHUP", "SIGKILL"])
 def test_closing_the_terminal_kills_the_job(cluster4, how):
     proc = cluster4.popen_gang("run", "-n", 4, "--name", f"hup-{how}", "--", "sleep", "300")
@@ -199,3 +243,22 @@ def test_no_daemon_gives_exit_3(tmp_path):
     )
     assert result.returncode == 3
     assert "no cluster in" in result.stderr
+
+
+def test_ctrl_c_on_a_command_waiting_for_its_answer_is_one_line_and_130(tmp_path):
+    """The commands that send one request over a blocking socket (ps, submit, kill, ...): Ctrl-C while the
+    daemon has not answered yet (here one that accepted the connection and says nothing, as a stalled one)."""
+    import os
+    import socket
+
+    silent = socket.socket(socket.AF_UNIX)
+    silent.bind(str(tmp_path / "gangd.sock"))
+    silent.listen()
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "GANGD_CLUSTER"} | {"GANGD_SOCKET": str(tmp_path / "gangd.sock")}
+        proc = _as_from_a_terminal([PY, "-m", "gangd.client.cli", "ps"], env=env)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        silent.close()
+    assert (proc.returncode, out, err) == (130, "", "gang: interrupted\n")

@@ -647,6 +647,29 @@ def test_local_etcd_outlives_the_process_that_started_it_and_load_stops_it(tmp_p
     server.stop()  # again: nothing to do, no error
 
 
+def test_a_member_that_exits_at_start_fails_start_and_leaves_nothing_running(tmp_path):
+    """start() returns only with every member it started serving. One that exited at once (etcd-0 here, gone
+    before start() had spawned the other two, which make a quorum without it) is an error quoting its log, as
+    when etcd finds its port taken; it was counted as "nothing to wait for", and start() returned endpoints on
+    which the first request met a refused connection."""
+    import psutil
+
+    fake = tmp_path / "fake-etcd"
+    fake.write_text(f'#!/bin/sh\ncase " $* " in *" --name etcd-0 "*) echo "etcd-0 cannot start (the test says so)"; exit 1;; esac\n'
+                    f'exec {find_binary()} "$@"\n')
+    fake.chmod(0o755)
+    server = LocalEtcd(tmp_path / "local", members=3, binary=str(fake))
+    prefix = str(tmp_path / "local") + "/"
+    try:
+        with pytest.raises(RuntimeError, match=r"etcd member etcd-0 exited at start(.|\n)*etcd-0 cannot start \(the test says so\)"):
+            server.start()
+        left = [p.pid for p in psutil.process_iter(["cmdline", "status"])
+                if p.info["status"] != psutil.STATUS_ZOMBIE and any(a.startswith(prefix) for a in p.info["cmdline"] or ())]
+    finally:
+        server.stop()
+    assert left == []  # start() stopped the two that had come up
+
+
 # ------------------------------------------------------------------------------------------------ TLS
 
 

@@ -79,9 +79,9 @@ def ask(cluster, call):
     return run_sync(oneshot.drive, go)
 
 
-def run_async(fn, *args):
+def run_async(fn, *args, interrupted: str = ""):
     """Run a coroutine for a command, turning errors into messages and exit codes."""
-    return run_sync(_trio_run, fn, *args)
+    return run_sync(_trio_run, fn, *args, interrupted=interrupted)
 
 
 def _trio_run(fn, *args):
@@ -92,13 +92,20 @@ def _trio_run(fn, *args):
     try:
         return trio.run(fn, *args)
     except BaseExceptionGroup as group:
+        if group.subgroup(KeyboardInterrupt) is not None:
+            raise KeyboardInterrupt from None  # Ctrl-C, whatever else it cut short
         raise leaf_error(group) from None
 
 
-def run_sync(fn, *args):
-    """Call ``fn`` for a command, turning errors into messages and exit codes."""
+def run_sync(fn, *args, interrupted: str = ""):
+    """Call ``fn`` for a command, turning errors into messages and exit codes.
+    Ctrl-C is one line (``interrupted`` says what became of the job) and 130,
+    128 + SIGINT as a shell reports a command Ctrl-C ended."""
     try:
         return fn(*args)
+    except KeyboardInterrupt:
+        click.echo("gang: interrupted" + (f": {interrupted}" if interrupted else ""), err=True)
+        sys.exit(EXIT_INTERRUPTED)
     except ClusterNotFound as exc:
         click.echo(f"gang: {exc}", err=True)
         sys.exit(EXIT_UNREACHABLE)
@@ -403,7 +410,8 @@ def run(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, ckpt_
     """Run a parallel job in the foreground (Ctrl-\\ checkpoints it, Ctrl-C kills it)."""
     spec = _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice, priority, ckpt_every, mpi, ckpt_redundancy, requeue,
                  ckpt_mode, ckpt_codec)
-    code = run_async(_run, _cluster(ctx), spec, label, verbose)
+    # (_run handles Ctrl-C itself, killing the job, from when it watches the job on)
+    code = run_async(_run, _cluster(ctx), spec, label, verbose, interrupted="before gang watched the job: `gang ps` shows whether it was submitted")
     sys.exit(code)
 
 
@@ -901,6 +909,7 @@ Examples:
 
 A job a lost node took down and gangd recovered (REQUEUED) is followed to
 the job that carries its computation on: the wait ends with that one.
+Ctrl-C stops waiting (exit code 130); the job runs on.
 """)
 @click.argument("job", type=int)
 @click.option("--json", "as_json", is_flag=True, help="Print the final job record as JSON.")
@@ -912,7 +921,7 @@ def wait(ctx, job, as_json):
         async with connect(_cluster(ctx)) as gang:
             return await gang.wait_done(job)
 
-    record = run_async(go)
+    record = run_async(go, interrupted=f"stopped waiting for job {job}; the job runs on")
     if as_json:
         emit_json(record)
     elif record["state"] != jobs.DONE:

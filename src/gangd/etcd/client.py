@@ -635,17 +635,20 @@ class Etcd:
 
 def _describe(e: BaseException) -> str:
     """The exception's type and the first non-empty message along its cause chain (httpx's ConnectError around an
-    SSL error says nothing itself)."""
+    SSL error says nothing itself), with how each connection attempt failed where trio grouped them under "all
+    attempts to connect ... failed" (a refused connection and a timed-out one are different stories)."""
     name = type(e).__name__
+    chain: list[BaseException] = []
     seen: BaseException | None = e
-    for _ in range(5):
-        if seen is None:
-            break
-        text = str(seen)
-        if text:
-            return f"{name}: {text}"
+    while seen is not None and len(chain) < 5:
+        chain.append(seen)
         seen = seen.__cause__ or seen.__context__
-    return name
+    text = next((str(x) for x in chain if str(x)), "")
+    group = next((x for x in chain if isinstance(x, BaseExceptionGroup)), None)
+    if group is not None:
+        reasons = sorted({getattr(x, "strerror", None) or str(x) or type(x).__name__ for x in group.exceptions})
+        text = f"{text} ({'; '.join(reasons)})"
+    return f"{name}: {text}" if text else name
 
 
 def _parse(data: bytes, endpoint: str) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -96,11 +97,36 @@ def check_version(version: tuple[int, int, int], *, local: bool) -> None:
             f"some members after a crash or under load); use etcd 3.5.3 or later (or 3.4.x) for a real cluster")
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel picks ports from by itself (a bind to port 0, an outgoing connection)."""
+    try:
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+    return low, high
+
+
+def _free_port(host: str, avoid: set[int]) -> int:
+    """A port free on ``host`` now, for etcd to bind a moment later, not one of ``avoid``. Picked below the
+    kernel's ephemeral range: a port there is free only until someone takes it, and on a busy machine every
+    rank engine's bind to port 0 and every outgoing connection draws from that range, so one landed on the
+    port between this probe and etcd's bind often enough (etcd then exits with "address already in use").
+    Below the range only another explicit pick can collide."""
+    low, _high = _ephemeral_ports()
+    rng = random.Random()  # noqa: S311 -- spreads the picks of parallel local etcds; no secret in it
+    candidates = range(10000, low) if low - 10000 >= 1000 else range(1024, 65536)
+    for _ in range(200):
+        port = rng.choice(candidates)
+        if port in avoid:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        avoid.add(port)
         return port
+    raise RuntimeError(f"no free TCP port found on {host} for etcd")
 
 
 @dataclass(frozen=True)
@@ -205,9 +231,10 @@ class LocalEtcd:
             if self._want_peer_tls:
                 self.peer_tls = make_peer_certs(self.directory / "pki", names, self.host)
             peer = "https" if self.peer_tls else "http"
+            picked: set[int] = set()
             self.members = [
-                Member(name, f"{'https' if self.client_tls else 'http'}://{self.host}:{_free_port(self.host)}", f"{peer}://{self.host}:{_free_port(self.host)}",
-                       str(self.directory / name), str(self.directory / f"{name}.log"))
+                Member(name, f"{'https' if self.client_tls else 'http'}://{self.host}:{_free_port(self.host, picked)}",
+                       f"{peer}://{self.host}:{_free_port(self.host, picked)}", str(self.directory / name), str(self.directory / f"{name}.log"))
                 for name in names]
         try:
             for i in range(len(self.members)):
@@ -247,7 +274,7 @@ class LocalEtcd:
 
     def _spawn(self, i: int) -> None:
         m = self.members[i]
-        if _alive(m.pid, m.data_dir):
+        if self._running(i):
             return
         with open(m.log, "ab") as log:
             proc = subprocess.Popen(self._argv(i), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,  # noqa: S603
@@ -264,7 +291,9 @@ class LocalEtcd:
     def wait_ready(self, timeout: float = 30) -> None:
         """Until every running member reports itself healthy (it has a leader and serves reads)."""
         deadline = time.monotonic() + timeout
-        pending = [m for m in self.members if _alive(m.pid, m.data_dir)]
+        # The members this object started must all come up (one that exited is an error, not "nothing to wait
+        # for"); the others only if they run.
+        pending = [i for i in range(len(self.members)) if i in self._procs or self._running(i)]
         tls = self.client_tls
         verify: ssl.SSLContext | bool = True
         if tls is not None:
@@ -272,8 +301,8 @@ class LocalEtcd:
             verify.load_cert_chain(tls.cert_file, tls.key_file)  # etcd's own pair serves as a client certificate too
         with httpx.Client(timeout=2, verify=verify) as http:
             while pending:
-                m = pending[0]
-                if not _alive(m.pid, m.data_dir):
+                m = self.members[pending[0]]
+                if not self._running(pending[0]):
                     raise RuntimeError(f"etcd member {m.name} exited at start; its log {m.log} ends with:\n{_tail(m.log)}")
                 try:
                     r = http.get(m.client_url + "/health")
@@ -290,7 +319,7 @@ class LocalEtcd:
     def kill_member(self, i: int, sig: int = signal.SIGKILL) -> None:
         """Kill member ``i`` (SIGKILL by default: a crash)."""
         m = self.members[i]
-        if _alive(m.pid, m.data_dir):
+        if self._running(i):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(m.pid, sig)
         self._reap(i, 10)
@@ -300,6 +329,17 @@ class LocalEtcd:
         self._spawn(i)
         self._save()
         self.wait_ready(timeout)
+
+    def _running(self, i: int) -> bool:
+        """Member ``i``'s etcd has not exited. Our own child's word comes from waitpid: its /proc/PID/cmdline is
+        empty for a moment after Popen returns (the kernel closes the close-on-exec pipe Popen waits on before it
+        sets up the new program's arguments), and ``_alive`` would call a member starting up dead. A member
+        another process started (``load``) is recognised by its command line."""
+        proc = self._procs.get(i)
+        if proc is not None:
+            return proc.poll() is None
+        m = self.members[i]
+        return _alive(m.pid, m.data_dir)
 
     def _reap(self, i: int, timeout: float) -> bool:
         m = self.members[i]
@@ -319,10 +359,10 @@ class LocalEtcd:
         """SIGTERM the members one after another (SIGKILL one still alive after ``timeout``). Idempotent. One at a
         time because members stopped together each wait ~9 s for the others before exiting; in turn they take ~1 s."""
         for i, m in enumerate(self.members):
-            if _alive(m.pid, m.data_dir):
+            if self._running(i):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(m.pid, signal.SIGTERM)
-            if not self._reap(i, timeout) and _alive(m.pid, m.data_dir):
+            if not self._reap(i, timeout) and self._running(i):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(m.pid, signal.SIGKILL)
                 self._reap(i, 5)

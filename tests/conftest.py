@@ -409,7 +409,7 @@ _SLOW_FILES = (
     "test_recovery", "test_delta_cluster", "test_checkpoint", "test_security_wire", "test_gang", "test_disk_loss", "test_control_plane",
     "test_rebuild", "test_mpi_checkpoint", "test_mpi_names", "test_cluster_etcd", "test_mpi_spawn", "test_history_blocks", "test_cluster",
     "test_failures", "test_flush", "test_restart_anywhere", "test_messaging", "test_security_fs", "test_xor_paths", "test_ckcodec",
-    "test_security_procs", "test_rank_server", "test_protect", "test_security_values", "test_submit_path", "test_mpi", "test_restart_speed",
+    "test_security_procs", "test_rank_server", "test_protect", "test_security_values", "test_submit_path", "test_mpi", "test_interval_cluster", "test_restart_speed",
     "test_etcd", "test_node_watch", "test_delta_units", "test_spc21", "test_security_jobs", "test_security_review", "test_comm_auth",
     "test_disk_replaced", "test_mpi_delta21", "test_live_nodes", "test_delta_wire", "test_nodelog", "test_comm_units", "test_delta_hostile",
     "test_security_disk", "test_restart21", "test_checkpoint_machines", "test_protect_takeover", "test_jobtable", "test_ckptlib_units",

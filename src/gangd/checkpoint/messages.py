@@ -453,7 +453,7 @@ class RankProgress:
     """``ckpt_progress``: a rank under ``--ckpt-every auto`` says where it is
     (the last boundary passed) and how long its iterations take without
     checkpoints (``t_iter``, seconds, smoothed): what the interval is planned
-    in (issue 19). Sent at most once a second; a hostile rank can only make
+    in (issue 19). Sent every quarter second at most; a hostile rank can only make
     its own job's plan worse, within the bounds checked here."""
 
     op: ClassVar[str] = "ckpt_progress"

@@ -110,6 +110,17 @@ def test_the_plan_shortens_when_incremental_checkpoints_make_them_cheaper(make_c
         # Cheaper checkpoints: a lower C, and Vaidya's optimum ~ sqrt(2C/λ) a shorter interval.
         assert latest["inputs"]["C"] < after_full["inputs"]["C"] / 1.25, [(p["inputs"]["C"], p["every_s"]) for p in plans]
         assert latest["every_s"] < after_full["every_s"], [(p["inputs"]["C"], p["every_s"]) for p in plans]
+
+        # R: estimated until the lineage is restarted, then the restart as measured (submitted -> every rank restored).
+        assert latest["inputs"]["basis"]["R"].startswith("estimated"), latest["inputs"]["basis"]
+        cluster.gang("kill", job, check=True)
+        restarted = int(cluster.gang("restart", job, "-q", env=env, check=True).stdout)
+        deadline = time.monotonic() + 60
+        while not (plan := plan_of(cluster, restarted))["inputs"]["basis"]["R"].startswith("measured"):
+            assert time.monotonic() < deadline, plan
+            time.sleep(0.3)
+        record = cluster.job(restarted)
+        assert plan["inputs"]["R"] == pytest.approx(record["restart_seconds"]) and 0 < record["restart_seconds"] < 60, record
     finally:
         kill_what_is_left(cluster)
 

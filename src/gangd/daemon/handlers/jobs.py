@@ -364,7 +364,7 @@ def _summary(record: dict) -> dict:
     keys = (
         "id", "name", "owner", "owner_uid", "nranks", "placement", "state", "reason", "submitted", "started", "ended",
         "ranks", "kill_requested", "priority", "slice", "held", "run_seconds", "suspended_seconds",
-        "lineage", "restart_of", "ckpt_every",
+        "lineage", "restart_of", "ckpt_every", "restart_seconds",  # (a restart's cost as measured: what --ckpt-every auto plans with)
         "requeue", "requeued_as", "recovery", "recovery_of", "recoveries",  # (a lost node's job recovered: gangd.daemon.recover)
         "spawned_by", "children",  # (MPI_Comm_spawn: gangd.daemon.spawns)
     )

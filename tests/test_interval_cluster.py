@@ -139,6 +139,13 @@ def test_a_node_loss_raises_its_failure_rate_and_shortens_the_plan_of_jobs_on_it
 
         before = planned(int(cluster.gang("submit", "-n", 2, "-w", "n1,n2", "--ckpt-every", "auto", *argv, check=True).stdout))
         kill_what_is_left(cluster)
+        # A job without --ckpt-every auto is shown the interval it would get (in seconds); no job: exit code 5.
+        plain = int(cluster.gang("submit", "-n", 1, "--", "sleep", "30", check=True).stdout)
+        shown = cluster.gang("ckpt", "plan", plain, check=True).stdout
+        assert "not planned (--ckpt-every not set)" in shown and "optimal interval" in shown and "then every" not in shown, shown
+        missing = cluster.gang("ckpt", "plan", 9999)
+        assert missing.returncode == 5 and "no job 9999" in missing.stderr, (missing.returncode, missing.stderr)
+        kill_what_is_left(cluster)
         nodes = {r["name"]: r for r in cluster.gang_json("nodes")["nodes"]}
         assert nodes["n2"]["failure"]["basis"].startswith("history: 0 losses")
 

@@ -264,6 +264,7 @@ class IntervalPlanner:
     async def _plan_job(self, job_id: int) -> None:
         p = self.ports
         held: JobPlan | None = None
+        silent = 0  # looks in a row with no pace: a job whose ranks take no checkpoints is asked less and less often
         while True:
             record = p.record(job_id)
             if record is None or jobs.is_terminal(record) or not p.active():
@@ -274,8 +275,10 @@ class IntervalPlanner:
                 log.debug("job %d: pace: %s", job_id, exc.message)
                 iteration, t_iter = None, None
             if t_iter is None:  # (no rank has reported its pace yet)
-                await trio.sleep(POLL_MIN)
+                silent += 1
+                await trio.sleep(min(POLL_MAX, POLL_MIN * 2 ** min(silent // 5, 5)))
                 continue
+            silent = 0
             m = await self.measured(record, t_iter)
             last_cut = max((g["iteration"] for g in usable(p.generations(record)) if type(g.get("iteration")) is int), default=None)
             if held is None or moved(held.plan.inputs, m, p.replan) or self._overdue(held, iteration, last_cut):

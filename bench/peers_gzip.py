@@ -158,7 +158,7 @@ def main() -> None:
     if args.quick:
         args.repeats, args.mib = 1, 16
     if args.json:
-        out = sys.stderr
+        out = peers.out = sys.stderr  # (bench/restart.py's lines too: its stray-process notes)
     kinds = [k for k in args.variants.split(",") if k]
     unknown = [k for k in kinds if k not in LABELS]
     if unknown:

@@ -216,10 +216,13 @@ def served_ranks(directory: Path, job: int) -> tuple[int, int]:
     return served, found
 
 
-async def gangd_trial(directory: Path, args, idiom: str, via_api: bool = False, exec_only: bool = False) -> dict:
+async def gangd_trial(directory: Path, args, idiom: str, via_api: bool = False, exec_only: bool = False,
+                      codec: str | None = None, restart: bool = True) -> dict:
+    """One repeat: submit, checkpoint, kill, restart. ``codec``: the job's ``--ckpt-codec`` (None: the cluster's);
+    ``restart=False`` stops after the checkpoint (bench/peers_gzip.py): no restart keys in the result then."""
     argv = [sys.executable, *(["-B"] if exec_only else []), JOB, "--mib", str(args.mib), "--data", args.data, "--idiom", idiom, "--every", str(args.every)]
     async with connect(directory) as gang:
-        record = await gang.submit(argv, args.ranks, per_node=1, env=job_env(), cwd=str(HERE), name=f"ring-{idiom}")
+        record = await gang.submit(argv, args.ranks, per_node=1, env=job_env(), cwd=str(HERE), name=f"ring-{idiom}", ckpt_codec=codec)
         job = record["id"]
         await first_line(gang, job, timeout=300)
         await trio.sleep(0.5)
@@ -231,6 +234,10 @@ async def gangd_trial(directory: Path, args, idiom: str, via_api: bool = False, 
         await trio.sleep(0.5)  # (the redundancy write, behind the job)
         await gang.kill(job)
         await until_ended(gang, job)
+        if not restart:
+            return {"idiom": idiom, "codec": codec, "job": job, "checkpoint_s": checkpoint_s, "cut": entry.get("iteration"),
+                    "image_bytes": sum(node.get("bytes", 0) for node in (entry.get("nodes") or {}).values()),
+                    "state_bytes": args.ranks * args.mib * MiB}
         await trio.sleep(1.0)  # as the peers' scripts do
         t0 = time.time()
         if via_api:  # (the same request from a running Python program: no command to start)
@@ -291,7 +298,9 @@ def stop_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def dmtcp_trial(binary: Path, args, gzip: bool) -> dict:
+def dmtcp_trial(binary: Path, args, gzip: bool, restart: bool = True) -> dict:
+    """One repeat: launch, ``dmtcp_command -bc``, quit, restart. ``restart=False`` stops after the checkpoint
+    (bench/peers_gzip.py): no restart keys in the result then."""
     port = random.randint(7800, 8799)
     ring = random.randint(20000, 40000)
     work = Path(tempfile.mkdtemp(prefix="gangd-bench-dmtcp-"))
@@ -314,6 +323,9 @@ def dmtcp_trial(binary: Path, args, gzip: bool) -> dict:
         if not images:
             raise BenchError(f"dmtcp_command -bc left no image in {work}")
         size = sum(p.stat().st_size for p in images)
+        if not restart:
+            return {"gzip": gzip, "checkpoint_s": checkpoint_s, "image_bytes": size, "images": len(images),
+                    "state_bytes": args.ranks * args.mib * MiB}
         subprocess.run([*command, "-q"], capture_output=True, timeout=60, check=False)
         stop_group(launched)
         time.sleep(1.0)  # as the peers' scripts do
@@ -382,6 +394,15 @@ def report(rows: dict[str, list[dict]], args) -> dict:
             summary[kind]["restart_ratio"] = of_medians
             summary[kind]["restart_ratio_per_repeat"] = pairs
     return summary
+
+
+def kill_strays(directory: Path) -> None:
+    """Whatever a cluster in ``directory`` left running (its processes name the directory)."""
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if any(str(directory) in part for part in cmdline):
+            say(f"(killing stray process {proc.pid}: {' '.join(cmdline[:4])})")
+            proc.send_signal(signal.SIGKILL)
 
 
 def _leaves(group: BaseException) -> list[BaseException]:
@@ -457,11 +478,7 @@ def main() -> None:
                         + (f", {trial['served'][0]}/{trial['served'][1]} ranks served" if "served" in trial else ""))
         finally:
             local.down(directory)
-            for proc in psutil.process_iter(["pid", "cmdline"]):
-                cmdline = proc.info["cmdline"] or []
-                if any(str(directory) in part for part in cmdline):
-                    say(f"(killing stray process {proc.pid}: {' '.join(cmdline[:4])})")
-                    proc.send_signal(signal.SIGKILL)
+            kill_strays(directory)
     result["trials"] = rows
     result["summary"] = report(rows, args)
     if result.get("command_s"):

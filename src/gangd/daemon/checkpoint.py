@@ -449,7 +449,9 @@ class NodeCheckpoints:
             self._restored(job_id, rank, args)
             return
         if isinstance(note, RankProgress):
-            self.progress[(job_id, rank)] = (note, time.monotonic())
+            agent = self.agents.get(key)
+            if agent is not None and agent.channel is channel:  # (not a replaced or forgotten rank's: kept until it detaches)
+                self.progress[key] = (note, time.monotonic())
             return
         pending = self.pending.get(job_id)
         if isinstance(note, RankReport):

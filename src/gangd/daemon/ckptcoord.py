@@ -239,7 +239,7 @@ class CheckpointCoordinator:
         record = self.daemon.table.get(job_id)
         rnd = live.round
         co = self.co
-        co.pinned.add(job_id)  # a suspended job runs for its checkpoint; no switch stops it until it is on disk
+        co.pinned.add(job_id)  # a suspended job runs for its checkpoint; no switch stops it until it is on disk (or PIN_SLICES pass)
         pinned = True
 
         def unpin() -> None:
@@ -250,9 +250,9 @@ class CheckpointCoordinator:
                 co.gang_changed()
 
         limit = trio.CancelScope()
-        co.spawn(self._pin_limit, job_id, rnd.gen, unpin, limit)
         try:
             try:
+                co.spawn(self._pin_limit, job_id, rnd.gen, unpin, limit)
                 await co.reconcile()
                 queue = deque(rnd.handle(rd.Start(rnd.gen)))
             except RemoteError as exc:

@@ -446,6 +446,7 @@ class EndSync:
 
 
 MAX_T_ITER = 1e7  # seconds: an iteration longer than 115 days is not a measurement
+MIN_T_ITER = 1e-9  # seconds: nor is one shorter than a nanosecond (the planner divides by it: 5e-324 made inf)
 
 
 @dataclass(frozen=True)
@@ -464,8 +465,8 @@ class RankProgress:
     def from_wire(cls, args: Any) -> RankProgress:
         args = _dict(args)
         t_iter = args.get("t_iter")
-        if t_iter is not None and (type(t_iter) not in (int, float) or not 0 < t_iter <= MAX_T_ITER):
-            raise BadMessage(f"'t_iter' must be seconds from 0 to {MAX_T_ITER:g}, not {_show(t_iter)}")
+        if t_iter is not None and (type(t_iter) not in (int, float) or not MIN_T_ITER <= t_iter <= MAX_T_ITER):
+            raise BadMessage(f"'t_iter' must be seconds from {MIN_T_ITER:g} to {MAX_T_ITER:g}, not {_show(t_iter)}")
         return cls(_int(args, "iteration", lo=-1, hi=MAX_ITERATION), None if t_iter is None else float(t_iter))
 
     def to_wire(self) -> dict:

@@ -449,7 +449,9 @@ class NodeCheckpoints:
             self._restored(job_id, rank, args)
             return
         if isinstance(note, RankProgress):
-            self.progress[(job_id, rank)] = (note, time.monotonic())
+            agent = self.agents.get(key)
+            if agent is not None and agent.channel is channel:  # (not a replaced or forgotten rank's: kept until it detaches)
+                self.progress[key] = (note, time.monotonic())
             return
         pending = self.pending.get(job_id)
         if isinstance(note, RankReport):
@@ -1156,6 +1158,9 @@ class NodeCheckpoints:
             plan = PlanNote.from_wire(args.get("plan"))
         except BadMessage as exc:
             raise RemoteError("bad_request", f"a malformed plan: {exc}") from None
+        record = self.daemon.table.get(job_id)
+        if record is None or jobs.is_terminal(record):  # (it ended meanwhile: forget() has run, nothing to keep)
+            return False
         self.plans[job_id] = plan
         for (job, _), agent in list(self.agents.items()):
             if job == job_id:

@@ -58,6 +58,11 @@ from .peers import natural_key
 log = logging.getLogger("gangd.ckptcoord")
 
 ROOT = {"uid": 0, "gid": 0, "user": "root"}
+# A checkpoint keeps its job running whatever the gang slot (pinned) for at most this many time slices: its
+# ranks choose the cut (and a planned generation's ``at``), so a rank that names an iteration it never reaches
+# would otherwise keep its job running through every other job's slots for the whole checkpoint_timeout, again
+# and again. Past it the round goes on, the job gang-scheduled like any other (it reaches the cut in its slots).
+PIN_SLICES = 100
 
 
 class LiveRound:
@@ -234,7 +239,7 @@ class CheckpointCoordinator:
         record = self.daemon.table.get(job_id)
         rnd = live.round
         co = self.co
-        co.pinned.add(job_id)  # a suspended job runs for its checkpoint; no switch stops it until it is on disk
+        co.pinned.add(job_id)  # a suspended job runs for its checkpoint; no switch stops it until it is on disk (or PIN_SLICES pass)
         pinned = True
 
         def unpin() -> None:
@@ -244,8 +249,10 @@ class CheckpointCoordinator:
                 co.pinned.discard(job_id)
                 co.gang_changed()
 
+        limit = trio.CancelScope()
         try:
             try:
+                co.spawn(self._pin_limit, job_id, rnd.gen, unpin, limit)
                 await co.reconcile()
                 queue = deque(rnd.handle(rd.Start(rnd.gen)))
             except RemoteError as exc:
@@ -262,10 +269,19 @@ class CheckpointCoordinator:
                     self._finish(job_id, live, instruction.result)
             raise
         finally:
+            limit.cancel()
             unpin()
             if not live.done.is_set():  # (a bug in the machine must not leave a waiter forever)
                 why = "the checkpoint ended unexpectedly"
                 self._finish(job_id, live, {"job": job_id, "gen": rnd.gen, "state": "aborted", "code": "internal", "reason": why})
+
+    async def _pin_limit(self, job_id: int, gen: int, unpin: Callable[[], None], scope: trio.CancelScope) -> None:
+        """Unpin the job after :data:`PIN_SLICES` time slices if its round is still undecided (see there)."""
+        with scope:
+            await trio.sleep(PIN_SLICES * self.daemon.config.time_slice)
+            log.info("job %d: checkpoint %d still waits for its ranks after %d time slices: the job is gang-scheduled again meanwhile",
+                     job_id, gen, PIN_SLICES)
+            unpin()
 
     async def _execute(self, record: dict, live: LiveRound, instruction: rd.Instruction) -> list[rd.Instruction]:
         job_id, rnd = record["id"], live.round

@@ -512,10 +512,13 @@ def _duration(value: object, where: str) -> float:
 
     try:
         seconds = parse_duration(value) if isinstance(value, str) else float(value)  # type: ignore[arg-type]
+    except OverflowError:  # (a TOML integer past a float's range)
+        seconds = math.inf
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where} must be a duration (seconds, or e.g. \"30d\", \"12h\", \"90m\"), not {value!r}: {exc}") from None
-    if isinstance(value, bool) or not math.isfinite(seconds) or not 0 < seconds <= 1e10:
-        raise ConfigError(f"{where} must be a positive duration, not {value!r}")
+        raise ConfigError(f"{where} must be a duration (seconds, or e.g. \"30d\", \"12h\", \"90m\"), not {value!r:.40}: {exc}") from None
+    # (from 1 ms: an MTBF of 1e-310 s is a failure rate of inf, which every `gang nodes` and planner then raised on)
+    if isinstance(value, bool) or not math.isfinite(seconds) or not 1e-3 <= seconds <= 1e10:
+        raise ConfigError(f"{where} must be a positive duration from 1 ms to 1e10 s, not {value!r:.40}")
     return seconds
 
 

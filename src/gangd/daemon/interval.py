@@ -47,6 +47,7 @@ from typing import Any
 import trio
 
 from .. import jobs
+from ..checkpoint.messages import MAX_ITERATION, MAX_T_ITER, MIN_T_ITER
 from ..interval.planner import Measured, Plan, lead_for, make_plan, moved, next_at
 from ..interval.rates import Rate, job_rate, node_rate
 from ..rpc import RemoteError
@@ -248,7 +249,7 @@ class IntervalPlanner:
         and the slowest rank's time per iteration."""
         answers = await self.ports.on_job_nodes(record, "ckpt_pace", job=record["id"])
         answers = {n: a for n, a in answers.items() if isinstance(a, dict)}
-        paces = [a["t_iter"] for a in answers.values() if type(a.get("t_iter")) in (int, float) and a["t_iter"] > 0]
+        paces = [a["t_iter"] for a in answers.values() if type(a.get("t_iter")) in (int, float) and MIN_T_ITER <= a["t_iter"] <= MAX_T_ITER]
         t_iter = max(paces, default=None)
         now = []
         for a in answers.values():
@@ -291,6 +292,7 @@ class IntervalPlanner:
                 # allows (C, L and R are then measured, and the plan made again).
                 reach = lead + math.ceil(DELIVERY / t_iter)
                 nxt = next_at(last_cut, current, plan.every if usable(p.generations(record)) else 1, reach)
+                nxt = min(nxt, MAX_ITERATION)  # (a rank says where it is: past the wire's bound no node would take the plan)
                 held = JobPlan(plan, nxt, lead, reach, iteration)
                 self.plans.pop(job_id, None)
                 self.plans[job_id] = held

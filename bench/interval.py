@@ -45,7 +45,7 @@ The clusters are brought down on the way out, Ctrl-C included. The load average 
 and after: the machine is shared, and wall times on it are noisy.
 
     python bench/interval.py [--quick] [--parts model,cluster] [--runs 2000] [--repeats 2] [--steps 1000]
-                             [--mib 8] [--mtbf 500] [--seed 1] [--json]
+                             [--mib 24] [--mtbf 200] [--seed 1] [--json]
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -123,10 +124,11 @@ def simulate(W: float, T: float, C: float, L: float, R: float, lam: float, runs:
         end = rec + (W - j * T) + (M - j) * C
         done = active & (x >= end)
         fail = active & ~done
-        total += np.where(done, end, 0.0) + np.where(fail, x, 0.0)
-        k = np.clip(np.floor((x - rec - L + C) / (T + C)), 0, M - j)
-        j = np.where(fail, j + k, j)
-        rec = np.where(fail, R, rec)
+        total[done] += end[done]
+        total[fail] += x[fail]
+        k = np.minimum(np.maximum(np.floor((x - rec - L + C) / (T + C)), 0.0), M - j)
+        j[fail] += k[fail]
+        rec[fail] = R
         active = fail
     raise RuntimeError("simulation did not end")
 
@@ -138,7 +140,7 @@ def expected_makespan(W: float, T: float, C: float, L: float, R: float, lam: flo
     the job needs d failure-free seconds; a failure there costs the time lost, the restart R and the
     re-execution of the L - C seconds of work done between that checkpoint's end and it becoming
     usable (none before the first: the job's start is usable at once), each restarted by a failure
-    -- so ``λ⁻¹ e^{λρ} (e^{λd} - 1)`` with ρ = R (+ L - C). A full interval's is gangd's
+    -- so ``λ⁻¹ e^{λ·rho} (e^{λd} - 1)`` with rho = R (+ L - C). A full interval's is gangd's
     ``vaidya_gamma(T, C, λ, R, L)`` (checked below); the first's and the last's are shorter or longer.
     """
     if T + C < L:
@@ -205,8 +207,7 @@ def print_model(results: list[dict]) -> None:
             job = "-" if row["r_job"] is None else f"{row['r_job']:.4f}"
             print(f"  {row['interval']:14} {span(row['T']):>10} {span(row['mean']):>11} {span(row['se']):>9} {row['r_sim']:8.4f} {row['r_se']:7.4f} "
                   f"{job:>8} {row['r_model']:8.4f} {row['ratio']:7.4f} {row['z']:7.1f}")
-        others = [r for r in res["rows"][1:]]
-        worst = min(others, key=lambda r: r["z"])
+        worst = min(res["rows"][1:], key=lambda r: r["z"])
         opt = res["rows"][0]
         dev = (opt["r_sim"] - opt["r_job"]) / opt["r_se"] if opt["r_job"] is not None and opt["r_se"] > 0 else float("nan")
         lowest = "yes" if worst["z"] > -2 else "NO"
@@ -262,7 +263,8 @@ def run_job(directory: Path, kind: str, every: float | None, steps: int, mib: fl
     record, gens, plans = trio.run(follow)
     if record["state"] != "DONE":
         raise SystemExit(f"job {job} ({kind}) ended {record['state']}: {record.get('reason')}")
-    taken = [g for g in gens if g.get("state") in ("complete", "protected") and g.get("nodes")]
+    # Every generation the job took: the older ones are "removed" by the time it ends (gangd keeps the last few).
+    taken = [g for g in gens if g.get("state") in ("complete", "protected", "removed") and g.get("nodes")]
     timeline = [{"gen": g["gen"], "at": round(g["started"] - record["started"], 3), "blocked": round(blocked(g), 4),
                  "latency": round(g["ended"] - g["started"], 4), "iteration": g.get("iteration"), "trigger": g.get("trigger")} for g in taken]
     return {"kind": kind, "job": job, "every": every, "wall": record["ended"] - record["started"], "checkpoints": len(taken),
@@ -270,6 +272,7 @@ def run_job(directory: Path, kind: str, every: float | None, steps: int, mib: fl
 
 
 def blocked(g: dict) -> float:
+    """The generation's cost to the job: its slowest node's blocked time, as ``gang ckpt stats --json`` lists it."""
     return max(float(n["blocked"]) for n in g["nodes"].values())
 
 
@@ -319,7 +322,8 @@ def _kill_left(directory: Path) -> list[str]:
     with contextlib.suppress(ValueError):
         for record in json.loads(out.stdout or "[]"):
             if record.get("state") not in TERMINAL:
-                subprocess.run([PY, "-m", "gangd.client.cli", "--cluster", str(directory), "kill", str(record["id"])], capture_output=True, timeout=30, check=False)
+                subprocess.run([PY, "-m", "gangd.client.cli", "--cluster", str(directory), "kill", str(record["id"])],
+                               capture_output=True, timeout=30, check=False)
                 said.append(f"killed job {record['id']}")
     return said
 
@@ -341,9 +345,12 @@ def summarise(runs: list[dict], fixed_every: float | None) -> dict:
             if str(g.get("trigger", "")).startswith("planned interval") and isinstance(g.get("planned_at"), int):
                 offsets.append(g["iteration"] - g["planned_at"])
         for plan in r["plans"]:
+            # The planner averages the newest usable generations (at most 3; gangd's retention may have
+            # removed older ones by then): as many as its basis says, the newest that ended before the plan.
+            counted = re.search(r"last (\d+) checkpoint", plan["inputs"]["basis"].get("C", ""))
             before = [g for g in r["generations"] if isinstance(g.get("ended"), int | float) and g["ended"] <= plan["made"]]
-            if before:
-                stats = [blocked(g) for g in before[-3:]]
+            if before and counted:
+                stats = [blocked(g) for g in before[-int(counted.group(1)):]]
                 c_checks.append({"job": r["job"], "plan_C": plan["inputs"]["C"], "stats_blocked": stats, "stats_mean": sum(stats) / len(stats),
                                  "basis": plan["inputs"]["basis"]["C"]})
     out["cut_offsets"] = offsets
@@ -357,7 +364,8 @@ def summarise(runs: list[dict], fixed_every: float | None) -> dict:
         n = statistics.median(r["checkpoints"] for r in mine)
         costs = [blocked(g) for r in mine for g in r["generations"]]
         c = statistics.mean(costs) if costs else 0.0
-        per_kind[k] = {"checkpoints": n, "C_mean": c, "measured": wall[k] / wall["base"] - 1, "predicted_no_failure": n * c / wall["base"]}
+        per_kind[k] = {"checkpoints": n, "C_mean": c, "measured": wall[k] / wall["base"] - 1, "predicted_no_failure": n * c / wall["base"],
+                       "unexplained_s": wall[k] - wall["base"] - n * c}
     out["overhead"] = per_kind
     return out
 
@@ -375,19 +383,27 @@ def print_cluster(res: dict, args, steps: int, repeats: int) -> None:
     if res["fixed_every"] is not None and plan:
         print(f"fixed: --ckpt-every {res['fixed_every']:g} s = plan / {plan['every_s'] / res['fixed_every']:.1f}")
     wall = res["wall"]
-    print(f"  {'kind':6} {'wall s':>8} {'x base':>7} {'paired x base':>22} {'ckpts':>6} {'C s':>7} {'overhead measured':>18} {'predicted (no failure)':>23}")
+    print(f"  {'kind':6} {'wall s':>8} {'x base':>7} {'paired x base':>22} {'ckpts':>6} {'C s':>7} {'overhead measured':>18} {'predicted (no failure)':>23}"
+          f" {'unexplained s':>14}")
     for k in ("base", "auto", "fixed"):
         if k not in wall:
             continue
         o = res["overhead"].get(k)
         pairs = ", ".join(f"{x:.3f}" for x in res["paired_ratios"].get(k, [])) or "-"
-        extra = f"{o['checkpoints']:6g} {o['C_mean']:7.3f} {o['measured']:18.4f} {o['predicted_no_failure']:23.4f}" if o else f"{0:6d} {'-':>7} {'-':>18} {'-':>23}"
+        if o:
+            extra = f"{o['checkpoints']:6g} {o['C_mean']:7.3f} {o['measured']:18.4f} {o['predicted_no_failure']:23.4f} {o['unexplained_s']:14.2f}"
+        else:
+            extra = f"{0:6d} {'-':>7} {'-':>18} {'-':>23} {'-':>14}"
         print(f"  {k:6} {wall[k]:8.2f} {wall[k] / wall['base']:7.3f} {pairs:>22} {extra}")
     offsets = res["cut_offsets"]
     print(f"planned generations' cut - planned_at: {offsets} (max |offset| {max(map(abs, offsets), default=0)})")
     for c in res["c_checks"]:
-        print(f"  job {c['job']}: planner C {c['plan_C']:.4f} s; ckpt stats blocked (slowest node) of the 3 before the plan "
-              f"{[round(x, 4) for x in c['stats_blocked']]}, mean {c['stats_mean']:.4f} s ({c['basis']})")
+        print(f"  job {c['job']}: planner C {c['plan_C']:.4f} s; ckpt stats blocked (slowest node) of the newest before the plan "
+              f"{[round(x, 4) for x in c['stats_blocked']]}, mean {c['stats_mean']:.4f} s, ratio {c['plan_C'] / c['stats_mean']:.4f} ({c['basis']})")
+    walls = sorted(r["wall"] for r in res["runs"] if r["kind"] == "base")
+    if len(walls) > 1:
+        print(f"noise: base's wall times {', '.join(f'{w:.2f}' for w in walls)} s (spread {(walls[-1] - walls[0]) / walls[0] * 100:.1f} %)")
+    print("unexplained s: kind's wall - base's - checkpoints x C (time the job lost that is not its checkpoints' blocked time)")
     print("caveat: one 2-core machine shared with other work; the wall times include each job's start-up (the same for every kind).")
 
 
@@ -399,8 +415,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=None, help="runs of each kind on the cluster (default 2, quick 1)")
     parser.add_argument("--steps", type=int, default=None, help="iterations of 20 ms per job (default 1000, quick 500)")
-    parser.add_argument("--mib", type=float, default=8, help="state per rank (MiB)")
-    parser.add_argument("--mtbf", type=float, default=500, help="the cluster's MTBF prior per node (s)")
+    parser.add_argument("--mib", type=float, default=24, help="state per rank (MiB)")
+    parser.add_argument("--mtbf", type=float, default=200, help="the cluster's MTBF prior per node (s)")
     parser.add_argument("--background", action="store_true", help="forked-snapshot writes (the default in gangd; C is then milliseconds)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()

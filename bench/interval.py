@@ -446,5 +446,18 @@ def main() -> None:
         print(f"load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 
 
+def interrupted(exc: BaseException) -> bool:
+    """A Ctrl-C, raised as is or inside trio's exception group."""
+    if isinstance(exc, KeyboardInterrupt):
+        return True
+    return isinstance(exc, BaseExceptionGroup) and all(interrupted(e) for e in exc.exceptions)
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BaseException as exc:
+        if not interrupted(exc):
+            raise
+        print("interrupted: the cluster was brought down", file=sys.stderr)
+        sys.exit(130)

@@ -47,7 +47,7 @@ Two parts (``--parts``, default both), every ratio against a baseline measured i
 The clusters are brought down on the way out, Ctrl-C included. The load average is printed before
 and after: the machine is shared, and wall times on it are noisy.
 
-    python bench/interval.py [--quick] [--parts model,cluster] [--runs 2000] [--repeats 2] [--steps 1000]
+    python bench/interval.py [--quick] [--parts model,cluster] [--runs 5000] [--repeats 2] [--steps 1000]
                              [--mib 24] [--mtbf 200] [--seed 1] [--json]
 """
 
@@ -420,7 +420,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer runs, one repeat, shorter jobs (under a minute)")
     parser.add_argument("--parts", default="model,cluster")
-    parser.add_argument("--runs", type=int, default=None, help="simulated jobs per interval (default 2000, quick 400)")
+    parser.add_argument("--runs", type=int, default=None, help="simulated jobs per interval (default 5000, quick 1000)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=None, help="runs of each kind on the cluster (default 2, quick 1)")
     parser.add_argument("--steps", type=int, default=None, help="iterations of 20 ms per job (default 1000, quick 500)")
@@ -430,7 +430,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
-    runs = args.runs or (400 if args.quick else 2000)
+    runs = args.runs or (1000 if args.quick else 5000)
     repeats = args.repeats or (1 if args.quick else 2)
     steps = args.steps or (500 if args.quick else 1000)
     load = os.getloadavg()

@@ -20,9 +20,9 @@ Two parts (``--parts``, default both), every ratio against a baseline measured i
            the same failures then give nearly the same makespans, and the ratio is the figure). W is
            200.5 x T_opt: long, so that the first and the last interval move r little, and not a whole
            number of T_opt's intervals, which would spare T_opt alone the last checkpoint (a ratio of
-           1 + C/makespan in its favour, as large as Daly's whole difference from it). The figures that matter: T_opt's
-           makespan is at most every other interval's within noise (z > -2), and the simulated r
-           is the model's (|sim - job r| within ~2 standard errors).
+           1 + C/makespan in its favour, as large as Daly's whole difference from it). The figures
+           that matter: T_opt's makespan is at most every other interval's within noise (z > -2),
+           and the simulated r is the model's (|sim - job r| within ~2 standard errors).
   cluster  a local cluster (``gangd.client.cluster.up``: 2 daemons, 2 cores each, the MTBF prior
            ``--mtbf`` per node, so that the planned interval is seconds rather than a real cluster's
            hours) runs tests/interval_app.py (2 ranks, one per node, ``--steps`` iterations of 20 ms,
@@ -37,12 +37,16 @@ Two parts (``--parts``, default both), every ratio against a baseline measured i
            Per kind: the job's wall time (its record's started -> ended: each rank's start-up is in
            it, the same for all three) and its ratio against base; the checkpoints taken; the
            measured overhead (kind/base - 1, no failures in the run) against what the model
-           predicts with no failure (the checkpoints taken x the planner's C / base's wall time;
-           for auto the plan's steady-state C/T too) and the plan's predicted overhead r with
-           failures (``gang ckpt plan --json``'s ``overhead``). For auto, how far each planned
-           generation's cut is from its ``planned_at`` (0 expected), and the planner's C against
-           the blocked times ``gang ckpt stats --json`` lists (C is the mean of the slowest node's
-           blocked time over the last 3 generations before the plan was made: equal expected).
+           predicts with no failure (the checkpoints taken x their mean blocked time -- what the
+           planner calls C -- / base's wall time; for auto the plan's steady-state C/T too) and the
+           plan's predicted overhead r with failures (``gang ckpt plan --json``'s ``overhead``).
+           An auto job takes its first checkpoint as soon as it can (that is how gangd measures C)
+           and then one every T: a job a few intervals long pays more than C/T. For auto, how far
+           each planned generation's cut is from its ``planned_at`` (0 expected), and the
+           planner's C against the blocked times ``gang ckpt stats --json`` lists (C is the mean
+           of the slowest node's blocked time over the newest usable generations before the plan
+           was made, at most 3 -- as many as its basis says: gangd's retention may have removed
+           older ones by then -- equal expected).
 
 The clusters are brought down on the way out, Ctrl-C included. The load average is printed before
 and after: the machine is shared, and wall times on it are noisy.

@@ -301,7 +301,7 @@ def cluster_part(args, repeats: int, steps: int) -> dict:
     try:
         local.up(directory, 2, cores=2, mtbf=args.mtbf)
         # A warm-up job, not measured: the first job on a fresh cluster pays for cold caches (whichever kind it is).
-        run_job(directory, "base", None, 50, args.mib, args.background)
+        run_job(directory, "base", None, 20, args.mib, args.background)
         for r in range(repeats):
             order = ("auto", "base", "fixed") if r % 2 == 0 else ("fixed", "base", "auto")
             for kind in order:
@@ -427,7 +427,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=None, help="simulated jobs per interval (default 5000, quick 1000)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=None, help="runs of each kind on the cluster (default 2, quick 1)")
-    parser.add_argument("--steps", type=int, default=None, help="iterations of 20 ms per job (default 1000, quick 500)")
+    parser.add_argument("--steps", type=int, default=None, help="iterations of 20 ms per job (default 1000, quick 400)")
     parser.add_argument("--mib", type=float, default=24, help="state per rank (MiB)")
     parser.add_argument("--mtbf", type=float, default=200, help="the cluster's MTBF prior per node (s)")
     parser.add_argument("--background", action="store_true", help="forked-snapshot writes (the default in gangd; C is then milliseconds)")
@@ -436,7 +436,7 @@ def main() -> None:
     parts = set(args.parts.split(","))
     runs = args.runs or (1000 if args.quick else 5000)
     repeats = args.repeats or (1 if args.quick else 2)
-    steps = args.steps or (500 if args.quick else 1000)
+    steps = args.steps or (400 if args.quick else 1000)
     load = os.getloadavg()
     print(f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", file=sys.stderr if args.json else sys.stdout, flush=True)
     out: dict = {"load_before": load}

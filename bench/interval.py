@@ -43,10 +43,11 @@ Two parts (``--parts``, default both), every ratio against a baseline measured i
            An auto job takes its first checkpoint as soon as it can (that is how gangd measures C)
            and then one every T: a job a few intervals long pays more than C/T. For auto, how far
            each planned generation's cut is from its ``planned_at`` (0 expected), and the
-           planner's C against the blocked times ``gang ckpt stats --json`` lists (C is the mean
-           of the slowest node's blocked time over the newest usable generations before the plan
-           was made, at most 3 -- as many as its basis says: gangd's retention may have removed
-           older ones by then -- equal expected).
+           planner's C against the times ``gang ckpt stats --json`` lists for the newest usable
+           generations before the plan was made (at most 3: as many as its basis says, gangd's
+           retention may have removed older ones by then), the slowest node's of each: BLOCKED, and
+           WRITE + SYNC (at most BLOCKED: the time blocked saving, without the wait for the other
+           node's ranks), which the planner has averaged as C since 4f0c362 (equal expected).
 
 The clusters are brought down on the way out, Ctrl-C included. The load average is printed before
 and after: the machine is shared, and wall times on it are noisy.
@@ -289,6 +290,17 @@ def blocked(g: dict) -> float:
     return max(float(n["blocked"]) for n in g["nodes"].values())
 
 
+def saving(g: dict) -> float:
+    """The slowest node's time blocked *saving*: WRITE + SYNC of ``gang ckpt stats`` (at most BLOCKED), the wait
+    for the other nodes' ranks left out -- what the planner takes as C since 4f0c362."""
+    times = []
+    for n in g["nodes"].values():
+        write, sync = n.get("write"), n.get("sync_overhead")
+        both = isinstance(write, int | float) and isinstance(sync, int | float)
+        times.append(min(float(write) + float(sync), float(n["blocked"])) if both else float(n["blocked"]))
+    return max(times)
+
+
 def cluster_part(args, repeats: int, steps: int) -> dict:
     from gangd.client import cluster as local
 
@@ -363,9 +375,11 @@ def summarise(runs: list[dict], fixed_every: float | None) -> dict:
             counted = re.search(r"last (\d+) checkpoint", plan["inputs"]["basis"].get("C", ""))
             before = [g for g in r["generations"] if isinstance(g.get("ended"), int | float) and g["ended"] <= plan["made"]]
             if before and counted:
-                stats = [blocked(g) for g in before[-int(counted.group(1)):]]
+                newest = before[-int(counted.group(1)):]
+                stats = [blocked(g) for g in newest]
+                saved = [saving(g) for g in newest]
                 c_checks.append({"job": r["job"], "plan_C": plan["inputs"]["C"], "stats_blocked": stats, "stats_mean": sum(stats) / len(stats),
-                                 "basis": plan["inputs"]["basis"]["C"]})
+                                 "stats_saving": saved, "saving_mean": sum(saved) / len(saved), "basis": plan["inputs"]["basis"]["C"]})
     out["cut_offsets"] = offsets
     out["c_checks"] = c_checks
     # Predicted overhead without failures: the checkpoints taken x C / the baseline's wall time.
@@ -411,8 +425,9 @@ def print_cluster(res: dict, args, steps: int, repeats: int) -> None:
     offsets = res["cut_offsets"]
     print(f"planned generations' cut - planned_at: {offsets} (max |offset| {max(map(abs, offsets), default=0)})")
     for c in res["c_checks"]:
-        print(f"  job {c['job']}: planner C {c['plan_C']:.4f} s; ckpt stats blocked (slowest node) of the newest before the plan "
-              f"{[round(x, 4) for x in c['stats_blocked']]}, mean {c['stats_mean']:.4f} s, ratio {c['plan_C'] / c['stats_mean']:.4f} ({c['basis']})")
+        print(f"  job {c['job']}: planner C {c['plan_C']:.4f} s ({c['basis']}); ckpt stats of the newest before the plan (slowest node): "
+              f"BLOCKED {[round(x, 4) for x in c['stats_blocked']]} mean {c['stats_mean']:.4f} s (C/it {c['plan_C'] / c['stats_mean']:.4f}), "
+              f"WRITE+SYNC {[round(x, 4) for x in c['stats_saving']]} mean {c['saving_mean']:.4f} s (C/it {c['plan_C'] / c['saving_mean']:.4f})")
     walls = sorted(r["wall"] for r in res["runs"] if r["kind"] == "base")
     if len(walls) > 1:
         print(f"noise: base's wall times {', '.join(f'{w:.2f}' for w in walls)} s (spread {(walls[-1] - walls[0]) / walls[0] * 100:.1f} %)")

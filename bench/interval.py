@@ -410,7 +410,7 @@ def print_cluster(res: dict, args, steps: int, repeats: int) -> None:
     if res["fixed_every"] is not None and plan:
         print(f"fixed: --ckpt-every {res['fixed_every']:g} s = plan / {plan['every_s'] / res['fixed_every']:.1f}")
     wall = res["wall"]
-    print(f"  {'kind':6} {'wall s':>8} {'x base':>7} {'paired x base':>22} {'ckpts':>6} {'C s':>7} {'overhead measured':>18} {'predicted (no failure)':>23}"
+    print(f"  {'kind':6} {'wall s':>8} {'x base':>7} {'paired x base':>22} {'ckpts':>6} {'blk s':>7} {'overhead measured':>18} {'predicted (no failure)':>23}"
           f" {'unexplained s':>14}")
     for k in ("base", "auto", "fixed"):
         if k not in wall:
@@ -431,7 +431,8 @@ def print_cluster(res: dict, args, steps: int, repeats: int) -> None:
     walls = sorted(r["wall"] for r in res["runs"] if r["kind"] == "base")
     if len(walls) > 1:
         print(f"noise: base's wall times {', '.join(f'{w:.2f}' for w in walls)} s (spread {(walls[-1] - walls[0]) / walls[0] * 100:.1f} %)")
-    print("unexplained s: kind's wall - base's - checkpoints x C (time the job lost that is not its checkpoints' blocked time)")
+    print("blk s: the mean BLOCKED (slowest node) of the kind's checkpoints; predicted (no failure): ckpts x blk s / base's wall;")
+    print("unexplained s: kind's wall - base's - ckpts x blk s (time the job lost that is not its checkpoints' blocked time)")
     print("caveat: one 2-core machine shared with other work; the wall times include each job's start-up (the same for every kind).")
 
 

@@ -372,17 +372,15 @@ def test_plan_clamps_and_never_plans_fewer_than_one_iteration() -> None:
         make_plan(measured(), min_s=10.0, max_s=5.0)
 
 
-def test_plan_waits_for_the_previous_checkpoint_to_be_usable() -> None:
-    """Protection slower than the optimum: the next checkpoint begins no earlier than the previous one is usable,
-    which is also the best of the intervals that allow it."""
+def test_slow_protection_does_not_stretch_the_plan() -> None:
+    """Protection slower than the optimum: the plan stays at the optimum (gangd begins the next checkpoint
+    while the previous one's redundancy is still written; bench/interval.py's simulation of that found the
+    L - C floor 6 % slower), and the latency shows in the predicted overhead, not in the interval."""
     m = measured(C=5.0, L=5.0 + 4 * HOUR, lam=1 / DAY, t_iter=1.0)
-    assert vaidya_optimum(m.C, m.lam) < 4 * HOUR
     plan = make_plan(m)
-    assert plan.every_s == 4 * HOUR and plan.every == 4 * 3600
-    assert plan.optimum_s < plan.every_s
-    for longer in (1.01, 1.5, 3.0):
-        assert plan.overhead < overhead_ratio(plan.every_s * longer, m.C, m.lam, m.R, L=m.L)
-    assert make_plan(m, max_s=HOUR).every_s == HOUR  # the cap still wins
+    assert plan.every_s == pytest.approx(vaidya_optimum(m.C, m.lam)) and plan.every_s < 4 * HOUR
+    quick = make_plan(measured(C=5.0, L=5.0, lam=1 / DAY, t_iter=1.0))
+    assert plan.every == quick.every and plan.overhead > quick.overhead
 
 
 def test_cheaper_checkpoints_or_a_higher_rate_shorten_the_plan() -> None:

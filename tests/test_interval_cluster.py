@@ -163,7 +163,8 @@ def test_a_node_loss_raises_its_failure_rate_and_shortens_the_plan_of_jobs_on_it
         after = planned(int(cluster.gang("submit", "-n", 2, "-w", "n1,n2", "--ckpt-every", "auto", *argv, check=True).stdout))
         # The job's rate is its nodes' rates summed, as `gang nodes` shows them, now with n2's loss in it.
         assert after["inputs"]["lam"] == pytest.approx(n1["failure"]["lam"] + n2["failure"]["lam"], rel=0.1)
-        assert after["inputs"]["lam"] > 1.3 * before["inputs"]["lam"], (before["inputs"], after["inputs"])
+        # (n2 has one loss over its prior's weight of one: its rate about doubles; both nodes' exposure grew meanwhile)
+        assert after["inputs"]["lam"] > 1.1 * before["inputs"]["lam"], (before["inputs"], after["inputs"])
         # Each plan is the model's optimum for what it shows; at the same checkpoint cost the higher
         # rate gives the shorter interval (the measured costs of two runs differ; the rate is the point).
         for plan in (before, after):

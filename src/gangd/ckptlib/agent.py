@@ -62,6 +62,7 @@ if TYPE_CHECKING:  # (imported at the first checkpoint or restore: a rank that t
     from .writer import Written
 
 REQUEST_AGAIN = 0.5  # s before a rank's unanswered checkpoint request is sent again
+WATCH_EVERY = 0.01  # s of iterations between the boundaries an interval-planned rank looks at (see _paced)
 FORCE_RETRY = 10.0  # s a forced checkpoint (ckptlib.mpi.checkpoint(force=True)) is asked for again after a "no"
 
 
@@ -258,6 +259,8 @@ class DaemonAgent:
             self.cond.notify_all()
         if isinstance(note, messages.BeginNote):
             self._report()
+        elif isinstance(note, messages.PlanNote):
+            self.cp.watch = 0  # (the program's thread looks at its next boundary: the plan may name an earlier one)
 
     def _clear(self, gen: int | None = None) -> None:
         """Forget the checkpoint under way (only ``gen``, if given: a newer
@@ -287,9 +290,17 @@ class DaemonAgent:
         pace.boundary(k, now)
         if pace.progress_due(now) and not self.gone:
             self._note("ckpt_progress", {"iteration": k, "t_iter": pace.t_iter})
-        if self._agreement is not None and self._agreement.plan is not None and not cp.requested:
+        plan = self._agreement.plan if self._agreement is not None else None
+        if plan is not None and not cp.requested:
             with self.cond:
                 self._apply(self.agreement.due(k, cp.requested, now))
+        # The next boundary worth a look: in a loop of microsecond iterations, every WATCH_EVERY seconds'
+        # worth of them (a clock read per boundary would cost as much as the loop), and the plan's.
+        stride = 1 if pace.t_iter is None or pace.t_iter >= WATCH_EVERY else int(WATCH_EVERY / pace.t_iter)
+        watch = k + stride
+        if plan is not None:
+            watch = min(watch, max(k + 1, plan.next - plan.lead))
+        cp.watch = watch
 
     def at_boundary(self, cp: Checkpointer, k: int) -> None:
         from ..checkpoint.rank import Action

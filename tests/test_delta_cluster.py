@@ -173,13 +173,23 @@ def test_gang_run_and_submit_offer_ckpt_mode_and_say_a_job_without_it_follows_th
 # ------------------------------------------------------------------ cluster
 
 
+@pytest.fixture(scope="module")
+def _two_nodes():
+    from conftest import shared_cluster
+
+    with shared_cluster(2) as cluster:
+        yield cluster
+
+
 @pytest.fixture
-def gc2(make_cluster):
+def gc2(_two_nodes):
+    """A 2-node cluster shared by the tests that lose no node (a cluster's start-up each was
+    seconds of CPU on 2 cores); each test's jobs are killed after it, and what the tests check
+    is per lineage (its generations, its files), so none sees another's."""
     from ckpthelpers import kill_what_is_left
 
-    gc = make_cluster(2)
-    yield gc
-    kill_what_is_left(gc)
+    yield _two_nodes
+    kill_what_is_left(_two_nodes)
 
 
 class Steered:

@@ -37,6 +37,14 @@ def gang(*args: object, env: dict | None = None, timeout: float = 120) -> subpro
     return subprocess.run([PY, "-m", "gangd.client.cli", *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env, check=False)
 
 
+def refused(*args: object) -> subprocess.CompletedProcess:
+    """``gang ARGS`` for a command expected to be refused, asked in this process of the group the gang
+    script runs (gangd.client.cli:main): its exit code, stdout and stderr, as :func:`gang` gives them,
+    without a Python started for each. An exception out of the command (a traceback) fails the test."""
+    result = CliRunner().invoke(cli_main, [str(a) for a in args], catch_exceptions=False)
+    return subprocess.CompletedProcess(list(args), result.exit_code, result.stdout, result.stderr)
+
+
 def fresh_dir() -> Path:
     base = Path(tempfile.mkdtemp(prefix="gangd-test-"))
     os.chmod(base, 0o755)
@@ -373,15 +381,15 @@ def test_an_etcd_with_authentication_is_reached_with_the_credentials_given(tmp_p
         wrong.chmod(0o600)
         local_flag = ["--etcd-local"] if binary_version(find_binary()) in BAD_VERSIONS else []
         base = ["cluster", "up", "-N", 1, "--cores", 1, "--dir", directory, "--etcd", url, *local_flag]
-        without = gang(*base)
+        without = refused(*base)
         assert without.returncode == 1
         assert "refused gangd's credentials (with --etcd-user and --etcd-password-file)" in without.stderr, without.stderr
-        bad = gang(*base, "--etcd-user", "root", "--etcd-password-file", wrong)
+        bad = refused(*base, "--etcd-user", "root", "--etcd-password-file", wrong)
         assert bad.returncode == 1 and "refused gangd's credentials" in bad.stderr, bad.stderr
         wrong.chmod(0o644)  # a password file others can read is refused before anything is tried
-        exposed = gang(*base, "--etcd-user", "root", "--etcd-password-file", wrong)
+        exposed = refused(*base, "--etcd-user", "root", "--etcd-password-file", wrong)
         assert exposed.returncode == 1 and "etcd password file" in exposed.stderr, exposed.stderr
-        half = gang(*base, "--etcd-user", "root")
+        half = refused(*base, "--etcd-user", "root")
         assert half.returncode == 2 and "go together" in half.stderr
         assert processes_under(directory) == []
         up = gang(*base, "--etcd-user", "root", "--etcd-password-file", password_file)

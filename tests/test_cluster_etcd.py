@@ -42,7 +42,7 @@ def refused(*args: object) -> subprocess.CompletedProcess:
     script runs (gangd.client.cli:main): its exit code, stdout and stderr, as :func:`gang` gives them,
     without a Python started for each. An exception out of the command (a traceback) fails the test."""
     result = CliRunner().invoke(cli_main, [str(a) for a in args], catch_exceptions=False)
-    return subprocess.CompletedProcess(list(args), result.exit_code, result.stdout, result.stderr)
+    return subprocess.CompletedProcess([str(a) for a in args], result.exit_code, result.stdout, result.stderr)
 
 
 def fresh_dir() -> Path:

@@ -406,7 +406,7 @@ def points(tmp_path, monkeypatch):
 #: file: call + setup + teardown); every file that took 20 s or more is listed, the rest come after
 #: in collection order. Update it when a file grows a lot (a new file of minutes left out runs last).
 _SLOW_FILES = (
-    "test_recovery", "test_delta_cluster", "test_checkpoint", "test_security_wire", "test_gang", "test_disk_loss", "test_control_plane",
+    "test_recovery", "test_checkpoint", "test_security_wire", "test_gang", "test_disk_loss", "test_delta_cluster", "test_control_plane",
     "test_rebuild", "test_mpi_checkpoint", "test_mpi_names", "test_cluster_etcd", "test_mpi_spawn", "test_history_blocks", "test_cluster",
     "test_failures", "test_flush", "test_restart_anywhere", "test_messaging", "test_security_fs", "test_xor_paths", "test_ckcodec",
     "test_security_procs", "test_rank_server", "test_protect", "test_security_values", "test_submit_path", "test_mpi", "test_interval_cluster",

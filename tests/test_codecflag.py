@@ -13,7 +13,6 @@ environment happened to hold.
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -92,7 +91,15 @@ def test_a_bad_clusters_codec_is_refused_at_load_naming_the_file_and_the_key(tmp
 
 
 def _gang(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gangd.client.cli", *args], capture_output=True, text=True, timeout=60, check=False)
+    """`gang ARGS` asked in this process of the group the gang script runs (gangd.client.cli:main),
+    with its exit code, stdout and stderr: a Python started for each took seconds on a loaded machine.
+    An exception out of the command (a traceback) fails the test (catch_exceptions=False)."""
+    from click.testing import CliRunner
+
+    from gangd.client.cli import main as cli_main
+
+    result = CliRunner().invoke(cli_main, list(args), catch_exceptions=False)
+    return subprocess.CompletedProcess(list(args), result.exit_code, result.stdout, result.stderr)
 
 
 def test_gang_run_and_submit_offer_ckpt_codec_and_say_what_a_job_without_it_gets():
@@ -118,7 +125,7 @@ def _codecs_printed(gc, job: int, nranks: int, timeout: float = 60) -> dict[int,
     """rank -> the GANGD_CKPT_CODEC it printed, once every rank has."""
     deadline = time.monotonic() + timeout
     while True:
-        lines = [line.split() for line in gc.gang("logs", job).stdout.splitlines()]
+        lines = [line.split() for line in gc.logs(job).splitlines()]  # (`gang logs`'s stdout, read in this process: polled)
         seen = {int(words[-3]): words[-1] for words in lines if len(words) >= 4 and words[-4:-2] == ["rank", words[-3]] and words[-2] == "codec"}
         if len(seen) == nranks:
             return seen

@@ -589,7 +589,7 @@ def test_every_auto_alone_checkpoints_at_once_then_at_the_planned_interval_and_r
     """init(every="auto") in a process alone (issue 19): the first checkpoint at
     once (to measure its cost), then every m iterations, m the optimal interval
     (1 s at the least: with GANGD_MTBF=20s the optimum is below it) over the
-    measured pace (20 ms): about 50."""
+    measured pace (20 ms): about 50 on a quiet machine."""
     settings = {"T_N": 140, "T_SLEEP": 0.02, "T_EVERY": "auto", "GANGD_MTBF": "20s", "GANGD_CKPT_BACKGROUND": "0"}
     elsewhere = tmp_path / "ref"
     elsewhere.mkdir()
@@ -599,7 +599,9 @@ def test_every_auto_alone_checkpoints_at_once_then_at_the_planned_interval_and_r
     # Generations 1 (iteration 0), 2 (m) and 3 (2m); the newest two kept.
     assert complete_generations(tmp_path) == [2, 3]
     first, second = (manifest_of(tmp_path, g).iteration for g in (2, 3))
-    assert 25 <= first <= 120 and abs((second - first) - first) <= 0.3 * first, (first, second)
+    # (m is 1 s over the measured pace: ~50 iterations on a quiet machine, fewer when load stretches them;
+    # made again when the pace moves, so the two gaps need not be equal)
+    assert 8 <= first <= 120 and 8 <= second - first <= 120, (first, second)
     resumed = run(tmp_path, GANGD_RESTART="latest", **{k: v for k, v in settings.items() if k != "T_N"}, T_N=140)
     assert digest(resumed) == reference and field(resumed, "first") == [str(second)]
     bad = run(elsewhere, T_EVERY="auto", GANGD_MTBF="often")

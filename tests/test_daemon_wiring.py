@@ -185,6 +185,7 @@ def test_the_wire_keeps_every_operation_name_and_audience():
     client = {
         "info", "submit", "kill", "jobs", "history", "job", "nodes", "wait", "output", "suspend", "resume", "schedule",
         "comm_attach", "net", "net_capture", "checkpoint", "restart", "ckpt_list", "ckpt_attach", "ckpt_start", "ckpt_end",
+        "ckpt_interval",  # (gang ckpt plan: issue 19)
     }
     fenced = {
         "launch", "kill_ranks", "switch", "resend_exits", "ckpt_begin", "ckpt_cut", "ckpt_capture", "ckpt_resume",
@@ -192,6 +193,7 @@ def test_the_wire_keeps_every_operation_name_and_audience():
         "ckpt_stage",  # (restart anywhere: a node pulls the files of the ranks it will run)
         "ckpt_rebuild",  # (a lost node's files rebuilt from its partner's copy or its XOR set)
         "ckpt_flush", "ckpt_unflush", "ckpt_flush_remove",  # (the flush directory: copies there, restores, retention)
+        "ckpt_set_plan",  # (--ckpt-every auto: the coordinator's plan, told to a job's ranks)
     }
     peer = fenced | {
         "ping", "ranks_exited", "coord_submit", "coord_kill", "output_local", "coord_suspend", "coord_schedule",
@@ -199,6 +201,7 @@ def test_the_wire_keeps_every_operation_name_and_audience():
         "pmi_fence", "coord_names", "coord_spawn", "coord_fail", "ckpt_job_env", "coord_checkpoint", "coord_checkpoint_all", "coord_restart",
         "coord_ckpt_restored", "ckpt_file_read", "ckpt_data_read", "ckpt_bulk_read",  # (peer-only: the files hold network contexts)
         "ckpt_holds",  # (whether a node still holds a generation's files: its disk may have been wiped)
+        "ckpt_pace", "coord_ckpt_interval",  # (--ckpt-every auto: where a job's ranks are; its plan, from the coordinator)
     }
     assert REGISTRY.names(CLIENT) == client
     assert REGISTRY.names(PEER) == peer

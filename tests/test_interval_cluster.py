@@ -59,7 +59,8 @@ def test_every_rank_checkpoints_at_the_planned_iterations_with_irregular_and_ove
         # A longer interval than the plan's, or a shorter one, would lose more time (the model's optimum).
         assert last["young_s"] is not None and last["daly_s"] is not None
 
-        taken = [g for g in generations(cluster, job) if g["trigger"].startswith("planned interval")]
+        # (a round planned past the loop's end is aborted when the ranks leave it: not a checkpoint taken)
+        taken = [g for g in generations(cluster, job) if g["trigger"].startswith("planned interval") and g["state"] != "aborted"]
         assert len(taken) >= 3, [(g["gen"], g["iteration"], g["trigger"]) for g in generations(cluster, job)]
         saved = saved_lines(cluster, job)
         for g in taken:

@@ -134,13 +134,6 @@ class _NotKept(Exception):
     """A MANIFEST the offer needs is not kept in memory: it is read in a thread."""
 
 
-def _job_arg(args: dict) -> int:
-    job = args.get("job")
-    if type(job) is not int or job < 1:
-        raise RemoteError("bad_request", f"'job' must be a job number, not {text.printable(str(job))[:40]}")
-    return job
-
-
 class NoRoom(Exception):
     """The checkpoint disk is (nearly) full; the message says how full."""
 
@@ -1140,24 +1133,18 @@ class NodeCheckpoints:
 
     # ------------------------------------------------------------ the interval plan (issue 19)
 
-    def pace(self, args: dict) -> dict:
+    def pace(self, job_id: int) -> dict:
         """Where this node's ranks of a job are, for the coordinator's
         planner: the furthest boundary any reported, the slowest smoothed
         time per iteration, and how many ranks reported (the latest report
         of each rank still attached)."""
-        job_id = _job_arg(args)
         reports = [(p, when) for (job, _), (p, when) in self.progress.items() if job == job_id]
         paces = [p.t_iter for p, _ in reports if p.t_iter is not None]
         return {"ranks": len(reports), "iteration": max((p.iteration for p, _ in reports), default=None),
                 "t_iter": max(paces, default=None), "age": round(time.monotonic() - max((w for _, w in reports), default=time.monotonic()), 3)}
 
-    async def set_plan(self, args: dict) -> bool:
+    async def set_plan(self, job_id: int, plan: PlanNote) -> bool:
         """The coordinator's plan for a job: kept for ranks that attach later, and told to each rank here now."""
-        job_id = _job_arg(args)
-        try:
-            plan = PlanNote.from_wire(args.get("plan"))
-        except BadMessage as exc:
-            raise RemoteError("bad_request", f"a malformed plan: {exc}") from None
         record = self.daemon.table.get(job_id)
         if record is None or jobs.is_terminal(record):  # (it ended meanwhile: forget() has run, nothing to keep)
             return False

@@ -123,7 +123,7 @@ class CheckpointCoordinator:
             record=self.daemon.table.get, generations=self.generations, lineage_records=self.lineage_records,
             level=lambda record: self.level(record)[0], on_job_nodes=self.daemon.ops.on_job_nodes,
             histories=membership.nodelog.histories,
-            priors=lambda: {n.name: n.mtbf or config.failure_mtbf for n in config.nodes}, prior_weight=config.failure_prior_weight,
+            priors=lambda: {n.name: config.prior_mtbf(n) for n in config.nodes}, prior_weight=config.failure_prior_weight,
             replan=config.checkpoint_replan, interval_min=config.checkpoint_interval_min, interval_max=config.checkpoint_interval_max,
             term=lambda: self.co._fence().term, active=lambda: self.co.active,
         ))

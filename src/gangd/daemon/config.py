@@ -333,6 +333,10 @@ class Config:
     def rlimit_caps(self) -> dict[str, int]:
         return {k: v for k, v in self.limits if k in RLIMIT_NAMES}
 
+    def prior_mtbf(self, spec: NodeSpec) -> float:
+        """A node's mean time between losses before its history says otherwise: its own ``mtbf``, else ``[failure] mtbf``."""
+        return spec.mtbf or self.failure_mtbf
+
     @property
     def node(self) -> NodeSpec:
         for spec in self.nodes:
@@ -493,10 +497,7 @@ def _spare(value: object, index: int) -> bool:
 
 
 def _checkpoint_section(data: dict) -> dict:
-    section = data.get("checkpoint", {})
-    if not isinstance(section, dict):
-        raise ConfigError("[checkpoint] must be a table")
-    return section
+    return _table(data, "checkpoint")
 
 
 def _table(data: dict, name: str) -> dict:
@@ -595,11 +596,11 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         "checkpoint_block_kib": _checkpoint_section(data).get("block_kib", 16),
         "checkpoint_chain_max": _checkpoint_section(data).get("chain_max", 8),
         "checkpoint_adaptive_threshold": _checkpoint_section(data).get("adaptive_threshold", 0.10),
-        "checkpoint_replan": _fraction(_checkpoint_section(data).get("replan", 0.25), "[checkpoint] replan"),
-        "checkpoint_interval_min": _duration(_checkpoint_section(data).get("interval_min", 1.0), "[checkpoint] interval_min"),
-        "checkpoint_interval_max": _duration(_checkpoint_section(data).get("interval_max", 86400.0), "[checkpoint] interval_max"),
-        "failure_mtbf": _duration(_table(data, "failure").get("mtbf", 30 * 86400.0), "[failure] mtbf"),
-        "failure_prior_weight": _positive(_table(data, "failure").get("prior_weight", 1.0), "[failure] prior_weight"),
+        "checkpoint_replan": _fraction(_checkpoint_section(data).get("replan", Config.checkpoint_replan), "[checkpoint] replan"),
+        "checkpoint_interval_min": _duration(_checkpoint_section(data).get("interval_min", Config.checkpoint_interval_min), "[checkpoint] interval_min"),
+        "checkpoint_interval_max": _duration(_checkpoint_section(data).get("interval_max", Config.checkpoint_interval_max), "[checkpoint] interval_max"),
+        "failure_mtbf": _duration(_table(data, "failure").get("mtbf", Config.failure_mtbf), "[failure] mtbf"),
+        "failure_prior_weight": _positive(_table(data, "failure").get("prior_weight", Config.failure_prior_weight), "[failure] prior_weight"),
         "output_dir": Path(node["output_dir"]) if node.get("output_dir") else None,
         "output_limit": int(node.get("output_limit", 1 << 30)),
         "output_reserve": int(node.get("output_reserve", 64 << 20)),

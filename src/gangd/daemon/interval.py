@@ -200,10 +200,12 @@ class IntervalPlanner:
         self.plans: dict[int, JobPlan] = {}
         self.running: set[int] = set()
 
-    async def measured(self, record: dict, t_iter: float | None) -> Measured:
-        """The job's measurements now (t_iter: the ranks' pace; None: not known, 1 s taken so that a plan in seconds can be made)."""
+    async def measured(self, record: dict, t_iter: float | None, generations: list[dict] | None = None) -> Measured:
+        """The job's measurements now (t_iter: the ranks' pace; None: not known, 1 s taken so that a plan in seconds
+        can be made; ``generations``: the lineage's, if the caller read them already)."""
         p = self.ports
-        generations = p.generations(record)
+        if generations is None:
+            generations = p.generations(record)
         level = p.level(record)
         c, c_basis = measure_c(generations)
         latency, l_basis = measure_l(generations, level, c)
@@ -280,8 +282,10 @@ class IntervalPlanner:
                 await trio.sleep(min(POLL_MAX, POLL_MIN * 2 ** min(silent // 5, 5)))
                 continue
             silent = 0
-            m = await self.measured(record, t_iter)
-            last_cut = max((g["iteration"] for g in usable(p.generations(record)) if type(g.get("iteration")) is int), default=None)
+            generations = p.generations(record)  # (read once a look: measured, the last cut and the first plan all use it)
+            taken = usable(generations)
+            m = await self.measured(record, t_iter, generations)
+            last_cut = max((g["iteration"] for g in taken if type(g.get("iteration")) is int), default=None)
             if held is None or moved(held.plan.inputs, m, p.replan) or self._overdue(held, iteration, last_cut):
                 plan = make_plan(m, min_s=p.interval_min, max_s=p.interval_max)
                 lead = 0 if t_iter >= 4 * LEAD_TIME else lead_for(t_iter, LEAD_TIME)
@@ -291,7 +295,7 @@ class IntervalPlanner:
                 # ask ``lead`` iterations before it. No checkpoint yet: the first as soon as that
                 # allows (C, L and R are then measured, and the plan made again).
                 reach = lead + math.ceil(DELIVERY / t_iter)
-                nxt = next_at(last_cut, current, plan.every if usable(p.generations(record)) else 1, reach)
+                nxt = next_at(last_cut, current, plan.every if taken else 1, reach)
                 nxt = min(nxt, MAX_ITERATION)  # (a rank says where it is: past the wire's bound no node would take the plan)
                 held = JobPlan(plan, nxt, lead, reach, iteration)
                 self.plans.pop(job_id, None)
@@ -315,6 +319,8 @@ class IntervalPlanner:
     def _overdue(held: JobPlan, iteration: int | None, last_cut: int | None) -> bool:
         """The ranks ran well past the planned iteration with no checkpoint there (a plan that did not reach
         them, or requests that failed): plan again from where they are."""
-        if held.next is None or iteration is None or not held.sent:
-            return not held.sent
+        if not held.sent:
+            return True
+        if held.next is None or iteration is None:
+            return False
         return iteration > held.next + max(2, held.lead) + held.plan.every and (last_cut is None or last_cut < held.next)

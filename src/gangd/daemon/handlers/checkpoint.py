@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import trio
 
-from ...checkpoint.messages import MAX_ITERATION
+from ...checkpoint.messages import MAX_ITERATION, BadMessage, PlanNote
 from ...failpoint import failpoint, refuse
 from ...redundancy import transfer
 from ...redundancy.plan import NODE_NAME
@@ -101,11 +101,12 @@ async def ckpt_interval(s, call: Call):
 
 @op("coord_ckpt_interval", audience=PEER)
 async def coord_ckpt_interval(s, call: Call):
-    ckpt = coordinator(s).ckpt
-    record = ckpt.daemon.table.get(integer(call.args, "job"))
+    planner = coordinator(s).ckpt.planner
+    job_id = integer(call.args, "job")
+    record = s.table.get(job_id)  # (the coordinator's table holds every job of the cluster)
     if record is None:
-        raise RemoteError("no_such_job", f"no job {call.args.get('job')} in the coordinator's table")
-    return {"job": record["id"], "state": record["state"], "ckpt_every": record.get("ckpt_every"), **await ckpt.planner.view(record)}
+        raise RemoteError("no_such_job", f"no job {job_id} in the coordinator's table")
+    return {"job": record["id"], "state": record["state"], "ckpt_every": record.get("ckpt_every"), **await planner.view(record)}
 
 
 @op("coord_checkpoint_all", audience=PEER)
@@ -148,13 +149,17 @@ for _name, _method in (
 @op("ckpt_pace", audience=PEER)
 async def ckpt_pace(s, call: Call):
     """Where this node's ranks of an interval-planned job are, and their pace (issue 19)."""
-    return s.checkpoints.pace(call.args)
+    return s.checkpoints.pace(integer(call.args, "job"))
 
 
 @op("ckpt_set_plan", audience=PEER, fenced=True)
 async def ckpt_set_plan(s, call: Call):
     """The coordinator's interval plan for a job: told to its ranks here (issue 19)."""
-    return await s.checkpoints.set_plan(call.args)
+    try:
+        plan = PlanNote.from_wire(call.args.get("plan"))
+    except BadMessage as exc:
+        raise RemoteError("bad_request", f"a malformed plan: {exc}") from None
+    return await s.checkpoints.set_plan(integer(call.args, "job"), plan)
 
 
 @op("ckpt_job_env", audience=PEER)

@@ -18,9 +18,9 @@ import trio
 
 from ... import jobs
 from ...etcd.client import EtcdError
-from ...interval.rates import node_rate
 from ...rpc import RemoteError, Stream
 from ..access import integer, job_for
+from ..interval import node_rates
 from ..limits import read_process_limits
 from ..peers import natural_key
 from .registry import CLIENT, Call, op
@@ -120,13 +120,6 @@ async def schedule(s, call: Call):
     return await s.calls.to_coordinator("coord_schedule", switches=bool(call.args.get("switches")))
 
 
-def _failure_rate(config, spec, history) -> dict:
-    """The node's failure rate estimate: its history in etcd with its prior MTBF (issue 19)."""
-    rate = node_rate(history.losses if history else 0, history.exposure if history else 0.0, spec.mtbf or config.failure_mtbf,
-                     config.failure_prior_weight)
-    return {"lam": rate.lam, "mtbf": rate.mtbf, "basis": rate.basis}
-
-
 @op("nodes", audience=CLIENT)
 async def nodes(s, call: Call):
     peers = s.peers
@@ -138,6 +131,8 @@ async def nodes(s, call: Call):
         histories = await membership.nodelog.histories([n.name for n in s.config.nodes]) if membership.connected else {}
     except EtcdError:
         histories = {}
+    # Each node's failure rate, its history with its prior: what --ckpt-every auto plans with (issue 19).
+    rates = node_rates(histories, {n.name: s.config.prior_mtbf(n) for n in s.config.nodes}, s.config.failure_prior_weight)
     for spec in sorted(s.config.nodes, key=lambda n: natural_key(n.name)):
         heartbeat: float | None
         if spec.name == s.node:
@@ -166,7 +161,7 @@ async def nodes(s, call: Call):
                 "clock": offset,  # its wall clock minus this node's, as estimated here (s)
                 "why": why,
                 "history": histories[spec.name].to_wire() if spec.name in histories else None,
-                "failure": _failure_rate(s.config, spec, histories.get(spec.name)),  # (what --ckpt-every auto plans with)
+                "failure": {"lam": rates[spec.name].lam, "mtbf": rates[spec.name].mtbf, "basis": rates[spec.name].basis},
             }
         )
     return rows

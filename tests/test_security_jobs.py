@@ -253,6 +253,28 @@ def test_a_job_root_suspended_is_resumed_by_root_only(cluster2):
     cluster2.wait_state(job, "KILLED")
 
 
+@root_only
+def test_a_jobs_checkpoint_plan_is_its_owners_and_roots_to_read(cluster2):
+    """`gang ckpt plan` (issue 19) shows a job's figures to its owner and root only, and a job number that is
+    not one is a bad request, not a crash."""
+    job = int(cluster2.gang("submit", "-n", 1, "--", "sleep", "300", check=True).stdout)  # (root's)
+    try:
+        cluster2.wait_state(job, "RUNNING")
+        assert _as_root(cluster2, lambda gang: gang.interval_plan(job))["job"] == job
+        refused = _as_nobody(cluster2, lambda gang: _outcome(gang.interval_plan(job)))
+        assert _refused(refused, "permission_denied"), refused
+        for hostile in ("1", -1, 2**63, None, [job]):
+            bad = _as_nobody(cluster2, lambda gang, hostile=hostile: _outcome(gang.request("ckpt_interval", job=hostile)))
+            assert isinstance(bad, list) and bad[0] in ("bad_request", "no_such_job"), (hostile, bad)
+        own = _as_nobody(cluster2, lambda gang: gang.submit(["sleep", "300"], 1, cwd="/", env=ENV))["id"]
+        cluster2.wait_state(own, "RUNNING")
+        assert _as_nobody(cluster2, lambda gang: gang.interval_plan(own))["job"] == own
+        cluster2.gang("kill", own)
+    finally:
+        cluster2.gang("kill", job)
+    cluster2.wait_state(job, "KILLED")
+
+
 # ---------------------------------------------------------------- the replica's catch-up, record by record
 
 

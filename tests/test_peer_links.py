@@ -7,23 +7,17 @@ dialing it again (the dial loop backs off up to a heartbeat interval).
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import trio
 
+from gangd import ports
 from gangd.daemon.config import Config, EtcdSettings, NodeSpec
 from gangd.daemon.peers import Peers
 from gangd.protocol import Connection, Role
 from gangd.rpc import Channel
 
 SECRET = b"s" * 32
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
 
 
 async def _serve_as_n2(port: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -41,7 +35,7 @@ async def _serve_as_n2(port: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
 
 
 async def test_a_call_to_a_node_that_just_came_back_waits_for_the_link_instead_of_failing(tmp_path: Path):
-    port = _free_port("127.0.0.2")
+    port = ports.pick_port(["127.0.0.2"], ports.DAEMON_BAND)
     config = Config(
         node_name="n1",
         nodes=(NodeSpec("n1", "127.0.0.1", port, cores=1), NodeSpec("n2", "127.0.0.2", port, cores=1)),

@@ -39,9 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -52,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from .. import jobs
+from .. import jobs, ports
 from ..daemon.config import Config, ConfigError, EtcdSettings, NodeSpec, render, toml_str
 from ..etcd.client import Etcd, EtcdError
 from .api import CLUSTER_FILE, connect, read_cluster_file
@@ -140,24 +138,12 @@ def node_files(directory: Path) -> list[NodeFiles]:
     return [NodeFiles(node["name"], Path(node["dir"])) for node in info.get("nodes", [])]
 
 
-def pick_port(addresses: list[str], tries: int = 200) -> int:
-    """A TCP port free on every address (the nodes share a port number)."""
-    rng = random.Random()  # noqa: S311 -- spreads the port picks of parallel local clusters; no secret in it
-    for _ in range(tries):
-        port = rng.randrange(20000, 45000)
-        socks = []
-        try:
-            for address in addresses:
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind((address, port))
-            return port
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise ClusterError("could not find a free TCP port on the loopback addresses")
+def pick_port(addresses: list[str]) -> int:
+    """A TCP port free on every address (the nodes share a port number), below the ephemeral range."""
+    try:
+        return ports.pick_port(addresses, ports.DAEMON_BAND)
+    except ports.NoFreePort as e:
+        raise ClusterError(str(e)) from None
 
 
 def up(

@@ -17,11 +17,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import re
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -32,6 +30,7 @@ from typing import Final
 
 import httpx
 
+from ..ports import ETCD_BAND, pick_port
 from .pki import PeerFiles, make_peer_certs
 
 __all__ = ["ClientTLS", "EtcdBinaryError", "LocalEtcd", "find_binary", "binary_version", "check_version", "BAD_VERSIONS"]
@@ -97,36 +96,9 @@ def check_version(version: tuple[int, int, int], *, local: bool) -> None:
             f"some members after a crash or under load); use etcd 3.5.3 or later (or 3.4.x) for a real cluster")
 
 
-def _ephemeral_ports() -> tuple[int, int]:
-    """The range the kernel picks ports from by itself (a bind to port 0, an outgoing connection)."""
-    try:
-        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-    return low, high
-
-
 def _free_port(host: str, avoid: set[int]) -> int:
-    """A port free on ``host`` now, for etcd to bind a moment later, not one of ``avoid``. Picked below the
-    kernel's ephemeral range: a port there is free only until someone takes it, and on a busy machine every
-    rank engine's bind to port 0 and every outgoing connection draws from that range, so one landed on the
-    port between this probe and etcd's bind often enough (etcd then exits with "address already in use").
-    Below the range only another explicit pick can collide."""
-    low, _high = _ephemeral_ports()
-    rng = random.Random()  # noqa: S311 -- spreads the picks of parallel local etcds; no secret in it
-    candidates = range(10000, low) if low - 10000 >= 1000 else range(1024, 65536)
-    for _ in range(200):
-        port = rng.choice(candidates)
-        if port in avoid:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-        avoid.add(port)
-        return port
-    raise RuntimeError(f"no free TCP port found on {host} for etcd")
+    """A port free on ``host`` now, for etcd to bind a moment later, not one of ``avoid`` (see gangd.ports)."""
+    return pick_port([host], ETCD_BAND, avoid)
 
 
 @dataclass(frozen=True)

@@ -444,7 +444,12 @@ def test_a_program_restarted_where_its_codec_is_missing_says_which_and_how_to_in
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     gens = ckptstore.generations(work / "prog.ckpt", 0)
     assert gens == [1] and "zlibtest:3@2" in blocks.read_index(_gen_file(work, 1)).codecs
-    lacking = _run(work, GANGD_RESTART="latest", **env)  # (no PYTHONPATH: the plug-in is not installed here)
+    # Asked to write with it where it is not installed (no PYTHONPATH): refused at init, before anything runs.
+    refused = _run(work, GANGD_RESTART="latest", **env)
+    assert refused.returncode != 0
+    assert "GANGD_CKPT_CODEC: checkpoint codec 'zlibtest:3' is refused" in refused.stderr and "pip install" in refused.stderr
+    # Writing without it, but restarting from a generation that used it: the restore says which codec and how to install it.
+    lacking = _run(work, GANGD_RESTART="latest", **{**env, "GANGD_CKPT_CODEC": "none"})
     assert lacking.returncode != 0
     assert "cannot restart from generation 1" in lacking.stderr and "codec 'zlibtest'" in lacking.stderr
     assert "pip install" in lacking.stderr

@@ -121,19 +121,19 @@ def test_gang_submit_refuses_a_bad_codec_before_sending_it(tmp_path, bad):
 # ------------------------------------------------------------------ a cluster
 
 
-def _codecs_printed(gc, job: int, nranks: int, timeout: float = 60) -> dict[int, str]:
-    """rank -> the GANGD_CKPT_CODEC it printed, once every rank has."""
+def _codecs_printed(gc, job: int, nranks: int, timeout: float = 60, what: str = "codec") -> dict[int, str]:
+    """rank -> the GANGD_CKPT_CODEC (``what="pipeline"``: GANGD_CKPT_PIPELINE) it printed, once every rank has."""
     deadline = time.monotonic() + timeout
     while True:
         lines = [line.split() for line in gc.logs(job).splitlines()]  # (`gang logs`'s stdout, read in this process: polled)
-        seen = {int(words[-3]): words[-1] for words in lines if len(words) >= 4 and words[-4:-2] == ["rank", words[-3]] and words[-2] == "codec"}
+        seen = {int(words[-3]): words[-1] for words in lines if len(words) >= 4 and words[-4:-2] == ["rank", words[-3]] and words[-2] == what}
         if len(seen) == nranks:
             return seen
-        assert time.monotonic() < deadline, f"job {job}'s ranks did not print their codec: {seen}\n{gc.gang('logs', job).stdout[-2000:]}"
+        assert time.monotonic() < deadline, f"job {job}'s ranks did not print their {what}: {seen}\n{gc.gang('logs', job).stdout[-2000:]}"
         time.sleep(0.2)
 
 
-def test_every_rank_gets_its_jobs_codec_else_the_clusters_and_a_restart_keeps_it(make_cluster, tmp_path):
+def test_every_rank_gets_its_jobs_codec_and_pipeline_else_the_clusters_and_a_restart_keeps_them(make_cluster, tmp_path):
     import os
 
     from ckpthelpers import PY, checkpoint, kill_and_restart, kill_what_is_left
@@ -142,21 +142,27 @@ def test_every_rank_gets_its_jobs_codec_else_the_clusters_and_a_restart_keeps_it
     release = tmp_path / "release"
     tmp_path.chmod(0o755)
     # The submitter's own GANGD_CKPT_CODEC travels in the job's environment: the daemons' value replaces it.
-    env = {**os.environ, "GANGD_CKPT_CODEC": "zstd:1"}
+    env = {**os.environ, "GANGD_CKPT_CODEC": "zstd:1", "GANGD_CKPT_PIPELINE": "workers=3"}
 
     def submit(*options: str) -> int:
         out = gc.gang("submit", "-n", "2", "-N", "2", "--ckpt-redundancy", "local", *options, "--", PY, str(JOB), str(release), check=True, env=env)
         return int(out.stdout)
 
     try:
-        asked = submit("--ckpt-codec", "zstd:5")
+        # (--ckpt-pipeline in another spelling: the job record and the ranks get the canonical one)
+        asked = submit("--ckpt-codec", "zstd:5", "--ckpt-pipeline", "workers=1, buffer_size=262144")
         default = submit()
+        one = "buffer_size=256KiB,workers=1"
         assert _codecs_printed(gc, asked, 2) == {0: "zstd:5", 1: "zstd:5"}
+        assert _codecs_printed(gc, asked, 2, what="pipeline") == {0: one, 1: one}
         assert _codecs_printed(gc, default, 2) == {0: "lz4", 1: "lz4"}
-        assert gc.gang_json("job", asked)["ckpt_codec"] == "zstd:5"
+        assert _codecs_printed(gc, default, 2, what="pipeline") == {0: "<defaults>", 1: "<defaults>"}
+        assert gc.gang_json("job", asked)["ckpt_codec"] == "zstd:5" and gc.gang_json("job", asked)["ckpt_pipeline"] == one
         assert gc.gang_json("job", default)["ckpt_codec"] is None  # (null: the cluster's)
+        assert gc.gang_json("job", default)["ckpt_pipeline"] is None
         shown = gc.gang("job", asked, check=True).stdout
         assert any(line.split() == ["CKPT", "CODEC", "zstd:5"] for line in shown.splitlines()), shown
+        assert any(line.split() == ["CKPT", "PIPELINE", one] for line in shown.splitlines()), shown
 
         assert checkpoint(gc, asked)["state"] == "complete"
         listing = gc.gang("ckpt", "ls", asked, check=True).stdout
@@ -170,13 +176,27 @@ def test_every_rank_gets_its_jobs_codec_else_the_clusters_and_a_restart_keeps_it
             pipeline = figures["pipeline"]
             assert pipeline["in"] > 1 << 20 > 10 * pipeline["out"] > 0, (node, pipeline)  # (1 MiB of zeros per rank)
             assert {"compress", "write"} <= set(pipeline["stages"]) and figures["blocked"] >= 0 and figures["disk"] > 0, figures
+            assert pipeline["stages"]["compress"]["workers"] == 1, pipeline  # (the job's --ckpt-pipeline workers=1, not this node's 2+)
         stats = gc.gang("ckpt", "stats", asked, check=True).stdout
         assert all(word in stats for word in ("IN", "OUT", "RATIO", "BLOCKED", "DISK", "compress", "write")), stats
         restarted = kill_and_restart(gc, asked)
         assert _codecs_printed(gc, restarted, 2) == {0: "zstd:5", 1: "zstd:5"}
+        assert _codecs_printed(gc, restarted, 2, what="pipeline") == {0: one, 1: one}
         assert gc.gang_json("job", restarted)["ckpt_codec"] == "zstd:5"  # (the restart's record carries its lineage's)
+        assert gc.gang_json("job", restarted)["ckpt_pipeline"] == one
         assert gc.ask(lambda gang: gang.checkpoints(restarted), "ckpt ls")["codec"] == "zstd:5"
         release.touch()
         assert gc.wait_state(restarted, ("DONE",), timeout=60)["state"] == "DONE"
+
+        # A codec the ranks' nodes lack (a plug-in installed only where the job was submitted; the API takes it, as
+        # the coordinator must): the job fails as its ranks start, each saying which codec, on which node and how to
+        # install it -- not at its first checkpoint, hours later.
+        lacking = gc.ask(lambda gang: gang.submit([PY, str(JOB), str(release)], 2, nodes=2, ckpt_redundancy="local", ckpt_codec="nosuchcodec:fast",
+                                                  env=env, cwd=str(tmp_path)), "submit")["id"]
+        assert gc.wait_state(lacking, ("FAILED",), timeout=60)["state"] == "FAILED"
+        said = " ".join(gc.gang("logs", lacking).stderr.split())
+        for node in ("n1", "n2"):
+            assert f"checkpoint codec 'nosuchcodec:fast' is refused on node {node}" in said, said
+        assert "install the package that provides the 'nosuchcodec' codec" in said, said
     finally:
         kill_what_is_left(gc)

@@ -119,6 +119,7 @@ class JobSpec:
     ckpt_redundancy: str | None = None  # local, partner, xor; None: the cluster's [checkpoint] redundancy
     ckpt_mode: str | None = None  # full, incremental, differential, adaptive; None: the cluster's [checkpoint] mode
     ckpt_codec: str | None = None  # a canonical codec spec (zstd:3, blosc2:zstd:1:shuffle, auto...); None: the cluster's [checkpoint] codec
+    ckpt_pipeline: str | None = None  # canonical pipeline settings (buffer_size=256KiB,workers=2); None: the cluster's [checkpoint] pipeline
     requeue: bool | None = None  # restarted by itself when a node is lost; None: when it has checkpoints (see gangd.daemon.recover)
     net_context: dict[str, bytes] | None = None
 
@@ -186,6 +187,7 @@ class JobSpec:
         redundancy = _redundancy(spec, nranks, nodelist, nodes, node_names)
         mode = _ckpt_mode(spec)
         codec = ckpt_codec(spec.get("ckpt_codec"))
+        pipeline = ckpt_pipeline(spec.get("ckpt_pipeline"))
         contexts = spec.get("net_context")
         if contexts is not None:
             if not isinstance(contexts, dict) or not all(
@@ -217,6 +219,7 @@ class JobSpec:
             ckpt_redundancy=redundancy,
             ckpt_mode=mode,
             ckpt_codec=codec,
+            ckpt_pipeline=pipeline,
             requeue=None if spec.get("requeue") is None else _flag(spec, "requeue", True),
             net_context=dict(contexts) if contexts else None,
         )
@@ -232,7 +235,7 @@ class JobSpec:
             "per_node": self.per_node, "nodes": self.nodes, "nodelist": list(self.nodelist) if self.nodelist is not None else None,
             "kill_on_bad_exit": self.kill_on_bad_exit, "priority": self.priority, "slice": self.slice,
             "ckpt_every": self.ckpt_every, "mpi": self.mpi, "ckpt_redundancy": self.ckpt_redundancy,
-            "ckpt_mode": self.ckpt_mode, "ckpt_codec": self.ckpt_codec, "requeue": self.requeue,
+            "ckpt_mode": self.ckpt_mode, "ckpt_codec": self.ckpt_codec, "ckpt_pipeline": self.ckpt_pipeline, "requeue": self.requeue,
         }
 
 
@@ -302,6 +305,20 @@ def ckpt_codec(value: object) -> str | None:
     return canonical
 
 
+def ckpt_pipeline(value: object) -> str | None:
+    """The job's checkpoint pipeline settings (``--ckpt-pipeline``) in their canonical spelling
+    (``buffer_size=256KiB,workers=2``), or None: the cluster's ``[checkpoint] pipeline``. Only the
+    settings named travel; the others are each node's defaults (workers follow the node's cores)."""
+    if value is None:
+        return None
+    from .pipeline.settings import SettingsError, canonical, parse
+
+    try:
+        return canonical(parse(value)) or None
+    except SettingsError as exc:
+        raise BadSpec("bad_request", f"--ckpt-pipeline: {text.printable(str(exc), 200)}") from None
+
+
 def _one_of(value: object, allowed: tuple[str, ...], what: str) -> None:
     """BadSpec unless ``value`` is one of ``allowed`` (quoted briefly: a huge value is not rendered whole)."""
     if value not in allowed:
@@ -342,6 +359,7 @@ def new_record(*, job_id: int, spec: dict, owner_uid: int, owner_name: str, owne
         "ckpt_redundancy": spec.get("ckpt_redundancy"),  # local/partner/xor; None: the cluster's default
         "ckpt_mode": spec.get("ckpt_mode"),  # full/incremental/differential/adaptive; None: the lineage's, else the cluster's
         "ckpt_codec": spec.get("ckpt_codec"),  # canonical codec spec (zstd:3...); None: the lineage's, else the cluster's
+        "ckpt_pipeline": spec.get("ckpt_pipeline"),  # canonical pipeline settings; None: the lineage's, else the cluster's
         "checkpoints": [],  # generations this job took: see gangd.daemon.ckptcoord
         "requeue": spec.get("requeue"),  # True/False: --requeue/--no-requeue; None: requeue when it has checkpoints
         "lineage": job_id,  # the first job of a restart chain: its checkpoints are the chain's

@@ -1,6 +1,7 @@
-"""A checkpointed job that says which codec its daemon gave it (issue 18).
+"""A checkpointed job that says which codec and pipeline settings its daemon gave it (issue 18).
 
-Each rank prints ``rank R codec <GANGD_CKPT_CODEC>`` once it has called
+Each rank prints ``rank R codec <GANGD_CKPT_CODEC>`` and ``rank R pipeline
+<GANGD_CKPT_PIPELINE>`` once it has called
 ckpt.init(), then idles in the checkpointed loop (every iteration a
 checkpoint candidate) until the file named by its one argument exists: a
 test checkpoints, kills and restarts it whenever it is ready, however
@@ -22,6 +23,7 @@ release = sys.argv[1]
 ckpt.init()
 rank = int(os.environ["GANGD_RANK"])
 print(f"rank {rank} codec {os.environ.get('GANGD_CKPT_CODEC', '<unset>')}", flush=True)
+print(f"rank {rank} pipeline {os.environ.get('GANGD_CKPT_PIPELINE') or '<defaults>'}", flush=True)
 state = ckpt.protect("state", {"iterations": 0})
 field = ckpt.protect("field", lambda: np.zeros(1 << 17))  # 1 MiB that compresses: ckpt stats shows the codec's ratio
 for _ in ckpt.loop(itertools.count()):

@@ -65,7 +65,8 @@ _cp: Checkpointer | None = None
 
 def init(*, directory: str | os.PathLike | None = None, restart=None, background: bool | None = None,
          every: float | str | None = None, keep: int = 2, spc=None, mode: str | None = None, block_kib: int | None = None,
-         chain_max: int | None = None, threshold: float | None = None, codec: str | None = None) -> Checkpointer:
+         chain_max: int | None = None, threshold: float | None = None, codec: str | None = None,
+         pipeline: str | dict | None = None) -> Checkpointer:
     """Set up checkpointing for this process; call once, before :func:`protect`.
 
     ``restart`` (alone only; gangd decides under ``gang restart``): ``"latest"``
@@ -93,7 +94,13 @@ def init(*, directory: str | os.PathLike | None = None, restart=None, background
     sample; raw where it would not shrink) or a plug-in's name; checked here
     (a :class:`CheckpointError` names a bad one). Compressed generations are
     written through a compress/write pipeline and recorded per unit of
-    blocks, so a restart never guesses (issue 18).
+    blocks, so a restart never guesses (issue 18). A codec whose package is
+    not installed here is refused here, at start, not at the first checkpoint.
+    ``pipeline`` (``GANGD_CKPT_PIPELINE``, which ``gang run --ckpt-pipeline``
+    sets): that pipeline's buffers and threads, as text
+    (``"buffer_size=256KiB,workers=2"``) or a dict; keys ``buffer_count``,
+    ``buffer_size``, ``aggregate_bytes``, ``workers`` (see
+    :mod:`gangd.pipeline.settings`); used for writes and restores alike.
     """
     global _cp
     if _cp is not None and not _cp.closed:
@@ -111,7 +118,7 @@ def init(*, directory: str | os.PathLike | None = None, restart=None, background
     if restart is True:
         restart = "latest"
     info = job_info()
-    settings = DeltaSettings.from_options(mode, block_kib, chain_max, threshold, codec)
+    settings = DeltaSettings.from_options(mode, block_kib, chain_max, threshold, codec, pipeline)
     cp = Checkpointer(None, background=background, spc=spc_mod.select(spc), settings=settings)
     # The handler first: once the daemon knows this rank takes checkpoints it
     # may send SIGQUIT at any moment, and SIGQUIT's default action kills.

@@ -125,7 +125,7 @@ class DaemonAgent:
             expect = tuple(self.restart["expect"])
             # Each link checked as read_chain reads it: its index hash and size, its generation against
             # the chain handed over, and every placed block against this generation's signatures.
-            values, iteration = spc.read(cp.spc, path, expect, _chain_of(self.restart))
+            values, iteration = spc.read(cp.spc, path, expect, _chain_of(self.restart), cp.settings.pipeline_settings())
         except StoreError as exc:
             self._note("ckpt_restored", {"gen": gen, "error": str(exc)})
             raise CheckpointError(f"cannot restore rank {self.info.rank}: {exc}") from None

@@ -700,7 +700,7 @@ def _link(item: object) -> Link:
 
 
 def read_chain(path: Path, chain: Iterable = (), expect: Sequence | None = None, *,
-               stats: dict | None = None) -> tuple[dict[str, object], int, dict]:
+               stats: dict | None = None, pipeline: object = None) -> tuple[dict[str, object], int, dict]:
     """Restore the generation in ``path`` from it and its ``chain`` (its
     links, newest first: :class:`Link`, (gen, path[, expect]) or
     {"gen", "path", "expect"}); returns (values, iteration, extra).
@@ -710,7 +710,9 @@ def read_chain(path: Path, chain: Iterable = (), expect: Sequence | None = None,
     read; a link's expected size is checked too (its checksum cannot be:
     only part of it is read). Every placed block is checked against the
     signature of ``path``'s generation. ``stats``, if given, gets "read"
-    (bytes read), "blocks" (block bytes read) and "files".
+    (bytes read), "blocks" (block bytes read) and "files". ``pipeline``: the
+    :class:`gangd.pipeline.Settings` compressed units are read and
+    decompressed with (None: the defaults).
     """
     path = Path(path)
     links = [_link(item) for item in chain]
@@ -755,13 +757,13 @@ def read_chain(path: Path, chain: Iterable = (), expect: Sequence | None = None,
         digest = ckptstore.hasher() if expect is not None else None
         if digest is not None:
             digest.update(MAGIC3 if top.version == 3 else MAGIC)
-        blocks_read += _place(fd, top, top, 0, views, placed, source, digest)
+        blocks_read += _place(fd, top, top, 0, views, placed, source, digest, pipeline)
         if digest is not None:
             digest.update(top.tail)
             if digest.hexdigest() != expect[1]:  # type: ignore[index]
                 raise StoreError(f"{path} is corrupted: its checksum does not match the manifest")
         for number, (_, index) in enumerate(files[1:], 1):
-            blocks_read += _place(fds[number], top, index, number, views, placed, source, None)
+            blocks_read += _place(fds[number], top, index, number, views, placed, source, None, pipeline)
         for e in top.entries:
             missing = int(np.count_nonzero(~placed[e.name]))
             if missing:
@@ -822,7 +824,7 @@ def _locate(path: Path, top: Index, files: list[tuple[Path, Index]]) -> None:
 
 
 def _place(fd: int, top: Index, index: Index, number: int, views: dict[str, memoryview], placed: dict[str, np.ndarray],
-           source: dict[str, np.ndarray], digest) -> int:
+           source: dict[str, np.ndarray], digest, pipeline: object = None) -> int:
     """Read the blocks ``index``'s file holds that no newer file placed; returns the bytes read."""
     got = 0
     compressed: list[units.Job] = []  # a format 3 file's units, read and decompressed together below
@@ -854,7 +856,7 @@ def _place(fd: int, top: Index, index: Index, number: int, views: dict[str, memo
         done |= need
         source[e.name][need] = number
     if compressed:
-        got += units.place(fd, index.path, compressed, digest)
+        got += units.place(fd, index.path, compressed, digest, pipeline)
     return got
 
 

@@ -63,12 +63,13 @@ class DeltaSettings:
     threshold: float = delta.DEFAULT_THRESHOLD
     given: frozenset[str] = frozenset()  # the settings the program (init, GANGD_CKPT_BLOCK_KIB) chose: they win over a daemon's offer
     codec: str = DEFAULT_CODEC  # a canonical gangd.codecs spec (CodecSpec.parse checked it): the job's, whoever runs it
+    pipeline: str = ""  # canonical gangd.pipeline settings text (the job's --ckpt-pipeline); "": the defaults
 
     @classmethod
     def from_options(cls, mode: str | None = None, block_kib: int | None = None, chain_max: int | None = None,
-                     threshold: float | None = None, codec: str | None = None) -> DeltaSettings:
+                     threshold: float | None = None, codec: str | None = None, pipeline: object = None) -> DeltaSettings:
         """From ``init()``'s arguments, else ``GANGD_CKPT_MODE`` / ``GANGD_CKPT_BLOCK_KIB`` /
-        ``GANGD_CKPT_CODEC``, else the defaults (codec ``none``); checked."""
+        ``GANGD_CKPT_CODEC`` / ``GANGD_CKPT_PIPELINE``, else the defaults (codec ``none``); checked."""
         given = frozenset(name for name, value in (("mode", mode), ("block_kib", block_kib), ("chain_max", chain_max), ("threshold", threshold))
                           if value is not None) | (frozenset({"block_kib"}) if os.environ.get("GANGD_CKPT_BLOCK_KIB") else frozenset())
         mode = mode or os.environ.get("GANGD_CKPT_MODE") or delta.DEFAULT_MODE
@@ -88,7 +89,7 @@ class DeltaSettings:
         threshold = delta.DEFAULT_THRESHOLD if threshold is None else threshold
         if not isinstance(threshold, int | float) or not 0 <= threshold <= 1:
             raise CheckpointError(f"the adaptive threshold is a share of the state from 0 to 1, not {threshold!r}")
-        return cls(mode, block_kib, chain_max, float(threshold), given, checked_codec(codec))
+        return cls(mode, block_kib, chain_max, float(threshold), given, checked_codec(codec), checked_pipeline(pipeline))
 
     def under(self, offer) -> DeltaSettings:
         """The settings a rank under a daemon writes with, given its offer
@@ -98,12 +99,22 @@ class DeltaSettings:
         return DeltaSettings(self.mode if "mode" in self.given else offer.mode,
                              self.block_kib if "block_kib" in self.given else offer.block_kib,
                              min(self.chain_max, offer.chain_max) if "chain_max" in self.given else offer.chain_max,
-                             self.threshold if "threshold" in self.given else offer.threshold, self.given, self.codec)
+                             self.threshold if "threshold" in self.given else offer.threshold, self.given, self.codec, self.pipeline)
 
     def plan(self, gen: int, offered, force_full: bool = False) -> dict:
         """What :func:`writer.write` takes as ``delta``."""
         return {"gen": gen, "mode": self.mode, "block": self.block_kib << 10, "chain_max": self.chain_max,
-                "threshold": self.threshold, "force_full": force_full, "offered": offered, "codec": self.codec}
+                "threshold": self.threshold, "force_full": force_full, "offered": offered, "codec": self.codec,
+                "pipeline": self.pipeline}
+
+    def pipeline_settings(self):
+        """The :class:`gangd.pipeline.Settings` compressed generations are written and read with
+        (None: the defaults; gangd.pipeline is imported only for settings that were given)."""
+        if not self.pipeline:
+            return None
+        from ..pipeline.settings import from_text
+
+        return from_text(self.pipeline)
 
 
 def checked_codec(codec: object = None) -> str:
@@ -115,12 +126,35 @@ def checked_codec(codec: object = None) -> str:
         codec, where = os.environ.get("GANGD_CKPT_CODEC") or DEFAULT_CODEC, "GANGD_CKPT_CODEC"
     if codec == DEFAULT_CODEC:
         return DEFAULT_CODEC
-    from ..codecs import CodecError, CodecSpec
+    from ..codecs import CodecError, CodecSpec, registry
 
     try:
-        return str(CodecSpec.parse(codec))
+        spec = CodecSpec.parse(codec)
+        registry.check_installed(spec)
     except CodecError as exc:
-        raise CheckpointError(f"{where}: checkpoint codec {str(codec)[:140]!r} is refused: {exc}") from None
+        node = os.environ.get("GANGD_NODE")
+        here = f" on node {node[:64]}" if node else ""
+        raise CheckpointError(f"{where}: checkpoint codec {str(codec)[:140]!r} is refused{here}: {exc}") from None
+    return str(spec)
+
+
+def checked_pipeline(settings: object = None) -> str:
+    """The canonical pipeline settings text of ``settings`` (text such as ``"workers=2"`` or a
+    mapping {"workers": 2}), else of ``GANGD_CKPT_PIPELINE``, else "" (the defaults); a
+    CheckpointError naming the bad value and what is accepted."""
+    where = "init(pipeline=...)"
+    if settings is None:
+        settings, where = os.environ.get("GANGD_CKPT_PIPELINE") or "", "GANGD_CKPT_PIPELINE"
+    if settings == "":
+        return ""
+    from ..pipeline.settings import SettingsError, canonical, parse
+
+    try:
+        if isinstance(settings, dict):
+            settings = ",".join(f"{k}={v}" for k, v in settings.items())
+        return canonical(parse(settings))
+    except SettingsError as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
 
 
 class Checkpointer:
@@ -361,7 +395,7 @@ class Standalone:
             directory = self._dir(gen)
             try:
                 chain = self.chain(gen)
-                values, iteration = spc_mod.read(cp.spc, chain[0][1], chain[0][2], chain[1:])
+                values, iteration = spc_mod.read(cp.spc, chain[0][1], chain[0][2], chain[1:], cp.settings.pipeline_settings())
             except StoreError as exc:
                 problems.append(str(exc))
                 if explicit:

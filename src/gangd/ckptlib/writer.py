@@ -177,7 +177,7 @@ def _preload(text: object) -> None:
 
     try:
         spec = codecs.CodecSpec.parse(text)
-        for each in ((auto.candidate(None)[0], auto.NUMERIC_FLOAT, auto.NUMERIC_INT) if spec.auto else (spec,)):
+        for each in (auto.CANDIDATES if spec.auto else (spec,)):
             codecs.get(each)
     except Exception:  # noqa: BLE001,S110 -- the snapshot reports it (the job must not die of a checkpoint)
         pass
@@ -192,6 +192,15 @@ def _codec(text: object):
     return CodecSpec.parse(text)
 
 
+def _pipeline(text: object):
+    """The pipeline settings a plan's text names (None for "": the defaults, gangd.pipeline not imported)."""
+    if not text:
+        return None
+    from ..pipeline.settings import from_text
+
+    return from_text(text)
+
+
 def _write_now(path: Path, values: dict, iteration: int, then, spc, delta: dict | None = None) -> dict:
     started = time.monotonic()
     try:
@@ -201,7 +210,8 @@ def _write_now(path: Path, values: dict, iteration: int, then, spc, delta: dict 
             result = blocks.save_generation(path, handed, gen=delta["gen"], iteration=iteration, mode=delta["mode"],
                                             offered=offered() if callable(offered) else offered, block=delta["block"],
                                             chain_max=delta["chain_max"], threshold=delta["threshold"],
-                                            force_full=bool(delta.get("force_full")), codec=_codec(delta.get("codec")))
+                                            force_full=bool(delta.get("force_full")), codec=_codec(delta.get("codec")),
+                                            pipeline=_pipeline(delta.get("pipeline")))
             result["seconds"] = time.monotonic() - started
         else:
             size, digest = spc_mod.write(spc or spc_mod.Registered(), path, values, iteration)

@@ -201,6 +201,17 @@ def job_options(fn):
         "a program's ckptlib.init(codec=...) overrides it.",
     )(fn)
     fn = click.option(
+        "--ckpt-pipeline", type=PipelineSettings(), default=None, metavar="KEY=VALUE,...",
+        help="Tune the threads and buffers that compress and write (and, at a restart, read and decompress) a compressed "
+        "checkpoint: buffer_count (buffers between two stages, 2..256), buffer_size (bytes a stage hands on at once, "
+        "4KiB..256MiB), aggregate_bytes (the size of one write, 4KiB..256MiB, default 4MiB), workers (compression threads "
+        "per rank, 1..64, default: the node's cores, at most 4). Example: --ckpt-pipeline buffer_size=256KiB,workers=1 "
+        "(one core per rank for compression, on a node whose cores the ranks need). Settings left out are each node's "
+        "defaults. Default: the cluster's [checkpoint] pipeline; a restart keeps its lineage's. The ranks get it as "
+        "GANGD_CKPT_PIPELINE; a program's ckptlib.init(pipeline=...) overrides it. bench/pipeline.py measures the best "
+        "buffer size on your machine.",
+    )(fn)
+    fn = click.option(
         "--requeue/--no-requeue", default=None,
         help="When a node of the job is lost, restart it by itself from its newest protected checkpoint on live nodes "
         "(spares first), as a new job that `gang wait` follows; --no-requeue: fail it. Default: requeue when the job checkpoints.",
@@ -273,12 +284,26 @@ class CodecChoice(click.ParamType):
         return canonical
 
 
+class PipelineSettings(click.ParamType):
+    """Pipeline settings (``buffer_size=256KiB,workers=2``), checked here for a clear local message
+    (the coordinator checks them again) and sent in their canonical spelling."""
+
+    name = "settings"
+
+    def convert(self, value, param, ctx):
+        try:
+            return jobs.ckpt_pipeline(value)
+        except jobs.BadSpec as exc:
+            self.fail(exc.message.removeprefix("--ckpt-pipeline: "), param, ctx)
+
+
 def _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice=None, priority=None, ckpt_every=None, mpi=False,
-          ckpt_redundancy=None, requeue=None, ckpt_mode=None, ckpt_codec=None) -> dict:
+          ckpt_redundancy=None, requeue=None, ckpt_mode=None, ckpt_codec=None, ckpt_pipeline=None) -> dict:
     return {
         "requeue": requeue,
         "ckpt_mode": ckpt_mode,
         "ckpt_codec": ckpt_codec,
+        "ckpt_pipeline": ckpt_pipeline,
         "ckpt_redundancy": ckpt_redundancy,
         "mpi": mpi,
         "ckpt_every": ckpt_every,
@@ -311,6 +336,7 @@ async def _submit(gang, spec: dict) -> dict:
         requeue=spec.get("requeue"),
         ckpt_mode=spec.get("ckpt_mode"),
         ckpt_codec=spec.get("ckpt_codec"),
+        ckpt_pipeline=spec.get("ckpt_pipeline"),
     )
 
 
@@ -405,11 +431,12 @@ is the worst rank's: its exit code, or 128+N if it died of signal N.
 @click.option("--label/--no-label", default=True, help="Prefix each output line with its rank (default: on).")
 @click.option("-v", "--verbose", is_flag=True, help="Say when the job is queued, started and finished.")
 @click.pass_context
-def run(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, ckpt_every, ckpt_redundancy, ckpt_mode, ckpt_codec, requeue, mpi, time_slice,
+def run(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, ckpt_every, ckpt_redundancy, ckpt_mode, ckpt_codec, ckpt_pipeline, requeue, mpi,
+        time_slice,
         priority, command, label, verbose):
     """Run a parallel job in the foreground (Ctrl-\\ checkpoints it, Ctrl-C kills it)."""
     spec = _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice, priority, ckpt_every, mpi, ckpt_redundancy, requeue,
-                 ckpt_mode, ckpt_codec)
+                 ckpt_mode, ckpt_codec, ckpt_pipeline)
     # (_run handles Ctrl-C itself, killing the job, from when it watches the job on)
     code = run_async(_run, _cluster(ctx), spec, label, verbose, interrupted="before gang watched the job: `gang ps` shows whether it was submitted")
     sys.exit(code)
@@ -521,11 +548,12 @@ Prints the job id (or the job record with --json) and returns at once.
 @job_options
 @click.option("--json", "as_json", is_flag=True, help="Print the job record as JSON.")
 @click.pass_context
-def submit(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, ckpt_every, ckpt_redundancy, ckpt_mode, ckpt_codec, requeue, mpi, time_slice,
+def submit(ctx, nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, ckpt_every, ckpt_redundancy, ckpt_mode, ckpt_codec, ckpt_pipeline, requeue, mpi,
+        time_slice,
            priority, command, as_json):
     """Submit a parallel job and return at once (prints the job id)."""
     spec = _spec(nranks, name, per_node, nodes, nodelist, no_kill_on_bad_exit, command, time_slice, priority, ckpt_every, mpi, ckpt_redundancy, requeue,
-                 ckpt_mode, ckpt_codec)
+                 ckpt_mode, ckpt_codec, ckpt_pipeline)
 
     record = ask(_cluster(ctx), lambda gang: _submit(gang, spec))
     if as_json:
@@ -639,6 +667,7 @@ def job(ctx, job_id, as_json):
         ("ranks", f"{record['nranks']} on {nodes}"),
         ("elapsed", jobs.format_duration(jobs.elapsed(record, now))),
         ("ckpt codec", record.get("ckpt_codec") or "the cluster's ([checkpoint] codec)"),
+        ("ckpt pipeline", record.get("ckpt_pipeline") or "the cluster's ([checkpoint] pipeline)"),
     ]
     if jobs.is_terminal(record):
         lines.append(("exits", ", ".join(f"{i}: {jobs.describe_status(st)}" for i, st in enumerate(record["ranks"]) if st) or "-"))

@@ -76,6 +76,7 @@ class Client:
         requeue: bool | None = None,
         ckpt_mode: str | None = None,
         ckpt_codec: str | None = None,
+        ckpt_pipeline: str | None = None,
     ) -> dict:
         """Submit a job. ``network_context`` ({rank: bytes}, as returned by
         :meth:`capture_network`) is handed to the ranks when they attach, so
@@ -101,6 +102,8 @@ class Client:
             spec["ckpt_mode"] = ckpt_mode
         if ckpt_codec is not None:  # (None: the cluster's [checkpoint] codec; a spec such as zstd:9, checked by the coordinator)
             spec["ckpt_codec"] = ckpt_codec
+        if ckpt_pipeline is not None:  # (None: the cluster's [checkpoint] pipeline; buffer_size=256KiB,workers=2, checked by the coordinator)
+            spec["ckpt_pipeline"] = ckpt_pipeline
         if requeue is not None:  # (None: requeued when it checkpoints, see gangd.daemon.recover)
             spec["requeue"] = requeue
         if network_context:

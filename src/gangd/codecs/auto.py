@@ -33,6 +33,7 @@ NUMERIC_FLOAT = CodecSpec.parse("blosc2:zstd:1:bytedelta")
 NUMERIC_INT = CodecSpec.parse("blosc2:zstd:1:shuffle")
 BYTES = CodecSpec.parse("zstd:1")
 NONE = CodecSpec.parse("none")
+CANDIDATES = (NUMERIC_FLOAT, NUMERIC_INT, BYTES)  # every codec auto may pick besides none
 
 
 def candidate(dtype: Any | None) -> tuple[CodecSpec, int]:

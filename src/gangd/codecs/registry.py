@@ -23,6 +23,7 @@ wrote the generation.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import threading
 from collections.abc import Callable
@@ -79,7 +80,8 @@ def _builtin_factory(name: str) -> Callable[[tuple[str, ...]], Any]:
     return make
 
 
-def _plugin_factory(name: str) -> Callable[[tuple[str, ...]], Any]:
+def _plugin_factory_point(name: str) -> Any:
+    """The entry point of the plug-in ``name``, or the CodecMissing saying how to install one."""
     point = _plugin_points().get(name)
     if point is None:
         raise CodecMissing(
@@ -88,6 +90,11 @@ def _plugin_factory(name: str) -> Callable[[tuple[str, ...]], Any]:
             f"install the package that provides the {name!r} codec (pip install <package>), then check: gangd codecs are listed "
             f"by importlib.metadata.entry_points(group={GROUP!r})",
         )
+    return point
+
+
+def _plugin_factory(name: str) -> Callable[[tuple[str, ...]], Any]:
+    point = _plugin_factory_point(name)
     dist = getattr(point.dist, "name", None) or "the package providing it"
     try:
         factory: Callable[[tuple[str, ...]], Any] = point.load()
@@ -100,6 +107,31 @@ def _plugin_factory(name: str) -> Callable[[tuple[str, ...]], Any]:
     if not callable(factory):
         raise CodecError(name, f"entry point {point.value} of {dist} is not a factory (a callable taking the spec's parameters)")
     return factory
+
+
+def check_installed(spec: CodecSpec | str) -> None:
+    """A :class:`CodecMissing` now if ``spec``'s codec (for ``auto``: every codec it may pick) is
+    not installed here -- its package absent, no plug-in of that name -- without importing it.
+
+    A job checks this when it starts (``ckptlib.init``), so a rank on a node set up without the
+    codec fails at once, saying which codec and how to install it, not at its first checkpoint
+    hours later. Loading is left to the first use (blosc2's import alone is 0.4-0.6 s of CPU), so
+    a package that is present but fails to import is still found there."""
+    if isinstance(spec, str):
+        spec = CodecSpec.parse(spec)
+    if spec.auto:
+        from .auto import CANDIDATES
+
+        names = sorted({each.name for each in CANDIDATES})
+    else:
+        names = [spec.name]
+    for name in names:
+        if name in _BUILTINS:
+            package = _BUILTINS[name][1]
+            if package is not None and importlib.util.find_spec(package) is None:
+                raise CodecMissing(name, f"needs the Python package {package!r}, which is not installed here", f"install it: pip install {package}")
+        else:
+            _plugin_factory_point(name)
 
 
 def get(spec: CodecSpec | str) -> Codec:

@@ -602,19 +602,30 @@ class NodeCheckpoints:
         a ``GANGD_CKPT_CODEC`` the submitter's environment happened to hold.
         A record's value was canonicalised at submit; one that is not
         (a record from elsewhere) is passed over, never handed to a rank."""
+        return self._lineage_setting(record, "ckpt_codec", jobs.ckpt_codec) or self.daemon.config.checkpoint_codec
+
+    def job_pipeline(self, record: dict) -> str:
+        """The pipeline settings the job's ranks get as ``GANGD_CKPT_PIPELINE``, found as
+        :meth:`job_codec` finds the codec: the job's ``--ckpt-pipeline``, its lineage's, else the
+        cluster's ``[checkpoint] pipeline`` ("" : every setting its default)."""
+        return self._lineage_setting(record, "ckpt_pipeline", jobs.ckpt_pipeline) or self.daemon.config.checkpoint_pipeline
+
+    def _lineage_setting(self, record: dict, key: str, canonical) -> str | None:
+        """``record[key]``, else the newest of its lineage's that has one; only a value that is
+        already its own canonical form (``canonical(value) == value``) is taken."""
         lineage = record.get("lineage") or record["id"]
-        # (A restart's record carries its lineage's codec (ckptcoord); older ones are looked up.)
-        members = [record] if record.get("ckpt_codec") or lineage == record["id"] else self.daemon.table.lineage(lineage)
+        # (A restart's record carries its lineage's settings (ckptcoord); older ones are looked up.)
+        members = [record] if record.get(key) or lineage == record["id"] else self.daemon.table.lineage(lineage)
         for member in members:
-            asked = member.get("ckpt_codec")
+            asked = member.get(key)
             if asked is not None:
                 try:
-                    if jobs.ckpt_codec(asked) == asked:
-                        return asked
+                    if canonical(asked) == asked:
+                        return str(asked)
                 except jobs.BadSpec:
                     pass
-                log.warning("job %d: ignoring its recorded checkpoint codec %s (not a canonical spec)", member.get("id"), text.brief(asked, 40))
-        return self.daemon.config.checkpoint_codec
+                log.warning("job %d: ignoring its recorded %s %s (not canonical)", member.get("id"), key, text.brief(asked, 40))
+        return None
 
     def _full_offer(self, mode: str) -> DeltaOffer:
         config = self.daemon.config

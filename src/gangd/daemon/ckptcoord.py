@@ -941,8 +941,10 @@ class CheckpointCoordinator:
         entry, placement, up, skipped, rebuilt = chosen.entry, chosen.placement, chosen.up, chosen.skipped, chosen.rebuilt
         log.debug("job %d: generation %d chosen for its restart in %.3f s", job_id, entry["gen"], time.monotonic() - began)
         spec = {key: record.get(key) for key in ("argv", "cwd", "env", "nranks", "name", "kill_on_bad_exit", "priority", "slice", "ckpt_every", "mpi")}
-        # The lineage's codec goes on in the new job's record, shown there (its new generations use it; each block records its own).
-        spec["ckpt_codec"] = record.get("ckpt_codec") or next((r["ckpt_codec"] for r in self.lineage_records(record) if r.get("ckpt_codec")), None)
+        # The lineage's codec and pipeline settings go on in the new job's record, shown there (its new generations
+        # use them; each block records its own codec).
+        for key in ("ckpt_codec", "ckpt_pipeline"):
+            spec[key] = record.get(key) or next((r[key] for r in self.lineage_records(record) if r.get(key)), None)
         if spec["env"] is None:  # an ended job's record keeps no environment: the checkpoint has it
             holders = [n for n in dict.fromkeys([*placement, *entry["placement"]]) if n in up]
             spec["env"] = await self.daemon.ops.checkpoint_env(lineage, holders, entry["gen"])

@@ -34,6 +34,7 @@ Example (``/etc/gangd/gangd.toml``)::
     redundancy = "auto"              # a job's level unless it asks: local, partner, xor (auto: xor on 3+ nodes, partner on 2)
     mode = "adaptive"                # a job's checkpoint mode unless it asks: full, incremental, differential, adaptive
     codec = "none"                   # a job's checkpoint codec unless it asks (--ckpt-codec): none, lz4, zstd:3, blosc2, auto...
+    pipeline = "buffer_size=256KiB"  # a job's compress/write pipeline settings unless it asks (--ckpt-pipeline; "": defaults)
     block_kib = 16                   # incremental checkpoints compare the state in blocks of this many KiB...
     chain_max = 8                    # ...a restore reads at most this many older generations (then a full is written)...
     adaptive_threshold = 0.10        # ...adaptive writes a new base when that saves more than this share of the state
@@ -306,6 +307,7 @@ class Config:
     checkpoint_flush_mib_per_s: float = 0.0  # [checkpoint] flush_mib_per_s: per node (0: unthrottled)
     checkpoint_mode: str = "adaptive"  # [checkpoint] mode: a job's unless it asks (--ckpt-mode)
     checkpoint_codec: str = "none"  # [checkpoint] codec: a job's unless it asks (--ckpt-codec), canonical (zstd -> zstd:3)
+    checkpoint_pipeline: str = ""  # [checkpoint] pipeline: a job's unless it asks (--ckpt-pipeline), canonical; "": the defaults
     checkpoint_block_kib: int = 16  # [checkpoint] block_kib: the block a delta is made of
     checkpoint_chain_max: int = 8  # [checkpoint] chain_max: older generations a restore may read
     checkpoint_adaptive_threshold: float = 0.10  # [checkpoint] adaptive_threshold: share of the state a new base must save
@@ -489,6 +491,18 @@ def _checkpoint_codec(value: object, path: str | os.PathLike | None) -> str:
         raise ConfigError(f"{where}[checkpoint] codec {shown!r} is not accepted: {why}; accepted: {CODECS_ACCEPTED}") from None
 
 
+def _checkpoint_pipeline(value: object, path: str | os.PathLike | None) -> str:
+    """``[checkpoint] pipeline`` in its canonical spelling (what ranks get as ``GANGD_CKPT_PIPELINE``
+    when their job does not ask), refused at load with the file and the key."""
+    from ..pipeline.settings import SettingsError, canonical, parse
+
+    try:
+        return canonical(parse(value))
+    except SettingsError as exc:
+        where = f"{path}: " if path is not None else ""
+        raise ConfigError(f"{where}[checkpoint] pipeline: {text.printable(str(exc), 200)}") from None
+
+
 def _spare(value: object, index: int) -> bool:
     """``spare`` of a [[nodes]] entry: true or false, nothing else (a typo must not silently hold a node back)."""
     if not isinstance(value, bool):
@@ -593,6 +607,7 @@ def load(path: str | os.PathLike | None, **overrides) -> Config:
         "max_recoveries": _checkpoint_section(data).get("max_recoveries", 3),
         "checkpoint_mode": _checkpoint_section(data).get("mode", "adaptive"),
         "checkpoint_codec": _checkpoint_section(data).get("codec", "none"),
+        "checkpoint_pipeline": _checkpoint_pipeline(_checkpoint_section(data).get("pipeline", Config.checkpoint_pipeline), path),
         "checkpoint_block_kib": _checkpoint_section(data).get("block_kib", 16),
         "checkpoint_chain_max": _checkpoint_section(data).get("chain_max", 8),
         "checkpoint_adaptive_threshold": _checkpoint_section(data).get("adaptive_threshold", 0.10),
@@ -788,6 +803,8 @@ def render(config: Config) -> str:
         section.append(f"mode = {toml_str(config.checkpoint_mode)}")
     if config.checkpoint_codec != Config.checkpoint_codec:
         section.append(f"codec = {toml_str(config.checkpoint_codec)}")
+    if config.checkpoint_pipeline != Config.checkpoint_pipeline:
+        section.append(f"pipeline = {toml_str(config.checkpoint_pipeline)}")
     for key in ("block_kib", "chain_max", "adaptive_threshold"):
         if getattr(config, f"checkpoint_{key}") != getattr(Config, f"checkpoint_{key}"):
             section.append(f"{key} = {getattr(config, f'checkpoint_{key}')}")

@@ -91,6 +91,7 @@ class NodeJobs:
             if record.get("restart_of"):
                 extra.update(await self.checkpoints.prepare_restart(record))
             extra["GANGD_CKPT_CODEC"] = self.checkpoints.job_codec(record)  # (issue 18: the job's, its lineage's or the cluster's)
+            extra["GANGD_CKPT_PIPELINE"] = self.checkpoints.job_pipeline(record)  # (likewise; "": the defaults)
             if contexts:
                 self.jobnet.set_context(record["id"], contexts)
             rank_setup = (lambda rank: self.pmi.prepare(record, rank, self.spawn)) if record.get("mpi") else None

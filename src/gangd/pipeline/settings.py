@@ -25,11 +25,21 @@ The values may come from a user's file or a job's request, so
 outside the bounds below: the pool is allocated up front (count x size per
 ring), and an absurd count or size must be an error, not an out-of-memory
 kill.
+
+A job names its settings as text (``gang run --ckpt-pipeline``, the
+cluster's ``[checkpoint] pipeline``, ``GANGD_CKPT_PIPELINE``,
+``ckptlib.init(pipeline=...)``): ``key=value`` pairs separated by commas,
+sizes with a binary suffix, e.g. ``buffer_size=256KiB,workers=2``.
+:func:`parse` checks such text into the overrides it names; only those travel
+(a setting left out is each node's own default: ``workers`` follows the
+cores where the ranks run), and :func:`canonical` is the one spelling a job
+record keeps.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
@@ -40,6 +50,10 @@ MIN_BUFFERS, MAX_BUFFERS = 2, 256
 MIN_SIZE, MAX_SIZE = 4 * KIB, 256 * MIB
 MAX_RING_BYTES = 1024 * MIB  # one ring's whole pool
 MIN_WORKERS, MAX_WORKERS = 1, 64
+MAX_TEXT = 200  # characters of a settings text (four key=value pairs fit in under 90)
+SIZES = ("buffer_size", "aggregate_bytes")  # the settings that are a number of bytes (a suffix allowed)
+_SUFFIX = {"": 1, "k": KIB, "kib": KIB, "m": MIB, "mib": MIB, "g": 1024 * MIB, "gib": 1024 * MIB}
+_NUMBER = re.compile(r"([0-9]{1,12})\s*([a-z]*)")
 
 
 def default_workers() -> int:
@@ -91,3 +105,50 @@ class Settings:
 
     def ring_bytes(self, capacity: int) -> int:
         return self.buffer_count * capacity
+
+
+def parse(text: object) -> dict[str, int]:
+    """The settings ``text`` names (``buffer_size=256KiB,workers=2``), checked as :class:`Settings`
+    checks them against the defaults; a SettingsError saying what is wrong and what is accepted.
+    An empty text names nothing (every setting its default)."""
+    if not isinstance(text, str):
+        raise SettingsError(f"pipeline settings are text such as 'buffer_size=256KiB,workers=2', not {type(text).__name__}")
+    if len(text) > MAX_TEXT:
+        raise SettingsError(f"pipeline settings are longer than {MAX_TEXT} characters")
+    known = [f.name for f in fields(Settings)]
+    values: dict[str, int] = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        key, sep, raw = (x.strip() for x in part.partition("="))
+        if not sep or key not in known:
+            raise SettingsError(f"pipeline setting {part[:40]!r} is not key=value with a key of: {', '.join(known)}")
+        if key in values:
+            raise SettingsError(f"pipeline setting {key} is given twice")
+        match = _NUMBER.fullmatch(raw.lower())
+        if match is None or match.group(2) not in _SUFFIX or (match.group(2) and key not in SIZES):
+            unit = " (a size: 256KiB, 4MiB, 1048576)" if key in SIZES else " (a whole number)"
+            raise SettingsError(f"pipeline setting {key}={raw[:40]!r} is not a number{unit}")
+        values[key] = int(match.group(1)) * _SUFFIX[match.group(2)]
+    Settings.from_mapping(values)  # (every bound, with the defaults for what is left out)
+    return values
+
+
+def canonical(values: Mapping[str, int]) -> str:
+    """The one spelling of ``values`` (as :func:`parse` returns them): keys in field order, sizes in
+    the largest binary unit that divides them. ``parse(canonical(v)) == v``."""
+    out = []
+    for f in fields(Settings):
+        if f.name in values:
+            value = values[f.name]
+            if f.name in SIZES:
+                unit = next(u for u in ("GiB", "MiB", "KiB", "") if value % _SUFFIX[u.lower()] == 0)
+                out.append(f"{f.name}={value // _SUFFIX[unit.lower()]}{unit}")
+            else:
+                out.append(f"{f.name}={value}")
+    return ",".join(out)
+
+
+def from_text(text: object) -> Settings:
+    """The :class:`Settings` that ``text`` names, the defaults for the rest."""
+    return Settings.from_mapping(parse(text))

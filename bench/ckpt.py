@@ -36,6 +36,13 @@ figures are the cost of writing the whole state, and a cluster's default
 mode, adaptive (issue 17), would write only what changed from the second
 checkpoint of a job on. ``--ckpt-mode`` measures another mode instead.
 
+Every job writes raw bytes unless ``--ckpt-codec`` names a codec (issue 18):
+Fig. 4 and Table 5 then measure checkpoints through the compress/write
+pipeline (``--ckpt-pipeline`` sets its buffers and threads). p is then the
+*effective* bandwidth: the state's bytes (what the pipeline took in) per
+second, against the same raw write of that many bytes; the bytes on disk
+and the ratio are printed beside it.
+
   Begin    (``--begin-cost``, alone) what a job's checkpoint pays at its
            begin for incremental checkpoints: the daemon plans each rank's
            offer from the lineage's candidate MANIFESTs (those it committed
@@ -45,6 +52,7 @@ checkpoint of a job on. ``--ckpt-mode`` measures another mode instead.
            reported, the offers planned meanwhile), blocked and t, medians.
 
     python bench/ckpt.py [--quick] [--repeats 3] [--max-mib 1024] [--tables 2,3,4] [--ckpt-mode full] [--json]
+    python bench/ckpt.py --tables 4 --ckpt-codec blosc2:lz4:1:bytedelta [--ckpt-pipeline workers=1] [--min-mib 256]
     python bench/ckpt.py --begin-cost [--begin-mib 1] [--checkpoints 8] [--repeats 2]
 
 ``--tables 2`` runs Table 2 alone (3 needs 2's calibration and runs it too).
@@ -93,6 +101,8 @@ CKPT_BAND = 1 * MiB  # state relaxed per iteration of those jobs (what a snapsho
 STENCIL_COLS = 1024  # ckpt_app's default --n: 8 KiB rows
 
 CKPT_MODE = "full"  # every job's --ckpt-mode (see the docstring; --ckpt-mode)
+CKPT_CODEC: str | None = None  # every job's --ckpt-codec (None: the cluster's, none)
+CKPT_PIPELINE: str | None = None  # every job's --ckpt-pipeline (None: the defaults)
 # glibc's allocator, the same in every job (--malloc): its mmap threshold otherwise moves with each process's
 # allocation history, and the stencil's 4 MiB temporaries are either mmap'd and faulted in at every iteration or
 # reused from the heap: 23 % of the loop time either way, whichever side the history favours (see the docstring).
@@ -116,7 +126,8 @@ class BenchError(Exception):
 def job_env(background: bool | None) -> dict:
     """This environment for the ranks, minus anything that would change ckptlib's behaviour
     behind the benchmark's back; ``background=False`` asks for inline writes."""
-    dropped = ("GANGD_CKPT_BACKGROUND", "GANGD_RESTART", "GANGD_CKPT_DIR", "GANGD_CKPT_MODE", "GANGD_CKPT_BLOCK_KIB")
+    dropped = ("GANGD_CKPT_BACKGROUND", "GANGD_RESTART", "GANGD_CKPT_DIR", "GANGD_CKPT_MODE", "GANGD_CKPT_BLOCK_KIB", "GANGD_CKPT_CODEC",
+               "GANGD_CKPT_PIPELINE")
     env = {k: v for k, v in os.environ.items() if k not in dropped} | MALLOC
     if background is False:
         env["GANGD_CKPT_BACKGROUND"] = "0"
@@ -133,7 +144,8 @@ async def submit(gang, app_args: list[str], *, name: str, background: bool | Non
     process manager; ``ckpt_mode``: the job's --ckpt-mode (default :data:`CKPT_MODE`)."""
     env = job_env(background) | (MPI_OVER_TCP if mpi else {})
     argv = [sys.executable, APP, *app_args, *(["--mpi"] if mpi else [])]
-    record = await gang.submit(argv, NODES, per_node=1, env=env, cwd=str(HERE), name=name, mpi=mpi, ckpt_mode=ckpt_mode or CKPT_MODE)
+    record = await gang.submit(argv, NODES, per_node=1, env=env, cwd=str(HERE), name=name, mpi=mpi, ckpt_mode=ckpt_mode or CKPT_MODE,
+                               ckpt_codec=CKPT_CODEC, ckpt_pipeline=CKPT_PIPELINE)
     return record["id"]
 
 
@@ -435,10 +447,12 @@ def print_begin(b: dict) -> None:
 def summarize(entry: dict) -> dict:
     nodes = entry["nodes"].values()
     t = entry["ended"] - entry["started"]
+    state = sum(s["pipeline"]["in"] if "pipeline" in s else s["bytes"] for s in nodes)  # (compressed: the state the pipeline took in)
     return {
         "t": t,
         "bytes": sum(s["bytes"] for s in nodes),
-        "p": sum(s["bytes"] for s in nodes) / t / len(entry["nodes"]),
+        "state": state,
+        "p": state / t / len(entry["nodes"]),
         "blocked": max(s["blocked"] for s in nodes),
         "disk": max(s["disk"] for s in nodes),
         "sync_overhead": max(s["sync_overhead"] for s in nodes),
@@ -536,6 +550,12 @@ def print_bandwidth(rows: list[dict], count: int) -> None:
         say(f"{r['mib']:>8} | {r['p_raw'] / MiB:9.1f} | {b['t']:7.3f} {b['p'] / MiB:8.1f} {b['p'] / r['p_raw']:6.2f} {b['sync_overhead'] * 1e3:8.2f} | "
             f"{i['t']:10.3f} {i['p'] / MiB:8.1f} {i['p'] / r['p_raw']:6.2f} {i['sync_overhead'] * 1e3:8.2f}")
     say("  t: checkpoint request -> generation complete (all nodes' files fsynced and committed); sync: max over nodes")
+    if CKPT_CODEC:
+        say(f"  codec {CKPT_CODEC}{f', pipeline {CKPT_PIPELINE}' if CKPT_PIPELINE else ''}: p is the state's bytes per second "
+            "(effective bandwidth); on disk, state / written:")
+        for r in rows:
+            b, i = r["background"]["median"], r["inline"]["median"]
+            say(f"{r['mib']:>8} | bg {b['state'] / b['bytes']:.2f}x  inline {i['state'] / i['bytes']:.2f}x")
     say(f"\nTable 5 - application blocked vs state on disk (max over nodes, ms, median of {count})")
     say(f"{'MiB/node':>8} | {'bg blocked':>10} {'bg disk':>9} {'blocked/disk':>12} | {'inl blocked':>11} {'inl disk':>9} | {'bg/inline blocked':>17}")
     for r in rows:
@@ -605,6 +625,9 @@ def main() -> None:
                         help="glibc's mmap threshold fixed in every job (default), or glibc's default (see the docstring)")
     parser.add_argument("--ckpt-mode", choices=["full", "incremental", "differential", "adaptive"], default="full",
                         help="every job's checkpoint mode (default full: the paper's figures are whole writes)")
+    parser.add_argument("--ckpt-codec", default=None, help="every job's --ckpt-codec (default: none, raw): Fig. 4 through the pipeline")
+    parser.add_argument("--ckpt-pipeline", default=None, help="every job's --ckpt-pipeline (e.g. workers=1; default: the defaults)")
+    parser.add_argument("--min-mib", type=int, default=1, help="smallest state per node in Fig. 4 (default 1)")
     parser.add_argument("--begin-cost", action="store_true", help="only the begin's cost, mode full against adaptive (see the docstring)")
     parser.add_argument("--begin-mib", type=int, default=1, help="state per node of --begin-cost")
     parser.add_argument("--json", action="store_true", help="print every number as JSON on stdout (tables on stderr)")
@@ -614,8 +637,9 @@ def main() -> None:
     tables = {t.strip() for t in args.tables.split(",") if t.strip()}
     if not tables or not tables <= {"2", "3", "4", "5"}:
         parser.error(f"--tables takes a comma-separated list of 2, 3 and 4, not {args.tables!r}")
-    global CKPT_MODE, MALLOC
+    global CKPT_MODE, CKPT_CODEC, CKPT_PIPELINE, MALLOC
     CKPT_MODE = args.ckpt_mode
+    CKPT_CODEC, CKPT_PIPELINE = args.ckpt_codec, args.ckpt_pipeline
     MALLOC = PINNED_MALLOC if args.malloc == "pinned" else {}
     quick = args.quick
     repeats = args.repeats or (2 if quick else 3)
@@ -623,7 +647,7 @@ def main() -> None:
     count = args.checkpoints or (1 if quick else 2)
     max_mib = args.max_mib if args.max_mib is not None else (64 if quick else 1024)
     seconds = args.seconds or (1.5 if quick else 3.5)
-    sizes = [s for s in SIZES if s <= max_mib] or [max_mib]
+    sizes = [s for s in SIZES if args.min_mib <= s <= max_mib] or [max_mib]
     if args.json:
         out = sys.stderr
     result: dict = {}
@@ -635,7 +659,7 @@ def main() -> None:
             "nodes": NODES, "ranks_per_node": 1, "cores": os.cpu_count(), "directory": str(directory), "quick": quick,
             "repeats": repeats, "restarts": restarts, "checkpoints_per_size": count, "sizes_mib": sizes, "state_mib": args.state_mib,
             "ckpt_job_sleep_s": CKPT_SLEEP, "ckpt_job_band_bytes": CKPT_BAND, "raw_chunk": RAW_CHUNK,
-            "loadavg_start": os.getloadavg(), "malloc": MALLOC,
+            "loadavg_start": os.getloadavg(), "malloc": MALLOC, "ckpt_codec": CKPT_CODEC, "ckpt_pipeline": CKPT_PIPELINE,
         }
         say(f"gangd checkpoint benchmark: {NODES} nodes x 1 rank (1 core each) on {os.cpu_count()} cores, cluster in {directory}")
         say("every job's glibc mmap threshold: " + ("fixed (" + " ".join(f"{k}={v}" for k, v in MALLOC.items()) + ")" if MALLOC

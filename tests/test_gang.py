@@ -689,13 +689,15 @@ def test_switch_log_records_every_switch_with_its_latency_and_skew(gc):
     # every node acts at the announced instant, not on receipt: all the
     # nodes here share one clock, so none may begin before it. (A switch
     # decided late, or the one that brought a job in, is made on decision:
-    # announced 0.)
+    # announced 0. How far ahead the message left depends on how late the
+    # coordinator woke to send it, so only the bounds are the contract: ahead
+    # of the instant, and never by more than half the slice.)
     assert [s for s in entries if s["announced"] > 0], entries
     for s in entries:
         assert s["nodes"] == len(s["per_node"]) == 2 and set(s["per_node"]) == {"n1", "n2"}, s
         assert s["latency"] >= 0 and s["skew"] >= 0 and s["round_trip"] >= 0, s
         assert s["skew"] <= s["latency"] <= s["round_trip"], s
-        assert s["announced"] == 0 or 0.005 <= s["announced"] <= TIME_SLICE / 2, s
+        assert 0 <= s["announced"] <= TIME_SLICE / 2, s
         for node in s["per_node"].values():
             assert node["received"] <= node["start"] <= node["done"] <= s["latency"] + 1e-6, s
             assert node["start"] >= -50e-6 and node["cpu"] >= 0 and node["offset"] == 0.0, s

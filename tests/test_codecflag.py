@@ -87,6 +87,17 @@ def test_a_bad_clusters_codec_is_refused_at_load_naming_the_file_and_the_key(tmp
     assert message.startswith(f"{path}: [checkpoint] codec ") and f"accepted: {ACCEPTED}" in message, message
 
 
+def test_the_clusters_settings_are_the_defaults_unless_set_and_a_bad_value_names_the_file(tmp_path):
+    assert cfg.load(_config(tmp_path, "")).checkpoint_pipeline == ""
+    config = cfg.load(_config(tmp_path, '[checkpoint]\npipeline = "workers = 1, buffer_size = 512k"\n'))
+    assert config.checkpoint_pipeline == "buffer_size=512KiB,workers=1"
+    assert 'pipeline = "buffer_size=512KiB,workers=1"' in cfg.render(config)  # (gang cluster up writes it for the daemons)
+    for bad in ('"workers=0"', '"fast"', "3"):
+        path = _config(tmp_path, f"[checkpoint]\npipeline = {bad}\n")
+        with pytest.raises(cfg.ConfigError, match=rf"^{path}: \[checkpoint\] pipeline: "):
+            cfg.load(path)
+
+
 # ------------------------------------------------------------------ the command line
 
 

@@ -6,13 +6,13 @@ The settings are text from a user -- ``gang run --ckpt-pipeline``, ``[checkpoint
 threads a rank allocates. Each edge checks it against the same bounds and keeps one spelling;
 the writer and the restore then use what the job asked for. The cluster end of it (each rank
 sees its job's settings, the compress stage runs with the job's workers, a restart keeps them)
-is test_codecflag's cluster test.
+is test_codecflag's cluster test; ``[checkpoint] pipeline`` in the config is tested there too, beside
+``[checkpoint] codec``.
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,7 +23,6 @@ from gangd import jobs
 from gangd.ckptlib import blocks, writer
 from gangd.ckptlib.core import CheckpointError, DeltaSettings, checked_codec, checked_pipeline
 from gangd.codecs import CodecMissing, registry
-from gangd.daemon import config as cfg
 from gangd.pipeline import settings as ps
 
 SPEC = {"argv": ["x"], "nranks": 1}
@@ -92,23 +91,6 @@ def test_a_jobs_settings_are_checked_at_submit_and_kept_canonical():
             jobs.JobSpec.from_wire({**SPEC, "ckpt_pipeline": hostile}, ["n1"])
         assert caught.value.code == "bad_request" and caught.value.message.startswith("--ckpt-pipeline: ")
         assert "\x1b" not in caught.value.message and len(caught.value.message) < 400
-
-
-def _config(tmp_path: Path, section: str) -> Path:
-    path = tmp_path / "gangd.toml"
-    path.write_text(f'[node]\nname = "n1"\n\n[[nodes]]\nname = "n1"\naddress = "127.0.0.1"\n\n[etcd]\nendpoints = ["http://127.0.0.1:2379"]\n\n{section}')
-    return path
-
-
-def test_the_clusters_settings_are_the_defaults_unless_set_and_a_bad_value_names_the_file(tmp_path):
-    assert cfg.load(_config(tmp_path, "")).checkpoint_pipeline == ""
-    config = cfg.load(_config(tmp_path, '[checkpoint]\npipeline = "workers = 1, buffer_size = 512k"\n'))
-    assert config.checkpoint_pipeline == "buffer_size=512KiB,workers=1"
-    assert 'pipeline = "buffer_size=512KiB,workers=1"' in cfg.render(config)  # (gang cluster up writes it for the daemons)
-    for bad in ('"workers=0"', '"fast"', "3"):
-        path = _config(tmp_path, f"[checkpoint]\npipeline = {bad}\n")
-        with pytest.raises(cfg.ConfigError, match=rf"^{path}: \[checkpoint\] pipeline: "):
-            cfg.load(path)
 
 
 def test_gang_run_and_submit_teach_ckpt_pipeline_and_refuse_a_bad_one_before_sending_it(tmp_path):

@@ -94,8 +94,9 @@ def init(*, directory: str | os.PathLike | None = None, restart=None, background
     sample; raw where it would not shrink) or a plug-in's name; checked here
     (a :class:`CheckpointError` names a bad one). Compressed generations are
     written through a compress/write pipeline and recorded per unit of
-    blocks, so a restart never guesses (issue 18). A codec whose package is
-    not installed here is refused here, at start, not at the first checkpoint.
+    blocks, so a restart never guesses (issue 18). The codec is loaded here:
+    one that is not installed is refused at start, not at the first
+    checkpoint, which then does not pay its import.
     ``pipeline`` (``GANGD_CKPT_PIPELINE``, which ``gang run --ckpt-pipeline``
     sets): that pipeline's buffers and threads, as text
     (``"buffer_size=256KiB,workers=2"``) or a dict; keys ``buffer_count``,

@@ -379,9 +379,14 @@ class DaemonAgent:
             where = self.call("ckpt_start", {"gen": gen, "iteration": k})
             offer = _offer_of(where)
             settings = cp.settings.under(offer)
-            # Mode full writes a whole file as before deltas (no signatures: nothing will diff against it).
-            written = cp.snapshot(Path(where["path"]), k if resume is None else resume, gen=gen,
-                                  offered=None if settings.mode == "full" else [link.to_wire() for link in offer.links],
+            # Mode full writes a whole file as before deltas (no signatures: nothing will diff against it), raw by
+            # the direct path; with a codec it goes through save_generation like any other mode, offered nothing
+            # (else a job's --ckpt-codec would be ignored in mode full).
+            if settings.mode != "full":
+                offered: list | None = [link.to_wire() for link in offer.links]
+            else:
+                offered = None if settings.codec == "none" else []
+            written = cp.snapshot(Path(where["path"]), k if resume is None else resume, gen=gen, offered=offered,
                                   settings=settings, force_full=offer.force_full)
             if written.done:
                 cp.writes.remove(written)

@@ -118,9 +118,10 @@ class DeltaSettings:
 
 
 def checked_codec(codec: object = None) -> str:
-    """The canonical codec spec of ``codec``, else of ``GANGD_CKPT_CODEC``, else ``none``; a
-    CheckpointError naming the bad value and what is accepted. (gangd.codecs is imported only
-    for a codec other than none: it is small, but a program that does not compress pays nothing.)"""
+    """The canonical codec spec of ``codec``, else of ``GANGD_CKPT_CODEC``, else ``none``, its
+    codec loaded; a CheckpointError naming the bad value and what is accepted, or the codec
+    that is not installed on this node and how to install it. (gangd.codecs is imported only
+    for a codec other than none: a program that does not compress pays nothing.)"""
     where = "init(codec=...)"
     if codec is None:
         codec, where = os.environ.get("GANGD_CKPT_CODEC") or DEFAULT_CODEC, "GANGD_CKPT_CODEC"
@@ -130,7 +131,7 @@ def checked_codec(codec: object = None) -> str:
 
     try:
         spec = CodecSpec.parse(codec)
-        registry.check_installed(spec)
+        registry.load(spec)
     except CodecError as exc:
         node = os.environ.get("GANGD_NODE")
         here = f" on node {node[:64]}" if node else ""

@@ -160,7 +160,8 @@ def write(path: Path, values: dict, iteration: int, *, background: bool, then: C
 
 
 def _preload(text: object) -> None:
-    """Load the codec a forked snapshot will compress with, here in the job, once.
+    """Load the codec a forked snapshot will compress with, here in the job, once (ckptlib.init
+    has, under a job: this is for a plan whose codec init did not see).
 
     A snapshot is a fresh fork of the job each time: what it imports dies
     with it. blosc2's import alone is 0.4-0.6 s of CPU (httpx and numpy

@@ -23,7 +23,6 @@ wrote the generation.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import sys
 import threading
 from collections.abc import Callable
@@ -109,29 +108,23 @@ def _plugin_factory(name: str) -> Callable[[tuple[str, ...]], Any]:
     return factory
 
 
-def check_installed(spec: CodecSpec | str) -> None:
-    """A :class:`CodecMissing` now if ``spec``'s codec (for ``auto``: every codec it may pick) is
-    not installed here -- its package absent, no plug-in of that name -- without importing it.
+def load(spec: CodecSpec | str) -> None:
+    """Load ``spec``'s codec now (for ``auto``: every codec it may pick), or raise the
+    :class:`CodecMissing`/:class:`CodecError` that its first use would.
 
-    A job checks this when it starts (``ckptlib.init``), so a rank on a node set up without the
-    codec fails at once, saying which codec and how to install it, not at its first checkpoint
-    hours later. Loading is left to the first use (blosc2's import alone is 0.4-0.6 s of CPU), so
-    a package that is present but fails to import is still found there."""
+    A job does this when it starts (``ckptlib.init``): a rank on a node set up without the codec
+    then fails at once, saying which codec and how to install it, not at its first checkpoint
+    hours later; and that first checkpoint does not pay the import (blosc2's alone is 0.4-0.6 s
+    of CPU) while the job is blocked."""
     if isinstance(spec, str):
         spec = CodecSpec.parse(spec)
     if spec.auto:
         from .auto import CANDIDATES
 
-        names = sorted({each.name for each in CANDIDATES})
+        for each in CANDIDATES:
+            get(each)
     else:
-        names = [spec.name]
-    for name in names:
-        if name in _BUILTINS:
-            package = _BUILTINS[name][1]
-            if package is not None and importlib.util.find_spec(package) is None:
-                raise CodecMissing(name, f"needs the Python package {package!r}, which is not installed here", f"install it: pip install {package}")
-        else:
-            _plugin_factory_point(name)
+        get(spec)
 
 
 def get(spec: CodecSpec | str) -> Codec:

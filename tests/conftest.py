@@ -418,6 +418,23 @@ _SLOW_FILES = (
 )
 
 
+def pytest_configure(config):
+    """Compile gangd's modules to bytecode once, in the session's first process (xdist's
+    controller, before its workers start). With PYTHONDONTWRITEBYTECODE set (as in the
+    CI's environment) no import writes a .pyc, so every daemon, rank and `gang` the suite
+    starts compiled the modules it imports from source: 0.4 s of CPU a daemon start
+    (1.0 s of user CPU to import gangd.daemon.server, against 0.6 s from bytecode), some
+    thousand times a run on 2 cores. Written where Python looks (``__pycache__`` beside
+    each module, ignored by git) and checked against the source as any .pyc is."""
+    if hasattr(config, "workerinput"):  # (an xdist worker: the controller did it)
+        return
+    import compileall
+
+    import gangd
+
+    compileall.compile_dir(Path(gangd.__file__).parent, quiet=2)
+
+
 def pytest_collection_modifyitems(config, items):
     """The slowest files first (a stable sort: each file's tests keep their
     order): the workers take files in this order, and a long one taken last

@@ -253,10 +253,11 @@ class LocalCluster:
         return found
 
 
-#: The `gang` commands :func:`gang_here` runs in this process: those that only ask the daemons
-#: and print. Not `run` (it handles signals and the terminal), nor `logs -f`, nor `cluster`.
-_ASKING_COMMANDS = frozenset({"submit", "kill", "ps", "job", "nodes", "history", "suspend", "resume", "net", "logs", "wait",
-                              "checkpoint", "restart", "ckpt"})
+#: The `gang` commands :func:`gang_here` runs in this process: those that ask the daemons and print,
+#: and `run` (its signal handlers are trio's, for the run: the tests of Ctrl-C, Ctrl-\\ and a closed
+#: terminal start `gang run` as a process of its own, popen_gang). Not `logs -f`, nor `cluster`.
+_HERE_COMMANDS = frozenset({"submit", "kill", "ps", "job", "nodes", "history", "suspend", "resume", "net", "logs", "wait",
+                            "checkpoint", "restart", "ckpt", "run"})
 
 
 class _GangTimeout(Exception):
@@ -269,7 +270,7 @@ def gang_here(argv: list[str], timeout: float, env: dict[str, str | None] | None
     stdout and stderr as text with universal newlines; ``env``: variables set (None: unset)
     for the command. A `gang` started per call was a Python start-up each time (0.3 s of
     CPU, ~0.5 s on a loaded 2-core machine), for hundreds of calls a run. None where it
-    cannot run here: a command not in _ASKING_COMMANDS (or `logs -f`), not the main thread
+    cannot run here: a command not in _HERE_COMMANDS (or `logs -f`), not the main thread
     (the timeout is a SIGALRM), inside trio (the command runs its own), SIGALRM taken.
     No answer in ``timeout`` seconds raises subprocess.TimeoutExpired, as the process's
     timeout did; an exception out of the command (a traceback) fails the test."""
@@ -280,7 +281,7 @@ def gang_here(argv: list[str], timeout: float, env: dict[str, str | None] | None
     from gangd.client.cli import main as cli_main
 
     command = next((a for a in argv[2:3]), None) if argv[:1] == ["--cluster"] else next(iter(argv), None)
-    if (command not in _ASKING_COMMANDS or (command == "logs" and ("-f" in argv or "--follow" in argv))
+    if (command not in _HERE_COMMANDS or (command == "logs" and ("-f" in argv or "--follow" in argv))
             or threading.current_thread() is not threading.main_thread() or trio.lowlevel.in_trio_run()
             or signal.getsignal(signal.SIGALRM) not in (signal.SIG_DFL, None)):
         return None

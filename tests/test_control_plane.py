@@ -22,7 +22,7 @@ import time
 import psutil
 import trio
 from click.testing import CliRunner
-from conftest import as_uid, wait_for
+from conftest import as_uid, gang_here, wait_for
 
 from gangd.client import cluster as local
 from gangd.client.api import connect
@@ -35,9 +35,14 @@ PY = sys.executable
 
 
 def gang_on(cluster, node: str, *args, timeout: float = 60) -> subprocess.CompletedProcess:
-    """The gang command talking to one node's daemon (not the first that answers)."""
+    """The gang command talking to one node's daemon (not the first that answers): in this
+    process where it can be (conftest.gang_here), else as a process."""
+    socket_path = str(cluster.files[node].socket)
+    found = gang_here([str(a) for a in args], timeout, env={"GANGD_CLUSTER": None, "GANGD_SOCKET": socket_path})
+    if found is not None:
+        return found
     env = {k: v for k, v in os.environ.items() if k != "GANGD_CLUSTER"}
-    env["GANGD_SOCKET"] = str(cluster.files[node].socket)
+    env["GANGD_SOCKET"] = socket_path
     cmd = [PY, "-m", "gangd.client.cli", *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
 

@@ -23,9 +23,10 @@ import os
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import pytest
-from ckpthelpers import TERMINAL, checkpoint, flip_byte, gen_dir, generations, kill_what_is_left, reference, result_of, submit
+from ckpthelpers import TERMINAL, checkpoint, flip_byte, gen_dir, generations, hold, kill_what_is_left, reference, result_of, submit, wait_holding
 from test_control_plane import coordinator_seen_by, json_on
 from test_rebuild import ARGV, NRANKS, assert_laid_out_as_a_checkpoint, lose, protected_and_killed
 from test_restart_anywhere import restart, wait_node
@@ -156,16 +157,20 @@ def test_holds_answers_only_absence(tmp_path):
     assert holds(root, 3, 2) == ""
 
 
-def local_generation(cluster, nodes: str) -> tuple[str, int, dict]:
-    """A 4-rank job on ``nodes`` without redundancy, running, with a complete
-    generation: (its uninterrupted result, its id, the generation)."""
+def local_generation(cluster, nodes: str) -> tuple[str, int, dict, Path]:
+    """A 4-rank job on ``nodes`` without redundancy, running (holding at step
+    125), with a complete generation taken in the hold: (its uninterrupted
+    result, its id, the generation, the file whose creation ends the hold).
+    Its restart holds too until that file exists, then runs at full speed (a
+    job slowed down to be mid-run at the checkpoint, 0.05 s a step, made its
+    restart run 14 s of the test)."""
     expected = reference(cluster, ARGV, 4)
-    job = submit(cluster, [*ARGV, "--sleep", "0.05"], 4, "-w", nodes, "--ckpt-redundancy", "local")
-    cluster.wait_state(job, ("RUNNING", "SUSPENDED"))
-    time.sleep(1)
+    held, release = hold(cluster, 125)
+    job = submit(cluster, [*ARGV, *held], 4, "-w", nodes, "--ckpt-redundancy", "local")
+    wait_holding(cluster, job)
     gen = checkpoint(cluster, job)
     assert gen["state"] == "complete", gen
-    return expected, job, gen
+    return expected, job, gen, release
 
 
 def test_a_node_back_with_a_wiped_disk_takes_its_files_back_from_the_flush_directory(make_cluster, tmp_path):
@@ -175,13 +180,14 @@ def test_a_node_back_with_a_wiped_disk_takes_its_files_back_from_the_flush_direc
     shared = tmp_path / "shared"
     cluster = make_cluster(3, cores=2, time_slice=0.1, flush_dir=shared)
     try:
-        expected, job, gen = local_generation(cluster, "n2,n3")
+        expected, job, gen, release = local_generation(cluster, "n2,n3")
         deadline = time.monotonic() + 60
         while not next(g for g in generations(cluster, job) if g["gen"] == gen["gen"]).get("flushed"):
             assert time.monotonic() < deadline, "the generation was not flushed"
             time.sleep(0.2)
         cluster.gang("kill", job, check=True)
         cluster.wait_state(job, TERMINAL)
+        release.touch()
         victim = "n3" if coordinator_seen_by(cluster, "n1") != "n3" else "n2"
         wiped_and_back(cluster, victim)
         answer = restart(cluster, job)
@@ -199,9 +205,10 @@ def test_a_node_back_with_a_wiped_disk_takes_its_files_back_from_the_flush_direc
 def test_a_restart_elsewhere_stages_over_the_bulk_path_and_over_the_channel_when_bulk_fails(make_cluster, points):
     cluster = make_cluster(3, cores=4, time_slice=0.1)
     try:
-        expected, job, gen = local_generation(cluster, "n1,n2")
+        expected, job, gen, release = local_generation(cluster, "n1,n2")
         cluster.gang("kill", job, check=True)
         cluster.wait_state(job, TERMINAL)
+        release.touch()
         (points / "ckpt_bulk_read").touch()  # the first bulk read a source serves is refused
         answer = restart(cluster, job, "-w", "n3")
         assert answer["placement"] == ["n3"] * 4 and answer["gen"] == gen["gen"], answer

@@ -825,7 +825,10 @@ def test_busy_answers_a_flooding_client_never_reads_do_not_grow_the_daemon(make_
     cluster.wait_state(job, "RUNNING")
     pid = cluster.daemon_pid("n1")
     limit = Limits().client_in_flight
-    connections = 160
+    # 64 flooding connections, one after the other: the bound below is per connection (64 x 256 KiB
+    # = 16 MiB; the daemon grew ~6 MiB here, and ~600 KiB a connection, 38 MiB, before the fix).
+    # 160 took a minute of the suite (0.35 s a connection) for the same per-connection bound.
+    connections = 64
     ready_r, ready_w = os.pipe()
     go_r, go_w = os.pipe()
     done_r, done_w = os.pipe()
@@ -880,7 +883,7 @@ def test_busy_answers_a_flooding_client_never_reads_do_not_grow_the_daemon(make_
     assert result.get("pushed"), result
     # Each connection may owe at most DEFAULT_MAX_OUTBOX (64 KiB) of busy answers
     # beyond what the kernel buffers, and hold a frame and a read (64 KiB each):
-    # 160 x 192 KiB = 30 MiB. (Before: ~600 KiB each, 94 MiB.)
+    # 64 x 192 KiB = 12 MiB. (Before: ~600 KiB each, 94 MiB for 160.)
     assert grown < connections * 256 * 1024, f"gangd grew by {grown / MiB:.0f} MiB answering busy to {result['pushed']} bytes of requests nobody never read"
     assert cluster.gang_json("nodes")["nodes"][0]["state"] == "up"
     cluster.gang("kill", job, check=True)

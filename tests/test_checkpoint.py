@@ -167,6 +167,11 @@ def test_a_checkpoint_right_after_a_restart_cuts_where_the_ranks_resume(gc):
     job = submit(gc, argv)
     wait_running_a_bit(gc, job, 3.0)
     first = checkpoint(gc, job)
+    deadline = time.monotonic() + 60
+    while first["state"] == "complete" and first["iteration"] == 0 and time.monotonic() < deadline:
+        # (a loaded machine: the ranks are still before their loop -- a generation past its start is what this needs)
+        time.sleep(0.5)
+        first = checkpoint(gc, job)
     assert first["state"] == "complete" and first["iteration"] > 0, first
     restarted = kill_and_restart(gc, job)
     gc.wait_state(restarted, ("RUNNING", "SUSPENDED"))
@@ -193,7 +198,9 @@ def test_ranks_in_a_long_c_call_still_agree_at_once(gc):
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
     argv = [PY, JOB, "--steps", "100000", "--c-call", "3000", "--c-call-times"]  # >= 1.5 s per product
     job = int(gc.gang("submit", "-n", 4, "--", *argv, env=env, check=True).stdout)
-    wait_running_a_bit(gc, job, 2.0)
+    # Every rank inside a product (it printed the product's start): the checkpoint begins while they compute.
+    wait_for(lambda: {int(r) for r in re.findall(r"c-call-begin (\d+) ", gc.logs(job))} == set(range(4)) or None, 60,
+             "every rank inside a product")
     gen = checkpoint(gc, job)
     assert gen["state"] == "complete", gen
     start, agreed = gen["marks"]["start"], gen["marks"]["agreed"]  # (the coordinator's time.time(), on this machine)

@@ -35,7 +35,8 @@ parser.add_argument("--slow-sleep", type=float, default=0.0)
 parser.add_argument("--pre-sleep", type=float, default=0.0, help="seconds between ckpt.init() and the loop")
 parser.add_argument("--c-call", type=int, default=0,
                     help="per iteration, one N x N matrix product: a long C call that releases the GIL (the SIGQUIT handler cannot run until it returns)")
-parser.add_argument("--c-call-times", action="store_true", help="print each product's start and end: c-call RANK T0 T1 (time.time())")
+parser.add_argument("--c-call-times", action="store_true", help="print each product's start (c-call-begin RANK T0) and, once it returned, "
+                    "c-call RANK T0 T1 (time.time())")
 parser.add_argument("--request-at", type=int, default=-1, help="rank 0 calls ckpt.request() at this iteration")
 parser.add_argument("--slow-while", default=None, help="the slow rank is slow only while this file exists")
 parser.add_argument("--hold-at", type=int, default=-1, help="after this many steps, idle (taking checkpoints) until --release exists")
@@ -96,6 +97,8 @@ for it in ckpt.loop(range(args.steps) if args.hold_at < 0 else iterations()):
     if args.c_call:
         square = np.ones((args.c_call, args.c_call))
         began = time.time()
+        if args.c_call_times:
+            print(f"c-call-begin {rank} {began!r}", flush=True)
         square @ square
         if args.c_call_times:
             print(f"c-call {rank} {began!r} {time.time()!r}", flush=True)

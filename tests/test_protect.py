@@ -70,21 +70,24 @@ def test_xor_and_partner_generations_become_protected_with_the_files_the_plan_sa
         x_nodes, p_nodes = placement(cluster, x), placement(cluster, p)
         assert sorted(x_nodes) == ["n1", "n2", "n3"] and p_nodes == ["n1", "n3"]
         time.sleep(1)
+        taken = {}
         for job in (x, p):
             gen = checkpoint(cluster, job)
             assert gen["state"] == "complete", gen
-        gx = wait_gen(cluster, x, 1, lambda g: g["state"] != "complete" or g.get("redundancy"), "job x's generation protected")
-        gp = wait_gen(cluster, p, 1, lambda g: g["state"] != "complete" or g.get("redundancy"), "job p's generation protected")
+            taken[job] = gen["gen"]  # (1, unless a request came before the ranks' ckpt.init(): a refused one uses its number)
+        gx_n, gp_n = taken[x], taken[p]
+        gx = wait_gen(cluster, x, gx_n, lambda g: g["state"] != "complete" or g.get("redundancy"), "job x's generation protected")
+        gp = wait_gen(cluster, p, gp_n, lambda g: g["state"] != "complete" or g.get("redundancy"), "job p's generation protected")
         assert gx["state"] == "protected" and gx["level"] == "xor", gx.get("redundancy")
         assert gp["state"] == "protected" and gp["level"] == "partner", gp
 
         # XOR: every member holds its parity (1/(n-1) of the set's largest data) and the set's meta.
         plan = rplan.make_plan(x_nodes, "xor")
-        sizes = {n: data_size(cluster, n, x, 1) for n in x_nodes}
+        sizes = {n: data_size(cluster, n, x, gx_n) for n in x_nodes}
         chunk = math.ceil(max(sizes.values()) / (len(x_nodes) - 1))
         assert min(sizes.values()) > 1 << 20  # (1 MiB of state per rank: a real parity)
         for node in x_nodes:
-            directory = gen_dir(cluster, node, x, 1)
+            directory = gen_dir(cluster, node, x, gx_n)
             assert (directory / "redundancy" / "xor.parity").stat().st_size == chunk
             meta = xor.read_meta(directory)
             assert meta.nodes == plan.set_of(node) and meta.nodes[meta.index] == node and meta.sizes == tuple(sizes[n] for n in meta.nodes)
@@ -92,8 +95,8 @@ def test_xor_and_partner_generations_become_protected_with_the_files_the_plan_sa
         plan = rplan.make_plan(p_nodes, "partner")
         for node in p_nodes:
             source = plan.partnered_by(node)
-            copy = gen_dir(cluster, node, p, 1) / transfer.partner_prefix(source)
-            theirs = ckptstore.read_manifest(gen_dir(cluster, source, p, 1))
+            copy = gen_dir(cluster, node, p, gp_n) / transfer.partner_prefix(source)
+            theirs = ckptstore.read_manifest(gen_dir(cluster, source, p, gp_n))
             assert ckptstore.read_manifest(copy) == theirs
             for name, (size, _) in theirs.files.items():
                 assert (copy / name).stat().st_size == size
@@ -104,7 +107,7 @@ def test_xor_and_partner_generations_become_protected_with_the_files_the_plan_sa
                 assert (info.st_uid, stat.S_IMODE(info.st_mode)) == (0, 0o700 if path.is_dir() else 0o600), path
 
         listing = cluster.gang("ckpt", "ls", x, check=True).stdout
-        row = next(line for line in listing.splitlines() if line.split()[:1] == ["1"])
+        row = next(line for line in listing.splitlines() if line.split()[:1] == [str(gx_n)])
         assert "protected" in row and "xor" in row, listing
         assert "partner" in cluster.gang("ckpt", "ls", p, check=True).stdout
 
@@ -113,7 +116,7 @@ def test_xor_and_partner_generations_become_protected_with_the_files_the_plan_sa
         cluster.wait_state(p, ("KILLED", "FAILED"))
         restarted = cluster.gang("restart", p, "-q", check=True)
         again = int(restarted.stdout)
-        assert cluster.wait_state(again, "RUNNING")["restart_of"]["gen"] == 1
+        assert cluster.wait_state(again, "RUNNING")["restart_of"]["gen"] == gp_n
     finally:
         kill_what_is_left(cluster)
 

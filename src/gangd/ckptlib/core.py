@@ -110,11 +110,9 @@ class DeltaSettings:
     def pipeline_settings(self):
         """The :class:`gangd.pipeline.Settings` compressed generations are written and read with
         (None: the defaults; gangd.pipeline is imported only for settings that were given)."""
-        if not self.pipeline:
-            return None
-        from ..pipeline.settings import from_text
+        from .units import settings_of
 
-        return from_text(self.pipeline)
+        return settings_of(self.pipeline)
 
 
 def checked_codec(codec: object = None) -> str:

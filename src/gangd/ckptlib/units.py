@@ -109,6 +109,16 @@ class Written:
     stages: dict = field(default_factory=dict)
 
 
+def settings_of(text: object) -> Any:
+    """The :class:`gangd.pipeline.Settings` a job's settings text names (``GANGD_CKPT_PIPELINE``,
+    canonical), or None for "" (the defaults: gangd.pipeline is then not imported for it)."""
+    if not text:
+        return None
+    from ..pipeline.settings import from_text
+
+    return from_text(text)
+
+
 def stream(path: Path, todo: Sequence[tuple[memoryview, Any, int]], settings: Any = None,
            hash_unit: Callable[[int, memoryview], None] | None = None) -> tuple[Any, Written]:
     """A chunk for :func:`gangd.ckptstore.write_atomic` that compresses and writes the units ``todo``

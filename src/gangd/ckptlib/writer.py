@@ -35,7 +35,7 @@ from typing import Any
 import msgpack
 
 from ..ckptstore import StoreError
-from . import blocks
+from . import blocks, units
 from . import spc as spc_mod
 
 
@@ -173,13 +173,10 @@ def _preload(text: object) -> None:
     """
     if text in (None, "none"):
         return
-    from .. import codecs
-    from ..codecs import auto
+    from ..codecs import registry
 
     try:
-        spec = codecs.CodecSpec.parse(text)
-        for each in (auto.CANDIDATES if spec.auto else (spec,)):
-            codecs.get(each)
+        registry.load(str(text))
     except Exception:  # noqa: BLE001,S110 -- the snapshot reports it (the job must not die of a checkpoint)
         pass
 
@@ -193,15 +190,6 @@ def _codec(text: object):
     return CodecSpec.parse(text)
 
 
-def _pipeline(text: object):
-    """The pipeline settings a plan's text names (None for "": the defaults, gangd.pipeline not imported)."""
-    if not text:
-        return None
-    from ..pipeline.settings import from_text
-
-    return from_text(text)
-
-
 def _write_now(path: Path, values: dict, iteration: int, then, spc, delta: dict | None = None) -> dict:
     started = time.monotonic()
     try:
@@ -212,7 +200,7 @@ def _write_now(path: Path, values: dict, iteration: int, then, spc, delta: dict 
                                             offered=offered() if callable(offered) else offered, block=delta["block"],
                                             chain_max=delta["chain_max"], threshold=delta["threshold"],
                                             force_full=bool(delta.get("force_full")), codec=_codec(delta.get("codec")),
-                                            pipeline=_pipeline(delta.get("pipeline")))
+                                            pipeline=units.settings_of(delta.get("pipeline")))
             result["seconds"] = time.monotonic() - started
         else:
             size, digest = spc_mod.write(spc or spc_mod.Registered(), path, values, iteration)

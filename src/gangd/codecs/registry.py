@@ -79,8 +79,7 @@ def _builtin_factory(name: str) -> Callable[[tuple[str, ...]], Any]:
     return make
 
 
-def _plugin_factory_point(name: str) -> Any:
-    """The entry point of the plug-in ``name``, or the CodecMissing saying how to install one."""
+def _plugin_factory(name: str) -> Callable[[tuple[str, ...]], Any]:
     point = _plugin_points().get(name)
     if point is None:
         raise CodecMissing(
@@ -89,11 +88,6 @@ def _plugin_factory_point(name: str) -> Any:
             f"install the package that provides the {name!r} codec (pip install <package>), then check: gangd codecs are listed "
             f"by importlib.metadata.entry_points(group={GROUP!r})",
         )
-    return point
-
-
-def _plugin_factory(name: str) -> Callable[[tuple[str, ...]], Any]:
-    point = _plugin_factory_point(name)
     dist = getattr(point.dist, "name", None) or "the package providing it"
     try:
         factory: Callable[[tuple[str, ...]], Any] = point.load()

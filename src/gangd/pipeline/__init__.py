@@ -21,9 +21,9 @@ Dependencies run one way: settings, stats <- ring <- emit <- engine <- stages.
 from __future__ import annotations
 
 from .engine import Pipeline, PipelineCancelled, PipelineError, Source, Stage
-from .settings import Settings, SettingsError, canonical, parse
+from .settings import Settings, SettingsError
 from .stages import Landing, Place, ReadRanges, Transform, Write
 from .stats import StageStats
 
-__all__ = ["Pipeline", "PipelineError", "PipelineCancelled", "Stage", "Source", "Settings", "SettingsError", "parse", "canonical",
+__all__ = ["Pipeline", "PipelineError", "PipelineCancelled", "Stage", "Source", "Settings", "SettingsError",
            "Transform", "Write", "Landing", "ReadRanges", "Place", "StageStats"]

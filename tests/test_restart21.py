@@ -17,6 +17,7 @@ from the older generation, bit-identical.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -65,53 +66,123 @@ def rot(image: Path, path: Path, offset: int) -> None:
 
 @root_only
 def test_damage_below_the_file_system_fails_the_restore_naming_the_file_and_the_next_restart_uses_the_older_generation(gc, tmp_path):
-    image = tmp_path / "disk.img"
+    with ext4_at(gc.dir / "n2" / "state" / "checkpoints" / "n2", tmp_path) as image:  # (n2's checkpoint root)
+        try:
+            argv = [JOB, "--steps", "300", "--mb", "1"]
+            expected = reference(gc, argv)
+            held, release = hold(gc, 150)
+            job = submit(gc, [*argv, *held])
+            wait_holding(gc, job)
+            older = checkpoint(gc, job)
+            newer = checkpoint(gc, job)
+            assert older["state"] in ("complete", "protected") and newer["state"] in ("complete", "protected"), (older, newer)
+            settled(gc, job)  # (the partner copies are written behind the job: nothing reads the files after this)
+            gc.gang("kill", job, check=True)
+            gc.wait_state(job, TERMINAL, timeout=60)
+            release.touch()
+            victim = gen_dir(gc, "n2", job, newer["gen"]) / ckptstore.cluster_rank_file(3)
+            stamp = victim.stat()
+            rot(image, victim, stamp.st_size // 2)
+            now = victim.stat()
+            assert (now.st_ino, now.st_size, now.st_mtime_ns, now.st_ctime_ns) == (stamp.st_ino, stamp.st_size, stamp.st_mtime_ns, stamp.st_ctime_ns)
+            assert any("corrupted" in p for p in ckptstore.verify(victim.parent if victim.parent.name != "ranks" else victim.parent.parent))
+
+            # The file looks untouched: the restart does not read it again, and the rank's own check finds the damage.
+            first = json.loads(gc.gang("restart", job, "--json", check=True).stdout)
+            assert first["gen"] == newer["gen"], first
+            failed = gc.wait_state(first["record"]["id"], TERMINAL, timeout=90)
+            assert failed["state"] == "FAILED" and victim.name in (failed["reason"] or "") and "rank 3" in failed["reason"], failed
+            # ... and has the generation checked whole, and marked damaged, naming node and file.
+            entry = wait_for(lambda: next((g for g in generations(gc, job) if g["gen"] == newer["gen"] and g["state"] == "damaged"), None),
+                             60, "the generation to be marked damaged")
+            assert "n2" in entry["reason"] and str(victim) in entry["reason"], entry
+
+            # The next restart starts from the older generation, and the job ends as an uninterrupted run does.
+            second = json.loads(gc.gang("restart", first["record"]["id"], "--json", check=True).stdout)
+            assert second["gen"] == older["gen"], second
+            assert result_of(gc, second["record"]["id"], timeout=120) == expected
+        finally:
+            kill_what_is_left(gc)  # (before the unmount: no rank holds a file there)
+
+
+@contextlib.contextmanager
+def ext4_at(directory: Path, tmp: Path):
+    """A fresh ext4 on a loop device mounted at ``directory`` (a node's
+    checkpoint root): yields its backing image, for :func:`rot`."""
+    image = tmp / "disk.img"
     with open(image, "wb") as fh:
         fh.truncate(96 << 20)
     subprocess.run(["mkfs.ext4", "-q", "-F", "-b", "4096", str(image)], check=True)
-    directory = gc.dir / "n2" / "state" / "checkpoints" / "n2"  # (n2's checkpoint root)
     mounted = subprocess.run(["mount", "-o", "loop", str(image), str(directory)], capture_output=True, text=True, check=False)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a loop device here: {mounted.stderr.strip()}")
     try:
         directory.chmod(0o711)
-        argv = [JOB, "--steps", "300", "--mb", "1"]
-        expected = reference(gc, argv)
-        held, release = hold(gc, 150)
-        job = submit(gc, [*argv, *held])
-        wait_holding(gc, job)
-        older = checkpoint(gc, job)
-        newer = checkpoint(gc, job)
-        assert older["state"] in ("complete", "protected") and newer["state"] in ("complete", "protected"), (older, newer)
-        settled(gc, job)  # (the partner copies are written behind the job: nothing reads the files after this)
-        gc.gang("kill", job, check=True)
-        gc.wait_state(job, TERMINAL, timeout=60)
-        release.touch()
-        victim = gen_dir(gc, "n2", job, newer["gen"]) / ckptstore.cluster_rank_file(3)
-        stamp = victim.stat()
-        rot(image, victim, stamp.st_size // 2)
-        now = victim.stat()
-        assert (now.st_ino, now.st_size, now.st_mtime_ns, now.st_ctime_ns) == (stamp.st_ino, stamp.st_size, stamp.st_mtime_ns, stamp.st_ctime_ns)
-        assert any("corrupted" in p for p in ckptstore.verify(victim.parent if victim.parent.name != "ranks" else victim.parent.parent))
-
-        # The file looks untouched: the restart does not read it again, and the rank's own check finds the damage.
-        first = json.loads(gc.gang("restart", job, "--json", check=True).stdout)
-        assert first["gen"] == newer["gen"], first
-        failed = gc.wait_state(first["record"]["id"], TERMINAL, timeout=90)
-        assert failed["state"] == "FAILED" and victim.name in (failed["reason"] or "") and "rank 3" in failed["reason"], failed
-        # ... and has the generation checked whole, and marked damaged, naming node and file.
-        entry = wait_for(lambda: next((g for g in generations(gc, job) if g["gen"] == newer["gen"] and g["state"] == "damaged"), None),
-                         60, "the generation to be marked damaged")
-        assert "n2" in entry["reason"] and str(victim) in entry["reason"], entry
-
-        # The next restart starts from the older generation, and the job ends as an uninterrupted run does.
-        second = json.loads(gc.gang("restart", first["record"]["id"], "--json", check=True).stdout)
-        assert second["gen"] == older["gen"], second
-        assert result_of(gc, second["record"]["id"], timeout=120) == expected
+        yield image
     finally:
-        kill_what_is_left(gc)
         if subprocess.run(["umount", str(directory)], capture_output=True, check=False).returncode != 0:
             subprocess.run(["umount", "-l", str(directory)], capture_output=True, check=False)
+
+
+@root_only
+def test_a_recovered_job_whose_generation_is_damaged_below_the_file_system_comes_back_from_the_older_one_by_itself(make_cluster, tmp_path):
+    """A 3-node partner job with two protected generations; the newer one's
+    file on a surviving node rotted beneath its ext4 (its times unchanged,
+    so the recovery's verification trusts it); a third node lost with its
+    disk. The recovery restarts the job from the newer generation, a rank's
+    own check finds the damage, and nobody is there to run `gang restart`
+    again: the recovered job is recovered once more, from the older
+    generation (its lost node's files rebuilt again), the damage marked,
+    named and shown, and the computation ends bit-identical, `gang wait` on
+    the first id following it."""
+    from test_recovery import ARGV, ENDED, coordinator, held, lose, running, wait_protected
+
+    gc = make_cluster(3, cores=2, time_slice=0.1)
+    try:
+        lead = coordinator(gc)
+        rotted = next(n for n in ("n1", "n2", "n3") if n != lead)
+        victim = next(n for n in ("n1", "n2", "n3") if n not in (lead, rotted))
+        with ext4_at(gc.dir / rotted / "state" / "checkpoints" / rotted, tmp_path) as image:
+            expected = reference(gc, ARGV, 3, "--per-node", "1")
+            argv, release = held(gc)
+            job = submit(gc, argv, 3, "--per-node", "1", "--ckpt-redundancy", "partner")
+            record = running(gc, job)
+            older = checkpoint(gc, job)
+            newer = checkpoint(gc, job)
+            for taken in (older, newer):
+                wait_protected(gc, job, taken["gen"])
+            rank = record["placement"].index(rotted)
+            bad = gen_dir(gc, rotted, job, newer["gen"]) / ckptstore.cluster_rank_file(rank)
+            before = bad.stat()
+            rot(image, bad, before.st_size // 2)
+            assert bad.stat().st_ctime_ns == before.st_ctime_ns
+            waiter = gc.popen_gang("wait", job, "--json")
+            lose(gc, victim)
+            release.touch()
+
+            first = gc.wait_state(job, ENDED, timeout=120)
+            assert first["state"] == "REQUEUED", first
+            second = gc.wait_state(first["requeued_as"], ENDED, timeout=180)
+            assert second["state"] == "REQUEUED", second
+            assert second["restart_of"]["gen"] == newer["gen"], second["restart_of"]
+            third = second["requeued_as"]
+            assert second["reason"].startswith(f"generation {newer['gen']} could not be restored on {rotted}; requeued as job {third} "
+                                               f"from generation {older['gen']}"), second["reason"]
+            assert f"rank {rank}" in second["recovery"]["why"] and bad.name in second["recovery"]["why"], second["recovery"]
+            recovered = gc.job(third)
+            assert recovered["restart_of"]["gen"] == older["gen"] and recovered["recoveries"] == 2, recovered
+            assert victim not in recovered["placement"], recovered["placement"]
+            damaged = next(g for g in generations(gc, third) if g["gen"] == newer["gen"])
+            assert damaged["state"] == "damaged" and rotted in damaged["reason"] and str(bad) in damaged["reason"], damaged
+            assert result_of(gc, third, timeout=240) == expected
+            out, err = waiter.communicate(timeout=120)
+            assert waiter.returncode == 0, err
+            assert json.loads(out)["id"] == third  # (followed through both recoveries)
+            ls = gc.gang("ckpt", "ls", third, check=True).stdout
+            assert f"recovery: job {job} lost {victim}; requeued as job {second['id']}" in ls, ls
+            assert f"recovery: job {second['id']} stopped: generation {newer['gen']} could not be restored on {rotted}; requeued as job {third}" in ls, ls
+    finally:
+        kill_what_is_left(gc)
 
 
 # ---------------------------------------------------------------- the node's memory of intact files

@@ -136,9 +136,10 @@ def ckpt_ls(ctx, job, as_json):
     codec = listing.get("codec")
     if isinstance(codec, str) and rows:  # (a daemon from before issue 18 does not say)
         click.echo(f"codec: {text.printable(codec, 140)} (the job's ranks compress new generations with it; each block records its own)")
-    for r in recovered:  # (a lost node's job restarted by itself: gangd.daemon.recover)
-        lost = ", ".join(text.name(n) for n in r.get("lost") or []) or "a node"
-        click.echo(f"recovery: job {r['job']} lost {lost}; requeued as job {r.get('as')} from generation {r.get('gen')}")
+    for r in recovered:  # (a job restarted by itself: gangd.daemon.recover)
+        lost = ", ".join(text.name(n) for n in r.get("lost") or [])
+        cause = f"lost {lost}" if lost or not r.get("cause") else f"stopped: {text.printable(str(r['cause']), 200)}"
+        click.echo(f"recovery: job {r['job']} {cause}; requeued as job {r.get('as')} from generation {r.get('gen')}")
 
 
 def _delta_columns(g: dict) -> list[str]:

@@ -1255,7 +1255,7 @@ class CheckpointCoordinator:
         return [], []
 
     async def _verify_links(self, lineage: int, entry: dict, generations: list[dict], placement: list[str],
-                            ranks: list[int]) -> tuple[list[str], list[str]]:
+                            ranks: list[int], *, full: bool = False) -> tuple[list[str], list[str]]:
         """Verify every generation ``entry`` needs, for the ``ranks`` that stay
         (on the node ``placement`` puts them, which holds their files of every
         link as of the generation: a chain never spans a layout change); the
@@ -1264,7 +1264,7 @@ class CheckpointCoordinator:
         by_gen = {e["gen"]: e for e in generations}
         for gen in sorted(retention.needs_of(generations).get(entry["gen"]) or (), reverse=True):
             link = by_gen[gen]
-            damaged, unreachable = await self._verify(lineage, {**link, "placement": placement}, ranks)
+            damaged, unreachable = await self._verify(lineage, {**link, "placement": placement}, ranks, full=full)
             if damaged:
                 await self._mark(link, "damaged", "; ".join(damaged))
                 link["state"] = "damaged"  # (an older candidate that needs it is skipped too)
@@ -1329,29 +1329,47 @@ class CheckpointCoordinator:
                     log.info("job %d: could not record its restart time: %s", job_id, exc.message)
 
     async def _damaged_on_restore(self, record: dict, node: str) -> None:
-        """A rank on ``node`` could not restore its state: check that node's
-        files of the generation whole (the restart's verification trusted
-        files unchanged since they were last found intact, and damage below
-        the file system does not show in a file's times), and mark the
-        generation damaged if they are, so that the next restart starts from
-        an older one."""
-        gen = int(record["restart_of"]["gen"])
-        lineage = record.get("lineage") or record["id"]
-        entry = next((e for e in self.generations(record) if e["gen"] == gen), None)
-        if entry is None or entry["state"] not in ("complete", "protected"):
-            return
-        placement = list(record.get("placement") or record.get("pinned") or [])
-        ranks = [r for r, n in enumerate(placement) if n == node]
-        if not ranks:
-            return
+        """A rank on ``node`` could not restore its state: :meth:`check_restore`
+        there, so that the next restart starts from an older generation if
+        the files are damaged."""
         try:
-            damaged, _ = await self._verify(lineage, {**entry, "placement": placement}, ranks, full=True)
+            damaged = await self.check_restore(record, [node])
         except Exception as exc:  # noqa: BLE001 -- a diagnosis; the job has failed with its reason already
-            log.info("job %d: could not check generation %d on %s after its restore failed: %s", record["id"], gen, node, exc)
+            log.info("job %d: could not check generation %s on %s after its restore failed: %s", record["id"],
+                     record["restart_of"]["gen"], node, exc)
             return
         if damaged:
-            log.warning("job %d: generation %d is damaged (found as a rank restored it): %s", record["id"], gen, "; ".join(damaged))
+            log.warning("job %d: damage found as a rank restored its state: %s", record["id"], "; ".join(damaged))
+
+    async def check_restore(self, record: dict, nodes: list[str]) -> list[str]:
+        """Read whole the files the ranks of ``record`` (a restarted job) on
+        ``nodes`` restored from: its generation's, then every generation that
+        one needs. The restart's verification trusted files unchanged since
+        they were last found intact, and damage below the file system does
+        not show in a file's times. A damaged generation is marked damaged
+        (a restart skips it, and every generation that needs it). Returns
+        the problems, each naming node and path; empty: intact."""
+        gen = int(record["restart_of"]["gen"])
+        lineage = record.get("lineage") or record["id"]
+        generations = self.generations(record)
+        entry = next((e for e in generations if e["gen"] == gen), None)
+        if entry is None:
+            return []
+        if entry["state"] == "damaged":  # (found already, by another node's check)
+            return [f"generation {gen} is damaged: {entry.get('reason') or ''}".rstrip(": ")]
+        if entry["state"] not in ("complete", "protected"):
+            return []
+        placement = list(record.get("placement") or record.get("pinned") or [])
+        ranks = [r for r, n in enumerate(placement) if n in nodes]
+        if not ranks:
+            return []
+        damaged, _ = await self._verify(lineage, {**entry, "placement": placement}, ranks, full=True)
+        if damaged:
             await self._mark(entry, "damaged", "; ".join(damaged))
+            return [f"generation {gen} is damaged: {p}" for p in damaged]
+        if entry.get("needs"):
+            damaged, _ = await self._verify_links(lineage, entry, generations, placement, ranks, full=True)
+        return damaged
 
     # ------------------------------------------------------------ periodic checkpoints
 

@@ -890,6 +890,16 @@ class Coordinator:
 
         await self.update(job_id, change)
 
+    async def restore_reported(self, job_id: int, node: str, error: str | None) -> None:
+        """A node's ranks of a restarted job loaded their state, or could not
+        (``error``): a job a recovery started is recovered again from an older
+        generation (:meth:`Recoveries.restore_failed`); any other restart
+        fails, its generation checked (:meth:`CheckpointCoordinator.on_restored`)."""
+        record = self.table.get(job_id)
+        if error and record is not None and await self.recoveries.restore_failed(record, node, error):
+            return
+        await self.ckpt.on_restored(job_id, node, error)
+
     async def fail(self, job_id: int, reason: str, lost_nodes: frozenset = frozenset(), *, cause: bool = False) -> None:
         """End the job as FAILED with ``reason`` and kill whatever of it still runs.
 

@@ -37,6 +37,16 @@ placed, launched, gated and accounted by the code every restart uses.
 so a user waiting on the first id still gets the computation's end and
 exit code.
 
+A job a recovery started whose ranks cannot restore the generation (damage
+below the file system: a bad sector leaves a file's times as they were, so
+the restart's verification trusted it, and a rank's own check found it) is
+recovered again the same way (:meth:`Recoveries.restore_failed`): its files
+are read whole, the damaged generation (or link) is marked so, and the job
+restarts from the newest generation still usable. Nobody is at a terminal
+to run ``gang restart`` again for a job the system restarted. Each such
+attempt counts against ``max_recoveries``; files found intact fail the job
+with the rank's sentence, as an older generation would not help.
+
 A deposed coordinator's recovery is cancelled with its term. The next
 coordinator finds the job RECOVERING at takeover (:meth:`Recoveries.ensure`):
 if a newer job of the lineage exists, the recovery got as far as submitting
@@ -105,8 +115,18 @@ def recoveries(lineage: list[dict]) -> list[dict]:
         if not isinstance(recovery, dict):
             recovery = {}
         if r.get("state") == jobs.REQUEUED or r.get("requeued_as"):
-            out.append({"job": r["id"], "as": r.get("requeued_as"), "lost": list(recovery.get("lost") or []), "gen": recovery.get("gen")})
+            out.append({"job": r["id"], "as": r.get("requeued_as"), "lost": list(recovery.get("lost") or []), "gen": recovery.get("gen"),
+                        "cause": cause_of(recovery)})
     return out
+
+
+def cause_of(recovery: dict) -> str:
+    """What a recovery recovers from, for the user: the lost nodes, or the
+    generation a restarted job's ranks could not restore."""
+    cause = recovery.get("cause")
+    if isinstance(cause, str) and cause:
+        return cause
+    return f"{describe_lost(list(recovery.get('lost') or []))} lost"
 
 
 def usable_generation(generations: list[dict], lost: set[str]) -> tuple[dict | None, str]:
@@ -159,8 +179,10 @@ def _survives(entry: dict, lost: set[str]) -> bool:
     return True
 
 
-def decide(record: dict, lineage: list[dict], generations: list[dict], lost: set[str], max_recoveries: int) -> Decision:
-    """Requeue the job that lost ``lost``, or fail it: :class:`Decision`."""
+def allowed(record: dict, lineage: list[dict], max_recoveries: int) -> Decision:
+    """Whether the job may be recovered at all (not being killed, not
+    ``--no-requeue``, its lineage under ``max_recoveries``), whatever it
+    would start from; ``gen`` is left None."""
     if record.get("kill_requested"):
         return Decision(False, f"it was being killed by {record['kill_requested']}")
     wanted = wants_requeue(record, lineage)
@@ -172,6 +194,15 @@ def decide(record: dict, lineage: list[dict], generations: list[dict], lost: set
             return Decision(False, "this cluster does not recover jobs ([checkpoint] max_recoveries = 0)")
         return Decision(False, f"it was recovered {len(done)} time{'s' if len(done) != 1 else ''} already, "
                                f"the most [checkpoint] max_recoveries = {max_recoveries} allows", count=len(done))
+    return Decision(True, "", count=len(done))
+
+
+def decide(record: dict, lineage: list[dict], generations: list[dict], lost: set[str], max_recoveries: int) -> Decision:
+    """Requeue the job that lost ``lost``, or fail it: :class:`Decision`."""
+    may = allowed(record, lineage, max_recoveries)
+    if not may.requeue:
+        return may
+    done = recoveries(lineage)
     entry, why = usable_generation(generations, lost)
     if entry is None:
         return Decision(False, why, count=len(done))
@@ -238,6 +269,45 @@ class Recoveries:
             return
         self.co.left(job_id)
         self.start(job_id)
+
+    async def restore_failed(self, record: dict, node: str, error: str) -> bool:
+        """A rank of ``record`` on ``node`` could not restore the generation
+        the job restarts from (``error``: the node's sentence). When a
+        recovery started the job and its lineage may be recovered again,
+        the job goes RECOVERING and :meth:`_recover` reads the files whole
+        before restarting it from an older generation: True. False: the
+        caller fails the job as any restart whose restore failed (the user
+        who ran ``gang restart`` is told, and runs it again)."""
+        job_id = record["id"]
+        if record["state"] == jobs.RECOVERING:
+            return True  # (another node's ranks said so first)
+        if not record.get("recovery_of") or jobs.is_terminal(record):
+            return False
+        ckpt = self.co.ckpt
+        gen = int(record["restart_of"]["gen"])
+        decision = allowed(record, ckpt.lineage_records(record), self.co.config.max_recoveries)
+        if not decision.requeue:
+            log.warning("job %d: generation %d could not be restored on %s; not recovered: %s", job_id, gen, node, decision.reason)
+            return False
+        cause = f"generation {gen} could not be restored on {node}"
+        why = f"restart from generation {gen} failed: {error}"
+        log.warning("job %d: %s; reading its files whole, then recovering from an older generation (recovery %d of at most %d)",
+                    job_id, why, decision.count + 1, self.co.config.max_recoveries)
+
+        def change(r):
+            if jobs.is_terminal(r) or r["state"] == jobs.RECOVERING:
+                return False
+            r["state"] = jobs.RECOVERING
+            r["reason"] = f"{cause}; checking its files, then recovering from an older generation"
+            r["recovery"] = {"lost": [], "gen": None, "why": why, "cause": cause, "restore_failed": {"node": node, "gen": gen},
+                             "started": time.time(), "count": decision.count + 1}
+
+        record = await self.co.update(job_id, change)
+        if record["state"] != jobs.RECOVERING:
+            return not jobs.is_terminal(record)
+        self.co.left(job_id)
+        self.start(job_id)
+        return True
 
     def start(self, job_id: int, taken_up: bool = False) -> None:
         if job_id not in self.under_way:
@@ -342,6 +412,15 @@ class Recoveries:
         await co.kill_everywhere(job_id)
         await hold(HOLD)
         lost = await self._settle(record, lost)
+        failed = (record.get("recovery") or {}).get("restore_failed")
+        if isinstance(failed, dict):
+            # Damage below the file system is found by reading every byte; intact files mean the
+            # restore failed for another reason, which an older generation would not cure.
+            damaged = await ckpt.check_restore(record, [str(failed.get("node"))])
+            if not damaged:
+                why = (record.get("recovery") or {}).get("why") or "its restore failed"
+                raise RemoteError("restore_failed", f"{why}; its files there are intact (read whole)")
+            log.warning("job %d: %s", job_id, "; ".join(damaged))
         lineage = record.get("lineage") or job_id
         with trio.move_on_after(RESTART_WAIT):
             while lineage in ckpt.restarting:  # noqa: ASYNC110 -- a set of ckptcoord's, no event to wait on
@@ -412,7 +491,7 @@ class Recoveries:
         recovery = dict(record.get("recovery") or {})
         lost = list(recovery.get("lost") or [])
         count = int(recovery.get("count") or 1)
-        info = {"job": job_id, "lost": lost, "gen": gen, "count": count}
+        info = {"job": job_id, "lost": lost, "gen": gen, "count": count, "cause": cause_of(recovery)}
         if result is not None:
             info.update({k: result[k] for k in ("placement", "rebuilt", "skipped") if k in result})
 
@@ -434,7 +513,7 @@ class Recoveries:
             await self._end(job_id, jobs.KILLED, "")
             return
         where = f" on {jobs.compress_nodes(jobs.nodes_of({'placement': result['placement']}))}" if result and result.get("placement") else ""
-        reason = f"{describe_lost(lost)} lost; requeued as job {new['id']} from generation {gen}{where}"
+        reason = f"{cause_of(recovery)}; requeued as job {new['id']} from generation {gen}{where}"
         await self._end(job_id, jobs.REQUEUED, reason, requeued_as=new["id"])
         after = self.table.get(job_id)
         if after is not None and after["state"] == jobs.KILLED:  # (killed between the check above and the end)
@@ -445,12 +524,11 @@ class Recoveries:
         def change(r):
             if r["state"] != jobs.RECOVERING:
                 return False
-            lost = list((r.get("recovery") or {}).get("lost") or [])
             r["state"] = state if not r.get("kill_requested") else jobs.KILLED
             if r["state"] == jobs.KILLED:
                 r["reason"] = r["reason"] if r["reason"].startswith("killed") else f"killed by {r['kill_requested']}"
             elif state == jobs.FAILED:
-                r["reason"] = f"{describe_lost(lost)} lost; {reason}"
+                r["reason"] = f"{cause_of(r.get('recovery') or {})}; {reason}"
             else:
                 r["reason"] = reason
             r.update(fields)

@@ -123,7 +123,7 @@ async def coord_restart(s, call: Call):
 @op("coord_ckpt_restored", audience=PEER)
 async def coord_ckpt_restored(s, call: Call):
     args = call.args
-    await coordinator(s).ckpt.on_restored(integer(args, "job"), str(args.get("reporter")), args.get("error"))
+    await coordinator(s).restore_reported(integer(args, "job"), str(args.get("reporter")), args.get("error"))
     return True
 
 

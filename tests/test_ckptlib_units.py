@@ -596,12 +596,20 @@ def test_every_auto_alone_checkpoints_at_once_then_at_the_planned_interval_and_r
     reference = digest(run(elsewhere, T_N=140))
     killed = run(tmp_path, T_KILL=130, **settings)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    # Generations 1 (iteration 0), 2 (m) and 3 (2m); the newest two kept.
-    assert complete_generations(tmp_path) == [2, 3]
-    first, second = (manifest_of(tmp_path, g).iteration for g in (2, 3))
-    # (m is 1 s over the measured pace: ~50 iterations on a quiet machine, fewer when load stretches them;
-    # made again when the pace moves, so the two gaps need not be equal)
-    assert 8 <= first <= 120 and 8 <= second - first <= 120, (first, second)
+    # Generations 1 (iteration 0), 2 (m) and 3 (2m); the newest two kept. (m is 1 s over the measured
+    # pace: ~50 iterations on a quiet machine, fewer when load stretches them; more when load makes the
+    # first checkpoint slow, for the optimum grows with its cost C: then 3 is not reached by the kill.
+    # Made again when the pace moves, so the two gaps need not be equal.)
+    gens = complete_generations(tmp_path)
+    assert gens in ([1, 2], [2, 3]), gens
+    its = [manifest_of(tmp_path, g).iteration for g in gens]
+    if gens == [1, 2]:
+        assert its[0] == 0, its  # (the first at once, to measure its cost)
+        gaps = [its[1]]
+    else:
+        gaps = [its[0], its[1] - its[0]]  # (generation 1, removed, was at iteration 0)
+    assert all(8 <= gap <= 129 for gap in gaps), its
+    second = its[1]
     resumed = run(tmp_path, GANGD_RESTART="latest", **{k: v for k, v in settings.items() if k != "T_N"}, T_N=140)
     assert digest(resumed) == reference and field(resumed, "first") == [str(second)]
     bad = run(elsewhere, T_EVERY="auto", GANGD_MTBF="often")

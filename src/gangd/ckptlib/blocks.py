@@ -172,6 +172,30 @@ def hash_blocks(data: memoryview, block: int) -> np.ndarray:
     return np.frombuffer(b"".join(digests), dtype=np.uint8).reshape(-1, SIG)
 
 
+def reuse_unwritten(state: State, refs: Sequence[Index], watch) -> None:
+    """Sign each tracked array from a reference generation's signature: its
+    blocks not written since that generation's cut (``watch``, a
+    :class:`.dirty.WriteWatch`) keep the hashes recorded there, the others are
+    hashed. A value no reference covers is left for :func:`signature`."""
+    h, block = _hash, state.block
+    for v in state.values:
+        if v.sig is not None or v.kind != "nd" or v.nbytes < 2 * block:
+            continue
+        start = np.frombuffer(v.data, dtype=np.uint8).ctypes.data
+        for ref in refs:
+            e = ref.entry(v.name) if ref.signed and ref.block == block else None
+            if e is None or e.signature is None or (e.kind, e.meta, e.nbytes) != (v.kind, v.meta, v.nbytes):
+                continue
+            keep = watch.unchanged(v.name, ref.gen, start, v.nbytes, block)
+            if keep is None or len(keep) != len(e.signature):
+                continue
+            sig = np.array(e.signature, dtype=np.uint8, copy=True)
+            for i in np.flatnonzero(~keep).tolist():
+                sig[i] = np.frombuffer(h(v.data[i * block : (i + 1) * block]), dtype=np.uint8)
+            v.sig = sig
+            break
+
+
 def signature(values: Mapping[str, object] | State, block: int = DEFAULT_BLOCK) -> State:
     """Pass 1: the values planned (see :func:`plan`) and every block hashed."""
     state = values if isinstance(values, State) else plan(values, block)
@@ -891,8 +915,11 @@ def looks_dense(state: State, refs: Sequence[Index], full_above: float = delta.D
         picks = None
         if any(comparable) and count:
             picks = np.sort(rng.choice(count, SAMPLE, replace=False)) if count > SAMPLE else np.arange(count)
-            sampled = np.frombuffer(b"".join(_hash(v.data[i * state.block : (i + 1) * state.block]) for i in picks.tolist()),
-                                    dtype=np.uint8).reshape(-1, SIG)
+            if v.sig is not None:  # (signed already from a reference's signature: reuse_unwritten)
+                sampled = v.sig[picks]
+            else:
+                sampled = np.frombuffer(b"".join(_hash(v.data[i * state.block : (i + 1) * state.block]) for i in picks.tolist()),
+                                        dtype=np.uint8).reshape(-1, SIG)
         for k, e in enumerate(entries):
             if not comparable[k] or picks is None or e is None or e.signature is None:
                 changed[k] += v.nbytes
@@ -905,7 +932,7 @@ def save_generation(path: Path, values: Mapping[str, object], *, gen: int, itera
                     offered: Iterable = (), block: int = DEFAULT_BLOCK, chain_max: int = delta.DEFAULT_CHAIN_MAX,
                     threshold: float = delta.DEFAULT_THRESHOLD, full_above: float = delta.DEFAULT_FULL_ABOVE,
                     force_full: bool = False, extra: dict | None = None, durable: bool = True, codec: object = None,
-                    pipeline: object = None) -> dict:
+                    pipeline: object = None, watch: object = None) -> dict:
     """Write generation ``gen`` of the values in ``mode``: hash (unless
     ``full``), compare with the offered parent and its base, :func:`delta.choose`,
     write. ``offered``: the parent generation's file first, then its chain
@@ -930,6 +957,11 @@ def save_generation(path: Path, values: Mapping[str, object], *, gen: int, itera
     exactly as before): the blocks written are compressed and written by a
     pipeline (:func:`write_delta`); ``auto`` picks per value, and writes the raw format
     when it picks ``none`` for every value.
+
+    ``watch`` (a :class:`.dirty.WriteWatch`, in the process that cut this
+    generation or its forked snapshot): the blocks of tracked arrays not
+    written since the base's (or the parent's) cut are not hashed again
+    (:func:`reuse_unwritten`).
     """
     if mode not in delta.MODES:
         raise ValueError(f"checkpoint mode {mode!r} is not one of {', '.join(delta.MODES)}")
@@ -957,6 +989,8 @@ def save_generation(path: Path, values: Mapping[str, object], *, gen: int, itera
                 why_full, parent, base = str(exc), None, None
         refs = (parent, base) if parent is not None and base is not None else None
         comparable = refs is not None and all(r.signed and r.block == state.block for r in refs)
+        if comparable and watch is not None and refs is not None:
+            reuse_unwritten(state, refs, watch)  # (the parent first: the fewest blocks written since its cut)
         dense = comparable and refs is not None and looks_dense(state, refs, full_above)
         if not comparable or dense:
             # A full, whatever the full pass would find: nothing to compare with, or nearly everything

@@ -132,6 +132,8 @@ def write(path: Path, values: dict, iteration: int, *, background: bool, then: C
     (called in the writing process).
     """
     reap()
+    if delta is not None and delta.get("mode") != "full":
+        _cut(delta, values)
     if not background:
         return Written(result=_write_now(path, values, iteration, then, spc, delta))
     if delta is not None:
@@ -157,6 +159,30 @@ def write(path: Path, values: dict, iteration: int, *, background: bool, then: C
             os._exit(0)
     os.close(write_end)
     return Written(pid=pid, fd=read_end)
+
+
+def _cut(delta: dict, values: dict) -> None:
+    """Record, in the job at the cut, which blocks of the protected arrays were
+    written since the recent cuts (:mod:`.dirty`): the writing process then
+    hashes only those (ctypes is imported for it only when a delta is cut)."""
+    from . import dirty
+
+    watch = dirty.watch()
+    if watch is None:
+        return
+    try:
+        watch.cut(int(delta["gen"]), values, int(delta["block"]))
+    except Exception:  # noqa: BLE001 -- never fail a checkpoint for it: forget every mask, every block is hashed
+        watch.tracked.clear()
+
+
+def _watch(delta: dict):
+    """The write watch a cut in this process (or in the job this snapshot was forked from) made, if any."""
+    if delta.get("mode") == "full":
+        return None
+    from . import dirty
+
+    return dirty.current()
 
 
 def _preload(text: object) -> None:
@@ -200,7 +226,7 @@ def _write_now(path: Path, values: dict, iteration: int, then, spc, delta: dict 
                                             offered=offered() if callable(offered) else offered, block=delta["block"],
                                             chain_max=delta["chain_max"], threshold=delta["threshold"],
                                             force_full=bool(delta.get("force_full")), codec=_codec(delta.get("codec")),
-                                            pipeline=units.settings_of(delta.get("pipeline")))
+                                            pipeline=units.settings_of(delta.get("pipeline")), watch=_watch(delta))
             result["seconds"] = time.monotonic() - started
         else:
             size, digest = spc_mod.write(spc or spc_mod.Registered(), path, values, iteration)

@@ -208,3 +208,27 @@ def test_off_in_the_environment_means_every_block_is_hashed():
     out = subprocess.run([sys.executable, "-c", code], env={k: v for k, v in os.environ.items() if k != "GANGD_CKPT_WRITE_WATCH"},
                          capture_output=True, text=True, check=True).stdout
     assert out.startswith("<gangd.ckptlib.dirty.WriteWatch"), out
+
+
+def test_a_job_s_user_without_privileges_has_it_too():
+    """Ranks run as the job's owner: user-mode-only faults need no privilege
+    (vm.unprivileged_userfaultfd stays 0). In a forked child that dropped to uid 65534."""
+    from conftest import as_uid
+
+    kernel_watch().close()
+
+    def probe():
+        import ctypes
+
+        ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # (PR_SET_DUMPABLE: as a rank exec'd after the drop is; this fork is not)
+        w = dirty.WriteWatch(dirty._Kernel())
+        a = np.zeros((1 << 20) // 8)
+        w.cut(1, {"a": a}, B)
+        a[1000] = 1.0
+        w.cut(2, {"a": a}, B)
+        keep = w.unchanged("a", 1, a.ctypes.data, a.nbytes, B)
+        return {"uid": os.getuid(), "written": None if keep is None else np.flatnonzero(~keep).tolist()}
+
+    got = as_uid(65534, probe)
+    assert got.get("uid") == 65534, got
+    assert got["written"] is not None and (1000 * 8) // B in got["written"] and len(got["written"]) <= 4, got

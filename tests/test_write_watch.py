@@ -140,6 +140,9 @@ def test_an_array_written_all_over_rests_untracked_then_is_tried_again(watch):
     a[5] += 1.0
     watch.cut(3 + dirty.RETRY_AFTER, {"a": a}, B)  # (sparse now: it stays)
     assert_covers(watch, "a", 2 + dirty.RETRY_AFTER, a, written_blocks(a, [5]))
+    a += 1.0
+    watch.cut(4 + dirty.RETRY_AFTER, {"a": a}, B)  # (dense again: it rests twice as long)
+    assert "a" not in watch.tracked and watch.resting["a"] == 4 + 3 * dirty.RETRY_AFTER
 
 
 def test_another_array_under_the_same_name_or_an_unknown_generation_is_not_known(watch):

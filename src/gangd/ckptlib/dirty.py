@@ -35,8 +35,10 @@ What it costs, and when it is off:
   tried again :data:`RETRY_AFTER` cuts later. Arrays under
   :data:`MIN_BYTES` are not tracked: hashing them costs microseconds.
 * The scan runs in the job at the cut: ~1 ms for 3 000 written pages of a
-  256 MiB array, more for the first cut after an array is registered (every
-  page is protected then).
+  256 MiB array. It first only counts the written pages, so that an array
+  found dense is let go without protecting its pages again (~18 ms for
+  256 MiB of small pages: a write splits a huge page into small ones), and
+  each time an array is found dense again it rests twice as long.
 * Writes the page tables do not see are not seen: a device writing into an
   array by DMA (an RDMA receive buffer registered with the NIC). Another
   thread of the program writing a protected array *during* a cut is not
@@ -137,15 +139,15 @@ class _Kernel:
             except OSError:
                 pass
 
-    def written(self, lo: int, hi: int) -> np.ndarray:
+    def written(self, lo: int, hi: int, *, protect: bool = True) -> np.ndarray:
         """The pages of [lo, hi) written since they were last protected, as
-        (start, end) address rows; protects them again (one call per
-        :data:`VEC` regions)."""
+        (start, end) address rows; with ``protect``, protects them again (one
+        call per :data:`VEC` regions)."""
         found = []
         start = lo
+        flags = _PM_SCAN_CHECK_WPASYNC | (_PM_SCAN_WP_MATCHING if protect else 0)
         while start < hi:
-            arg = (ctypes.c_uint64 * 12)(96, _PM_SCAN_WP_MATCHING | _PM_SCAN_CHECK_WPASYNC, start, hi, 0, self.vec.ctypes.data,
-                                         VEC, 0, 0, _PAGE_IS_WRITTEN, 0, _PAGE_IS_WRITTEN)
+            arg = (ctypes.c_uint64 * 12)(96, flags, start, hi, 0, self.vec.ctypes.data, VEC, 0, 0, _PAGE_IS_WRITTEN, 0, _PAGE_IS_WRITTEN)
             count = self._ioctl(self.pagemap, _PAGEMAP_SCAN, arg, "PAGEMAP_SCAN")
             found.append(self.vec[:count, :2].copy())
             if count < VEC:
@@ -183,6 +185,11 @@ class _Tracked:
         return np.cumsum(mask[:-1]) > 0
 
 
+def _bytes(regions: np.ndarray) -> int:
+    """Bytes in the (start, end) rows."""
+    return int((regions[:, 1] - regions[:, 0]).sum()) if len(regions) else 0
+
+
 def _page() -> int:
     return os.sysconf("SC_PAGE_SIZE")
 
@@ -196,6 +203,7 @@ class WriteWatch:
         self.page = _page()
         self.tracked: dict[str, _Tracked] = {}
         self.resting: dict[str, int] = {}  # name -> the generation from which a dense array is tried again
+        self.dense: dict[str, int] = {}  # name -> how many times it was found dense (its rest doubles each time)
 
     def close(self) -> None:
         """Stop tracking everything (a test's own watch; the process's lives as long as it)."""
@@ -249,6 +257,12 @@ class WriteWatch:
                 if t is None:
                     continue
             try:
+                if t.scanned and _bytes(self.kernel.written(t.lo, t.hi, protect=False)) >= DENSE * (t.hi - t.lo):
+                    # Written nearly all over: hashing it costs less than the faults. Let it go (unprotected).
+                    self._drop(name)
+                    count = self.dense[name] = self.dense.get(name, 0) + 1
+                    self.resting[name] = gen + (RETRY_AFTER << min(count - 1, 4))
+                    continue
                 regions = self.kernel.written(t.lo, t.hi)
             except OSError:  # (the memory was unmapped or remapped under the array: hash it whole from now on)
                 self._drop(name)
@@ -259,10 +273,6 @@ class WriteWatch:
             t.since[gen] = np.zeros(t.nblocks, dtype=bool)
             for old in sorted(t.since)[:-HISTORY]:
                 del t.since[old]
-            pages = int((regions[:, 1] - regions[:, 0]).sum()) // self.page if len(regions) else 0
-            if t.scanned and pages >= DENSE * (t.hi - t.lo) // self.page:
-                self._drop(name)
-                self.resting[name] = gen + RETRY_AFTER
             t.scanned = True
 
     def unchanged(self, name: str, gen: int, start: int, nbytes: int, block: int) -> np.ndarray | None:

@@ -71,7 +71,6 @@ from pathlib import Path
 from typing import Protocol
 
 import msgpack
-import numpy as np
 
 from .. import ckptstore, safefs
 from ..ckptstore import Manifest, StoreError
@@ -386,6 +385,8 @@ class XorStreams:
         self.names = list(names) if names is not None else [f"source {k}" for k in range(len(self.sources))]
 
     def fill(self, view: memoryview) -> None:
+        import numpy as np  # (here: a daemon imports this module to start, and numpy is 0.1 s of it)
+
         acc = np.frombuffer(view, dtype=np.uint8)
         for off in range(0, len(view), BLOCK):
             n = min(BLOCK, len(view) - off)

@@ -26,7 +26,13 @@ the first generation after a restart, an array protected again at another
 address, a scan that failed -- answers None, and every block is hashed as
 before. A scan failing turns tracking off for that array.
 
-What it costs, and when it is off:
+What it costs, and when it is off (measured on the 2-CPU machine, a 256 MiB
+array of which 5 % of the 16 KiB blocks are written between checkpoints,
+medians of 6: the program's writes 1.3-1.6 ms slower (the faults), the scan
+1.4-1.7 ms, the fork of the snapshot 4-5 ms instead of 1 ms (a written huge
+page is split into small pages, more page table to copy); against ~25 ms of
+hashing saved in the writing process, which on a cluster competes with the
+ranks for their cores, and off the checkpoint's time):
 
 * One minor fault per page per interval, in the job (~2 us). For an array
   written all over between two cuts that is more than hashing it (65 k

@@ -76,6 +76,18 @@ def test_hostile_settings_are_refused_saying_what_is_wrong(hostile, said):
     assert said in str(caught.value) and len(str(caught.value)) < 300
 
 
+def test_settings_accepted_at_submit_are_accepted_on_a_node_of_any_size():
+    """workers left out is each node's cores (at most 4): a job submitted from a
+    1-core node must not be refused at a rank's init on a 4-core one."""
+    with pytest.raises(ps.SettingsError) as caught:
+        ps.parse("buffer_size=256MiB")  # (4 buffers of 256 MiB, but 6 in front of 4 workers)
+    assert "exceed" in str(caught.value)
+    assert ps.parse("buffer_size=256MiB,workers=2") == {"buffer_size": 256 << 20, "workers": 2}
+    for cores in range(1, ps.DEFAULT_WORKERS_MAX + 1):
+        accepted = ps.parse("buffer_size=128MiB")
+        ps.Settings.from_mapping({"workers": cores, **accepted})  # (as a rank on a node of that many cores builds them)
+
+
 # ------------------------------------------------------------------ the edges: job spec, config, command line
 
 

@@ -32,8 +32,9 @@ cluster's ``[checkpoint] pipeline``, ``GANGD_CKPT_PIPELINE``,
 sizes with a binary suffix, e.g. ``buffer_size=256KiB,workers=2``.
 :func:`parse` checks such text into the overrides it names; only those travel
 (a setting left out is each node's own default: ``workers`` follows the
-cores where the ranks run), and :func:`canonical` is the one spelling a job
-record keeps.
+cores where the ranks run, so :func:`parse` checks the bounds with the most
+workers any node defaults to), and :func:`canonical` is the one spelling a
+job record keeps.
 """
 
 from __future__ import annotations
@@ -56,13 +57,16 @@ _SUFFIX = {"": 1, "k": KIB, "kib": KIB, "m": MIB, "mib": MIB, "g": 1024 * MIB, "
 _NUMBER = re.compile(r"([0-9]{1,12})\s*([a-z]*)")
 
 
+DEFAULT_WORKERS_MAX = 4  # a parallel stage's threads when the settings leave them out: the cores, at most this
+
+
 def default_workers() -> int:
-    """Threads for a parallel stage by default: the cores this process may use, at most 4."""
+    """Threads for a parallel stage by default: the cores this process may use, at most :data:`DEFAULT_WORKERS_MAX`."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    return max(1, min(cores, 4))
+    return max(1, min(cores, DEFAULT_WORKERS_MAX))
 
 
 class SettingsError(ValueError):
@@ -109,7 +113,8 @@ class Settings:
 
 def parse(text: object) -> dict[str, int]:
     """The settings ``text`` names (``buffer_size=256KiB,workers=2``), checked as :class:`Settings`
-    checks them against the defaults; a SettingsError saying what is wrong and what is accepted.
+    checks them against the defaults (workers: :data:`DEFAULT_WORKERS_MAX` if left out); a
+    SettingsError saying what is wrong and what is accepted.
     An empty text names nothing (every setting its default)."""
     if not isinstance(text, str):
         raise SettingsError(f"pipeline settings are text such as 'buffer_size=256KiB,workers=2', not {type(text).__name__}")
@@ -130,7 +135,9 @@ def parse(text: object) -> dict[str, int]:
             unit = " (a size: 256KiB, 4MiB, 1048576)" if key in SIZES else " (a whole number)"
             raise SettingsError(f"pipeline setting {key}={raw[:40]!r} is not a number{unit}")
         values[key] = int(match.group(1)) * _SUFFIX[match.group(2)]
-    Settings.from_mapping(values)  # (every bound, with the defaults for what is left out)
+    # Every bound, with the defaults for what is left out -- workers at the most any node defaults to, so
+    # that settings accepted where the job is submitted are accepted on every node its ranks start on.
+    Settings.from_mapping({"workers": DEFAULT_WORKERS_MAX, **values})
     return values
 
 

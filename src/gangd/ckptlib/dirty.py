@@ -39,6 +39,14 @@ What it costs, and when it is off:
   found dense is let go without protecting its pages again (~18 ms for
   256 MiB of small pages: a write splits a huge page into small ones), and
   each time an array is found dense again it rests twice as long.
+* Only private anonymous memory is tracked (what numpy allocates): the
+  kernel registers any memory for asynchronous write protection, but only
+  writes through this mapping fault, and shared memory another process
+  writes, a memfd or file written with ``pwrite``, or the file under a
+  private file mapping change an array without one. Arrays that share
+  memory (one array under two names, a view of another) are not tracked
+  either: each one's scan protects the pages again and would hide their
+  writes from the other's.
 * Writes the page tables do not see are not seen: a device writing into an
   array by DMA (an RDMA receive buffer registered with the NIC). Another
   thread of the program writing a protected array *during* a cut is not
@@ -185,6 +193,53 @@ class _Tracked:
         return np.cumsum(mask[:-1]) > 0
 
 
+def _overlapping(spans: dict[str, tuple[int, int]]) -> set[str]:
+    """The names whose (start, nbytes) overlaps another's: the same array under two names, a view of another."""
+    out: set[str] = set()
+    group: list[str] = []
+    reach = -1
+    for name, (start, nbytes) in sorted(spans.items(), key=lambda item: item[1][0]):
+        if start >= reach:
+            if len(group) > 1:
+                out.update(group)
+            group = []
+        group.append(name)
+        reach = max(reach, start + nbytes)
+    if len(group) > 1:
+        out.update(group)
+    return out
+
+
+def _private_anonymous(lo: int, hi: int) -> bool:
+    """Whether [lo, hi) is mapped, and only privately and anonymously (an inode of 0, a ``p``).
+
+    Asynchronous write protection registers any memory, but only writes
+    through *this* mapping fault: a page of shared memory another process
+    writes, a memfd or file written with ``pwrite``, the file under a private
+    mapping's unwritten pages -- all change what the array holds without a
+    fault here."""
+    try:
+        with open("/proc/self/maps", "rb") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return False
+    covered = lo
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 5:
+            continue
+        first, _, last = fields[0].partition(b"-")
+        start, end = int(first, 16), int(last, 16)
+        if end <= covered or start >= hi:
+            continue
+        if start > covered or fields[1][3:4] != b"p" or fields[4] != b"0":
+            return False
+        covered = end
+        if covered >= hi:
+            return True
+    return False
+
+
 def _bytes(regions: np.ndarray) -> int:
     """Bytes in the (start, end) rows."""
     return int((regions[:, 1] - regions[:, 0]).sum()) if len(regions) else 0
@@ -218,11 +273,11 @@ class WriteWatch:
     def _register(self, name: str, start: int, nbytes: int, block: int) -> _Tracked | None:
         lo = -(-start // self.page) * self.page
         hi = (start + nbytes) // self.page * self.page
-        if hi - lo < 2 * self.page:
+        if hi - lo < 2 * self.page or not _private_anonymous(lo, hi):
             return None
         try:
             self.kernel.register(lo, hi)
-        except OSError:  # (not anonymous memory: a file mapping, a shared segment)
+        except OSError:  # (a seccomp filter, a range that went away)
             return None
         t = _Tracked(start, nbytes, block, lo, hi, np.zeros(-(-nbytes // block), dtype=bool))
         if lo > start:  # (the partial page before lo and the one after hi are not registered)
@@ -240,9 +295,13 @@ class WriteWatch:
             return
         for name in [n for n in self.tracked if n not in values]:
             self._drop(name)
-        for name, value in values.items():
-            if not (isinstance(value, np.ndarray) and value.flags.c_contiguous and value.nbytes >= MIN_BYTES):
-                self._drop(name)
+        arrays = {name: value for name, value in values.items()
+                  if isinstance(value, np.ndarray) and value.flags.c_contiguous and value.nbytes >= MIN_BYTES}
+        shared = _overlapping({name: (value.ctypes.data, value.nbytes) for name, value in arrays.items()})
+        for name in [n for n in self.tracked if n not in arrays or n in shared]:
+            self._drop(name)
+        for name, value in arrays.items():
+            if name in shared:  # (one scan protecting the pages again would hide their writes from the other's)
                 continue
             start, nbytes = value.ctypes.data, value.nbytes
             t = self.tracked.get(name)
@@ -270,7 +329,9 @@ class WriteWatch:
             written = t.blocks_of(regions)
             for mask in t.since.values():
                 np.logical_or(mask, written, out=mask)
-            t.since[gen] = np.zeros(t.nblocks, dtype=bool)
+            # A number cut again (a generation retried, say) keeps its first mask: a superset of the
+            # writes since either cut, right whichever snapshot the file of that number holds.
+            t.since.setdefault(gen, np.zeros(t.nblocks, dtype=bool))
             for old in sorted(t.since)[:-HISTORY]:
                 del t.since[old]
             t.scanned = True

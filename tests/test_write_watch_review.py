@@ -215,3 +215,9 @@ def test_a_generation_number_cut_twice_keeps_the_writes_since_its_first_cut(watc
     watch.cut(3, {"a": a}, B)
     assert missed(watch, "a", 2, a, [4, 9]) == []
     assert missed(watch, "a", 1, a, [4, 9]) == []
+
+
+def test_kernels_whose_scan_misreads_swapped_pages_are_not_used():
+    """6.7 to 6.8.9 read a swapped-out or migrating page's write-protect bit where a present page keeps it."""
+    assert [dirty._scan_reads_swapped_pages(r) for r in ("6.7.12", "6.8.0-45-generic", "6.8.9", "6.8.10", "6.9", "6.18.44-fc-v595", "7.0.1", "x")] == [
+        False, False, False, True, True, True, True, False]

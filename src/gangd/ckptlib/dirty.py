@@ -53,7 +53,8 @@ What it costs, and when it is off:
   either (the scan comes before the fork), but that already makes the
   snapshot itself torn. ``GANGD_CKPT_WRITE_WATCH=off`` (the rank's
   environment) hashes every block.
-* Not available (a kernel before 6.7, a seccomp filter refusing
+* Not available (a kernel before 6.9 or 6.8.10, whose scan could read a
+  swapped-out or migrating written page as unwritten; a seccomp filter refusing
   ``userfaultfd``, not Linux, not x86-64/aarch64): every block is hashed.
 """
 
@@ -62,6 +63,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -105,6 +107,9 @@ class _Kernel:
         number = _SYSCALLS.get(platform.machine())
         if number is None:
             raise OSError(0, f"no userfaultfd system call number known for {platform.machine()}")
+        if not _scan_reads_swapped_pages(platform.release()):
+            raise OSError(0, f"Linux {platform.release()}'s PAGEMAP_SCAN can report a written page that is swapped out "
+                             "or migrating as unwritten (fixed in 6.9 and 6.8.10)")
         self.libc = ctypes.CDLL(None, use_errno=True)
         self.libc.syscall.restype = ctypes.c_long
         self.libc.ioctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p)
@@ -164,6 +169,21 @@ class _Kernel:
                 raise OSError(0, "PAGEMAP_SCAN made no progress")
             start = arg[4]
         return np.concatenate(found) if found else np.zeros((0, 2), dtype=np.uint64)
+
+
+def _scan_reads_swapped_pages(release: str) -> bool:
+    """Whether this kernel's PAGEMAP_SCAN reads a page that is not present right.
+
+    Before Linux commit 2c7ad9a590d1 (6.9; 6.8.10) the scan's fast path --
+    the one a scan for written pages only takes -- read the write-protect
+    bit of a swapped-out or migrating page's entry where a present page
+    keeps it: on x86-64 a bit of the swap offset, so such a page written
+    since the cut read unwritten about half the time."""
+    found = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", release)
+    if found is None:
+        return False
+    major, minor, patch = int(found[1]), int(found[2]), int(found[3] or 0)
+    return (major, minor) >= (6, 9) or (major, minor, patch) >= (6, 8, 10)
 
 
 @dataclass

@@ -30,6 +30,8 @@ MADV_FREE, MADV_DONTNEED, MADV_HUGEPAGE, MADV_NOHUGEPAGE, MADV_PAGEOUT, MADV_COL
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_libc.process_vm_writev.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong)
+_libc.process_vm_writev.restype = ctypes.c_ssize_t
 
 
 def madvise(addr: int, length: int, advice: int) -> int:
@@ -221,3 +223,40 @@ def test_kernels_whose_scan_misreads_swapped_pages_are_not_used():
     """6.7 to 6.8.9 read a swapped-out or migrating page's write-protect bit where a present page keeps it."""
     assert [dirty._scan_reads_swapped_pages(r) for r in ("6.7.12", "6.8.0-45-generic", "6.8.9", "6.8.10", "6.9", "6.18.44-fc-v595", "7.0.1", "x")] == [
         False, False, False, True, True, True, True, False]
+
+
+def test_writes_through_the_kernel_s_other_paths_are_seen(watch, tmp_path):
+    """process_vm_writev (MPI's single-copy transfers), /proc/self/mem (a debugger), an O_DIRECT read (DMA
+    into pages pinned for the call): each writes the array's pages through the kernel, and faults first."""
+
+    class Iovec(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+    a = np.ones((4 << 20) // 8)
+    base = a.ctypes.data + (-a.ctypes.data) % PAGE  # (O_DIRECT wants an aligned buffer)
+    watch.cut(1, {"a": a}, B)
+    source = ctypes.create_string_buffer(b"\x09" * 64)
+    local, remote = Iovec(ctypes.cast(source, ctypes.c_void_p), 64), Iovec(base + B * 10, 64)
+    assert _libc.process_vm_writev(os.getpid(), ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) == 64
+    fd = os.open("/proc/self/mem", os.O_RDWR)
+    try:
+        assert os.pwrite(fd, b"\x08" * 64, base + B * 20) == 64
+    finally:
+        os.close(fd)
+    written = [(base - a.ctypes.data + B * 10) // B, (base - a.ctypes.data + B * 20) // B]
+    (tmp_path / "direct").write_bytes(b"\x05" * PAGE)
+    try:
+        fd = os.open(tmp_path / "direct", os.O_RDONLY | os.O_DIRECT)
+    except OSError:  # (a file system without O_DIRECT: tmpfs)
+        fd = None
+    if fd is not None:
+        try:
+            at = base - a.ctypes.data + B * 30
+            if os.preadv(fd, [memoryview(a).cast("B")[at : at + PAGE]], 0) == PAGE:
+                written.append(at // B)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    watch.cut(2, {"a": a}, B)
+    assert missed(watch, "a", 1, a, written) == []

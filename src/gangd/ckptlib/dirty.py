@@ -45,13 +45,22 @@ ranks for their cores, and off the checkpoint's time):
   found dense is let go without protecting its pages again (~18 ms for
   256 MiB of small pages: a write splits a huge page into small ones), and
   each time an array is found dense again it rests twice as long.
+* Only private anonymous memory is tracked (what numpy allocates): the
+  kernel registers any memory for asynchronous write protection, but only
+  writes through this mapping fault, and shared memory another process
+  writes, a memfd or file written with ``pwrite``, or the file under a
+  private file mapping change an array without one. Arrays that share
+  memory (one array under two names, a view of another) are not tracked
+  either: each one's scan protects the pages again and would hide their
+  writes from the other's.
 * Writes the page tables do not see are not seen: a device writing into an
   array by DMA (an RDMA receive buffer registered with the NIC). Another
   thread of the program writing a protected array *during* a cut is not
   either (the scan comes before the fork), but that already makes the
   snapshot itself torn. ``GANGD_CKPT_WRITE_WATCH=off`` (the rank's
   environment) hashes every block.
-* Not available (a kernel before 6.7, a seccomp filter refusing
+* Not available (a kernel before 6.9 or 6.8.10, whose scan could read a
+  swapped-out or migrating written page as unwritten; a seccomp filter refusing
   ``userfaultfd``, not Linux, not x86-64/aarch64): every block is hashed.
 """
 
@@ -60,6 +69,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -103,6 +113,9 @@ class _Kernel:
         number = _SYSCALLS.get(platform.machine())
         if number is None:
             raise OSError(0, f"no userfaultfd system call number known for {platform.machine()}")
+        if not _scan_reads_swapped_pages(platform.release()):
+            raise OSError(0, f"Linux {platform.release()}'s PAGEMAP_SCAN can report a written page that is swapped out "
+                             "or migrating as unwritten (fixed in 6.9 and 6.8.10)")
         self.libc = ctypes.CDLL(None, use_errno=True)
         self.libc.syscall.restype = ctypes.c_long
         self.libc.ioctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p)
@@ -164,6 +177,21 @@ class _Kernel:
         return np.concatenate(found) if found else np.zeros((0, 2), dtype=np.uint64)
 
 
+def _scan_reads_swapped_pages(release: str) -> bool:
+    """Whether this kernel's PAGEMAP_SCAN reads a page that is not present right.
+
+    Before Linux commit 2c7ad9a590d1 (6.9; 6.8.10) the scan's fast path --
+    the one a scan for written pages only takes -- read the write-protect
+    bit of a swapped-out or migrating page's entry where a present page
+    keeps it: on x86-64 a bit of the swap offset, so such a page written
+    since the cut read unwritten about half the time."""
+    found = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", release)
+    if found is None:
+        return False
+    major, minor, patch = int(found[1]), int(found[2]), int(found[3] or 0)
+    return (major, minor) >= (6, 9) or (major, minor, patch) >= (6, 8, 10)
+
+
 @dataclass
 class _Tracked:
     """One array, registered as the page-aligned [lo, hi) inside its bytes."""
@@ -189,6 +217,53 @@ class _Tracked:
             np.add.at(mask, np.clip(first, 0, self.nblocks), 1)
             np.add.at(mask, np.clip(last + 1, 0, self.nblocks), -1)
         return np.cumsum(mask[:-1]) > 0
+
+
+def _overlapping(spans: dict[str, tuple[int, int]]) -> set[str]:
+    """The names whose (start, nbytes) overlaps another's: the same array under two names, a view of another."""
+    out: set[str] = set()
+    group: list[str] = []
+    reach = -1
+    for name, (start, nbytes) in sorted(spans.items(), key=lambda item: item[1][0]):
+        if start >= reach:
+            if len(group) > 1:
+                out.update(group)
+            group = []
+        group.append(name)
+        reach = max(reach, start + nbytes)
+    if len(group) > 1:
+        out.update(group)
+    return out
+
+
+def _private_anonymous(lo: int, hi: int) -> bool:
+    """Whether [lo, hi) is mapped, and only privately and anonymously (an inode of 0, a ``p``).
+
+    Asynchronous write protection registers any memory, but only writes
+    through *this* mapping fault: a page of shared memory another process
+    writes, a memfd or file written with ``pwrite``, the file under a private
+    mapping's unwritten pages -- all change what the array holds without a
+    fault here."""
+    try:
+        with open("/proc/self/maps", "rb") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return False
+    covered = lo
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 5:
+            continue
+        first, _, last = fields[0].partition(b"-")
+        start, end = int(first, 16), int(last, 16)
+        if end <= covered or start >= hi:
+            continue
+        if start > covered or fields[1][3:4] != b"p" or fields[4] != b"0":
+            return False
+        covered = end
+        if covered >= hi:
+            return True
+    return False
 
 
 def _bytes(regions: np.ndarray) -> int:
@@ -224,11 +299,11 @@ class WriteWatch:
     def _register(self, name: str, start: int, nbytes: int, block: int) -> _Tracked | None:
         lo = -(-start // self.page) * self.page
         hi = (start + nbytes) // self.page * self.page
-        if hi - lo < 2 * self.page:
+        if hi - lo < 2 * self.page or not _private_anonymous(lo, hi):
             return None
         try:
             self.kernel.register(lo, hi)
-        except OSError:  # (not anonymous memory: a file mapping, a shared segment)
+        except OSError:  # (a seccomp filter, a range that went away)
             return None
         t = _Tracked(start, nbytes, block, lo, hi, np.zeros(-(-nbytes // block), dtype=bool))
         if lo > start:  # (the partial page before lo and the one after hi are not registered)
@@ -246,9 +321,13 @@ class WriteWatch:
             return
         for name in [n for n in self.tracked if n not in values]:
             self._drop(name)
-        for name, value in values.items():
-            if not (isinstance(value, np.ndarray) and value.flags.c_contiguous and value.nbytes >= MIN_BYTES):
-                self._drop(name)
+        arrays = {name: value for name, value in values.items()
+                  if isinstance(value, np.ndarray) and value.flags.c_contiguous and value.nbytes >= MIN_BYTES}
+        shared = _overlapping({name: (value.ctypes.data, value.nbytes) for name, value in arrays.items()})
+        for name in [n for n in self.tracked if n not in arrays or n in shared]:
+            self._drop(name)
+        for name, value in arrays.items():
+            if name in shared:  # (one scan protecting the pages again would hide their writes from the other's)
                 continue
             start, nbytes = value.ctypes.data, value.nbytes
             t = self.tracked.get(name)
@@ -276,7 +355,9 @@ class WriteWatch:
             written = t.blocks_of(regions)
             for mask in t.since.values():
                 np.logical_or(mask, written, out=mask)
-            t.since[gen] = np.zeros(t.nblocks, dtype=bool)
+            # A number cut again (a generation retried, say) keeps its first mask: a superset of the
+            # writes since either cut, right whichever snapshot the file of that number holds.
+            t.since.setdefault(gen, np.zeros(t.nblocks, dtype=bool))
             for old in sorted(t.since)[:-HISTORY]:
                 del t.since[old]
             t.scanned = True

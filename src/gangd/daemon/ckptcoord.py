@@ -1333,7 +1333,7 @@ class CheckpointCoordinator:
         there, so that the next restart starts from an older generation if
         the files are damaged."""
         try:
-            damaged = await self.check_restore(record, [node])
+            damaged, _ = await self.check_restore(record, [node])
         except Exception as exc:  # noqa: BLE001 -- a diagnosis; the job has failed with its reason already
             log.info("job %d: could not check generation %s on %s after its restore failed: %s", record["id"],
                      record["restart_of"]["gen"], node, exc)
@@ -1341,35 +1341,36 @@ class CheckpointCoordinator:
         if damaged:
             log.warning("job %d: damage found as a rank restored its state: %s", record["id"], "; ".join(damaged))
 
-    async def check_restore(self, record: dict, nodes: list[str]) -> list[str]:
+    async def check_restore(self, record: dict, nodes: list[str] | None = None) -> tuple[list[str], list[str]]:
         """Read whole the files the ranks of ``record`` (a restarted job) on
-        ``nodes`` restored from: its generation's, then every generation that
-        one needs. The restart's verification trusted files unchanged since
-        they were last found intact, and damage below the file system does
-        not show in a file's times. A damaged generation is marked damaged
-        (a restart skips it, and every generation that needs it). Returns
-        the problems, each naming node and path; empty: intact."""
+        ``nodes`` (every node: None) restored from: its generation's, then
+        every generation that one needs. The restart's verification trusted
+        files unchanged since they were last found intact, and damage below
+        the file system does not show in a file's times. A damaged generation
+        is marked damaged (a restart skips it, and every generation that
+        needs it). Returns (damaged, unread): the problems, each naming node
+        and path, and the nodes that could not check (down, unreachable)."""
         gen = int(record["restart_of"]["gen"])
         lineage = record.get("lineage") or record["id"]
         generations = self.generations(record)
         entry = next((e for e in generations if e["gen"] == gen), None)
         if entry is None:
-            return []
+            return [], [f"generation {gen} is no longer recorded"]
         if entry["state"] == "damaged":  # (found already, by another node's check)
-            return [f"generation {gen} is damaged: {entry.get('reason') or ''}".rstrip(": ")]
+            return [f"generation {gen} is damaged: {entry.get('reason') or ''}".rstrip(": ")], []
         if entry["state"] not in ("complete", "protected"):
-            return []
+            return [], [f"generation {gen} is {entry['state']}"]
         placement = list(record.get("placement") or record.get("pinned") or [])
-        ranks = [r for r, n in enumerate(placement) if n in nodes]
+        ranks = [r for r, n in enumerate(placement) if nodes is None or n in nodes]
         if not ranks:
-            return []
-        damaged, _ = await self._verify(lineage, {**entry, "placement": placement}, ranks, full=True)
+            return [], [f"no rank of the job ran on {', '.join(nodes or [])}"]
+        damaged, unread = await self._verify(lineage, {**entry, "placement": placement}, ranks, full=True)
         if damaged:
             await self._mark(entry, "damaged", "; ".join(damaged))
-            return [f"generation {gen} is damaged: {p}" for p in damaged]
-        if entry.get("needs"):
-            damaged, _ = await self._verify_links(lineage, entry, generations, placement, ranks, full=True)
-        return damaged
+            return [f"generation {gen} is damaged: {p}" for p in damaged], unread
+        if entry.get("needs") and not unread:
+            damaged, unread = await self._verify_links(lineage, entry, generations, placement, ranks, full=True)
+        return damaged, unread
 
     # ------------------------------------------------------------ periodic checkpoints
 

@@ -285,6 +285,10 @@ class Recoveries:
             return False
         ckpt = self.co.ckpt
         gen = int(record["restart_of"]["gen"])
+        try:
+            await self.table.read_lineage(record.get("lineage") or job_id)  # (its older jobs in the history count too)
+        except RemoteError as exc:
+            log.warning("job %d: could not read its lineage from the history: %s", job_id, exc.message)
         decision = allowed(record, ckpt.lineage_records(record), self.co.config.max_recoveries)
         if not decision.requeue:
             log.warning("job %d: generation %d could not be restored on %s; not recovered: %s", job_id, gen, node, decision.reason)
@@ -414,13 +418,19 @@ class Recoveries:
         lost = await self._settle(record, lost)
         failed = (record.get("recovery") or {}).get("restore_failed")
         if isinstance(failed, dict):
-            # Damage below the file system is found by reading every byte; intact files mean the
-            # restore failed for another reason, which an older generation would not cure.
-            damaged = await ckpt.check_restore(record, [str(failed.get("node"))])
-            if not damaged:
+            # Damage below the file system is found by reading every byte, on every node (another node's
+            # ranks may have failed too, their report coming second). Intact files mean the restore failed
+            # for another reason, which an older generation would not cure. Files that could not be read
+            # (their node down, say) are for the restart to skip or rebuild, as after any loss.
+            damaged, unread = await ckpt.check_restore(record)
+            if not damaged and not unread:
                 why = (record.get("recovery") or {}).get("why") or "its restore failed"
-                raise RemoteError("restore_failed", f"{why}; its files there are intact (read whole)")
-            log.warning("job %d: %s", job_id, "; ".join(damaged))
+                raise RemoteError("restore_failed", f"{why}; the generation's files are intact (read whole on every node)")
+            if damaged:
+                log.warning("job %d: %s", job_id, "; ".join(damaged))
+            else:
+                log.warning("job %d: could not read its files whole (%s): restarting from what the verification finds usable",
+                            job_id, "; ".join(unread))
         lineage = record.get("lineage") or job_id
         with trio.move_on_after(RESTART_WAIT):
             while lineage in ckpt.restarting:  # noqa: ASYNC110 -- a set of ckptcoord's, no event to wait on

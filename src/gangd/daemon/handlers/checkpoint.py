@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import trio
 
+from ... import text
 from ...checkpoint.messages import MAX_ITERATION, BadMessage, PlanNote
 from ...failpoint import failpoint, refuse
 from ...redundancy import transfer
@@ -123,7 +124,11 @@ async def coord_restart(s, call: Call):
 @op("coord_ckpt_restored", audience=PEER)
 async def coord_ckpt_restored(s, call: Call):
     args = call.args
-    await coordinator(s).restore_reported(integer(args, "job"), str(args.get("reporter")), args.get("error"))
+    # The reporter is the node the call came from (authenticated), not what it says; its sentence goes
+    # into the job's reason and `gang ckpt ls`: printable, bounded.
+    reporter = call.from_node or text.printable(args.get("reporter"), 64)
+    error = text.printable(args["error"], 1000) if args.get("error") else None
+    await coordinator(s).restore_reported(integer(args, "job"), reporter, error)
     return True
 
 

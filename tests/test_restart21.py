@@ -22,6 +22,7 @@ import json
 import os
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -125,7 +126,9 @@ def ext4_at(directory: Path, tmp: Path):
 
 
 @root_only
-def test_a_recovered_job_whose_generation_is_damaged_below_the_file_system_comes_back_from_the_older_one_by_itself(make_cluster, tmp_path):
+@pytest.mark.parametrize("report", ["prompt", "slow"])
+def test_a_recovered_job_whose_generation_is_damaged_below_the_file_system_comes_back_from_the_older_one_by_itself(
+        make_cluster, points, tmp_path, report):
     """A 3-node partner job with two protected generations; the newer one's
     file on a surviving node rotted beneath its ext4 (its times unchanged,
     so the recovery's verification trusts it); a third node lost with its
@@ -134,7 +137,10 @@ def test_a_recovered_job_whose_generation_is_damaged_below_the_file_system_comes
     again: the recovered job is recovered once more, from the older
     generation (its lost node's files rebuilt again), the damage marked,
     named and shown, and the computation ends bit-identical, `gang wait` on
-    the first id following it."""
+    the first id following it. ``slow``: the coordinator is held before it
+    handles the node's report that the restore failed; the failing rank has
+    exited, and its exit must not end the job FAILED before the report is
+    heard (the node reports such exits after it)."""
     from test_recovery import ARGV, ENDED, coordinator, held, lose, running, wait_protected
 
     gc = make_cluster(3, cores=2, time_slice=0.1)
@@ -157,11 +163,19 @@ def test_a_recovered_job_whose_generation_is_damaged_below_the_file_system_comes
             rot(image, bad, before.st_size // 2)
             assert bad.stat().st_ctime_ns == before.st_ctime_ns
             waiter = gc.popen_gang("wait", job, "--json")
+            if report == "slow":
+                (points / "restore.reported").touch()
             lose(gc, victim)
             release.touch()
 
             first = gc.wait_state(job, ENDED, timeout=120)
             assert first["state"] == "REQUEUED", first
+            if report == "slow":
+                said = f"job {first['requeued_as']}: node {rotted} says its ranks could not restore their state"
+                wait_for(lambda: said in gc.log(lead), 120, "the coordinator to hold the report")
+                time.sleep(3)  # (unheld, the failing rank's exit and its peers' would end the job well within this)
+                assert gc.job(first["requeued_as"])["state"] == "RUNNING", gc.job(first["requeued_as"])
+                (points / "restore.reported").unlink()
             second = gc.wait_state(first["requeued_as"], ENDED, timeout=180)
             assert second["state"] == "REQUEUED", second
             assert second["restart_of"]["gen"] == newer["gen"], second["restart_of"]

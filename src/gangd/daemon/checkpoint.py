@@ -121,6 +121,8 @@ SYNC_FAILS = "checkpoint.sync"
 
 NOTE_TIMEOUT = 1.0
 RESTORED_REPEAT = 1.0  # seconds between reports that this node's ranks of a restarted job loaded their state
+#: The longest a failed restore's rank exits wait for the coordinator to have heard why (see :meth:`exits_after_report`).
+EXITS_WAIT = 30.0
 AGREE_TIMEOUT = 30.0  # every rank reports within this after SIGQUIT (its thread answers at once)
 EXIT_REPORT_GRACE = 2.0  # s a rank's write report may trail its exit
 RESTORE_TIMEOUT = 600.0
@@ -1070,7 +1072,8 @@ class NodeCheckpoints:
             raise RemoteError("job_ended", f"job {record['id']} ended while its checkpoint was read; not starting its ranks")
         if contexts:
             jobnet.set_context(record["id"], contexts)
-        restart = {"gen": gen, "lineage": lineage, "directory": directory, "manifest": manifest, "ranks": mine, "failed": None, "chains": chains}
+        restart = {"gen": gen, "lineage": lineage, "directory": directory, "manifest": manifest, "ranks": mine, "failed": None, "chains": chains,
+                   "heard": trio.Event()}  # (set once the coordinator answered a report that the restore failed)
         self.restarts[record["id"]] = restart
         self.daemon.spawn(self._restore_deadline, record["id"], restart)
         env = {"GANGD_RESTART_GEN": str(gen)}
@@ -1131,9 +1134,33 @@ class NodeCheckpoints:
         while self.restarts.get(job_id) is restart:
             try:
                 await self.daemon.ops.to_coordinator("coord_ckpt_restored", job=job_id, reporter=self.daemon.node, error=restart["failed"])
+                if restart["failed"]:
+                    restart["heard"].set()
             except RemoteError as exc:
                 log.warning("job %d: could not report the restore to the coordinator: %s", job_id, exc)
             await trio.sleep(RESTORED_REPEAT)
+
+    def restore_failure_unheard(self, job_id: int) -> bool:
+        """Whether this node's ranks of ``job_id`` could not restore and the coordinator has not answered that yet."""
+        restart = self.restarts.get(job_id)
+        return restart is not None and bool(restart["failed"]) and not restart["heard"].is_set()
+
+    async def exits_after_report(self, job_id: int) -> None:
+        """Return once this node's report that the job's ranks could not
+        restore their state was answered (at most :data:`EXITS_WAIT`), or at
+        once if there is none. The rank that could not restore exits right
+        after saying so: were its exit heard first, the coordinator could
+        end the job FAILED before it learns why, and a job a recovery
+        started would not be recovered again from an older generation
+        (:meth:`gangd.daemon.recover.Recoveries.restore_failed`)."""
+        restart = self.restarts.get(job_id)
+        if restart is None or not restart["failed"]:
+            return
+        with trio.move_on_after(EXITS_WAIT):
+            await restart["heard"].wait()
+        if not restart["heard"].is_set():
+            log.warning("job %d: the coordinator has not answered that its ranks here could not restore; reporting their exits anyway",
+                        job_id)
 
     async def open_restarted(self, args: dict) -> bool:
         job_id = int(args["job"])

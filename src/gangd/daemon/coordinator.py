@@ -46,6 +46,7 @@ log = logging.getLogger("gangd.coordinator")
 
 KILL_REPORT_WAIT = 10.0
 SCHEDULE_HOLD = "schedule.hold"  # (a test's hold point, gangd.failpoint.hold: queued jobs wait while it exists)
+RESTORE_REPORTED = "restore.reported"  # (a test's hold point: a report that a restore failed waits before it is handled)
 #: A node answers kill_ranks within its rank kill deadline (ranks.KILL_DEADLINE,
 #: after which it reports a stuck rank as unkillable); past this the
 #: coordinator stops waiting for the node and goes on.
@@ -895,6 +896,9 @@ class Coordinator:
         (``error``): a job a recovery started is recovered again from an older
         generation (:meth:`Recoveries.restore_failed`); any other restart
         fails, its generation checked (:meth:`CheckpointCoordinator.on_restored`)."""
+        if error:
+            log.info("job %d: node %s says its ranks could not restore their state: %s", job_id, node, error)
+            await hold(RESTORE_REPORTED)
         record = self.table.get(job_id)
         if error and record is not None and await self.recoveries.restore_failed(record, node, error):
             return

@@ -266,7 +266,14 @@ class NodeJobs:
             for job_id, rank, status in batch:
                 by_job.setdefault(job_id, []).append([rank, status])
             for job_id, exits in by_job.items():
-                await self._deliver_exits(job_id, exits)
+                if self.checkpoints.restore_failure_unheard(job_id):  # (its reason first; other jobs' exits do not wait)
+                    self.spawn(self._deliver_exits_after_report, job_id, exits)
+                else:
+                    await self._deliver_exits(job_id, exits)
+
+    async def _deliver_exits_after_report(self, job_id: int, exits: list) -> None:
+        await self.checkpoints.exits_after_report(job_id)
+        await self._deliver_exits(job_id, exits)
 
     async def _deliver_exits(self, job_id: int, exits: list) -> None:
         while True:

@@ -619,11 +619,15 @@ def restart_cluster():
 
 
 @pytest.fixture
-def restart_gc(restart_cluster):
-    """``restart_cluster``, left after each test with no job and every node up again (a test may lose one)."""
+def restart_gc(restart_cluster, request):
+    """``restart_cluster``, left after each test with no job and every node up again (a test may lose one);
+    a failed test's report gets the daemons' logs, as ``make_cluster``'s do."""
     from ckpthelpers import kill_what_is_left
 
     yield restart_cluster
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        _print_cluster_logs(restart_cluster)
     kill_what_is_left(restart_cluster)
     for node in sorted(restart_cluster.files):
         if not restart_cluster.files[node].pid():

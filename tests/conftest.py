@@ -618,6 +618,25 @@ def restart_cluster():
         yield cluster
 
 
+def kernel_watch():
+    """A :class:`gangd.ckptlib.dirty.WriteWatch` of the caller's own; the test is skipped, saying why,
+    where the kernel cannot track writes (userfaultfd asynchronous write protection, PAGEMAP_SCAN)."""
+    from gangd.ckptlib import dirty
+
+    try:
+        return dirty.WriteWatch(dirty._Kernel())
+    except OSError as exc:
+        pytest.skip(f"this kernel cannot track writes (userfaultfd WP_ASYNC, PAGEMAP_SCAN): {exc}")
+
+
+@pytest.fixture
+def watch():
+    """:func:`kernel_watch`, closed after the test (closing its userfaultfd unregisters every range)."""
+    w = kernel_watch()
+    yield w
+    w.close()
+
+
 @pytest.fixture
 def restart_gc(restart_cluster, request):
     """``restart_cluster``, left after each test with no job and every node up again (a test may lose one);

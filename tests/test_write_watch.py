@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
+from conftest import kernel_watch
 from deltahelpers import Generations, assert_same_values
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -25,20 +25,6 @@ from hypothesis import strategies as st
 from gangd.ckptlib import blocks, dirty
 
 B = 16 << 10
-
-
-def kernel_watch() -> dirty.WriteWatch:
-    try:
-        return dirty.WriteWatch(dirty._Kernel())
-    except OSError as exc:
-        pytest.skip(f"this kernel cannot track writes (userfaultfd WP_ASYNC, PAGEMAP_SCAN): {exc}")
-
-
-@pytest.fixture
-def watch():
-    w = kernel_watch()
-    yield w
-    w.close()
 
 
 def written_blocks(arr: np.ndarray, flat_indices) -> np.ndarray:

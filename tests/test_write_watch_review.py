@@ -38,14 +38,6 @@ def madvise(addr: int, length: int, advice: int) -> int:
     return 0 if _libc.madvise(ctypes.c_void_p(addr), length, advice) == 0 else ctypes.get_errno()
 
 
-@pytest.fixture
-def watch():
-    try:
-        w = dirty.WriteWatch(dirty._Kernel())
-    except OSError as exc:
-        pytest.skip(f"this kernel cannot track writes (userfaultfd WP_ASYNC, PAGEMAP_SCAN): {exc}")
-    yield w
-    w.close()
 
 
 def missed(watch, name, gen, arr, block_numbers, block=B) -> list[int] | None:

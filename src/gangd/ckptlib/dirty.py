@@ -74,6 +74,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .blocks import nblocks
+
 #: Arrays smaller than this are hashed whole (a few microseconds).
 MIN_BYTES = 256 << 10
 #: The fraction of an array's pages written between two cuts at which tracking it costs more than hashing it.
@@ -207,7 +209,7 @@ class _Tracked:
 
     @property
     def nblocks(self) -> int:
-        return -(-self.nbytes // self.block)
+        return nblocks(self.nbytes, self.block)
 
     def blocks_of(self, regions: np.ndarray) -> np.ndarray:
         mask = np.zeros(self.nblocks + 1, dtype=np.int32)
@@ -305,7 +307,7 @@ class WriteWatch:
             self.kernel.register(lo, hi)
         except OSError:  # (a seccomp filter, a range that went away)
             return None
-        t = _Tracked(start, nbytes, block, lo, hi, np.zeros(-(-nbytes // block), dtype=bool))
+        t = _Tracked(start, nbytes, block, lo, hi, np.zeros(nblocks(nbytes, block), dtype=bool))
         if lo > start:  # (the partial page before lo and the one after hi are not registered)
             t.edges[: (lo - start - 1) // block + 1] = True
         if hi < start + nbytes:
@@ -319,8 +321,6 @@ class WriteWatch:
         if os.getpid() != self.pid:  # (a child of the job: its pages were never protected)
             self.tracked.clear()
             return
-        for name in [n for n in self.tracked if n not in values]:
-            self._drop(name)
         arrays = {name: value for name, value in values.items()
                   if isinstance(value, np.ndarray) and value.flags.c_contiguous and value.nbytes >= MIN_BYTES}
         shared = _overlapping({name: (value.ctypes.data, value.nbytes) for name, value in arrays.items()})

@@ -202,11 +202,10 @@ def decide(record: dict, lineage: list[dict], generations: list[dict], lost: set
     may = allowed(record, lineage, max_recoveries)
     if not may.requeue:
         return may
-    done = recoveries(lineage)
     entry, why = usable_generation(generations, lost)
     if entry is None:
-        return Decision(False, why, count=len(done))
-    return Decision(True, f"recovering from generation {entry['gen']}", gen=entry["gen"], count=len(done))
+        return Decision(False, why, count=may.count)
+    return Decision(True, f"recovering from generation {entry['gen']}", gen=entry["gen"], count=may.count)
 
 
 def describe_lost(lost: list[str]) -> str:
@@ -238,13 +237,8 @@ class Recoveries:
         """``record`` has ranks on ``lost`` nodes (down, or out of the
         configuration; ``why`` says which): recover it, or fail it saying why not."""
         job_id = record["id"]
-        lineage_id = record.get("lineage") or job_id
         ckpt = self.co.ckpt
-        try:
-            await self.table.read_lineage(lineage_id)  # (its older jobs in the history count too)
-        except RemoteError as exc:
-            log.warning("job %d: could not read its lineage from the history: %s", job_id, exc.message)
-        lineage = ckpt.lineage_records(record)
+        lineage = await self._lineage(record)
         decision = decide(record, lineage, ckpt.generations(record), set(lost), self.co.config.max_recoveries)
         if not decision.requeue:
             log.warning("job %d fails: %s; not recovered: %s", job_id, why, decision.reason)
@@ -283,13 +277,8 @@ class Recoveries:
             return True  # (another node's ranks said so first)
         if not record.get("recovery_of") or jobs.is_terminal(record):
             return False
-        ckpt = self.co.ckpt
         gen = int(record["restart_of"]["gen"])
-        try:
-            await self.table.read_lineage(record.get("lineage") or job_id)  # (its older jobs in the history count too)
-        except RemoteError as exc:
-            log.warning("job %d: could not read its lineage from the history: %s", job_id, exc.message)
-        decision = allowed(record, ckpt.lineage_records(record), self.co.config.max_recoveries)
+        decision = allowed(record, await self._lineage(record), self.co.config.max_recoveries)
         if not decision.requeue:
             log.warning("job %d: generation %d could not be restored on %s; not recovered: %s", job_id, gen, node, decision.reason)
             return False
@@ -312,6 +301,15 @@ class Recoveries:
         self.co.left(job_id)
         self.start(job_id)
         return True
+
+    async def _lineage(self, record: dict) -> list[dict]:
+        """``record``'s lineage, its older jobs read from the history first (they count
+        towards ``max_recoveries`` too); what the table holds if the history cannot be read."""
+        try:
+            await self.table.read_lineage(record.get("lineage") or record["id"])
+        except RemoteError as exc:
+            log.warning("job %d: could not read its lineage from the history: %s", record["id"], exc.message)
+        return self.co.ckpt.lineage_records(record)
 
     def start(self, job_id: int, taken_up: bool = False) -> None:
         if job_id not in self.under_way:

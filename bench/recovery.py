@@ -139,6 +139,8 @@ async def node_async(i: int, n: int, k: int, mode: str, base: Path, mib: int, so
     alone = mode.endswith(ALONE)
     level, _, transport = mode.removesuffix(ALONE).partition("/")
     works = not alone or i == 0  # (alone: only n0 writes and protects, timed; the others' generations are there before, and they serve)
+    if level == "xor":
+        xor.warm()  # (what a daemon does at the generation's begin: the parity's numpy is loaded before the timed start)
     server = bulk.BulkServer(SECRET)
     key = bulk.Bulk.from_secret(SECRET) if transport != "channel" else None
 

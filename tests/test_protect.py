@@ -243,3 +243,37 @@ def test_a_redundancy_write_the_disk_cannot_take_is_refused_and_the_generation_s
         assert "bytes free" in entry["redundancy"] and "the redundancy needs" in entry["redundancy"] and "n2" in entry["redundancy"], entry
         assert not (gen_dir(cluster, "n2", job, gen["gen"]) / "redundancy" / "partner-n1" / "MANIFEST").exists()
         kill_what_is_left(cluster)
+
+
+def _numpy_loaded(pid: int) -> bool:
+    """Whether the process has numpy's core extension mapped (it imported numpy)."""
+    return "_multiarray_umath" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_a_daemon_loads_the_parity_code_while_an_xor_generation_is_taken_not_after(make_cluster, points):
+    """The daemon starts without numpy; the XOR needs it. A node of a job that
+    may be XOR-protected loads it when the generation begins, so the redundancy
+    phase (held here before it starts) does not pay the import; a job that
+    will never XOR does not load it."""
+    cluster = make_cluster(3, cores=2, time_slice=0.1)
+    try:
+        daemons = {n: cluster.files[n].pid() for n in ("n1", "n2", "n3")}
+        assert all(daemons.values()) and not any(_numpy_loaded(pid) for pid in daemons.values())
+        (points / "protect.hold").touch()  # no redundancy write starts: whatever loads numpy, it is not the parity
+        p = submit(cluster, LONG, 3, "--per-node", 1, "--ckpt-redundancy", "partner")
+        time.sleep(1)
+        assert checkpoint(cluster, p)["state"] == "complete"
+        assert not any(_numpy_loaded(pid) for pid in daemons.values())
+        cluster.gang("kill", p, check=True)
+
+        x = submit(cluster, LONG, 3, "--per-node", 1, "--ckpt-redundancy", "xor")
+        time.sleep(1)
+        gen = checkpoint(cluster, x)
+        assert gen["state"] == "complete", gen
+        wait_for(lambda: all(_numpy_loaded(pid) for pid in daemons.values()), 30, "numpy loaded on every node of the XOR job")
+        assert generation(cluster, x, gen["gen"])["state"] == "complete"  # (the redundancy write is still held)
+        (points / "protect.hold").unlink()
+        assert wait_gen(cluster, x, gen["gen"], lambda g: g["state"] == "protected", "the XOR generation protected")["level"] == "xor"
+    finally:
+        (points / "protect.hold").unlink(missing_ok=True)
+        kill_what_is_left(cluster)

@@ -104,6 +104,7 @@ from ..checkpoint.messages import (
 )
 from ..ckptstore import StoreError
 from ..failpoint import refuse
+from ..redundancy import xor
 from ..redundancy.bulk import Bulk, BulkServer
 from ..rpc import Channel, RemoteError
 from ..safefs import UnsafePath
@@ -268,6 +269,21 @@ class NodeCheckpoints:
         # rank that attaches later hears it too), and each attached rank's last progress report.
         self.plans: dict[int, PlanNote] = {}
         self.progress: dict[tuple[int, int], tuple[RankProgress, float]] = {}  # (job, rank) -> (report, when)
+        self._parity_warm = False  # (numpy loaded for the XOR: _warm_parity)
+
+    @staticmethod
+    def _may_xor(record: dict) -> bool:
+        """Whether this job's generations may be XOR-protected (the coordinator decides the level; a set
+        needs 3 nodes, and a job that asked for another level will not be)."""
+        return len(jobs.nodes_of(record)) >= 3 and record.get("ckpt_redundancy") in (None, "auto", "xor")
+
+    def _warm_parity(self) -> None:
+        """Load the XOR's numpy in a worker thread, once, while this first generation's ranks agree and
+        write (:func:`gangd.redundancy.xor.warm`): not on the path from complete to protected."""
+        if self._parity_warm:
+            return
+        self._parity_warm = True
+        self.daemon.spawn(trio.to_thread.run_sync, xor.warm)
 
     def _keep(self, manifest: ckptstore.Manifest) -> None:
         self.kept.pop((manifest.lineage, manifest.gen), None)
@@ -550,6 +566,8 @@ class NodeCheckpoints:
             pending = cast(Pending, self.rounds.begin(job_id, gen, lineage, mine, make=Pending))
         except nd.Refusal as exc:
             raise RemoteError(exc.code, exc.message) from None
+        if self._may_xor(record):
+            self._warm_parity()
         directory = pending.directory = ckptstore.gen_dir(self.root, lineage, gen)
         owner = pending.owner = (record["owner_uid"], record["owner_gid"]) if os.geteuid() == 0 else None
         pending.times["begin"] = time.time()

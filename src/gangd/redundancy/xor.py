@@ -373,6 +373,20 @@ class ParityFile:
 # ---------------------------------------------------------------- xor
 
 
+def warm() -> None:
+    """Load what computing parity needs (numpy), ahead of the generation's redundancy phase.
+
+    The daemon starts without numpy (0.25-0.5 s of CPU to import, paid by
+    every node start, and most daemons never XOR). The first parity a daemon
+    computed paid it inside the redundancy phase, on the path from complete
+    to protected, on every node of the set at once. A node calls this in a
+    worker thread when a checkpoint of a job that may be XOR-protected
+    begins, so the import runs while the ranks agree and write; afterwards
+    it costs a dictionary lookup.
+    """
+    import numpy  # noqa: F401
+
+
 class XorStreams:
     """Equally long block streams XORed into the caller's buffers, in order.
     Each stream gives :data:`BLOCK`-sized blocks (the last shorter); a view

@@ -502,3 +502,43 @@ def test_off_by_default(make_cluster, place):
         assert not probes(plain, argv, 1, cwd=place)[0]["served"]
         time.sleep(0.3)
     assert not servers(daemon=plain.daemon_pid("n1"))
+
+
+INIT_PROBE = textwrap.dedent('''\
+    """What ckpt.init() and a checkpoint's state format import in a rank (a restart's path)."""
+    import json, os, sys
+    parent = open(f"/proc/{os.getppid()}/cmdline", "rb").read().split(b"\\0")
+    before = set(sys.modules)
+    import numpy as np
+    from gangd import ckptlib as ckpt
+    ckpt.init()
+    ckpt.protect("u", lambda: np.zeros(16))
+    from gangd.checkpoint import messages  # (what a restore parses the daemon's chain with)
+    from gangd.ckptlib import blocks, units  # (what restoring a generation reads it with)
+    print(json.dumps({"served": any(part.endswith(b"rankserver_main.py") for part in parent),
+                      "imported": sorted(set(sys.modules) - before)}), flush=True)
+    ckpt.fini()
+''')
+
+
+def test_a_served_rank_finds_the_checkpoint_library_loaded(cluster, place):
+    """A served rank is there to skip Python's imports: ckptlib's ``init()``
+    under a job (the daemon agent, its messages, the pacer) and the block
+    format a restore reads must already be in the server, or every rank of
+    every restart pays 0.1-0.15 s for them after the fork (bench/restart.py).
+    An exec'd rank imports them all: the probe sees the difference."""
+    (place / "init_probe.py").write_text(INIT_PROBE)
+    (place / "init_probe.py").chmod(0o644)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p.endswith("src"))}
+    argv = [sys.executable, place / "init_probe.py"]
+    for _ in range(200):
+        final, out, err = run(cluster, argv, 1, env=env, cwd=place)
+        assert final["state"] == "DONE", (final, err)
+        seen = json.loads(out[0])
+        if seen["served"]:
+            break
+        assert {"gangd.ckptlib.agent", "gangd.checkpoint.messages", "gangd.ckptlib.blocks"} <= set(seen["imported"]), [m for m in seen["imported"] if "gangd" in m]
+        time.sleep(0.3)
+    else:
+        raise AssertionError("no run of the probe was served")
+    assert not [m for m in seen["imported"] if m.startswith(("gangd", "numpy"))], seen["imported"]

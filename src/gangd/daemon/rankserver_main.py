@@ -45,8 +45,14 @@ _LC_CTYPE_AT_START = os.environ.get("LC_CTYPE")
 _PATH_AT_START = list(sys.path[1:])  # sys.path[0] is this file's directory: never the rank's
 del sys.path[0]
 #: What most ranks import (the stdlib ones a few ms each): a module a rank's
-#: directory would shadow makes that rank exec'd (see _shadowed).
-_WARM = ("numpy", "gangd.ckptlib", "gangd.comm", "argparse", "subprocess", "json", "logging")
+#: directory would shadow makes that rank exec'd (see _shadowed). The ckptlib
+#: modules after ``gangd.ckptlib`` are what its ``init()`` under a job and a
+#: restore import on first use (the daemon agent, the checkpoint messages'
+#: dataclasses, the block format, the pacer's statistics, idna for the
+#: daemon's address): 0.1-0.15 s of a restarted rank's start, four ranks on
+#: two cores at once (bench/restart.py's profile), before they were here.
+_WARM = ("numpy", "gangd.ckptlib", "gangd.ckptlib.agent", "gangd.checkpoint.messages", "gangd.ckptlib.blocks", "gangd.ckptlib.units", "gangd.ckptlib.pace",
+         "gangd.ckptlib.writer", "gangd.comm", "gangd.comm.world", "encodings.idna", "argparse", "subprocess", "json", "logging")
 
 
 def _warm_up() -> list:

@@ -537,7 +537,8 @@ def test_a_served_rank_finds_the_checkpoint_library_loaded(cluster, place):
         seen = json.loads(out[0])
         if seen["served"]:
             break
-        assert {"gangd.ckptlib.agent", "gangd.checkpoint.messages", "gangd.ckptlib.blocks"} <= set(seen["imported"]), [m for m in seen["imported"] if "gangd" in m]
+        exec_d = set(seen["imported"])
+        assert {"gangd.ckptlib.agent", "gangd.checkpoint.messages", "gangd.ckptlib.blocks"} <= exec_d, sorted(m for m in exec_d if "gangd" in m)
         time.sleep(0.3)
     else:
         raise AssertionError("no run of the probe was served")

@@ -11,7 +11,7 @@ from .. import text
 from .cli import EXIT_ERROR, _cluster, _size, ask, describe_generation, emit_json, main, run_sync, table
 
 
-@main.command(epilog="""\\b
+@main.command(epilog="""\b
 Examples:
   gang checkpoint 12            # wait until generation is complete (or aborted)
   gang checkpoint 12 --no-wait  # start it and return
@@ -100,7 +100,7 @@ def _generations(ctx, job):
     return ask(_cluster(ctx), lambda gang: gang.checkpoints(job))
 
 
-@ckpt.command("ls", epilog="""\\b
+@ckpt.command("ls", epilog="""\b
 Examples:
   gang ckpt ls 12
   gang ckpt ls 12 --json
@@ -109,7 +109,23 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @click.pass_context
 def ckpt_ls(ctx, job, as_json):
-    """List a job's checkpoint generations (its restarts' too): state, size per node, times."""
+    """List a job's checkpoint generations (its restarts' too): state, size per node, times.
+
+    \b
+    STATE       complete (every node's files on disk), protected (its
+                redundancy written too: it survives a lost node), aborted,
+                damaged (a restart skips it), removed (by retention); the
+                one under way is "running (PHASE)".
+    REDUNDANCY  local, partner or xor (and "(writing)" while it is written).
+    MODE, BASE  full, incremental, differential, rebase or mixed; the oldest
+                generation a restore of it reads.
+    WRITTEN     the bytes of its rank files, on disk (compressed if a codec
+                was used).
+    RESTORE     the bytes a restore reads, each block once. For a compressed
+                delta, the blocks it takes from older generations are
+                counted at their raw size: an upper bound.
+    ITER        the iteration a restart resumes at; TOOK: request to complete.
+    """
     listing = _generations(ctx, job)
     if as_json:
         emit_json(listing)
@@ -183,7 +199,7 @@ def _level(g: dict) -> str:
     return (f"{level} (failed)" if redundancy else f"{level} (writing)") + flushed
 
 
-@ckpt.command("stats", epilog="""\\b
+@ckpt.command("stats", epilog="""\b
 Examples:
   gang ckpt stats 12
   gang ckpt stats 12 --json
@@ -238,7 +254,7 @@ def _pipeline_columns(p: object) -> list[str]:
     return [_size(p["in"]), _size(p["out"]), ratio, ", ".join(busy) or "-"]
 
 
-@ckpt.command("plan", epilog="""\\b
+@ckpt.command("plan", epilog="""\b
 Examples:
   gang submit -n 8 --ckpt-every auto -- python sim.py   # then:
   gang ckpt plan 12

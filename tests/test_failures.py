@@ -385,3 +385,51 @@ def test_kill_right_after_submit_leaves_nothing_running(cluster4):
 
     trio.run(main)
     cluster4.wait_no_rank_processes()
+
+
+def test_a_peers_restore_report_is_checked_against_the_job(cluster4):
+    """``coord_ckpt_restored`` comes from a peer (any holder of the cluster
+    secret): a report that a restore failed must come from a node of a job
+    that is being restored, or it is ignored; a malformed one is refused. A
+    running job that was never restarted is not failed by it, and the
+    coordinator serves on."""
+    from test_control_plane import coordinator_seen_by
+
+    leader = coordinator_seen_by(cluster4, "n1")
+    assert leader is not None
+    job = int(cluster4.gang("submit", "-n", 2, "-w", "n3", "--", "sleep", "300", check=True).stdout)
+    cluster4.wait_state(job, "RUNNING")
+    host, port = _endpoint(cluster4, leader)
+    secret = (cluster4.dir / "secret").read_bytes().strip()
+    reporter = "n3" if leader != "n3" else "n2"
+
+    reports = ({"job": job, "error": "\x1b[2Jrank 0: cannot restore" * 5000},  # a job never restarted, from a node not its own
+               {"job": job},  # "restored", for it
+               {"job": "12; rm -rf /"}, {"job": -5}, {},  # malformed
+               {"job": job, "error": {"nested": [1] * 100}})
+
+    async def report():
+        answers: list = []
+        channel = await dial_tcp(host, port, node=reporter, secret=secret, label=leader)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(channel.run)
+            for args in reports:
+                try:
+                    with trio.fail_after(30):
+                        answers.append(("ok", await channel.request("coord_ckpt_restored", **args)))
+                except RemoteError as exc:
+                    answers.append((exc.code, exc.message))
+            nursery.cancel_scope.cancel()
+        await channel.aclose()
+        return answers
+
+    try:
+        answers = trio.run(report)
+        assert [a[0] for a in answers] == ["ok", "ok", "bad_request", "ok", "bad_request", "ok"], answers  # (-5: no such job, ignored)
+        record = cluster4.gang_json("job", job)
+        assert record["state"] == "RUNNING", record
+        assert "restore" not in (record.get("reason") or ""), record
+        assert cluster4.log(leader).count("for a job that is not being restored there; ignored") >= 3
+        assert all(r["state"] == "up" for r in cluster4.gang_json("nodes")["nodes"])
+    finally:
+        cluster4.gang("kill", job)

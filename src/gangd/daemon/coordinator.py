@@ -896,12 +896,18 @@ class Coordinator:
         (``error``): a job a recovery started is recovered again from an older
         generation (:meth:`Recoveries.restore_failed`); any other restart
         fails, its generation checked (:meth:`CheckpointCoordinator.on_restored`)."""
+        record = self.table.get(job_id)
+        if record is None or jobs.is_terminal(record) or not isinstance(record.get("restart_of"), dict) or node not in jobs.nodes_of(record):
+            # From a peer: only a node of a job being restored speaks for it (else any holder of the
+            # secret could fail, or open the gates of, a job it has nothing to do with).
+            log.warning("job %d: a restore report from %s, for a job that is not being restored there; ignored", job_id, node)
+            return
         if error:
             log.info("job %d: node %s says its ranks could not restore their state: %s", job_id, node, error)
             await hold(RESTORE_REPORTED)
-        record = self.table.get(job_id)
-        if error and record is not None and await self.recoveries.restore_failed(record, node, error):
-            return
+            record = self.table.get(job_id)
+            if record is not None and await self.recoveries.restore_failed(record, node, error):
+                return
         await self.ckpt.on_restored(job_id, node, error)
 
     async def fail(self, job_id: int, reason: str, lost_nodes: frozenset = frozenset(), *, cause: bool = False) -> None:

@@ -199,6 +199,52 @@ def test_a_recovered_job_whose_generation_is_damaged_below_the_file_system_comes
         kill_what_is_left(gc)
 
 
+def test_a_recovered_job_whose_ranks_cannot_restore_intact_files_fails_saying_why(make_cluster, tmp_path):
+    """The other outcome of a recovered job's failed restore: its files read
+    whole and found intact. The generation was compressed with a plug-in
+    codec (a real installed distribution on the job's PYTHONPATH) whose
+    package is then downgraded on every machine to a version that cannot
+    read it; a node is lost. Every rank of the recovered job says the block
+    was written in a newer version of the codec. An older generation would
+    not help (the machines lack the codec, not the files their bytes), so
+    the job fails with the ranks' sentence, which names the codec and what
+    to do; the generation is not marked damaged and stays usable once the
+    codec is upgraded again."""
+    from codechelpers import ZLIB_PLUGIN, dist
+    from test_recovery import ENDED, coordinator, held, lose, running, wait_protected
+
+    plugin = tmp_path / "plugin"
+    plugin.mkdir()
+    dist(plugin, "gangd-zlibtest", "zlibtest = gangd_zlibtest:make", {"gangd_zlibtest": ZLIB_PLUGIN})
+    os.chmod(tmp_path, 0o755)
+    gc = make_cluster(3, cores=2, time_slice=0.1)
+    try:
+        lead = coordinator(gc)
+        victim = next(n for n in ("n1", "n2", "n3") if n != lead)
+        argv, release = held(gc)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(plugin), os.environ.get("PYTHONPATH")]))}
+        job = submit(gc, argv, 3, "--per-node", "1", "--ckpt-redundancy", "partner", "--ckpt-codec", "zlibtest:1", env=env)
+        running(gc, job)
+        taken = checkpoint(gc, job)
+        wait_protected(gc, job, taken["gen"])
+        module = plugin / "gangd_zlibtest.py"
+        module.write_text(module.read_text().replace("version = 2", "version = 1"))  # (the package downgraded on every machine)
+        lose(gc, victim)
+        release.touch()
+
+        first = gc.wait_state(job, ENDED, timeout=120)
+        assert first["state"] == "REQUEUED", first
+        second = gc.wait_state(first["requeued_as"], ENDED, timeout=180)
+        assert second["state"] == "FAILED", second
+        assert second["restart_of"]["gen"] == taken["gen"] and second["recoveries"] == 1, second
+        assert "zlibtest" in second["reason"] and "upgrade the package" in second["reason"], second["reason"]
+        entry = next(g for g in generations(gc, second["id"]) if g["gen"] == taken["gen"])
+        assert entry["state"] == "protected", entry  # (intact: not marked damaged)
+        assert "the generation's files are intact (read whole on every node)" in second["reason"], second["reason"]
+    finally:
+        kill_what_is_left(gc)
+
+
 # ---------------------------------------------------------------- the node's memory of intact files
 
 

@@ -270,6 +270,9 @@ class NodeCheckpoints:
         self.plans: dict[int, PlanNote] = {}
         self.progress: dict[tuple[int, int], tuple[RankProgress, float]] = {}  # (job, rank) -> (report, when)
         self._parity_warm = False  # (numpy loaded for the XOR: _warm_parity)
+        # (job, rank) -> set once the checkpoint connection of a rank of a job being restored here, which
+        # exited, has been read to its end (detached): what it said before it died is heard before its exit.
+        self._draining: dict[tuple[int, int], tuple[Channel, trio.Event]] = {}
 
     @staticmethod
     def _may_xor(record: dict) -> bool:
@@ -395,6 +398,8 @@ class NodeCheckpoints:
 
     def detached(self, channel: Channel) -> None:
         key = channel.context.get("ckpt_of")
+        if key is not None and key in self._draining and self._draining[key][0] is channel:
+            self._draining.pop(key)[1].set()
         if key is None or self.agents.get(key, None) is None or self.agents[key].channel is not channel:
             return
         self.agents.pop(key).close()
@@ -416,6 +421,8 @@ class NodeCheckpoints:
                 return
         agent = self.agents.pop((job_id, rank), None)
         if agent is not None:
+            if job_id in self.restarts and not agent.channel.closed:
+                self._draining[(job_id, rank)] = (agent.channel, trio.Event())
             agent.close()
 
     async def _writes_arrive(self, pending: Pending, ranks) -> bool:
@@ -1159,9 +1166,12 @@ class NodeCheckpoints:
             await trio.sleep(RESTORED_REPEAT)
 
     def restore_failure_unheard(self, job_id: int) -> bool:
-        """Whether this node's ranks of ``job_id`` could not restore and the coordinator has not answered that yet."""
+        """Whether this node's ranks of ``job_id`` could not restore and the coordinator has not answered
+        that yet, or may not (an exited rank's connection is still being read: it may say so)."""
         restart = self.restarts.get(job_id)
-        return restart is not None and bool(restart["failed"]) and not restart["heard"].is_set()
+        if restart is None:
+            return False
+        return (bool(restart["failed"]) and not restart["heard"].is_set()) or any(key[0] == job_id for key in self._draining)
 
     async def exits_after_report(self, job_id: int) -> None:
         """Return once this node's report that the job's ranks could not
@@ -1171,6 +1181,15 @@ class NodeCheckpoints:
         end the job FAILED before it learns why, and a job a recovery
         started would not be recovered again from an older generation
         (:meth:`gangd.daemon.recover.Recoveries.restore_failed`)."""
+        # A rank that could not restore says so on its checkpoint connection and exits: its exit can be
+        # seen before that note is read. What it sent is read first, to the connection's end (a moment:
+        # the process is gone; bounded, a snapshot child it forked may hold the connection open).
+        ends = [event for (job, _), (_, event) in self._draining.items() if job == job_id]
+        with trio.move_on_after(EXIT_REPORT_GRACE):
+            for event in ends:
+                await event.wait()
+        for key in [key for key in self._draining if key[0] == job_id]:  # (not read to its end in time: forgotten)
+            del self._draining[key]
         restart = self.restarts.get(job_id)
         if restart is None or not restart["failed"]:
             return

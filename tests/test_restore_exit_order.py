@@ -1,0 +1,96 @@
+"""A node reports why a restore failed before it reports the exit of the rank that failed.
+
+A rank that cannot restore its state says so on its checkpoint connection
+(``ckpt_restored`` with the error) and exits. A loaded node may see the
+exit (the rank's pidfd) before it has read those last bytes; reported
+first, the exit would end the job FAILED with "exit 1", and a job a
+recovery started would not be recovered again from an older generation
+(issue 16). The node therefore holds the exits of a job being restored
+until the exited rank's connection has been read to its end, and then, if
+a rank said the restore failed, until the coordinator has answered that.
+
+Which of two ready file descriptors trio serves first cannot be forced from
+outside a daemon, so this drives :class:`gangd.daemon.checkpoint.NodeCheckpoints`
+itself, in that order: the exit, then the note, then the connection's end.
+Everything else (the real ranks, the coordinator's side) is
+tests/test_restart21.py.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import trio
+
+from gangd.daemon.checkpoint import NodeCheckpoints, RankAgent
+
+
+class Coordinator:
+    """What the node's reports reach: each in order."""
+
+    def __init__(self):
+        self.heard: list[tuple] = []
+
+    async def to_coordinator(self, op: str, **args):
+        self.heard.append((op, args.get("job"), args.get("error")))
+        return True
+
+
+async def test_a_failed_restore_is_reported_before_the_exit_of_the_rank_that_said_so(tmp_path):
+    coordinator = Coordinator()
+    async with trio.open_nursery() as nursery:
+        daemon = SimpleNamespace(node="n1", ops=coordinator, spawn=nursery.start_soon,
+                                 config=SimpleNamespace(checkpoint_root=tmp_path, checkpoint_max_rank_bytes=1 << 30, checkpoint_timeout=600.0))
+        node = NodeCheckpoints(daemon)
+        node.restarts[7] = {"gen": 3, "ranks": [0, 1], "failed": None, "heard": trio.Event()}
+        channels = {rank: SimpleNamespace(closed=False, context={"ckpt_of": (7, rank)}) for rank in (0, 1)}
+        for rank, channel in channels.items():
+            node.agents[(7, rank)] = RankAgent(7, rank, 0, os.open(os.devnull, os.O_RDONLY), channel)
+
+        node.rank_exited(7, 0, "rank 0 on n1 exit 1")  # seen first; its note is still unread
+        assert node.restore_failure_unheard(7)
+        delivered = trio.Event()
+
+        async def deliver():
+            await node.exits_after_report(7)
+            coordinator.heard.append(("exits", 7, None))
+            delivered.set()
+
+        nursery.start_soon(deliver)
+        await trio.sleep(0.1)
+        assert not delivered.is_set()  # (the connection has not been read to its end)
+        node.on_note(channels[0], "ckpt_restored", {"gen": 3, "error": "cannot restore rank 0: damaged"})
+        channels[0].closed = True
+        node.detached(channels[0])
+        with trio.fail_after(10):
+            await delivered.wait()
+        assert [h[0] for h in coordinator.heard][:2] == ["coord_ckpt_restored", "exits"], coordinator.heard
+        assert "damaged" in coordinator.heard[0][2]
+        nursery.cancel_scope.cancel()  # (the node repeats its report until the gates open: not here)
+
+
+async def test_an_exit_waits_only_a_moment_for_a_connection_that_does_not_end(tmp_path, monkeypatch):
+    """A snapshot child the rank forked can hold its connection open: the exit is reported after the grace anyway."""
+    monkeypatch.setattr("gangd.daemon.checkpoint.EXIT_REPORT_GRACE", 0.3)
+    async with trio.open_nursery() as nursery:
+        daemon = SimpleNamespace(node="n1", ops=Coordinator(), spawn=nursery.start_soon,
+                                 config=SimpleNamespace(checkpoint_root=tmp_path, checkpoint_max_rank_bytes=1 << 30, checkpoint_timeout=600.0))
+        node = NodeCheckpoints(daemon)
+        node.restarts[7] = {"gen": 3, "ranks": [0], "failed": None, "heard": trio.Event()}
+        channel = SimpleNamespace(closed=False, context={"ckpt_of": (7, 0)})
+        node.agents[(7, 0)] = RankAgent(7, 0, 0, os.open(os.devnull, os.O_RDONLY), channel)
+        node.rank_exited(7, 0, "rank 0 on n1 exit 1")
+        with trio.fail_after(5):
+            await node.exits_after_report(7)
+        assert not node.restore_failure_unheard(7)  # (forgotten: later exits of the job are not held)
+        nursery.cancel_scope.cancel()
+
+
+def test_exits_of_a_job_not_being_restored_are_not_held(tmp_path):
+    node = NodeCheckpoints(SimpleNamespace(node="n1", ops=None, spawn=None,
+                                           config=SimpleNamespace(checkpoint_root=tmp_path, checkpoint_max_rank_bytes=1 << 30, checkpoint_timeout=600.0)))
+    channel = SimpleNamespace(closed=False, context={"ckpt_of": (8, 0)})
+    node.agents[(8, 0)] = RankAgent(8, 0, 0, os.open(os.devnull, os.O_RDONLY), channel)
+    node.rank_exited(8, 0, "rank 0 on n1 exit 1")
+    assert not node.restore_failure_unheard(8)

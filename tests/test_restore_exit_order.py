@@ -31,9 +31,11 @@ class Coordinator:
 
     def __init__(self):
         self.heard: list[tuple] = []
+        self.first = trio.Event()
 
     async def to_coordinator(self, op: str, **args):
         self.heard.append((op, args.get("job"), args.get("error")))
+        self.first.set()
         return True
 
 
@@ -43,7 +45,7 @@ async def test_a_failed_restore_is_reported_before_the_exit_of_the_rank_that_sai
         daemon = SimpleNamespace(node="n1", ops=coordinator, spawn=nursery.start_soon,
                                  config=SimpleNamespace(checkpoint_root=tmp_path, checkpoint_max_rank_bytes=1 << 30, checkpoint_timeout=600.0))
         node = NodeCheckpoints(daemon)
-        node.restarts[7] = {"gen": 3, "ranks": [0, 1], "failed": None, "heard": trio.Event()}
+        node.restarts[7] = {"gen": 3, "ranks": [0, 1], "failed": None, "restored": set(), "heard": trio.Event()}
         channels = {rank: SimpleNamespace(closed=False, context={"ckpt_of": (7, rank)}) for rank in (0, 1)}
         for rank, channel in channels.items():
             node.agents[(7, rank)] = RankAgent(7, rank, 0, os.open(os.devnull, os.O_RDONLY), channel)
@@ -77,7 +79,7 @@ async def test_an_exit_waits_only_a_moment_for_a_connection_that_does_not_end(tm
         daemon = SimpleNamespace(node="n1", ops=Coordinator(), spawn=nursery.start_soon,
                                  config=SimpleNamespace(checkpoint_root=tmp_path, checkpoint_max_rank_bytes=1 << 30, checkpoint_timeout=600.0))
         node = NodeCheckpoints(daemon)
-        node.restarts[7] = {"gen": 3, "ranks": [0], "failed": None, "heard": trio.Event()}
+        node.restarts[7] = {"gen": 3, "ranks": [0], "failed": None, "restored": set(), "heard": trio.Event()}
         channel = SimpleNamespace(closed=False, context={"ckpt_of": (7, 0)})
         node.agents[(7, 0)] = RankAgent(7, 0, 0, os.open(os.devnull, os.O_RDONLY), channel)
         node.rank_exited(7, 0, "rank 0 on n1 exit 1")
@@ -94,3 +96,74 @@ def test_exits_of_a_job_not_being_restored_are_not_held(tmp_path):
     node.agents[(8, 0)] = RankAgent(8, 0, 0, os.open(os.devnull, os.O_RDONLY), channel)
     node.rank_exited(8, 0, "rank 0 on n1 exit 1")
     assert not node.restore_failure_unheard(8)
+
+
+async def test_a_rank_that_restored_and_exited_at_once_counts_as_restored(tmp_path):
+    """Its note that it restored may be read after its exit (its agent dropped by then): the node still reports the restore."""
+    coordinator = Coordinator()
+    async with trio.open_nursery() as nursery:
+        daemon = SimpleNamespace(node="n1", ops=coordinator, spawn=nursery.start_soon,
+                                 config=SimpleNamespace(checkpoint_root=tmp_path, checkpoint_max_rank_bytes=1 << 30, checkpoint_timeout=600.0))
+        node = NodeCheckpoints(daemon)
+        node.restarts[7] = {"gen": 3, "ranks": [0], "failed": None, "restored": set(), "heard": trio.Event()}
+        channel = SimpleNamespace(closed=False, context={"ckpt_of": (7, 0)})
+        node.agents[(7, 0)] = RankAgent(7, 0, 0, os.open(os.devnull, os.O_RDONLY), channel)
+        node.rank_exited(7, 0, "rank 0 on n1 exit 0")
+        node.on_note(channel, "ckpt_restored", {"gen": 3})
+        node.detached(channel)
+        with trio.fail_after(10):
+            await coordinator.first.wait()
+        assert coordinator.heard[0] == ("coord_ckpt_restored", 7, None), coordinator.heard
+        nursery.cancel_scope.cancel()
+
+
+async def test_each_exit_waits_for_its_own_rank_s_connection(tmp_path, monkeypatch):
+    """Two ranks exit a moment apart: the first one's wait ending (its connection held open past the
+    grace) does not drop the second one's, whose note is then still heard before its exit."""
+    monkeypatch.setattr("gangd.daemon.checkpoint.EXIT_REPORT_GRACE", 0.5)
+    coordinator = Coordinator()
+    async with trio.open_nursery() as nursery:
+        daemon = SimpleNamespace(node="n1", ops=coordinator, spawn=nursery.start_soon,
+                                 config=SimpleNamespace(checkpoint_root=tmp_path, checkpoint_max_rank_bytes=1 << 30, checkpoint_timeout=600.0))
+        node = NodeCheckpoints(daemon)
+        node.restarts[7] = {"gen": 3, "ranks": [0, 1], "failed": None, "restored": set(), "heard": trio.Event()}
+        channels = {rank: SimpleNamespace(closed=False, context={"ckpt_of": (7, rank)}) for rank in (0, 1)}
+        for rank, channel in channels.items():
+            node.agents[(7, rank)] = RankAgent(7, rank, 0, os.open(os.devnull, os.O_RDONLY), channel)
+        order: list[str] = []
+        both = trio.Event()
+
+        async def deliver(rank):
+            await node.exits_after_report(7)
+            order.append(f"exit {rank}")
+            if len(order) == 2:
+                both.set()
+
+        node.rank_exited(7, 0, "rank 0 on n1 exit 1")  # (its connection never ends: a child holds it)
+        nursery.start_soon(deliver, 0)
+        await trio.sleep(0.45)
+        node.rank_exited(7, 1, "rank 1 on n1 exit 1")
+        await trio.sleep(0.1)  # (rank 0's wait is over before rank 1's exit is taken up)
+        nursery.start_soon(deliver, 1)
+        await trio.sleep(0.1)
+        assert order == ["exit 0"], order
+        node.on_note(channels[1], "ckpt_restored", {"gen": 3, "error": "cannot restore rank 1: damaged"})
+        node.detached(channels[1])
+        with trio.fail_after(10):
+            await both.wait()
+        assert coordinator.heard and coordinator.heard[0][0] == "coord_ckpt_restored", coordinator.heard
+        nursery.cancel_scope.cancel()
+
+
+def test_a_job_that_ends_or_opens_its_gates_stops_holding_exits(tmp_path):
+    node = NodeCheckpoints(SimpleNamespace(node="n1", ops=None, spawn=lambda *a: None, jobnet=SimpleNamespace(states={}),
+                                           config=SimpleNamespace(checkpoint_root=tmp_path, checkpoint_max_rank_bytes=1 << 30, checkpoint_timeout=600.0)))
+    for job in (7, 8):
+        node.restarts[job] = {"gen": 3, "ranks": [0], "failed": None, "restored": set(), "heard": trio.Event()}
+        channel = SimpleNamespace(closed=False, context={"ckpt_of": (job, 0)})
+        node.agents[(job, 0)] = RankAgent(job, 0, 0, os.open(os.devnull, os.O_RDONLY), channel)
+        node.rank_exited(job, 0, "rank 0 on n1 exit 1")
+        assert node.restore_failure_unheard(job)
+    node.forget(7)
+    trio.run(node.open_restarted, {"job": 8})
+    assert not node.restore_failure_unheard(7) and not node.restore_failure_unheard(8)

@@ -194,7 +194,6 @@ class RankAgent:
     pid: int
     pidfd: int
     channel: Channel
-    restored: bool = False
 
     def close(self) -> None:
         try:
@@ -274,11 +273,12 @@ class NodeCheckpoints:
         # exited, has been read to its end (detached): what it said before it died is heard before its exit.
         self._draining: dict[tuple[int, int], tuple[Channel, trio.Event]] = {}
 
-    @staticmethod
-    def _may_xor(record: dict) -> bool:
-        """Whether this job's generations may be XOR-protected (the coordinator decides the level; a set
-        needs 3 nodes, and a job that asked for another level will not be)."""
-        return len(jobs.nodes_of(record)) >= 3 and record.get("ckpt_redundancy") in (None, "auto", "xor")
+    def _may_xor(self, record: dict) -> bool:
+        """Whether this job's generations may be XOR-protected (the coordinator decides the level, from the
+        job's, its lineage's or the cluster's; a set needs 3 nodes). A restarted job whose lineage asked for
+        another level may load numpy for nothing, once per daemon."""
+        asked = record.get("ckpt_redundancy") or self.daemon.config.checkpoint_redundancy
+        return len(jobs.nodes_of(record)) >= 3 and asked in ("auto", "xor")
 
     def _warm_parity(self) -> None:
         """Load the XOR's numpy in a worker thread, once, while this first generation's ranks agree and
@@ -421,7 +421,7 @@ class NodeCheckpoints:
                 return
         agent = self.agents.pop((job_id, rank), None)
         if agent is not None:
-            if job_id in self.restarts and not agent.channel.closed:
+            if job_id in self.restarts:  # (its connection may be closed and its last notes not yet handled: detached says when)
                 self._draining[(job_id, rank)] = (agent.channel, trio.Event())
             agent.close()
 
@@ -1098,7 +1098,7 @@ class NodeCheckpoints:
         if contexts:
             jobnet.set_context(record["id"], contexts)
         restart = {"gen": gen, "lineage": lineage, "directory": directory, "manifest": manifest, "ranks": mine, "failed": None, "chains": chains,
-                   "heard": trio.Event()}  # (set once the coordinator answered a report that the restore failed)
+                   "restored": set(), "heard": trio.Event()}  # (set once the coordinator answered a report that the restore failed)
         self.restarts[record["id"]] = restart
         self.daemon.spawn(self._restore_deadline, record["id"], restart)
         env = {"GANGD_RESTART_GEN": str(gen)}
@@ -1131,7 +1131,7 @@ class NodeCheckpoints:
         ckpt.init()) would keep the job's gates closed forever: fail it."""
         await trio.sleep(self.daemon.config.checkpoint_timeout)
         if self.restarts.get(job_id) is restart and not restart.get("reporting"):
-            missing = [r for r in restart["ranks"] if not (self.agents.get((job_id, r)) and self.agents[(job_id, r)].restored)]
+            missing = [r for r in restart["ranks"] if r not in restart["restored"]]
             restart["failed"] = (
                 f"ranks {missing} on {self.daemon.node} did not load their checkpoint within "
                 f"{self.daemon.config.checkpoint_timeout:.0f} s (does the program call gangd.ckptlib.init()?)"
@@ -1143,12 +1143,13 @@ class NodeCheckpoints:
         restart = self.restarts.get(job_id)
         if restart is None:
             return
-        agent = self.agents.get((job_id, rank))
         if args.get("error"):
             restart["failed"] = f"rank {rank} on {self.daemon.node}: {text.printable(args['error'])}"
-        elif agent is not None:
-            agent.restored = True
-        done = restart["failed"] or all(self.agents.get((job_id, r)) is not None and self.agents[(job_id, r)].restored for r in restart["ranks"])
+        elif rank in restart["ranks"]:
+            # (in the restart, not on the rank's agent: a rank that restored and exited at once has had its
+            # agent dropped by the time its note is read, and its restore counts all the same)
+            restart["restored"].add(rank)
+        done = restart["failed"] or set(restart["ranks"]) <= restart["restored"]
         if done and not restart.get("reporting"):
             restart["reporting"] = True
             self.daemon.spawn(self._report_restored, job_id, restart)
@@ -1164,6 +1165,11 @@ class NodeCheckpoints:
             except RemoteError as exc:
                 log.warning("job %d: could not report the restore to the coordinator: %s", job_id, exc)
             await trio.sleep(RESTORED_REPEAT)
+
+    def _stop_draining(self, job_id: int) -> None:
+        """The job is no longer being restored here (its gates open, or it ended): its exits wait for nothing."""
+        for key in [key for key in self._draining if key[0] == job_id]:
+            self._draining.pop(key)[1].set()
 
     def restore_failure_unheard(self, job_id: int) -> bool:
         """Whether this node's ranks of ``job_id`` could not restore and the coordinator has not answered
@@ -1184,12 +1190,13 @@ class NodeCheckpoints:
         # A rank that could not restore says so on its checkpoint connection and exits: its exit can be
         # seen before that note is read. What it sent is read first, to the connection's end (a moment:
         # the process is gone; bounded, a snapshot child it forked may hold the connection open).
-        ends = [event for (job, _), (_, event) in self._draining.items() if job == job_id]
+        ends = [(key, event) for key, (_, event) in self._draining.items() if key[0] == job_id]
         with trio.move_on_after(EXIT_REPORT_GRACE):
-            for event in ends:
+            for _, event in ends:
                 await event.wait()
-        for key in [key for key in self._draining if key[0] == job_id]:  # (not read to its end in time: forgotten)
-            del self._draining[key]
+        for key, event in ends:  # (not read to its end in time: forgotten; a later exit's entry is its own waiter's)
+            if key in self._draining and self._draining[key][1] is event:
+                del self._draining[key]
         restart = self.restarts.get(job_id)
         if restart is None or not restart["failed"]:
             return
@@ -1202,6 +1209,7 @@ class NodeCheckpoints:
     async def open_restarted(self, args: dict) -> bool:
         job_id = int(args["job"])
         self.restarts.pop(job_id, None)
+        self._stop_draining(job_id)
         if job_id in self.daemon.jobnet.states:
             await self.daemon.jobnet.hold_gate(job_id, "restart", False)
         return True
@@ -1235,6 +1243,7 @@ class NodeCheckpoints:
         for key in [k for k in self.progress if k[0] == job_id]:
             del self.progress[key]
         self.restarts.pop(job_id, None)
+        self._stop_draining(job_id)
         self.rounds.forget(job_id)
         pending = self.pending.get(job_id)
         if pending is not None:

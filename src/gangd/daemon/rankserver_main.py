@@ -52,7 +52,7 @@ del sys.path[0]
 #: daemon's address): 0.1-0.15 s of a restarted rank's start, four ranks on
 #: two cores at once (bench/restart.py's profile), before they were here.
 _WARM = ("numpy", "gangd.ckptlib", "gangd.ckptlib.agent", "gangd.checkpoint.messages", "gangd.ckptlib.blocks", "gangd.ckptlib.units", "gangd.ckptlib.pace",
-         "gangd.ckptlib.writer", "gangd.comm", "gangd.comm.world", "encodings.idna", "argparse", "subprocess", "json", "logging")
+         "gangd.ckptlib.writer", "gangd.comm", "encodings.idna", "argparse", "subprocess", "json", "logging")
 
 
 def _warm_up() -> list:

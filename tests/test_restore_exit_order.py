@@ -39,16 +39,27 @@ class Coordinator:
         return True
 
 
+def node_for(tmp_path, coordinator=None, spawn=None) -> NodeCheckpoints:
+    """A node's checkpoint part, with its daemon reduced to what the restore's reports use."""
+    return NodeCheckpoints(SimpleNamespace(node="n1", ops=coordinator, spawn=spawn, jobnet=SimpleNamespace(states={}),
+                                           config=SimpleNamespace(checkpoint_root=tmp_path, checkpoint_max_rank_bytes=1 << 30,
+                                                                  checkpoint_timeout=600.0)))
+
+
+def restoring(node: NodeCheckpoints, job: int, ranks: list[int]) -> dict[int, SimpleNamespace]:
+    """``job`` being restored on ``node``, each rank attached: their checkpoint connections."""
+    node.restarts[job] = {"gen": 3, "ranks": ranks, "failed": None, "restored": set(), "heard": trio.Event()}
+    channels = {rank: SimpleNamespace(closed=False, context={"ckpt_of": (job, rank)}) for rank in ranks}
+    for rank, channel in channels.items():
+        node.agents[(job, rank)] = RankAgent(job, rank, 0, os.open(os.devnull, os.O_RDONLY), channel)
+    return channels
+
+
 async def test_a_failed_restore_is_reported_before_the_exit_of_the_rank_that_said_so(tmp_path):
     coordinator = Coordinator()
     async with trio.open_nursery() as nursery:
-        daemon = SimpleNamespace(node="n1", ops=coordinator, spawn=nursery.start_soon,
-                                 config=SimpleNamespace(checkpoint_root=tmp_path, checkpoint_max_rank_bytes=1 << 30, checkpoint_timeout=600.0))
-        node = NodeCheckpoints(daemon)
-        node.restarts[7] = {"gen": 3, "ranks": [0, 1], "failed": None, "restored": set(), "heard": trio.Event()}
-        channels = {rank: SimpleNamespace(closed=False, context={"ckpt_of": (7, rank)}) for rank in (0, 1)}
-        for rank, channel in channels.items():
-            node.agents[(7, rank)] = RankAgent(7, rank, 0, os.open(os.devnull, os.O_RDONLY), channel)
+        node = node_for(tmp_path, coordinator, nursery.start_soon)
+        channels = restoring(node, 7, [0, 1])
 
         node.rank_exited(7, 0, "rank 0 on n1 exit 1")  # seen first; its note is still unread
         assert node.restore_failure_unheard(7)
@@ -76,12 +87,8 @@ async def test_an_exit_waits_only_a_moment_for_a_connection_that_does_not_end(tm
     """A snapshot child the rank forked can hold its connection open: the exit is reported after the grace anyway."""
     monkeypatch.setattr("gangd.daemon.checkpoint.EXIT_REPORT_GRACE", 0.3)
     async with trio.open_nursery() as nursery:
-        daemon = SimpleNamespace(node="n1", ops=Coordinator(), spawn=nursery.start_soon,
-                                 config=SimpleNamespace(checkpoint_root=tmp_path, checkpoint_max_rank_bytes=1 << 30, checkpoint_timeout=600.0))
-        node = NodeCheckpoints(daemon)
-        node.restarts[7] = {"gen": 3, "ranks": [0], "failed": None, "restored": set(), "heard": trio.Event()}
-        channel = SimpleNamespace(closed=False, context={"ckpt_of": (7, 0)})
-        node.agents[(7, 0)] = RankAgent(7, 0, 0, os.open(os.devnull, os.O_RDONLY), channel)
+        node = node_for(tmp_path, Coordinator(), nursery.start_soon)
+        restoring(node, 7, [0])
         node.rank_exited(7, 0, "rank 0 on n1 exit 1")
         with trio.fail_after(5):
             await node.exits_after_report(7)
@@ -90,10 +97,9 @@ async def test_an_exit_waits_only_a_moment_for_a_connection_that_does_not_end(tm
 
 
 def test_exits_of_a_job_not_being_restored_are_not_held(tmp_path):
-    node = NodeCheckpoints(SimpleNamespace(node="n1", ops=None, spawn=None,
-                                           config=SimpleNamespace(checkpoint_root=tmp_path, checkpoint_max_rank_bytes=1 << 30, checkpoint_timeout=600.0)))
-    channel = SimpleNamespace(closed=False, context={"ckpt_of": (8, 0)})
-    node.agents[(8, 0)] = RankAgent(8, 0, 0, os.open(os.devnull, os.O_RDONLY), channel)
+    node = node_for(tmp_path)
+    restoring(node, 8, [0])
+    node.restarts.pop(8)  # (a job that is running, not being restored)
     node.rank_exited(8, 0, "rank 0 on n1 exit 1")
     assert not node.restore_failure_unheard(8)
 
@@ -102,12 +108,8 @@ async def test_a_rank_that_restored_and_exited_at_once_counts_as_restored(tmp_pa
     """Its note that it restored may be read after its exit (its agent dropped by then): the node still reports the restore."""
     coordinator = Coordinator()
     async with trio.open_nursery() as nursery:
-        daemon = SimpleNamespace(node="n1", ops=coordinator, spawn=nursery.start_soon,
-                                 config=SimpleNamespace(checkpoint_root=tmp_path, checkpoint_max_rank_bytes=1 << 30, checkpoint_timeout=600.0))
-        node = NodeCheckpoints(daemon)
-        node.restarts[7] = {"gen": 3, "ranks": [0], "failed": None, "restored": set(), "heard": trio.Event()}
-        channel = SimpleNamespace(closed=False, context={"ckpt_of": (7, 0)})
-        node.agents[(7, 0)] = RankAgent(7, 0, 0, os.open(os.devnull, os.O_RDONLY), channel)
+        node = node_for(tmp_path, coordinator, nursery.start_soon)
+        channel = restoring(node, 7, [0])[0]
         node.rank_exited(7, 0, "rank 0 on n1 exit 0")
         node.on_note(channel, "ckpt_restored", {"gen": 3})
         node.detached(channel)
@@ -123,13 +125,8 @@ async def test_each_exit_waits_for_its_own_rank_s_connection(tmp_path, monkeypat
     monkeypatch.setattr("gangd.daemon.checkpoint.EXIT_REPORT_GRACE", 0.5)
     coordinator = Coordinator()
     async with trio.open_nursery() as nursery:
-        daemon = SimpleNamespace(node="n1", ops=coordinator, spawn=nursery.start_soon,
-                                 config=SimpleNamespace(checkpoint_root=tmp_path, checkpoint_max_rank_bytes=1 << 30, checkpoint_timeout=600.0))
-        node = NodeCheckpoints(daemon)
-        node.restarts[7] = {"gen": 3, "ranks": [0, 1], "failed": None, "restored": set(), "heard": trio.Event()}
-        channels = {rank: SimpleNamespace(closed=False, context={"ckpt_of": (7, rank)}) for rank in (0, 1)}
-        for rank, channel in channels.items():
-            node.agents[(7, rank)] = RankAgent(7, rank, 0, os.open(os.devnull, os.O_RDONLY), channel)
+        node = node_for(tmp_path, coordinator, nursery.start_soon)
+        channels = restoring(node, 7, [0, 1])
         order: list[str] = []
         both = trio.Event()
 
@@ -156,12 +153,9 @@ async def test_each_exit_waits_for_its_own_rank_s_connection(tmp_path, monkeypat
 
 
 def test_a_job_that_ends_or_opens_its_gates_stops_holding_exits(tmp_path):
-    node = NodeCheckpoints(SimpleNamespace(node="n1", ops=None, spawn=lambda *a: None, jobnet=SimpleNamespace(states={}),
-                                           config=SimpleNamespace(checkpoint_root=tmp_path, checkpoint_max_rank_bytes=1 << 30, checkpoint_timeout=600.0)))
+    node = node_for(tmp_path, spawn=lambda *a: None)
     for job in (7, 8):
-        node.restarts[job] = {"gen": 3, "ranks": [0], "failed": None, "restored": set(), "heard": trio.Event()}
-        channel = SimpleNamespace(closed=False, context={"ckpt_of": (job, 0)})
-        node.agents[(job, 0)] = RankAgent(job, 0, 0, os.open(os.devnull, os.O_RDONLY), channel)
+        restoring(node, job, [0])
         node.rank_exited(job, 0, "rank 0 on n1 exit 1")
         assert node.restore_failure_unheard(job)
     node.forget(7)

@@ -199,7 +199,8 @@ def test_a_recovered_job_whose_generation_is_damaged_below_the_file_system_comes
         kill_what_is_left(gc)
 
 
-def test_a_recovered_job_whose_ranks_cannot_restore_intact_files_fails_saying_why(make_cluster, tmp_path):
+@pytest.mark.parametrize("codec", ["downgraded", "removed"])
+def test_a_recovered_job_whose_ranks_cannot_restore_intact_files_fails_saying_why(make_cluster, tmp_path, codec):
     """The other outcome of a recovered job's failed restore: its files read
     whole and found intact. The generation was compressed with a plug-in
     codec (a real installed distribution on the job's PYTHONPATH) whose
@@ -209,7 +210,9 @@ def test_a_recovered_job_whose_ranks_cannot_restore_intact_files_fails_saying_wh
     not help (the machines lack the codec, not the files their bytes), so
     the job fails with the ranks' sentence, which names the codec and what
     to do; the generation is not marked damaged and stays usable once the
-    codec is upgraded again."""
+    codec is upgraded again. ``removed``: the package is gone altogether,
+    and the ranks' ``ckpt.init()`` refuses the job's codec before anything
+    is restored; they tell their node so all the same (not just "exit 1")."""
     from codechelpers import ZLIB_PLUGIN, dist
     from test_recovery import ENDED, coordinator, held, lose, running, wait_protected
 
@@ -228,7 +231,10 @@ def test_a_recovered_job_whose_ranks_cannot_restore_intact_files_fails_saying_wh
         taken = checkpoint(gc, job)
         wait_protected(gc, job, taken["gen"])
         module = plugin / "gangd_zlibtest.py"
-        module.write_text(module.read_text().replace("version = 2", "version = 1"))  # (the package downgraded on every machine)
+        if codec == "downgraded":
+            module.write_text(module.read_text().replace("version = 2", "version = 1"))  # (on every machine)
+        else:
+            plugin.rename(tmp_path / "uninstalled")
         lose(gc, victim)
         release.touch()
 
@@ -237,7 +243,8 @@ def test_a_recovered_job_whose_ranks_cannot_restore_intact_files_fails_saying_wh
         second = gc.wait_state(first["requeued_as"], ENDED, timeout=180)
         assert second["state"] == "FAILED", second
         assert second["restart_of"]["gen"] == taken["gen"] and second["recoveries"] == 1, second
-        assert "zlibtest" in second["reason"] and "upgrade the package" in second["reason"], second["reason"]
+        assert "zlibtest" in second["reason"], second["reason"]
+        assert ("upgrade the package" if codec == "downgraded" else "pip install") in second["reason"], second["reason"]
         entry = next(g for g in generations(gc, second["id"]) if g["gen"] == taken["gen"])
         assert entry["state"] == "protected", entry  # (intact: not marked damaged)
         assert "the generation's files are intact (read whole on every node)" in second["reason"], second["reason"]

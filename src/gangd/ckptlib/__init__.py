@@ -119,7 +119,14 @@ def init(*, directory: str | os.PathLike | None = None, restart=None, background
     if restart is True:
         restart = "latest"
     info = job_info()
-    settings = DeltaSettings.from_options(mode, block_kib, chain_max, threshold, codec, pipeline)
+    try:
+        settings = DeltaSettings.from_options(mode, block_kib, chain_max, threshold, codec, pipeline)
+    except CheckpointError as exc:
+        if info.under_gangd and info.socket:  # (a restarted rank's node must hear why it will not restore)
+            from .agent import refuse_restore
+
+            refuse_restore(info, str(exc))
+        raise
     cp = Checkpointer(None, background=background, spc=spc_mod.select(spc), settings=settings)
     # The handler first: once the daemon knows this rank takes checkpoints it
     # may send SIGQUIT at any moment, and SIGQUIT's default action kills.

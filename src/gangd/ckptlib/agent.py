@@ -430,6 +430,22 @@ class DaemonAgent:
 _REPORTED = ("size", "digest", "seconds", "role", "parent", "base", "links", "state", "restore", "error", "pipeline", "codecs")
 
 
+def refuse_restore(info: JobInfo, why: str) -> None:
+    """``init()`` refused this rank's settings (a codec this machine lacks, say): if the rank is being
+    restarted, tell its node that it cannot restore, and why. Otherwise the node would see only its exit
+    ("exit 1"), the job's reason would not say what is missing, and a job a recovery started would not
+    be checked and recovered as one whose restore failed."""
+    try:
+        agent = DaemonAgent(info)
+    except CheckpointError:
+        return  # (no daemon to tell: the rank's own message says it)
+    try:
+        if agent.restart:
+            agent._note("ckpt_restored", {"gen": agent.restart["gen"], "error": f"cannot restore rank {info.rank}: {why}"})
+    finally:
+        agent.link.close()
+
+
 def _report(result: dict) -> dict:
     """What the daemon hears of a write (:class:`gangd.checkpoint.messages.WriteReport`):
     the writer's notes for this process (why a delta became a full) stay here."""

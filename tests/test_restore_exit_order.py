@@ -62,7 +62,7 @@ async def test_a_failed_restore_is_reported_before_the_exit_of_the_rank_that_sai
         channels = restoring(node, 7, [0, 1])
 
         node.rank_exited(7, 0, "rank 0 on n1 exit 1")  # seen first; its note is still unread
-        assert node.restore_failure_unheard(7)
+        assert node.exits_held(7)
         delivered = trio.Event()
 
         async def deliver():
@@ -92,7 +92,7 @@ async def test_an_exit_waits_only_a_moment_for_a_connection_that_does_not_end(tm
         node.rank_exited(7, 0, "rank 0 on n1 exit 1")
         with trio.fail_after(5):
             await node.exits_after_report(7)
-        assert not node.restore_failure_unheard(7)  # (forgotten: later exits of the job are not held)
+        assert not node.exits_held(7)  # (forgotten: later exits of the job are not held)
         nursery.cancel_scope.cancel()
 
 
@@ -101,7 +101,7 @@ def test_exits_of_a_job_not_being_restored_are_not_held(tmp_path):
     restoring(node, 8, [0])
     node.restarts.pop(8)  # (a job that is running, not being restored)
     node.rank_exited(8, 0, "rank 0 on n1 exit 1")
-    assert not node.restore_failure_unheard(8)
+    assert not node.exits_held(8)
 
 
 async def test_a_rank_that_restored_and_exited_at_once_counts_as_restored(tmp_path):
@@ -157,7 +157,7 @@ def test_a_job_that_ends_or_opens_its_gates_stops_holding_exits(tmp_path):
     for job in (7, 8):
         restoring(node, job, [0])
         node.rank_exited(job, 0, "rank 0 on n1 exit 1")
-        assert node.restore_failure_unheard(job)
+        assert node.exits_held(job)
     node.forget(7)
     trio.run(node.open_restarted, {"job": 8})
-    assert not node.restore_failure_unheard(7) and not node.restore_failure_unheard(8)
+    assert not node.exits_held(7) and not node.exits_held(8)

@@ -127,16 +127,20 @@ class DaemonAgent:
             # the chain handed over, and every placed block against this generation's signatures.
             values, iteration = spc.read(cp.spc, path, expect, _chain_of(self.restart), cp.settings.pipeline_settings())
         except StoreError as exc:
-            self._note("ckpt_restored", {"gen": gen, "error": str(exc)})
-            raise CheckpointError(f"cannot restore rank {self.info.rank}: {exc}") from None
+            raise self.cannot_restore(str(exc)) from None
         except Exception as exc:
             if not codec_missing(exc):
                 raise
-            self._note("ckpt_restored", {"gen": gen, "error": str(exc)})
-            raise CheckpointError(f"cannot restore rank {self.info.rank}: {exc}") from None
+            raise self.cannot_restore(str(exc)) from None
         cp.restored, cp.start, cp.generation = values, iteration, gen
         cp.restarted_from = gen
         self._note("ckpt_restored", {"gen": gen})
+
+    def cannot_restore(self, why: str) -> CheckpointError:
+        """Tell the node that this rank cannot restore the generation it was handed, and why (its job's
+        reason, and for a recovered job the check of its files, say it); the error for the program."""
+        self._note("ckpt_restored", {"gen": self.restart["gen"], "error": why})
+        return CheckpointError(f"cannot restore rank {self.info.rank}: {why}")
 
     def attach(self, cp: Checkpointer) -> None:
         self.cp = cp
@@ -413,6 +417,10 @@ class DaemonAgent:
         with self.cond:
             while self.background and not self.gone:
                 self.cond.wait()
+        self.close()
+
+    def close(self) -> None:
+        """End the connection: the reader thread (if started) first, then the fds it reads."""
         # The reader thread selects on and reads these fds by number: it must be
         # gone before they are closed, or it reads whatever reuses the numbers
         # next (gangd.comm's new connections: it stole their bytes).
@@ -441,9 +449,9 @@ def refuse_restore(info: JobInfo, why: str) -> None:
         return  # (no daemon to tell: the rank's own message says it)
     try:
         if agent.restart:
-            agent._note("ckpt_restored", {"gen": agent.restart["gen"], "error": f"cannot restore rank {info.rank}: {why}"})
+            agent.cannot_restore(why)
     finally:
-        agent.link.close()
+        agent.close()
 
 
 def _report(result: dict) -> dict:

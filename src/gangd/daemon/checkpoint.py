@@ -1171,9 +1171,10 @@ class NodeCheckpoints:
         for key in [key for key in self._draining if key[0] == job_id]:
             self._draining.pop(key)[1].set()
 
-    def restore_failure_unheard(self, job_id: int) -> bool:
-        """Whether this node's ranks of ``job_id`` could not restore and the coordinator has not answered
-        that yet, or may not (an exited rank's connection is still being read: it may say so)."""
+    def exits_held(self, job_id: int) -> bool:
+        """Whether the exits of ``job_id``'s ranks here wait (:meth:`exits_after_report`): a rank could not
+        restore and the coordinator has not answered that yet, or an exited rank's connection is still
+        being read (it may say so)."""
         restart = self.restarts.get(job_id)
         if restart is None:
             return False

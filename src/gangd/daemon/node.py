@@ -266,7 +266,7 @@ class NodeJobs:
             for job_id, rank, status in batch:
                 by_job.setdefault(job_id, []).append([rank, status])
             for job_id, exits in by_job.items():
-                if self.checkpoints.restore_failure_unheard(job_id):  # (its reason first; other jobs' exits do not wait)
+                if self.checkpoints.exits_held(job_id):  # (its reason first; other jobs' exits do not wait)
                     self.spawn(self._deliver_exits_after_report, job_id, exits)
                 else:
                     await self._deliver_exits(job_id, exits)

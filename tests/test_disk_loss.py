@@ -19,20 +19,29 @@ checkpoint directory deleted, the daemon started again.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import trio
 from ckpthelpers import TERMINAL, checkpoint, flip_byte, gen_dir, generations, hold, kill_what_is_left, reference, result_of, submit, wait_holding
+from conftest import wait_for
 from test_control_plane import coordinator_seen_by, json_on
 from test_rebuild import ARGV, NRANKS, assert_laid_out_as_a_checkpoint, lose, protected_and_killed
 from test_restart_anywhere import restart, wait_node
 
 from gangd import ckptstore
+from gangd.daemon.controlplane import REGISTER_HOLD
+from gangd.daemon.rebuild import HOLD as REBUILD_HOLD
 from gangd.daemon.rebuild import holds
+from gangd.daemon.store import Keys
+from gangd.etcd.client import EtcdError
 from gangd.redundancy.plan import make_plan
 
 
@@ -98,6 +107,67 @@ def test_restarted_with_w_on_the_wiped_node_itself_it_takes_its_own_files_back(g
     assert result_of(gc, answer["record"]["id"], timeout=180) == expected
     lost_ranks = [r for r, n in enumerate(entry["placement"]) if n == victim]
     assert_laid_out_as_a_checkpoint(gen_dir(gc, victim, job, entry["gen"]), victim, lost_ranks, entry["iteration"])
+
+
+def test_a_rebuild_under_way_when_the_node_back_takes_its_key_from_its_previous_life_goes_on(gc, points):
+    """A daemon started again while its previous life's lease still runs
+    revokes that lease before it puts its key (the others see the node
+    "down", then "up" a moment later). Before, that "down" closed the
+    coordinator's connection to the node's *new* life too, and a rebuild
+    under way on it failed ("connection to node n3 closed before
+    'ckpt_rebuild' was answered"): a restart that came within ~30 ms of a
+    node's return failed, and worked when run again. Now only a connection
+    to the life that ended is closed. The new daemon (the only one started
+    with this test's hold points) holds before it takes its key, then in
+    the rebuild, so the call is under way across the down and up."""
+    expected = reference(gc, ARGV, NRANKS)
+    job, entry = protected_and_killed(gc, "partner")
+    victim = victim_of(gc)
+    leader = coordinator_seen_by(gc, "n1")
+    (points / REGISTER_HOLD).touch()
+    (points / REBUILD_HOLD).touch()
+    with previous_lease_kept(gc, victim) as kept:
+        wiped_and_back(gc, victim)  # (up: its previous life's key; its links: to the new life)
+        wait_for(lambda: f"hold point {REGISTER_HOLD} reached" in gc.log(victim), 60, f"{victim}'s new daemon to hold before its key")
+        with ThreadPoolExecutor(1) as pool:
+            restarting = pool.submit(restart, gc, job, "-w", "n1,n2,n3")
+            wait_for(lambda: f"hold point {REBUILD_HOLD} reached" in gc.log(victim), 120, f"the rebuild on {victim} to begin")
+            downs = gc.log(leader).count(f"node {victim} is down")
+            kept.set()  # (its previous lease is the new daemon's to revoke now)
+            (points / REGISTER_HOLD).unlink()
+            wait_for(lambda: gc.log(leader).count(f"node {victim} is down") > downs, 60, f"{leader} to see {victim}'s previous life end")
+            wait_node(gc, victim, "up", timeout=60)
+            (points / REBUILD_HOLD).unlink()
+            answer = restarting.result(timeout=180)
+    assert answer["gen"] == entry["gen"] and answer["rebuilt"] == {victim: victim}, answer
+    assert result_of(gc, answer["record"]["id"], timeout=180) == expected
+
+
+@contextlib.contextmanager
+def previous_lease_kept(gc, node: str):
+    """The node's lease in etcd kept alive from here (its daemon about to be
+    killed: the test's time then cannot outlast the lease's TTL) until the
+    event is set or the lease is revoked."""
+    settings, key, done = gc.etcd_settings, Keys(gc.etcd_settings.prefix).node(node), threading.Event()
+
+    async def keep():
+        async with settings.client(timeout=10) as etcd:
+            found = await etcd.get(key)
+            assert found is not None and found.lease, f"{node} has no key in etcd"
+            while not done.is_set():
+                try:
+                    await etcd.lease_keepalive(found.lease)
+                except EtcdError:
+                    return  # (revoked)
+                await trio.sleep(0.5)
+
+    with ThreadPoolExecutor(1) as pool:
+        keeping = pool.submit(trio.run, keep)
+        try:
+            yield done
+        finally:
+            done.set()
+            keeping.result(timeout=30)
 
 
 def test_a_generation_without_redundancy_on_a_wiped_node_is_marked_lost_naming_the_node(gc):

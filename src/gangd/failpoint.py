@@ -65,5 +65,9 @@ async def hold(name: str) -> None:
     if not _DIRECTORY:
         return
     path = os.path.join(_DIRECTORY, name)
+    if not await trio.to_thread.run_sync(os.path.exists, path):
+        return
+    log.warning("hold point %s reached: waiting while its file exists", name)
     while await trio.to_thread.run_sync(os.path.exists, path):  # noqa: ASYNC110 -- a file a test removes: no event to wait on
         await trio.sleep(0.05)
+    log.warning("hold point %s released", name)

@@ -50,9 +50,14 @@ import trio
 from ..etcd.client import Compacted, Etcd, EtcdError
 from ..etcd.election import Election
 from ..etcd.lease import Lease, open_lease
+from ..failpoint import hold
 from ..rpc import RemoteError
 from .peers import natural_key
 from .store import Fence, JobTable, Keys, NodeLog
+
+#: A test's hold point (:func:`gangd.failpoint.hold`): a node's new life waits
+#: there before it takes its key from its previous life.
+REGISTER_HOLD = "controlplane.register"
 
 log = logging.getLogger("gangd.controlplane")
 
@@ -106,6 +111,11 @@ class ControlPlane:
 
     def is_up(self, name: str) -> bool:
         return name in self.up or (name == self.node and self.connected)
+
+    def last_life(self, name: str) -> object:
+        """Which life of the node's daemon its key in etcd last named (its start
+        time; kept after the key goes: the life a "down" ended)."""
+        return self.node_info.get(name, {}).get("started")
 
     def up_nodes(self) -> list[str]:
         return sorted(self.up | ({self.node} if self.connected else set()), key=natural_key)
@@ -199,6 +209,7 @@ class ControlPlane:
 
     async def _register(self, lease: Lease) -> None:
         key = self.keys.node(self.node)
+        await hold(REGISTER_HOLD)
         previous = await self.etcd.get(key)
         if previous is not None and previous.lease and previous.lease != lease.id:
             # This node's previous life (a restart, or a session that lost

@@ -54,6 +54,9 @@ class PeerLink:
     outbox: tuple = ()
     clock: OffsetFilter = field(default_factory=OffsetFilter)  # its wall clock minus ours
     scope: trio.CancelScope | None = None  # the connection's; cancelled to drop it
+    #: Which life of the peer's daemon the connection reaches: its start time,
+    #: as its first heartbeat answer says (None until then).
+    life: float | None = None
 
 
 class Peers:
@@ -70,15 +73,30 @@ class Peers:
         #: Whether etcd holds a node alive: the daemon plugs its membership in
         #: (that is not the links' to judge; every node alive until then).
         self.is_alive: Callable[[str], bool] = lambda _name: True
+        #: The life (daemon start time) of the node's key that etcd last held:
+        #: the life a "down" event ended (None if unknown).
+        self.last_life: Callable[[str], object] = lambda _name: None
 
     # ------------------------------------------------------------ queries
 
     def drop_dead(self) -> None:
         """Drop the connection to every node etcd no longer holds alive: requests
-        under way to it fail now (node_down) instead of waiting for a stalled peer."""
+        under way to it fail now (node_down) instead of waiting for a stalled peer.
+
+        Only a connection to the life that ended: a daemon started again
+        within its old lease's TTL revokes that lease (its key is deleted, the
+        "down" the others see) and registers a moment later. A connection
+        already made to that new life is kept, with the calls under way on
+        it (a restart's rebuild on the returning node)."""
         for name, link in self.links.items():
-            if link.scope is not None and not self.is_alive(name):
+            if link.scope is not None and self._reaches_an_ended_life(name, link):
                 link.scope.cancel()
+
+    def _reaches_an_ended_life(self, name: str, link: PeerLink) -> bool:
+        if self.is_alive(name):
+            return False
+        ended = self.last_life(name)
+        return link.life is None or ended is None or link.life == ended
 
     def link_up(self, name: str) -> bool:
         return name == self.config.node_name or (name in self.links and self.links[name].up)
@@ -190,7 +208,7 @@ class Peers:
                 self._mark_down(link, f"{spec.endpoint} is node {channel.remote_node!r}, not {spec.name!r}")
                 await trio.sleep(1.0)
                 continue
-            link.channel = channel
+            link.channel, link.life = channel, None
             async with trio.open_nursery() as nursery:
                 link.scope = nursery.cancel_scope
                 nursery.start_soon(self._run_channel, channel, handler, nursery.cancel_scope)
@@ -227,7 +245,7 @@ class Peers:
                 # dropping it would fail every request under way on it, a
                 # launch included. Once etcd says it is down, drop_dead() drops it.
                 self._mark_down(link, f"no heartbeat answer on the link for {timeout:.1f} s (the peer is busy or stalled)")
-                if not self.is_alive(link.spec.name):
+                if self._reaches_an_ended_life(link.spec.name, link):
                     scope.cancel()
                     return
                 continue
@@ -238,6 +256,8 @@ class Peers:
             link.last_ok = time.monotonic()
             link.last_ok_wall = time.time()
             link.info = info if isinstance(info, dict) else {}
+            if link.life is None and isinstance(link.info.get("started"), float):
+                link.life = link.info["started"]
             stamps = link.info.get("clock")
             if isinstance(stamps, list) and len(stamps) == 3 and all(isinstance(t, float) for t in stamps[:2]):
                 link.clock.add(sent_wall, stamps[0], stamps[1], link.last_ok_wall)

@@ -50,6 +50,7 @@ import trio
 
 from .. import ckptstore, safefs
 from ..ckptstore import Manifest, StoreError
+from ..failpoint import hold
 from ..redundancy import transfer, xor
 from ..redundancy.bulk import Bulk, BulkMismatch
 from ..redundancy.plan import NODE_NAME
@@ -64,6 +65,7 @@ METHODS = ("partner", "xor")
 #: survivor's data: the generation's redundancy is not whole any more.
 DAMAGED = "redundancy_damaged"
 READ_BLOCK = 1 << 20
+HOLD = "rebuild.hold"  # (a test's hold point: see gangd.failpoint.hold)
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ class Rebuilder:
 
     async def rebuild(self, request: RebuildRequest) -> dict:
         started = time.monotonic()
+        await hold(HOLD)
         directory = ckptstore.gen_dir(self.root, request.lineage, request.gen)
         where = f"{self.node}: rebuilding node {request.lost}'s job-{request.lineage}/gen-{request.gen}"
         try:

@@ -82,6 +82,7 @@ class Daemon:
             preferred=config.master,
         )
         self.peers.is_alive = self.membership.is_up
+        self.peers.last_life = self.membership.last_life
         self.calls = Calls(
             node=self.node, peers=self.peers, membership=self.membership,
             patience=config.etcd.lease_ttl + 2 * config.heartbeat_timeout,

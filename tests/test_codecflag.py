@@ -12,6 +12,7 @@ environment happened to hold.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -211,5 +212,17 @@ def test_every_rank_gets_its_jobs_codec_and_pipeline_else_the_clusters_and_a_res
         for node in ("n1", "n2"):
             assert f"checkpoint codec 'nosuchcodec:fast' is refused on node {node}" in said, said
         assert "install the package that provides the 'nosuchcodec' codec" in said, said
+        # Each rank's exit says it too (it said "exit 1"): the ranks told their nodes before they exited. With
+        # kill_on_bad_exit (the default), the job's reason is the first failing rank's exit, and says it.
+        record = gc.job(lacking)
+        for status in record["ranks"]:
+            assert "after its ckpt.init() refused: GANGD_CKPT_CODEC: checkpoint codec 'nosuchcodec:fast' is refused" in jobs.describe_status(status)
+        killed = gc.ask(lambda gang: gang.submit([PY, str(JOB), str(release)], 2, nodes=2, ckpt_redundancy="local", ckpt_codec="nosuchcodec:fast",
+                                                 env=env, cwd=str(tmp_path)), "submit")["id"]
+        failed = gc.wait_state(killed, ("FAILED",), timeout=60)
+        assert re.fullmatch(r"rank [01] on n[12] exit 1 \(after its ckpt\.init\(\) refused: GANGD_CKPT_CODEC: checkpoint codec 'nosuchcodec:fast' "
+                            r"is refused on node n[12]: .*install the package that provides the 'nosuchcodec' codec.*", failed["reason"]), failed["reason"]
+        shown = gc.gang("ps", "--all", check=True).stdout + gc.gang("job", killed, check=True).stdout
+        assert "nosuchcodec" in shown, shown
     finally:
         kill_what_is_left(gc)

@@ -185,6 +185,7 @@ def test_the_wire_keeps_every_operation_name_and_audience():
     client = {
         "info", "submit", "kill", "jobs", "history", "job", "nodes", "wait", "output", "suspend", "resume", "schedule",
         "comm_attach", "net", "net_capture", "checkpoint", "restart", "ckpt_list", "ckpt_attach", "ckpt_start", "ckpt_end",
+        "ckpt_refused",  # (a rank's ckpt.init() refused its settings: said with its exit)
         "ckpt_interval",  # (gang ckpt plan: issue 19)
     }
     fenced = {

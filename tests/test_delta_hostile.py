@@ -271,3 +271,18 @@ def test_a_background_writers_huge_error_and_a_huge_checkpoint_mode_are_quoted_n
             jobs.JobSpec.from_wire({"argv": ["x"], "nranks": 1, "ckpt_mode": huge}, ["n1"])
 
     assert peak_of(submit) < 1 << 20
+
+
+@pytest.mark.parametrize("error", ["\x1b]0;owned\x07" + "y" * (16 << 20), ["not", "text"], "", None, 7])
+def test_a_ranks_hostile_refusal_is_quoted_bounded_or_refused(error):
+    """``ckpt_refused`` (a rank's ckpt.init() refused its settings): its sentence becomes part of the rank's
+    exit and the job's reason, shown to users. A 16 MiB one with a terminal escape is cut to MAX_WHY and
+    escaped without being escaped whole; anything but a non-empty string is refused."""
+    if isinstance(error, str) and error:
+        kept: list = []
+        assert peak_of(lambda: kept.append(m.RankRefused.from_wire({"error": error}))) < 1 << 20
+        assert len(kept[0].error) == m.MAX_WHY and "\x1b" not in kept[0].error and "\x07" not in kept[0].error
+        assert m.RankRefused.from_wire(kept[0].to_wire()) == kept[0]
+    else:
+        with pytest.raises(m.BadMessage):
+            m.RankRefused.from_wire({"error": error})

@@ -302,6 +302,10 @@ def test_describe_status():
     assert jobs.describe_status({"code": 0}) == "exit 0"
     assert jobs.describe_status({}) == "exit 0"
     assert jobs.describe_status({"code": 3}) == "exit 3"
+    # Why, when the node knows (a rank that could not start; one that ended after its ckpt.init() refused), escaped and bounded.
+    assert jobs.describe_status({"code": 127, "why": "No such file or directory"}) == "exit 127 (No such file or directory)"
+    assert jobs.describe_status({"code": 1, "why": "a\x1b[2Jb" + "x" * 5000}) == f"exit 1 (ab{'x' * (jobs.MAX_EXIT_WHY - 2)})"
+    assert jobs.describe_status({"code": 1, "why": ["not", "text"]}) == "exit 1"
     assert jobs.describe_status({"signal": signal.SIGSEGV}) == "killed by SIGSEGV"
     assert jobs.describe_status({"signal": signal.SIGKILL, "killed": True}) == "killed by SIGKILL by gangd"
     assert jobs.describe_status({"signal": 99}) == "killed by signal 99"

@@ -415,6 +415,10 @@ def ranks_on(record: dict, node: str) -> list[int]:
     return [rank for rank, where in enumerate(record["placement"]) if where == node]
 
 
+#: Characters of an exit's reason shown (the node bounds what it records; a peer's status is not trusted to).
+MAX_EXIT_WHY = 1000
+
+
 def describe_status(status: dict | None) -> str:
     if status is None:
         return "running"
@@ -426,6 +430,9 @@ def describe_status(status: dict | None) -> str:
         name = _signal_name(status["signal"])
         how = " by gangd" if status.get("killed") else ""
         return f"killed by {name}{how}"
+    why = status.get("why")
+    if isinstance(why, str) and why:  # (a rank that could not start; one whose ckpt.init() refused its settings)
+        return f"exit {status.get('code', 0)} ({text.printable(why)[:MAX_EXIT_WHY]})"
     return f"exit {status.get('code', 0)}"
 
 

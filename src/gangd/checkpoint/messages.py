@@ -54,7 +54,7 @@ def _why(args: dict, key: str = "why", default: str = "") -> str:
         return default
     if not isinstance(value, str):
         raise BadMessage(f"'{key}' must be a string, not {_show(value)}")
-    return text.printable(value)[:MAX_WHY]
+    return text.printable(value[: 4 * MAX_WHY])[:MAX_WHY]  # (a hostile 16 MiB reason is not escaped whole to keep its start)
 
 
 def _dict(args: Any) -> dict:
@@ -399,6 +399,27 @@ class RankRestored:
         if self.error:
             out["error"] = self.error
         return out
+
+
+@dataclass(frozen=True)
+class RankRefused:
+    """``ckpt_refused`` (a request): the rank's ``ckpt.init()`` refused its
+    settings (a codec its machine lacks), ``error`` saying why. Answered
+    once the node has it: the rank's exit, if the program ends on the
+    error, cannot be seen before it."""
+
+    op: ClassVar[str] = "ckpt_refused"
+    error: str
+
+    @classmethod
+    def from_wire(cls, args: Any) -> RankRefused:
+        error = _why(_dict(args), "error")
+        if not error:
+            raise BadMessage("'error' must say why")
+        return cls(error)
+
+    def to_wire(self) -> dict:
+        return {"error": self.error}
 
 
 @dataclass(frozen=True)

@@ -122,10 +122,10 @@ def init(*, directory: str | os.PathLike | None = None, restart=None, background
     try:
         settings = DeltaSettings.from_options(mode, block_kib, chain_max, threshold, codec, pipeline)
     except CheckpointError as exc:
-        if info.under_gangd and info.socket:  # (a restarted rank's node must hear why it will not restore)
-            from .agent import refuse_restore
+        if info.under_gangd and info.socket:  # (its node hears why: the job's reason says it, not "exit 1")
+            from .agent import refused
 
-            refuse_restore(info, str(exc))
+            refused(info, str(exc))
         raise
     cp = Checkpointer(None, background=background, spc=spc_mod.select(spc), settings=settings)
     # The handler first: once the daemon knows this rank takes checkpoints it

@@ -438,11 +438,14 @@ class DaemonAgent:
 _REPORTED = ("size", "digest", "seconds", "role", "parent", "base", "links", "state", "restore", "error", "pipeline", "codecs")
 
 
-def refuse_restore(info: JobInfo, why: str) -> None:
-    """``init()`` refused this rank's settings (a codec this machine lacks, say): if the rank is being
-    restarted, tell its node that it cannot restore, and why. Otherwise the node would see only its exit
-    ("exit 1"), the job's reason would not say what is missing, and a job a recovery started would not
-    be checked and recovered as one whose restore failed."""
+def refused(info: JobInfo, why: str) -> None:
+    """``init()`` refused this rank's settings (a codec this machine lacks, say): tell its node why.
+    Otherwise the node would see only its exit ("exit 1") and the job's reason would not say what is
+    missing. A rank being restarted cannot restore (a job a recovery started is then checked and
+    recovered as one whose restore failed); any other rank's sentence is kept by its node as its last
+    words, said with its exit if the program ends on the error (one that catches it and runs on without
+    checkpoints is not failed for it). Asked as a request: answered once the node has it, so its exit
+    cannot be seen first."""
     try:
         agent = DaemonAgent(info)
     except CheckpointError:
@@ -450,6 +453,10 @@ def refuse_restore(info: JobInfo, why: str) -> None:
     try:
         if agent.restart:
             agent.cannot_restore(why)
+        else:
+            agent.link.request("ckpt_refused", {"error": why})
+    except CommError:
+        pass  # (the daemon went meanwhile: the rank's own message says it)
     finally:
         agent.close()
 

@@ -97,6 +97,7 @@ from ..checkpoint.messages import (
     Link,
     PlanNote,
     RankProgress,
+    RankRefused,
     RankReport,
     RankWritten,
     merge_pipelines,
@@ -272,6 +273,9 @@ class NodeCheckpoints:
         # (job, rank) -> set once the checkpoint connection of a rank of a job being restored here, which
         # exited, has been read to its end (detached): what it said before it died is heard before its exit.
         self._draining: dict[tuple[int, int], tuple[Channel, trio.Event]] = {}
+        # (job, rank) -> why its ckpt.init() refused its settings: said with its exit if it ends on that
+        # error (one per rank of this node: a rank's attach is checked against its process; dropped with the job).
+        self._last_words: dict[tuple[int, int], str] = {}
 
     def _may_xor(self, record: dict) -> bool:
         """Whether this job's generations may be XOR-protected (the coordinator decides the level, from the
@@ -407,6 +411,27 @@ class NodeCheckpoints:
         pending = self.pending.get(key[0])
         if pending is not None and not pending.resumed:
             pending.feed(nd.RankGone(key[1], f"rank {key[1]} on {self.daemon.node} closed its checkpoint connection (it exited or called fini)"))
+
+    def refused(self, channel: Channel, args: dict) -> bool:
+        """A rank's ``ckpt.init()`` refused its settings (a codec this machine
+        lacks): kept as its last words (:meth:`last_words`). Not the job's
+        reason yet: a program may catch the error and run on without checkpoints."""
+        key = channel.context.get("ckpt_of")
+        if key is None:
+            raise RemoteError("bad_request", "ckpt_refused before ckpt_attach")
+        try:
+            note = RankRefused.from_wire(args)
+        except BadMessage as exc:
+            raise RemoteError("bad_request", f"ckpt_refused: {exc}") from None
+        record = self.daemon.table.get(key[0])
+        if record is None or jobs.is_terminal(record):
+            return False
+        self._last_words[key] = f"after its ckpt.init() refused: {note.error}"
+        return True
+
+    def last_words(self, job_id: int, rank: int) -> str | None:
+        """What the rank said before it exited, once (:meth:`refused`), or None."""
+        return self._last_words.pop((job_id, rank), None)
 
     def rank_exited(self, job_id: int, rank: int, why: str) -> None:
         pending = self.pending.get(job_id)
@@ -1245,6 +1270,8 @@ class NodeCheckpoints:
             del self.progress[key]
         self.restarts.pop(job_id, None)
         self._stop_draining(job_id)
+        for key in [k for k in self._last_words if k[0] == job_id]:
+            del self._last_words[key]
         self.rounds.forget(job_id)
         pending = self.pending.get(job_id)
         if pending is not None:

@@ -71,6 +71,11 @@ async def ckpt_attach(s, call: Call):
     return await s.checkpoints.attach(call.user, call.channel.context.get("pid"), call.args, call.channel)
 
 
+@op("ckpt_refused", audience=CLIENT)
+async def ckpt_refused(s, call: Call):
+    return s.checkpoints.refused(call.channel, call.args)
+
+
 @op("ckpt_start", audience=CLIENT)
 async def ckpt_start(s, call: Call):
     return await s.checkpoints.rank_start(call.channel, call.args)

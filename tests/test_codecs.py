@@ -238,6 +238,20 @@ def test_importing_gangd_codecs_and_parsing_a_spec_loads_no_compression_library(
     assert done.stdout.split("\n")[:2] == ["[]", "['zstandard']"]
 
 
+def test_the_blosc2_codec_lets_the_other_stages_run_while_it_compresses():
+    """blosc2 holds the GIL while it compresses unless told otherwise (lz4 and zstd let it go): the
+    pipeline's write and hash stages then waited on every unit compressed, and a pipelined checkpoint
+    was barely faster than compressing first and writing after (bench/pipeline.py section 1: 10-21 %,
+    34 % with this). Loading the codec turns the release on; what blosc2 reports is its state (no clock).
+    In a new process: blosc2's setting is process-wide."""
+    probe = (
+        "import blosc2; print(blosc2.set_releasegil(False)); "  # (blosc2's own default)
+        "from gangd import codecs; codecs.encode('blosc2:lz4:1:bytedelta', bytes(1 << 20), 8); print(blosc2.set_releasegil(True))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60)
+    assert done.stdout.split() == ["False", "True"], done.stdout
+
+
 @pytest.mark.parametrize(("library", "spec"), [("blosc2", "blosc2:lz4:1:shuffle"), ("zstandard", "zstd:9"), ("lz4", "lz4")])
 def test_a_builtin_whose_library_is_not_installed_names_the_package_to_install(library, spec):
     # sys.modules[name] = None is how Python itself marks a module that cannot be imported.

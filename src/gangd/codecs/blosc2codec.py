@@ -16,6 +16,15 @@ blosc2 does not detect corruption of the compressed stream in general: a
 flipped byte can decode to wrong bytes without an error, which is why the
 block's checksum over the raw bytes (:func:`gangd.codecs.decode`) is what
 catches it. One thread per call: the pipeline runs its own threads.
+
+Those threads overlap only if the codec lets go of the GIL while it works,
+and blosc2 keeps it by default (``set_releasegil``, False): a thread
+compressing held every other thread of the process for the length of each
+unit (a Python thread spinning beside it kept 23 % of its pace, beside
+lz4 or zstd all of it), so the write stage waited on the compression and
+the pipeline was barely faster than compressing first and writing after.
+The codec turns the release on when it is loaded (process-wide: it costs a
+little on tiny buffers, and a checkpoint's units are large).
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ class Blosc2:
     def __init__(self, inner: str, level: int, filt: str) -> None:
         import blosc2  # type: ignore[import-untyped]  # loaded with the codec, not with gangd (gangd.codecs.lz4codec)
 
+        blosc2.set_releasegil(True)  # (the pipeline's stages run beside the compression: see the module's docstring)
         self._blosc2: Any = blosc2
         self.inner, self.level, self.filter = inner, level, filt
         self._codec = getattr(blosc2.Codec, inner.upper())

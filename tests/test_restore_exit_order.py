@@ -40,10 +40,10 @@ class Coordinator:
 
 
 def node_for(tmp_path, coordinator=None, spawn=None) -> NodeCheckpoints:
-    """A node's checkpoint part, with its daemon reduced to what the restore's reports use."""
-    return NodeCheckpoints(SimpleNamespace(node="n1", ops=coordinator, spawn=spawn, jobnet=SimpleNamespace(states={}),
-                                           config=SimpleNamespace(checkpoint_root=tmp_path, checkpoint_max_rank_bytes=1 << 30,
-                                                                  checkpoint_timeout=600.0)))
+    """A node's checkpoint part, given only what the restore's reports use (the rest is never reached)."""
+    return NodeCheckpoints(node="n1", calls=coordinator, spawn=spawn, jobnet=SimpleNamespace(states={}),
+                           config=SimpleNamespace(checkpoint_root=tmp_path, checkpoint_max_rank_bytes=1 << 30, checkpoint_timeout=600.0),
+                           table=None, peers=None, secret=b"", job_env=lambda _job: {})
 
 
 def restoring(node: NodeCheckpoints, job: int, ranks: list[int]) -> dict[int, SimpleNamespace]:

@@ -80,6 +80,7 @@ import signal
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
@@ -251,11 +252,19 @@ class Pending(nd.NodeRound):
 
 
 class NodeCheckpoints:
-    def __init__(self, daemon):
-        self.daemon = daemon
-        self.root = daemon.config.checkpoint_root
+    def __init__(self, *, node: str, config, table, jobnet, peers, calls, secret: bytes,
+                 job_env: Callable[[int], dict], spawn: Callable[..., None]):
+        """``config``: the daemon's (checkpoint settings, this node's address); ``table``: the job
+        table; ``jobnet``: this node's send gates and network contexts (and, for
+        :func:`~.jobnet.caller_rank`, its ranks); ``peers``: the links to the other daemons (the
+        redundancy writes); ``calls``: calls to other nodes and the coordinator; ``secret``: the
+        cluster's (the bulk path's tickets); ``job_env(job)``: the environment the job's ranks here
+        got (kept with a checkpoint: a restart takes it from there); ``spawn``: the daemon's contained tasks."""
+        self.node, self.config, self.table, self.jobnet, self.peers, self.calls = node, config, table, jobnet, peers, calls
+        self.secret, self.job_env, self.spawn = secret, job_env, spawn
+        self.root = config.checkpoint_root
         self.agents: dict[tuple[int, int], RankAgent] = {}
-        self.rounds = nd.NodeJobs(daemon.node, daemon.config.checkpoint_max_rank_bytes)
+        self.rounds = nd.NodeJobs(node, config.checkpoint_max_rank_bytes)
         self.pending = cast("dict[int, Pending]", self.rounds.rounds)  # (every round here is a Pending)
         self.restarts: dict[int, dict] = {}  # job -> {"gen", "lineage", "directory", "manifest", "ranks"}
         self._requesting: set[int] = set()  # jobs whose ranks asked for a checkpoint just now
@@ -281,7 +290,7 @@ class NodeCheckpoints:
         """Whether this job's generations may be XOR-protected (the coordinator decides the level, from the
         job's, its lineage's or the cluster's; a set needs 3 nodes). A restarted job whose lineage asked for
         another level may load numpy for nothing, once per daemon."""
-        asked = record.get("ckpt_redundancy") or self.daemon.config.checkpoint_redundancy
+        asked = record.get("ckpt_redundancy") or self.config.checkpoint_redundancy
         return len(jobs.nodes_of(record)) >= 3 and asked in ("auto", "xor")
 
     def _warm_parity(self) -> None:
@@ -290,7 +299,7 @@ class NodeCheckpoints:
         if self._parity_warm:
             return
         self._parity_warm = True
-        self.daemon.spawn(trio.to_thread.run_sync, xor.warm)
+        self.spawn(trio.to_thread.run_sync, xor.warm)
 
     def _keep(self, manifest: ckptstore.Manifest) -> None:
         self.kept.pop((manifest.lineage, manifest.gen), None)
@@ -350,7 +359,7 @@ class NodeCheckpoints:
         Raises :class:`NoRoom` first if the disk is nearly full."""
         root = open_root(self.root)
         try:
-            room_left(root, self.daemon.config.output_reserve, self.root)
+            room_left(root, self.config.output_reserve, self.root)
             job = safefs.open_dir_at(root, directory.parent.name, self.root, create_mode=0o711)
         finally:
             os.close(root)
@@ -374,7 +383,7 @@ class NodeCheckpoints:
     # ------------------------------------------------------------ rank connections
 
     async def attach(self, cred: dict, pid: int, args: dict, channel: Channel) -> dict:
-        record, rank = caller_rank(self.daemon, cred, pid, args, "ckpt_attach")
+        record, rank = caller_rank(self.jobnet, cred, pid, args, "ckpt_attach")
         job_id = record["id"]
         try:
             pidfd = os.pidfd_open(pid)
@@ -388,7 +397,7 @@ class NodeCheckpoints:
         reply: dict = {"restart": None, "auto": record.get("ckpt_every") == "auto"}
         plan = self.plans.get(job_id)
         if plan is not None:  # (after the reply: the rank's thread reads it as its first note)
-            self.daemon.spawn(self._note, channel, plan.op, plan.to_wire())
+            self.spawn(self._note, channel, plan.op, plan.to_wire())
         restart = self.restarts.get(job_id)
         if restart is not None:
             name = ckptstore.cluster_rank_file(rank)
@@ -410,7 +419,7 @@ class NodeCheckpoints:
         self.progress.pop(key, None)
         pending = self.pending.get(key[0])
         if pending is not None and not pending.resumed:
-            pending.feed(nd.RankGone(key[1], f"rank {key[1]} on {self.daemon.node} closed its checkpoint connection (it exited or called fini)"))
+            pending.feed(nd.RankGone(key[1], f"rank {key[1]} on {self.node} closed its checkpoint connection (it exited or called fini)"))
 
     def refused(self, channel: Channel, args: dict) -> bool:
         """A rank's ``ckpt.init()`` refused its settings (a codec this machine
@@ -423,7 +432,7 @@ class NodeCheckpoints:
             note = RankRefused.from_wire(args)
         except BadMessage as exc:
             raise RemoteError("bad_request", f"ckpt_refused: {exc}") from None
-        record = self.daemon.table.get(key[0])
+        record = self.table.get(key[0])
         if record is None or jobs.is_terminal(record):
             return False
         self._last_words[key] = f"after its ckpt.init() refused: {note.error}"
@@ -442,7 +451,7 @@ class NodeCheckpoints:
             # still be unread on its connection (left open to be read).
             grace = pending.feed(nd.RankGone(rank, why))
             if grace:
-                self.daemon.spawn(self._exited_while_writing, pending, grace[0])
+                self.spawn(self._exited_while_writing, pending, grace[0])
                 return
         agent = self.agents.pop((job_id, rank), None)
         if agent is not None:
@@ -486,7 +495,7 @@ class NodeCheckpoints:
             log.info("job %d rank %d sent a malformed %s: %s", job_id, rank, text.printable(op)[:40], exc)
             pending = self.pending.get(job_id)
             if pending is not None and op in ("ckpt_report", "ckpt_written"):
-                pending.fail(f"rank {rank} on {self.daemon.node} sent a malformed {op}: {exc}")
+                pending.fail(f"rank {rank} on {self.node} sent a malformed {op}: {exc}")
             return
         if op == "ckpt_restored":
             self._restored(job_id, rank, args)
@@ -503,9 +512,9 @@ class NodeCheckpoints:
                 if what is nd.Outside.REQUEST:  # the program's own SIGQUIT or ckpt.request(), or its interval plan
                     self._requested_by_rank(job_id, rank, channel, note.iteration)
                 elif what is nd.Outside.ABORT:  # a generation that is over: let the rank go
-                    self.daemon.spawn(self._note, channel, "ckpt_abort", {"gen": note.gen, "why": "it is over"})
+                    self.spawn(self._note, channel, "ckpt_abort", {"gen": note.gen, "why": "it is over"})
                 else:
-                    self.daemon.spawn(self._note, channel, "ckpt_none", {})
+                    self.spawn(self._note, channel, "ckpt_none", {})
             else:
                 pending.feed(nd.Reported(rank, note))
         elif isinstance(note, RankWritten) and pending is not None and note.gen == pending.gen:
@@ -515,16 +524,16 @@ class NodeCheckpoints:
         if job_id in self._requesting:
             return
         self._requesting.add(job_id)
-        self.daemon.spawn(self._request_checkpoint, job_id, rank, channel, at)
+        self.spawn(self._request_checkpoint, job_id, rank, channel, at)
 
     async def _request_checkpoint(self, job_id: int, rank: int, channel: Channel, at: int | None) -> None:
-        record = self.daemon.table.get(job_id)
+        record = self.table.get(job_id)
         plan = self.plans.get(job_id)
         planned = plan is not None and at is not None and at >= plan.next  # (its plan's iteration, or the first it can reach)
         trigger = f"planned interval (iteration {at})" if planned else f"SIGQUIT or ckpt.request() in rank {rank}"
         try:
             cred = {"uid": record["owner_uid"], "gid": record["owner_gid"], "user": record["owner"]}
-            await self.daemon.ops.to_coordinator("coord_checkpoint", job=job_id, cred=cred, wait=False, trigger=trigger,
+            await self.calls.to_coordinator("coord_checkpoint", job=job_id, cred=cred, wait=False, trigger=trigger,
                                                  **({"at": at} if planned else {}))
         except RemoteError as exc:
             log.info("job %d: rank %d asked for a checkpoint: %s", job_id, rank, exc.message)
@@ -538,7 +547,7 @@ class NodeCheckpoints:
             await self._note(agent.channel, op, args)
         if scope.cancelled_caught:
             log.warning("job %d rank %d does not read its checkpoint connection; dropping it", agent.job_id, agent.rank)
-            self.daemon.spawn(agent.channel.aclose)
+            self.spawn(agent.channel.aclose)
 
     async def _note(self, channel: Channel, op: str, args: dict) -> None:
         try:
@@ -559,7 +568,7 @@ class NodeCheckpoints:
         iteration = args.get("iteration")
         pending.feed(nd.Arrived(rank, iteration if type(iteration) is int else None, time.time()))
         await pending.until(lambda: pending.released, math.inf, "release")
-        offer = pending.offers.get(rank) or self._full_offer(self._job_mode(self.daemon.table.get(pending.job_id)))
+        offer = pending.offers.get(rank) or self._full_offer(self._job_mode(self.table.get(pending.job_id)))
         return {"path": pending.path[rank], "delta": offer.to_wire()}
 
     async def rank_end(self, channel: Channel, args: dict) -> bool:
@@ -575,14 +584,14 @@ class NodeCheckpoints:
     # ------------------------------------------------------------ the rounds
 
     def _check_ranks(self, record: dict) -> list[int]:
-        mine = jobs.ranks_on(record, self.daemon.node)
+        mine = jobs.ranks_on(record, self.node)
         for rank in mine:
             if record["ranks"][rank] is not None:
                 raise RemoteError("not_ready", f"rank {rank} of job {record['id']} already ended; a checkpoint needs every rank")
             if (record["id"], rank) not in self.agents:
                 raise RemoteError(
                     "not_ready",
-                    f"rank {rank} of job {record['id']} on {self.daemon.node} does not take checkpoints "
+                    f"rank {rank} of job {record['id']} on {self.node} does not take checkpoints "
                     "(it has not called gangd.ckptlib.init(), or has already called fini())",
                 )
         return mine
@@ -606,9 +615,9 @@ class NodeCheckpoints:
         try:
             await trio.to_thread.run_sync(self._make_dirs, directory, owner)
         except NoRoom as exc:
-            raise RemoteError("no_space", f"{self.daemon.node}: {exc}") from None
+            raise RemoteError("no_space", f"{self.node}: {exc}") from None
         except (UnsafePath, OSError) as exc:
-            raise RemoteError("write_failed", f"{self.daemon.node}: cannot create {directory}: {getattr(exc, 'strerror', None) or exc}") from None
+            raise RemoteError("write_failed", f"{self.node}: cannot create {directory}: {getattr(exc, 'strerror', None) or exc}") from None
         if pending.failed:
             # Aborted while the directories were made: the abort's removal may
             # have come first; what was made is removed here.
@@ -621,7 +630,7 @@ class NodeCheckpoints:
             try:
                 signal.pidfd_send_signal(agent.pidfd, signal.SIGQUIT)
             except OSError as exc:
-                pending.fail(f"cannot signal rank {rank} on {self.daemon.node}: {exc.strerror}")
+                pending.fail(f"cannot signal rank {rank} on {self.node}: {exc.strerror}")
             # The note reaches the rank's thread even while its main thread is in a long C call.
             await self._bounded_note(agent, "ckpt_begin", begin_note)
         pending.planned = await self._plan_offers(record, pending, force_full=args.get("force_full") is True)
@@ -635,14 +644,14 @@ class NodeCheckpoints:
     def _job_mode(self, record: dict | None) -> str:
         """The job's checkpoint mode: its ``--ckpt-mode``, else its lineage's
         (a restart inherits it), else the cluster's ``[checkpoint] mode``."""
-        return self._asked_mode(record) or self.daemon.config.checkpoint_mode
+        return self._asked_mode(record) or self.config.checkpoint_mode
 
     def _asked_mode(self, record: dict | None) -> str | None:
         if record is None:
             return None
         if record.get("ckpt_mode"):
             return record["ckpt_mode"]
-        members = self.daemon.table.lineage(record.get("lineage") or record["id"])
+        members = self.table.lineage(record.get("lineage") or record["id"])
         return next((r["ckpt_mode"] for r in members if r.get("ckpt_mode")), None)
 
     def job_codec(self, record: dict) -> str:
@@ -654,20 +663,20 @@ class NodeCheckpoints:
         a ``GANGD_CKPT_CODEC`` the submitter's environment happened to hold.
         A record's value was canonicalised at submit; one that is not
         (a record from elsewhere) is passed over, never handed to a rank."""
-        return self._lineage_setting(record, "ckpt_codec", jobs.ckpt_codec) or self.daemon.config.checkpoint_codec
+        return self._lineage_setting(record, "ckpt_codec", jobs.ckpt_codec) or self.config.checkpoint_codec
 
     def job_pipeline(self, record: dict) -> str:
         """The pipeline settings the job's ranks get as ``GANGD_CKPT_PIPELINE``, found as
         :meth:`job_codec` finds the codec: the job's ``--ckpt-pipeline``, its lineage's, else the
         cluster's ``[checkpoint] pipeline`` ("" : every setting its default)."""
-        return self._lineage_setting(record, "ckpt_pipeline", jobs.ckpt_pipeline) or self.daemon.config.checkpoint_pipeline
+        return self._lineage_setting(record, "ckpt_pipeline", jobs.ckpt_pipeline) or self.config.checkpoint_pipeline
 
     def _lineage_setting(self, record: dict, key: str, canonical) -> str | None:
         """``record[key]``, else the newest of its lineage's that has one; only a value that is
         already its own canonical form (``canonical(value) == value``) is taken."""
         lineage = record.get("lineage") or record["id"]
         # (A restart's record carries its lineage's settings (ckptcoord); older ones are looked up.)
-        members = [record] if record.get(key) or lineage == record["id"] else self.daemon.table.lineage(lineage)
+        members = [record] if record.get(key) or lineage == record["id"] else self.table.lineage(lineage)
         for member in members:
             asked = member.get(key)
             if asked is not None:
@@ -680,7 +689,7 @@ class NodeCheckpoints:
         return None
 
     def _full_offer(self, mode: str) -> DeltaOffer:
-        config = self.daemon.config
+        config = self.config
         return DeltaOffer(mode, config.checkpoint_block_kib, config.checkpoint_chain_max, config.checkpoint_adaptive_threshold, True)
 
     async def _plan_offers(self, record: dict, pending: Pending, *, force_full: bool) -> dict[int, DeltaOffer]:
@@ -698,14 +707,14 @@ class NodeCheckpoints:
         if mode == "full":
             return offers
         lineage = pending.lineage
-        members = self.daemon.table.lineage(lineage)
+        members = self.table.lineage(lineage)
         if not any(nd.sound(e) for r in members for e in r.get("checkpoints") or []) and lineage != record["id"]:
             try:  # a restarted job's first checkpoint: the lineage's generations are in the history
-                await self.daemon.table.read_lineage(lineage)
+                await self.table.read_lineage(lineage)
             except RemoteError as exc:
                 log.info("job %d: no delta offered for checkpoint %d: %s", record["id"], pending.gen, exc.message)
                 return offers
-            members = self.daemon.table.lineage(lineage)
+            members = self.table.lineage(lineage)
         entries = [e for r in members for e in r.get("checkpoints") or []]
         candidates = nd.parent_candidates(entries, list(record.get("placement") or ()), pending.gen, OFFER_CANDIDATES)
         if not candidates.parents:
@@ -784,7 +793,7 @@ class NodeCheckpoints:
                 await self._bounded_note(agent, "ckpt_cut", {"gen": pending.gen, "iteration": pending.cut})
         await pending.until(pending.all_arrived, self._timeout(args), "the ranks did not reach the cut")
         pending.times["at_cut"] = max(pending.arrived.values(), default=time.time())
-        jobnet = self.daemon.jobnet
+        jobnet = self.jobnet
         await jobnet.hold_gate(pending.job_id, "checkpoint", True)
         await jobnet.wait_gate_closed(pending.job_id)
         pending.times["closed"] = time.time()
@@ -793,19 +802,19 @@ class NodeCheckpoints:
     async def capture(self, args: dict) -> dict:
         pending = self._pending(args)
         pending.times["capture"] = time.time()
-        contexts = await self.daemon.jobnet.capture(pending.job_id, args.get("expect") or {})
+        contexts = await self.jobnet.capture(pending.job_id, args.get("expect") or {})
         # With its environment (etcd keeps none for ended jobs; a restart takes it from here).
-        record = {**self.daemon.table.get(pending.job_id), "env": self.daemon.ranks.envs.get(pending.job_id, {})}
-        job_blob = msgpack.packb({"record": record, "gen": pending.gen, "iteration": pending.cut, "node": self.daemon.node}, use_bin_type=True)
+        record = {**self.table.get(pending.job_id), "env": self.job_env(pending.job_id)}
+        job_blob = msgpack.packb({"record": record, "gen": pending.gen, "iteration": pending.cut, "node": self.node}, use_bin_type=True)
         try:
             files = await trio.to_thread.run_sync(self._write_daemon_files, pending, contexts, job_blob)
         except StoreError as exc:
-            raise RemoteError("write_failed", f"{self.daemon.node}: {exc}") from None
+            raise RemoteError("write_failed", f"{self.node}: {exc}") from None
         pending.files.update(files)
         # Their fsyncs (and the directory's) run now, while the ranks write, not on the commit's path;
         # the commit waits for them before the manifest, as it did when it made them itself.
         pending.synced = trio.Event()
-        self.daemon.spawn(self._sync_daemon_files, pending)
+        self.spawn(self._sync_daemon_files, pending)
         pending.times["released"] = time.time()
         pending.feed(nd.Released({rank: str(pending.directory / ckptstore.cluster_rank_file(rank)) for rank in pending.ranks}, pending.planned))
         await pending.until(pending.all_ended, self._timeout(args), "the ranks did not save their state")
@@ -862,7 +871,7 @@ class NodeCheckpoints:
     async def resume(self, args: dict) -> dict:
         pending = self._pending(args)
         pending.times["resume"] = time.time()
-        await self.daemon.jobnet.hold_gate(pending.job_id, "checkpoint", False)
+        await self.jobnet.hold_gate(pending.job_id, "checkpoint", False)
         pending.feed(nd.Resumed())
         if pending.failed:
             raise RemoteError("checkpoint_failed", pending.failed)
@@ -873,16 +882,16 @@ class NodeCheckpoints:
         pending = self._pending(args)
         await pending.until(lambda: pending.phase is nd.NodePhase.WRITTEN, self._timeout(args), "the ranks did not finish writing")
         if pending.cut is None:  # (the coordinator commits only after the cut)
-            raise RemoteError("no_checkpoint", f"checkpoint {pending.gen} of job {pending.job_id} has no cut on {self.daemon.node}")
+            raise RemoteError("no_checkpoint", f"checkpoint {pending.gen} of job {pending.job_id} has no cut on {self.node}")
         if pending.synced is not None:
             await pending.synced.wait()  # (in practice long done: the ranks wrote meanwhile)
         if pending.sync_error is not None:
-            raise RemoteError("write_failed", f"{self.daemon.node}: {pending.sync_error}")
+            raise RemoteError("write_failed", f"{self.node}: {pending.sync_error}")
         files = dict(pending.files)
         for rank, report in pending.written.items():
             files[ckptstore.cluster_rank_file(rank)] = [report.size, report.digest]
         needs = {ckptstore.cluster_rank_file(rank): links for rank, links in pending.needs().items()}
-        manifest = ckptstore.Manifest(int(args["lineage"]), pending.gen, self.daemon.node, pending.cut, files, pending.ranks, time.time(), needs)
+        manifest = ckptstore.Manifest(int(args["lineage"]), pending.gen, self.node, pending.cut, files, pending.ranks, time.time(), needs)
         try:
             await trio.to_thread.run_sync(self._check_and_commit, pending, manifest)
         except StoreError as exc:
@@ -890,9 +899,9 @@ class NodeCheckpoints:
             for offer in pending.planned.values():
                 for link in offer.links:
                     self.kept.pop((pending.lineage, link.gen), None)
-            raise RemoteError("write_failed", f"{self.daemon.node}: {exc}") from None
+            raise RemoteError("write_failed", f"{self.node}: {exc}") from None
         except NoRoom as exc:
-            raise RemoteError("no_space", f"{self.daemon.node}: after the ranks wrote, {exc}") from None
+            raise RemoteError("no_space", f"{self.node}: after the ranks wrote, {exc}") from None
         pending.times["committed"] = time.time()
         pending.feed(nd.Committed())
         self.rounds.finished(pending)
@@ -921,8 +930,8 @@ class NodeCheckpoints:
         except (UnsafePath, OSError) as exc:
             raise StoreError(f"{pending.directory}: {getattr(exc, 'strerror', None) or exc}") from None
         try:
-            room_left(gen, self.daemon.config.output_reserve, self.root)
-            cap = self.daemon.config.checkpoint_max_rank_bytes
+            room_left(gen, self.config.output_reserve, self.root)
+            cap = self.config.checkpoint_max_rank_bytes
             stats = {}
             for name, (size, _) in manifest.files.items():
                 path = pending.directory / name
@@ -976,8 +985,8 @@ class NodeCheckpoints:
         for (j, _), agent in list(self.agents.items()):
             if j == job_id:
                 await self._bounded_note(agent, "ckpt_abort", {"gen": gen, "why": why})
-        if job_id in self.daemon.jobnet.states:
-            await self.daemon.jobnet.hold_gate(job_id, "checkpoint", False)
+        if job_id in self.jobnet.states:
+            await self.jobnet.hold_gate(job_id, "checkpoint", False)
         if args.get("lineage") is not None and gen is not None:
             self.kept.pop((int(args["lineage"]), gen), None)
             await trio.to_thread.run_sync(self._remove, ckptstore.gen_dir(self.root, int(args["lineage"]), gen))
@@ -994,19 +1003,19 @@ class NodeCheckpoints:
         return [{"job": job_id, "gen": gen} for job_id, gen, _ in under_way]
 
     def _times(self, pending: Pending) -> dict:
-        return {"node": self.daemon.node, "times": dict(pending.times), "ranks": len(pending.ranks)}
+        return {"node": self.node, "times": dict(pending.times), "ranks": len(pending.ranks)}
 
     def _record(self, args: dict) -> dict:
-        record = self.daemon.table.get(args.get("job"))
+        record = self.table.get(args.get("job"))
         if args.get("record"):
             record = args["record"]
         if record is None:
-            raise RemoteError("no_such_job", f"job {args.get('job')} is unknown on {self.daemon.node}")
+            raise RemoteError("no_such_job", f"job {args.get('job')} is unknown on {self.node}")
         return record
 
     def _timeout(self, args: dict) -> float:
         """A round's deadline: the coordinator's, else checkpoint_timeout."""
-        return float(args.get("timeout") or self.daemon.config.checkpoint_timeout)
+        return float(args.get("timeout") or self.config.checkpoint_timeout)
 
     def _pending(self, args: dict) -> Pending:
         try:
@@ -1029,14 +1038,14 @@ class NodeCheckpoints:
         """``ckpt_protect``: write this node's share of a complete generation's
         redundancy (:mod:`gangd.daemon.protect`)."""
         if self._protector is None:
-            bulk = Bulk.from_secret(self.daemon.secret)
-            self._protector = Protector(node=self.daemon.node, checkpoints=self, peers=self.daemon.peers, bulk=bulk)
+            bulk = Bulk.from_secret(self.secret)
+            self._protector = Protector(node=self.node, checkpoints=self, peers=self.peers, bulk=bulk)
         return await self._protector.protect(args)
 
     async def bulk_server(self) -> BulkServer:
         """This node's bulk listener for checkpoint bytes (started on first use)."""
         if self._bulk is None:
-            self._bulk = BulkService(secret=self.daemon.secret, host=self.daemon.config.node.address, spawn=self.daemon.spawn)
+            self._bulk = BulkService(secret=self.secret, host=self.config.node.address, spawn=self.spawn)
         return await self._bulk.server()
 
     async def verify(self, args: dict) -> list[str]:
@@ -1051,15 +1060,15 @@ class NodeCheckpoints:
             try:
                 gen = self._gen_fd(directory)
             except (UnsafePath, OSError) as exc:
-                return [f"{self.daemon.node}: cannot open {directory}: {getattr(exc, 'strerror', None) or exc}"]
+                return [f"{self.node}: cannot open {directory}: {getattr(exc, 'strerror', None) or exc}"]
             try:
                 try:
                     manifest = ckptstore.read_manifest(directory, dir_fd=gen, owner=os.geteuid())
                 except StoreError as exc:
-                    return [f"{self.daemon.node}: {exc}"]
+                    return [f"{self.node}: {exc}"]
                 names = [n for n in manifest.files if n == "job.msgpack" or any(n in (ckptstore.cluster_rank_file(r), ckptstore.net_file(r)) for r in ranks)]
                 missing = [ckptstore.cluster_rank_file(r) for r in ranks if ckptstore.cluster_rank_file(r) not in manifest.files]
-                problems = [f"{self.daemon.node}: {directory / n} is not in the manifest" for n in missing]
+                problems = [f"{self.node}: {directory / n} is not in the manifest" for n in missing]
                 before = _stats(gen, directory, names)
                 unread = [n for n in names if full or not (n in before and self.verified.intact(directory, n, before[n], manifest.files[n][1]))]
                 found = ckptstore.verify(directory, unread, dir_fd=gen, owner=os.geteuid())
@@ -1067,7 +1076,7 @@ class NodeCheckpoints:
                     for n, st in _stats(gen, directory, unread).items():
                         if n in before and verified_stamp(before[n]) == verified_stamp(st):
                             self.verified.record(directory, n, st, manifest.files[n][1])
-                return problems + [f"{self.daemon.node}: {p}" for p in found]
+                return problems + [f"{self.node}: {p}" for p in found]
             finally:
                 os.close(gen)
 
@@ -1083,10 +1092,10 @@ class NodeCheckpoints:
         origin = record["restart_of"]
         lineage, gen = int(record["lineage"]), int(origin["gen"])
         directory = ckptstore.gen_dir(self.root, lineage, gen)
-        mine = jobs.ranks_on(record, self.daemon.node)
+        mine = jobs.ranks_on(record, self.node)
         # The gate is held closed from the moment the job's state exists
         # (jobnet.prepare, just before), across the read below.
-        jobnet = self.daemon.jobnet
+        jobnet = self.jobnet
         state = jobnet.state(record["id"])
         state.holds.add("restart")
         state.gate_open = False
@@ -1108,15 +1117,15 @@ class NodeCheckpoints:
         try:
             manifest, contexts, chains = await trio.to_thread.run_sync(load)
         except (StoreError, UnsafePath) as exc:
-            raise RemoteError("restart_failed", f"{self.daemon.node}: {exc}") from None
+            raise RemoteError("restart_failed", f"{self.node}: {exc}") from None
         except OSError as exc:
-            raise RemoteError("restart_failed", f"{self.daemon.node}: cannot read {directory}: {exc.strerror or exc}") from None
+            raise RemoteError("restart_failed", f"{self.node}: cannot read {directory}: {exc.strerror or exc}") from None
         # Every rank placed here must find its state here (a restart elsewhere
         # staged it first: gangd.daemon.staging); say which is missing, where.
         absent = [ckptstore.cluster_rank_file(rank) for rank in mine if ckptstore.cluster_rank_file(rank) not in manifest.files]
         if absent:
-            raise RemoteError("restart_failed", f"{self.daemon.node}: {directory / ckptstore.MANIFEST} lists no {', '.join(absent)}")
-        current = self.daemon.table.get(record["id"])
+            raise RemoteError("restart_failed", f"{self.node}: {directory / ckptstore.MANIFEST} lists no {', '.join(absent)}")
+        current = self.table.get(record["id"])
         if current is None or jobs.is_terminal(current) or current.get("kill_requested"):
             # A kill overtook the read: starting ranks now would orphan them.
             raise RemoteError("job_ended", f"job {record['id']} ended while its checkpoint was read; not starting its ranks")
@@ -1125,7 +1134,7 @@ class NodeCheckpoints:
         restart = {"gen": gen, "lineage": lineage, "directory": directory, "manifest": manifest, "ranks": mine, "failed": None, "chains": chains,
                    "restored": set(), "heard": trio.Event()}  # (set once the coordinator answered a report that the restore failed)
         self.restarts[record["id"]] = restart
-        self.daemon.spawn(self._restore_deadline, record["id"], restart)
+        self.spawn(self._restore_deadline, record["id"], restart)
         env = {"GANGD_RESTART_GEN": str(gen)}
         mode = self._asked_mode(record)
         if mode and not record.get("ckpt_mode"):
@@ -1154,12 +1163,12 @@ class NodeCheckpoints:
     async def _restore_deadline(self, job_id: int, restart: dict) -> None:
         """Ranks that never load their state (the program does not call
         ckpt.init()) would keep the job's gates closed forever: fail it."""
-        await trio.sleep(self.daemon.config.checkpoint_timeout)
+        await trio.sleep(self.config.checkpoint_timeout)
         if self.restarts.get(job_id) is restart and not restart.get("reporting"):
             missing = [r for r in restart["ranks"] if r not in restart["restored"]]
             restart["failed"] = (
-                f"ranks {missing} on {self.daemon.node} did not load their checkpoint within "
-                f"{self.daemon.config.checkpoint_timeout:.0f} s (does the program call gangd.ckptlib.init()?)"
+                f"ranks {missing} on {self.node} did not load their checkpoint within "
+                f"{self.config.checkpoint_timeout:.0f} s (does the program call gangd.ckptlib.init()?)"
             )
             restart["reporting"] = True
             await self._report_restored(job_id, restart)
@@ -1169,7 +1178,7 @@ class NodeCheckpoints:
         if restart is None:
             return
         if args.get("error"):
-            restart["failed"] = f"rank {rank} on {self.daemon.node}: {text.printable(args['error'])}"
+            restart["failed"] = f"rank {rank} on {self.node}: {text.printable(args['error'])}"
         elif rank in restart["ranks"]:
             # (in the restart, not on the rank's agent: a rank that restored and exited at once has had its
             # agent dropped by the time its note is read, and its restore counts all the same)
@@ -1177,14 +1186,14 @@ class NodeCheckpoints:
         done = restart["failed"] or set(restart["ranks"]) <= restart["restored"]
         if done and not restart.get("reporting"):
             restart["reporting"] = True
-            self.daemon.spawn(self._report_restored, job_id, restart)
+            self.spawn(self._report_restored, job_id, restart)
 
     async def _report_restored(self, job_id: int, restart: dict) -> None:
         """Tell the coordinator, again and again until the gates open: the one
         that hears it may die, and its successor must hear it too."""
         while self.restarts.get(job_id) is restart:
             try:
-                await self.daemon.ops.to_coordinator("coord_ckpt_restored", job=job_id, reporter=self.daemon.node, error=restart["failed"])
+                await self.calls.to_coordinator("coord_ckpt_restored", job=job_id, reporter=self.node, error=restart["failed"])
                 if restart["failed"]:
                     restart["heard"].set()
             except RemoteError as exc:
@@ -1236,8 +1245,8 @@ class NodeCheckpoints:
         job_id = int(args["job"])
         self.restarts.pop(job_id, None)
         self._stop_draining(job_id)
-        if job_id in self.daemon.jobnet.states:
-            await self.daemon.jobnet.hold_gate(job_id, "restart", False)
+        if job_id in self.jobnet.states:
+            await self.jobnet.hold_gate(job_id, "restart", False)
         return True
 
     # ------------------------------------------------------------ the interval plan (issue 19)
@@ -1254,7 +1263,7 @@ class NodeCheckpoints:
 
     async def set_plan(self, job_id: int, plan: PlanNote) -> bool:
         """The coordinator's plan for a job: kept for ranks that attach later, and told to each rank here now."""
-        record = self.daemon.table.get(job_id)
+        record = self.table.get(job_id)
         if record is None or jobs.is_terminal(record):  # (it ended meanwhile: forget() has run, nothing to keep)
             return False
         self.plans[job_id] = plan
@@ -1278,7 +1287,7 @@ class NodeCheckpoints:
             if pending.resumed:
                 # A checkpoint at the program's last step: once every rank's
                 # state is on disk the commit is the daemons' part alone.
-                self.daemon.spawn(self._ended_while_writing, pending)
+                self.spawn(self._ended_while_writing, pending)
             else:
                 self.rounds.finished(pending)
                 pending.fail(f"job {job_id} ended")

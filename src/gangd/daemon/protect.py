@@ -156,7 +156,7 @@ class Protector:
         another user's large checkpoints must not fill this node's disk."""
         fd = self.checkpoints._gen_fd(directory)
         try:
-            enough, free, reserve = ckptstore.room_for(fd, incoming, self.checkpoints.daemon.config.output_reserve)
+            enough, free, reserve = ckptstore.room_for(fd, incoming, self.checkpoints.config.output_reserve)
         finally:
             os.close(fd)
         if not enough:

@@ -106,8 +106,10 @@ class Daemon:
             tasks=self.tasks, call=self.calls.call, on_job_gone=self._job_gone,
         )
         self.table.listeners.append(self.jobnet.on_record)
-        # (NodeCheckpoints still takes the daemon: it is being rewritten as a state machine's shell)
-        self.checkpoints = NodeCheckpoints(self)
+        self.checkpoints = NodeCheckpoints(
+            node=self.node, config=config, table=self.table, jobnet=self.jobnet, peers=self.peers, calls=self.calls, secret=self.secret,
+            job_env=lambda job_id: self.ranks.envs.get(job_id, {}), spawn=self.tasks.spawn,
+        )
         self.pmi = PmiServer(node=self.node, table=self.table, calls=self.calls, spawn=self.tasks.spawn, note=self.ranks.note)
         self.names = NameService(
             etcd=self.etcd, keys=self.table.keys, table=self.table, spawn=self.tasks.spawn, fence=self.coordinator.current_fence,
@@ -133,9 +135,6 @@ class Daemon:
             check_term=self.membership.check_term,
         )
         self.calls.local = self.dispatcher.dispatch_peer
-        #: What NodeCheckpoints and CheckpointCoordinator reach as ``daemon.ops``
-        #: (to_coordinator, on_job_nodes, checkpoint_env).
-        self.ops = self.calls
         self.started = time.time()
         self._membership = trio.Event()
         self.shutting_down = False

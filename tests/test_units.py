@@ -306,6 +306,22 @@ def test_describe_status():
     assert jobs.describe_status({"code": 127, "why": "No such file or directory"}) == "exit 127 (No such file or directory)"
     assert jobs.describe_status({"code": 1, "why": "a\x1b[2Jb" + "x" * 5000}) == f"exit 1 (ab{'x' * (jobs.MAX_EXIT_WHY - 2)})"
     assert jobs.describe_status({"code": 1, "why": ["not", "text"]}) == "exit 1"
+
+
+def test_a_records_exit_statuses_keep_bounded_reasons():
+    """What a job record keeps of its ranks' exits (jobs.recorded_status): each reason cut, and reasons kept
+    for the first MAX_EXIT_WHYS ranks only: thousands of ranks each failing with a sentence (a rank's
+    ckpt.init() refusal, a launch failure naming a long directory) must not grow the record past etcd's limit."""
+    ranks: list = [None] * 40
+    for rank in range(40):
+        ranks[rank] = jobs.recorded_status({"code": 1, "node": "n1", "why": f"rank {rank} " + "x" * 5000}, ranks)
+    kept = [s for s in ranks if "why" in s]
+    assert len(kept) == jobs.MAX_EXIT_WHYS and all(len(s["why"]) == jobs.MAX_EXIT_WHY for s in kept)
+    assert [s["why"].split()[1] for s in kept] == [str(r) for r in range(jobs.MAX_EXIT_WHYS)]  # (the first ones)
+    assert all(s == {"code": 1, "node": "n1"} for s in ranks[jobs.MAX_EXIT_WHYS:])
+    assert jobs.recorded_status({"code": 1, "why": ["not", "text"]}, [None]) == {"code": 1}
+    plain = {"code": 0, "node": "n2"}
+    assert jobs.recorded_status(plain, ranks) is plain
     assert jobs.describe_status({"signal": signal.SIGSEGV}) == "killed by SIGSEGV"
     assert jobs.describe_status({"signal": signal.SIGKILL, "killed": True}) == "killed by SIGKILL by gangd"
     assert jobs.describe_status({"signal": 99}) == "killed by signal 99"

@@ -415,8 +415,24 @@ def ranks_on(record: dict, node: str) -> list[int]:
     return [rank for rank, where in enumerate(record["placement"]) if where == node]
 
 
-#: Characters of an exit's reason shown (the node bounds what it records; a peer's status is not trusted to).
-MAX_EXIT_WHY = 1000
+#: Characters of an exit's reason a node records and a status shows (a peer's status is cut again here).
+MAX_EXIT_WHY = 500
+#: Ranks of one job whose exits keep their reason: the record stays small however many ranks fail saying why.
+MAX_EXIT_WHYS = 16
+
+
+def recorded_status(status: dict, ranks: list) -> dict:
+    """``status`` as a job record keeps it among its ``ranks``' statuses: its reason
+    cut to :data:`MAX_EXIT_WHY` characters, or dropped once :data:`MAX_EXIT_WHYS`
+    ranks have one (a job of thousands of ranks failing with a sentence each
+    stays a small record; the job's reason is the first culprit's)."""
+    why = status.get("why")
+    if why is None:
+        return status
+    kept = sum(1 for s in ranks if s and "why" in s)
+    if kept >= MAX_EXIT_WHYS or not isinstance(why, str):
+        return {k: v for k, v in status.items() if k != "why"}
+    return {**status, "why": why[:MAX_EXIT_WHY]}
 
 
 def describe_status(status: dict | None) -> str:
@@ -432,7 +448,7 @@ def describe_status(status: dict | None) -> str:
         return f"killed by {name}{how}"
     why = status.get("why")
     if isinstance(why, str) and why:  # (a rank that could not start; one whose ckpt.init() refused its settings)
-        return f"exit {status.get('code', 0)} ({text.printable(why)[:MAX_EXIT_WHY]})"
+        return f"exit {status.get('code', 0)} ({text.printable(why[: 4 * MAX_EXIT_WHY])[:MAX_EXIT_WHY]})"
     return f"exit {status.get('code', 0)}"
 
 

@@ -435,7 +435,7 @@ class NodeCheckpoints:
         record = self.table.get(key[0])
         if record is None or jobs.is_terminal(record):
             return False
-        self._last_words[key] = f"after its ckpt.init() refused: {note.error}"
+        self._last_words[key] = f"ckpt.init() refused its settings; the rank said: {note.error}"
         return True
 
     def last_words(self, job_id: int, rank: int) -> str | None:

@@ -39,7 +39,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
@@ -54,6 +54,10 @@ from .checkpoint import OFFER_CANDIDATES
 from .interval import IntervalPlanner, Ports
 from .jobnet import expected_deliveries
 from .peers import natural_key
+from .store import Fence
+
+if TYPE_CHECKING:
+    from .coordinator import CheckpointHost
 
 log = logging.getLogger("gangd.ckptcoord")
 
@@ -98,10 +102,31 @@ def _largest_share(entry: dict) -> int:
     return max([v.get("bytes", 0) for v in (entry.get("nodes") or {}).values() if isinstance(v, dict)] or [0])
 
 
+class TermPort(Protocol):
+    """What the checkpoint coordinator asks of the coordinator's term (DESIGN.md 1: a narrow port,
+    not the coordinator object): its fence, tasks that end with it, commands to nodes under it,
+    fenced changes to jobs, and holding a job running while its round needs it."""
+
+    pinned: set[int]  # jobs that must run whatever their slot (a checkpoint under way)
+
+    @property
+    def active(self) -> bool: ...
+    def current_fence(self) -> Fence: ...
+    def spawn(self, fn: Callable[..., Any], *args: Any) -> None: ...
+    async def call(self, node: str, op: str, **args: Any) -> Any: ...
+    async def update(self, job_id: int, change: Callable[[dict], Any]) -> dict: ...
+    async def submit(self, spec: dict, cred: dict, internal: dict | None = None, token: str | None = None) -> dict: ...
+    async def fail(self, job_id: int, reason: str, lost_nodes: frozenset = frozenset(), *, cause: bool = False) -> None: ...
+    def gang_changed(self) -> None: ...
+    async def reconcile(self, at: float | None = None) -> None: ...
+
+
 class CheckpointCoordinator:
-    def __init__(self, coordinator):
-        self.co = coordinator
-        self.daemon = coordinator.daemon
+    def __init__(self, term: TermPort, host: CheckpointHost):
+        """``term``: the coordinator's term (:class:`TermPort`); ``host``: this node's
+        name, configuration, job table, membership and calls to other nodes."""
+        self.co = term
+        self.host = host
         self.live: dict[int, LiveRound] = {}  # job -> the checkpoint under way
         self.restored: dict[int, dict] = {}  # restarted job -> {node: error or None}
         self.periodic: set[int] = set()
@@ -117,22 +142,22 @@ class CheckpointCoordinator:
         # retention never removes it meanwhile), and flushed copies being removed.
         self.flushing: dict[int, int] = {}
         self.unflushing: set[tuple[int, int]] = set()
-        config = self.daemon.config
-        membership = coordinator.membership
+        config = self.host.config
+        membership = host.membership
         self.planner = IntervalPlanner(Ports(
-            record=self.daemon.table.get, generations=self.generations, lineage_records=self.lineage_records,
-            level=lambda record: self.level(record)[0], on_job_nodes=self.daemon.ops.on_job_nodes,
+            record=self.host.table.get, generations=self.generations, lineage_records=self.lineage_records,
+            level=lambda record: self.level(record)[0], on_job_nodes=self.host.ops.on_job_nodes,
             histories=membership.nodelog.histories,
             priors=lambda: {n.name: config.prior_mtbf(n) for n in config.nodes}, prior_weight=config.failure_prior_weight,
             replan=config.checkpoint_replan, interval_min=config.checkpoint_interval_min, interval_max=config.checkpoint_interval_max,
-            term=lambda: self.co._fence().term, active=lambda: self.co.active,
+            term=lambda: self.co.current_fence().term, active=lambda: self.co.active,
         ))
 
     # ------------------------------------------------------------ lineage
 
     def lineage_records(self, record: dict) -> list[dict]:
         """The lineage's jobs in the hot table and, as last read (read_lineage), in the history."""
-        return self.daemon.table.lineage(record.get("lineage") or record["id"])
+        return self.host.table.lineage(record.get("lineage") or record["id"])
 
     def generations(self, record: dict) -> list[dict]:
         """Every recorded generation of the job's lineage, oldest first, each with the job that took it."""
@@ -154,7 +179,7 @@ class CheckpointCoordinator:
     def delta_gate(self, record: dict) -> bool:
         """Whether the ranks of ``record`` may write deltas (:func:`delta_gate`)."""
         asked = record.get("ckpt_mode") or next((r["ckpt_mode"] for r in self.lineage_records(record) if r.get("ckpt_mode")), None)
-        return delta_gate(asked, self.daemon.config.checkpoint_mode)
+        return delta_gate(asked, self.host.config.checkpoint_mode)
 
     def level(self, record: dict) -> tuple[str, str]:
         """The redundancy level of the job's generations, and why it is not
@@ -168,7 +193,7 @@ class CheckpointCoordinator:
                           if r.get("ckpt_redundancy")), None)
         count = len(jobs.nodes_of(record))
         if asked is None:
-            asked = self.daemon.config.checkpoint_redundancy
+            asked = self.host.config.checkpoint_redundancy
         if asked == "auto":
             return default_level(count), ""
         if asked != "local" and count < 2:
@@ -178,7 +203,7 @@ class CheckpointCoordinator:
     # ------------------------------------------------------------ requests
 
     async def request(self, job_id: int, cred: dict, trigger: str, wait: bool = True, at: int | None = None) -> dict:
-        record = self.daemon.table.get(job_id)
+        record = self.host.table.get(job_id)
         if record is None:
             raise RemoteError("no_such_job", f"no job {job_id}")
         permission_check(record, cred, "checkpoint")
@@ -188,7 +213,7 @@ class CheckpointCoordinator:
             # (see gangd.daemon.spawns: the intercommunicators between them are in no rank's image)
             related = f"was spawned by job {record['spawned_by']}" if record.get("spawned_by") is not None else "has spawned processes (MPI_Comm_spawn)"
             raise RemoteError("not_supported", f"job {job_id} {related}: gangd does not checkpoint jobs with dynamic processes")
-        await self.daemon.table.read_lineage(record.get("lineage") or job_id)  # (its generations in the history count too)
+        await self.host.table.read_lineage(record.get("lineage") or job_id)  # (its generations in the history count too)
         live = self.live.get(job_id)
         if live is None:
             level, note = self.level(record)
@@ -219,7 +244,7 @@ class CheckpointCoordinator:
         entry per job, its generation or why it was refused (a job whose ranks
         take no checkpoints does not keep the others from theirs)."""
         out = []
-        for record in list(self.daemon.table.active()):
+        for record in list(self.host.table.active()):
             if record["state"] in (jobs.RUNNING, jobs.SUSPENDED):
                 try:
                     out.append(await self.request(record["id"], ROOT, trigger, wait=False))
@@ -231,13 +256,17 @@ class CheckpointCoordinator:
 
     async def _all(self, record: dict, op: str, **args) -> dict[str, Any]:
         """``op`` for this job on every node of it at once (one error naming the nodes if any fails)."""
-        return await self.daemon.ops.on_job_nodes(record, op, job=record["id"], term=self.co._fence().term, **args)
+        return await self.host.ops.on_job_nodes(record, op, job=record["id"], term=self.co.current_fence().term, **args)
 
     async def _run(self, job_id: int, live: LiveRound) -> None:
         """The trio shell of :class:`gangd.checkpoint.round.Round`: feed it
         the nodes' answers, execute its instructions."""
-        record = self.daemon.table.get(job_id)
+        record = self.host.table.get(job_id)
         rnd = live.round
+        if record is None:  # (it ended between the request and this task's start)
+            self._finish(job_id, live, {"job": job_id, "gen": rnd.gen, "state": "aborted", "code": "no_such_job",
+                                        "reason": f"job {job_id} ended before its checkpoint began"})
+            return
         co = self.co
         co.pinned.add(job_id)  # a suspended job runs for its checkpoint; no switch stops it until it is on disk (or PIN_SLICES pass)
         pinned = True
@@ -278,7 +307,7 @@ class CheckpointCoordinator:
     async def _pin_limit(self, job_id: int, gen: int, unpin: Callable[[], None], scope: trio.CancelScope) -> None:
         """Unpin the job after :data:`PIN_SLICES` time slices if its round is still undecided (see there)."""
         with scope:
-            await trio.sleep(PIN_SLICES * self.daemon.config.time_slice)
+            await trio.sleep(PIN_SLICES * self.host.config.time_slice)
             log.info("job %d: checkpoint %d still waits for its ranks after %d time slices: the job is gang-scheduled again meanwhile",
                      job_id, gen, PIN_SLICES)
             unpin()
@@ -379,7 +408,7 @@ class CheckpointCoordinator:
             self.co.spawn(self._protect_again, record["id"], usable[-1]["gen"])
 
     async def _protect_again(self, job_id: int, gen: int) -> None:
-        record = self.daemon.table.get(job_id)
+        record = self.host.table.get(job_id)
         if record is None or jobs.is_terminal(record):
             return
         level, _ = self.level(record)
@@ -401,7 +430,7 @@ class CheckpointCoordinator:
         seconds = time.monotonic() - started
         log.info("job %d: checkpoint %d protected (%s, resumed after the coordinator changed; %d bytes in %.3f s)", job_id, gen, level, written, seconds)
         await self._record_protection(job_id, {"gen": gen, "state": "protected", "redundancy_bytes": written, "protect_seconds": round(seconds, 6)})
-        await self._prune(self.daemon.table.get(job_id) or record)
+        await self._prune(self.host.table.get(job_id) or record)
         self._maybe_flush(job_id, gen)
 
     # ------------------------------------------------------------ the flush directory (gangd.daemon.flush)
@@ -411,8 +440,8 @@ class CheckpointCoordinator:
         when ``flush_every`` generations passed since the lineage's last
         flushed one (aborted rounds spend numbers: they do not delay it), and
         no flush of the lineage is under way (its next generation waits for the next chance)."""
-        config = self.daemon.config
-        record = self.daemon.table.get(job_id)
+        config = self.host.config
+        record = self.host.table.get(job_id)
         if config.checkpoint_flush_dir is None or record is None:
             return
         lineage = record.get("lineage") or job_id
@@ -426,7 +455,7 @@ class CheckpointCoordinator:
     def _transfer_timeout(self, nbytes: int, rate: int) -> float:
         """What moving ``nbytes`` may take: the checkpoint timeout, plus the
         time at the throttle's rate (else at a slow 20 MiB/s), twice over."""
-        return float(self.daemon.config.checkpoint_timeout) + 2 * nbytes / (rate or 20 << 20)
+        return float(self.host.config.checkpoint_timeout) + 2 * nbytes / (rate or 20 << 20)
 
     async def _flush(self, job_id: int, lineage: int, gen: int) -> None:
         """Every node of the job copies its files of generation ``gen`` to the
@@ -435,7 +464,7 @@ class CheckpointCoordinator:
         flush that fails, or whose generation is gone meanwhile, has its copy
         removed: nothing stays on the shared file system unrecorded."""
         try:
-            record = self.daemon.table.get(job_id)
+            record = self.host.table.get(job_id)
             gens = self.generations(record) if record is not None else []
             entry = next((e for e in gens if e["gen"] == gen), None)
             if record is None or entry is None or entry["state"] not in ("complete", "protected"):
@@ -455,7 +484,7 @@ class CheckpointCoordinator:
             if self.flushing.get(lineage) == gen:
                 del self.flushing[lineage]
         # Generations completed meanwhile waited: the newest of them goes now, if due.
-        record = self.daemon.table.get(job_id)
+        record = self.host.table.get(job_id)
         newest = [e for e in self.generations(record) if e["state"] in ("complete", "protected")] if record is not None else []
         if newest and newest[-1]["gen"] > gen and not newest[-1].get("flushed") and not newest[-1].get("flush"):
             self._maybe_flush(newest[-1]["job"], newest[-1]["gen"])
@@ -474,7 +503,7 @@ class CheckpointCoordinator:
         the flush directory and the entry is recorded flushed (True); a failed
         flush has its copy removed (False)."""
         job_id, gen = entry["job"], entry["gen"]
-        config = self.daemon.config
+        config = self.host.config
         rate = int(config.checkpoint_flush_mib_per_s * (1 << 20))
         largest = _largest_share(entry)
         started = time.monotonic()
@@ -508,15 +537,15 @@ class CheckpointCoordinator:
         directory that nothing records flushed (a flush a previous coordinator
         left half-written, of another generation than the ones flushed since)."""
         try:
-            await self.daemon.table.read_lineage(lineage)  # (a flushed generation of an older job of the lineage is kept too)
-            record = self.daemon.table.get(job_id)
+            await self.host.table.read_lineage(lineage)  # (a flushed generation of an older job of the lineage is kept too)
+            record = self.host.table.get(job_id)
             if record is None:
                 return
             keep = {e["gen"] for e in self.generations(record) if e.get("flushed")}
             if lineage in self.flushing:
                 keep.add(self.flushing[lineage])
             keep |= {g for (lin, g) in self.unflushing if lin == lineage}
-            await self.co.call(self.daemon.node, "ckpt_flush_remove", lineage=lineage, keep=sorted(keep))
+            await self.co.call(self.host.node, "ckpt_flush_remove", lineage=lineage, keep=sorted(keep))
         except RemoteError as exc:
             log.warning("could not sweep job-%d in the flush directory: %s", lineage, exc.message)
 
@@ -528,7 +557,7 @@ class CheckpointCoordinator:
         self.unflushing.add((lineage, gen))
         try:
             try:
-                await self.co.call(self.daemon.node, "ckpt_flush_remove", lineage=lineage, gen=gen)
+                await self.co.call(self.host.node, "ckpt_flush_remove", lineage=lineage, gen=gen)
             except RemoteError as exc:
                 log.warning("could not remove job-%d/gen-%d from the flush directory (retried at the next prune): %s", lineage, gen, exc)
                 return
@@ -629,10 +658,10 @@ class CheckpointCoordinator:
             if not isinstance(job_id, int) or not isinstance(gen, int) or (job_id, gen) in seen:
                 continue
             seen.add((job_id, gen))
-            record = self.daemon.table.get(job_id)
+            record = self.host.table.get(job_id)
             if record is None or any(e["gen"] == gen for e in record.get("checkpoints") or []):
                 continue
-            down = sorted({n for n in record["placement"] if not self.daemon.membership.is_up(n)})
+            down = sorted({n for n in record["placement"] if not self.host.membership.is_up(n)})
             reason = why + (f"; node{'s' if len(down) > 1 else ''} {', '.join(down)} of the job went down" if down else "")
             now = time.time()
             await self._record(job_id, {
@@ -664,9 +693,9 @@ class CheckpointCoordinator:
         may be diffing against, and every generation those need (their
         chains: :mod:`gangd.checkpoint.retention`); remove the rest, their
         redundancy with them (it lives in the generation's directory)."""
-        keep = self.daemon.config.checkpoint_keep
-        await self.daemon.table.read_lineage(record.get("lineage") or record["id"])
-        gens = self.generations(self.daemon.table.get(record["id"]) or record)
+        keep = self.host.config.checkpoint_keep
+        await self.host.table.read_lineage(record.get("lineage") or record["id"])
+        gens = self.generations(self.host.table.get(record["id"]) or record)
         lineage = record.get("lineage") or record["id"]
         doomed = retention.doomed(gens, keep, flushing=self.flushing.get(lineage), holding=self._offered(lineage, gens))
         for e in gens:
@@ -690,7 +719,7 @@ class CheckpointCoordinator:
 
         async with trio.open_nursery() as nursery:  # (every node at once: a full generation's removal takes each disk a while)
             for node, node_gens in by_node.items():
-                if self.daemon.membership.is_up(node) or node == self.daemon.node:
+                if self.host.membership.is_up(node) or node == self.host.node:
                     nursery.start_soon(prune_on, node, node_gens)
         if not doomed:
             return
@@ -717,7 +746,7 @@ class CheckpointCoordinator:
         nodes (``-N``); files of ranks that move are staged first, and files
         only on nodes that are down rebuilt first from a protected
         generation's redundancy (:meth:`_rebuild`)."""
-        record = self.daemon.table.get(job_id) or await self.daemon.table.fetch(job_id)  # (the history too)
+        record = self.host.table.get(job_id) or await self.host.table.fetch(job_id)  # (the history too)
         if record is None:
             raise RemoteError("no_such_job", f"no job {job_id}")
         permission_check(record, cred, "restart")
@@ -736,7 +765,7 @@ class CheckpointCoordinator:
             raise RemoteError("busy", f"a restart from job {record['id']}'s checkpoints is already under way; one job of a lineage runs at a time")
         self.restarting.add(lineage)
         try:
-            await self.daemon.table.read_lineage(lineage)
+            await self.host.table.read_lineage(lineage)
             yield lineage
         finally:
             self.restarting.discard(lineage)
@@ -793,7 +822,8 @@ class CheckpointCoordinator:
         the unusable ones (each with its sentence in ``skipped``)."""
         alive = [r["id"] for r in self.lineage_records(record) if not jobs.is_terminal(r) and not (system and r["id"] == job_id)]
         if alive:
-            state = self.daemon.table.get(alive[0])["state"]
+            other = self.host.table.get(alive[0])
+            state = other["state"] if other is not None else "ending"
             raise RemoteError("bad_state", f"job {alive[0]}, restarted from the same checkpoints, is {state}; one job of a lineage runs at a time")
         generations = self.generations(record)
         complete = [e for e in reversed(generations) if e["state"] in ("complete", "protected")]
@@ -810,9 +840,9 @@ class CheckpointCoordinator:
         from .coordinator import place  # (coordinator imports this module)
 
         gone = lost or set()
-        up = [n.name for n in self.daemon.config.nodes
-              if n.name not in gone and (n.name == self.daemon.node or self.daemon.membership.is_up(n.name))]
-        cores = {n.name: n.cores for n in self.daemon.config.nodes}
+        up = [n.name for n in self.host.config.nodes
+              if n.name not in gone and (n.name == self.host.node or self.host.membership.is_up(n.name))]
+        cores = {n.name: n.cores for n in self.host.config.nodes}
         skipped: list[str] = []
         rebuilt: dict[str, str] = {}
         for candidate in complete:
@@ -947,7 +977,7 @@ class CheckpointCoordinator:
             spec[key] = record.get(key) or next((r[key] for r in self.lineage_records(record) if r.get(key)), None)
         if spec["env"] is None:  # an ended job's record keeps no environment: the checkpoint has it
             holders = [n for n in dict.fromkeys([*placement, *entry["placement"]]) if n in up]
-            spec["env"] = await self.daemon.ops.checkpoint_env(lineage, holders, entry["gen"])
+            spec["env"] = await self.host.ops.checkpoint_env(lineage, holders, entry["gen"])
         owner = {"uid": record["owner_uid"], "gid": record["owner_gid"], "user": record["owner"], "rlimits": record.get("rlimits")}
         internal = {
             "lineage": lineage,
@@ -1009,7 +1039,7 @@ class CheckpointCoordinator:
         try:
             plan = make_plan(placement, entry["level"])
             free = {n: cores[n] - placement.count(n) for n in up if n in cores}
-            spares = [n.name for n in self.daemon.config.nodes if getattr(n, "spare", False)]
+            spares = [n.name for n in self.host.config.nodes if getattr(n, "spare", False)]
             return list(recovery.plan_recovery(placement, plan, down, free, spares).placement)
         except (recovery.CannotRecover, PlanError):
             return None
@@ -1020,7 +1050,7 @@ class CheckpointCoordinator:
         the entry with the rebuilt files among its ``copies`` (recorded as a
         staging records them), a line per failure naming node and file, and
         those of them that found the redundancy damaged."""
-        timeout = float(self.daemon.config.checkpoint_timeout)
+        timeout = float(self.host.config.checkpoint_timeout)
         failures: list[str] = []
         damaged: list[str] = []
         done: dict[str, list[int]] = {}
@@ -1081,7 +1111,7 @@ class CheckpointCoordinator:
         damaged file is named where it lies and the generation marked. What
         was staged is recorded in the generation's entry (``copies``: a later
         restart pulls from them, retention removes them)."""
-        timeout = float(self.daemon.config.checkpoint_timeout)
+        timeout = float(self.host.config.checkpoint_timeout)
         failures: list[str] = []
         suspects: dict[str, set[int]] = {}
         staged: dict[str, list[int]] = {}
@@ -1119,7 +1149,7 @@ class CheckpointCoordinator:
             return [], []
         damaged: list[str] = []
         for source, ranks in suspects.items():
-            if source == self.daemon.node or self.daemon.membership.is_up(source):
+            if source == self.host.node or self.host.membership.is_up(source):
                 try:
                     damaged += await self.co.call(source, "ckpt_verify", lineage=lineage, gen=entry["gen"], ranks=sorted(ranks))
                 except RemoteError as exc:
@@ -1287,7 +1317,7 @@ class CheckpointCoordinator:
                 by_node.setdefault(node, []).append(rank)
 
         async def one(node: str, ranks: list[int]) -> None:
-            if node != self.daemon.node and not self.daemon.membership.is_up(node):
+            if node != self.host.node and not self.host.membership.is_up(node):
                 unreachable.append(f"node {node}, which holds ranks {ranks}, is down")
                 return
             try:
@@ -1303,7 +1333,7 @@ class CheckpointCoordinator:
 
     async def on_restored(self, job_id: int, node: str, error: str | None) -> None:
         """A node's ranks of a restarted job loaded their state (or could not)."""
-        record = self.daemon.table.get(job_id)
+        record = self.host.table.get(job_id)
         if record is None or jobs.is_terminal(record):
             return
         if error:
@@ -1385,11 +1415,11 @@ class CheckpointCoordinator:
     async def _periodic(self, job_id: int) -> None:
         try:
             while True:
-                record = self.daemon.table.get(job_id)
+                record = self.host.table.get(job_id)
                 if record is None or jobs.is_terminal(record) or not self.co.active:
                     return
                 await trio.sleep(float(record["ckpt_every"]))
-                record = self.daemon.table.get(job_id)
+                record = self.host.table.get(job_id)
                 if record is None or jobs.is_terminal(record) or not self.co.active:
                     return
                 try:

@@ -23,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -41,6 +42,12 @@ from .store import Deposed, Fence
 from .store.compaction import Compactor
 from .store.jobtable import Pacer, pack
 from .tasks import contained
+
+if TYPE_CHECKING:
+    from .calls import Calls
+    from .config import Config
+    from .controlplane import ControlPlane
+    from .store import JobTable
 
 log = logging.getLogger("gangd.coordinator")
 
@@ -88,10 +95,10 @@ class CheckpointHost:
     """The parts of the node :class:`.ckptcoord.CheckpointCoordinator` uses."""
 
     node: str
-    config: object
-    table: object
-    membership: object
-    ops: object  # .calls.Calls: on_job_nodes, checkpoint_env, to_coordinator
+    config: Config
+    table: JobTable
+    membership: ControlPlane
+    ops: Calls  # on_job_nodes, checkpoint_env, to_coordinator
 
 
 def place(record: dict, free: dict[str, int]) -> list[str] | None:
@@ -203,10 +210,8 @@ class Coordinator:
         self._contexts: dict[int, dict[str, bytes]] = {}  # network contexts to restore at launch
         self._spawning: dict[int, list[int]] = {}  # parent job -> processes of its spawns under way (counted by the bounds)
         self.pinned: set[int] = set()  # jobs that must run whatever their slot (checkpoint under way)
-        # What the checkpoint coordinator reaches through (``coordinator.daemon``)
-        # until its rewrite gives it a narrow port of its own.
-        self.daemon = CheckpointHost(node=node, config=config, table=table, membership=membership, ops=calls)
-        self.ckpt = CheckpointCoordinator(self)
+        # The checkpoint coordinator: this term through its narrow port (ckptcoord.TermPort), the node's parts it uses.
+        self.ckpt = CheckpointCoordinator(self, CheckpointHost(node=node, config=config, table=table, membership=membership, ops=calls))
         self.recoveries = Recoveries(self)  # jobs that lost a node and come back (see recover.py)
 
     # ------------------------------------------------------------ plumbing
@@ -712,7 +717,7 @@ class Coordinator:
                 return False
             for rank, status in exits:
                 if r["ranks"][rank] is None:
-                    r["ranks"][rank] = status
+                    r["ranks"][rank] = jobs.recorded_status(status, r["ranks"])
             if culprit and not r["reason"]:
                 rank, status = culprit
                 r["reason"] = f"rank {rank} on {status.get('node', '?')} {jobs.describe_status(status)}"

@@ -245,7 +245,7 @@ class Peers:
                 # dropping it would fail every request under way on it, a
                 # launch included. Once etcd says it is down, drop_dead() drops it.
                 self._mark_down(link, f"no heartbeat answer on the link for {timeout:.1f} s (the peer is busy or stalled)")
-                if self._reaches_an_ended_life(link.spec.name, link):
+                if not self.is_alive(link.spec.name):  # (whatever its life: a new one that is silent and not in etcd is stalled too)
                     scope.cancel()
                     return
                 continue

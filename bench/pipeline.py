@@ -25,7 +25,7 @@ throttling cgroup). States (``--mib`` MiB per rank):
 Sections:
 
 1. **pipeline vs serial**: total time against the pipeline's longest stage
-   (busy time of hash, compress, write; target <= 1.1x; also with the
+   (busy time of compress -- with a full's hashing -- and write; target <= 1.1x; also with the
    write stage's time counted to durable: plus the fsync, index and rename
    that follow the pipeline) and against
    compressing every unit first and writing after (``serial``; target >= 30 %

@@ -221,8 +221,9 @@ def test_every_rank_gets_its_jobs_codec_and_pipeline_else_the_clusters_and_a_res
         killed = gc.ask(lambda gang: gang.submit([PY, str(JOB), str(release)], 2, nodes=2, ckpt_redundancy="local", ckpt_codec="nosuchcodec:fast",
                                                  env=env, cwd=str(tmp_path)), "submit")["id"]
         failed = gc.wait_state(killed, ("FAILED",), timeout=60)
-        assert re.fullmatch(r"rank [01] on n[12] exit 1 \(ckpt\.init\(\) refused its settings; the rank said: GANGD_CKPT_CODEC: checkpoint codec 'nosuchcodec:fast' "
-                            r"is refused on node n[12]: .*install the package that provides the 'nosuchcodec' codec.*", failed["reason"]), failed["reason"]
+        assert re.fullmatch(r"rank [01] on n[12] exit 1 \(ckpt\.init\(\) refused its settings; the rank said: "
+                            r"GANGD_CKPT_CODEC: checkpoint codec 'nosuchcodec:fast' is refused on node n[12]: "
+                            r".*install the package that provides the 'nosuchcodec' codec.*", failed["reason"]), failed["reason"]
         shown = gc.gang("ps", "--all", check=True).stdout + gc.gang("job", killed, check=True).stdout
         assert "nosuchcodec" in shown, shown
     finally:

@@ -143,6 +143,42 @@ def test_a_rebuild_under_way_when_the_node_back_takes_its_key_from_its_previous_
     assert result_of(gc, answer["record"]["id"], timeout=180) == expected
 
 
+def test_a_node_back_whose_new_life_stalls_before_it_registers_fails_the_rebuild_rather_than_hang_it(gc, points):
+    """The other side of the test above: a "down" keeps a connection to the
+    node's new life, so one that then stalls before it takes its key (its
+    disk hanging, say) must still be dropped once its heartbeats stop: the
+    node is down in etcd and silent. The rebuild under way on it fails,
+    naming the node, instead of waiting out the rebuild's timeout (10
+    minutes). The new daemon holds before its key and in the rebuild; its
+    previous lease is left to run out; then it is stopped (SIGSTOP)."""
+    job, _ = protected_and_killed(gc, "partner")
+    victim = victim_of(gc)
+    leader = coordinator_seen_by(gc, "n1")
+    (points / REGISTER_HOLD).touch()
+    (points / REBUILD_HOLD).touch()
+    try:
+        with previous_lease_kept(gc, victim) as kept:
+            wiped_and_back(gc, victim)
+            wait_for(lambda: f"hold point {REGISTER_HOLD} reached" in gc.log(victim), 60, f"{victim}'s new daemon to hold before its key")
+            with ThreadPoolExecutor(1) as pool:
+                restarting = pool.submit(restart, gc, job, "-w", "n1,n2,n3", check=False)
+                wait_for(lambda: f"hold point {REBUILD_HOLD} reached" in gc.log(victim), 120, f"the rebuild on {victim} to begin")
+                downs = gc.log(leader).count(f"node {victim} is down")
+                kept.set()  # (its previous lease runs out: the node is down, its new life not yet up)
+                wait_for(lambda: gc.log(leader).count(f"node {victim} is down") > downs, 60, f"{leader} to see {victim}'s previous life end")
+                os.kill(gc.daemon_pid(victim), signal.SIGSTOP)
+                try:
+                    answer = restarting.result(timeout=120)
+                finally:
+                    os.kill(gc.daemon_pid(victim), signal.SIGCONT)
+        assert answer["returncode"] != 0, answer
+        assert f"{victim}: connection to node {victim}" in answer["stderr"] and "closed before 'ckpt_rebuild' was answered" in answer["stderr"], answer
+    finally:
+        for name in (REGISTER_HOLD, REBUILD_HOLD):
+            (points / name).unlink(missing_ok=True)
+    wait_node(gc, victim, "up", timeout=60)
+
+
 @contextlib.contextmanager
 def previous_lease_kept(gc, node: str):
     """The node's lease in etcd kept alive from here (its daemon about to be

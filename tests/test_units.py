@@ -306,27 +306,55 @@ def test_describe_status():
     assert jobs.describe_status({"code": 127, "why": "No such file or directory"}) == "exit 127 (No such file or directory)"
     assert jobs.describe_status({"code": 1, "why": "a\x1b[2Jb" + "x" * 5000}) == f"exit 1 (ab{'x' * (jobs.MAX_EXIT_WHY - 2)})"
     assert jobs.describe_status({"code": 1, "why": ["not", "text"]}) == "exit 1"
-
-
-def test_a_records_exit_statuses_keep_bounded_reasons():
-    """What a job record keeps of its ranks' exits (jobs.recorded_status): each reason cut, and reasons kept
-    for the first MAX_EXIT_WHYS ranks only: thousands of ranks each failing with a sentence (a rank's
-    ckpt.init() refusal, a launch failure naming a long directory) must not grow the record past etcd's limit."""
-    ranks: list = [None] * 40
-    for rank in range(40):
-        ranks[rank] = jobs.recorded_status({"code": 1, "node": "n1", "why": f"rank {rank} " + "x" * 5000}, ranks)
-    kept = [s for s in ranks if "why" in s]
-    assert len(kept) == jobs.MAX_EXIT_WHYS and all(len(s["why"]) == jobs.MAX_EXIT_WHY for s in kept)
-    assert [s["why"].split()[1] for s in kept] == [str(r) for r in range(jobs.MAX_EXIT_WHYS)]  # (the first ones)
-    assert all(s == {"code": 1, "node": "n1"} for s in ranks[jobs.MAX_EXIT_WHYS:])
-    assert jobs.recorded_status({"code": 1, "why": ["not", "text"]}, [None]) == {"code": 1}
-    plain = {"code": 0, "node": "n2"}
-    assert jobs.recorded_status(plain, ranks) is plain
     assert jobs.describe_status({"signal": signal.SIGSEGV}) == "killed by SIGSEGV"
     assert jobs.describe_status({"signal": signal.SIGKILL, "killed": True}) == "killed by SIGKILL by gangd"
     assert jobs.describe_status({"signal": 99}) == "killed by signal 99"
     assert jobs.describe_status({"lost": True, "why": "node n2 went down"}) == "lost (node n2 went down)"
     assert jobs.describe_status({"lost": True}) == "lost (node down)"
+
+
+def test_a_records_exit_statuses_keep_bounded_reasons():
+    """What a job record keeps of its ranks' exits (jobs.record_exits): each reason cut, and reasons kept
+    for the first MAX_EXIT_WHYS ranks only: thousands of ranks each failing with a sentence (a rank's
+    ckpt.init() refusal, a launch failure naming a long directory) must not grow the record past etcd's limit.
+    One exit at a time and a node's batch at once keep the same ones."""
+    for batch in (1, 7, 40):
+        ranks: list = [None] * 40
+        exits = [(rank, {"code": 1, "node": "n1", "why": f"rank {rank} " + "x" * 5000}) for rank in range(40)]
+        for start in range(0, 40, batch):
+            jobs.record_exits(ranks, exits[start : start + batch])
+        kept = [s for s in ranks if "why" in s]
+        assert len(kept) == jobs.MAX_EXIT_WHYS and all(len(s["why"]) == jobs.MAX_EXIT_WHY for s in kept)
+        assert [s["why"].split()[1] for s in kept] == [str(r) for r in range(jobs.MAX_EXIT_WHYS)]  # (the first ones)
+        assert all(s == {"code": 1, "node": "n1"} for s in ranks[jobs.MAX_EXIT_WHYS:])
+    one: list = [None]
+    jobs.record_exits(one, [(0, {"code": 1, "why": ["not", "text"]})])
+    assert one == [{"code": 1}]
+    plain = {"code": 0, "node": "n2"}
+    two: list = [None, {"code": 0}]
+    jobs.record_exits(two, [(0, plain), (1, {"code": 9}), (0, {"code": 5})])  # (a rank's first exit stays)
+    assert two[0] is plain and two[1] == {"code": 0}
+
+
+def test_printable_scans_only_what_it_can_show():
+    """Text a user or a rank chose (a job name, a rank's reason) is escaped on the daemon's event loop: a
+    16 MiB one with terminal escapes is cut to the limit and escaped without being scanned whole (the
+    memory its escaping takes is the measure, no clock), and what is shown is as before."""
+    import tracemalloc
+
+    from gangd import text
+
+    hostile = "\x1b]0;owned\x07" + "y" * (16 << 20)
+    tracemalloc.start()
+    try:
+        shown = text.printable(hostile)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"escaping one reason allocated {peak >> 20} MiB"
+    assert shown == "y" * text.MAX_REASON + "..."
+    assert text.printable("a\x1b[31mred\x1b[0m\tb\rc", 100) == "ared b?c"
+    assert text.printable("x" * 10, 4) == "xxxx..."
 
 
 @pytest.mark.parametrize(

@@ -421,18 +421,25 @@ MAX_EXIT_WHY = 500
 MAX_EXIT_WHYS = 16
 
 
-def recorded_status(status: dict, ranks: list) -> dict:
-    """``status`` as a job record keeps it among its ``ranks``' statuses: its reason
-    cut to :data:`MAX_EXIT_WHY` characters, or dropped once :data:`MAX_EXIT_WHYS`
-    ranks have one (a job of thousands of ranks failing with a sentence each
-    stays a small record; the job's reason is the first culprit's)."""
-    why = status.get("why")
-    if why is None:
-        return status
+def record_exits(ranks: list, exits) -> None:
+    """Put each ``(rank, status)`` of ``exits`` whose rank has none yet into a job
+    record's ``ranks``, as the record keeps it: its reason cut to
+    :data:`MAX_EXIT_WHY` characters, or dropped once :data:`MAX_EXIT_WHYS` ranks
+    have one (a job of thousands of ranks failing with a sentence each stays a
+    small record; the job's reason is the first culprit's). The reasons already
+    kept are counted once per batch, not once per exit."""
     kept = sum(1 for s in ranks if s and "why" in s)
-    if kept >= MAX_EXIT_WHYS or not isinstance(why, str):
-        return {k: v for k, v in status.items() if k != "why"}
-    return {**status, "why": why[:MAX_EXIT_WHY]}
+    for rank, status in exits:
+        if ranks[rank] is not None:
+            continue
+        why = status.get("why")
+        if why is None:
+            ranks[rank] = status
+        elif kept >= MAX_EXIT_WHYS or not isinstance(why, str):
+            ranks[rank] = {k: v for k, v in status.items() if k != "why"}
+        else:
+            ranks[rank] = {**status, "why": why[:MAX_EXIT_WHY]}
+            kept += 1
 
 
 def describe_status(status: dict | None) -> str:
@@ -448,7 +455,7 @@ def describe_status(status: dict | None) -> str:
         return f"killed by {name}{how}"
     why = status.get("why")
     if isinstance(why, str) and why:  # (a rank that could not start; one whose ckpt.init() refused its settings)
-        return f"exit {status.get('code', 0)} ({text.printable(why[: 4 * MAX_EXIT_WHY])[:MAX_EXIT_WHY]})"
+        return f"exit {status.get('code', 0)} ({text.printable(why)[:MAX_EXIT_WHY]})"
     return f"exit {status.get('code', 0)}"
 
 

@@ -35,7 +35,8 @@ def printable(text: object, limit: int = MAX_REASON) -> str:
     """``text`` without terminal escapes or control characters, at most ``limit`` characters."""
     if not isinstance(text, str):
         text = "" if text is None else str(text)
-    text = _ESCAPES.sub("", text)
+    # Only the start can be shown: a hostile 16 MiB reason is not scanned whole for escapes to keep it.
+    text = _ESCAPES.sub("", text[: 4 * limit])
     out = []
     for ch in text:
         out.append(" " if ch == "\t" else ch if ch.isprintable() else "?")

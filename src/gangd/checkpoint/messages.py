@@ -54,7 +54,7 @@ def _why(args: dict, key: str = "why", default: str = "") -> str:
         return default
     if not isinstance(value, str):
         raise BadMessage(f"'{key}' must be a string, not {_show(value)}")
-    return text.printable(value[: 4 * MAX_WHY])[:MAX_WHY]  # (a hostile 16 MiB reason is not escaped whole to keep its start)
+    return text.printable(value)[:MAX_WHY]
 
 
 def _dict(args: Any) -> dict:

@@ -715,9 +715,7 @@ class Coordinator:
         def change(r):
             if jobs.is_terminal(r):
                 return False
-            for rank, status in exits:
-                if r["ranks"][rank] is None:
-                    r["ranks"][rank] = jobs.recorded_status(status, r["ranks"])
+            jobs.record_exits(r["ranks"], exits)
             if culprit and not r["reason"]:
                 rank, status = culprit
                 r["reason"] = f"rank {rank} on {status.get('node', '?')} {jobs.describe_status(status)}"

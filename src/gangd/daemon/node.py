@@ -241,7 +241,7 @@ class NodeJobs:
     def rank_exited(self, entry: Rank) -> None:
         words = self.checkpoints.last_words(entry.job_id, entry.rank)
         if words and entry.status is not None and entry.status.get("code") and "why" not in entry.status:
-            entry.status["why"] = words[: jobs.MAX_EXIT_WHY]  # (it ended on that error: its exit says why, not "exit 1" alone)
+            entry.status["why"] = words  # (it ended on that error: its exit says why, not "exit 1" alone; cut where recorded)
         self._reports_send.send_nowait((entry.job_id, entry.rank, entry.status))
         if all(r.status is not None for r in self.ranks.of_job(entry.job_id)):
             self.ranks.envs.pop(entry.job_id, None)

@@ -243,7 +243,8 @@ class Peers:
                 # Slow, not gone: a peer that etcd still holds alive (busy, or
                 # stalled for less than its lease) keeps its connection:
                 # dropping it would fail every request under way on it, a
-                # launch included. Once etcd says it is down, drop_dead() drops it.
+                # launch included. Once etcd says it is down, it is dropped here
+                # (drop_dead() drops it at once if it reaches the life that ended).
                 self._mark_down(link, f"no heartbeat answer on the link for {timeout:.1f} s (the peer is busy or stalled)")
                 if not self.is_alive(link.spec.name):  # (whatever its life: a new one that is silent and not in etcd is stalled too)
                     scope.cancel()

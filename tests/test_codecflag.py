@@ -226,5 +226,17 @@ def test_every_rank_gets_its_jobs_codec_and_pipeline_else_the_clusters_and_a_res
                             r".*install the package that provides the 'nosuchcodec' codec.*", failed["reason"]), failed["reason"]
         shown = gc.gang("ps", "--all", check=True).stdout + gc.gang("job", killed, check=True).stdout
         assert "nosuchcodec" in shown, shown
+        # Last words only from an attached rank (the attach checks the caller is that rank, by its pid): a process
+        # that is none, saying a megabyte, is refused, and the daemon serves on.
+        from gangd.comm.control import DaemonLink
+        from gangd.comm.errors import CommError
+
+        stranger = DaemonLink(str(gc.files["n1"].socket), "not-a-rank")
+        try:
+            with pytest.raises(CommError, match="ckpt_refused before ckpt_attach"):
+                stranger.request("ckpt_refused", {"error": "x" * (1 << 20)})
+        finally:
+            stranger.sock.close()
+        assert "n1" in gc.gang("nodes", check=True).stdout
     finally:
         kill_what_is_left(gc)

@@ -263,6 +263,15 @@ RING = textwrap.dedent(
 
     u = ckpt.protect("u", build)
     info = ckpt.protect("info", {"step": 0, "released": release is None})
+    if ckpt.restarted():  # where the restored array lives: a mapping of the generation's file, or anonymous memory
+        address = u.__array_interface__["data"][0]
+        with open("/proc/self/maps") as maps:
+            for entry in maps:
+                span, *rest = entry.split()
+                low, high = (int(x, 16) for x in span.split("-"))
+                if low <= address < high:
+                    with open(os.path.join(marker_dir, f"restored-{w.rank}-" + (os.path.basename(rest[4]) if len(rest) > 4 else "anonymous")), "w"):
+                        pass
 
     def items():  # one per step and one per idle iteration of the hold, as ckptjob's
         k = 0
@@ -324,7 +333,9 @@ def test_under_gangd_a_restart_never_calls_the_factory_and_ends_bit_identical(gc
         # (the argv is the checkpointed job's: the restart's builds would land in first/ too)
         assert result_of(gc, restarted, timeout=120) == expected
         assert len(list(fresh.iterdir())) == 2
-        assert len(list(first.iterdir())) == 2  # one build per rank, by the first run only
+        assert len(list(first.glob("built-*"))) == 2  # one build per rank, by the first run only
+        # Each restarted rank's array (1 MiB) is a copy-on-write mapping of its state file, not a copy of it.
+        assert sorted(p.name for p in first.glob("restored-*")) == ["restored-0-rank-0.state", "restored-1-rank-1.state"]
         assert not list(second.iterdir())
     finally:
         kill_what_is_left(gc)

@@ -125,7 +125,8 @@ class DaemonAgent:
             expect = tuple(self.restart["expect"])
             # Each link checked as read_chain reads it: its index hash and size, its generation against
             # the chain handed over, and every placed block against this generation's signatures.
-            values, iteration = spc.read(cp.spc, path, expect, _chain_of(self.restart), cp.settings.pipeline_settings())
+            values, iteration = spc.read(cp.spc, path, expect, _chain_of(self.restart), cp.settings.pipeline_settings(),
+                                         cp.settings.map_restore)
         except StoreError as exc:
             raise self.cannot_restore(str(exc)) from None
         except Exception as exc:

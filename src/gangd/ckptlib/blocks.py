@@ -25,7 +25,9 @@ reads, newest first; ``overhead``: the bytes of their magic, index and footer
 Restore (:func:`read_chain`) first finds every block in the chain's
 indexes (nothing is allocated for a value no file holds), allocates each
 value from the newest index, then walks the files newest to oldest, reading only the blocks not placed
-yet, straight into the arrays (``preadv`` into their memory, no copy), and
+yet, straight into the arrays (``preadv`` into their memory; a large array
+all of whose blocks one file holds raw is a private mapping of that file
+instead, :mod:`.mapped`, the newer files' blocks read over it), and
 checks every placed block against the newest signature: a damaged link is a
 :class:`StoreError` naming its path, the value and the block.
 
@@ -58,7 +60,7 @@ import xxhash
 from .. import ckptstore
 from ..checkpoint import delta
 from ..ckptstore import StoreError
-from . import units
+from . import mapped, units
 from .units import pread as _pread
 from .units import runs as _runs
 
@@ -723,8 +725,8 @@ def _link(item: object) -> Link:
     return Link(gen, Path(path), None if expect is None else (expect[0], expect[1]))
 
 
-def read_chain(path: Path, chain: Iterable = (), expect: Sequence | None = None, *,
-               stats: dict | None = None, pipeline: object = None) -> tuple[dict[str, object], int, dict]:
+def read_chain(path: Path, chain: Iterable = (), expect: Sequence | None = None, *, stats: dict | None = None,
+               pipeline: object = None, map_values: bool | None = None) -> tuple[dict[str, object], int, dict]:
     """Restore the generation in ``path`` from it and its ``chain`` (its
     links, newest first: :class:`Link`, (gen, path[, expect]) or
     {"gen", "path", "expect"}); returns (values, iteration, extra).
@@ -736,7 +738,9 @@ def read_chain(path: Path, chain: Iterable = (), expect: Sequence | None = None,
     signature of ``path``'s generation. ``stats``, if given, gets "read"
     (bytes read), "blocks" (block bytes read) and "files". ``pipeline``: the
     :class:`gangd.pipeline.Settings` compressed units are read and
-    decompressed with (None: the defaults).
+    decompressed with (None: the defaults). ``map_values``: large arrays
+    are mappings of their files rather than copies (:mod:`.mapped`; None:
+    as ``GANGD_CKPT_RESTORE`` says, by default they are).
     """
     path = Path(path)
     links = [_link(item) for item in chain]
@@ -764,10 +768,17 @@ def read_chain(path: Path, chain: Iterable = (), expect: Sequence | None = None,
         views: dict[str, memoryview] = {}
         placed: dict[str, np.ndarray] = {}
         source: dict[str, np.ndarray] = {}  # per block: which file (0 = path, i = links[i-1]) it came from
+        maps = mapped.FileMaps() if (mapped.wanted() if map_values is None else map_values) else None
+        mapped_from: dict[str, int] = {}  # value -> the file it is a mapping of (its blocks there are in place)
         for e in top.entries:
             try:
                 if e.kind == "nd":
-                    arr = np.empty(e.meta["shape"], dtype=_dtype(e.meta["dtype"]))
+                    dtype = _dtype(e.meta["dtype"])
+                    found = _mapping(maps, files, fds, e, dtype) if maps is not None else None
+                    if found is not None:
+                        mapped_from[e.name], arr = found
+                    else:
+                        arr = np.empty(e.meta["shape"], dtype=dtype)
                     values[e.name], views[e.name] = arr, _array_bytes(arr)
                     if len(views[e.name]) != e.nbytes:  # (never trust numpy's idea of a size to match the index's)
                         raise ValueError(f"an array of it holds {len(views[e.name])} bytes")
@@ -781,13 +792,13 @@ def read_chain(path: Path, chain: Iterable = (), expect: Sequence | None = None,
         digest = ckptstore.hasher() if expect is not None else None
         if digest is not None:
             digest.update(MAGIC3 if top.version == 3 else MAGIC)
-        blocks_read += _place(fd, top, top, 0, views, placed, source, digest, pipeline)
+        blocks_read += _place(fd, top, top, 0, views, placed, source, digest, pipeline, mapped_from)
         if digest is not None:
             digest.update(top.tail)
             if digest.hexdigest() != expect[1]:  # type: ignore[index]
                 raise StoreError(f"{path} is corrupted: its checksum does not match the manifest")
         for number, (_, index) in enumerate(files[1:], 1):
-            blocks_read += _place(fds[number], top, index, number, views, placed, source, None, pipeline)
+            blocks_read += _place(fds[number], top, index, number, views, placed, source, None, pipeline, mapped_from)
         for e in top.entries:
             missing = int(np.count_nonzero(~placed[e.name]))
             if missing:
@@ -800,9 +811,10 @@ def read_chain(path: Path, chain: Iterable = (), expect: Sequence | None = None,
         for e in top.entries:
             if e.signature is None or not e.nblocks:
                 continue
-            bad = np.flatnonzero(np.any(hash_blocks(views[e.name], top.block) != e.signature, axis=1))
-            if len(bad):
-                first = int(bad[0])
+            # The blocks of ``path`` itself were covered by its checksum against the manifest, when there is one:
+            # hashing them again would only find a writer that signed other bytes than it wrote.
+            first = _first_unsigned(views[e.name], top.block, e.signature, source[e.name] != 0 if digest is not None else None)
+            if first is not None:
                 where = files[int(source[e.name][first])][0]
                 raise StoreError(f"{where} is corrupted: block {first} of value {e.name!r} does not match "
                                  f"generation {top.gen}'s signature (restoring {path})")
@@ -815,6 +827,16 @@ def read_chain(path: Path, chain: Iterable = (), expect: Sequence | None = None,
     if stats is not None:
         stats.update({"read": read + blocks_read, "blocks": blocks_read, "files": len(files)})
     return values, top.iteration, top.extra
+
+
+def _first_unsigned(view: memoryview, block: int, signature: np.ndarray, only: np.ndarray | None) -> int | None:
+    """The first block of ``view`` (of those ``only`` marks; None: all) whose hash is not its ``signature`` row."""
+    spans = [(0, len(signature))] if only is None else _runs(only)
+    for a, b in spans:
+        bad = np.flatnonzero(np.any(hash_blocks(view[a * block : b * block], block) != signature[a:b], axis=1))
+        if len(bad):
+            return a + int(bad[0])
+    return None
 
 
 def _corrupt_link(top: Index, index: Index, e: Entry) -> StoreError | None:
@@ -847,9 +869,24 @@ def _locate(path: Path, top: Index, files: list[tuple[Path, Index]]) -> None:
                              f"{e.nblocks} blocks (a broken chain)")
 
 
+def _mapping(maps: mapped.FileMaps, files: list[tuple[Path, Index]], fds: list[int], e: Entry,
+             dtype: np.dtype) -> tuple[int, np.ndarray] | None:
+    """Value ``e`` as a mapping of the newest file of the chain that stores all its blocks raw (see
+    :mod:`.mapped`): (that file's number, the array), or None: it is read."""
+    for number, (_, index) in enumerate(files):
+        mine = index.entry(e.name)
+        if mine is not None and mine.present.all():
+            if mine.units is not None:  # (compressed there: decompressed into fresh memory)
+                return None
+            arr = maps.array(number, fds[number], mine.offset, e.nbytes, dtype, e.meta["shape"])
+            return None if arr is None else (number, arr)
+    return None
+
+
 def _place(fd: int, top: Index, index: Index, number: int, views: dict[str, memoryview], placed: dict[str, np.ndarray],
-           source: dict[str, np.ndarray], digest, pipeline: object = None) -> int:
-    """Read the blocks ``index``'s file holds that no newer file placed; returns the bytes read."""
+           source: dict[str, np.ndarray], digest, pipeline: object = None, mapped_from: Mapping[str, int] | None = None) -> int:
+    """Read the blocks ``index``'s file holds that no newer file placed; returns the bytes read. A value
+    that is a mapping of this file (``mapped_from``) has them in place already: they are only checksummed."""
     got = 0
     compressed: list[units.Job] = []  # a format 3 file's units, read and decompressed together below
     for e in top.entries:
@@ -871,9 +908,11 @@ def _place(fd: int, top: Index, index: Index, number: int, views: dict[str, memo
             continue
         stored_before = np.cumsum(mine.present) - mine.present  # stored blocks ahead of each block
         view, block = views[e.name], top.block
+        in_place = mapped_from is not None and mapped_from.get(e.name) == number
         for a, b in _runs(need):
             part = view[a * block : min(b * block, e.nbytes)]
-            _pread(fd, part, mine.offset + int(stored_before[a]) * block, index.path)
+            if not in_place:
+                _pread(fd, part, mine.offset + int(stored_before[a]) * block, index.path)
             if digest is not None:
                 digest.update(part)
             got += len(part)

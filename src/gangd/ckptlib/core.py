@@ -64,6 +64,7 @@ class DeltaSettings:
     given: frozenset[str] = frozenset()  # the settings the program (init, GANGD_CKPT_BLOCK_KIB) chose: they win over a daemon's offer
     codec: str = DEFAULT_CODEC  # a canonical gangd.codecs spec (CodecSpec.parse checked it): the job's, whoever runs it
     pipeline: str = ""  # canonical gangd.pipeline settings text (the job's --ckpt-pipeline); "": the defaults
+    map_restore: bool = True  # a restore maps large arrays' files rather than copying them (GANGD_CKPT_RESTORE, .mapped)
 
     @classmethod
     def from_options(cls, mode: str | None = None, block_kib: int | None = None, chain_max: int | None = None,
@@ -89,7 +90,13 @@ class DeltaSettings:
         threshold = delta.DEFAULT_THRESHOLD if threshold is None else threshold
         if not isinstance(threshold, int | float) or not 0 <= threshold <= 1:
             raise CheckpointError(f"the adaptive threshold is a share of the state from 0 to 1, not {threshold!r}")
-        return cls(mode, block_kib, chain_max, float(threshold), given, checked_codec(codec), checked_pipeline(pipeline))
+        from . import mapped  # (not at import: ckptlib's start-up stays small)
+
+        try:
+            map_restore = mapped.wanted()
+        except mapped.RestoreSettingError as exc:
+            raise CheckpointError(str(exc)) from None
+        return cls(mode, block_kib, chain_max, float(threshold), given, checked_codec(codec), checked_pipeline(pipeline), map_restore)
 
     def under(self, offer) -> DeltaSettings:
         """The settings a rank under a daemon writes with, given its offer
@@ -99,7 +106,8 @@ class DeltaSettings:
         return DeltaSettings(self.mode if "mode" in self.given else offer.mode,
                              self.block_kib if "block_kib" in self.given else offer.block_kib,
                              min(self.chain_max, offer.chain_max) if "chain_max" in self.given else offer.chain_max,
-                             self.threshold if "threshold" in self.given else offer.threshold, self.given, self.codec, self.pipeline)
+                             self.threshold if "threshold" in self.given else offer.threshold, self.given, self.codec, self.pipeline,
+                             self.map_restore)
 
     def plan(self, gen: int, offered, force_full: bool = False) -> dict:
         """What :func:`writer.write` takes as ``delta``."""
@@ -394,7 +402,8 @@ class Standalone:
             directory = self._dir(gen)
             try:
                 chain = self.chain(gen)
-                values, iteration = spc_mod.read(cp.spc, chain[0][1], chain[0][2], chain[1:], cp.settings.pipeline_settings())
+                values, iteration = spc_mod.read(cp.spc, chain[0][1], chain[0][2], chain[1:], cp.settings.pipeline_settings(),
+                                                 cp.settings.map_restore)
             except StoreError as exc:
                 problems.append(str(exc))
                 if explicit:

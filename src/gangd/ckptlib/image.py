@@ -70,7 +70,8 @@ def save(path: Path, values: dict[str, object], iteration: int, extra: dict | No
     return ckptstore.write_atomic(path, chunks(values, iteration, extra, gen=gen))
 
 
-def load(path: Path, expect: tuple[int, str] | None = None, pipeline: object = None) -> tuple[dict[str, object], int, dict]:
+def load(path: Path, expect: tuple[int, str] | None = None, pipeline: object = None,
+         map_values: bool | None = None) -> tuple[dict[str, object], int, dict]:
     """Read a self-contained state file (version 1 or 2); returns (values, iteration, extra).
 
     With ``expect`` = (size, checksum) from the manifest, a short or altered
@@ -89,7 +90,7 @@ def load(path: Path, expect: tuple[int, str] | None = None, pipeline: object = N
             return _load_v1(fh, path, expect)
     from . import blocks
 
-    return blocks.read_chain(path, (), expect, pipeline=pipeline)
+    return blocks.read_chain(path, (), expect, pipeline=pipeline, map_values=map_values)
 
 
 def _load_v1(fh, path: Path, expect: tuple[int, str] | None) -> tuple[dict[str, object], int, dict]:

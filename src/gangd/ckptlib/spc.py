@@ -283,21 +283,23 @@ def write(spc: SPC, path: Path, values: dict, iteration: int) -> tuple[int, str]
         raise StoreError(ckptstore.describe_os_error(exc, path)) from None
 
 
-def read(spc: SPC, path: Path, expect: tuple[int, str] | None, chain: Sequence = (), pipeline: object = None) -> tuple[dict, int]:
+def read(spc: SPC, path: Path, expect: tuple[int, str] | None, chain: Sequence = (), pipeline: object = None,
+         map_values: bool | None = None) -> tuple[dict, int]:
     """Check the file against the manifest's (size, checksum), then have ``spc`` restore it.
 
     ``chain``: the older generations an incremental file needs, newest first
     (as :func:`.blocks.read_chain` takes them); only a checkpointer that
     hands over buffers writes such files, and restores them. ``pipeline``: the
-    :class:`gangd.pipeline.Settings` a compressed file is read with (None: the defaults)."""
+    :class:`gangd.pipeline.Settings` a compressed file is read with (None: the defaults); ``map_values``: large
+    arrays are mappings of their files (:mod:`.mapped`; None: as ``GANGD_CKPT_RESTORE`` says)."""
     spc.set_filename(path)
     if hands_over(spc):
         if chain:
             from . import blocks  # (the block format loads at the first restore that needs it: ckptlib's start-up stays small)
 
-            values, iteration, _ = blocks.read_chain(path, chain, expect, pipeline=pipeline)
+            values, iteration, _ = blocks.read_chain(path, chain, expect, pipeline=pipeline, map_values=map_values)
         else:
-            values, iteration, _ = image.load(path, expect, pipeline)
+            values, iteration, _ = image.load(path, expect, pipeline, map_values)
         values = _given_back(spc, values)
         spc.after_restart(values)
         return values, iteration

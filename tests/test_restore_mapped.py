@@ -1,0 +1,200 @@
+"""A restore maps large arrays' files instead of copying them (gangd.ckptlib.mapped), and a user can rely on it.
+
+What the program sees is what a read restore gave it: bit-identical,
+writable, aligned arrays whose writes stay in the process (the file and any
+later restore of it unchanged), also once retention has deleted the file.
+What is mapped, and what is read: an array of at least a MiB all of whose
+blocks one file stores raw, at an offset its dtype allows; the base of a
+delta chain with the newer blocks read over it; never a compressed value,
+a small one or a pickle. Damage is still caught by the manifest's checksum
+or the signature, naming the file. A forked snapshot of a mapped array that
+the program changed writes the program's values. ``GANGD_CKPT_RESTORE=read``
+turns it off; any other value is refused at ``ckpt.init()``.
+
+Real files, real mappings (read back from ``/proc/self/maps``), a real fork.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from deltahelpers import Generations, assert_same_values
+
+from gangd import ckptstore
+from gangd.ckptlib import blocks, image, mapped, writer
+from gangd.ckptlib.core import CheckpointError, DeltaSettings
+from gangd.ckptstore import StoreError
+from gangd.codecs import CodecSpec
+
+MiB = 1 << 20
+
+
+def mapping_of(arr: np.ndarray) -> str | None:
+    """The file ``arr``'s memory is a mapping of (as /proc/self/maps names it), or None: anonymous memory."""
+    address = arr.__array_interface__["data"][0]
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            fields = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                name = fields[5].strip() if len(fields) > 5 else ""
+                return name.removesuffix(" (deleted)") if name.startswith("/") else None
+    raise AssertionError("the array's address is in no mapping")
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_large_array_is_a_private_mapping_of_its_file_and_the_programs_writes_stay_in_the_process(tmp_path):
+    path = tmp_path / "rank-0.state"
+    big = np.random.default_rng(1).random((512, 1024))  # 4 MiB
+    small = np.arange(1000, dtype=np.float64)  # 8 KB: read
+    size, digest = image.save(path, {"small": small, "big": big, "d": {"k": 1}}, 3)
+    fds = open_fds()
+    values, iteration, _ = image.load(path, (size, digest))
+    assert iteration == 3 and values["d"] == {"k": 1}
+    assert mapping_of(values["big"]) == str(path)
+    assert mapping_of(values["small"]) is None
+    assert open_fds() == fds + 1  # one descriptor for the file's mapping, held while the arrays live
+    arr = values["big"]
+    assert arr.tobytes() == big.tobytes() and arr.shape == big.shape and arr.dtype == big.dtype
+    assert arr.flags.writeable and arr.flags.aligned and arr.flags.c_contiguous
+
+    arr *= 2.0  # every page copied on write: the file keeps the checkpoint
+    arr[7, 9] = -1.0
+    assert ckptstore.checksum_file(path) == (size, digest)
+    again, _, _ = image.load(path, (size, digest))
+    assert again["big"].tobytes() == big.tobytes()
+    assert arr[7, 9] == -1.0 and arr[0, 0] == big[0, 0] * 2.0
+
+
+def test_the_file_deleted_after_the_restore_leaves_the_arrays_whole_and_writable(tmp_path):
+    """Retention deletes old generations while a restarted rank runs on the mapping of one."""
+    path = tmp_path / "rank-0.state"
+    big = np.random.default_rng(2).random(3 * MiB // 8)
+    size, digest = image.save(path, {"u": big}, 1)
+    values, _, _ = image.load(path, (size, digest))
+    assert mapping_of(values["u"]) == str(path)
+    path.unlink()
+    u = values["u"]
+    assert u.tobytes() == big.tobytes()
+    u[::512] += 1.0
+    assert np.array_equal(u[1::512], big[1::512]) and np.array_equal(u[::512], big[::512] + 1.0)
+
+
+def test_a_delta_chain_maps_its_base_and_reads_the_newer_blocks_over_it_leaving_the_base_file_as_it_was(tmp_path):
+    gens = Generations(tmp_path)
+    rng = np.random.default_rng(3)
+    first = {"u": rng.random(2 * MiB // 8), "log": [1, 2]}
+    gens.write(1, first, None, mode="incremental")
+    second = {"u": first["u"].copy(), "log": [1, 2, 3]}
+    second["u"][5000:5100] = -7.0  # a few blocks
+    second["u"][-1] = 42.0  # and the last, short one
+    result = gens.write(2, second, 1, mode="incremental")
+    assert result["role"] == "incr" and result["links"] == [1]
+    base_bytes = gens.path(1).read_bytes()
+
+    stats: dict = {}
+    values, _, _ = gens.restore(2, stats)
+    assert_same_values(values, second)
+    assert mapping_of(values["u"]) == str(gens.path(1))
+    assert stats["files"] == 2
+    assert gens.path(1).read_bytes() == base_bytes  # the newer blocks went into this process's pages only
+    older, _, _ = gens.restore(1)
+    assert_same_values(older, first)
+
+
+@pytest.mark.parametrize(("pad", "is_mapped"), [(8, True), (3, False)])
+def test_an_array_is_mapped_only_where_its_file_keeps_it_aligned_for_its_dtype(tmp_path, pad, is_mapped):
+    """The values are packed one after the other: a 3-byte value ahead puts a float64 array at an offset it
+    cannot be mapped at (it is read into aligned memory instead)."""
+    path = tmp_path / "rank-0.state"
+    big = np.random.default_rng(4).random(MiB // 8 + 5)
+    size, digest = image.save(path, {"pad": np.zeros(pad, dtype=np.uint8), "big": big}, 1)
+    values, _, _ = image.load(path, (size, digest))
+    assert (mapping_of(values["big"]) == str(path)) is is_mapped
+    assert values["big"].flags.aligned and values["big"].tobytes() == big.tobytes()
+
+
+def test_record_arrays_are_mapped_and_small_compressed_or_pickled_values_are_read(tmp_path):
+    records = np.zeros(MiB // 12 + 1, dtype=[("x", "<f8"), ("n", "<i4")])
+    records["x"] = np.arange(len(records)) / 3
+    records["n"] = np.arange(len(records)) % 1000
+    raw = tmp_path / "raw.state"
+    size, digest = image.save(raw, {"r": records, "tiny": np.ones(10), "obj": np.array([{"a": 1}], dtype=object)}, 1)
+    values, _, _ = image.load(raw, (size, digest))
+    assert mapping_of(values["r"]) == str(raw) and values["r"].tobytes() == records.tobytes()
+    assert mapping_of(values["tiny"]) is None
+    assert values["obj"][0] == {"a": 1}
+
+    smooth = np.sin(np.linspace(0, 50, 2 * MiB // 8))
+    packed = tmp_path / "lz4.state"
+    result = blocks.save_generation(packed, {"s": smooth}, gen=1, mode="full", codec=CodecSpec.parse("lz4"))
+    values, _, _ = blocks.read_chain(packed, (), (result["size"], result["digest"]))
+    assert mapping_of(values["s"]) is None and values["s"].tobytes() == smooth.tobytes()
+
+
+def test_reading_instead_of_mapping_gives_the_same_values_in_anonymous_memory(tmp_path, monkeypatch):
+    path = tmp_path / "rank-0.state"
+    big = np.random.default_rng(5).random(2 * MiB // 8)
+    size, digest = image.save(path, {"u": big}, 1)
+    values, _, _ = image.load(path, (size, digest), map_values=False)
+    assert mapping_of(values["u"]) is None and values["u"].tobytes() == big.tobytes()
+
+    monkeypatch.setenv(mapped.ENV, "read")
+    assert DeltaSettings.from_options().map_restore is False
+    values, _, _ = image.load(path, (size, digest))  # (None: as the environment says)
+    assert mapping_of(values["u"]) is None
+    monkeypatch.setenv(mapped.ENV, "map")
+    assert DeltaSettings.from_options().map_restore is True
+    monkeypatch.setenv(mapped.ENV, "mmap-please")
+    with pytest.raises(CheckpointError, match="GANGD_CKPT_RESTORE must be map or read, not 'mmap-please'"):
+        DeltaSettings.from_options()
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        byte = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([byte[0] ^ 0x55]))
+
+
+def test_damage_under_a_mapped_array_is_caught_by_the_checksum_or_the_signature_naming_the_file(tmp_path):
+    gens = Generations(tmp_path)
+    u = np.random.default_rng(6).random(2 * MiB // 8)
+    gens.write(1, {"u": u}, None, mode="incremental")
+    changed = u.copy()
+    changed[:10] = 0.0
+    gens.write(2, {"u": changed}, 1, mode="incremental")
+    _flip(gens.path(1), len(blocks.MAGIC) + MiB + 3)  # inside the base's blocks, which the delta does not hold
+
+    with pytest.raises(StoreError, match=r"gen-1\.state is corrupted: block 64 of value 'u' does not match generation 2's signature"):
+        gens.restore(2)
+    with pytest.raises(StoreError, match=r"gen-1\.state is corrupted: its checksum does not match the manifest"):
+        gens.restore(1)
+    with pytest.raises(StoreError, match=r"gen-1\.state is corrupted: block 64 of value 'u' does not match generation 1's signature"):
+        blocks.read_chain(gens.path(1))  # (no manifest to check it against: the signature still catches it)
+
+
+def test_a_forked_snapshot_of_a_mapped_array_the_program_changed_writes_the_programs_values(tmp_path):
+    path = tmp_path / "g1.state"
+    u = np.random.default_rng(7).random(4 * MiB // 8)
+    size, digest = image.save(path, {"u": u}, 1)
+    values, _, _ = image.load(path, (size, digest))
+    assert mapping_of(values["u"]) == str(path)
+    values["u"][: MiB // 8] += 1.0  # the first MiB copied on write, the rest still the file's pages
+    expected = values["u"].copy()
+
+    written = writer.write(tmp_path / "g2.state", values, 2, background=True)
+    assert written.pid is not None  # (a real fork)
+    result = written.wait()
+    assert "error" not in result, result
+    writer.reap()
+    again, iteration, _ = image.load(tmp_path / "g2.state", (result["size"], result["digest"]))
+    assert iteration == 2 and again["u"].tobytes() == expected.tobytes()
+    assert ckptstore.checksum_file(path) == (size, digest)

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import zipapp
 from pathlib import Path
 
 import psutil
@@ -296,6 +297,24 @@ def test_a_script_beside_its_own_copy_of_a_preloaded_module_gets_its_own(cluster
     for _ in range(3):
         _, out, err = run(cluster, argv, 1, env=env, cwd=place)
         assert out[0] == "mine\n", (out, err)
+
+
+def test_a_zip_application_runs_its_main_as_python_would(cluster, place):
+    """``python app.pyz`` of a zip application (a shebang line, then the zip) runs the zip's __main__.py:
+    never the file's bytes as a script. The server refuses it (its end record is in the file's tail), and
+    the rank is exec'd."""
+    directory = place / "zipapp"
+    directory.mkdir(mode=0o755)
+    source = directory / "src"
+    source.mkdir(mode=0o755)
+    (source / "__main__.py").write_text("import sys\nprint('zip main', sys.argv[1:])\n")
+    app = directory / "app.pyz"
+    zipapp.create_archive(source, app, interpreter="/usr/bin/env python3")
+    app.chmod(0o644)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONGANGDTEST": "zipapp"}
+    until_served(cluster, [sys.executable, place / "probe.py"], 1, env=env, cwd=place)  # (the key's server is warm)
+    _, out, err = run(cluster, [sys.executable, app, "x"], 1, env=env, cwd=place)
+    assert out[0] == "zip main ['x']\n", (out, err)
 
 
 def test_a_module_changed_on_disk_is_never_served_stale(cluster, place):

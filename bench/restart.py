@@ -35,7 +35,10 @@ Both are timed to the progress line's own timestamp (the rank prints the
 time with the line), so the figure has no polling delay in it. Rank 0 prints
 every ``--every`` (200) iterations, as in the peers' scripts: the line comes
 0-200 iterations (0-0.3 s) after the restarted ring resumes, a delay both
-pay alike; medians over ``--repeats`` even it out. Also printed: the
+pay alike; medians over ``--repeats`` even it out. So the run also prints
+the time to the first iteration after the restart, from rank 0's
+"resumed" line (bench/ringjob.py: its first iteration after a pause of over
+0.3 s, for both), which has no such delay. Also printed: the
 checkpoint time (command to generation complete) and the image size against
 the state, for both; and where gangd's restart went, from rank 0's own
 marks (seconds after the command started: its script started — the command,
@@ -88,6 +91,7 @@ HERE = Path(__file__).resolve().parent
 JOB = str(HERE / "ringjob.py")
 DMTCP_DEFAULT = "/tmp/peers/dmtcp-inst"  # noqa: S108 -- where ../shared/peers/dmtcp_bench.sh installs it
 LINE = re.compile(rb"^it (\d+) acc \S+ at (\d+\.\d+)$", re.MULTILINE)
+RESUMED = re.compile(rb"^resumed it (\d+) at (\d+\.\d+)$", re.MULTILINE)  # (the first iteration after a restart)
 MiB = 1 << 20
 
 out = sys.stdout
@@ -190,7 +194,11 @@ async def first_line(gang, job: int, timeout: float = 120) -> tuple[int, float, 
                 if found:
                     marks = TIMELINE.search(buffer)
                     words = marks.group(1).decode().split() if marks else []
-                    return int(found.group(1)), float(found.group(2)), {k: float(v) for k, v in zip(words[::2], words[1::2], strict=False)}
+                    timeline = {k: float(v) for k, v in zip(words[::2], words[1::2], strict=False)}
+                    resumed = RESUMED.search(buffer)
+                    if resumed:
+                        timeline["resumed"] = float(resumed.group(2))
+                    return int(found.group(1)), float(found.group(2)), timeline
     record = await gang.job(job)
     said = bytes(buffer[-600:]).decode(errors="replace")
     raise BenchError(f"job {job} printed no progress line ({record['state']}: {record.get('reason') or '-'}); its rank 0 said: {said}")
@@ -254,6 +262,7 @@ async def gangd_trial(directory: Path, args, idiom: str, via_api: bool = False, 
     return {
         "idiom": idiom, "job": job, "restarted_as": new, "checkpoint_s": checkpoint_s, "cut": entry.get("iteration"),
         "first_iteration_line": iteration, "restart_s": printed - t0, "restart_command_s": returned,
+        "resume_s": marks["resumed"] - t0 if "resumed" in marks else None,
         "image_bytes": image, "state_bytes": args.ranks * args.mib * MiB,
         "rank0": {k: v - t0 for k, v in marks.items()},  # its script started, imported, init (restored), world, protected
         "served": served,  # (ranks a rank server forked, ranks found)
@@ -335,7 +344,9 @@ def dmtcp_trial(binary: Path, args, gzip: bool, restart: bool = True) -> dict:
             restarted = subprocess.Popen([str(binary / "dmtcp_restart"), "-p", str(port), *map(str, images)],
                                          cwd=work, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
         iteration, printed = wait_line(work / "rout", 120, restarted)
+        resumed = RESUMED.search((work / "rout").read_bytes())
         return {"gzip": gzip, "checkpoint_s": checkpoint_s, "first_iteration_line": iteration, "restart_s": printed - t0,
+                "resume_s": float(resumed.group(2)) - t0 if resumed else None,
                 "image_bytes": size, "state_bytes": args.ranks * args.mib * MiB}
     finally:
         subprocess.run([*command, "-q"], capture_output=True, timeout=60, check=False)
@@ -369,7 +380,7 @@ def report(rows: dict[str, list[dict]], args) -> dict:
             served, found = sum(t["served"][0] for t in trials), sum(t["served"][1] for t in trials)
             extra = f"  (command returned after {spread([t['restart_command_s'] for t in trials])}; {served} of {found} ranks served)"
         say(f"  {kind:<22} restart {spread(restart)}   checkpoint {spread(ckpt)}   image {ratio:.2f}x state{extra}")
-        phases = [k for k in ("started", "imported", "init", "world", "protected") if all(k in t.get("rank0", {}) for t in trials)]
+        phases = [k for k in ("started", "imported", "init", "world", "protected", "resumed") if all(k in t.get("rank0", {}) for t in trials)]
         daemon = [k for k in ("choose", "verify", "submitted", "launch first", "launch last", "rank first", "rank last")
                   if all(k in t.get("daemons", {}) for t in trials)]
         if daemon:
@@ -393,6 +404,17 @@ def report(rows: dict[str, list[dict]], args) -> dict:
                 f"checkpoint {statistics.median(ckpt_pairs):.2f}x   image {summary[kind]['image_ratio'] / summary[dmtcp]['image_ratio']:.2f}x")
             summary[kind]["restart_ratio"] = of_medians
             summary[kind]["restart_ratio_per_repeat"] = pairs
+        resumed = {kind: [t["resume_s"] for t in rows[kind] if t.get("resume_s") is not None] for kind in rows}
+        if resumed[dmtcp]:
+            say(f"\nto the first iteration after the restart (no progress-line delay; rank 0's 'resumed' line), "
+                f"median, and gangd / {dmtcp} of the medians:")
+            for kind in rows:
+                if resumed[kind]:
+                    ratio = statistics.median(resumed[kind]) / statistics.median(resumed[dmtcp])
+                    say(f"  {kind:<22} {spread(resumed[kind])}" + (f"   {ratio:.2f}x" if kind.startswith("gangd") else ""))
+                    summary.setdefault(kind, {})["resume_s"] = statistics.median(resumed[kind])
+                    if kind.startswith("gangd"):
+                        summary[kind]["resume_ratio"] = ratio
     return summary
 
 

@@ -8,7 +8,14 @@ progress line every ``--every`` iterations with the time it was printed::
     it 600 acc 295.068839 at 1795530385.060
 
 so that a restart is timed to the line's own timestamp (no polling delay in
-the figure, for gangd and DMTCP alike).
+the figure, for gangd and DMTCP alike). Rank 0 also says when it completes
+its first iteration after a pause of over 0.3 s (a new process's first, or
+the first after DMTCP restored it)::
+
+    resumed it 377 at 1795530385.060
+
+which times a restart without the 0-``--every`` iterations a progress line
+may come after it (bench/restart.py prints both).
 
 ``--under gangd`` (default): gangd.comm and gangd.ckptlib, run by gangd::
 
@@ -73,6 +80,20 @@ def build(rank: int) -> np.ndarray:
     return np.sin(40 * np.linspace(0, 1, n)) + 0.01 * rng.standard_normal(n)
 
 
+RESUME_GAP = 0.3  # s without an iteration: the program was stopped (a checkpoint, a restart) and goes on now
+last_iteration: float | None = None
+
+
+def iterated(it: int) -> None:
+    """Rank 0: after each iteration; the first one after a gap (a fresh or restarted process: its first
+    iteration; a process DMTCP restored: the first after its restore) says when, for restart's "resumed"."""
+    global last_iteration
+    now = time.time()
+    if last_iteration is None or now - last_iteration > RESUME_GAP:
+        print(f"resumed it {it} at {now:.3f}", flush=True)
+    last_iteration = now
+
+
 def progress(it: int, acc: float) -> None:
     global PROFILE
     print(f"it {it} acc {acc:.6f} at {time.time():.3f}", flush=True)
@@ -105,6 +126,8 @@ if args.under == "tcp":
         got, val = struct.unpack("!qd", prv.recv(16, socket.MSG_WAITALL))
         assert got == it, (got, it)
         acc = val + u[lo]
+        if args.rank == 0:
+            iterated(it)
         if it % args.every == 0 and args.rank == 0:
             progress(it, acc)
         time.sleep(0.001)
@@ -136,6 +159,8 @@ for it in ckpt.loop(range(args.iters)):
     got = w.recv(source=prv)
     assert int(got[0]) == it, (got, it)
     acc["v"] = float(got[1]) + u[lo]
+    if w.rank == 0:
+        iterated(it)
     if it % args.every == 0 and w.rank == 0:
         progress(it, acc["v"])
     time.sleep(0.001)

@@ -45,6 +45,15 @@ def mapping_of(arr: np.ndarray) -> str | None:
     raise AssertionError("the array's address is in no mapping")
 
 
+def restored_mapped(path: Path, u: np.ndarray) -> tuple[np.ndarray, tuple[int, str]]:
+    """``u`` saved alone in ``path`` and restored: the restored array (checked to be a mapping of ``path``)
+    and the file's (size, checksum)."""
+    size, digest = image.save(path, {"u": u}, 1)
+    values, _, _ = image.load(path, (size, digest))
+    assert mapping_of(values["u"]) == str(path)
+    return values["u"], (size, digest)
+
+
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -76,11 +85,8 @@ def test_the_file_deleted_after_the_restore_leaves_the_arrays_whole_and_writable
     """Retention deletes old generations while a restarted rank runs on the mapping of one."""
     path = tmp_path / "rank-0.state"
     big = np.random.default_rng(2).random(3 * MiB // 8)
-    size, digest = image.save(path, {"u": big}, 1)
-    values, _, _ = image.load(path, (size, digest))
-    assert mapping_of(values["u"]) == str(path)
+    u, _ = restored_mapped(path, big)
     path.unlink()
-    u = values["u"]
     assert u.tobytes() == big.tobytes()
     u[::512] += 1.0
     assert np.array_equal(u[1::512], big[1::512]) and np.array_equal(u[::512], big[::512] + 1.0)
@@ -183,12 +189,10 @@ def test_damage_under_a_mapped_array_is_caught_by_the_checksum_or_the_signature_
 
 def test_a_forked_snapshot_of_a_mapped_array_the_program_changed_writes_the_programs_values(tmp_path):
     path = tmp_path / "g1.state"
-    u = np.random.default_rng(7).random(4 * MiB // 8)
-    size, digest = image.save(path, {"u": u}, 1)
-    values, _, _ = image.load(path, (size, digest))
-    assert mapping_of(values["u"]) == str(path)
-    values["u"][: MiB // 8] += 1.0  # the first MiB copied on write, the rest still the file's pages
-    expected = values["u"].copy()
+    u, (size, digest) = restored_mapped(path, np.random.default_rng(7).random(4 * MiB // 8))
+    u[: MiB // 8] += 1.0  # the first MiB copied on write, the rest still the file's pages
+    values = {"u": u}
+    expected = u.copy()
 
     written = writer.write(tmp_path / "g2.state", values, 2, background=True)
     assert written.pid is not None  # (a real fork)

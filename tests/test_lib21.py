@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -289,3 +290,41 @@ def test_a_writer_that_dies_unreported_in_a_program_ignoring_sigchld_is_an_error
         assert written.wait() == {"error": "the writer process died (its exit status was collected elsewhere)"}
     finally:
         signal.signal(signal.SIGCHLD, previous)
+
+
+def test_a_held_snapshot_writes_nothing_until_released_and_then_the_state_at_its_fork(tmp_path):
+    """A rank under gangd holds its forked snapshot until the job resumes (writer.write's ``hold``): the
+    snapshot writes nothing before the release, and then the state at the fork, not what the job changed."""
+    from gangd.ckptlib import image, writer
+
+    values = {"u": np.arange(100_000.0)}
+    path = tmp_path / "state"
+    written = writer.write(path, values, 3, background=True, hold=True)
+    values["u"][:] = -1.0  # the job runs on
+    time.sleep(0.3)  # (an unheld writer would have written its 800 kB by now)
+    assert not written.done and not list(tmp_path.iterdir())
+    written.release()
+    result = written.wait()
+    assert "error" not in result, result
+    loaded, iteration, _ = image.load(path, (result["size"], result["digest"]))
+    assert iteration == 3 and np.array_equal(loaded["u"], np.arange(100_000.0))
+
+
+def test_a_held_snapshot_whose_job_is_gone_still_writes_its_file(tmp_path):
+    """The job dies (or its rank exits) between the fork and the release: the snapshot is not left waiting
+    forever, it writes the file (whose generation the daemons abort or commit as they see fit)."""
+    path = tmp_path / "state"
+    program = (
+        "import os, numpy as np\n"
+        "from gangd.ckptlib import writer\n"
+        f"writer.write({str(path)!r}, {{'u': np.arange(5000.0)}}, 7, background=True, hold=True)\n"
+        "os._exit(0)\n"
+    )
+    subprocess.run([sys.executable, "-c", program], check=True, timeout=60)
+    deadline = time.monotonic() + 60
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    from gangd.ckptlib import image
+
+    loaded, iteration, _ = image.load(path, ckptstore.checksum_file(path))
+    assert iteration == 7 and np.array_equal(loaded["u"], np.arange(5000.0))

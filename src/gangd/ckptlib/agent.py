@@ -391,17 +391,21 @@ class DaemonAgent:
                 offered: list | None = [link.to_wire() for link in offer.links]
             else:
                 offered = None if settings.codec == "none" else []
+            # A forked snapshot is held until the end sync: until then the job is blocked, and its cores are
+            # what the ranks and daemons need to get through the sync (writer.write's ``hold``).
             written = cp.snapshot(Path(where["path"]), k if resume is None else resume, gen=gen, offered=offered,
-                                  settings=settings, force_full=offer.force_full)
-            if written.done:
+                                  settings=settings, force_full=offer.force_full, hold=True)
+            try:
                 cp.writes.remove(written)
-                self.call("ckpt_end", {"gen": gen, "result": _report(written.wait())})
-            else:
-                cp.writes.remove(written)
-                with self.io:
-                    self.background[written.pipe] = (gen, written)
-                os.eventfd_write(self.wake, 1)  # the reader thread watches the new pipe
-                self.call("ckpt_end", {"gen": gen, "background": True})
+                if written.done:
+                    self.call("ckpt_end", {"gen": gen, "result": _report(written.wait())})
+                else:
+                    with self.io:
+                        self.background[written.pipe] = (gen, written)
+                    os.eventfd_write(self.wake, 1)  # the reader thread watches the new pipe
+                    self.call("ckpt_end", {"gen": gen, "background": True})  # (returns once the job resumed)
+            finally:
+                written.release()
             cp.generation = gen
             return True
         except CheckpointError as exc:

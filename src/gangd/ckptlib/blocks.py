@@ -768,13 +768,14 @@ def read_chain(path: Path, chain: Iterable = (), expect: Sequence | None = None,
         views: dict[str, memoryview] = {}
         placed: dict[str, np.ndarray] = {}
         source: dict[str, np.ndarray] = {}  # per block: which file (0 = path, i = links[i-1]) it came from
-        maps = mapped.FileMaps() if (mapped.wanted() if map_values is None else map_values) else None
+        maps = mapped.wanted() if map_values is None else map_values
         mapped_from: dict[str, int] = {}  # value -> the file it is a mapping of (its blocks there are in place)
+        decoded: dict[str, np.ndarray] = {}  # per block: it was decompressed (the file's checksum covers what was decoded, not its output)
         for e in top.entries:
             try:
                 if e.kind == "nd":
                     dtype = _dtype(e.meta["dtype"])
-                    found = _mapping(maps, files, fds, e, dtype) if maps is not None else None
+                    found = _mapping(files, fds, e, dtype) if maps else None
                     if found is not None:
                         mapped_from[e.name], arr = found
                     else:
@@ -789,16 +790,17 @@ def read_chain(path: Path, chain: Iterable = (), expect: Sequence | None = None,
                 raise StoreError(f"cannot allocate value {e.name!r} of {path} ({e.nbytes} bytes): {exc}") from None
             placed[e.name] = np.zeros(e.nblocks, dtype=bool)
             source[e.name] = np.zeros(e.nblocks, dtype=np.int32)
+            decoded[e.name] = np.zeros(e.nblocks, dtype=bool)
         digest = ckptstore.hasher() if expect is not None else None
         if digest is not None:
             digest.update(MAGIC3 if top.version == 3 else MAGIC)
-        blocks_read += _place(fd, top, top, 0, views, placed, source, digest, pipeline, mapped_from)
+        blocks_read += _place(fd, top, top, 0, views, placed, source, digest, pipeline, mapped_from, decoded)
         if digest is not None:
             digest.update(top.tail)
             if digest.hexdigest() != expect[1]:  # type: ignore[index]
                 raise StoreError(f"{path} is corrupted: its checksum does not match the manifest")
         for number, (_, index) in enumerate(files[1:], 1):
-            blocks_read += _place(fds[number], top, index, number, views, placed, source, None, pipeline, mapped_from)
+            blocks_read += _place(fds[number], top, index, number, views, placed, source, None, pipeline, mapped_from, decoded)
         for e in top.entries:
             missing = int(np.count_nonzero(~placed[e.name]))
             if missing:
@@ -811,9 +813,11 @@ def read_chain(path: Path, chain: Iterable = (), expect: Sequence | None = None,
         for e in top.entries:
             if e.signature is None or not e.nblocks:
                 continue
-            # The blocks of ``path`` itself were covered by its checksum against the manifest, when there is one:
-            # hashing them again would only find a writer that signed other bytes than it wrote.
-            first = _first_unsigned(views[e.name], top.block, e.signature, source[e.name] != 0 if digest is not None else None)
+            # The raw blocks of ``path`` itself were covered by its checksum against the manifest, when there is one:
+            # hashing them again would only find a writer that signed other bytes than it wrote. A decompressed
+            # block is checked: the checksum covered its compressed bytes, not what this node's decoder made of them.
+            only = (source[e.name] != 0) | decoded[e.name] if digest is not None else None
+            first = _first_unsigned(views[e.name], top.block, e.signature, only)
             if first is not None:
                 where = files[int(source[e.name][first])][0]
                 raise StoreError(f"{where} is corrupted: block {first} of value {e.name!r} does not match "
@@ -869,24 +873,30 @@ def _locate(path: Path, top: Index, files: list[tuple[Path, Index]]) -> None:
                              f"{e.nblocks} blocks (a broken chain)")
 
 
-def _mapping(maps: mapped.FileMaps, files: list[tuple[Path, Index]], fds: list[int], e: Entry,
-             dtype: np.dtype) -> tuple[int, np.ndarray] | None:
-    """Value ``e`` as a mapping of the newest file of the chain that stores all its blocks raw (see
-    :mod:`.mapped`): (that file's number, the array), or None: it is read."""
+def _mapping(files: list[tuple[Path, Index]], fds: list[int], e: Entry, dtype: np.dtype) -> tuple[int, np.ndarray] | None:
+    """Value ``e`` as a mapping of the file of the chain (newest first) that completes it, holding all its
+    blocks raw, when the files before it leave it at least :data:`.mapped.MIN_SHARE` of them to supply (see
+    :mod:`.mapped`): (that file's number, the array); None: it is read."""
+    covered = np.zeros(e.nblocks, dtype=bool)
     for number, (_, index) in enumerate(files):
         mine = index.entry(e.name)
-        if mine is not None and mine.present.all():
-            if mine.units is not None:  # (compressed there: decompressed into fresh memory)
-                return None
-            arr = maps.array(number, fds[number], mine.offset, e.nbytes, dtype, e.meta["shape"])
+        if mine is None or covered.all():  # (_locate has checked the files up to the one that completes it)
+            return None
+        if mine.present.all():
+            if mine.units is not None or np.count_nonzero(~covered) < mapped.MIN_SHARE * e.nblocks:
+                return None  # (compressed there: decompressed into fresh memory; mostly newer blocks: read them)
+            arr = mapped.array(fds[number], mine.offset, e.nbytes, dtype, e.meta["shape"])
             return None if arr is None else (number, arr)
+        covered |= mine.present
     return None
 
 
 def _place(fd: int, top: Index, index: Index, number: int, views: dict[str, memoryview], placed: dict[str, np.ndarray],
-           source: dict[str, np.ndarray], digest, pipeline: object = None, mapped_from: Mapping[str, int] | None = None) -> int:
+           source: dict[str, np.ndarray], digest, pipeline: object = None, mapped_from: Mapping[str, int] | None = None,
+           decoded: dict[str, np.ndarray] | None = None) -> int:
     """Read the blocks ``index``'s file holds that no newer file placed; returns the bytes read. A value
-    that is a mapping of this file (``mapped_from``) has them in place already: they are only checksummed."""
+    that is a mapping of this file (``mapped_from``) has them in place already: they are only checksummed.
+    ``decoded`` gets the blocks that were decompressed."""
     got = 0
     compressed: list[units.Job] = []  # a format 3 file's units, read and decompressed together below
     for e in top.entries:
@@ -905,6 +915,8 @@ def _place(fd: int, top: Index, index: Index, number: int, views: dict[str, memo
                                      need, top.block, e.nbytes)
             done |= need
             source[e.name][need] = number
+            if decoded is not None:
+                decoded[e.name] |= need
             continue
         stored_before = np.cumsum(mine.present) - mine.present  # stored blocks ahead of each block
         view, block = views[e.name], top.block

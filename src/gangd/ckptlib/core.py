@@ -250,20 +250,21 @@ class Checkpointer:
     # ------------------------------------------------------------ saving
 
     def snapshot(self, path: Path, iteration: int, then=None, extra: dict | None = None, *, gen: int | None = None,
-                 offered=None, settings: DeltaSettings | None = None, force_full: bool = False) -> writer.Written:
+                 offered=None, settings: DeltaSettings | None = None, force_full: bool = False, hold: bool = False) -> writer.Written:
         """Write the protected values; ``iteration`` is the boundary a restart resumes at.
 
         With ``gen`` and ``offered`` (the parent generation's file and its chain,
         or a function giving them in the writing process), the generation is
         written in this checkpointer's mode (:class:`DeltaSettings`), or in
-        ``settings`` (a daemon's offer); ``force_full``: no delta this time."""
+        ``settings`` (a daemon's offer); ``force_full``: no delta this time; ``hold``: a forked snapshot
+        waits for :meth:`writer.Written.release` to write (:func:`writer.write`)."""
         values = {**self.values, **(extra or {})}
         self.spc.before_ckpt(values)
         settings = settings if settings is not None else self.settings
         plan = settings.plan(gen, offered, force_full) if gen is not None and offered is not None else None
         from . import writer
 
-        written = writer.write(path, values, iteration, background=self.background, then=then, spc=self.spc, delta=plan)
+        written = writer.write(path, values, iteration, background=self.background, then=then, spc=self.spc, delta=plan, hold=hold)
         self.writes.append(written)
         return written
 

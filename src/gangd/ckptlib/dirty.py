@@ -70,6 +70,7 @@ import ctypes
 import os
 import platform
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -238,19 +239,26 @@ def _overlapping(spans: dict[str, tuple[int, int]]) -> set[str]:
     return out
 
 
-def _private_anonymous(lo: int, hi: int) -> bool:
-    """Whether [lo, hi) is mapped, and only privately and anonymously (an inode of 0, a ``p``).
+def _maps() -> list[bytes]:
+    """This process's mappings, one line each (``/proc/self/maps``); none if it cannot be read."""
+    try:
+        with open("/proc/self/maps", "rb") as fh:
+            return fh.read().splitlines()
+    except OSError:
+        return []
+
+
+def _private_anonymous(lo: int, hi: int, lines: list[bytes] | None = None) -> bool:
+    """Whether [lo, hi) is mapped, and only privately and anonymously (an inode of 0, a ``p``),
+    in ``lines`` (:func:`_maps`; read here if not given).
 
     Asynchronous write protection registers any memory, but only writes
     through *this* mapping fault: a page of shared memory another process
     writes, a memfd or file written with ``pwrite``, the file under a private
     mapping's unwritten pages -- all change what the array holds without a
     fault here."""
-    try:
-        with open("/proc/self/maps", "rb") as fh:
-            lines = fh.read().splitlines()
-    except OSError:
-        return False
+    if lines is None:
+        lines = _maps()
     covered = lo
     for line in lines:
         fields = line.split(maxsplit=5)
@@ -298,10 +306,10 @@ class WriteWatch:
         if t is not None:
             self.kernel.unregister(t.lo, t.hi)
 
-    def _register(self, name: str, start: int, nbytes: int, block: int) -> _Tracked | None:
+    def _register(self, name: str, start: int, nbytes: int, block: int, maps: Callable[[], list[bytes]]) -> _Tracked | None:
         lo = -(-start // self.page) * self.page
         hi = (start + nbytes) // self.page * self.page
-        if hi - lo < 2 * self.page or not _private_anonymous(lo, hi):
+        if hi - lo < 2 * self.page or not _private_anonymous(lo, hi, maps()):
             return None
         try:
             self.kernel.register(lo, hi)
@@ -324,6 +332,13 @@ class WriteWatch:
         arrays = {name: value for name, value in values.items()
                   if isinstance(value, np.ndarray) and value.flags.c_contiguous and value.nbytes >= MIN_BYTES}
         shared = _overlapping({name: (value.ctypes.data, value.nbytes) for name, value in arrays.items()})
+        read: list[list[bytes]] = []
+
+        def maps() -> list[bytes]:  # (read once per cut, when an array is to be registered: not once per array)
+            if not read:
+                read.append(_maps())
+            return read[0]
+
         for name in [n for n in self.tracked if n not in arrays or n in shared]:
             self._drop(name)
         for name, value in arrays.items():
@@ -338,7 +353,7 @@ class WriteWatch:
                 if gen < self.resting.get(name, 0):
                     continue
                 self.resting.pop(name, None)
-                t = self._register(name, start, nbytes, block)
+                t = self._register(name, start, nbytes, block, maps)
                 if t is None:
                     continue
             try:

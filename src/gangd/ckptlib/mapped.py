@@ -6,61 +6,78 @@ cache. On the peers' ring workload (4 ranks x 64 MiB on 2 cores) that copy
 was most of ``ckpt.init()``: ~40 ms of CPU per rank for 64 MiB, four ranks
 at once. A private file mapping (``MAP_PRIVATE``) gives the same array
 without the copy: its pages *are* the page cache's until the program writes
-one, and the kernel then copies just that page (copy-on-write), so the cost
-moves from the restart to the pages the program actually changes, spread
-over its run, and a program that changes little pays little.
+one, and the kernel then copies just that page (copy-on-write). This is a
+lazy restore, as CRIU's lazy pages are: the job computes sooner, and the
+copy is paid later, page by page as the program writes, and for the rest
+at its next checkpoint (below).
 
 When a value is mapped (else it is read as before):
 
-* it is an array of a plain or record dtype (no Python objects) of at least
-  :data:`MIN_BYTES`, all of whose blocks one file of the chain stores raw
-  and in order (a full, or the base a delta chain ends at: the newer
-  files' blocks are then read over the mapping, which copies only their
-  pages), at an offset aligned for its dtype;
-* at most :data:`MAX_FILES` files are mapped per restore: Python's mmap
-  keeps a descriptor of its file open, one per file, not per value;
+* it is an array of a plain or record dtype (no Python objects, no
+  top-level subarray) of at least :data:`MIN_BYTES`, all of whose blocks
+  one file of the chain stores raw and in order at an offset aligned for
+  its dtype, and that file supplies at least half of them (a full, or the
+  base a delta chain ends at: the newer files' blocks are read over the
+  mapping, which copies their pages);
 * ``GANGD_CKPT_RESTORE`` is ``map`` (the default); ``read`` turns it off.
 
-Before anything of the program runs, every mapped page is faulted in with
-``MADV_POPULATE_READ`` (an I/O error then is an ``OSError`` and the value
-is read instead, where the error is reported as before, not a SIGBUS later)
-and checked as a read value is: the file's checksum against the manifest
-for the generation's own file, every block against its signature.
+Only the value's own pages are mapped (at an address aligned for huge
+pages), no descriptor is kept, and before anything of the program runs
+every page is faulted in with ``MADV_POPULATE_READ`` (an I/O error then is
+an ``OSError`` and the value is read instead, where the error is reported
+as before) and checked as a read value is: the file's checksum against the
+manifest, or every block against its signature.
 
-What it costs, and why it is safe:
+**Settled at the next checkpoint.** A mapping is not what the program's
+memory should stay: its pages are not in transparent huge pages, the write
+watch of incremental checkpoints (:mod:`.dirty`) tracks only private
+anonymous memory, a snapshot's fork copies more page table, and the file
+stays allocated on disk while it is mapped, even after retention deletes
+it. So at the next checkpoint's cut, in the job before the snapshot is
+forked or the state written, :func:`settle` copies each mapped region into
+fresh anonymous memory (huge pages asked for) and moves that memory over
+the mapping's addresses (``mremap``): the arrays keep their addresses, the
+file is let go. That copy is the one the restart skipped; it lengthens that
+one checkpoint's blocked time by about the time to copy the mapped bytes
+(the job is stopped at the cut anyway; no other thread of the program may
+write protected arrays during a cut, as for the snapshot itself).
 
-* gangd never writes a generation's file after it is committed (every
-  state file is created new, ``O_EXCL``, and renamed into place); a mapped
-  page not yet copied shows the file's bytes, so a file changed in place
-  -- by its owner, the job's user -- would change the restored state. The
-  files are the job's user's own (mode 0600); no other user can.
-* The file's disk space stays allocated while the rank runs, even after
-  retention deletes the generation (an unlinked file in use keeps its
-  blocks): one generation more per restarted job, freed when it ends.
-* Mapped arrays are not in transparent huge pages, and
-  :mod:`.dirty`'s write watch tracks only private anonymous memory: an
-  incremental checkpoint of a restarted job hashes those arrays whole (in
-  the writing process, off the job's path), and a snapshot's fork copies
-  more page table.
-* The pages the program has not written are clean page cache: under memory
-  pressure the kernel drops them and reads them again from the file when
-  touched -- a disk failing after the restart could then fail the rank
-  with SIGBUS where a read restart would have failed its next checkpoint.
+Safe because gangd never writes a generation's file after it is committed
+(every state file is created new, ``O_EXCL``, and renamed into place): a
+mapped page not yet copied shows the file's bytes, so a file changed in
+place -- by its owner, the job's user, the only one who can (mode 0600) --
+would change the restored state before it settles. Until then, a page the
+kernel dropped under memory pressure is read again from the file when
+touched: a disk failing in that window fails the rank with SIGBUS where a
+read restart would have failed its next checkpoint. The page-cache pages
+are charged to whichever cgroup first read them (a daemon's staging, the
+snapshot that wrote them), not to the job, until the job writes them or
+they settle.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
+import weakref
 
 import numpy as np
 
 MIN_BYTES = 1 << 20  # smaller values are read: a copy of under a MiB costs less than its mapping's faults and VMA
-MAX_FILES = 64  # files mapped by one restore (each holds a descriptor while the rank runs)
+MIN_SHARE = 0.5  # a file must supply at least this share of a value's blocks for the value to be its mapping
 ENV = "GANGD_CKPT_RESTORE"
 CHOICES = ("map", "read")
-_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14; Python 3.11's mmap does not name it
-_PAGE = mmap.ALLOCATIONGRANULARITY
+
+_PAGE = mmap.PAGESIZE
+_HUGE = 2 << 20  # a transparent huge page on x86-64 and arm64 (4 KiB pages): where mappings are placed
+_PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
+_PROT_NONE = 0
+_MAP_FIXED = 0x10  # (Linux, every architecture; Python 3.11's mmap does not name it)
+_MAP_NORESERVE = 0x4000
+_MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
+_MADV_HUGEPAGE = 14
+_MADV_POPULATE_READ = 22  # Linux 5.14
 
 
 class RestoreSettingError(ValueError):
@@ -75,39 +92,108 @@ def wanted(environ=os.environ) -> bool:
     return value == "map"
 
 
-class FileMaps:
-    """The files of one restore mapped so far: one mapping per file, every mapped value a view of it."""
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    calls = {
+        "mmap": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]),
+        "munmap": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t]),
+        "mremap": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]),
+        "madvise": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]),
+    }
+    for name, (restype, argtypes) in calls.items():
+        fn = getattr(libc, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return libc
 
-    def __init__(self) -> None:
-        self._maps: dict[int, mmap.mmap | None] = {}  # file number -> its mapping, None: it cannot be mapped
 
-    def array(self, number: int, fd: int, offset: int, nbytes: int, dtype: np.dtype, shape) -> np.ndarray | None:
-        """``nbytes`` at ``offset`` of file ``number`` (``fd``) as a writable array of ``dtype`` and ``shape``,
-        its pages faulted in; None: read it instead (too small, misaligned, or the file cannot be mapped)."""
-        if nbytes < MIN_BYTES or dtype.hasobject or dtype.itemsize == 0 or offset % max(dtype.alignment, 1) \
-                or nbytes % dtype.itemsize:
-            return None
-        whole = self._file(number, fd)
-        if whole is None or offset + nbytes > len(whole):
-            return None
-        start = offset - offset % _PAGE
+try:
+    _C = _libc()
+except (OSError, AttributeError):  # (no C library to call: every value is read)
+    _C = None
+_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map(length: int, prot: int, flags: int, fd: int = -1, offset: int = 0, at: int | None = None) -> int:
+    """mmap(2); an OSError when it fails (or where there is no C library to call)."""
+    if _C is None:
+        raise OSError(0, "no C library")
+    address = _C.mmap(at, length, prot, flags | (_MAP_FIXED if at is not None else 0), fd, offset)
+    if address in (None, _FAILED):
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    return address
+
+
+def _unmap(address: int, length: int) -> None:
+    if length > 0:
+        _C.munmap(address, length)
+
+
+def _aligned(length: int, prot: int, flags: int) -> int:
+    """An anonymous ``length`` bytes at an address aligned for huge pages (the rest of the reservation returned)."""
+    base = _map(length + _HUGE, prot, flags | mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    address = -(-base // _HUGE) * _HUGE
+    _unmap(base, address - base)
+    _unmap(address + length, base + _HUGE - address)
+    return address
+
+
+def _region(address: int, length: int) -> ctypes.Array:
+    """The memory at ``address`` as a buffer the restored arrays are views of (their base keeps it
+    alive); unmapped when the last of them goes. Until :func:`settle` it is a mapping of a file."""
+    buffer = (ctypes.c_ubyte * length).from_address(address)
+    weakref.finalize(buffer, _unmap, address, length)
+    return buffer
+
+
+_unsettled: weakref.WeakValueDictionary[int, ctypes.Array] = weakref.WeakValueDictionary()  # address -> region, while a mapping
+
+
+def array(fd: int, offset: int, nbytes: int, dtype: np.dtype, shape) -> np.ndarray | None:
+    """``nbytes`` at ``offset`` of ``fd`` as a writable array of ``dtype`` and ``shape``, a private mapping of
+    the file with its pages faulted in; None: read it instead (too small, misaligned, or it cannot be mapped)."""
+    if (_C is None or nbytes < MIN_BYTES or dtype.hasobject or dtype.subdtype is not None or dtype.itemsize == 0
+            or offset % max(dtype.alignment, 1) or nbytes % dtype.itemsize):
+        return None
+    start = offset - offset % _PAGE
+    length = -(-(offset + nbytes - start) // _PAGE) * _PAGE
+    try:
+        address = _aligned(length, _PROT_NONE, _MAP_NORESERVE)
+    except OSError:
+        return None
+    try:
+        _map(length, _PROT_RW, mmap.MAP_PRIVATE, fd, start, at=address)
+    except OSError:  # (a file system that cannot map; the reservation goes)
+        _unmap(address, length)
+        return None
+    region = _region(address, length)  # (from here the region is unmapped with its last array, or now)
+    if _C.madvise(address, length, _MADV_POPULATE_READ) != 0:  # (an I/O error, a kernel before 5.14: read it)
+        return None
+    _unsettled[address] = region
+    view = np.frombuffer(memoryview(region).cast("B"), dtype=np.uint8, count=nbytes, offset=offset - start)
+    return view.view(dtype).reshape(shape)
+
+
+def settle() -> int:
+    """Copy every region still a file mapping into anonymous memory moved over it (see the module
+    docstring); returns the bytes copied. One that cannot be settled stays a mapping."""
+    copied = 0
+    for address, region in list(_unsettled.items()):
+        length = len(region)
         try:
-            whole.madvise(_POPULATE_READ, start, offset + nbytes - start)
-        except (OSError, ValueError):  # (an I/O error, or a kernel before 5.14: read it, and let the read say why)
-            return None
-        arr = np.frombuffer(whole, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset)
-        return arr.reshape(shape)
+            fresh = _aligned(length, _PROT_RW, 0)
+        except OSError:
+            continue
+        _C.madvise(fresh, length, _MADV_HUGEPAGE)  # (best effort)
+        ctypes.memmove(fresh, address, length)
+        moved = _C.mremap(fresh, length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED, address)
+        if moved != address:
+            _unmap(fresh, length)
+            continue
+        del _unsettled[address]
+        copied += length
+    return copied
 
-    def _file(self, number: int, fd: int) -> mmap.mmap | None:
-        if number in self._maps:
-            return self._maps[number]
-        whole = None
-        if sum(m is not None for m in self._maps.values()) < MAX_FILES:
-            try:
-                size = os.fstat(fd).st_size
-                if size:
-                    whole = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            except (OSError, ValueError):  # (a file system that cannot map, an address space full...)
-                whole = None
-        self._maps[number] = whole
-        return whole
+
+def unsettled() -> int:
+    """Bytes of this process's memory that are still file mappings."""
+    return sum(len(region) for region in _unsettled.values())

@@ -35,15 +35,26 @@ from typing import Any
 import msgpack
 
 from ..ckptstore import StoreError
-from . import blocks, units
+from . import blocks, mapped, units
 from . import spc as spc_mod
 
 
 class Written:
     """A write under way (or already done, for inline writes)."""
 
-    def __init__(self, *, pid: int | None = None, fd: int | None = None, result: dict | None = None):
+    def __init__(self, *, pid: int | None = None, fd: int | None = None, result: dict | None = None, go: int | None = None):
         self.pid, self.fd, self.result = pid, fd, result
+        self._go = go  # a held snapshot's start signal (see write's ``hold``)
+
+    def release(self) -> None:
+        """Let a held snapshot start writing (once; nothing for one that was not held)."""
+        go, self._go = self._go, None
+        if go is not None:
+            try:
+                os.write(go, b"g")
+            except OSError:  # (the writer is gone: its report, or its death, says why)
+                pass
+            os.close(go)
 
     @property
     def done(self) -> bool:
@@ -65,6 +76,7 @@ class Written:
         for a large state) -- is not waited for here; the child is reaped
         later (:func:`reap`). A child that dies before its report is whole
         is waited for, and its exit status is the error."""
+        self.release()  # (a held writer would never report)
         if self.result is None:
             if self.fd is None or self.pid is None:
                 raise RuntimeError("a write has neither its result nor a writer process")
@@ -120,8 +132,17 @@ def _describe(status: int) -> str:
 
 
 def write(path: Path, values: dict, iteration: int, *, background: bool, then: Callable[[dict], None] | None = None, spc=None,
-          delta: dict | None = None) -> Written:
+          delta: dict | None = None, hold: bool = False) -> Written:
     """Save ``values`` to ``path``; in the background (forked snapshot) or now.
+
+    ``hold``: the forked snapshot waits for :meth:`Written.release` (or for
+    the job to be gone) before it writes anything. A rank under gangd holds
+    it until the job resumes: between its fork and the end sync the job is
+    blocked, and a snapshot writing meanwhile takes the cores the job's
+    ranks and daemons need to get through that sync (with 4 ranks on 2
+    cores, the snapshots' copying into the page cache stretched the job's
+    blocked time by tens of milliseconds per checkpoint). It only starts
+    writing that much later: its work is the same.
 
     ``then(result)`` runs after a successful write, in whichever process
     wrote (the child, for background writes): committing a manifest, say.
@@ -132,33 +153,47 @@ def write(path: Path, values: dict, iteration: int, *, background: bool, then: C
     (called in the writing process).
     """
     reap()
+    if mapped.unsettled():  # (a restart's arrays still mappings of their files: anonymous memory again, before the cut)
+        mapped.settle()
     if delta is not None and delta.get("mode") != "full":
         _cut(delta, values)
     if not background:
         return Written(result=_write_now(path, values, iteration, then, spc, delta))
     if delta is not None:
         _preload(delta.get("codec"))
+    pipes: list[int] = []
     try:
         read_end, write_end = os.pipe()
+        pipes += [read_end, write_end]
+        go_r, go_w = os.pipe() if hold else (-1, -1)
+        pipes += [go_r, go_w] if hold else []
     except OSError:  # out of fds: write now rather than not at all
+        for fd in pipes:
+            os.close(fd)
         return Written(result=_write_now(path, values, iteration, then, spc, delta))
     try:
         pid = os.fork()
     except OSError as exc:  # out of memory or processes: the job must not die of a checkpoint
-        os.close(read_end)
-        os.close(write_end)
+        for fd in pipes:
+            os.close(fd)
         print(f"gangd.ckptlib: cannot fork a snapshot ({exc.strerror}); writing before continuing", file=sys.stderr, flush=True)
         return Written(result=_write_now(path, values, iteration, then, spc, delta))
     if pid == 0:  # the snapshot: write, report, vanish
         try:
             signal.signal(signal.SIGQUIT, signal.SIG_IGN)
             os.close(read_end)
+            if hold:
+                os.close(go_w)
+                os.read(go_r, 1)  # ("g", or the end of the pipe: the job is gone, and the file still worth writing)
+                os.close(go_r)
             result = _write_now(path, values, iteration, then, spc, delta)
             os.write(write_end, msgpack.packb(result))
         finally:
             os._exit(0)
     os.close(write_end)
-    return Written(pid=pid, fd=read_end)
+    if hold:
+        os.close(go_r)
+    return Written(pid=pid, fd=read_end, go=go_w if hold else None)
 
 
 def _cut(delta: dict, values: dict) -> None:

@@ -12,6 +12,7 @@ is test_codecflag's cluster test; ``[checkpoint] pipeline`` in the config is tes
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import numpy as np
@@ -183,3 +184,21 @@ def test_a_codec_whose_package_is_missing_is_refused_at_init_naming_the_node_and
         registry.load("blosc2")
     with pytest.raises(CodecMissing, match="install the package that provides the 'nvcomp' codec"):
         registry.load("nvcomp:lz4")
+
+
+def test_the_default_workers_leave_one_of_the_processs_cores_to_the_write_stage():
+    """Compress workers beside the writer thread: the cores this process may use less one (at least 1, at
+    most 4), counted from its CPU affinity (a rank confined to one core gets one worker, not the machine's)."""
+    program = (
+        "import os, sys\n"
+        "from gangd.pipeline import settings\n"
+        "cpus = sorted(os.sched_getaffinity(0))\n"
+        "said = [settings.default_workers(), settings.Settings().workers]\n"
+        "os.sched_setaffinity(0, cpus[:1])\n"
+        "said += [settings.default_workers(), settings.Settings().workers]\n"
+        "print(len(cpus), *said)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True, timeout=60).stdout.split()
+    cpus, all_default, all_settings, one_default, one_settings = map(int, out)
+    assert all_default == all_settings == max(1, min(cpus - 1, ps.DEFAULT_WORKERS_MAX))
+    assert one_default == one_settings == 1

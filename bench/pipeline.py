@@ -378,7 +378,7 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=128, help="state per rank (MiB)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--codec", default="blosc2:lz4:1:bytedelta")
-    ap.add_argument("--workers", type=int, default=Settings().workers, help="compress workers (default: min(cores, 4))")
+    ap.add_argument("--workers", type=int, default=Settings().workers, help="compress workers (default: the cores less one, 1 to 4)")
     ap.add_argument("--sections", default="1,2,3,4", help="which of 1..5 to run (5: background)")
     ap.add_argument("--background", action="store_true", help="also section 5 (the forked snapshot)")
     ap.add_argument("--throttle", type=float, default=None, help="MB/s: also measure sections 3 and 4 on a disk throttled to this (root)")

@@ -20,10 +20,10 @@ about the longer one (paper 004). :func:`stream` runs
 :class:`gangd.pipeline.Pipeline` with a compress stage and a write stage
 (aggregated 4 MiB writes, hashed for the manifest's checksum as they go, the
 disk started on them as they are written). The compress stage is parallel
-(``Settings.workers`` threads, ``min(cores, 4)`` by default): with one
-thread, compression ran at one core's codec speed, slower than this
-machine's disk takes raw bytes, so a compressed checkpoint took longer than
-a raw one. The units still reach the writer in file order (the pipeline
+(``Settings.workers`` threads, by default the cores less the write stage's,
+1 to 4): with one thread, compression runs at one core's codec speed, on a
+fast disk slower than it takes raw bytes; on 2 cores one worker beside the
+writer is still the fastest (two wait for the cores). The units still reach the writer in file order (the pipeline
 hands on in order), and each worker records its unit's codec by the unit's
 number, so the index does not depend on which worker finished first.
 Restores mirror it: read (and the file's checksum, in file order, in the

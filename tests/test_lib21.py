@@ -310,21 +310,35 @@ def test_a_held_snapshot_writes_nothing_until_released_and_then_the_state_at_its
     assert iteration == 3 and np.array_equal(loaded["u"], np.arange(100_000.0))
 
 
-def test_a_held_snapshot_whose_job_is_gone_still_writes_its_file(tmp_path):
-    """The job dies (or its rank exits) between the fork and the release: the snapshot is not left waiting
-    forever, it writes the file (whose generation the daemons abort or commit as they see fit)."""
-    path = tmp_path / "state"
+def test_a_held_snapshot_abandoned_or_left_by_its_job_writes_nothing_and_goes(tmp_path):
+    """Released with write=False (the end sync failed: the generation is aborted) the snapshot reports that
+    it wrote nothing; left by a job that died before the release (whose report could never reach the
+    daemons) it leaves without writing rather than compete with the restart for the disk."""
+    from gangd.ckptlib import writer
+
+    written = writer.write(tmp_path / "abandoned", {"u": np.arange(5000.0)}, 7, background=True, hold=True)
+    written.release(write=False)
+    written.release(write=True)  # (once only: the first word stands)
+    assert written.wait() == {"error": "the checkpoint was abandoned before its snapshot wrote it"}
+    assert not (tmp_path / "abandoned").exists()
+
+    path = tmp_path / "orphaned"
     program = (
         "import os, numpy as np\n"
         "from gangd.ckptlib import writer\n"
-        f"writer.write({str(path)!r}, {{'u': np.arange(5000.0)}}, 7, background=True, hold=True)\n"
+        f"w = writer.write({str(path)!r}, {{'u': np.arange(5000.0)}}, 7, background=True, hold=True)\n"
+        "print(w.pid, flush=True)\n"
         "os._exit(0)\n"
     )
-    subprocess.run([sys.executable, "-c", program], check=True, timeout=60)
+    pid = int(subprocess.run([sys.executable, "-c", program], check=True, timeout=60, capture_output=True, text=True).stdout)
     deadline = time.monotonic() + 60
-    while not path.exists() and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        except FileNotFoundError:
+            break
         time.sleep(0.05)
-    from gangd.ckptlib import image
-
-    loaded, iteration, _ = image.load(path, ckptstore.checksum_file(path))
-    assert iteration == 7 and np.array_equal(loaded["u"], np.arange(5000.0))
+    else:
+        raise AssertionError(f"the orphaned snapshot {pid} is still there")
+    assert not list(tmp_path.glob("orphaned*"))

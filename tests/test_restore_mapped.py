@@ -16,7 +16,10 @@ Real files, real mappings (read back from ``/proc/self/maps``), a real fork.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -274,3 +277,39 @@ def test_the_next_checkpoint_settles_mapped_arrays_into_anonymous_memory_keeping
     path.unlink()
     held = [line for line in Path("/proc/self/maps").read_text().splitlines() if str(path) in line]
     assert not held  # (nothing maps the deleted file: its blocks are freed)
+
+
+def test_restored_arrays_stay_usable_in_the_programs_exit_handlers(tmp_path):
+    """A program's exit handlers (registered before its ckpt.init()) may still read its state: the
+    mappings are not undone at the interpreter's exit."""
+    path = tmp_path / "rank-0.state"
+    u = np.arange(MiB // 8, dtype=np.float64)
+    size, digest = image.save(path, {"u": u}, 1)
+    program = (
+        "import atexit, numpy as np\n"
+        "from gangd.ckptlib import image\n"
+        "state = {}\n"
+        "atexit.register(lambda: print('at exit', float(state['u'].sum()), flush=True))\n"
+        f"state['u'] = image.load({str(path)!r}, ({size}, {digest!r}))[0]['u']\n"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, (done.returncode, done.stderr)
+    assert done.stdout.split() == ["at", "exit", str(float(u.sum()))]
+
+
+def test_a_failed_move_of_a_settling_region_never_leaves_a_hole_under_the_arrays():
+    """mremap onto an address can fail after the kernel unmapped it (ENOMEM in move_vma): the hole is
+    refilled with the copy; if the old mapping is still there, it is kept as it was."""
+    length = 4 * mapped._PAGE
+    old = mapped._aligned(length, mapped._PROT_RW, 0)
+    fresh = mapped._aligned(length, mapped._PROT_RW, 0)
+    ctypes.memset(old, 0x11, length)
+    ctypes.memset(fresh, 0x22, length)
+    try:
+        assert mapped._refill(old, fresh, length) is False  # (intact: nothing moved, the copy is the caller's to drop)
+        assert ctypes.string_at(old, length) == b"\x11" * length
+        mapped._unmap(old, length)  # (as the failed mremap would have)
+        assert mapped._refill(old, fresh, length) is True  # (the hole refilled with the copy, which is let go)
+        assert ctypes.string_at(old, length) == b"\x22" * length
+    finally:
+        mapped._unmap(old, length)

@@ -404,8 +404,9 @@ class DaemonAgent:
                         self.background[written.pipe] = (gen, written)
                     os.eventfd_write(self.wake, 1)  # the reader thread watches the new pipe
                     self.call("ckpt_end", {"gen": gen, "background": True})  # (returns once the job resumed)
+                    written.release(write=True)
             finally:
-                written.release()
+                written.release(write=False)  # (the end sync failed: the generation is aborted, nothing to write)
             cp.generation = gen
             return True
         except CheckpointError as exc:

@@ -38,9 +38,17 @@ forked or the state written, :func:`settle` copies each mapped region into
 fresh anonymous memory (huge pages asked for) and moves that memory over
 the mapping's addresses (``mremap``): the arrays keep their addresses, the
 file is let go. That copy is the one the restart skipped; it lengthens that
-one checkpoint's blocked time by about the time to copy the mapped bytes
-(the job is stopped at the cut anyway; no other thread of the program may
-write protected arrays during a cut, as for the snapshot itself).
+one checkpoint's blocked time by about the time to copy the mapped bytes,
+and it is then charged to the job's memory cgroup (the pages the program
+had written, twice until the move). The copy and the move keep the GIL, so
+no Python thread of the program runs meanwhile; but a write from another
+thread that does not hold it (numpy releases the GIL in large operations,
+as C extensions may) during the cut is lost from the program's own memory,
+not only from the snapshot: a program's other threads must not write its
+protected arrays during a checkpoint's cut. A failed move never leaves a
+hole under the arrays: the region is refilled, or the process stops.
+Mappings are placed only on x86-64 and arm64 Linux, whose flag numbers
+this module uses; elsewhere every value is read.
 
 Safe because gangd never writes a generation's file after it is committed
 (every state file is created new, ``O_EXCL``, and renamed into place): a
@@ -58,6 +66,7 @@ they settle.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import weakref
@@ -70,14 +79,27 @@ ENV = "GANGD_CKPT_RESTORE"
 CHOICES = ("map", "read")
 
 _PAGE = mmap.PAGESIZE
-_HUGE = 2 << 20  # a transparent huge page on x86-64 and arm64 (4 KiB pages): where mappings are placed
 _PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
 _PROT_NONE = 0
-_MAP_FIXED = 0x10  # (Linux, every architecture; Python 3.11's mmap does not name it)
-_MAP_NORESERVE = 0x4000
+# Flags Python 3.11's mmap does not name, as x86-64's and arm64's Linux number them (other
+# architectures number some differently: there every value is read, see _libc).
+_MAP_FIXED, _MAP_NORESERVE, _MAP_FIXED_NOREPLACE = 0x10, 0x4000, 0x100000
 _MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
-_MADV_HUGEPAGE = 14
 _MADV_POPULATE_READ = 22  # Linux 5.14
+_ARCHES = ("x86_64", "aarch64")
+
+
+def _huge_page() -> int:
+    """The size of a transparent huge page here (2 MiB with 4 KiB pages): where mappings are placed."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as fh:
+            size = int(fh.read())
+    except (OSError, ValueError):
+        size = 2 << 20
+    return size if size > 0 and size % _PAGE == 0 else 2 << 20
+
+
+_HUGE = _huge_page()
 
 
 class RestoreSettingError(ValueError):
@@ -93,12 +115,21 @@ def wanted(environ=os.environ) -> bool:
 
 
 def _libc():
-    libc = ctypes.CDLL(None, use_errno=True)
+    """The C library's calls, or None where the flags above may be wrong (every value is then read).
+
+    A PyDLL: the calls keep the GIL, so no Python thread of the program runs while :func:`settle` copies a
+    region and moves the copy over it (a write from one meanwhile would be lost; see the module docstring)."""
+    import platform
+
+    if platform.system() != "Linux" or platform.machine() not in _ARCHES:
+        return None
+    libc = ctypes.PyDLL(None, use_errno=True)
     calls = {
         "mmap": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]),
         "munmap": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t]),
         "mremap": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]),
         "madvise": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]),
+        "memmove": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]),
     }
     for name, (restype, argtypes) in calls.items():
         fn = getattr(libc, name)
@@ -120,6 +151,9 @@ def _map(length: int, prot: int, flags: int, fd: int = -1, offset: int = 0, at: 
     address = _C.mmap(at, length, prot, flags | (_MAP_FIXED if at is not None else 0), fd, offset)
     if address in (None, _FAILED):
         raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    if at is not None and address != at:  # (MAP_FIXED not honoured: never a mapping where it was not asked)
+        _unmap(address, length)
+        raise OSError(0, "the mapping was not placed where asked")
     return address
 
 
@@ -141,7 +175,9 @@ def _region(address: int, length: int) -> ctypes.Array:
     """The memory at ``address`` as a buffer the restored arrays are views of (their base keeps it
     alive); unmapped when the last of them goes. Until :func:`settle` it is a mapping of a file."""
     buffer = (ctypes.c_ubyte * length).from_address(address)
-    weakref.finalize(buffer, _unmap, address, length)
+    # Not at the interpreter's exit: exit handlers, daemon threads and finalizers may still use the arrays
+    # then (the process's end frees the memory anyway).
+    weakref.finalize(buffer, _unmap, address, length).atexit = False
     return buffer
 
 
@@ -183,15 +219,34 @@ def settle() -> int:
             fresh = _aligned(length, _PROT_RW, 0)
         except OSError:
             continue
-        _C.madvise(fresh, length, _MADV_HUGEPAGE)  # (best effort)
-        ctypes.memmove(fresh, address, length)
+        _C.madvise(fresh, length, mmap.MADV_HUGEPAGE)  # (best effort)
+        _C.memmove(fresh, address, length)
         moved = _C.mremap(fresh, length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED, address)
-        if moved != address:
+        if moved != address and not _refill(address, fresh, length):
             _unmap(fresh, length)
             continue
         del _unsettled[address]
         copied += length
     return copied
+
+
+def _refill(address: int, fresh: int, length: int) -> bool:
+    """After a failed ``mremap`` onto ``address``: True if the region there was settled after all (the
+    kernel had unmapped it before failing: anonymous memory is mapped there anew and ``fresh``, the
+    copy, put into it); False if the file mapping is still there, intact. The arrays never see a hole
+    another mapping could take: if neither can be told, the process stops."""
+    again = _C.mmap(address, length, _PROT_RW, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED_NOREPLACE, -1, 0)
+    if again == address:
+        _C.memmove(address, fresh, length)
+        _unmap(fresh, length)
+        return True
+    if again in (None, _FAILED) and ctypes.get_errno() == errno.EEXIST:
+        return False
+    if again not in (None, _FAILED):  # (a kernel before 4.17 took the flag as a hint: something else is at address)
+        _unmap(again, length)
+        return False
+    os.write(2, b"gangd.ckptlib: a restored array's memory could not be settled nor kept (mremap and mmap failed); stopping\n")
+    os.abort()
 
 
 def unsettled() -> int:

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,19 +44,22 @@ from . import spc as spc_mod
 class Written:
     """A write under way (or already done, for inline writes)."""
 
-    def __init__(self, *, pid: int | None = None, fd: int | None = None, result: dict | None = None, go: int | None = None):
+    def __init__(self, *, pid: int | None = None, fd: int | None = None, result: dict | None = None, go: socket.socket | None = None):
         self.pid, self.fd, self.result = pid, fd, result
-        self._go = go  # a held snapshot's start signal (see write's ``hold``)
+        self._go = go  # a held snapshot's word to write or not (see write's ``hold``)
+        self._going = threading.Lock()  # (the reader thread's wait and the rank's own release may meet)
 
-    def release(self) -> None:
-        """Let a held snapshot start writing (once; nothing for one that was not held)."""
-        go, self._go = self._go, None
+    def release(self, write: bool = True) -> None:
+        """Tell a held snapshot to write, or (``write=False``: its checkpoint was abandoned) to leave
+        without writing; once, and nothing for one that was not held. Never a SIGPIPE, if it died."""
+        with self._going:
+            go, self._go = self._go, None
         if go is not None:
             try:
-                os.write(go, b"g")
+                go.send(b"g" if write else b"x", socket.MSG_NOSIGNAL)
             except OSError:  # (the writer is gone: its report, or its death, says why)
                 pass
-            os.close(go)
+            go.close()
 
     @property
     def done(self) -> bool:
@@ -135,14 +140,17 @@ def write(path: Path, values: dict, iteration: int, *, background: bool, then: C
           delta: dict | None = None, hold: bool = False) -> Written:
     """Save ``values`` to ``path``; in the background (forked snapshot) or now.
 
-    ``hold``: the forked snapshot waits for :meth:`Written.release` (or for
-    the job to be gone) before it writes anything. A rank under gangd holds
-    it until the job resumes: between its fork and the end sync the job is
-    blocked, and a snapshot writing meanwhile takes the cores the job's
-    ranks and daemons need to get through that sync (with 4 ranks on 2
-    cores, the snapshots' copying into the page cache stretched the job's
-    blocked time by tens of milliseconds per checkpoint). It only starts
-    writing that much later: its work is the same.
+    ``hold``: the forked snapshot waits for :meth:`Written.release` before it
+    writes anything. A rank under gangd holds it until the job resumes:
+    between its fork and the end sync the job is blocked, and a snapshot
+    writing meanwhile takes the cores the job's ranks and daemons need to get
+    through that sync (with 4 ranks on 2 cores, the snapshots' copying into
+    the page cache stretched the job's blocked time by tens of milliseconds
+    per checkpoint). It only starts writing that much later: its work is the
+    same. Released with ``write=False`` (the end sync failed: the generation
+    is aborted), or left by a job that is gone (its report could never reach
+    the daemons, which fail the generation), it leaves without writing, and
+    its report says so.
 
     ``then(result)`` runs after a successful write, in whichever process
     wrote (the child, for background writes): committing a manifest, say.
@@ -162,11 +170,11 @@ def write(path: Path, values: dict, iteration: int, *, background: bool, then: C
     if delta is not None:
         _preload(delta.get("codec"))
     pipes: list[int] = []
+    go: tuple[socket.socket, socket.socket] | None = None
     try:
         read_end, write_end = os.pipe()
         pipes += [read_end, write_end]
-        go_r, go_w = os.pipe() if hold else (-1, -1)
-        pipes += [go_r, go_w] if hold else []
+        go = socket.socketpair() if hold else None  # (a socket: the release's send can refuse SIGPIPE)
     except OSError:  # out of fds: write now rather than not at all
         for fd in pipes:
             os.close(fd)
@@ -176,24 +184,29 @@ def write(path: Path, values: dict, iteration: int, *, background: bool, then: C
     except OSError as exc:  # out of memory or processes: the job must not die of a checkpoint
         for fd in pipes:
             os.close(fd)
+        for end in go or ():
+            end.close()
         print(f"gangd.ckptlib: cannot fork a snapshot ({exc.strerror}); writing before continuing", file=sys.stderr, flush=True)
         return Written(result=_write_now(path, values, iteration, then, spc, delta))
     if pid == 0:  # the snapshot: write, report, vanish
         try:
             signal.signal(signal.SIGQUIT, signal.SIG_IGN)
             os.close(read_end)
-            if hold:
-                os.close(go_w)
-                os.read(go_r, 1)  # ("g", or the end of the pipe: the job is gone, and the file still worth writing)
-                os.close(go_r)
+            if go is not None:
+                go[0].close()
+                said = go[1].recv(1)  # "g": write; "x" (abandoned) or nothing (the job is gone): leave
+                go[1].close()
+                if said != b"g":
+                    os.write(write_end, msgpack.packb({"error": "the checkpoint was abandoned before its snapshot wrote it"}))
+                    os._exit(0)
             result = _write_now(path, values, iteration, then, spc, delta)
             os.write(write_end, msgpack.packb(result))
         finally:
             os._exit(0)
     os.close(write_end)
-    if hold:
-        os.close(go_r)
-    return Written(pid=pid, fd=read_end, go=go_w if hold else None)
+    if go is not None:
+        go[1].close()
+    return Written(pid=pid, fd=read_end, go=go[0] if go is not None else None)
 
 
 def _cut(delta: dict, values: dict) -> None:

@@ -205,7 +205,7 @@ def job_options(fn):
         help="Tune the threads and buffers that compress and write (and, at a restart, read and decompress) a compressed "
         "checkpoint: buffer_count (buffers between two stages, 2..256), buffer_size (bytes a stage hands on at once, "
         "4KiB..256MiB), aggregate_bytes (the size of one write, 4KiB..256MiB, default 4MiB), workers (compression threads "
-        "per rank, 1..64, default: the node's cores, at most 4). Example: --ckpt-pipeline buffer_size=256KiB,workers=1 "
+        "per rank, 1..64, default: the cores a rank may use less one, 1 to 4). Example: --ckpt-pipeline buffer_size=256KiB,workers=1 "
         "(one core per rank for compression, on a node whose cores the ranks need). Settings left out are each node's "
         "defaults. Default: the cluster's [checkpoint] pipeline; a restart keeps its lineage's. The ranks get it as "
         "GANGD_CKPT_PIPELINE; a program's ckptlib.init(pipeline=...) overrides it. bench/pipeline.py measures the best "

@@ -763,19 +763,19 @@ def read_chain(path: Path, chain: Iterable = (), expect: Sequence | None = None,
                 raise StoreError(f"{link.path} is not the link the chain of generation {top.gen} needs: it is generation "
                                  f"{index.gen} with links {list(index.links)}, expected generation {link.gen}")
             files.append((link.path, index))
-        _locate(path, top, files)  # (before anything is allocated: what a restore allocates, the files hold)
+        completes = _locate(path, top, files)  # (before anything is allocated: what a restore allocates, the files hold)
         values: dict[str, object] = {}
         views: dict[str, memoryview] = {}
         placed: dict[str, np.ndarray] = {}
         source: dict[str, np.ndarray] = {}  # per block: which file (0 = path, i = links[i-1]) it came from
-        maps = mapped.wanted() if map_values is None else map_values
+        map_arrays = mapped.wanted() if map_values is None else map_values
         mapped_from: dict[str, int] = {}  # value -> the file it is a mapping of (its blocks there are in place)
         decoded: dict[str, np.ndarray] = {}  # per block: it was decompressed (the file's checksum covers what was decoded, not its output)
         for e in top.entries:
             try:
                 if e.kind == "nd":
                     dtype = _dtype(e.meta["dtype"])
-                    found = _mapping(files, fds, e, dtype) if maps else None
+                    found = _mapping(files, fds, e, dtype, completes.get(e.name)) if map_arrays else None
                     if found is not None:
                         mapped_from[e.name], arr = found
                     else:
@@ -852,43 +852,45 @@ def _corrupt_link(top: Index, index: Index, e: Entry) -> StoreError | None:
     return None
 
 
-def _locate(path: Path, top: Index, files: list[tuple[Path, Index]]) -> None:
+def _locate(path: Path, top: Index, files: list[tuple[Path, Index]]) -> dict[str, tuple[int, int]]:
     """Every block of every value of ``top`` is stored by a file of its chain
     (``files``, newest first), walked as :func:`_place` will read them; a
     StoreError naming the file that breaks the chain otherwise. Run before
     the values are allocated, so a crafted index cannot make a restore
-    allocate (and zero) more than its files hold."""
+    allocate (and zero) more than its files hold. Returns, per value of any
+    blocks, the file that completes it: (its number, the blocks it supplies)."""
+    completes: dict[str, tuple[int, int]] = {}
     for e in top.entries:
         covered = np.zeros(e.nblocks, dtype=bool)
-        for _, index in files:
+        for number, (_, index) in enumerate(files):
             if covered.all():
                 break
             problem = _corrupt_link(top, index, e)
             if problem is not None:
                 raise problem
+            completes[e.name] = (number, int(np.count_nonzero(~covered)))
             covered |= index.entry(e.name).present  # type: ignore[union-attr]  # (checked just above)
         missing = int(np.count_nonzero(~covered))
         if missing:
             raise StoreError(f"{files[-1][0]} ends the chain of {path} but value {e.name!r} still misses {missing} of its "
                              f"{e.nblocks} blocks (a broken chain)")
+    return completes
 
 
-def _mapping(files: list[tuple[Path, Index]], fds: list[int], e: Entry, dtype: np.dtype) -> tuple[int, np.ndarray] | None:
-    """Value ``e`` as a mapping of the file of the chain (newest first) that completes it, holding all its
-    blocks raw, when the files before it leave it at least :data:`.mapped.MIN_SHARE` of them to supply (see
-    :mod:`.mapped`): (that file's number, the array); None: it is read."""
-    covered = np.zeros(e.nblocks, dtype=bool)
-    for number, (_, index) in enumerate(files):
-        mine = index.entry(e.name)
-        if mine is None or covered.all():  # (_locate has checked the files up to the one that completes it)
-            return None
-        if mine.present.all():
-            if mine.units is not None or np.count_nonzero(~covered) < mapped.MIN_SHARE * e.nblocks:
-                return None  # (compressed there: decompressed into fresh memory; mostly newer blocks: read them)
-            arr = mapped.array(fds[number], mine.offset, e.nbytes, dtype, e.meta["shape"])
-            return None if arr is None else (number, arr)
-        covered |= mine.present
-    return None
+def _mapping(files: list[tuple[Path, Index]], fds: list[int], e: Entry, dtype: np.dtype,
+             completes: tuple[int, int] | None) -> tuple[int, np.ndarray] | None:
+    """Value ``e`` as a mapping of the file of the chain that completes it (``completes``: its number and
+    the blocks it supplies, from :func:`_locate`), when that file holds all its blocks raw and supplies at
+    least :data:`.mapped.MIN_SHARE` of them (see :mod:`.mapped`): (that file's number, the array); None:
+    it is read (compressed there: decompressed into fresh memory; mostly newer blocks: read them)."""
+    if completes is None:
+        return None
+    number, supplied = completes
+    mine = files[number][1].entry(e.name)
+    if mine is None or not mine.present.all() or mine.units is not None or supplied < mapped.MIN_SHARE * e.nblocks:
+        return None
+    arr = mapped.array(fds[number], mine.offset, e.nbytes, dtype, e.meta["shape"])
+    return None if arr is None else (number, arr)
 
 
 def _place(fd: int, top: Index, index: Index, number: int, views: dict[str, memoryview], placed: dict[str, np.ndarray],

@@ -67,6 +67,7 @@ ranks for their cores, and off the checkpoint's time):
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 import re
@@ -332,12 +333,7 @@ class WriteWatch:
         arrays = {name: value for name, value in values.items()
                   if isinstance(value, np.ndarray) and value.flags.c_contiguous and value.nbytes >= MIN_BYTES}
         shared = _overlapping({name: (value.ctypes.data, value.nbytes) for name, value in arrays.items()})
-        read: list[list[bytes]] = []
-
-        def maps() -> list[bytes]:  # (read once per cut, when an array is to be registered: not once per array)
-            if not read:
-                read.append(_maps())
-            return read[0]
+        maps = functools.cache(_maps)  # (read once per cut, when an array is to be registered: not once per array)
 
         for name in [n for n in self.tracked if n not in arrays or n in shared]:
             self._drop(name)

@@ -161,8 +161,7 @@ def write(path: Path, values: dict, iteration: int, *, background: bool, then: C
     (called in the writing process).
     """
     reap()
-    if mapped.unsettled():  # (a restart's arrays still mappings of their files: anonymous memory again, before the cut)
-        mapped.settle()
+    mapped.settle()  # (a restart's arrays still mappings of their files: anonymous memory again, before the cut)
     if delta is not None and delta.get("mode") != "full":
         _cut(delta, values)
     if not background:

@@ -212,7 +212,8 @@ class Coordinator:
         self.pinned: set[int] = set()  # jobs that must run whatever their slot (checkpoint under way)
         # The checkpoint coordinator: this term through its narrow port (ckptcoord.TermPort), the node's parts it uses.
         self.ckpt = CheckpointCoordinator(self, CheckpointHost(node=node, config=config, table=table, membership=membership, ops=calls))
-        self.recoveries = Recoveries(self)  # jobs that lost a node and come back (see recover.py)
+        # Jobs that lost a node and come back (see recover.py): this term through its narrow port (recover.RecoveryTerm).
+        self.recoveries = Recoveries(self, self.ckpt, config=config, table=table, membership=membership, peers=peers)
 
     # ------------------------------------------------------------ plumbing
 

@@ -59,7 +59,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
@@ -69,6 +71,13 @@ from ..failpoint import hold, refuse
 from ..rpc import RemoteError
 from .peers import natural_key
 from .store import Deposed
+
+if TYPE_CHECKING:
+    from .ckptcoord import CheckpointCoordinator
+    from .config import Config
+    from .controlplane import ControlPlane
+    from .peers import Peers
+    from .store import JobTable
 
 log = logging.getLogger("gangd.recover")
 
@@ -221,32 +230,57 @@ HOLD = "recover.hold"
 END_REFUSED = "recover.end"
 
 
-class Recoveries:
-    """The recoveries under way, run in the coordinator's term (``co.spawn``)."""
-
-    def __init__(self, coordinator):
-        self.co = coordinator
-        self.under_way: set[int] = set()  # job ids
-        self.repinning: set[int] = set()  # queued restarts whose nodes are being chosen again
+class RecoveryTerm(Protocol):
+    """What a recovery asks of the coordinator's term (DESIGN.md 1: a narrow
+    port, not the coordinator object): whether the term lasts, tasks that end
+    with it, fenced changes to jobs, and the job operations every other path
+    uses too (fail, kill, leave the gang matrix, kill the ranks everywhere,
+    look at the queue again)."""
 
     @property
-    def table(self):
-        return self.co.table
+    def active(self) -> bool: ...
+    def spawn(self, fn: Callable[..., Any], *args: Any) -> None: ...
+    async def update(self, job_id: int, change: Callable[[dict], Any]) -> dict: ...
+    async def fail(self, job_id: int, reason: str, lost_nodes: frozenset = frozenset(), *, cause: bool = False) -> None: ...
+    async def kill(self, job_id: int, cred: dict) -> dict: ...
+    async def kill_everywhere(self, job_id: int) -> None: ...
+    def left(self, job_id: int) -> None: ...
+    def kick(self) -> None: ...
+
+
+class Recoveries:
+    """The recoveries under way, run in the coordinator's term (``term.spawn``).
+
+    Built with what it uses: the term (:class:`RecoveryTerm`), the checkpoint
+    coordinator that restarts a lineage elsewhere and rebuilds its files, and
+    the node's configuration, job table, membership (who is up) and peer links
+    (who is reachable)."""
+
+    def __init__(self, term: RecoveryTerm, ckpt: CheckpointCoordinator, *, config: Config, table: JobTable,
+                 membership: ControlPlane, peers: Peers):
+        self.term = term
+        self.ckpt = ckpt
+        self.config = config
+        self.table = table
+        self.membership = membership
+        self.peers = peers
+        self.under_way: set[int] = set()  # job ids
+        self.repinning: set[int] = set()  # queued restarts whose nodes are being chosen again
 
     async def node_lost(self, record: dict, lost: list[str], why: str) -> None:
         """``record`` has ranks on ``lost`` nodes (down, or out of the
         configuration; ``why`` says which): recover it, or fail it saying why not."""
         job_id = record["id"]
-        ckpt = self.co.ckpt
+        ckpt = self.ckpt
         lineage = await self._lineage(record)
-        decision = decide(record, lineage, ckpt.generations(record), set(lost), self.co.config.max_recoveries)
+        decision = decide(record, lineage, ckpt.generations(record), set(lost), self.config.max_recoveries)
         if not decision.requeue:
             log.warning("job %d fails: %s; not recovered: %s", job_id, why, decision.reason)
             # (the reason replaces a rank's error exit: its peer on the lost node vanished)
-            await self.co.fail(job_id, f"{why}; not recovered: {decision.reason}", frozenset(lost), cause=True)
+            await self.term.fail(job_id, f"{why}; not recovered: {decision.reason}", frozenset(lost), cause=True)
             return
         short = f"{describe_lost(lost)} lost"
-        log.warning("job %d: %s; %s (recovery %d of at most %d)", job_id, why, decision.reason, decision.count + 1, self.co.config.max_recoveries)
+        log.warning("job %d: %s; %s (recovery %d of at most %d)", job_id, why, decision.reason, decision.count + 1, self.config.max_recoveries)
 
         def change(r):
             if jobs.is_terminal(r) or r["state"] == jobs.RECOVERING:
@@ -258,10 +292,10 @@ class Recoveries:
                 if r["ranks"][rank] is None and node in lost:
                     r["ranks"][rank] = {"lost": True, "node": node, "why": why}
 
-        record = await self.co.update(job_id, change)
+        record = await self.term.update(job_id, change)
         if record["state"] != jobs.RECOVERING:
             return
-        self.co.left(job_id)
+        self.term.left(job_id)
         self.start(job_id)
 
     async def restore_failed(self, record: dict, node: str, error: str) -> bool:
@@ -278,14 +312,14 @@ class Recoveries:
         if not record.get("recovery_of") or jobs.is_terminal(record):
             return False
         gen = int(record["restart_of"]["gen"])
-        decision = allowed(record, await self._lineage(record), self.co.config.max_recoveries)
+        decision = allowed(record, await self._lineage(record), self.config.max_recoveries)
         if not decision.requeue:
             log.warning("job %d: generation %d could not be restored on %s; not recovered: %s", job_id, gen, node, decision.reason)
             return False
         cause = f"generation {gen} could not be restored on {node}"
         why = f"restart from generation {gen} failed: {error}"
         log.warning("job %d: %s; reading its files whole, then recovering from an older generation (recovery %d of at most %d)",
-                    job_id, why, decision.count + 1, self.co.config.max_recoveries)
+                    job_id, why, decision.count + 1, self.config.max_recoveries)
 
         def change(r):
             if jobs.is_terminal(r) or r["state"] == jobs.RECOVERING:
@@ -295,10 +329,10 @@ class Recoveries:
             r["recovery"] = {"lost": [], "gen": None, "why": why, "cause": cause, "restore_failed": {"node": node, "gen": gen},
                              "started": time.time(), "count": decision.count + 1}
 
-        record = await self.co.update(job_id, change)
+        record = await self.term.update(job_id, change)
         if record["state"] != jobs.RECOVERING:
             return not jobs.is_terminal(record)
-        self.co.left(job_id)
+        self.term.left(job_id)
         self.start(job_id)
         return True
 
@@ -309,12 +343,12 @@ class Recoveries:
             await self.table.read_lineage(record.get("lineage") or record["id"])
         except RemoteError as exc:
             log.warning("job %d: could not read its lineage from the history: %s", record["id"], exc.message)
-        return self.co.ckpt.lineage_records(record)
+        return self.ckpt.lineage_records(record)
 
     def start(self, job_id: int, taken_up: bool = False) -> None:
         if job_id not in self.under_way:
             self.under_way.add(job_id)
-            self.co.spawn(self._run, job_id, taken_up)
+            self.term.spawn(self._run, job_id, taken_up)
 
     def ensure(self, record: dict) -> None:
         """``record`` is RECOVERING: recover it unless a task of this term
@@ -331,7 +365,7 @@ class Recoveries:
         or fail it saying why it cannot start."""
         if record["id"] not in self.repinning:
             self.repinning.add(record["id"])
-            self.co.spawn(self._repin, record["id"], list(lost))
+            self.term.spawn(self._repin, record["id"], list(lost))
 
     async def _repin(self, job_id: int, lost: list[str]) -> None:
         async def attempt() -> None:
@@ -339,14 +373,14 @@ class Recoveries:
             if record is None or record["state"] != jobs.QUEUED or record["placement"] or not record.get("restart_of"):
                 return
             try:
-                await self.co.ckpt.replan(record, set(lost))
+                await self.ckpt.replan(record, set(lost))
             except RemoteError as exc:
                 # (busy, bad_state: the lineage's other restart, or the recovery that made this job, is not over yet)
                 if isinstance(exc, Deposed) or exc.code in (*TRANSIENT, "busy", "bad_state"):
                     raise
                 log.warning("job %d: %s lost before it started, and it cannot start elsewhere: %s", job_id, describe_lost(lost), exc.message)
-                await self.co.fail(job_id, f"{describe_lost(lost)} lost before it started; it cannot restart elsewhere: {exc.message}")
-            self.co.kick()
+                await self.term.fail(job_id, f"{describe_lost(lost)} lost before it started; it cannot restart elsewhere: {exc.message}")
+            self.term.kick()
 
         try:
             await self._until_done(job_id, "choosing its nodes again", attempt)
@@ -370,7 +404,7 @@ class Recoveries:
                 await attempt()
                 return
             except RemoteError as exc:
-                if isinstance(exc, Deposed) or not self.co.active:
+                if isinstance(exc, Deposed) or not self.term.active:
                     raise
                 log.warning("job %d: %s stopped (%s); trying again in %.0f s", job_id, what, exc.message, pause)
             await trio.sleep(pause)
@@ -380,7 +414,7 @@ class Recoveries:
         record = self.table.get(job_id)
         if record is None or record["state"] != jobs.RECOVERING:
             return
-        newer = [r for r in self.co.ckpt.lineage_records(record) if r["id"] > job_id and r.get("restart_of")]
+        newer = [r for r in self.ckpt.lineage_records(record) if r["id"] > job_id and r.get("restart_of")]
         if newer:  # the recovery got as far as the new job: only the link is missing
             new = min(newer, key=lambda r: r["id"])
             log.info("job %d: its recovery (left by the previous coordinator, or stopped by etcd) had started job %d", job_id, new["id"])
@@ -391,7 +425,7 @@ class Recoveries:
         try:
             await self._recover(job_id)
         except RemoteError as exc:
-            if isinstance(exc, Deposed) or not self.co.active or exc.code in TRANSIENT:
+            if isinstance(exc, Deposed) or not self.term.active or exc.code in TRANSIENT:
                 raise
             log.warning("job %d: recovery failed: %s", job_id, exc.message)
             await self._end(job_id, jobs.FAILED, f"not recovered: {exc.message}")
@@ -400,7 +434,7 @@ class Recoveries:
             await self._end(job_id, jobs.FAILED, f"not recovered: {type(exc).__name__}: {exc}")
 
     async def _recover(self, job_id: int) -> None:
-        co, ckpt = self.co, self.co.ckpt
+        term, ckpt = self.term, self.ckpt
         record = self.table.get(job_id)
         if record is None or record["state"] != jobs.RECOVERING:
             return
@@ -409,9 +443,9 @@ class Recoveries:
         # the previous generation stays the one to use.
         live = ckpt.live.get(job_id)
         if live is not None:
-            with trio.move_on_after(float(co.config.checkpoint_timeout) + 30):
+            with trio.move_on_after(float(self.config.checkpoint_timeout) + 30):
                 await live.done.wait()
-        await co.kill_everywhere(job_id)
+        await term.kill_everywhere(job_id)
         await hold(HOLD)
         lost = await self._settle(record, lost)
         failed = (record.get("recovery") or {}).get("restore_failed")
@@ -471,11 +505,10 @@ class Recoveries:
         link is back (at most a lease and a heartbeat timeout); still
         unreachable then, it is taken as lost too, never as a source or a
         target of the rebuild. Recorded with the recovery."""
-        co = self.co
-        membership, peers = co.membership, co.peers
-        patience = float(co.config.etcd.lease_ttl) + float(co.config.heartbeat_timeout)
+        membership, peers, config = self.membership, self.peers, self.config
+        patience = float(config.etcd.lease_ttl) + float(config.heartbeat_timeout)
         nodes = jobs.nodes_of(record)
-        known = {n.name for n in co.config.nodes}
+        known = {n.name for n in config.nodes}
         with trio.move_on_after(patience):
             while [n for n in nodes if n not in lost and n in known and membership.is_up(n) and not peers.connected(n)]:  # noqa: ASYNC110 -- two sources (etcd, the links), no one event
                 await trio.sleep(0.1)
@@ -488,7 +521,7 @@ class Recoveries:
                     return False
                 r["recovery"] = {**(r.get("recovery") or {}), "lost": gone}
 
-            await self.co.update(record["id"], change)
+            await self.term.update(record["id"], change)
         return gone
 
     async def _link(self, job_id: int, new: dict, gen: int | None, result: dict | None = None) -> None:
@@ -510,14 +543,14 @@ class Recoveries:
             r["recoveries"] = count
 
         try:
-            await self.co.update(new["id"], on_new)
+            await self.term.update(new["id"], on_new)
         except RemoteError as exc:
             if isinstance(exc, Deposed):
                 raise
             log.warning("job %d: could not record that it recovers job %d: %s", new["id"], job_id, exc.message)
         if record.get("kill_requested"):
             log.info("job %d was killed while it recovered: killing job %d too", job_id, new["id"])
-            await self.co.kill(new["id"], ROOT)
+            await self.term.kill(new["id"], ROOT)
             await self._end(job_id, jobs.KILLED, "")
             return
         where = f" on {jobs.compress_nodes(jobs.nodes_of({'placement': result['placement']}))}" if result and result.get("placement") else ""
@@ -525,7 +558,7 @@ class Recoveries:
         await self._end(job_id, jobs.REQUEUED, reason, requeued_as=new["id"])
         after = self.table.get(job_id)
         if after is not None and after["state"] == jobs.KILLED:  # (killed between the check above and the end)
-            await self.co.kill(new["id"], ROOT)
+            await self.term.kill(new["id"], ROOT)
 
     async def _end(self, job_id: int, state: str, reason: str, **fields) -> None:
         """End a RECOVERING job: ``state``, ``reason`` prefixed with the loss, every rank accounted."""
@@ -548,5 +581,5 @@ class Recoveries:
 
         if refuse(END_REFUSED):
             raise RemoteError("etcd", f"etcd refused the change: failpoint {END_REFUSED}")
-        await self.co.update(job_id, change)
-        self.co.kick()
+        await self.term.update(job_id, change)
+        self.term.kick()

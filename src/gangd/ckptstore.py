@@ -207,7 +207,8 @@ def write_chunks(fd: int, chunks: Iterable, digest=None, *, kick: int = 0, stabl
 
 
 def write_atomic(path: Path, chunks: Iterable, *, mode: int = 0o600, owner: tuple[int, int] | None = None,
-                 durable: bool = True, dir_fd: int | None = None, kick: int = 0, stable: bool = False) -> tuple[int, str]:
+                 durable: bool = True, dir_fd: int | None = None, kick: int = 0, stable: bool = False,
+                 after_copy: Callable[[], object] | None = None) -> tuple[int, str]:
     """Write ``chunks`` to ``path`` via a temporary name, fsync, rename, fsync the directory.
 
     Returns (size, checksum). Raises :class:`StoreError` with the path on any
@@ -218,7 +219,9 @@ def write_atomic(path: Path, chunks: Iterable, *, mode: int = 0o600, owner: tupl
     the file in messages; its last component is the name in ``dir_fd``).
     ``kick``: start the disk on every that many bytes as they are written (:func:`write_chunks`;
     durable writes only: a file left to a later :func:`sync` is not pushed out early); ``stable``: the
-    chunks do not change until this returns (:func:`write_chunks`).
+    chunks do not change until this returns (:func:`write_chunks`). ``after_copy``: called once every
+    chunk is written (nothing reads them again), before the fsync (a forked snapshot lets go of the
+    job's pages there: :mod:`gangd.ckptlib.letgo`).
     """
     path = Path(path)
     name, tmp = path.name, f".{path.name}.tmp"
@@ -237,6 +240,8 @@ def write_atomic(path: Path, chunks: Iterable, *, mode: int = 0o600, owner: tupl
                 if owner is not None:
                     os.fchown(fd, *owner)
                 size = write_chunks(fd, chunks, digest, kick=kick if durable else 0, stable=stable)
+                if after_copy is not None:
+                    after_copy()
                 if durable:
                     os.fsync(fd)
             finally:

@@ -48,7 +48,7 @@ from __future__ import annotations
 import os
 import pickle
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -513,7 +513,8 @@ def diff(state: State, ref: Index | None) -> Diff:
 
 def write_delta(path: Path, values: Mapping[str, object] | State, choice: delta.Choice, ref_sigs: Index | None, *,
                 gen: int, iteration: int = 0, extra: dict | None = None, block: int = DEFAULT_BLOCK, durable: bool = True,
-                changes: Diff | None = None, late: bool = False, codec: object = None, pipeline: object = None) -> dict:
+                changes: Diff | None = None, late: bool = False, codec: object = None, pipeline: object = None,
+                after_copy: Callable[[], object] | None = None) -> dict:
     """Pass 2: write generation ``gen``'s file with the blocks ``choice`` asks for.
 
     ``values``: the values, or the :class:`State` pass 1 hashed (an unhashed
@@ -533,6 +534,7 @@ def write_delta(path: Path, values: Mapping[str, object] | State, choice: delta.
     before it is written (a compressed file is always signed), and the result
     also has "stored" (the units' bytes), "pipeline" (bytes and busy time per stage) and "codecs" (the
     identities its units were stored with, as its index records them).
+    ``after_copy``: see :func:`gangd.ckptstore.write_atomic`.
     """
     if _compressing(codec) and getattr(codec, "auto", False):
         values = values if isinstance(values, State) else plan(values, block)
@@ -547,7 +549,8 @@ def write_delta(path: Path, values: Mapping[str, object] | State, choice: delta.
                             late=late, kick=late and durable, codec=codec, pipeline=pipeline, path=Path(path))
     # (A late full kicks its blocks once, before hashing them: see encode. Anything else starts the disk
     # on its blocks as they are copied, so the fsync after them waits for the last few MiB, not all.)
-    size, digest = ckptstore.write_atomic(Path(path), chunks, durable=durable, kick=0 if late else KICK, stable=True)  # (views of the snapshot)
+    size, digest = ckptstore.write_atomic(Path(path), chunks, durable=durable, kick=0 if late else KICK, stable=True,  # (views of the snapshot)
+                                          after_copy=after_copy)
     return {"size": size, "digest": digest, **result}
 
 
@@ -985,7 +988,7 @@ def save_generation(path: Path, values: Mapping[str, object], *, gen: int, itera
                     offered: Iterable = (), block: int = DEFAULT_BLOCK, chain_max: int = delta.DEFAULT_CHAIN_MAX,
                     threshold: float = delta.DEFAULT_THRESHOLD, full_above: float = delta.DEFAULT_FULL_ABOVE,
                     force_full: bool = False, extra: dict | None = None, durable: bool = True, codec: object = None,
-                    pipeline: object = None, watch: object = None) -> dict:
+                    pipeline: object = None, watch: object = None, after_copy: Callable[[], object] | None = None) -> dict:
     """Write generation ``gen`` of the values in ``mode``: hash (unless
     ``full``), compare with the offered parent and its base, :func:`delta.choose`,
     write. ``offered``: the parent generation's file first, then its chain
@@ -1014,7 +1017,7 @@ def save_generation(path: Path, values: Mapping[str, object], *, gen: int, itera
     ``watch`` (a :class:`.dirty.WriteWatch`, in the process that cut this
     generation or its forked snapshot): the blocks of tracked arrays not
     written since the base's (or the parent's) cut are not hashed again
-    (:func:`reuse_unwritten`).
+    (:func:`reuse_unwritten`). ``after_copy``: see :func:`gangd.ckptstore.write_atomic`.
     """
     if mode not in delta.MODES:
         raise ValueError(f"checkpoint mode {mode!r} is not one of {', '.join(delta.MODES)}")
@@ -1053,7 +1056,7 @@ def save_generation(path: Path, values: Mapping[str, object], *, gen: int, itera
             # an unsigned one).
             sign = not (dense and parent is not None and parent.role == "full")
             result = write_delta(path, state, delta.FULL, None, gen=gen, iteration=iteration, extra=extra, durable=durable, late=sign,
-                                 codec=codec, pipeline=pipeline)
+                                 codec=codec, pipeline=pipeline, after_copy=after_copy)
             result["mode"] = mode
             if why_full is not None:
                 result["why_full"] = why_full
@@ -1071,7 +1074,7 @@ def save_generation(path: Path, values: Mapping[str, object], *, gen: int, itera
     if choice.against is not None and parent is not None and base is not None:
         ref, changes = (parent, d_prev) if choice.against == parent.gen else (base, d_base)
     result = write_delta(path, state, choice, ref, gen=gen, iteration=iteration, extra=extra, durable=durable, changes=changes,
-                         codec=codec, pipeline=pipeline)
+                         codec=codec, pipeline=pipeline, after_copy=after_copy)
     result["mode"] = mode
     if why_full is not None:
         result["why_full"] = why_full

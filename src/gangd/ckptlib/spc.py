@@ -259,14 +259,15 @@ def select(choice, **options) -> SPC:
 # ------------------------------------------------------------ the framework's side
 
 
-def write(spc: SPC, path: Path, values: dict, iteration: int) -> tuple[int, str]:
-    """Have ``spc`` write the file, then make it durable and checksum it."""
+def write(spc: SPC, path: Path, values: dict, iteration: int, after_copy: Callable[[], object] | None = None) -> tuple[int, str]:
+    """Have ``spc`` write the file, then make it durable and checksum it. ``after_copy``: see
+    :func:`gangd.ckptstore.write_atomic` (not called for a plug-in that writes its file itself)."""
     spc.set_filename(path)
     try:
         handed = handed_over(spc, values)
         computed: tuple[int, str] | None
         if handed is not None:
-            computed = ckptstore.write_atomic(path, image.chunks(dict(handed), iteration), durable=False)
+            computed = ckptstore.write_atomic(path, image.chunks(dict(handed), iteration), durable=False, after_copy=after_copy)
         else:
             computed = spc.do_ckpt(values, iteration)
         fd = ckptstore.open_regular(path)

@@ -30,14 +30,15 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
 from ..ckptstore import StoreError
-from . import blocks, mapped, units
+from . import blocks, letgo, mapped, units
 from . import spc as spc_mod
 
 
@@ -198,7 +199,7 @@ def write(path: Path, values: dict, iteration: int, *, background: bool, then: C
                 if said != b"g":
                     os.write(write_end, msgpack.packb({"error": "the checkpoint was abandoned before its snapshot wrote it"}))
                     os._exit(0)
-            result = _write_now(path, values, iteration, then, spc, delta)
+            result = _write_now(path, values, iteration, then, spc, delta, let_go=True)
             os.write(write_end, msgpack.packb(result))
         finally:
             os._exit(0)
@@ -263,20 +264,27 @@ def _codec(text: object):
     return CodecSpec.parse(text)
 
 
-def _write_now(path: Path, values: dict, iteration: int, then, spc, delta: dict | None = None) -> dict:
+def _write_now(path: Path, values: dict, iteration: int, then, spc, delta: dict | None = None, let_go: bool = False) -> dict:
+    """Write the file here and now. ``let_go`` (a forked snapshot only, never the job): once the file's
+    bytes are all copied, drop this process's pages of the arrays (:mod:`.letgo`)."""
     started = time.monotonic()
     try:
         handed = None if delta is None else spc_mod.handed_over(spc or spc_mod.Registered(), values)
+        after_copy = None
+        if let_go:
+            copied = handed if isinstance(handed, Mapping) else values
+            after_copy = partial(letgo.let_go, copied)
         if delta is not None and handed is not None:  # (the registered values, or a plug-in's buffers: block by block)
             offered = delta.get("offered") or ()
             result = blocks.save_generation(path, handed, gen=delta["gen"], iteration=iteration, mode=delta["mode"],
                                             offered=offered() if callable(offered) else offered, block=delta["block"],
                                             chain_max=delta["chain_max"], threshold=delta["threshold"],
                                             force_full=bool(delta.get("force_full")), codec=_codec(delta.get("codec")),
-                                            pipeline=units.settings_of(delta.get("pipeline")), watch=_watch(delta))
+                                            pipeline=units.settings_of(delta.get("pipeline")), watch=_watch(delta),
+                                            after_copy=after_copy)
             result["seconds"] = time.monotonic() - started
         else:
-            size, digest = spc_mod.write(spc or spc_mod.Registered(), path, values, iteration)
+            size, digest = spc_mod.write(spc or spc_mod.Registered(), path, values, iteration, after_copy)
             result = {"size": size, "digest": digest, "seconds": time.monotonic() - started}
         if then is not None:
             then(result)

@@ -1,0 +1,121 @@
+"""A forked snapshot lets go of the job's pages once it has copied them (gangd.ckptlib.letgo, issue 18).
+
+Real forks: the snapshot's view of the pages is dropped (its copy reads
+zeros), the job's own stays as it was and is the job's alone again (the
+kernel's pagemap says "exclusively mapped", so its next write copies
+nothing), and a background generation whose signature is hashed after its
+blocks are written still hashes the state at the fork, not zeros.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import sys
+
+import numpy as np
+import pytest
+
+from gangd.ckptlib import blocks, letgo, writer
+from gangd.ckptlib.core import DeltaSettings
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="MADV_DONTNEED and /proc/self/pagemap are Linux's")
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+EXCLUSIVE = 1 << 56  # /proc/PID/pagemap: the page is mapped by this process only (Linux 4.2)
+
+
+def exclusive_pages(array: np.ndarray) -> tuple[int, int]:
+    """(pages of ``array``'s interior this process maps exclusively, pages in all)."""
+    low = array.__array_interface__["data"][0]
+    first, last = -(-low // PAGE), (low + array.nbytes) // PAGE
+    with open("/proc/self/pagemap", "rb") as fh:
+        fh.seek(first * 8)
+        raw = fh.read((last - first) * 8)
+    entries = struct.unpack(f"<{last - first}Q", raw)
+    return sum(1 for e in entries if e & EXCLUSIVE), last - first
+
+
+def test_let_go_drops_only_the_snapshots_view_and_leaves_the_job_its_pages_alone():
+    job = np.arange(8 << 17, dtype=np.float64)  # 8 MiB, every page written (resident)
+    small = np.arange(1000.0)  # under letgo.MIN_BYTES: kept
+    objects = np.array([object()] * ((2 << 20) // 8), dtype=object)  # Python objects: kept
+    said_r, said_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the snapshot
+        code = 1
+        try:
+            os.close(said_r)
+            os.close(go_w)
+            dropped = letgo.let_go({"u": job, "small": small, "objects": objects})
+            interior = job[PAGE // 8 : -PAGE // 8]
+            report = (dropped, int(not interior.any()), int(np.array_equal(small, np.arange(1000.0))),
+                      int(objects[0] is objects[-1]))
+            os.write(said_w, struct.pack("<4q", *report))
+            os.read(go_r, 1)  # (alive until the job has looked at its pages)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(said_w)
+    os.close(go_r)
+    try:
+        dropped, zeros, small_kept, objects_kept = struct.unpack("<4q", os.read(said_r, 32))
+        exclusive, pages = exclusive_pages(job)
+    finally:
+        os.write(go_w, b"x")
+        os.close(go_w)
+        os.close(said_r)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert (8 << 20) - 2 * PAGE <= dropped <= 8 << 20  # the whole pages inside the array, nothing else
+    assert zeros and small_kept and objects_kept  # the snapshot's view of the array is gone, the rest is not
+    assert exclusive == pages  # every page is the job's alone while the snapshot still lives: no copy on write
+    assert np.array_equal(job, np.arange(8 << 17, dtype=np.float64))  # and the job's state is what it was
+
+
+def test_without_let_go_the_pages_stay_shared_while_the_snapshot_lives():
+    """The control for the test above: a fork shares every page until it exits or lets go."""
+    job = np.arange(4 << 17, dtype=np.float64)
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(go_w)
+            os.read(go_r, 1)
+        finally:
+            os._exit(0)
+    os.close(go_r)
+    try:
+        exclusive, pages = exclusive_pages(job)
+    finally:
+        os.write(go_w, b"x")
+        os.close(go_w)
+        os.waitpid(pid, 0)
+    assert pages > 0 and exclusive == 0
+
+
+@pytest.mark.parametrize("mode", ["full", "adaptive"])
+def test_a_background_generation_is_the_state_at_its_fork_and_so_is_its_signature(tmp_path, mode):
+    """The snapshot lets go only after everything that reads the state: in mode adaptive the first
+    generation is a full whose signature is hashed after its blocks are written (blocks.encode's late
+    signature), and it must be the signature of the state at the fork, not of the zeros the snapshot sees
+    after letting go, nor of what the job wrote since."""
+    at_fork = np.random.default_rng(5).random(3 << 17)  # 3 MiB
+    values = {"u": at_fork.copy(), "n": 7}
+    plan = DeltaSettings.from_options(mode=mode).plan(1, [])
+    path = tmp_path / "state"
+    written = writer.write(path, values, 3, background=True, delta=plan, hold=True)
+    values["u"][:] = -1.0  # the job runs on
+    written.release()
+    result = written.wait()
+    assert "error" not in result, result
+    loaded, iteration, _ = blocks.read_chain(path, (), (result["size"], result["digest"]), map_values=False)
+    assert iteration == 3 and loaded["n"] == 7 and np.array_equal(loaded["u"], at_fork)
+    index = blocks.read_index(path)
+    if mode == "adaptive":
+        entry = index.entry("u")
+        assert index.signed and entry is not None and entry.signature is not None
+        expected = blocks.signature({"u": at_fork}, index.block).values[0].sig
+        assert np.array_equal(entry.signature, expected)
+    assert np.all(values["u"] == -1.0)  # the job's own state is what the job made it

@@ -92,7 +92,7 @@ from gangd.client.api import connect
 
 HERE = Path(__file__).resolve().parent
 APP = str(HERE / "ckpt_app.py")
-NODES = 4  # one rank per node: the machine has 2 cores, 4 ranks is as far as it goes
+NODES = 4  # one rank per node: the machine has 2 cores, 4 ranks is as far as it goes (--nodes)
 SIZES = [1, 4, 16, 64, 256, 1024]  # MiB per node (= per rank), Fig. 4's x axis
 MiB = 1 << 20
 RAW_CHUNK = 8 * MiB  # the size of ckptlib's own writes (ckptstore.CHUNK)
@@ -612,7 +612,7 @@ def leftover_processes(directory: Path) -> list[psutil.Process]:
 
 
 def main() -> None:
-    global out
+    global out, CKPT_MODE, CKPT_CODEC, CKPT_PIPELINE, MALLOC, NODES
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a small version: shorter runs, fewer repeats, sizes up to 64 MiB")
     parser.add_argument("--repeats", type=int, default=None, help="runs of each kind for Tables 2 and 3 (default 3, quick 2)")
@@ -630,6 +630,9 @@ def main() -> None:
     parser.add_argument("--min-mib", type=int, default=1, help="smallest state per node in Fig. 4 (default 1)")
     parser.add_argument("--begin-cost", action="store_true", help="only the begin's cost, mode full against adaptive (see the docstring)")
     parser.add_argument("--begin-mib", type=int, default=1, help="state per node of --begin-cost")
+    parser.add_argument("--nodes", type=int, default=NODES,
+                        help="nodes of the local cluster, one rank each (default 4: twice this machine's 2 cores; "
+                             "--nodes 2 gives each node and its rank a core, as on a real cluster)")
     parser.add_argument("--json", action="store_true", help="print every number as JSON on stdout (tables on stderr)")
     parser.add_argument("--tables", default="2,3,4", help="which parts to run: 2 (overhead), 3 (restart; runs 2 for its "
                         "calibration), 4 (Tables 4, 5 and Fig. 4); e.g. --tables 2 (default: all; the summary needs all)")
@@ -637,7 +640,9 @@ def main() -> None:
     tables = {t.strip() for t in args.tables.split(",") if t.strip()}
     if not tables or not tables <= {"2", "3", "4", "5"}:
         parser.error(f"--tables takes a comma-separated list of 2, 3 and 4, not {args.tables!r}")
-    global CKPT_MODE, CKPT_CODEC, CKPT_PIPELINE, MALLOC
+    if args.nodes < 1:
+        parser.error("--nodes must be at least 1")
+    NODES = args.nodes
     CKPT_MODE = args.ckpt_mode
     CKPT_CODEC, CKPT_PIPELINE = args.ckpt_codec, args.ckpt_pipeline
     MALLOC = PINNED_MALLOC if args.malloc == "pinned" else {}

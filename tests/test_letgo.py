@@ -74,6 +74,64 @@ def test_let_go_drops_only_the_snapshots_view_and_leaves_the_job_its_pages_alone
     assert np.array_equal(job, np.arange(8 << 17, dtype=np.float64))  # and the job's state is what it was
 
 
+def test_let_go_leaves_strided_and_broadcast_arrays_whose_span_holds_other_bytes():
+    """A column of a 2-column array spans the other column, and a broadcast array's size counts bytes it
+    does not have: dropping their spans would drop bytes they do not cover (helper-26's review)."""
+    pairs = np.arange(2 << 17, dtype=np.float64).reshape(-1, 2)  # 2 MiB; a column is 1 MiB, strided over both
+    row = np.arange(1024.0)  # 8 KiB, broadcast to 2 MiB
+    broadcast = np.broadcast_to(row, (256, 1024))
+    read_r, read_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(read_r)
+            dropped = letgo.let_go({"column": pairs[:, 0], "broadcast": broadcast, "not an array": b"x" * (2 << 20)})
+            intact = np.array_equal(pairs, np.arange(2 << 17, dtype=np.float64).reshape(-1, 2)) and np.array_equal(row, np.arange(1024.0))
+            os.write(read_w, struct.pack("<2q", dropped, int(intact)))
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(read_w)
+    try:
+        dropped, intact = struct.unpack("<2q", os.read(read_r, 16))
+    finally:
+        os.close(read_r)
+        os.waitpid(pid, 0)
+    assert dropped == 0 and intact
+
+
+def test_a_plugin_snapshot_lets_go_of_the_buffers_it_wrote_not_of_the_values_it_did_not(tmp_path):
+    """A checkpointer plug-in that hands its state over as buffers (SPC ``buffers``): the snapshot wrote
+    those, so those are what it lets go of; a registered value the plug-in did not hand over was not
+    written and is left. Seen from the snapshot itself, after the write (``then`` runs there)."""
+    from gangd.ckptlib import spc as spc_mod
+
+    class Grid(spc_mod.SPC):
+        name = "grid"
+
+        def __init__(self) -> None:
+            self.cells = np.arange(2 << 17, dtype=np.float64)  # 2 MiB
+
+        def buffers(self, values: dict) -> dict:
+            return {"cells": self.cells}
+
+    grid = Grid()
+    registered = np.arange(2 << 17, dtype=np.float64)
+    seen = tmp_path / "seen"
+
+    def look(result: dict) -> None:  # (in the snapshot, after its write)
+        interior = slice(PAGE // 8, -PAGE // 8)
+        seen.write_text(f"{int(not grid.cells[interior].any())} {int(registered[interior].all())}")
+
+    written = writer.write(tmp_path / "state", {"u": registered}, 3, background=True, then=look, spc=grid)
+    result = written.wait()
+    assert "error" not in result, result
+    cells_dropped, registered_kept = seen.read_text().split()
+    assert cells_dropped == "1" and registered_kept == "1"
+    assert np.array_equal(grid.cells, np.arange(2 << 17, dtype=np.float64))
+
+
 def test_without_let_go_the_pages_stay_shared_while_the_snapshot_lives():
     """The control for the test above: a fork shares every page until it exits or lets go."""
     job = np.arange(4 << 17, dtype=np.float64)

@@ -35,12 +35,17 @@ Why it is safe:
   once nothing there reads the values again: after every chunk of the file
   is written, the late signature hashing and the compress stages included,
   and the snapshot only fsyncs, reports and exits after that.
-* Only whole pages strictly inside one array's memory are dropped: nothing of
-  the allocator's bookkeeping or of another object shares them. Arrays of
-  Python objects are left alone (their pointers are what the snapshot's
-  garbage collector would follow), as are small arrays (nothing to gain).
-* A call that fails (a locked or huge-TLB mapping that refuses it) is
-  ignored: the pages then stay shared until the snapshot exits, as before.
+* Only whole pages strictly inside one contiguous array's bytes are dropped:
+  nothing of the allocator's bookkeeping or of another object shares them. A
+  strided view (a column, a record's field, every other byte of a bytes
+  object) spans bytes it does not cover, and a broadcast array's size counts
+  bytes it does not have: both are left alone, as are arrays of Python
+  objects (their pointers are what the snapshot's garbage collector would
+  follow) and small arrays (nothing to gain).
+* Anything it cannot do (a locked or huge-TLB mapping refusing the call, an
+  array-like that cannot say where it is) is left: the pages then stay shared
+  until the snapshot exits, as before, and the checkpoint, already written,
+  does not fail for it.
 """
 
 from __future__ import annotations
@@ -66,32 +71,36 @@ def _madvise():
 _MADVISE = _madvise() if sys.platform == "linux" else None
 
 
-def _bounds(array) -> tuple[int, int]:
-    """The first and one past the last byte address ``array`` touches (any strides)."""
-    low = high = array.__array_interface__["data"][0]
-    for extent, stride in zip(array.shape, array.strides, strict=True):
-        if stride < 0:
-            low += stride * (extent - 1)
-        else:
-            high += stride * (extent - 1)
-    return low, high + array.itemsize
-
-
 def let_go(values: Mapping[str, object]) -> int:
     """Drop this process's mapping of the whole pages inside each large array of ``values``.
 
     Call it only in a forked snapshot, once nothing in it reads ``values``
-    again (see the module docstring). Returns the bytes let go."""
+    again (see the module docstring). Best effort: whatever it cannot do, it
+    leaves (the pages then stay shared until the snapshot exits). Returns the
+    bytes let go."""
     np = sys.modules.get("numpy")
     if np is None or _MADVISE is None:
         return 0
     total = 0
     for value in values.values():
-        if not isinstance(value, np.ndarray) or value.nbytes < MIN_BYTES or value.dtype.hasobject:
+        try:
+            total += _let_go_of(np, _MADVISE, value)
+        except Exception:  # noqa: BLE001,S112 -- a checkpoint already written must not fail for it
             continue
-        low, high = _bounds(value)
-        start = -(-low // _PAGE) * _PAGE
-        end = high // _PAGE * _PAGE
-        if end > start and _MADVISE(start, end - start, mmap.MADV_DONTNEED) == 0:
-            total += end - start
     return total
+
+
+def _let_go_of(np, madvise, value: object) -> int:
+    # Only an array whose bytes are one run of its own memory: a strided view's span holds bytes it does
+    # not cover (the other column, a record's other field, the rest of a bytes object), and a broadcast
+    # array's nbytes counts bytes it does not have.
+    if not isinstance(value, np.ndarray) or value.nbytes < MIN_BYTES or value.dtype.hasobject:
+        return 0
+    if not (value.flags.c_contiguous or value.flags.f_contiguous):
+        return 0
+    low = value.__array_interface__["data"][0]
+    start = -(-low // _PAGE) * _PAGE
+    end = (low + value.nbytes) // _PAGE * _PAGE
+    if end > start and madvise(start, end - start, mmap.MADV_DONTNEED) == 0:
+        return end - start
+    return 0

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 
 import msgpack
@@ -259,15 +260,18 @@ def select(choice, **options) -> SPC:
 # ------------------------------------------------------------ the framework's side
 
 
-def write(spc: SPC, path: Path, values: dict, iteration: int, after_copy: Callable[[], object] | None = None) -> tuple[int, str]:
-    """Have ``spc`` write the file, then make it durable and checksum it. ``after_copy``: see
-    :func:`gangd.ckptstore.write_atomic` (not called for a plug-in that writes its file itself)."""
+def write(spc: SPC, path: Path, values: dict, iteration: int,
+          after_copy: Callable[[Mapping[str, object]], object] | None = None) -> tuple[int, str]:
+    """Have ``spc`` write the file, then make it durable and checksum it. ``after_copy``: called with
+    the buffers written (:func:`handed_over`) once they are all copied, before the fsync (see
+    :func:`gangd.ckptstore.write_atomic`; not called for a plug-in that writes its file itself)."""
     spc.set_filename(path)
     try:
         handed = handed_over(spc, values)
         computed: tuple[int, str] | None
         if handed is not None:
-            computed = ckptstore.write_atomic(path, image.chunks(dict(handed), iteration), durable=False, after_copy=after_copy)
+            copied = None if after_copy is None else partial(after_copy, handed)
+            computed = ckptstore.write_atomic(path, image.chunks(dict(handed), iteration), durable=False, after_copy=copied)
         else:
             computed = spc.do_ckpt(values, iteration)
         fd = ckptstore.open_regular(path)

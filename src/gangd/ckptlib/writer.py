@@ -30,7 +30,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -270,10 +270,6 @@ def _write_now(path: Path, values: dict, iteration: int, then, spc, delta: dict 
     started = time.monotonic()
     try:
         handed = None if delta is None else spc_mod.handed_over(spc or spc_mod.Registered(), values)
-        after_copy = None
-        if let_go:
-            copied = handed if isinstance(handed, Mapping) else values
-            after_copy = partial(letgo.let_go, copied)
         if delta is not None and handed is not None:  # (the registered values, or a plug-in's buffers: block by block)
             offered = delta.get("offered") or ()
             result = blocks.save_generation(path, handed, gen=delta["gen"], iteration=iteration, mode=delta["mode"],
@@ -281,10 +277,10 @@ def _write_now(path: Path, values: dict, iteration: int, then, spc, delta: dict 
                                             chain_max=delta["chain_max"], threshold=delta["threshold"],
                                             force_full=bool(delta.get("force_full")), codec=_codec(delta.get("codec")),
                                             pipeline=units.settings_of(delta.get("pipeline")), watch=_watch(delta),
-                                            after_copy=after_copy)
+                                            after_copy=partial(letgo.let_go, handed) if let_go else None)
             result["seconds"] = time.monotonic() - started
         else:
-            size, digest = spc_mod.write(spc or spc_mod.Registered(), path, values, iteration, after_copy)
+            size, digest = spc_mod.write(spc or spc_mod.Registered(), path, values, iteration, letgo.let_go if let_go else None)
             result = {"size": size, "digest": digest, "seconds": time.monotonic() - started}
         if then is not None:
             then(result)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import struct
 import sys
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -36,38 +37,51 @@ def exclusive_pages(array: np.ndarray) -> tuple[int, int]:
     return sum(1 for e in entries if e & EXCLUSIVE), last - first
 
 
-def test_let_go_drops_only_the_snapshots_view_and_leaves_the_job_its_pages_alone():
-    job = np.arange(8 << 17, dtype=np.float64)  # 8 MiB, every page written (resident)
-    small = np.arange(1000.0)  # under letgo.MIN_BYTES: kept
-    objects = np.array([object()] * ((2 << 20) // 8), dtype=object)  # Python objects: kept
+def in_snapshot(work: Callable[[], tuple[int, ...]], meanwhile: Callable[[], object] = lambda: None) -> tuple[tuple[int, ...], object]:
+    """Run ``work`` in a fork of this process (a snapshot), and ``meanwhile`` here once it has reported
+    and while it still lives; returns (what ``work`` reported, what ``meanwhile`` returned)."""
     said_r, said_w = os.pipe()
     go_r, go_w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the snapshot
+    if pid == 0:
         code = 1
         try:
             os.close(said_r)
             os.close(go_w)
-            dropped = letgo.let_go({"u": job, "small": small, "objects": objects})
-            interior = job[PAGE // 8 : -PAGE // 8]
-            report = (dropped, int(not interior.any()), int(np.array_equal(small, np.arange(1000.0))),
-                      int(objects[0] is objects[-1]))
-            os.write(said_w, struct.pack("<4q", *report))
-            os.read(go_r, 1)  # (alive until the job has looked at its pages)
+            report = work()
+            os.write(said_w, struct.pack(f"<{len(report)}q", *report))
+            os.close(said_w)
+            os.read(go_r, 1)
             code = 0
         finally:
             os._exit(code)
     os.close(said_w)
     os.close(go_r)
     try:
-        dropped, zeros, small_kept, objects_kept = struct.unpack("<4q", os.read(said_r, 32))
-        exclusive, pages = exclusive_pages(job)
+        raw = b""
+        while chunk := os.read(said_r, 4096):
+            raw += chunk
+        seen = meanwhile()
     finally:
         os.write(go_w, b"x")
         os.close(go_w)
         os.close(said_r)
         _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+    return struct.unpack(f"<{len(raw) // 8}q", raw), seen
+
+
+def test_let_go_drops_only_the_snapshots_view_and_leaves_the_job_its_pages_alone():
+    job = np.arange(8 << 17, dtype=np.float64)  # 8 MiB, every page written (resident)
+    small = np.arange(1000.0)  # under letgo.MIN_BYTES: kept
+    objects = np.array([object()] * ((2 << 20) // 8), dtype=object)  # Python objects: kept
+
+    def snapshot() -> tuple[int, ...]:
+        dropped = letgo.let_go({"u": job, "small": small, "objects": objects})
+        interior = job[PAGE // 8 : -PAGE // 8]
+        return dropped, int(not interior.any()), int(np.array_equal(small, np.arange(1000.0))), int(objects[0] is objects[-1])
+
+    (dropped, zeros, small_kept, objects_kept), (exclusive, pages) = in_snapshot(snapshot, lambda: exclusive_pages(job))
     assert (8 << 20) - 2 * PAGE <= dropped <= 8 << 20  # the whole pages inside the array, nothing else
     assert zeros and small_kept and objects_kept  # the snapshot's view of the array is gone, the rest is not
     assert exclusive == pages  # every page is the job's alone while the snapshot still lives: no copy on write
@@ -80,24 +94,13 @@ def test_let_go_leaves_strided_and_broadcast_arrays_whose_span_holds_other_bytes
     pairs = np.arange(2 << 17, dtype=np.float64).reshape(-1, 2)  # 2 MiB; a column is 1 MiB, strided over both
     row = np.arange(1024.0)  # 8 KiB, broadcast to 2 MiB
     broadcast = np.broadcast_to(row, (256, 1024))
-    read_r, read_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(read_r)
-            dropped = letgo.let_go({"column": pairs[:, 0], "broadcast": broadcast, "not an array": b"x" * (2 << 20)})
-            intact = np.array_equal(pairs, np.arange(2 << 17, dtype=np.float64).reshape(-1, 2)) and np.array_equal(row, np.arange(1024.0))
-            os.write(read_w, struct.pack("<2q", dropped, int(intact)))
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(read_w)
-    try:
-        dropped, intact = struct.unpack("<2q", os.read(read_r, 16))
-    finally:
-        os.close(read_r)
-        os.waitpid(pid, 0)
+
+    def snapshot() -> tuple[int, ...]:
+        dropped = letgo.let_go({"column": pairs[:, 0], "broadcast": broadcast, "not an array": b"x" * (2 << 20)})
+        intact = np.array_equal(pairs, np.arange(2 << 17, dtype=np.float64).reshape(-1, 2)) and np.array_equal(row, np.arange(1024.0))
+        return dropped, int(intact)
+
+    (dropped, intact), _ = in_snapshot(snapshot)
     assert dropped == 0 and intact
 
 
@@ -135,21 +138,7 @@ def test_a_plugin_snapshot_lets_go_of_the_buffers_it_wrote_not_of_the_values_it_
 def test_without_let_go_the_pages_stay_shared_while_the_snapshot_lives():
     """The control for the test above: a fork shares every page until it exits or lets go."""
     job = np.arange(4 << 17, dtype=np.float64)
-    go_r, go_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(go_w)
-            os.read(go_r, 1)
-        finally:
-            os._exit(0)
-    os.close(go_r)
-    try:
-        exclusive, pages = exclusive_pages(job)
-    finally:
-        os.write(go_w, b"x")
-        os.close(go_w)
-        os.waitpid(pid, 0)
+    _, (exclusive, pages) = in_snapshot(lambda: (), lambda: exclusive_pages(job))
     assert pages > 0 and exclusive == 0
 
 

@@ -51,8 +51,8 @@ LIAR = textwrap.dedent("""
     field, value = sys.argv[1], json.loads(sys.argv[2])
     honest = writer._write_now
 
-    def lying(path, values, iteration, then, spc, *plan):
-        result = honest(path, values, iteration, then, spc, *plan)
+    def lying(path, values, iteration, then, spc, *plan, **how):
+        result = honest(path, values, iteration, then, spc, *plan, **how)
         if "size" in result:
             if field == "size" and value >= 0:
                 os.truncate(path, value)

@@ -101,6 +101,7 @@ CKPT_BAND = 1 * MiB  # state relaxed per iteration of those jobs (what a snapsho
 STENCIL_COLS = 1024  # ckpt_app's default --n: 8 KiB rows
 
 CKPT_MODE = "full"  # every job's --ckpt-mode (see the docstring; --ckpt-mode)
+CKPT_REDUNDANCY: str | None = None  # every job's --ckpt-redundancy (None: the cluster's default, xor on 3+ nodes)
 CKPT_CODEC: str | None = None  # every job's --ckpt-codec (None: the cluster's, none)
 CKPT_PIPELINE: str | None = None  # every job's --ckpt-pipeline (None: the defaults)
 # glibc's allocator, the same in every job (--malloc): its mmap threshold otherwise moves with each process's
@@ -145,7 +146,7 @@ async def submit(gang, app_args: list[str], *, name: str, background: bool | Non
     env = job_env(background) | (MPI_OVER_TCP if mpi else {})
     argv = [sys.executable, APP, *app_args, *(["--mpi"] if mpi else [])]
     record = await gang.submit(argv, NODES, per_node=1, env=env, cwd=str(HERE), name=name, mpi=mpi, ckpt_mode=ckpt_mode or CKPT_MODE,
-                               ckpt_codec=CKPT_CODEC, ckpt_pipeline=CKPT_PIPELINE)
+                               ckpt_codec=CKPT_CODEC, ckpt_pipeline=CKPT_PIPELINE, ckpt_redundancy=CKPT_REDUNDANCY)
     return record["id"]
 
 
@@ -612,7 +613,7 @@ def leftover_processes(directory: Path) -> list[psutil.Process]:
 
 
 def main() -> None:
-    global out, CKPT_MODE, CKPT_CODEC, CKPT_PIPELINE, MALLOC, NODES
+    global out, CKPT_MODE, CKPT_CODEC, CKPT_PIPELINE, CKPT_REDUNDANCY, MALLOC, NODES
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a small version: shorter runs, fewer repeats, sizes up to 64 MiB")
     parser.add_argument("--repeats", type=int, default=None, help="runs of each kind for Tables 2 and 3 (default 3, quick 2)")
@@ -625,6 +626,9 @@ def main() -> None:
                         help="glibc's mmap threshold fixed in every job (default), or glibc's default (see the docstring)")
     parser.add_argument("--ckpt-mode", choices=["full", "incremental", "differential", "adaptive"], default="full",
                         help="every job's checkpoint mode (default full: the paper's figures are whole writes)")
+    parser.add_argument("--ckpt-redundancy", choices=["local", "partner", "xor"], default=None,
+                        help="every job's --ckpt-redundancy (default: the cluster's, xor on 3+ nodes: each generation's "
+                             "parity is written behind the job, while the next checkpoint of a back-to-back series writes)")
     parser.add_argument("--ckpt-codec", default=None, help="every job's --ckpt-codec (default: none, raw): Fig. 4 through the pipeline")
     parser.add_argument("--ckpt-pipeline", default=None, help="every job's --ckpt-pipeline (e.g. workers=1; default: the defaults)")
     parser.add_argument("--min-mib", type=int, default=1, help="smallest state per node in Fig. 4 (default 1)")
@@ -644,6 +648,7 @@ def main() -> None:
         parser.error("--nodes must be at least 1")
     NODES = args.nodes
     CKPT_MODE = args.ckpt_mode
+    CKPT_REDUNDANCY = args.ckpt_redundancy
     CKPT_CODEC, CKPT_PIPELINE = args.ckpt_codec, args.ckpt_pipeline
     MALLOC = PINNED_MALLOC if args.malloc == "pinned" else {}
     quick = args.quick

@@ -5,9 +5,10 @@ the state while the job runs on. Until the fork has copied a page, the job's
 first write to it is a copy-on-write fault (a fresh page, a 4 KiB copy, a
 huge page split into small ones), and split pages make the *next* fork copy
 512 times more page table, in the job's blocked time. Since issue 18 the
-snapshot lets go of the job's pages once its file's bytes are all copied,
-before its fsync (gangd.ckptlib.letgo): the job's later writes are then no
-copies at all, and its huge pages stay whole.
+snapshot lets go of the job's pages as it copies them (a raw file: each
+array's pages as they are written; any file: all of them once its bytes are
+all copied, before its fsync; gangd.ckptlib.letgo): the job's later writes
+are then no copies at all, and its huge pages stay whole.
 
 One process, one ``--mib`` float64 array (default 256), ``--rounds``
 checkpoints through gangd.ckptlib.writer.write (raw, full, durable, like a
@@ -19,7 +20,8 @@ everything its process has):
 
   no snapshot   the same sweeps with no checkpoint: the baseline;
   kept          the snapshot keeps its mappings until it exits (before issue 18's
-                let-go: ``letgo.let_go`` replaced by a no-op in this process);
+                let-go: ``letgo.let_go`` and ``letgo.AsCopied`` replaced by no-ops
+                in this process);
   let go        ckptlib as it is.
 
 Printed per variant (medians over rounds, the first round left out): the
@@ -95,8 +97,9 @@ def one_round(variant: str, state: np.ndarray, path: Path, period: float) -> dic
 
 def run_variant(name: str, mib: int, rounds: int, period: float, where: Path) -> list[dict]:
     """Every round of one variant, in this process (the child's: its page tables hold only this state)."""
-    if name == "kept":
-        letgo.let_go = lambda values: 0  # (what a snapshot did before issue 18)
+    if name == "kept":  # (what a snapshot did before issue 18's let-go)
+        letgo.let_go = lambda values: 0
+        letgo.AsCopied = lambda values: None  # type: ignore[assignment,misc]
     state = np.full(mib << 17, 0.5)
     return [one_round(name, state, where / "rank-0.state", period) for _ in range(rounds)]
 

@@ -178,3 +178,50 @@ def test_a_background_generation_is_the_state_at_its_fork_and_so_is_its_signatur
         expected = blocks.signature({"u": at_fork}, index.block).values[0].sig
         assert np.array_equal(entry.signature, expected)
     assert np.all(values["u"] == -1.0)  # the job's own state is what the job made it
+
+
+def test_a_raw_snapshot_lets_go_of_an_array_as_it_is_written_and_only_of_what_is_written():
+    """The raw file's writer lets go of each array's pages as they are written (letgo.AsCopied, in the
+    order written, releases ending on huge page boundaries): after the first half of an array, the job
+    owns that half again and still shares the other."""
+    job = huge_aligned(8 << 20)
+    view = memoryview(job).cast("B")
+
+    def snapshot() -> tuple[int, ...]:
+        letgo.AsCopied({"u": job})(view[: 4 << 20])
+        return (int(not job[: (4 << 20) // 8].any()), int(job[(4 << 20) // 8 :].all()))
+
+    (first_half_dropped, second_half_kept), (exclusive, pages) = in_snapshot(snapshot, lambda: exclusive_pages(job))
+    assert first_half_dropped and second_half_kept
+    assert pages == (8 << 20) // PAGE and exclusive == pages // 2
+
+
+@pytest.mark.parametrize("plan", [None, "full"])
+def test_a_snapshot_of_arrays_under_two_names_writes_both_whole(tmp_path, plan):
+    """One array under two names, and a view overlapping it: written one after the other, the second
+    must not be read from pages the snapshot let go of after writing the first (such an array is let go
+    of only once the whole file is written)."""
+    base = np.arange(3 << 17, dtype=np.float64)  # 3 MiB
+    values = {"a": base, "b": base, "tail": base[1000:], "other": np.arange(2 << 17, dtype=np.float64)}
+    delta = None if plan is None else DeltaSettings.from_options(mode=plan).plan(1, [])
+    path = tmp_path / "state"
+    written = writer.write(path, values, 3, background=True, delta=delta, hold=True)
+    base[:] = -1.0  # the job runs on
+    written.release()
+    result = written.wait()
+    assert "error" not in result, result
+    loaded, iteration, _ = blocks.read_chain(path, (), (result["size"], result["digest"]), map_values=False)
+    expected = np.arange(3 << 17, dtype=np.float64)
+    assert iteration == 3
+    assert np.array_equal(loaded["a"], expected) and np.array_equal(loaded["b"], expected)
+    assert np.array_equal(loaded["tail"], expected[1000:]) and np.array_equal(loaded["other"], np.arange(2 << 17, dtype=np.float64))
+
+
+def test_chunks_that_read_what_came_before_are_refused_with_a_release_as_copied(tmp_path):
+    """A late signature (a callable chunk) or a pipeline (a Streamed one) may read the buffers written
+    before it: write_chunks refuses one when it lets go of buffers as they are written."""
+    from gangd import ckptstore
+
+    with open(tmp_path / "f", "wb") as fh:
+        with pytest.raises(ValueError):
+            ckptstore.write_chunks(fh.fileno(), [b"abc", lambda fd: [b"def"]], copied=lambda part: None)

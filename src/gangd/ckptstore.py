@@ -152,7 +152,8 @@ class Streamed:
         self.fn = fn
 
 
-def write_chunks(fd: int, chunks: Iterable, digest=None, *, kick: int = 0, stable: bool = False, _at: int = 0) -> int:
+def write_chunks(fd: int, chunks: Iterable, digest=None, *, kick: int = 0, stable: bool = False, _at: int = 0,
+                 copied: Callable[[memoryview], object] | None = None) -> int:
     """Write every buffer of ``chunks`` (bytes-like, any size) to ``fd``; returns bytes written.
     A callable chunk is called with ``fd`` once everything before it is written, and the buffers it
     returns are written in its place (a checkpoint's index, hashed while the disk writes its blocks);
@@ -164,20 +165,28 @@ def write_chunks(fd: int, chunks: Iterable, digest=None, *, kick: int = 0, stabl
     next is asked for: a stream may hand out one buffer refilled for every chunk. ``kick``: each time that many more bytes are
     written, the disk is asked to start on them (:func:`start_writeback`), so it works while the
     rest is copied and the writer's fsync waits only for the tail (``_at``: the file's offset of
-    the first chunk, for a callable's recursion)."""
+    the first chunk, for a callable's recursion). ``copied``: called with each part of a buffer once
+    it is written and hashed, in order (a forked snapshot lets go of the job's pages as it goes:
+    :class:`gangd.ckptlib.letgo.AsCopied`); a callable or :class:`Streamed` chunk may read what came
+    before it, so with ``copied`` one is refused (ValueError) rather than handed let-go memory."""
     total, kicked = 0, 0
     batch: list[memoryview] = []
     queued = 0
 
     def flush() -> None:
         nonlocal queued, kicked
+        done = batch.copy() if copied is not None else ()
         _writev(fd, batch)
+        for part in done:
+            copied(part)  # type: ignore[misc]  # (done is empty without it)
         queued = 0
         if kick and total - kicked >= kick:
             start_writeback(fd, _at + kicked, total - kicked)
             kicked = total
 
     for chunk in chunks:
+        if copied is not None and (isinstance(chunk, Streamed) or callable(chunk)):
+            raise ValueError("a chunk that writes or builds itself may read the buffers before it: not with copied")
         if isinstance(chunk, Streamed):
             flush()
             written, after = chunk.fn(fd, digest)
@@ -208,7 +217,7 @@ def write_chunks(fd: int, chunks: Iterable, digest=None, *, kick: int = 0, stabl
 
 def write_atomic(path: Path, chunks: Iterable, *, mode: int = 0o600, owner: tuple[int, int] | None = None,
                  durable: bool = True, dir_fd: int | None = None, kick: int = 0, stable: bool = False,
-                 after_copy: Callable[[], object] | None = None) -> tuple[int, str]:
+                 after_copy: Callable[[], object] | None = None, copied: Callable[[memoryview], object] | None = None) -> tuple[int, str]:
     """Write ``chunks`` to ``path`` via a temporary name, fsync, rename, fsync the directory.
 
     Returns (size, checksum). Raises :class:`StoreError` with the path on any
@@ -221,7 +230,7 @@ def write_atomic(path: Path, chunks: Iterable, *, mode: int = 0o600, owner: tupl
     durable writes only: a file left to a later :func:`sync` is not pushed out early); ``stable``: the
     chunks do not change until this returns (:func:`write_chunks`). ``after_copy``: called once every
     chunk is written (nothing reads them again), before the fsync (a forked snapshot lets go of the
-    job's pages there: :mod:`gangd.ckptlib.letgo`).
+    job's pages there: :mod:`gangd.ckptlib.letgo`); ``copied``: see :func:`write_chunks`.
     """
     path = Path(path)
     name, tmp = path.name, f".{path.name}.tmp"
@@ -239,7 +248,7 @@ def write_atomic(path: Path, chunks: Iterable, *, mode: int = 0o600, owner: tupl
             try:
                 if owner is not None:
                     os.fchown(fd, *owner)
-                size = write_chunks(fd, chunks, digest, kick=kick if durable else 0, stable=stable)
+                size = write_chunks(fd, chunks, digest, kick=kick if durable else 0, stable=stable, copied=copied)
                 if after_copy is not None:
                     after_copy()
                 if durable:

@@ -22,7 +22,11 @@ page is then the job's alone: the job's next write to it is no copy at all
 (the kernel reuses the page; a huge page stays whole), and the next fork is
 cheap again. Measured the same way, with the snapshot letting go before the
 job writes: 3 ms instead of 0.2 s, the huge pages intact, the next fork 0.8 ms.
-Pages the job writes before the snapshot has let go are copied as before.
+Pages the job writes before the snapshot has let go are copied as before, so
+a raw file's writer (nothing reads its buffers again once written) lets go
+of each array's pages as it writes them (:class:`AsCopied`): the job,
+resumed, then writes behind the snapshot rather than ahead of it (the same
+bench: 44 ms instead of 60 ms, against 20 ms with no snapshot at all).
 
 Why it is safe:
 
@@ -50,6 +54,7 @@ Why it is safe:
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import mmap
 import sys
@@ -57,6 +62,7 @@ from collections.abc import Mapping
 
 MIN_BYTES = 1 << 20  # arrays smaller than this are left to the exit
 _PAGE = mmap.PAGESIZE
+_HUGE = 2 << 20  # a transparent huge page (where a release that is not the array's last ends)
 
 
 def _madvise():
@@ -104,3 +110,76 @@ def _let_go_of(np, madvise, value: object) -> int:
     if end > start and madvise(start, end - start, mmap.MADV_DONTNEED) == 0:
         return end - start
     return 0
+
+
+def _span(array) -> tuple[int, int]:
+    """The first and one past the last byte address ``array`` touches (any strides)."""
+    low = high = array.__array_interface__["data"][0]
+    for extent, stride in zip(array.shape, array.strides, strict=True):
+        if extent == 0:
+            return low, low
+        if stride < 0:
+            low += stride * (extent - 1)
+        else:
+            high += stride * (extent - 1)
+    return low, high + array.itemsize
+
+
+class AsCopied:
+    """Let go of each large array's pages as its bytes are written, not only once the whole file is.
+
+    For a write whose buffers nothing reads again once written (the raw full
+    file :func:`gangd.ckptlib.spc.write` writes: no late signature, no
+    pipeline; :func:`gangd.ckptstore.write_chunks` refuses any other with
+    it): called with each part of a buffer once written, in order
+    (``write_chunks``' ``copied``). The sooner a page is let go, the fewer of
+    the job's writes find it still shared: the job, resumed, writes behind
+    the snapshot instead of ahead of it.
+
+    An array whose memory overlaps any other value's (one array under two
+    names, a view of another) is left for :func:`let_go` at the end: its
+    bytes may be read again under the other name. Releases end on huge page
+    boundaries but at the array's end, so that no huge page is left half
+    mapped in the snapshot while the rest of it is still to be written.
+    """
+
+    def __init__(self, values: Mapping[str, object]):
+        self._starts: list[int] = []
+        self._arrays: list[list[int]] = []  # [low, high, released up to], by low
+        np = sys.modules.get("numpy")
+        if np is None or _MADVISE is None:
+            return
+        spans, mine = [], []
+        for value in values.values():
+            try:
+                if isinstance(value, np.ndarray):
+                    spans.append(_span(value))
+                    if (value.nbytes >= MIN_BYTES and not value.dtype.hasobject
+                            and (value.flags.c_contiguous or value.flags.f_contiguous)):
+                        mine.append(spans[-1])
+            except Exception:  # noqa: BLE001,S112 -- an array-like that cannot say where it is: not let go
+                continue
+        spans.sort()
+        for low, high in sorted(mine):
+            if sum(1 for a, b in spans if a < high and b > low) == 1:  # (itself only)
+                self._starts.append(low)
+                self._arrays.append([low, high, -(-low // _PAGE) * _PAGE])
+
+    def __call__(self, part: memoryview) -> None:
+        if not self._arrays or not len(part):
+            return
+        try:
+            np = sys.modules["numpy"]
+            address = np.frombuffer(part, dtype=np.uint8).__array_interface__["data"][0]
+            i = bisect.bisect_right(self._starts, address) - 1
+            if i < 0:
+                return
+            _, high, mark = self._arrays[i]
+            end = address + len(part)
+            if end > high:
+                return
+            upto = (high // _PAGE * _PAGE) if end == high else end // _HUGE * _HUGE
+            if upto > mark and _MADVISE(mark, upto - mark, mmap.MADV_DONTNEED) == 0:  # type: ignore[misc]
+                self._arrays[i][2] = upto
+        except Exception:  # noqa: BLE001,S110 -- best effort: the pages then wait for let_go or the exit
+            pass

@@ -260,18 +260,24 @@ def select(choice, **options) -> SPC:
 # ------------------------------------------------------------ the framework's side
 
 
-def write(spc: SPC, path: Path, values: dict, iteration: int,
-          after_copy: Callable[[Mapping[str, object]], object] | None = None) -> tuple[int, str]:
-    """Have ``spc`` write the file, then make it durable and checksum it. ``after_copy``: called with
-    the buffers written (:func:`handed_over`) once they are all copied, before the fsync (see
-    :func:`gangd.ckptstore.write_atomic`; not called for a plug-in that writes its file itself)."""
+def write(spc: SPC, path: Path, values: dict, iteration: int, let_go: bool = False) -> tuple[int, str]:
+    """Have ``spc`` write the file, then make it durable and checksum it. ``let_go`` (a forked
+    snapshot only, never the job): let go of the buffers' pages as they are written, and of what is
+    left once all are (:mod:`.letgo`; not for a plug-in that writes its file itself)."""
     spc.set_filename(path)
     try:
         handed = handed_over(spc, values)
         computed: tuple[int, str] | None
         if handed is not None:
-            copied = None if after_copy is None else partial(after_copy, handed)
-            computed = ckptstore.write_atomic(path, image.chunks(dict(handed), iteration), durable=False, after_copy=copied)
+            chunks = image.chunks(dict(handed), iteration)
+            if let_go:
+                from . import letgo
+
+                as_copied = letgo.AsCopied(handed) if not any(callable(c) for c in chunks) else None
+                computed = ckptstore.write_atomic(path, chunks, durable=False, copied=as_copied,
+                                                  after_copy=partial(letgo.let_go, handed))
+            else:
+                computed = ckptstore.write_atomic(path, chunks, durable=False)
         else:
             computed = spc.do_ckpt(values, iteration)
         fd = ckptstore.open_regular(path)

@@ -280,7 +280,7 @@ def _write_now(path: Path, values: dict, iteration: int, then, spc, delta: dict 
                                             after_copy=partial(letgo.let_go, handed) if let_go else None)
             result["seconds"] = time.monotonic() - started
         else:
-            size, digest = spc_mod.write(spc or spc_mod.Registered(), path, values, iteration, letgo.let_go if let_go else None)
+            size, digest = spc_mod.write(spc or spc_mod.Registered(), path, values, iteration, let_go=let_go)
             result = {"size": size, "digest": digest, "seconds": time.monotonic() - started}
         if then is not None:
             then(result)

@@ -175,10 +175,13 @@ def write_chunks(fd: int, chunks: Iterable, digest=None, *, kick: int = 0, stabl
 
     def flush() -> None:
         nonlocal queued, kicked
-        done = batch.copy() if copied is not None else ()
-        _writev(fd, batch)
-        for part in done:
-            copied(part)  # type: ignore[misc]  # (done is empty without it)
+        if copied is None:
+            _writev(fd, batch)
+        else:
+            written = batch.copy()  # (_writev empties the list)
+            _writev(fd, batch)
+            for part in written:
+                copied(part)
         queued = 0
         if kick and total - kicked >= kick:
             start_writeback(fd, _at + kicked, total - kicked)

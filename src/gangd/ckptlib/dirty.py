@@ -249,17 +249,15 @@ def _maps() -> list[bytes]:
         return []
 
 
-def _private_anonymous(lo: int, hi: int, lines: list[bytes] | None = None) -> bool:
+def _private_anonymous(lo: int, hi: int, lines: list[bytes]) -> bool:
     """Whether [lo, hi) is mapped, and only privately and anonymously (an inode of 0, a ``p``),
-    in ``lines`` (:func:`_maps`; read here if not given).
+    in ``lines`` (:func:`_maps`).
 
     Asynchronous write protection registers any memory, but only writes
     through *this* mapping fault: a page of shared memory another process
     writes, a memfd or file written with ``pwrite``, the file under a private
     mapping's unwritten pages -- all change what the array holds without a
     fault here."""
-    if lines is None:
-        lines = _maps()
     covered = lo
     for line in lines:
         fields = line.split(maxsplit=5)

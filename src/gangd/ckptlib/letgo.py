@@ -90,26 +90,29 @@ def let_go(values: Mapping[str, object]) -> int:
     total = 0
     for value in values.values():
         try:
-            total += _let_go_of(np, _MADVISE, value)
+            run = _own_bytes(np, value)
+            if run is None:
+                continue
+            start, end = -(-run[0] // _PAGE) * _PAGE, run[1] // _PAGE * _PAGE
+            if end > start and _MADVISE(start, end - start, mmap.MADV_DONTNEED) == 0:
+                total += end - start
         except Exception:  # noqa: BLE001,S112 -- a checkpoint already written must not fail for it
             continue
     return total
 
 
-def _let_go_of(np, madvise, value: object) -> int:
-    # Only an array whose bytes are one run of its own memory: a strided view's span holds bytes it does
-    # not cover (the other column, a record's other field, the rest of a bytes object), and a broadcast
-    # array's nbytes counts bytes it does not have.
+def _own_bytes(np, value: object) -> tuple[int, int] | None:
+    """(first, one past the last) address of ``value``'s bytes if it is an array to let go of, else None.
+
+    Only a large array of no Python objects whose bytes are one run of its own memory: a strided view's
+    span holds bytes it does not cover (the other column, a record's other field, the rest of a bytes
+    object), and a broadcast array's nbytes counts bytes it does not have."""
     if not isinstance(value, np.ndarray) or value.nbytes < MIN_BYTES or value.dtype.hasobject:
-        return 0
+        return None
     if not (value.flags.c_contiguous or value.flags.f_contiguous):
-        return 0
+        return None
     low = value.__array_interface__["data"][0]
-    start = -(-low // _PAGE) * _PAGE
-    end = (low + value.nbytes) // _PAGE * _PAGE
-    if end > start and madvise(start, end - start, mmap.MADV_DONTNEED) == 0:
-        return end - start
-    return 0
+    return low, low + value.nbytes
 
 
 def _span(array) -> tuple[int, int]:
@@ -154,12 +157,11 @@ class AsCopied:
             try:
                 if isinstance(value, np.ndarray):
                     spans.append(_span(value))
-                    if (value.nbytes >= MIN_BYTES and not value.dtype.hasobject
-                            and (value.flags.c_contiguous or value.flags.f_contiguous)):
-                        mine.append(spans[-1])
+                    run = _own_bytes(np, value)
+                    if run is not None:
+                        mine.append(run)
             except Exception:  # noqa: BLE001,S112 -- an array-like that cannot say where it is: not let go
                 continue
-        spans.sort()
         for low, high in sorted(mine):
             if sum(1 for a, b in spans if a < high and b > low) == 1:  # (itself only)
                 self._starts.append(low)

@@ -269,15 +269,13 @@ def write(spc: SPC, path: Path, values: dict, iteration: int, let_go: bool = Fal
         handed = handed_over(spc, values)
         computed: tuple[int, str] | None
         if handed is not None:
-            chunks = image.chunks(dict(handed), iteration)
+            copied = after_copy = None
             if let_go:
                 from . import letgo
 
-                as_copied = letgo.AsCopied(handed) if not any(callable(c) for c in chunks) else None
-                computed = ckptstore.write_atomic(path, chunks, durable=False, copied=as_copied,
-                                                  after_copy=partial(letgo.let_go, handed))
-            else:
-                computed = ckptstore.write_atomic(path, chunks, durable=False)
+                copied, after_copy = letgo.AsCopied(handed), partial(letgo.let_go, handed)
+            computed = ckptstore.write_atomic(path, image.chunks(dict(handed), iteration), durable=False, copied=copied,
+                                              after_copy=after_copy)
         else:
             computed = spc.do_ckpt(values, iteration)
         fd = ckptstore.open_regular(path)

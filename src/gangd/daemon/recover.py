@@ -59,9 +59,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
@@ -69,11 +68,11 @@ from .. import jobs
 from ..checkpoint import delta, retention
 from ..failpoint import hold, refuse
 from ..rpc import RemoteError
+from .ckptcoord import CheckpointCoordinator, TermTasks
 from .peers import natural_key
 from .store import Deposed
 
 if TYPE_CHECKING:
-    from .ckptcoord import CheckpointCoordinator
     from .config import Config
     from .controlplane import ControlPlane
     from .peers import Peers
@@ -230,18 +229,11 @@ HOLD = "recover.hold"
 END_REFUSED = "recover.end"
 
 
-class RecoveryTerm(Protocol):
-    """What a recovery asks of the coordinator's term (DESIGN.md 1: a narrow
-    port, not the coordinator object): whether the term lasts, tasks that end
-    with it, fenced changes to jobs, and the job operations every other path
-    uses too (fail, kill, leave the gang matrix, kill the ranks everywhere,
-    look at the queue again)."""
+class RecoveryTerm(TermTasks, Protocol):
+    """What a recovery asks of the coordinator's term besides :class:`TermTasks`: the job operations
+    every other path uses too (kill, kill the ranks everywhere, leave the gang matrix, look at the
+    queue again)."""
 
-    @property
-    def active(self) -> bool: ...
-    def spawn(self, fn: Callable[..., Any], *args: Any) -> None: ...
-    async def update(self, job_id: int, change: Callable[[dict], Any]) -> dict: ...
-    async def fail(self, job_id: int, reason: str, lost_nodes: frozenset = frozenset(), *, cause: bool = False) -> None: ...
     async def kill(self, job_id: int, cred: dict) -> dict: ...
     async def kill_everywhere(self, job_id: int) -> None: ...
     def left(self, job_id: int) -> None: ...

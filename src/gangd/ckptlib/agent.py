@@ -163,9 +163,7 @@ class DaemonAgent:
         with self.io:
             if self.gone:
                 raise CheckpointError(f"the node daemon connection is gone ({self.gone})")
-            rid, frame = self.link.conn.send_request(op, args)
-            self.replies[rid] = waiter
-            self.link._write(frame)
+            self.replies[self.link.send_request(op, args)] = waiter
         waiter.done.wait()
         reply = waiter.reply
         if reply is None:

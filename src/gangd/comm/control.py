@@ -118,10 +118,17 @@ class DaemonLink:
             if not self._feed():
                 return None
 
-    def request(self, op: str, args: dict):
-        """Send a request and wait for its reply (other events are kept in ``backlog``)."""
+    def send_request(self, op: str, args: dict) -> int:
+        """Send a request without waiting; its reply comes to whoever reads the
+        connection (matched by the id returned). Like every use of the protocol
+        machine, under the caller's lock where two threads share the link."""
         rid, frame = self.conn.send_request(op, args)
         self._write(frame)
+        return rid
+
+    def request(self, op: str, args: dict):
+        """Send a request and wait for its reply (other events are kept in ``backlog``)."""
+        rid = self.send_request(op, args)
         while True:
             event = self._next_event()
             if event is None:

@@ -30,6 +30,12 @@ measured in the same run:
            ckptlib's default background writes (a forked copy-on-write
            snapshot writes while the job runs on) and inline writes
            (GANGD_CKPT_BACKGROUND=0 in the job's environment).
+  Table R  (issue 16, ``--tables R``) the redundancy levels end to end:
+           jobs at local, partner and xor, alternating; per checkpoint the
+           time to complete (every node's own files on disk) and to
+           protected (then the redundancy written behind the job), as
+           SCR's bandwidth ratio against local. bench/recovery.py isolates
+           the write itself; this is what a job sees in the running system.
 
 Every job here writes whole files (``--ckpt-mode full``): paper 000's
 figures are the cost of writing the whole state, and a cluster's default
@@ -140,13 +146,14 @@ MPI_OVER_TCP = {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PRO
 
 
 async def submit(gang, app_args: list[str], *, name: str, background: bool | None = None, mpi: bool = False,
-                 ckpt_mode: str | None = None) -> int:
+                 ckpt_mode: str | None = None, ckpt_redundancy: str | None = None) -> int:
     """``mpi``: the app's mpi4py version (``--mpi``), run with gangd as MPICH's
-    process manager; ``ckpt_mode``: the job's --ckpt-mode (default :data:`CKPT_MODE`)."""
+    process manager; ``ckpt_mode``: the job's --ckpt-mode (default :data:`CKPT_MODE`);
+    ``ckpt_redundancy``: its --ckpt-redundancy (default :data:`CKPT_REDUNDANCY`)."""
     env = job_env(background) | (MPI_OVER_TCP if mpi else {})
     argv = [sys.executable, APP, *app_args, *(["--mpi"] if mpi else [])]
     record = await gang.submit(argv, NODES, per_node=1, env=env, cwd=str(HERE), name=name, mpi=mpi, ckpt_mode=ckpt_mode or CKPT_MODE,
-                               ckpt_codec=CKPT_CODEC, ckpt_pipeline=CKPT_PIPELINE, ckpt_redundancy=CKPT_REDUNDANCY)
+                               ckpt_codec=CKPT_CODEC, ckpt_pipeline=CKPT_PIPELINE, ckpt_redundancy=ckpt_redundancy or CKPT_REDUNDANCY)
     return record["id"]
 
 
@@ -445,6 +452,78 @@ def print_begin(b: dict) -> None:
     say("  MANIFESTs); blocked: cut -> resumed; t: request -> complete (adaptive writes only what changed)")
 
 
+LEVELS = ("local", "partner", "xor")
+
+
+async def protection(gang, job: int, gen: int) -> dict:
+    """Generation ``gen``'s entry once its redundancy write ended: protected, or complete with the reason it is not."""
+    with trio.fail_after(900):
+        while True:
+            listing = await gang.checkpoints(job)
+            entry = next((e for e in listing["generations"] if e["gen"] == gen), None)
+            if entry is not None and (entry["state"] == "protected" or "redundancy" in entry):
+                return entry
+            await trio.sleep(0.02)
+
+
+async def redundancy_levels(directory: Path, mib: int, count: int, repeats: int, background: bool) -> dict:
+    """Issue 16 end to end, in the running system (Table R): jobs of ``mib``
+    MiB per node at each redundancy level, the levels alternating job by job
+    (``repeats`` jobs each, ``count`` checkpoints per job, the first left out);
+    per checkpoint the time from the request to *complete* (every node's own
+    files on disk: the ``local`` level's whole cost) and to *protected*
+    (complete, then the partner copies or the XOR parity written behind the
+    job: the coordinator's ``protect_seconds``). The job is not blocked for
+    the redundancy write, so the next checkpoint of a back-to-back series
+    would overlap it: here each waits for the one before to be protected."""
+    band_rows = CKPT_BAND // (8 * STENCIL_COLS)
+    argv = ["--mb", str(mib), "--steps", str(10**9), "--sleep", str(CKPT_SLEEP), "--band-rows", str(band_rows)]
+    taken: dict[str, list[dict]] = {level: [] for level in LEVELS}
+    async with connect(directory) as gang:
+        for i in range(repeats):
+            for level in LEVELS if i % 2 == 0 else LEVELS[::-1]:
+                job = await submit(gang, argv, name=f"redundancy-{level}-{mib}M", background=None if background else False, ckpt_redundancy=level)
+                try:
+                    await wait_ready(gang, job)
+                    await trio.sleep(0.5)
+                    for k in range(count + 1):
+                        entry = await checkpoint(gang, job)
+                        done = entry if level == "local" else await protection(gang, job, entry["gen"])
+                        if level != "local" and done["state"] != "protected":
+                            raise BenchError(f"{level} redundancy of job {job}'s generation {entry['gen']} failed: {done.get('redundancy')}")
+                        if k:
+                            t = entry["ended"] - entry["started"]
+                            taken[level].append({"complete": t, "protected": t + float(done.get("protect_seconds") or 0.0),
+                                                 "redundancy_bytes": int(done.get("redundancy_bytes") or 0),
+                                                 "bytes": sum(s["bytes"] for s in entry["nodes"].values())})
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await kill(gang, job)
+    out: dict = {"mib": mib, "background": background, "checkpoints": {level: len(r) for level, r in taken.items()}, "levels": {}}
+    for level, rows in taken.items():
+        out["levels"][level] = {key: statistics.median(r[key] for r in rows) for key in ("complete", "protected", "redundancy_bytes", "bytes")}
+    local_t = out["levels"]["local"]["complete"]
+    for m in out["levels"].values():
+        m["x_local"] = local_t / m["protected"] if m["protected"] else float("nan")  # bandwidth ratio: the same bytes in that time
+        m["in_run"] = m["complete"] / m["protected"] if m["protected"] else float("nan")
+    return out
+
+
+def print_levels(r: dict) -> None:
+    say(f"\nTable R - redundancy levels end to end: {NODES} nodes x 1 rank, {r['mib']} MiB/node, "
+        f"{'background' if r['background'] else 'inline'} writes, medians of {min(r['checkpoints'].values())} checkpoints per level (s)")
+    say(f"{'level':>8} | {'complete':>9} {'protected':>9} | {'x local':>7} {'in run':>7} | {'redundancy MiB':>14} | target")
+    targets = {"local": "", "partner": ">= 0.50", "xor": ">= 0.75"}
+    for level, m in r["levels"].items():
+        say(f"{level:>8} | {m['complete']:9.3f} {m['protected']:9.3f} | {m['x_local']:7.2f} {m['in_run']:7.2f} | "
+            f"{m['redundancy_bytes'] / MiB:14.1f} | {targets[level]}")
+    say("  complete: checkpoint request -> every node's own files fsynced and committed (local's whole cost); protected: complete")
+    say("  + the redundancy write behind the job (partner copies / XOR parity, the coordinator's protect_seconds);")
+    say("  x local: local's complete / this level's protected (the bandwidth ratio, SCR's figure, in the running system:")
+    say("  the syncs and the snapshots' writes are part of every level's time); in run: this level's own complete / protected.")
+    say("  bench/recovery.py isolates the write itself (files, then redundancy) and is the harder measure.")
+
+
 def summarize(entry: dict) -> dict:
     nodes = entry["nodes"].values()
     t = entry["ended"] - entry["started"]
@@ -639,11 +718,14 @@ def main() -> None:
                              "--nodes 2 gives each node and its rank a core, as on a real cluster)")
     parser.add_argument("--json", action="store_true", help="print every number as JSON on stdout (tables on stderr)")
     parser.add_argument("--tables", default="2,3,4", help="which parts to run: 2 (overhead), 3 (restart; runs 2 for its "
-                        "calibration), 4 (Tables 4, 5 and Fig. 4); e.g. --tables 2 (default: all; the summary needs all)")
+                        "calibration), 4 (Tables 4, 5 and Fig. 4), R (redundancy levels end to end: local, partner, xor at "
+                        "--redundancy-mib, --repeats jobs each); e.g. --tables 2 (default: 2,3,4; the summary needs those three)")
+    parser.add_argument("--redundancy-mib", type=int, default=256, help="MiB per node of Table R's jobs (default 256)")
+    parser.add_argument("--redundancy-inline", action="store_true", help="Table R's jobs write inline (default: background)")
     args = parser.parse_args()
     tables = {t.strip() for t in args.tables.split(",") if t.strip()}
-    if not tables or not tables <= {"2", "3", "4", "5"}:
-        parser.error(f"--tables takes a comma-separated list of 2, 3 and 4, not {args.tables!r}")
+    if not tables or not tables <= {"2", "3", "4", "5", "R"}:
+        parser.error(f"--tables takes a comma-separated list of 2, 3, 4 and R, not {args.tables!r}")
     if args.nodes < 1:
         parser.error("--nodes must be at least 1")
     NODES = args.nodes
@@ -697,6 +779,11 @@ def main() -> None:
                 result["sweep"] = [r for r in rows if r["mib"] in sizes]
                 print_breakdown(next(r for r in rows if r["mib"] == args.breakdown_mib))
                 print_bandwidth(result["sweep"], count)
+            if "R" in tables:
+                say(f"\nTable R: {repeats} jobs per redundancy level ({', '.join(LEVELS)}), {count} + 1 checkpoints each, "
+                    f"{args.redundancy_mib} MiB/node ...")
+                result["redundancy"] = trio.run(redundancy_levels, directory, args.redundancy_mib, count, repeats, not args.redundancy_inline)
+                print_levels(result["redundancy"])
             if {"2", "3", "4"} <= tables:
                 result["summary"] = summary(result)
         finally:

@@ -28,7 +28,8 @@ of ranks that move (:mod:`gangd.daemon.staging`); files that are only on
 nodes that are down are rebuilt, if the generation is *protected*, from its
 redundancy on the node replacing each lost one (:mod:`gangd.daemon.rebuild`);
 :meth:`CheckpointCoordinator.recover` does the same for the system, when
-a node is lost under a running job.
+a node is lost under a running job. Copies in a shared flush directory,
+SCR's third level, are :mod:`gangd.daemon.ckptflush`'s.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from ..redundancy.plan import PlanError, default_level, make_plan
 from ..rpc import RemoteError
 from .access import permission_check
 from .checkpoint import OFFER_CANDIDATES
+from .ckptflush import Flushes
 from .interval import IntervalPlanner, Ports
 from .jobnet import expected_deliveries
 from .peers import natural_key
@@ -97,10 +99,6 @@ class Chosen:
     rebuilt: dict[str, str]
 
 
-def _largest_share(entry: dict) -> int:
-    """The most bytes one node committed of a generation (what its slowest transfer moves)."""
-    return max([v.get("bytes", 0) for v in (entry.get("nodes") or {}).values() if isinstance(v, dict)] or [0])
-
 
 class TermTasks(Protocol):
     """What every part run in the coordinator's term asks of it (DESIGN.md 1: narrow ports, not the
@@ -146,10 +144,8 @@ class CheckpointCoordinator:
         # verifies the files (seconds, for large states) — a second restart
         # meanwhile would pass the same check and start a second job.
         self.restarting: set[int] = set()
-        # lineage -> the generation being flushed (one at a time per lineage;
-        # retention never removes it meanwhile), and flushed copies being removed.
-        self.flushing: dict[int, int] = {}
-        self.unflushing: set[tuple[int, int]] = set()
+        # The third level: generations copied to [checkpoint] flush_dir behind the job, and back on a restart.
+        self.flushes = Flushes(term, node=host.node, config=host.config, table=host.table, generations=self.generations, on_job_nodes=self._all)
         config = self.host.config
         membership = host.membership
         self.planner = IntervalPlanner(Ports(
@@ -358,11 +354,11 @@ class CheckpointCoordinator:
                     await self._record_protection(job_id, entry)  # (the redundancy write's outcome)
                     if entry["state"] == "protected":
                         await self._prune(record)  # (an older protected generation may go now)
-                    self._maybe_flush(job_id, entry["gen"])
+                    self.flushes.maybe(job_id, entry["gen"])
                 else:
                     await self._record(job_id, entry)
                     if entry["state"] == "complete" and self.level(record)[0] == "local":
-                        self._maybe_flush(job_id, entry["gen"])  # (no redundancy write comes)
+                        self.flushes.maybe(job_id, entry["gen"])  # (no redundancy write comes)
             elif isinstance(instruction, rd.Prune):
                 await self._prune(record)
             elif isinstance(instruction, rd.Finish):
@@ -408,7 +404,7 @@ class CheckpointCoordinator:
         usable = [e for e in self.generations(record) if e["state"] in ("complete", "protected")]
         if usable and (usable[-1]["state"] == "protected" or "redundancy" in usable[-1] or self.level(record)[0] == "local") \
                 and not usable[-1].get("flushed") and not usable[-1].get("flush"):
-            self._maybe_flush(usable[-1]["job"], usable[-1]["gen"])  # (a flush the previous coordinator left, or never began)
+            self.flushes.maybe(usable[-1]["job"], usable[-1]["gen"])  # (a flush the previous coordinator left, or never began)
         if not usable or usable[-1]["state"] != "complete" or "redundancy" in usable[-1] or usable[-1].get("job") != record["id"]:
             return
         level, _ = self.level(record)
@@ -439,172 +435,9 @@ class CheckpointCoordinator:
         log.info("job %d: checkpoint %d protected (%s, resumed after the coordinator changed; %d bytes in %.3f s)", job_id, gen, level, written, seconds)
         await self._record_protection(job_id, {"gen": gen, "state": "protected", "redundancy_bytes": written, "protect_seconds": round(seconds, 6)})
         await self._prune(self.host.table.get(job_id) or record)
-        self._maybe_flush(job_id, gen)
+        self.flushes.maybe(job_id, gen)
 
-    # ------------------------------------------------------------ the flush directory (gangd.daemon.flush)
-
-    def _maybe_flush(self, job_id: int, gen: int) -> None:
-        """A generation goes to ``[checkpoint] flush_dir`` too, behind the job,
-        when ``flush_every`` generations passed since the lineage's last
-        flushed one (aborted rounds spend numbers: they do not delay it), and
-        no flush of the lineage is under way (its next generation waits for the next chance)."""
-        config = self.host.config
-        record = self.host.table.get(job_id)
-        if config.checkpoint_flush_dir is None or record is None:
-            return
-        lineage = record.get("lineage") or job_id
-        if lineage in self.flushing:
-            return
-        last = max([e["gen"] for e in self.generations(record) if e.get("flushed")] or [0])
-        if gen - last >= config.checkpoint_flush_every:
-            self.flushing[lineage] = gen
-            self.co.spawn(self._flush, job_id, lineage, gen)
-
-    def _transfer_timeout(self, nbytes: int, rate: int) -> float:
-        """What moving ``nbytes`` may take: the checkpoint timeout, plus the
-        time at the throttle's rate (else at a slow 20 MiB/s), twice over."""
-        return float(self.host.config.checkpoint_timeout) + 2 * nbytes / (rate or 20 << 20)
-
-    async def _flush(self, job_id: int, lineage: int, gen: int) -> None:
-        """Every node of the job copies its files of generation ``gen`` to the
-        flush directory (``ckpt_flush``); all done: the generation is recorded
-        *flushed* (a restart may then take any rank's files from there). A
-        flush that fails, or whose generation is gone meanwhile, has its copy
-        removed: nothing stays on the shared file system unrecorded."""
-        try:
-            record = self.host.table.get(job_id)
-            gens = self.generations(record) if record is not None else []
-            entry = next((e for e in gens if e["gen"] == gen), None)
-            if record is None or entry is None or entry["state"] not in ("complete", "protected"):
-                return
-            # A delta is restorable from the flush directory only with its links: each is flushed first (once).
-            by_gen = {e["gen"]: e for e in gens}
-            for link in sorted(retention.needs_of(gens).get(gen) or ()):
-                held = by_gen.get(link)
-                if held is None or held.get("flushed"):
-                    continue
-                if held["state"] not in ("complete", "protected") or not await self._flush_one(record, lineage, held):
-                    await self._flush_failed(entry, f"its link, generation {link}, was not flushed")
-                    return
-            if await self._flush_one(record, lineage, entry):
-                await self._sweep_flushed(lineage, job_id)
-        finally:
-            if self.flushing.get(lineage) == gen:
-                del self.flushing[lineage]
-        # Generations completed meanwhile waited: the newest of them goes now, if due.
-        record = self.host.table.get(job_id)
-        newest = [e for e in self.generations(record) if e["state"] in ("complete", "protected")] if record is not None else []
-        if newest and newest[-1]["gen"] > gen and not newest[-1].get("flushed") and not newest[-1].get("flush"):
-            self._maybe_flush(newest[-1]["job"], newest[-1]["gen"])
-
-    async def _flush_failed(self, entry: dict, why: str) -> None:
-        log.warning("job %d: checkpoint %d was not flushed: %s", entry["job"], entry["gen"], why)
-
-        change = _entry_change(entry["gen"], _usable, lambda e: e.update(flush=f"failed: {why}"))
-        try:
-            await self.co.update(entry["job"], change)
-        except RemoteError as exc:
-            log.warning("job %d: could not record the failed flush of checkpoint %d: %s", entry["job"], entry["gen"], exc)
-
-    async def _flush_one(self, record: dict, lineage: int, entry: dict) -> bool:
-        """Every node of the job copies its files of ``entry``'s generation to
-        the flush directory and the entry is recorded flushed (True); a failed
-        flush has its copy removed (False)."""
-        job_id, gen = entry["job"], entry["gen"]
-        config = self.host.config
-        rate = int(config.checkpoint_flush_mib_per_s * (1 << 20))
-        largest = _largest_share(entry)
-        started = time.monotonic()
-        try:
-            answers = await self._all(record, "ckpt_flush", lineage=lineage, gen=gen, rate=rate, timeout=self._transfer_timeout(largest, rate))
-        except RemoteError as exc:
-            log.warning("job %d: checkpoint %d was not flushed to %s: %s", job_id, gen, config.checkpoint_flush_dir, exc.message)
-            fields: dict[str, Any] = {"flush": f"failed: {exc.message}"}
-        else:
-            written = sum(a.get("bytes", 0) for a in answers.values() if isinstance(a, dict))
-            seconds = time.monotonic() - started
-            log.info("job %d: checkpoint %d flushed to %s (%d bytes in %.2f s)", job_id, gen, config.checkpoint_flush_dir, written, seconds)
-            fields = {"flushed": {"at": time.time(), "bytes": written, "seconds": round(seconds, 3)}}
-        recorded = False
-
-        def record_flush(e: dict) -> None:
-            nonlocal recorded
-            e.update(fields)
-            recorded = "flushed" in fields
-
-        try:
-            await self.co.update(job_id, _entry_change(gen, _usable, record_flush))
-        except RemoteError as exc:
-            log.warning("job %d: could not record the flush of checkpoint %d: %s", job_id, gen, exc)
-        if not recorded:
-            await self._remove_flushed(lineage, gen, job_id)
-        return recorded
-
-    async def _sweep_flushed(self, lineage: int, job_id: int) -> None:
-        """After a flush is recorded: remove the lineage's copies in the flush
-        directory that nothing records flushed (a flush a previous coordinator
-        left half-written, of another generation than the ones flushed since)."""
-        try:
-            await self.host.table.read_lineage(lineage)  # (a flushed generation of an older job of the lineage is kept too)
-            record = self.host.table.get(job_id)
-            if record is None:
-                return
-            keep = {e["gen"] for e in self.generations(record) if e.get("flushed")}
-            if lineage in self.flushing:
-                keep.add(self.flushing[lineage])
-            keep |= {g for (lin, g) in self.unflushing if lin == lineage}
-            await self.co.call(self.host.node, "ckpt_flush_remove", lineage=lineage, keep=sorted(keep))
-        except RemoteError as exc:
-            log.warning("could not sweep job-%d in the flush directory: %s", lineage, exc.message)
-
-    async def _remove_flushed(self, lineage: int, gen: int, job_id: int | None = None) -> None:
-        """Remove a generation's copy in the flush directory (any node sees it:
-        this one asks its own daemon), then forget it was flushed."""
-        if (lineage, gen) in self.unflushing:
-            return
-        self.unflushing.add((lineage, gen))
-        try:
-            try:
-                await self.co.call(self.host.node, "ckpt_flush_remove", lineage=lineage, gen=gen)
-            except RemoteError as exc:
-                log.warning("could not remove job-%d/gen-%d from the flush directory (retried at the next prune): %s", lineage, gen, exc)
-                return
-            if job_id is None:
-                return
-            try:
-                await self.co.update(job_id, _entry_change(gen, lambda e: bool(e.get("flushed")), lambda e: e.pop("flushed")))
-            except RemoteError as exc:
-                log.warning("job %d: could not record that generation %d left the flush directory: %s", job_id, gen, exc)
-        finally:
-            self.unflushing.discard((lineage, gen))
-
-    async def _unflush(self, record: dict, lineage: int, entry: dict, placement: list[str], ranks: list[int]) -> tuple[list[str], list[str]]:
-        """The files of ``ranks`` (on no live node) copied from the flush
-        directory onto the nodes they restart on: (failures, each a line
-        naming the node; the nodes that restored theirs)."""
-        pulls: dict[str, dict[str, list[int]]] = {}
-        for rank in ranks:
-            pulls.setdefault(placement[rank], {}).setdefault(entry["placement"][rank], []).append(rank)
-        largest = _largest_share(entry)
-        timeout = self._transfer_timeout(largest * len(pulls), 0)
-        failures: list[str] = []
-        done: list[str] = []
-
-        async def one(target: str, from_nodes: dict[str, list[int]]) -> None:
-            try:
-                with trio.fail_after(timeout + 10):
-                    await self.co.call(target, "ckpt_unflush", lineage=lineage, gen=entry["gen"], owner=[record["owner_uid"], record["owner_gid"]],
-                                       pulls=from_nodes, timeout=timeout)
-                done.append(target)
-            except trio.TooSlowError:
-                failures.append(f"{target}: restoring from the flush directory took more than {timeout + 10:.0f} s")
-            except RemoteError as exc:
-                failures.append(exc.message if exc.message.startswith(f"{target}:") else f"{target}: {exc.message}")
-
-        async with trio.open_nursery() as nursery:
-            for target, from_nodes in pulls.items():
-                nursery.start_soon(one, target, from_nodes)
-        return sorted(failures), done
+    # ------------------------------------------------------------ what the job's record says of a generation
 
     async def _record_copies(self, entry: dict, copies: dict[str, list[int]]) -> None:
         """Where a generation's files now also are (a later restart uses them, retention removes them)."""
@@ -705,10 +538,10 @@ class CheckpointCoordinator:
         await self.host.table.read_lineage(record.get("lineage") or record["id"])
         gens = self.generations(self.host.table.get(record["id"]) or record)
         lineage = record.get("lineage") or record["id"]
-        doomed = retention.doomed(gens, keep, flushing=self.flushing.get(lineage), holding=self._offered(lineage, gens))
+        doomed = retention.doomed(gens, keep, flushing=self.flushes.flushing.get(lineage), holding=self._offered(lineage, gens))
         for e in gens:
             if e["state"] == "removed" and e.get("flushed"):  # (a removal from the flush directory that failed before)
-                self.co.spawn(self._remove_flushed, lineage, e["gen"], e["job"])
+                self.co.spawn(self.flushes.remove, lineage, e["gen"], e["job"])
         # Leftovers of aborted generations on a node that missed the abort
         # (it was down) go too; removing what is not there costs nothing.
         leftovers = [e for e in gens if e["state"] == "aborted"]
@@ -733,7 +566,7 @@ class CheckpointCoordinator:
             return
         for e in doomed:
             if e.get("flushed"):  # (in the background: a checkpoint never waits on the shared file system)
-                self.co.spawn(self._remove_flushed, lineage, e["gen"], e["job"])
+                self.co.spawn(self.flushes.remove, lineage, e["gen"], e["job"])
         removed = {(e["job"], e["gen"]) for e in doomed}
         for job in {j for j, _ in removed}:
             def change(r, job=job):
@@ -925,7 +758,7 @@ class CheckpointCoordinator:
                     skipped += [f"generation {entry['gen']}: {p}" for p in link_failures]
                     continue
             if sources.missing and entry.get("flushed"):
-                failures, restored = await self._unflush(record, lineage, entry, placement, sorted(sources.missing))
+                failures, restored = await self.flushes.unflush(record, lineage, entry, placement, sorted(sources.missing))
                 copies = {node: list(ranks) for node, ranks in (entry.get("copies") or {}).items()}
                 for rank in sources.missing:
                     if placement[rank] in restored:
@@ -1231,7 +1064,7 @@ class CheckpointCoordinator:
             sources = relocate.plan_sources(placement, list(link["placement"]), link.get("copies"), holding)
             if not sources.missing:
                 continue
-            failures, restored = await self._unflush(record, lineage, link, placement, sorted(sources.missing))
+            failures, restored = await self.flushes.unflush(record, lineage, link, placement, sorted(sources.missing))
             copies = {node: list(ranks) for node, ranks in (link.get("copies") or {}).items()}
             for rank in sources.missing:
                 if placement[rank] in restored:
@@ -1451,22 +1284,6 @@ def delta_gate(asked: str | None, cluster: str) -> bool:
     return (asked or cluster) != "full"
 
 
-def _usable(entry: dict) -> bool:
-    return entry["state"] in ("complete", "protected")
-
-
-def _entry_change(gen: int, wanted: Callable[[dict], bool], action: Callable[[dict], object]) -> Callable[[dict], bool | None]:
-    """A change of a job record (for ``co.update``): ``action`` on the entry
-    of generation ``gen`` if ``wanted(entry)``; no such entry: nothing to
-    write (False)."""
-    def change(record: dict) -> bool | None:
-        for e in record.get("checkpoints") or []:
-            if e["gen"] == gen and wanted(e):
-                action(e)
-                return None
-        return False
-
-    return change
 
 
 def _wiped_first(wiped: dict[str, str], problem: str) -> str:

@@ -3,7 +3,7 @@
 When a node of a checkpoint is gone with its disk, the ranks it held have
 no file anywhere but in the generation's redundancy: its ring partner's
 copy (``partner``) or its XOR set's parity (``xor``). ``gang restart`` (and
-the coordinator's :meth:`CheckpointCoordinator.recover`) then rebuilds the
+the coordinator's :meth:`Restarts.recover`) then rebuilds the
 lost node's files on the node that replaces it (``ckpt_rebuild``) and
 restarts there. What a user relies on, with real daemons on a 4-node
 cluster, a daemon SIGKILLed and its checkpoint directory deleted: the job

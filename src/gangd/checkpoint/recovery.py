@@ -17,7 +17,7 @@ plain values, so that every rule is testable without a cluster:
   free cores the lost node's ranks need; in node-name order within each
   class, so the choice is predictable.
 
-The daemon side executes it: :meth:`gangd.daemon.ckptcoord.CheckpointCoordinator.restart`
+The daemon side executes it: :meth:`gangd.daemon.ckptrestart.Restarts.restart`
 and ``recover`` take this placement when a protected generation's files
 must be rebuilt, :func:`gangd.checkpoint.relocate.plan_rebuilds` says which
 node rebuilds what, and ``ckpt_rebuild`` (:mod:`gangd.daemon.rebuild`) does it.

@@ -7,7 +7,7 @@ node of the generation is down); then each node of the new placement pulls
 the files of its ranks that it does not hold from a live node that does
 (:mod:`gangd.daemon.staging`). These functions decide both, from plain
 values, so that every rule is testable without a cluster; the coordinator
-(:meth:`gangd.daemon.ckptcoord.CheckpointCoordinator.restart`) executes
+(:meth:`gangd.daemon.ckptrestart.Restarts.restart`) executes
 them. When a rank's files are only on nodes that are down and the
 generation is *protected*, :func:`plan_rebuilds` says which node rebuilds
 each lost node's files from its redundancy (``ckpt_rebuild``,

@@ -899,7 +899,7 @@ class Coordinator:
         """A node's ranks of a restarted job loaded their state, or could not
         (``error``): a job a recovery started is recovered again from an older
         generation (:meth:`Recoveries.restore_failed`); any other restart
-        fails, its generation checked (:meth:`CheckpointCoordinator.on_restored`)."""
+        fails, its generation checked (:meth:`Restarts.on_restored`)."""
         record = self.table.get(job_id)
         if record is None or jobs.is_terminal(record) or not isinstance(record.get("restart_of"), dict) or node not in jobs.nodes_of(record):
             # From a peer: only a node of a job being restored speaks for it (else any holder of the
@@ -912,7 +912,7 @@ class Coordinator:
             record = self.table.get(job_id)
             if record is not None and await self.recoveries.restore_failed(record, node, error):
                 return
-        await self.ckpt.on_restored(job_id, node, error)
+        await self.ckpt.restarts.on_restored(job_id, node, error)
 
     async def fail(self, job_id: int, reason: str, lost_nodes: frozenset = frozenset(), *, cause: bool = False) -> None:
         """End the job as FAILED with ``reason`` and kill whatever of it still runs.

@@ -3,8 +3,8 @@
 A *protected* generation survives the loss of a node (:mod:`gangd.daemon.protect`
 wrote its redundancy), but only if something puts the lost node's files
 back on a disk before the restart. The coordinator, restarting a job whose
-ranks' files are only on nodes that are down (:meth:`CheckpointCoordinator.restart`,
-:meth:`~gangd.daemon.ckptcoord.CheckpointCoordinator.recover`), plans it
+ranks' files are only on nodes that are down (:meth:`Restarts.restart`,
+:meth:`~gangd.daemon.ckptrestart.Restarts.recover`), plans it
 (:meth:`gangd.redundancy.plan.Plan.recovery`) and commands the node that
 takes the lost node's ranks, with the fenced peer op ``ckpt_rebuild``:
 

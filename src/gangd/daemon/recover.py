@@ -20,7 +20,7 @@ If so, :class:`Recoveries` runs the recovery inside the coordinator's term:
    ranks are killed everywhere;
 2. a checkpoint round still under way for it is waited for (it aborts: its
    ranks are gone; the previous generation stays usable);
-3. :meth:`gangd.daemon.ckptcoord.CheckpointCoordinator.recover` restarts the
+3. :meth:`gangd.daemon.ckptrestart.Restarts.recover` restarts the
    lineage from its newest usable generation on live nodes (spares first),
    rebuilding the lost files, as a NEW job of the same lineage;
 4. the lost job ends ``REQUEUED`` with ``requeued_as`` naming the new job,
@@ -51,7 +51,7 @@ A deposed coordinator's recovery is cancelled with its term. The next
 coordinator finds the job RECOVERING at takeover (:meth:`Recoveries.ensure`):
 if a newer job of the lineage exists, the recovery got as far as submitting
 it and only the link is recorded; otherwise the recovery runs again. One
-lineage is never restarted twice at once: :attr:`CheckpointCoordinator.restarting`
+lineage is never restarted twice at once: :attr:`Restarts.restarting`
 and the rule that one job of a lineage is alive at a time.
 """
 
@@ -353,7 +353,7 @@ class Recoveries:
     def repin(self, record: dict, lost: list[str]) -> None:
         """``record`` is a restart still QUEUED, pinned to ``lost`` nodes (its
         generation's files were put or rebuilt there, then the node went
-        down): choose its nodes again (:meth:`CheckpointCoordinator.replan`),
+        down): choose its nodes again (:meth:`Restarts.replan`),
         or fail it saying why it cannot start."""
         if record["id"] not in self.repinning:
             self.repinning.add(record["id"])
@@ -365,7 +365,7 @@ class Recoveries:
             if record is None or record["state"] != jobs.QUEUED or record["placement"] or not record.get("restart_of"):
                 return
             try:
-                await self.ckpt.replan(record, set(lost))
+                await self.ckpt.restarts.replan(record, set(lost))
             except RemoteError as exc:
                 # (busy, bad_state: the lineage's other restart, or the recovery that made this job, is not over yet)
                 if isinstance(exc, Deposed) or exc.code in (*TRANSIENT, "busy", "bad_state"):
@@ -446,7 +446,7 @@ class Recoveries:
             # ranks may have failed too, their report coming second). Intact files mean the restore failed
             # for another reason, which an older generation would not cure. Files that could not be read
             # (their node down, say) are for the restart to skip or rebuild, as after any loss.
-            damaged, unread = await ckpt.check_restore(record)
+            damaged, unread = await ckpt.restarts.check_restore(record)
             if not damaged and not unread:
                 why = (record.get("recovery") or {}).get("why") or "its restore failed"
                 raise RemoteError("restore_failed", f"{why}; the generation's files are intact (read whole on every node)")
@@ -457,7 +457,7 @@ class Recoveries:
                             job_id, "; ".join(unread))
         lineage = record.get("lineage") or job_id
         with trio.move_on_after(RESTART_WAIT):
-            while lineage in ckpt.restarting:  # noqa: ASYNC110 -- a set of ckptcoord's, no event to wait on
+            while lineage in ckpt.restarts.restarting:  # noqa: ASYNC110 -- a set of ckptcoord's, no event to wait on
                 await trio.sleep(0.2)
         record = self.table.get(job_id)
         if record is None or record["state"] != jobs.RECOVERING:
@@ -466,9 +466,7 @@ class Recoveries:
             await self._end(job_id, jobs.KILLED, "")
             return
         await self.table.read_lineage(lineage)
-        recover = getattr(ckpt, "recover", None)
-        if recover is None:
-            raise RemoteError("not_supported", "this gangd cannot rebuild a lost node's checkpoint files")
+        recover = ckpt.restarts.recover
         started = time.monotonic()
         try:
             result = await recover(record, set(lost))

@@ -24,7 +24,7 @@ file system (a bad sector) or a write in the same clock tick as the stamp;
 the ranks' own checks find that as they restore, the restarted job fails
 naming the file, and the coordinator marks the generation damaged after a
 whole-file check (``full``), so the next ``gang restart`` starts from an
-older one (:meth:`CheckpointCoordinator.on_restored`).
+older one (:meth:`Restarts.on_restored`).
 
 Kept in memory only (a daemon that restarts reads everything once again) and
 bounded (:data:`MAX_FILES`, oldest forgotten first).

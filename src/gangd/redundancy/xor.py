@@ -96,7 +96,7 @@ class Damaged(RebuildError):
     """What a rebuild reads is there but wrong (a parity, a partner copy or a
     survivor's data missing, of the wrong size, or not matching its checksum):
     unlike a peer that went away, it does not heal, and the generation is no
-    longer protected (the coordinator records it: :meth:`CheckpointCoordinator._rebuild`)."""
+    longer protected (the coordinator records it: :meth:`Restarts._rebuild`)."""
 
 
 class Source(Protocol):

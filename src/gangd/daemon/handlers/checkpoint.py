@@ -123,7 +123,8 @@ async def coord_checkpoint_all(s, call: Call):
 @op("coord_restart", audience=PEER)
 async def coord_restart(s, call: Call):
     args = call.args
-    return await coordinator(s).ckpt.restart(integer(args, "job"), args["cred"], args.get("gen"), nodelist=args.get("nodelist"), nodes=args.get("nodes"))
+    restarts = coordinator(s).ckpt.restarts
+    return await restarts.restart(integer(args, "job"), args["cred"], args.get("gen"), nodelist=args.get("nodelist"), nodes=args.get("nodes"))
 
 
 @op("coord_ckpt_restored", audience=PEER)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -269,13 +269,7 @@ class Restarts:
                     skipped += [f"generation {entry['gen']}: {p}" for p in link_failures]
                     continue
             if sources.missing and entry.get("flushed"):
-                failures, restored = await self.flushes.unflush(record, lineage, entry, placement, sorted(sources.missing))
-                copies = {node: list(ranks) for node, ranks in (entry.get("copies") or {}).items()}
-                for rank in sources.missing:
-                    if placement[rank] in restored:
-                        copies[placement[rank]] = sorted({*copies.get(placement[rank], []), rank})
-                if restored:
-                    await self._record_copies(entry, copies)  # (retention removes them, even from a restart that failed)
+                failures, restored, copies = await self._from_flush(record, lineage, entry, placement, sources.missing)
                 if failures:
                     skipped += [f"generation {entry['gen']} (from the flush directory): {p}" for p in failures]
                     continue
@@ -441,18 +435,7 @@ class Restarts:
             for node, ranks in done.items():
                 copies = relocate.with_copies(copies, node, ranks)
             entry = {**entry, "copies": copies}
-
-            def change(r):
-                for e in r.get("checkpoints") or []:
-                    if e["gen"] == entry["gen"]:
-                        mine = e.setdefault("copies", {})
-                        for node, ranks in done.items():
-                            mine[node] = sorted(set(mine.get(node, [])) | set(ranks))
-
-            try:
-                await self.term.update(entry["job"], change)
-            except RemoteError as exc:
-                log.warning("job %d: could not record the rebuilt copies of generation %d: %s", entry["job"], entry["gen"], exc)
+            await self._add_copies(entry, done, "rebuilt copies")
         return entry, failures, damaged
 
     async def _stage(self, record: dict, lineage: int, entry: dict, sources: relocate.Sources) -> tuple[list[str], list[str]]:
@@ -486,17 +469,7 @@ class Restarts:
             for target, pulls in sources.pulls.items():
                 nursery.start_soon(one, target, pulls)
         if staged:
-            def change(r):
-                for e in r.get("checkpoints") or []:
-                    if e["gen"] == entry["gen"]:
-                        copies = e.setdefault("copies", {})
-                        for node, ranks in staged.items():
-                            copies[node] = sorted(set(copies.get(node, [])) | set(ranks))
-
-            try:
-                await self.term.update(entry["job"], change)
-            except RemoteError as exc:
-                log.warning("job %d: could not record the copies of generation %d: %s", entry["job"], entry["gen"], exc)
+            await self._add_copies(entry, staged, "copies")
         if not failures:
             return [], []
         damaged: list[str] = []
@@ -507,6 +480,22 @@ class Restarts:
                 except RemoteError as exc:
                     log.warning("job %d: could not check generation %d on %s: %s", record["id"], entry["gen"], source, exc)
         return sorted(damaged), ([] if damaged else sorted(failures))
+
+    async def _add_copies(self, entry: dict, added: dict[str, list[int]], what: str) -> None:
+        """Record that the nodes of ``added`` now also hold its ranks' files of
+        ``entry``'s generation (``copies``: a later restart pulls from them,
+        retention removes them); ``what`` they are, for the log if it fails."""
+        def change(r):
+            for e in r.get("checkpoints") or []:
+                if e["gen"] == entry["gen"]:
+                    copies = e.setdefault("copies", {})
+                    for node, ranks in added.items():
+                        copies[node] = sorted(set(copies.get(node, [])) | set(ranks))
+
+        try:
+            await self.term.update(entry["job"], change)
+        except RemoteError as exc:
+            log.warning("job %d: could not record the %s of generation %d: %s", entry["job"], what, entry["gen"], exc)
 
     async def _unprotect(self, entry: dict, reason: str) -> None:
         """A protected generation whose redundancy a rebuild found damaged is
@@ -563,25 +552,34 @@ class Restarts:
                     "back only when the generation and every link are protected or flushed: " + relocate.describe_missing(sources.missing))
         return ""
 
+    async def _from_flush(self, record: dict, lineage: int, entry: dict, placement: list[str],
+                          missing: Iterable[int]) -> tuple[list[str], list[str], dict[str, list[int]]]:
+        """The files of ranks ``missing`` (on no live node) of ``entry``'s
+        generation restored from the flush directory onto their nodes in
+        ``placement``, and recorded as copies (retention removes them, even
+        after a restart that failed): (failures, each naming the node; the
+        nodes that restored theirs; the generation's copies now)."""
+        missing = sorted(missing)
+        failures, restored = await self.flushes.unflush(record, lineage, entry, placement, missing)
+        copies = {node: list(ranks) for node, ranks in (entry.get("copies") or {}).items()}
+        for rank in missing:
+            if placement[rank] in restored:
+                copies[placement[rank]] = sorted({*copies.get(placement[rank], []), rank})
+        if restored:
+            await self._record_copies(entry, copies)
+        return failures, restored, copies
+
     async def _unflush_links(self, record: dict, lineage: int, entry: dict, generations: list[dict], placement: list[str],
                              holding: list[str]) -> list[str]:
         """The lost files of every generation a flushed delta needs, restored
         from the flush directory onto the nodes ``placement`` gives their
-        ranks, oldest first (:meth:`_unflush`), each link's copies recorded;
+        ranks, oldest first (:meth:`_from_flush`), each link's copies recorded;
         the problems, each naming the link."""
-        by_gen = {e["gen"]: e for e in generations}
-        for gen in sorted(retention.needs_of(generations).get(entry["gen"]) or ()):
-            link = by_gen[gen]
-            sources = relocate.plan_sources(placement, list(link["placement"]), link.get("copies"), holding)
+        for gen, link, sources in _links(entry, generations, placement, holding):
             if not sources.missing:
                 continue
-            failures, restored = await self.flushes.unflush(record, lineage, link, placement, sorted(sources.missing))
-            copies = {node: list(ranks) for node, ranks in (link.get("copies") or {}).items()}
-            for rank in sources.missing:
-                if placement[rank] in restored:
-                    copies[placement[rank]] = sorted({*copies.get(placement[rank], []), rank})
+            failures, restored, copies = await self._from_flush(record, lineage, link, placement, sources.missing)
             if restored:
-                await self._record_copies(link, copies)
                 link["copies"] = copies
             if failures:
                 return [f"it needs generation {gen} (from the flush directory): {p}" for p in failures]
@@ -594,10 +592,7 @@ class Restarts:
         lost ranks, oldest first (:meth:`_rebuild`); the problems, each naming
         the link. Each link's recorded copies are updated here too, so that
         :meth:`_stage_links` finds the rebuilt files."""
-        by_gen = {e["gen"]: e for e in generations}
-        for gen in sorted(retention.needs_of(generations).get(entry["gen"]) or ()):
-            link = by_gen[gen]
-            sources = relocate.plan_sources(placement, list(link["placement"]), link.get("copies"), holding)
+        for gen, link, sources in _links(entry, generations, placement, holding):
             if not sources.missing:
                 continue
             try:
@@ -619,10 +614,7 @@ class Restarts:
         is staged as it is (each rank that moves pulls its file of each link
         from a node holding it), oldest first; (damaged, other problems),
         each naming the link."""
-        by_gen = {e["gen"]: e for e in generations}
-        for gen in sorted(retention.needs_of(generations).get(entry["gen"]) or ()):
-            link = by_gen[gen]
-            sources = relocate.plan_sources(placement, list(link["placement"]), link.get("copies"), holding)
+        for gen, link, sources in _links(entry, generations, placement, holding):
             if sources.missing:
                 return [], [f"it needs generation {gen}: {relocate.describe_missing(sources.missing)}"]
             if not sources.pulls:
@@ -773,3 +765,12 @@ def _wiped_first(wiped: dict[str, str], problem: str) -> str:
     sees them up: the sentence must say why they count as lost)."""
     said = "; ".join(f"node {n} no longer holds its files ({why})" for n, why in sorted(wiped.items()))
     return f"{said}; {problem}" if said else problem
+
+
+def _links(entry: dict, generations: list[dict], placement: list[str], holding: list[str]) -> Iterator[tuple[int, dict, relocate.Sources]]:
+    """Every generation ``entry`` needs (a delta's links), oldest first, each
+    with where its ranks' files are for ``placement`` on the ``holding`` nodes."""
+    by_gen = {e["gen"]: e for e in generations}
+    for gen in sorted(retention.needs_of(generations).get(entry["gen"]) or ()):
+        link = by_gen[gen]
+        yield gen, link, relocate.plan_sources(placement, list(link["placement"]), link.get("copies"), holding)

@@ -457,7 +457,7 @@ class Recoveries:
                             job_id, "; ".join(unread))
         lineage = record.get("lineage") or job_id
         with trio.move_on_after(RESTART_WAIT):
-            while lineage in ckpt.restarts.restarting:  # noqa: ASYNC110 -- a set of ckptcoord's, no event to wait on
+            while lineage in ckpt.restarts.restarting:  # noqa: ASYNC110 -- a set of ckptrestart.Restarts', no event to wait on
                 await trio.sleep(0.2)
         record = self.table.get(job_id)
         if record is None or record["state"] != jobs.RECOVERING:

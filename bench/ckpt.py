@@ -395,10 +395,15 @@ def raw_write(directory: Path, nbytes: int, writers: int) -> float:
     return max(e for _, e in spans) - min(s for s, _ in spans)
 
 
+def checkpointed_argv(mib: int) -> list[str]:
+    """The app's arguments for a job that runs until killed, ``mib`` MiB per rank, while it is checkpointed:
+    a short sleep per iteration (a cut comes quickly) and a band of rows relaxed per iteration (CKPT_BAND)."""
+    return ["--mb", str(mib), "--steps", str(10**9), "--sleep", str(CKPT_SLEEP), "--band-rows", str(CKPT_BAND // (8 * STENCIL_COLS))]
+
+
 async def checkpointed_job(directory: Path, mib: int, background: bool, count: int, mpi: bool = False) -> list[dict]:
     """``count`` checkpoints of a job with ``mib`` MiB per rank; the generation entries."""
-    band_rows = CKPT_BAND // (8 * STENCIL_COLS)
-    argv = ["--mb", str(mib), "--steps", str(10**9), "--sleep", str(CKPT_SLEEP), "--band-rows", str(band_rows)]
+    argv = checkpointed_argv(mib)
     async with connect(directory) as gang:
         name = f"ckpt-{'mpi-' if mpi else ''}{mib}M-{'bg' if background else 'inline'}"
         job = await submit(gang, argv, name=name, background=None if background else False, mpi=mpi)
@@ -414,8 +419,7 @@ async def checkpointed_job(directory: Path, mib: int, background: bool, count: i
 async def begin_cost(directory: Path, mib: int, count: int, repeats: int) -> dict:
     """The begin of a job's checkpoints in mode full and adaptive (see the
     docstring): per mode, every checkpoint but each job's first."""
-    band_rows = CKPT_BAND // (8 * STENCIL_COLS)
-    argv = ["--mb", str(mib), "--steps", str(10**9), "--sleep", str(CKPT_SLEEP), "--band-rows", str(band_rows)]
+    argv = checkpointed_argv(mib)
     taken: dict[str, list[dict]] = {"full": [], "adaptive": []}
     async with connect(directory) as gang:
         for i in range(repeats):
@@ -476,8 +480,7 @@ async def redundancy_levels(directory: Path, mib: int, count: int, repeats: int,
     job: the coordinator's ``protect_seconds``). The job is not blocked for
     the redundancy write, so the next checkpoint of a back-to-back series
     would overlap it: here each waits for the one before to be protected."""
-    band_rows = CKPT_BAND // (8 * STENCIL_COLS)
-    argv = ["--mb", str(mib), "--steps", str(10**9), "--sleep", str(CKPT_SLEEP), "--band-rows", str(band_rows)]
+    argv = checkpointed_argv(mib)
     taken: dict[str, list[dict]] = {level: [] for level in LEVELS}
     async with connect(directory) as gang:
         for i in range(repeats):

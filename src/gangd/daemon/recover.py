@@ -466,10 +466,9 @@ class Recoveries:
             await self._end(job_id, jobs.KILLED, "")
             return
         await self.table.read_lineage(lineage)
-        recover = ckpt.restarts.recover
         started = time.monotonic()
         try:
-            result = await recover(record, set(lost))
+            result = await ckpt.restarts.recover(record, set(lost))
         except RemoteError as exc:
             if isinstance(exc, Deposed) or exc.code != "no_checkpoint":
                 raise
@@ -482,7 +481,7 @@ class Recoveries:
             log.warning("job %d: %s lost while it recovered; recovering again without %s", job_id,
                         describe_lost([n for n in more if n not in lost]), "them" if len(more) - len(lost) > 1 else "it")
             lost = more
-            result = await recover(record, set(lost))
+            result = await ckpt.restarts.recover(record, set(lost))
         new = result["record"]
         log.info("job %d recovered as job %d from generation %s in %.1f s", job_id, new["id"], result.get("gen"), time.monotonic() - started)
         await self._link(job_id, new, result.get("gen"), result)

@@ -10,9 +10,10 @@ the ratios much less. The load average is printed with each section.
 
 Every checkpoint is an inline full, durable generation (fsync, rename) of
 one rank's state written by :func:`gangd.ckptlib.blocks.save_generation`
-(``none``: the raw format-2 path, writev + sync_file_range kicks; a codec:
-format 3, units compressed by ``Settings.workers`` threads and written in
-order in 4 MiB aggregated writes), run in a child process of this one
+(``none``: the raw format-2 path; a codec: format 3, units compressed by
+``Settings.workers`` threads and written in order in 4 MiB aggregated
+writes; both around the page cache, :mod:`gangd.directio`, unless
+``GANGD_CKPT_DIRECT=0`` is in this bench's environment), run in a child process of this one
 (forked: the state is shared copy-on-write, and the child can be put into a
 throttling cgroup). States (``--mib`` MiB per rank):
 

@@ -49,7 +49,7 @@ from typing import Any
 import msgpack
 import xxhash
 
-from . import safefs
+from . import directio, safefs
 
 MANIFEST = "MANIFEST"
 FORMAT = 1  # a manifest of whole files (what daemons wrote before incremental checkpoints)
@@ -143,17 +143,18 @@ def _writev(fd: int, views: list[memoryview]) -> None:
 
 
 class Streamed:
-    """A chunk that writes itself: ``fn(fd, digest)`` writes at ``fd``'s position (advancing it, the
-    digest updated with what it wrote) and returns (bytes written, the buffers to write after it).
-    A compressed checkpoint's blocks: their sizes are known only once compressed, by the pipeline
-    that writes them (:mod:`gangd.ckptlib.blocks`)."""
+    """A chunk that writes itself: ``fn(fd, digest, appender)`` writes at ``fd``'s position (advancing
+    it, the digest updated with what it wrote) -- or, if ``appender`` (a :class:`gangd.directio.Appender`
+    open on ``fd``) is not None, through its ``write`` -- and returns (bytes written, the buffers to
+    write after it). A compressed checkpoint's blocks: their sizes are known only once compressed, by
+    the pipeline that writes them (:mod:`gangd.ckptlib.blocks`)."""
 
-    def __init__(self, fn: Callable[[int, Any], tuple[int, list]]):
+    def __init__(self, fn: Callable[[int, Any, Any], tuple[int, list]]):
         self.fn = fn
 
 
 def write_chunks(fd: int, chunks: Iterable, digest=None, *, kick: int = 0, stable: bool = False, _at: int = 0,
-                 copied: Callable[[memoryview], object] | None = None) -> int:
+                 copied: Callable[[memoryview], object] | None = None, direct: directio.Appender | None = None) -> int:
     """Write every buffer of ``chunks`` (bytes-like, any size) to ``fd``; returns bytes written.
     A callable chunk is called with ``fd`` once everything before it is written, and the buffers it
     returns are written in its place (a checkpoint's index, hashed while the disk writes its blocks);
@@ -168,13 +169,25 @@ def write_chunks(fd: int, chunks: Iterable, digest=None, *, kick: int = 0, stabl
     the first chunk, for a callable's recursion). ``copied``: called with each part of a buffer once
     it is written and hashed, in order (a forked snapshot lets go of the job's pages as it goes:
     :class:`gangd.ckptlib.letgo.AsCopied`); a callable or :class:`Streamed` chunk may read what came
-    before it, so with ``copied`` one is refused (ValueError) rather than handed let-go memory."""
+    before it, so with ``copied`` one is refused (ValueError) rather than handed let-go memory.
+    ``direct``: the buffers go through this appender (around the page cache, :mod:`gangd.directio`;
+    ``copied`` is then called once a part is copied into its buffers), a :class:`Streamed` chunk's
+    too, up to the first callable chunk, where it is closed: that and what follows it are written
+    at the fd. Closed at the end (the fd is left there)."""
     total, kicked = 0, 0
     batch: list[memoryview] = []
     queued = 0
 
     def flush() -> None:
         nonlocal queued, kicked
+        if direct is not None and not direct.closed:
+            for part in batch:
+                direct.write(part)
+                if copied is not None:
+                    copied(part)
+            batch.clear()
+            queued = 0
+            return
         if copied is None:
             _writev(fd, batch)
         else:
@@ -192,13 +205,16 @@ def write_chunks(fd: int, chunks: Iterable, digest=None, *, kick: int = 0, stabl
             raise ValueError("a chunk that writes or builds itself may read the buffers before it: not with copied")
         if isinstance(chunk, Streamed):
             flush()
-            written, after = chunk.fn(fd, digest)
+            appender = direct if direct is not None and not direct.closed else None
+            written, after = chunk.fn(fd, digest, appender)
             total += written
-            total += write_chunks(fd, after, digest, kick=kick, stable=stable, _at=_at + total)
+            total += write_chunks(fd, after, digest, kick=kick, stable=stable, _at=_at + total, direct=appender)
             kicked = total
             continue
         if callable(chunk):
             flush()
+            if direct is not None:
+                direct.close()  # (it may read or write at the fd: everything before it is there)
             total += write_chunks(fd, chunk(fd), digest, kick=kick, stable=stable, _at=_at + total)
             kicked = total
             continue
@@ -215,12 +231,15 @@ def write_chunks(fd: int, chunks: Iterable, digest=None, *, kick: int = 0, stabl
         if not stable:
             flush()
     flush()
+    if direct is not None:
+        direct.close()
     return total
 
 
 def write_atomic(path: Path, chunks: Iterable, *, mode: int = 0o600, owner: tuple[int, int] | None = None,
                  durable: bool = True, dir_fd: int | None = None, kick: int = 0, stable: bool = False,
-                 after_copy: Callable[[], object] | None = None, copied: Callable[[memoryview], object] | None = None) -> tuple[int, str]:
+                 after_copy: Callable[[], object] | None = None, copied: Callable[[memoryview], object] | None = None,
+                 direct: bool = False) -> tuple[int, str]:
     """Write ``chunks`` to ``path`` via a temporary name, fsync, rename, fsync the directory.
 
     Returns (size, checksum). Raises :class:`StoreError` with the path on any
@@ -233,7 +252,10 @@ def write_atomic(path: Path, chunks: Iterable, *, mode: int = 0o600, owner: tupl
     durable writes only: a file left to a later :func:`sync` is not pushed out early); ``stable``: the
     chunks do not change until this returns (:func:`write_chunks`). ``after_copy``: called once every
     chunk is written (nothing reads them again), before the fsync (a forked snapshot lets go of the
-    job's pages there: :mod:`gangd.ckptlib.letgo`); ``copied``: see :func:`write_chunks`.
+    job's pages there: :mod:`gangd.ckptlib.letgo`); ``copied``: see :func:`write_chunks`. ``direct``:
+    the chunks before the first callable or :class:`Streamed` one are written around the page cache
+    where the file system allows it (:class:`gangd.directio.Appender`; ``kick`` is then moot for them;
+    ``False`` on the write path of a program that set ``GANGD_CKPT_DIRECT=0``: :func:`gangd.directio.wanted`).
     """
     path = Path(path)
     name, tmp = path.name, f".{path.name}.tmp"
@@ -251,7 +273,13 @@ def write_atomic(path: Path, chunks: Iterable, *, mode: int = 0o600, owner: tupl
             try:
                 if owner is not None:
                     os.fchown(fd, *owner)
-                size = write_chunks(fd, chunks, digest, kick=kick if durable else 0, stable=stable, copied=copied)
+                appender = directio.Appender(fd) if direct else None
+                try:
+                    size = write_chunks(fd, chunks, digest, kick=kick if durable else 0, stable=stable, copied=copied,
+                                        direct=appender)
+                finally:
+                    if appender is not None:
+                        appender.abort()  # (its thread stopped before the fd is closed; nothing left to do after a close)
                 if after_copy is not None:
                     after_copy()
                 if durable:

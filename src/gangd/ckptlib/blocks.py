@@ -57,7 +57,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from .. import ckptstore
+from .. import ckptstore, directio
 from ..checkpoint import delta
 from ..ckptstore import StoreError
 from . import mapped, units
@@ -550,6 +550,7 @@ def write_delta(path: Path, values: Mapping[str, object] | State, choice: delta.
     # (A late full kicks its blocks once, before hashing them: see encode. Anything else starts the disk
     # on its blocks as they are copied, so the fsync after them waits for the last few MiB, not all.)
     size, digest = ckptstore.write_atomic(Path(path), chunks, durable=durable, kick=0 if late else KICK, stable=True,  # (views of the snapshot)
+                                          direct=directio.wanted(),
                                           after_copy=after_copy)
     return {"size": size, "digest": digest, **result}
 
@@ -671,8 +672,8 @@ def encode(values: Mapping[str, object] | State, choice: delta.Choice, ref_sigs:
 
         run, written = units.stream(path or Path(f"generation {gen}"), todo, pipeline, hash_unit if hash_late else None)
 
-        def streamed(fd: int, digest) -> tuple[int, list]:
-            n, _ = run(fd, digest)
+        def streamed(fd: int, digest, appender) -> tuple[int, list]:
+            n, _ = run(fd, digest, appender)
             state.signed = state.signed or hash_late
             result["stored"] = written.written
             result["pipeline"] = {"in": written.raw, "out": written.written, "stages": written.stages}

@@ -69,7 +69,7 @@ from pathlib import Path
 import msgpack
 import numpy as np
 
-from .. import ckptstore
+from .. import ckptstore, directio
 from ..ckptstore import StoreError
 from . import image
 
@@ -275,7 +275,7 @@ def write(spc: SPC, path: Path, values: dict, iteration: int, let_go: bool = Fal
 
                 copied, after_copy = letgo.AsCopied(handed), partial(letgo.let_go, handed)
             computed = ckptstore.write_atomic(path, image.chunks(dict(handed), iteration), durable=False, copied=copied,
-                                              after_copy=after_copy)
+                                              after_copy=after_copy, direct=directio.wanted())
         else:
             computed = spc.do_ckpt(values, iteration)
         fd = ckptstore.open_regular(path)

@@ -135,10 +135,11 @@ def stream(path: Path, todo: Sequence[tuple[memoryview, Any, int]], settings: An
     done = Written(raw=sum(len(view) for view, _, _ in todo))
 
     class HashingWrite(pipeline.Write):
-        """Writes whole buffers at the fd's position, hashing them (the manifest's checksum) and starting the disk on them."""
+        """Writes whole buffers at the fd's position, hashing them (the manifest's checksum) and starting the
+        disk on them; or hands them to an appender writing around the page cache (nothing to start then)."""
 
-        def __init__(self, fd: int, digest: Any, at: int):
-            super().__init__(fd, offset=None)
+        def __init__(self, fd: int, digest: Any, at: int, appender: Any):
+            super().__init__(fd, offset=None, sink=None if appender is None else appender.write)
             self.digest, self.at, self.kicked = digest, at, 0
 
         def process_slot(self, slot: Any, out: Any) -> None:
@@ -146,11 +147,11 @@ def stream(path: Path, todo: Sequence[tuple[memoryview, Any, int]], settings: An
                 self.digest.update(slot.view[: slot.used])
             super().process_slot(slot, out)
             end = self.result.end
-            if end - self.kicked >= KICK:
+            if self.sink is None and end - self.kicked >= KICK:
                 ckptstore.start_writeback(self.fd, self.at + self.kicked, end - self.kicked)
                 self.kicked = end
 
-    def run(fd: int, digest: Any) -> tuple[int, list]:
+    def run(fd: int, digest: Any, appender: Any = None) -> tuple[int, list]:
         table: dict[str, int] = {}
         numbering = threading.Lock()
         done.unit_codec = [0] * len(todo)
@@ -168,7 +169,7 @@ def stream(path: Path, todo: Sequence[tuple[memoryview, Any, int]], settings: An
             done.unit_codec[key] = number
             return packed
 
-        writer = HashingWrite(fd, digest, os.lseek(fd, 0, os.SEEK_CUR))
+        writer = HashingWrite(fd, digest, os.lseek(fd, 0, os.SEEK_CUR), appender)
         try:
             stages: list = [pipeline.Transform("compress", compress, parallel=True), writer]
             with pipeline.Pipeline(stages, settings, name="ckpt-write") as pipe:

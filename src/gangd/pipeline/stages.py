@@ -113,13 +113,19 @@ class Write(Stage):
 
     ``fsync=True`` syncs the file once the last buffer is written: a
     checkpoint generation is only complete once its bytes are on disk.
+
+    ``sink``: each buffer is handed to it instead (it takes all of it, or
+    raises): an appender writing around the page cache
+    (:class:`gangd.directio.Appender`'s ``write``); ``offset`` then only
+    says where the landing offsets count from.
     """
 
     whole_buffers = True
 
-    def __init__(self, fd: int, *, offset: int | None = 0, fsync: bool = False, name: str = "write"):
+    def __init__(self, fd: int, *, offset: int | None = 0, fsync: bool = False, name: str = "write",
+                 sink: Callable[[memoryview], None] | None = None):
         super().__init__(name)
-        self.fd, self.offset, self.fsync = fd, offset, fsync
+        self.fd, self.offset, self.fsync, self.sink = fd, offset, fsync, sink
         self.result: Landing = Landing(offset or 0)
 
     def process_slot(self, slot: Slot, out: Packer | None) -> None:
@@ -127,6 +133,10 @@ class Write(Stage):
         base = landing.end
         view = slot.view[:slot.used]
         done = 0
+        if self.sink is not None:
+            self.sink(view)
+            done = len(view)
+            landing.writes += 1
         while done < len(view):
             if self.offset is None:
                 n = os.write(self.fd, view[done:])

@@ -101,8 +101,8 @@ import trio
 import xxhash
 
 from .. import ckptstore, safefs
+from ..directio import DirectFile, aligned_buffer
 from ..rpc import Channel, RemoteError, Stream
-from .direct import DirectFile, aligned_buffer
 
 MAGIC = b"gangd.bulk/hmac1"
 NONCE = 16

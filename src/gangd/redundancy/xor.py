@@ -74,7 +74,7 @@ import msgpack
 
 from .. import ckptstore, safefs
 from ..ckptstore import Manifest, StoreError
-from .direct import DirectFile, aligned_buffer
+from ..directio import DirectFile, aligned_buffer
 
 BLOCK = 1 << 20
 REDUNDANCY_DIR = "redundancy"
@@ -552,7 +552,7 @@ class _Writer:
 def _write_direct(dir_fd: int, name: str, where: Path, streams: XorStreams) -> tuple[int, str]:
     """Like :func:`gangd.ckptstore.write_atomic` (a temporary name, fsync,
     rename, fsync of the directory), around the page cache
-    (:mod:`gangd.redundancy.direct`): a parity is read only if a node is
+    (:mod:`gangd.directio`): a parity is read only if a node is
     lost. Computed and written at once (:class:`_Writer`)."""
     tmp = f".{name}.tmp"
     digest = ckptstore.hasher()

@@ -81,7 +81,7 @@ _INDEX_KEYS = {"v", "iteration", "extra", "block", "gen", "role", "parent", "bas
 _INDEX_KEYS3 = _INDEX_KEYS | {"unit", "codecs"}
 
 _hash = xxhash.xxh3_128_digest
-KICK = 4 << 20  # bytes: a delta's file is pushed to the disk in pieces this large while the rest is copied
+KICK = 4 << 20  # bytes: a delta's file is pushed to the disk in pieces this large while the rest is copied (through the cache only: GANGD_CKPT_DIRECT=0)
 
 
 def _dtypes():

@@ -109,6 +109,10 @@ class DirectFile:
 #: the disk's queue full (the block layer splits it into the device's largest requests).
 APPEND_BUFFER = 8 << 20
 APPEND_BUFFERS = 3
+#: A buffer holding this much goes to the disk at once if the disk has nothing else to write: a
+#: producer slower than the disk (a compress stage) is then followed closely, and what is left to
+#: write when it ends is its last piece, not up to a whole buffer (paper 004's pipeline drain).
+APPEND_EAGER = 1 << 20
 
 
 class Appender:
@@ -147,6 +151,7 @@ class Appender:
         self._buf: memoryview | None = None
         self._used = 0
         self._stop = False  # (abort: the thread writes nothing more)
+        self._writing = False  # (the thread is in a write: read without a lock, a hint only)
         self.closed = False
 
     def write(self, view: memoryview) -> None:
@@ -161,6 +166,9 @@ class Appender:
             view = view[n:]
             if self._used == self.size:
                 self._hand()
+        if self._used >= APPEND_EAGER and not self._writing and self._full.empty():  # (the disk is idle: keep it busy)
+            tail = self._used % ALIGN if self.direct else 0
+            self._hand(self._used - tail, keep=tail)
 
     def close(self) -> int:
         """Write the rest, wait for every write; the file's end (the fd is left there, O_DIRECT off)."""
@@ -237,10 +245,12 @@ class Appender:
             buf, length, at = item
             try:
                 if self._error is None and not self._stop:
+                    self._writing = True
                     self._pwrite(buf[:length], at)
             except Exception as exc:  # noqa: BLE001 -- raised in the caller's thread (a full disk, say)
                 self._error = exc
             finally:
+                self._writing = False
                 self._free.put(buf)  # (always: a caller waiting for a buffer must not wait forever)
 
     def _pwrite(self, view: memoryview, at: int) -> None:

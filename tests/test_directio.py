@@ -204,6 +204,10 @@ def test_a_slow_producers_pieces_reach_the_disk_as_they_come_not_a_buffer_later(
         try:
             written = 0
             for piece in pieces:
+                deadline = time.monotonic() + 10
+                while not out.idle:  # (the piece before is written, and the thread is done with it)
+                    assert time.monotonic() < deadline, "the appender's thread never went idle"
+                    time.sleep(0.001)
                 out.write(memoryview(piece))
                 written += len(piece)
                 deadline = time.monotonic() + 10

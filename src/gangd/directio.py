@@ -33,8 +33,6 @@ import queue
 import threading
 from collections.abc import Mapping
 
-import numpy as np
-
 #: O_DIRECT writes: offsets, lengths and buffer addresses multiples of this.
 ALIGN = 4096
 CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -50,8 +48,9 @@ def wanted(environ: Mapping[str, str] = os.environ) -> bool:
 
 
 def aligned_buffer(size: int) -> memoryview:
-    """A page-aligned writable buffer of ``size`` bytes (at least 1)."""
-    return memoryview(mmap.mmap(-1, max(size, 1)))
+    """A page-aligned writable buffer of ``size`` bytes (at least 1): private anonymous memory (not
+    shmem, which a memory cgroup counts apart and a forked child would share)."""
+    return memoryview(mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE))
 
 
 def set_direct(fd: int, on: bool) -> bool:
@@ -166,9 +165,14 @@ class Appender:
             view = view[n:]
             if self._used == self.size:
                 self._hand()
-        if self._used >= APPEND_EAGER and not self._writing and self._full.empty():  # (the disk is idle: keep it busy)
+        if self._used >= APPEND_EAGER and self.idle:  # (the disk is idle: keep it busy)
             tail = self._used % ALIGN if self.direct else 0
             self._hand(self._used - tail, keep=tail)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing handed over is waiting or being written (a hint: the thread may be just about to)."""
+        return not self._writing and self._full.empty()
 
     def close(self) -> int:
         """Write the rest, wait for every write; the file's end (the fd is left there, O_DIRECT off)."""
@@ -210,6 +214,11 @@ class Appender:
         self.closed = self._stop = True
         self._finish()
         self._buf = None
+        while True:  # (the buffers go now, not with whatever keeps this appender: an error's traceback)
+            try:
+                self._free.get_nowait()
+            except queue.Empty:
+                break
 
     # ------------------------------------------------------------------ inside
 
@@ -248,13 +257,15 @@ class Appender:
                     self._writing = True
                     self._pwrite(buf[:length], at)
             except Exception as exc:  # noqa: BLE001 -- raised in the caller's thread (a full disk, say)
-                self._error = exc
+                self._error = exc.with_traceback(None)  # (its frames would keep this appender and its buffers)
             finally:
                 self._writing = False
                 self._free.put(buf)  # (always: a caller waiting for a buffer must not wait forever)
 
     def _pwrite(self, view: memoryview, at: int) -> None:
         while view:
+            if self._stop:  # (aborted: the caller may be closing the fd, whose number could be reused)
+                raise OSError(errno.ECANCELED, "the write was abandoned")
             try:
                 n = os.pwrite(self.fd, view, at)
             except OSError as exc:
@@ -287,4 +298,6 @@ def _copy(dst: memoryview, src: memoryview) -> None:
     if len(src) < 1 << 16:
         dst[:] = src
     else:
+        import numpy as np  # (here: the daemon, which writes only DirectFiles, starts without numpy)
+
         np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))

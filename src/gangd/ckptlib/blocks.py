@@ -48,6 +48,7 @@ from __future__ import annotations
 import os
 import pickle
 import struct
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -545,13 +546,27 @@ def write_delta(path: Path, values: Mapping[str, object] | State, choice: delta.
             codec = None
     if _compressing(codec):
         late = False  # (encode hashes a compressed file's state before its units are written)
+    direct = directio.wanted()
+    signing = None
+    if late and direct:
+        # Written around the page cache, the blocks go at the disk's pace: a late full's signature is
+        # hashed by a thread meanwhile (the index waits for it), not after the last block is on disk
+        # (a 512 MiB first full: 0.63 s against 0.54 s unsigned, hashed after).
+        values = values if isinstance(values, State) else plan(values, block)
+        signing = threading.Thread(target=signature, args=(values,), name="gangd-ckpt-sign", daemon=True)
     chunks, result = encode(values, choice, ref_sigs, gen=gen, iteration=iteration, extra=extra, block=block, changes=changes,
-                            late=late, kick=late and durable, codec=codec, pipeline=pipeline, path=Path(path))
+                            late=late, kick=late and durable and not direct, codec=codec, pipeline=pipeline, path=Path(path),
+                            signing=signing)
     # (A late full kicks its blocks once, before hashing them: see encode. Anything else starts the disk
     # on its blocks as they are copied, so the fsync after them waits for the last few MiB, not all.)
-    size, digest = ckptstore.write_atomic(Path(path), chunks, durable=durable, kick=0 if late else KICK, stable=True,  # (views of the snapshot)
-                                          direct=directio.wanted(),
-                                          after_copy=after_copy)
+    try:
+        if signing is not None:
+            signing.start()
+        size, digest = ckptstore.write_atomic(Path(path), chunks, durable=durable, kick=0 if late else KICK, stable=True,  # (views of the snapshot)
+                                              direct=direct, after_copy=after_copy)
+    finally:
+        if signing is not None and signing.ident is not None:
+            signing.join()  # (a failed write too: the thread reads the values, whose owner goes on after this)
     return {"size": size, "digest": digest, **result}
 
 
@@ -561,7 +576,8 @@ def _compressing(codec: object) -> bool:
 
 def encode(values: Mapping[str, object] | State, choice: delta.Choice, ref_sigs: Index | None, *, gen: int, iteration: int = 0,
            extra: dict | None = None, block: int = DEFAULT_BLOCK, changes: Diff | None = None, late: bool = False,
-           kick: bool = False, codec: object = None, pipeline: object = None, path: Path | None = None) -> tuple[list, dict]:
+           kick: bool = False, codec: object = None, pipeline: object = None, path: Path | None = None,
+           signing: threading.Thread | None = None) -> tuple[list, dict]:
     """The file :func:`write_delta` writes, as a list of buffers (the values' blocks by reference), and its result fields.
 
     ``late`` (a full only): the state is hashed after its blocks are written,
@@ -570,6 +586,8 @@ def encode(values: Mapping[str, object] | State, choice: delta.Choice, ref_sigs:
     filled in when it is built. ``kick``: before hashing, start the disk's
     writeback of the blocks (``sync_file_range``), so the hashing overlaps the
     disk instead of preceding the fsync (the dense case of :func:`save_generation`).
+    ``signing`` (late only): a thread the caller runs :func:`signature` of ``values`` in while the
+    blocks are written; the index waits for it instead of hashing.
     """
     state = values if isinstance(values, State) else plan(values, block)
     packed = _compressing(codec)
@@ -689,11 +707,12 @@ def encode(values: Mapping[str, object] | State, choice: delta.Choice, ref_sigs:
         starter = None
         if kick:  # the blocks start for the disk now (from a thread: the call blocks while the disk's queue is full,
             # and ctypes lets go of the GIL), while this one hashes; the fsync after the index waits for what is left
-            import threading
-
             starter = threading.Thread(target=ckptstore.start_writeback, args=(fd,), name="gangd-writeback", daemon=True)
             starter.start()
-        signature(state)
+        if signing is not None:
+            signing.join()
+        if not state.signed:  # (no thread, or it failed: here, where its error is raised)
+            signature(state)
         if starter is not None:
             starter.join()
         return tail()

@@ -125,6 +125,8 @@ class Write(Stage):
     def __init__(self, fd: int, *, offset: int | None = 0, fsync: bool = False, name: str = "write",
                  sink: Callable[[memoryview], None] | None = None):
         super().__init__(name)
+        if fsync and sink is not None:
+            raise ValueError("a write stage with a sink cannot fsync: the sink's owner syncs once it has written everything")
         self.fd, self.offset, self.fsync, self.sink = fd, offset, fsync, sink
         self.result: Landing = Landing(offset or 0)
 

@@ -253,8 +253,8 @@ def write_atomic(path: Path, chunks: Iterable, *, mode: int = 0o600, owner: tupl
     chunks do not change until this returns (:func:`write_chunks`). ``after_copy``: called once every
     chunk is written (nothing reads them again), before the fsync (a forked snapshot lets go of the
     job's pages there: :mod:`gangd.ckptlib.letgo`); ``copied``: see :func:`write_chunks`. ``direct``:
-    the chunks before the first callable or :class:`Streamed` one are written around the page cache
-    where the file system allows it (:class:`gangd.directio.Appender`; ``kick`` is then moot for them;
+    the chunks (a :class:`Streamed` one's too) before the first callable one are written around the
+    page cache where the file system allows it (:class:`gangd.directio.Appender`; ``kick`` is then moot for them;
     ``False`` on the write path of a program that set ``GANGD_CKPT_DIRECT=0``: :func:`gangd.directio.wanted`).
     """
     path = Path(path)

@@ -374,7 +374,7 @@ def _raw_writer(path: str, nbytes: int, barrier, results, direct: bool = False) 
         aligned = directio.aligned_buffer(RAW_CHUNK)
         aligned[:] = buf
         buf = aligned
-        direct = directio.set_direct(fd, True)  # (nbytes is a whole number of MiB: every write aligned)
+        directio.set_direct(fd, True)  # (nbytes is a whole number of MiB: every write aligned; refused: through the cache)
     barrier.wait()
     started = time.time()
     left = nbytes

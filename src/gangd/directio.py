@@ -179,29 +179,17 @@ class Appender:
         if self.closed:
             return self.at
         try:
-            if self._buf is not None and self._used:
+            self._finish()  # (every buffer handed over written: the flag and the offset are settled)
+            self._raise()
+            if self._buf is not None and self._used:  # its whole pages direct, the last partial page through the cache
                 tail = self._used % ALIGN if self.direct else 0
-                whole = self._used - tail
-                if whole and self._thread is None:  # (a file of one buffer: no thread for it)
-                    buf = self._buf
-                    self._pwrite(buf[:whole], self.at)
-                    self.at += whole
-                    if tail:
-                        _copy(buf[:tail], buf[whole : whole + tail])  # (tail < ALIGN <= whole: no overlap)
-                    self._used = tail
-                elif whole:
-                    self._hand(whole, keep=tail)
-                if tail:  # the last partial page: through the cache, once every write before it is done
-                    self._finish()
-                    self._raise()
+                self._pwrite(self._buf[: self._used - tail], self.at)
+                if tail:
                     set_direct(self.fd, False)
                     self.direct = False
-                    assert self._buf is not None  # noqa: S101 (kept by _hand)
-                    self._pwrite(self._buf[: self._used], self.at)
-                    self.at += self._used
-                    self._used = 0
-            self._finish()
-            self._raise()
+                    self._pwrite(self._buf[self._used - tail : self._used], self.at + self._used - tail)
+                self.at += self._used
+                self._used = 0
             if self.direct:
                 set_direct(self.fd, False)
             os.lseek(self.fd, self.at, os.SEEK_SET)
@@ -236,7 +224,7 @@ class Appender:
 
     def _hand(self, length: int | None = None, keep: int = 0) -> None:
         """Queue the first ``length`` bytes of the buffer being filled (all of it) for the thread; ``keep``
-        bytes after them move to a fresh buffer's start (close's unaligned tail)."""
+        bytes after them move to a fresh buffer's start (an eager hand-off's unaligned tail)."""
         buf, length = self._buf, self._used if length is None else length
         assert buf is not None  # noqa: S101 (called with a buffer)
         if self._thread is None:
